@@ -1,0 +1,381 @@
+"""Hook-based, streaming capture of pre- and post-rotation q/k — the only module that
+walks TransformerLens hook names (with :mod:`posgen_tl.ablate` for writing hooks).
+
+Which tensor is "pre-rotation"? The one that enters RoPE: ``hook_q``/``hook_k`` on
+plain models, ``hook_q_normed``/``hook_k_normed`` on models with QK-norm (Gemma3),
+where ``hook_q`` is *before* the norm. Where ``hook_rot_q``/``hook_rot_k`` do not fire
+(TransformerLens-native models, some adapters), the rotation is computed from the
+spec; where ``hook_attn_scores`` holds post-softmax weights, that is detected and the
+exactness check compares ``softmax(W)`` with it instead (and says so).
+
+Memory: :func:`stream_qk` calls your function for one (batch, layer) at a time while the
+forward pass runs, so nothing beyond one layer of one batch is held; the forward pass
+stops right after the last layer it needs (no logits are computed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .rope import LayerRope, RopeError, RopeSpec, expand_kv, rotate, scores_from_rotated
+from .rope_spec import rope_spec
+
+__all__ = [
+    "QKCapture",
+    "HookInfo",
+    "CaptureError",
+    "probe_hooks",
+    "stream_qk",
+    "capture_qk",
+    "check_tokens",
+    "hooks_attached",
+    "model_device",
+]
+
+
+class CaptureError(RuntimeError):
+    """The model's hooks cannot give what was asked (named in the message)."""
+
+
+class _StopForward(Exception):
+    """Raised inside a hook to end the forward pass once every needed layer is seen."""
+
+
+@dataclass
+class QKCapture:
+    """q/k of one layer for one batch. All float32 (cast from the model dtype).
+
+    Attributes:
+        q: pre-rotation queries ``[batch, pos, head_index, d_head]``.
+        k: pre-rotation keys, kv-groups ``[batch, pos, kv_head, d_head]``.
+        rot_q / rot_k: rotated (as from ``hook_rot_q``/``hook_rot_k`` or computed).
+        positions: position ids used ``[batch, pos]``.
+        scores: the model's ``hook_attn_scores`` if requested ``[batch, head_index, query_pos, key_pos]``.
+        rope: this layer's :class:`LayerRope`; ``rot_source``: ``"hook"`` or ``"computed"``.
+        batch_index: index of this batch in the stream; ``seq_offset``: index of its first sequence.
+    """
+
+    layer: int
+    q: Float[Tensor, "batch pos head_index d_head"]
+    k: Float[Tensor, "batch pos kv_head d_head"]
+    rot_q: Float[Tensor, "batch pos head_index d_head"]
+    rot_k: Float[Tensor, "batch pos kv_head d_head"]
+    positions: Int[Tensor, "batch pos"]
+    rope: LayerRope
+    rot_source: str
+    scores: Float[Tensor, "batch head_index query_pos key_pos"] | None = None
+    scores_kind: str = "absent"
+    batch_index: int = 0
+    seq_offset: int = 0
+
+    @property
+    def n_heads(self) -> int:
+        return self.q.shape[-2]
+
+    def k_expanded(self) -> Float[Tensor, "batch pos head_index d_head"]:
+        """Pre-rotation keys repeated to query heads (head ``h`` reads group ``h // (H//G)``)."""
+        return expand_kv(self.k, self.n_heads)
+
+    def rot_k_expanded(self) -> Float[Tensor, "batch pos head_index d_head"]:
+        return expand_kv(self.rot_k, self.n_heads)
+
+    def logits(self) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+        """Recomputed pre-softmax logits ``s · rot_q · rot_k`` (unmasked, no soft-cap)."""
+        return scores_from_rotated(self.rot_q, self.rot_k, self.rope.score_scale)
+
+
+@dataclass(frozen=True)
+class HookInfo:
+    """What a model's hooks deliver (probed once per model with a 6-token forward)."""
+
+    q_hook: str  # "hook_q" or "hook_q_normed"
+    k_hook: str
+    normed_layout: str  # "bhsd" (post-reshape norm) or "bshd"
+    rot_fires: bool
+    scores_kind: str  # "pre_softmax", "post_softmax", "absent", "unknown"
+    attn_prefix: str = "blocks.{layer}.attn."
+
+    def name(self, layer: int, hook: str) -> str:
+        return self.attn_prefix.format(layer=layer) + hook
+
+
+_PROBES: "weakref.WeakKeyDictionary[Any, tuple[RopeSpec, HookInfo]]" = weakref.WeakKeyDictionary()
+
+
+def model_device(model: Any) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _hook_names(model: Any) -> set[str]:
+    hd = getattr(model, "hook_dict", None)
+    if hd is None:
+        raise CaptureError(f"{type(model).__name__} exposes no hook_dict: not a TransformerLens model")
+    return set(hd.keys())
+
+
+@contextlib.contextmanager
+def hooks_attached(model: Any, fwd_hooks: Sequence[tuple[str, Callable]]) -> Iterator[None]:
+    """Attach forward hooks for the duration of the block; removed on every exit path.
+
+    Uses the model's own ``hooks()`` context (TransformerLens 3.x and 4.x), which
+    removes exactly the hooks it added, so the user's own hooks stay untouched.
+    """
+    with model.hooks(fwd_hooks=list(fwd_hooks)):
+        yield
+
+
+def _forward(model: Any, tokens: Tensor, position_ids: Tensor | None) -> None:
+    kwargs: dict[str, Any] = {}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    try:
+        model(tokens, return_type=None, **kwargs)
+    except TypeError:
+        model(tokens, **kwargs)
+
+
+def check_tokens(model: Any, tokens: Tensor, spec: RopeSpec | None = None) -> Int[Tensor, "batch pos"]:
+    """Validate a token batch: integer dtype, 2-D, non-empty, within context and vocab.
+
+    Tokens on another device than the model are moved to it (documented fallback).
+    """
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+        raise TypeError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
+    if tokens.numel() == 0:
+        raise ValueError("empty token batch: nothing to analyse (is the text empty?)")
+    n_ctx = spec.n_ctx if spec is not None else int(getattr(getattr(model, "cfg", None), "n_ctx", 0) or 0)
+    if n_ctx and tokens.shape[1] > n_ctx:
+        raise ValueError(
+            f"sequence length {tokens.shape[1]} exceeds the model's context of {n_ctx} positions"
+        )
+    if spec is not None and "dynamic_max_len" in spec.extra and tokens.shape[1] > spec.extra["dynamic_max_len"]:
+        raise RopeError(
+            f"dynamic NTK RoPE changes its frequencies past {spec.extra['dynamic_max_len']} tokens; "
+            f"a {tokens.shape[1]}-token sequence would not match a single spec"
+        )
+    d_vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
+    if d_vocab and (int(tokens.max()) >= d_vocab or int(tokens.min()) < 0):
+        raise ValueError(f"token ids must lie in [0, {d_vocab}); got range [{int(tokens.min())}, {int(tokens.max())}]")
+    return tokens.to(model_device(model))
+
+
+def _to_bshd(x: Tensor, layout: str) -> Tensor:
+    return x.transpose(1, 2) if layout == "bhsd" else x
+
+
+def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInfo]:
+    """Find which hooks fire and what they hold; verify our rotation against the model.
+
+    Returns ``(spec, info)`` and caches it per model object.
+
+    Raises:
+        RopeError: non-RoPE model, or our rotation disagrees with ``hook_rot_q``.
+        CaptureError: ``hook_q``/``hook_k`` do not fire.
+    """
+    if not refresh and model in _PROBES:
+        return _PROBES[model]
+    spec = rope_spec(model)
+    names = _hook_names(model)
+    pre = "blocks.{layer}.attn."
+    if not any(n.startswith("blocks.0.attn.hook_q") for n in names):
+        raise CaptureError(f"{spec.model_name}: no blocks.0.attn.hook_q hook point")
+    probe_layers = sorted({0, spec.n_layers - 1})
+    wanted = ["hook_q", "hook_k", "hook_q_normed", "hook_k_normed", "hook_rot_q", "hook_rot_k", "hook_attn_scores"]
+    got: dict[tuple[int, str], Tensor] = {}
+
+    def save(t: Tensor, hook: Any, key: tuple[int, str]) -> None:
+        got[key] = t.detach().float().clone()
+
+    fwd = []
+    for layer in probe_layers:
+        for h in wanted:
+            nm = pre.format(layer=layer) + h
+            if nm in names:
+                fwd.append((nm, lambda t, hook, key=(layer, h): save(t, hook, key)))
+    d_vocab = int(getattr(model.cfg, "d_vocab", 0) or 32)
+    toks = (torch.arange(6) % max(d_vocab - 1, 1) + 1)[None].to(model_device(model))
+    with torch.no_grad(), hooks_attached(model, fwd):
+        _forward(model, toks, None)
+    layer = probe_layers[-1]
+    if (layer, "hook_q") not in got or (layer, "hook_k") not in got:
+        raise CaptureError(
+            f"{spec.model_name}: hook_q/hook_k do not fire on this model; posgen_tl cannot read q/k here"
+        )
+    use_norm = (layer, "hook_q_normed") in got and (layer, "hook_k_normed") in got
+    q_hook, k_hook = ("hook_q_normed", "hook_k_normed") if use_norm else ("hook_q", "hook_k")
+    normed_layout = "bshd"
+    if use_norm:
+        qn = got[(layer, "hook_q_normed")]
+        normed_layout = "bhsd" if qn.ndim == 4 and qn.shape[1] == spec.n_heads and qn.shape[2] == 6 else "bshd"
+    rot_fires = (layer, "hook_rot_q") in got and (layer, "hook_rot_k") in got
+    lr = spec.layer(layer)
+    q = _to_bshd(got[(layer, q_hook)], normed_layout if use_norm else "bshd")
+    k = _to_bshd(got[(layer, k_hook)], normed_layout if use_norm else "bshd")
+    pos = torch.arange(6, device=q.device)[None]
+    rq, rk = rotate(q, pos, lr), rotate(k, pos, lr)
+    if rot_fires:
+        err = (rq - got[(layer, "hook_rot_q")]).abs().max().item()
+        ref = got[(layer, "hook_rot_q")].abs().max().item() + 1e-12
+        if err > 1e-4 * ref:
+            raise RopeError(
+                f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's hook_rot_q "
+                f"by {err:.3g} (max |rot_q| {ref:.3g}); the RoPE variant is not understood"
+            )
+        rq, rk = got[(layer, "hook_rot_q")], got[(layer, "hook_rot_k")]
+    scores_kind = "absent"
+    if (layer, "hook_attn_scores") in got:
+        s = got[(layer, "hook_attn_scores")]
+        w = scores_from_rotated(rq, rk, lr.score_scale)
+        cap = spec.extra.get("attn_logit_softcapping")
+        if cap:
+            w = torch.tanh(w / cap) * cap
+        tri = torch.ones(6, 6, dtype=torch.bool, device=w.device).tril()
+        scale = w[..., tri].abs().max().item() + 1e-12
+        if (w - s)[..., tri].abs().max().item() <= 1e-4 * scale:
+            scores_kind = "pre_softmax"
+        else:
+            p = torch.softmax(w.masked_fill(~tri, float("-inf")), dim=-1)
+            scores_kind = "post_softmax" if (p - s)[..., tri].abs().max().item() < 1e-4 else "unknown"
+    info = HookInfo(q_hook, k_hook, normed_layout, rot_fires, scores_kind, pre)
+    _PROBES[model] = (spec, info)
+    return spec, info
+
+
+def _batches(tokens: Tensor, batch_size: int) -> Iterable[tuple[int, Tensor]]:
+    for i in range(0, tokens.shape[0], batch_size):
+        yield i, tokens[i : i + batch_size]
+
+
+def stream_qk(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"],
+    fn: Callable[[QKCapture], None],
+    layers: Sequence[int] | None = None,
+    *,
+    with_scores: bool = False,
+    batch_size: int = 8,
+    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
+    extra_hooks: Sequence[tuple[str, Callable]] = (),
+    progress: bool | str = True,
+) -> None:
+    """Run the model over ``tokens`` in batches and call ``fn(QKCapture)`` per (batch, layer).
+
+    ``fn`` runs inside the forward pass, right after the layer's q/k (and scores) are
+    available; the capture is dropped afterwards, so memory is one layer of one batch.
+    The pass stops after the last requested layer. ``extra_hooks`` (e.g. an
+    intervention from :mod:`posgen_tl.ablate`) are attached for the same passes;
+    captured q/k then show their effect.
+
+    Hooks are removed when this returns or raises (KeyboardInterrupt included).
+    """
+    spec, info = probe_hooks(model)
+    tokens = check_tokens(model, tokens, spec)
+    layers = list(range(spec.n_layers)) if layers is None else sorted({int(x) % spec.n_layers for x in layers})
+    if not layers:
+        raise ValueError("no layers selected")
+    if with_scores and info.scores_kind == "absent":
+        raise CaptureError(f"{spec.model_name}: hook_attn_scores does not fire; scores are unavailable")
+    need = [info.q_hook, info.k_hook]
+    if info.rot_fires:
+        need += ["hook_rot_q", "hook_rot_k"]
+    if with_scores:
+        need.append("hook_attn_scores")
+    last_layer = layers[-1]
+    n_batches = math.ceil(tokens.shape[0] / batch_size)
+    desc = progress if isinstance(progress, str) else "capture"
+    bar = tqdm(total=n_batches, desc=desc, disable=not progress, leave=False)
+    try:
+        for b_idx, (offset, batch) in enumerate(_batches(tokens, batch_size)):
+            if position_ids is None:
+                pos = torch.arange(batch.shape[1], device=batch.device).expand(batch.shape[0], -1)
+                pos_arg = None
+            else:
+                pid = position_ids.to(batch.device)
+                pos = pid.expand(batch.shape[0], -1) if pid.ndim == 1 else pid[offset : offset + batch.shape[0]]
+                pos_arg = pos
+            store: dict[int, dict[str, Tensor]] = {}
+
+            def grab(t: Tensor, hook: Any, layer: int, h: str, pos=pos, b_idx=b_idx, offset=offset) -> None:
+                d = store.setdefault(layer, {})
+                x = t.detach()
+                if h in ("hook_q_normed", "hook_k_normed"):
+                    x = _to_bshd(x, info.normed_layout)
+                d[h] = x.float()
+                if len(d) == len(need):
+                    cap = _make_capture(layer, d, spec.layer(layer), info, pos, b_idx, offset)
+                    del store[layer]
+                    fn(cap)
+                    if layer == last_layer:
+                        raise _StopForward
+
+            fwd = list(extra_hooks)
+            for layer in layers:
+                for h in need:
+                    fwd.append((info.name(layer, h), lambda t, hook, layer=layer, h=h: grab(t, hook, layer, h)))
+            with torch.no_grad(), hooks_attached(model, fwd):
+                try:
+                    _forward(model, batch, pos_arg)
+                except _StopForward:
+                    pass
+            if store:
+                raise CaptureError(
+                    f"{spec.model_name}: hooks {sorted(next(iter(store.values())).keys())} fired but not all of {need}"
+                )
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _make_capture(layer, d, lr, info, pos, b_idx, offset) -> QKCapture:
+    q, k = d[info.q_hook], d[info.k_hook]
+    if info.rot_fires:
+        rq, rk, src = d["hook_rot_q"], d["hook_rot_k"], "hook"
+    else:
+        rq, rk, src = rotate(q, pos, lr), rotate(k, pos, lr), "computed"
+    scores = d.get("hook_attn_scores")
+    return QKCapture(
+        layer=layer, q=q, k=k, rot_q=rq, rot_k=rk, positions=pos, rope=lr, rot_source=src,
+        scores=scores, scores_kind=info.scores_kind if scores is not None else "absent",
+        batch_index=b_idx, seq_offset=offset,
+    )
+
+
+def capture_qk(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"],
+    layers: Sequence[int] | None = None,
+    *,
+    with_scores: bool = False,
+    position_ids: Tensor | None = None,
+) -> dict[int, QKCapture]:
+    """Capture q/k of ``layers`` for one (small) batch, held in memory: ``{layer: QKCapture}``.
+
+    For long runs use :func:`stream_qk`, which never holds more than one layer.
+    """
+    out: dict[int, QKCapture] = {}
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
+
+    def keep(c: QKCapture) -> None:
+        out[c.layer] = c
+
+    stream_qk(model, tokens, keep, layers, with_scores=with_scores, batch_size=max(1, tokens.shape[0]),
+              position_ids=position_ids, progress=False)
+    return out

@@ -1,0 +1,133 @@
+"""The ``posgen-tl`` command.
+
+    posgen-tl check  --model smollm2-135m        RoPE spec + exactness table; exit 1 if a check fails
+    posgen-tl report --model smollm2-135m ...    the whole analysis → HTML report, results.json, CSVs
+
+Bad arguments print one line saying what to change (exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.print_usage(sys.stderr)
+        self.exit(2, f"posgen-tl: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        out: list[int] = []
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part[1:]:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+        if not out:
+            raise ValueError
+        return out
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layers must look like '0,3,5-7', got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="posgen-tl", description="Position generalisation in RoPE LLMs, through TransformerLens hooks.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    c = sub.add_parser("check", help="print the RoPE spec and an exactness table; non-zero exit if a check fails")
+    c.add_argument("--model", default="smollm2-135m", help="zoo name (smollm2-135m, gemma3-270m), HF folder or hub name")
+    c.add_argument("--seq-len", type=_positive_int, default=64)
+    c.add_argument("--n-seq", type=_positive_int, default=2)
+    c.add_argument("--layers", type=_layers, default=None, help="e.g. 0,5,10-12 (default: all)")
+    r = sub.add_parser("report", help="run the whole analysis and write an HTML report")
+    r.add_argument("--model", default="smollm2-135m")
+    r.add_argument("--corpus", default=None, help="UTF-8 text file (default: the stdlib's pydoc topics)")
+    r.add_argument("--seq-len", type=_positive_int, default=None)
+    r.add_argument("--n-seq", type=_positive_int, default=None)
+    r.add_argument("--out", default="posgen_report")
+    r.add_argument("--quick", action="store_true", help="a ≤ 2 minute smoke run with small sizes")
+    r.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
+    r.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    import pandas as pd  # noqa: PLC0415
+
+    from .capture import probe_hooks  # noqa: PLC0415
+    from .corpus import corpus_tokens  # noqa: PLC0415
+    from .exactness import ROT_RTOL, SCORE_RTOL, exactness_table  # noqa: PLC0415
+    from .models import load_model  # noqa: PLC0415
+
+    t0 = time.time()
+    model = load_model(args.model, verbose=True)
+    t_load = time.time() - t0
+    spec, info = probe_hooks(model)
+    print(f"model: {spec.model_name}   loaded in {t_load:.1f} s")
+    print(
+        f"RoPE: type={spec.rope_type}  source={spec.source}  layers={spec.n_layers}  heads={spec.n_heads}  "
+        f"kv_heads={spec.n_kv_heads}  d_head={spec.d_head}  n_ctx={spec.n_ctx}  qk_norm={spec.qk_norm}"
+    )
+    print(
+        f"hooks: pre-rotation q/k from {info.q_hook}/{info.k_hook}; hook_rot_q/k "
+        f"{'fire' if info.rot_fires else 'do NOT fire (rotation computed from the spec)'}; "
+        f"hook_attn_scores: {info.scores_kind}"
+    )
+    desc = pd.DataFrame(spec.describe())
+    groups = desc.groupby(["kind", "rotary_dim", "theta_slowest", "score_scale", "sliding_window"], dropna=False)
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(groups["layer"].apply(lambda s: ",".join(map(str, s))).reset_index().rename(columns={"layer": "layers"}).to_string(index=False))
+    tokens = corpus_tokens(model, None, seq_len=args.seq_len, n_seq=args.n_seq)
+    table = exactness_table(model, tokens, args.layers)
+    cols = ["layer", "kind", "rot_source", "rot_q_max_err", "rot_k_max_err", "scores_kind", "score_max_err", "score_rel_err", "passed"]
+    with pd.option_context("display.width", 200, "display.max_rows", 200, "display.float_format", "{:.3g}".format):
+        print(table[cols].to_string(index=False))
+    ok = bool(table["passed"].all())
+    print(
+        f"exactness ({args.n_seq}×{args.seq_len} tokens of pydoc prose; tolerances: rotation {ROT_RTOL:g}, "
+        f"scores {SCORE_RTOL:g} relative to max |value|): {'PASS' if ok else 'FAIL'}"
+    )
+    return 0 if ok else 1
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report.run import run_report  # noqa: PLC0415
+
+    return run_report(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "check":
+            return _cmd_check(args)
+        return _cmd_report(args)
+    except KeyboardInterrupt:
+        print("posgen-tl: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as e:
+        print(f"posgen-tl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

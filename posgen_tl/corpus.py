@@ -1,0 +1,159 @@
+"""Text → token sequences, deterministically.
+
+Default corpus: the English reference prose that ships with every Python, the
+standard library's ``pydoc_data.topics.topics`` (79 documents, ~465 KB), taken in
+sorted key order. Also accepted: a path to a text file, a string, a list of strings,
+or a token tensor ``[batch, pos]`` (used as is after validation).
+
+BOS policy (see MODELS.md: ``bridge.to_tokens`` prepends a BOS that SmolLM2's own
+tokenizer does not add): we tokenize with ``add_special_tokens=False`` and then, with
+``bos="auto"``, prepend the BOS token exactly when the model's tokenizer adds one to
+plain text by itself (Gemma3: yes; SmolLM2: no). ``bos=True``/``False`` forces it.
+Every sequence then has exactly ``seq_len`` tokens, BOS included.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+__all__ = ["default_texts", "load_texts", "tokenize_corpus", "corpus_tokens", "CorpusError", "CorpusLike", "tokenizer_adds_bos"]
+
+CorpusLike = Union[None, str, os.PathLike, Sequence[str], Tensor]
+
+
+class CorpusError(ValueError):
+    """The corpus is empty, too short, or of an unsupported kind (the message says which)."""
+
+
+def default_texts() -> list[str]:
+    """The standard library's pydoc topics (always present offline), in sorted key order."""
+    from pydoc_data.topics import topics  # noqa: PLC0415
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def load_texts(source: CorpusLike) -> list[str]:
+    """Turn ``source`` into a list of documents (see module docstring)."""
+    if source is None:
+        return default_texts()
+    if isinstance(source, (os.PathLike, Path)) or (isinstance(source, str) and "\n" not in source and len(source) < 4096 and Path(source).is_file()):
+        path = Path(source)
+        if not path.is_file():
+            raise CorpusError(f"corpus file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CorpusError(f"corpus file {path} is not UTF-8 text ({e})") from e
+        docs = [text]
+    elif isinstance(source, str):
+        docs = [source]
+    elif isinstance(source, Sequence) and all(isinstance(s, str) for s in source):
+        docs = list(source)
+    else:
+        raise CorpusError(
+            f"unsupported corpus of type {type(source).__name__}: give None (pydoc topics), a text file path, "
+            "a string, a list of strings, or a token tensor"
+        )
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise CorpusError("the corpus is empty (no non-whitespace text)")
+    return docs
+
+
+def tokenizer_adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer prepends its BOS token to plain text by itself."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
+
+
+def tokenize_corpus(
+    tokenizer: Any,
+    source: CorpusLike = None,
+    *,
+    seq_len: int = 512,
+    n_seq: int | None = None,
+    bos: bool | str = "auto",
+    offset: int = 0,
+) -> Int[Tensor, "batch pos"]:
+    """Tokenize documents and cut them into ``n_seq`` contiguous sequences of ``seq_len``.
+
+    Documents are joined with a blank line, tokenized once (``add_special_tokens=False``)
+    and cut into consecutive, non-overlapping chunks starting at token ``offset``.
+    Returns ``[n_seq, seq_len]`` int64 (all chunks that fit if ``n_seq`` is None).
+
+    Raises:
+        CorpusError: empty corpus, or fewer tokens than one (or ``n_seq``) sequence(s).
+    """
+    if seq_len < 2:
+        raise CorpusError(f"seq_len must be at least 2, got {seq_len}")
+    if isinstance(source, Tensor):
+        t = source if source.ndim == 2 else source[None]
+        if t.numel() == 0:
+            raise CorpusError("the token tensor is empty")
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise CorpusError(f"a token tensor must hold integer ids, got {t.dtype}")
+        if t.shape[1] < seq_len:
+            raise CorpusError(f"token sequences have {t.shape[1]} positions, fewer than seq_len={seq_len}")
+        t = t[:, :seq_len].long()
+        return t if n_seq is None else _take(t, n_seq, seq_len)
+    if tokenizer is None:
+        raise CorpusError("a tokenizer is needed to tokenize text (the model has none)")
+    docs = load_texts(source)
+    ids = tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"]
+    add_bos = tokenizer_adds_bos(tokenizer) if bos == "auto" else bool(bos)
+    body = seq_len - int(add_bos)
+    ids = ids[offset:]
+    n_avail = len(ids) // body
+    if n_avail == 0:
+        raise CorpusError(
+            f"the corpus has {len(ids)} tokens (after offset {offset}), fewer than one sequence of {body}"
+        )
+    chunks = torch.tensor(ids[: n_avail * body], dtype=torch.long).view(n_avail, body)
+    if add_bos:
+        chunks = torch.cat([torch.full((n_avail, 1), int(tokenizer.bos_token_id)), chunks], dim=1)
+    return chunks if n_seq is None else _take(chunks, n_seq, seq_len)
+
+
+def _take(chunks: Tensor, n_seq: int, seq_len: int) -> Tensor:
+    if n_seq < 1:
+        raise CorpusError(f"n_seq must be at least 1, got {n_seq}")
+    if chunks.shape[0] < n_seq:
+        raise CorpusError(
+            f"the corpus gives only {chunks.shape[0]} sequences of {seq_len} tokens; {n_seq} were asked for"
+        )
+    return chunks[:n_seq]
+
+
+def corpus_tokens(
+    model: Any,
+    source: CorpusLike = None,
+    *,
+    seq_len: int = 512,
+    n_seq: int | None = None,
+    bos: bool | str = "auto",
+    offset: int = 0,
+) -> Int[Tensor, "batch pos"]:
+    """:func:`tokenize_corpus` with the model's tokenizer and its *own* BOS policy.
+
+    With ``bos="auto"`` the policy is the one of the tokenizer as the model was shipped
+    (recorded by :func:`posgen_tl.load_model` before TransformerLens wraps it); for a
+    model built elsewhere, the bridge tokenizer's behaviour is used.
+    """
+    from .models import NATIVE_BOS  # noqa: PLC0415
+
+    tok = getattr(model, "tokenizer", None)
+    if bos == "auto" and model in NATIVE_BOS:
+        bos = NATIVE_BOS[model]
+    n_ctx = int(getattr(getattr(model, "cfg", None), "n_ctx", 0) or 0)
+    if n_ctx and seq_len > n_ctx:
+        raise CorpusError(f"seq_len={seq_len} exceeds the model's context of {n_ctx} positions")
+    return tokenize_corpus(tok, source, seq_len=seq_len, n_seq=n_seq, bos=bos, offset=offset)

