@@ -1,0 +1,1 @@
+"""Runners: pure maths applied to a model through :mod:`posgen_tl.capture`, results as DataFrames."""

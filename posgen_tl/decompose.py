@@ -1,0 +1,414 @@
+"""Decompositions of an attention-logit map (METHOD.md §2) and their scores.
+
+* D1 / D2 — additive least-squares fits ``W[i,j] ≈ mean + a[i−j] + b[i] + c[j]`` (D1) or
+  without ``b`` (D2) over the masked (causal) entries: :func:`fit_additive`.
+* D3 — the constructive split ``W = f + g + (W − f − g)`` with the head's mean
+  pre-rotation key ``k̄``: :func:`d3_split`, and the per-entry bound on the remainder:
+  :func:`d3_bound`.
+* Scores over masked entries: :func:`pearson_r`, :func:`r_squared`, :func:`within_row_r`,
+  :func:`score_maps`.
+
+Everything is a pure tensor function. All fits and scores are computed in float64 and
+returned as float64, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from posgen_tl.rope import LayerRope, angles, expand_kv, to_bands
+
+__all__ = [
+    "ESTIMATORS",
+    "causal_mask",
+    "AdditiveFit",
+    "fit_additive",
+    "D3Split",
+    "d3_split",
+    "d3_bound",
+    "pearson_r",
+    "r_squared",
+    "within_row_r",
+    "score_maps",
+]
+
+ESTIMATORS = ("D1", "D2", "D3")
+
+
+def causal_mask(
+    n_pos: int, sink: int = 0, sliding_window: int | None = None, device=None
+) -> Bool[Tensor, "query_pos key_pos"]:
+    """Entries used in a fit: ``j <= i``, ``j >= sink`` and ``i − j < sliding_window``.
+
+    Returns a ``[n_pos, n_pos]`` bool tensor; rows ``i < sink`` are all False.
+    """
+    i = torch.arange(n_pos, device=device)[:, None]
+    j = torch.arange(n_pos, device=device)[None, :]
+    m = (j <= i) & (j >= sink)
+    if sliding_window is not None:
+        m = m & (i - j < sliding_window)
+    return m
+
+
+# ----------------------------------------------------------------------------- D1 / D2
+
+
+@dataclass
+class AdditiveFit:
+    """Result of :func:`fit_additive` (all float64).
+
+    Attributes:
+        a: ``[*batch, delta]`` distance term ``a[d]``, ``d = i − j = 0..n_pos−1``.
+        b: ``[*batch, query_pos]`` query-row term, ``None`` for D2.
+        c: ``[*batch, key_pos]`` key-column term.
+        mean: ``[*batch]`` masked mean of ``W`` subtracted before fitting.
+        fitted: ``[*batch, query_pos, key_pos]`` ``mean + a[i−j] + b[i] + c[j]``, 0 off-mask.
+    """
+
+    a: Float[Tensor, "*batch delta"]
+    b: Float[Tensor, "*batch query_pos"] | None
+    c: Float[Tensor, "*batch key_pos"]
+    mean: Float[Tensor, "*batch"]
+    fitted: Float[Tensor, "*batch query_pos key_pos"]
+
+
+_FACTOR_CACHE: "OrderedDict[tuple, tuple[Tensor, Tensor]]" = OrderedDict()
+_FACTOR_CACHE_SIZE = 8
+
+
+def _delta_index(n: int, device) -> Tensor:
+    """``[n, n]`` long tensor of ``i − j`` clamped at 0 (only read on the lower triangle)."""
+    i = torch.arange(n, device=device)
+    return (i[:, None] - i[None, :]).clamp(min=0)
+
+
+def _diag_sums(x: Float[Tensor, "batch query_pos key_pos"]) -> Float[Tensor, "batch delta"]:
+    """``out[..., d] = Σ_i x[..., i, i−d]`` for ``d = 0..n−1`` (lower-triangular diagonals).
+
+    Skew trick, O(n²): flip columns, pad each row with ``n`` zeros, flatten, drop the last
+    ``n`` entries and re-read with row width ``2n−1``; column ``d + n − 1`` then holds
+    ``x[i, i−d]`` for every row ``i``.
+    """
+    n = x.shape[-1]
+    padded = torch.nn.functional.pad(x.flip(-1), (0, n))
+    flat = rearrange(padded, "b q k -> b (q k)")[:, : n * (2 * n - 1)]
+    skew = rearrange(flat, "b (q w) -> b q w", w=2 * n - 1)
+    return skew.sum(-2)[:, n - 1 :]
+
+
+def _normal_system(mask: Tensor, three_axis: bool, ridge: float) -> tuple[Tensor, Tensor]:
+    """``(XᵀX, cholesky(XᵀX + λI))`` for the additive design on ``mask`` (cached, float64).
+
+    Parameter order ``[a_0..a_{n−1}, (b_0..b_{n−1},) c_0..c_{n−1}]``; ``XᵀX`` holds counts
+    (diagonal / row / column counts) and 0/1 cross terms, built from the mask alone.
+    ``λ = ridge · mean(diag XᵀX)``.
+    """
+    n = mask.shape[-1]
+    mb = mask.to(torch.bool).contiguous()
+    digest = hashlib.sha1(mb.cpu().numpy().tobytes()).hexdigest()
+    key = (n, digest, bool(three_axis), float(ridge), str(mask.device))
+    if key in _FACTOR_CACHE:
+        _FACTOR_CACHE.move_to_end(key)
+        return _FACTOR_CACHE[key]
+
+    m = mb.double()
+    dev = m.device
+    i = torch.arange(n, device=dev)
+    # A_q[d, i] = mask[i, i−d]   (cross term a_d with b_i)
+    col = i[None, :] - i[:, None]  # [d, i] -> i − d
+    a_q = torch.where(col >= 0, m[i[None, :].expand(n, n), col.clamp(min=0)], 0.0)
+    # A_k[d, j] = mask[j+d, j]   (cross term a_d with c_j)
+    row = i[None, :] + i[:, None]  # [d, j] -> j + d
+    a_k = torch.where(row < n, m[row.clamp(max=n - 1), i[None, :].expand(n, n)], 0.0)
+    diag_a = a_q.sum(-1).diag()
+    blocks = (
+        [[diag_a, a_q, a_k], [a_q.T, m.sum(-1).diag(), m], [a_k.T, m.T, m.sum(-2).diag()]]
+        if three_axis
+        else [[diag_a, a_k], [a_k.T, m.sum(-2).diag()]]
+    )
+    xtx = torch.cat([torch.cat(r, dim=-1) for r in blocks], dim=-2)
+    lam = ridge * xtx.diagonal().mean()
+    factor = torch.linalg.cholesky(xtx + lam * torch.eye(xtx.shape[0], dtype=xtx.dtype, device=dev))
+
+    _FACTOR_CACHE[key] = (xtx, factor)
+    while len(_FACTOR_CACHE) > _FACTOR_CACHE_SIZE:
+        _FACTOR_CACHE.popitem(last=False)
+    return xtx, factor
+
+
+def fit_additive(
+    W: Float[Tensor, "*batch query_pos key_pos"],
+    mask: Bool[Tensor, "query_pos key_pos"],
+    three_axis: bool = True,
+    ridge: float = 1e-6,
+    refine: int = 3,
+) -> AdditiveFit:
+    """Least-squares additive fit of every map in ``W`` over the ``mask`` entries.
+
+    D1 (``three_axis=True``): ``W[i,j] ≈ mean + a[i−j] + b[i] + c[j]``; D2: without ``b``.
+    ``mask`` must be lower-triangular (``j <= i``). Off-mask entries of ``W`` are ignored
+    (they may hold ``-inf``/NaN). The normal equations ``(XᵀX + λI) β = Xᵀ(W − mean)`` are
+    built from the mask only, Cholesky-factored once (LRU-cached) and solved for the whole
+    batch; ``Xᵀ(W − mean)`` is diagonal / row / column sums, O(n²) per map. The ridge
+    ``λ = ridge·mean(diag XᵀX)`` pins the non-identifiable directions (constant shifts
+    between axes and the linear trend ``t·(i−j) − t·i + t·j``) and zeroes parameters of
+    deltas/rows/columns no masked entry uses; ``refine`` steps of iterated Tikhonov
+    (``β ← β + (XᵀX + λI)⁻¹(Xᵀy − XᵀXβ)``) then remove the ridge's shrinkage bias on the
+    identifiable part, so ``fitted`` converges to the plain least-squares fit.
+
+    Returns an :class:`AdditiveFit` with float64 tensors: ``a [*batch, delta]``,
+    ``b [*batch, query_pos]`` (``None`` for D2), ``c [*batch, key_pos]``, ``mean [*batch]``,
+    ``fitted [*batch, query_pos, key_pos]`` (0 off-mask).
+    """
+    n = W.shape[-1]
+    if W.shape[-2:] != (n, n) or tuple(mask.shape) != (n, n):
+        raise ValueError(f"W {tuple(W.shape)} and mask {tuple(mask.shape)} must be [.., n, n]")
+    mask = mask.to(device=W.device, dtype=torch.bool)
+    if torch.triu(mask, diagonal=1).any():
+        raise ValueError("mask has entries with j > i; additive fits need a causal mask")
+    count = mask.sum()
+    if count == 0:
+        raise ValueError("mask has no True entry")
+    batch_shape = W.shape[:-2]
+    w = rearrange(W.double(), "... q k -> (...) q k")
+    mf = mask.double()
+    w = torch.where(mask, w, 0.0)
+    mean = w.sum((-1, -2)) / count
+    wc = (w - mean[:, None, None]) * mf
+
+    rhs_parts = [_diag_sums(wc)] + ([wc.sum(-1)] if three_axis else []) + [wc.sum(-2)]
+    rhs = rearrange(torch.cat(rhs_parts, dim=-1), "b p -> p b")
+    xtx, factor = _normal_system(mask, three_axis, ridge)
+    beta = torch.cholesky_solve(rhs, factor)
+    for _ in range(refine):
+        beta = beta + torch.cholesky_solve(rhs - xtx @ beta, factor)
+    beta = rearrange(beta, "p b -> b p")
+    a, rest = beta[:, :n], beta[:, n:]
+    b, c = (rest[:, :n], rest[:, n:]) if three_axis else (None, rest)
+
+    delta = _delta_index(n, W.device)
+    fitted = mean[:, None, None] + a[:, delta] + c[:, None, :]
+    if b is not None:
+        fitted = fitted + b[:, :, None]
+    fitted = fitted * mf
+
+    def unflat(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.reshape(*batch_shape, *x.shape[1:])
+
+    return AdditiveFit(
+        a=unflat(a), b=unflat(b), c=unflat(c), mean=mean.reshape(batch_shape), fitted=unflat(fitted)
+    )
+
+
+# ----------------------------------------------------------------------------- D3
+
+
+@dataclass
+class D3Split:
+    """Result of :func:`d3_split` (float64, no mask applied), each ``[batch, head_index, query_pos, key_pos]``.
+
+    Attributes:
+        W: ``s·a²·q_iᵀR_{j−i}k_j`` on rotated dims ``+ s·q_pass·k_pass`` (the logits).
+        f: positional term ``s·a²·q_iᵀR_{j−i}k̄ + s·q_pass·k̄_pass`` (q_i and i−j only).
+        g: semantic term ``s·a²·q_rotᵀ(k_j−k̄)_rot + s·q_pass·(k_j−k̄)_pass`` (no rotation).
+
+    ``W − f − g = s·a²·q_iᵀ(R_{j−i} − I)(k_j − k̄)`` on the rotated dims only.
+    """
+
+    W: Float[Tensor, "batch head_index query_pos key_pos"]
+    f: Float[Tensor, "batch head_index query_pos key_pos"]
+    g: Float[Tensor, "batch head_index query_pos key_pos"]
+
+
+def _d3_inputs(q: Tensor, k: Tensor, k_mean: Tensor, positions: Tensor, rope: LayerRope):
+    """float64 bands of q, k, k̄ (k and k̄ expanded to query heads) and the unit phasors."""
+    n_heads = q.shape[-2]
+    if k.shape[-2] != n_heads:
+        k = expand_kv(k, n_heads)
+    if k_mean.shape[0] != n_heads:
+        k_mean = expand_kv(k_mean, n_heads)
+    if q.shape[-1] < rope.rotary_dim:
+        raise ValueError(f"d_head={q.shape[-1]} is smaller than rotary_dim={rope.rotary_dim}")
+    q, k, k_mean = q.double(), k.double(), k_mean.to(q.device).double()
+    r = rope.rotary_dim
+    zq, zk, zkbar = (to_bands(x, r, rope.layout) for x in (q, k, k_mean))
+    # float32 angles exactly as the model computes them, then float64 phasors
+    phi = angles(positions.to(q.device), rope).double()  # batch pos band
+    return q, k, k_mean, zq, zk, zkbar, phi
+
+
+def d3_split(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos head_index d_head"],
+    k_mean: Float[Tensor, "head_index d_head"],
+    positions: Int[Tensor, "batch pos"],
+    rope: LayerRope,
+) -> D3Split:
+    """D3 split of the logits from PRE-rotation ``q``, ``k`` and the mean key ``k_mean``.
+
+    ``k`` (and ``k_mean``) may hold kv-heads; they are expanded to query heads. Computed in
+    the complex band picture with batched matmuls, O(N²·bands) per head. Returns a
+    :class:`D3Split` of float64 ``[batch, head_index, query_pos, key_pos]`` maps.
+    """
+    q, k, k_mean, zq, zk, zkbar, phi = _d3_inputs(q, k, k_mean, positions, rope)
+    r, s, a2 = rope.rotary_dim, rope.score_scale, rope.attention_scaling**2
+    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # batch pos 1 band
+    zq_rot = zq * e
+    zk_rot = zk * e
+    zkbar_rot = zkbar * e  # k̄ rotated to every key position
+
+    def band_dot(x: Tensor, y: Tensor) -> Tensor:
+        # Re Σ_m x_m conj(y_m): [b i h m], [b j h m] -> [b h i j]
+        return torch.einsum("bihm,bjhm->bhij", x, y.conj()).real
+
+    w_map = a2 * band_dot(zq_rot, zk_rot)
+    f_map = a2 * band_dot(zq_rot, zkbar_rot)
+    g_map = a2 * band_dot(zq, zk - zkbar)
+    if q.shape[-1] > r:
+        qp, kp, kbp = q[..., r:], k[..., r:], k_mean[..., r:]
+        w_map = w_map + torch.einsum("bihd,bjhd->bhij", qp, kp)
+        f_map = f_map + torch.einsum("bihd,hd->bhi", qp, kbp)[..., None]
+        g_map = g_map + torch.einsum("bihd,bjhd->bhij", qp, kp - kbp)
+    return D3Split(W=s * w_map, f=s * f_map, g=s * g_map)
+
+
+def d3_bound(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos head_index d_head"],
+    k_mean: Float[Tensor, "head_index d_head"],
+    positions: Int[Tensor, "batch pos"],
+    rope: LayerRope,
+    rows: Int[Tensor, "n_rows"] | None = None,
+    max_chunk_bytes: int = 64 * 2**20,
+) -> Float[Tensor, "batch head_index n_rows key_pos"]:
+    """Per-entry bound on ``|W − f − g|`` of :func:`d3_split`.
+
+    ``s·a²·Σ_m ‖q_i^(m)‖·‖k_j^(m) − k̄^(m)‖·2|sin((φ_{i,m} − φ_{j,m})/2)|`` with the actual
+    angles ``φ = angles(positions, rope)`` (valid for any position ids). ``rows`` selects
+    query positions (``None`` = all). Chunked over rows so each temporary stays under
+    ``max_chunk_bytes`` (peak ≈ 3×). Returns float64 ``[batch, head_index, n_rows, key_pos]``.
+    """
+    q, k, k_mean, zq, zk, zkbar, phi = _d3_inputs(q, k, k_mean, positions, rope)
+    if rows is None:
+        rows = torch.arange(q.shape[1], device=q.device)
+    rows = rows.to(q.device)
+    qn = zq.abs()[:, rows]  # b i h m
+    kn = (zk - zkbar).abs()  # b j h m
+    n_b, n_k, n_h, n_m = kn.shape
+    per_row = max(1, n_b * n_k * n_h * n_m * 8)
+    chunk = max(1, max_chunk_bytes // per_row)
+    scale = rope.score_scale * rope.attention_scaling**2
+    out = []
+    for start in range(0, len(rows), chunk):
+        sl = slice(start, start + chunk)
+        dphi = phi[:, rows[sl], None, :] - phi[:, None, :, :]  # b i j m
+        sin = 2 * (dphi / 2).sin().abs()
+        weighted = kn[:, None] * sin[:, :, :, None, :]  # b i j h m
+        out.append(torch.einsum("bihm,bijhm->bhij", qn[:, sl], weighted))
+    if not out:
+        return torch.zeros(n_b, n_h, 0, n_k, dtype=torch.float64, device=q.device)
+    return scale * torch.cat(out, dim=-2)
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def _masked_pair(x: Tensor, y: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """float64 ``x``, ``y`` broadcast together with off-mask entries zeroed, and the float mask."""
+    mask = mask.to(device=x.device, dtype=torch.bool)
+    x = torch.where(mask, x.double(), 0.0)
+    y = torch.where(mask, y.to(x.device).double(), 0.0)
+    x, y = torch.broadcast_tensors(x, y)
+    return x, y, mask.double()
+
+
+def _centre(x: Tensor, mf: Tensor, n: Tensor) -> Tensor:
+    return (x - (x.sum((-1, -2)) / n)[..., None, None]) * mf
+
+
+def _degenerate(ss: Tensor, ref: Tensor, n: Tensor) -> Tensor:
+    """True where a centred sum of squares is zero up to float64 rounding of ``ref``'s values."""
+    return ss <= n * (1e-12 * ref.abs().amax((-1, -2))) ** 2
+
+
+def _corr(xc: Tensor, yc: Tensor, x_ref: Tensor, y_ref: Tensor, n: Tensor) -> Tensor:
+    """Correlation of centred (off-mask zero) maps; NaN where a side is degenerate."""
+    sxx, syy = (xc * xc).sum((-1, -2)), (yc * yc).sum((-1, -2))
+    r = (xc * yc).sum((-1, -2)) / (sxx * syy).sqrt()
+    bad = _degenerate(sxx, x_ref, n) | _degenerate(syy, y_ref, n) | (n < 2)
+    return torch.where(bad, torch.nan, r)
+
+
+def pearson_r(
+    x: Float[Tensor, "*batch query_pos key_pos"],
+    y: Float[Tensor, "*batch query_pos key_pos"],
+    mask: Bool[Tensor, "query_pos key_pos"],
+) -> Float[Tensor, "*batch"]:
+    """Pearson correlation of ``x`` and ``y`` over the masked entries, float64 ``[*batch]``.
+
+    NaN where either side is constant over the mask (zero variance up to float64 rounding,
+    i.e. spread < 1e-12 of its largest magnitude) or the mask has fewer than 2 entries —
+    never a made-up number.
+    """
+    x, y, mf = _masked_pair(x, y, mask)
+    n = mf.sum()
+    return _corr(_centre(x, mf, n), _centre(y, mf, n), x, y, n)
+
+
+def r_squared(
+    target: Float[Tensor, "*batch query_pos key_pos"],
+    approx: Float[Tensor, "*batch query_pos key_pos"],
+    mask: Bool[Tensor, "query_pos key_pos"],
+) -> Float[Tensor, "*batch"]:
+    """``1 − SS_res/SS_tot`` of ``approx`` for ``target`` over the masked entries, float64 ``[*batch]``.
+
+    Can be negative (worse than the mean). NaN where ``target`` is constant over the mask.
+    """
+    t, p, mf = _masked_pair(target, approx, mask)
+    n = mf.sum()
+    tc = _centre(t, mf, n)
+    ss_tot = (tc * tc).sum((-1, -2))
+    ss_res = ((t - p) ** 2).sum((-1, -2))
+    return torch.where(_degenerate(ss_tot, t, n) | (n < 1), torch.nan, 1 - ss_res / ss_tot)
+
+
+def within_row_r(
+    x: Float[Tensor, "*batch query_pos key_pos"],
+    y: Float[Tensor, "*batch query_pos key_pos"],
+    mask: Bool[Tensor, "query_pos key_pos"],
+) -> Float[Tensor, "*batch"]:
+    """Pearson r after removing each row's masked mean from ``x`` and ``y``, float64 ``[*batch]``.
+
+    Softmax ignores row constants, so this is the score that matters for attention. Rows
+    with fewer than 2 masked entries are dropped. NaN when either side does not vary within
+    rows (judged against its raw magnitude, so pure row constants give NaN, not noise).
+    """
+    mask = mask.to(device=x.device, dtype=torch.bool)
+    mask = mask & (mask.sum(-1, keepdim=True) >= 2)
+    x, y, mf = _masked_pair(x, y, mask)
+    cnt = mf.sum(-1, keepdim=True).clamp(min=1)
+    xr = (x - x.sum(-1, keepdim=True) / cnt) * mf
+    yr = (y - y.sum(-1, keepdim=True) / cnt) * mf
+    n = mf.sum()
+    # row-centred maps have zero masked mean already; centre again only against rounding
+    return _corr(_centre(xr, mf, n), _centre(yr, mf, n), x, y, n)
+
+
+def score_maps(
+    target: Float[Tensor, "*batch query_pos key_pos"],
+    approx: Float[Tensor, "*batch query_pos key_pos"],
+    mask: Bool[Tensor, "query_pos key_pos"],
+) -> dict[str, Float[Tensor, "*batch"]]:
+    """``{"r": pearson_r, "r2": r_squared, "r_within": within_row_r}`` of ``approx`` vs ``target``."""
+    return {
+        "r": pearson_r(target, approx, mask),
+        "r2": r_squared(target, approx, mask),
+        "r_within": within_row_r(target, approx, mask),
+    }
