@@ -42,7 +42,7 @@ def load_texts(source: CorpusLike) -> list[str]:
     """Turn ``source`` into a list of documents (see module docstring)."""
     if source is None:
         return default_texts()
-    if isinstance(source, (os.PathLike, Path)) or (isinstance(source, str) and "\n" not in source and len(source) < 4096 and Path(source).is_file()):
+    if isinstance(source, (os.PathLike, Path)) or (isinstance(source, str) and _looks_like_path(source)):
         path = Path(source)
         if not path.is_file():
             raise CorpusError(f"corpus file {path} does not exist")
@@ -64,6 +64,18 @@ def load_texts(source: CorpusLike) -> list[str]:
     if not docs:
         raise CorpusError("the corpus is empty (no non-whitespace text)")
     return docs
+
+
+def _looks_like_path(text: str) -> bool:
+    """A string is a file path if it names an existing file, or has no whitespace and a text-file suffix."""
+    if not text or len(text) > 1024 or "\n" in text:
+        return False
+    try:
+        if Path(text).is_file():
+            return True
+    except OSError:
+        return False
+    return not any(c.isspace() for c in text) and Path(text).suffix.lower() in (".txt", ".md", ".rst", ".text")
 
 
 def tokenizer_adds_bos(tokenizer: Any) -> bool:

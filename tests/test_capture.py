@@ -1,0 +1,168 @@
+"""Exactness of capture on tiny offline RoPE configs: every layout/variant we claim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as tm
+from posgen_tl.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table, valid_mask
+from posgen_tl.rope import RopeError, expand_kv, rotate, scores_from_prerotation
+
+TINY = {
+    "native_adjacent_gqa_partial": lambda: tm.native(rotary_dim=6, n_heads=4, n_kv=2, d_head=8),
+    "native_linear_scaling": lambda: tm.native(rope_scaling={"type": "linear", "factor": 2.0}),
+    "hf_llama_half_gqa": lambda: tm.hf_llama()[0],
+    "hf_llama_yarn": lambda: tm.hf_llama(rope={"rope_theta": 1000.0, "rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 32})[0],
+    "hf_llama_llama3": lambda: tm.hf_llama(rope={"rope_theta": 1000.0, "rope_type": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 32})[0],
+    "hf_gemma3_local_global_qknorm": lambda: tm.hf_gemma3()[0],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def tiny(request):
+    return request.param, TINY[request.param]()
+
+
+def test_exactness_table_passes(tiny):
+    name, model = tiny
+    toks = torch.randint(3, 50, (2, 12))
+    df = exactness_table(model, toks)
+    spec, info = probe_hooks(model)
+    assert len(df) == spec.n_layers
+    assert df["passed"].all(), df
+    if info.rot_fires:
+        # R_pos(pre-rotation q) == hook_rot_q to the stated tolerance (in practice: bit-exact)
+        assert (df["rot_q_max_err"] <= ROT_RTOL * df["rot_ref"]).all()
+        assert (df["rot_k_max_err"] <= ROT_RTOL * df["rot_ref"]).all()
+    if info.scores_kind == "pre_softmax":
+        assert (df["score_rel_err"] <= SCORE_RTOL).all()
+
+
+def test_hook_detection(tiny):
+    name, model = tiny
+    spec, info = probe_hooks(model)
+    if name.startswith("native"):
+        # TL-native models fire neither hook_rot_* nor pre-softmax scores: detected, not assumed
+        assert not info.rot_fires and info.scores_kind == "post_softmax"
+        assert spec.layers[0].layout == "adjacent"
+    else:
+        assert info.rot_fires and info.scores_kind == "pre_softmax"
+        assert spec.layers[0].layout == "half"
+    if "gemma3" in name:
+        assert info.q_hook == "hook_q_normed" and spec.qk_norm
+        assert [lr.kind for lr in spec.layers] == ["local", "local", "global"]
+        assert spec.layers[0].sliding_window == 4 and spec.layers[2].sliding_window is None
+        # local and global layers really use different bases
+        assert not torch.equal(spec.layers[0].inv_freq, spec.layers[2].inv_freq)
+    if "yarn" in name:
+        assert spec.layers[0].attention_scaling > 1.0
+    if "partial" in name:
+        assert spec.layers[0].rotary_dim == 6 and spec.d_head == 8
+
+
+def test_recomputed_scores_match_model_on_local_and_global_layers():
+    """Gemma3-style model, sequence longer than the window: both layer kinds exact on unmasked entries."""
+    model, _ = tm.hf_gemma3()
+    toks = torch.randint(3, 90, (1, 10))
+    caps = capture_qk(model, toks, with_scores=True)
+    for layer, c in caps.items():
+        m = valid_mask(10, c.rope.sliding_window)
+        w = c.logits()
+        assert torch.allclose(w[..., m], c.scores[..., m], rtol=0, atol=1e-5 * c.scores[..., m].abs().max())
+        # masked entries really are masked by the model (window respected)
+        assert (c.scores[..., ~m] < -1e30).all() or torch.isinf(c.scores[..., ~m]).all()
+        # the band-picture formula q_iᵀ R_{j−i} k_j agrees with the rotated dot product
+        w2 = scores_from_prerotation(c.q, c.k, c.positions, c.rope)
+        assert torch.allclose(w, w2, atol=1e-4)
+
+
+def test_gqa_mapping_matches_model():
+    """Query head h reads kv-group h // (H/G): expanded keys reproduce every head's scores."""
+    model, _ = tm.hf_llama(n_heads=6, n_kv=2)
+    c = capture_qk(model, torch.randint(3, 90, (1, 7)), layers=[1], with_scores=True)[1]
+    spec, _ = probe_hooks(model)
+    assert c.k.shape[-2] == 2 and c.k_expanded().shape[-2] == 6
+    for h in range(6):
+        g = spec.kv_group(h)
+        assert g == h // 3
+        w = torch.einsum("bqd,bkd->bqk", c.rot_q[:, :, h], c.rot_k[:, :, g]) * c.rope.score_scale
+        m = valid_mask(7, None)
+        assert torch.allclose(w[..., m], c.scores[:, h][..., m], atol=1e-5)
+
+
+def test_logits_equal_hf_logits():
+    model, hf = tm.hf_llama()
+    toks = torch.randint(3, 90, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model(toks), hf(toks).logits)
+
+
+def test_stream_stops_early_and_visits_each_layer_once():
+    model = tm.native(n_layers=4)
+    seen = []
+    stream_qk(model, torch.randint(3, 50, (5, 8)), lambda c: seen.append((c.batch_index, c.layer)), layers=[1, 2],
+              batch_size=2, progress=False)
+    assert seen == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+def test_stream_rotation_fallback_matches_model_pattern():
+    """native: rot computed from the spec; softmax of our logits equals the model's pattern."""
+    model = tm.native()
+    caps = capture_qk(model, torch.randint(3, 50, (2, 10)), with_scores=True)
+    for c in caps.values():
+        assert c.rot_source == "computed" and c.scores_kind == "post_softmax"
+        m = valid_mask(10, None)
+        p = torch.softmax(c.logits().masked_fill(~m, float("-inf")), -1)
+        assert torch.allclose(p, c.scores, atol=1e-6)
+        assert torch.equal(c.rot_q, rotate(c.q, c.positions, c.rope))
+
+
+def test_hooks_removed_after_exception_in_consumer():
+    model = tm.native()
+
+    def boom(c):
+        raise RuntimeError("consumer failed")
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        stream_qk(model, torch.randint(3, 50, (1, 6)), boom, progress=False)
+    for name, hp in model.hook_dict.items():
+        assert len(hp._forward_hooks) == 0, name
+
+
+def test_users_own_hooks_are_kept_and_see_the_forward():
+    model = tm.native()
+    calls = []
+    name = "blocks.0.attn.hook_q"
+    with model.hooks(fwd_hooks=[(name, lambda t, hook: calls.append(t.shape))]):
+        capture_qk(model, torch.randint(3, 50, (1, 6)), layers=[0])
+        assert len(model.hook_dict[name]._forward_hooks) == 1  # ours gone, the user's kept
+    assert len(calls) >= 1
+    assert len(model.hook_dict[name]._forward_hooks) == 0
+
+
+def test_non_rope_model_is_refused():
+    model = tm.native(positional="standard")
+    with pytest.raises(RopeError, match="not rotary"):
+        probe_hooks(model)
+
+
+def test_scores_requested_but_absent_is_refused(monkeypatch):
+    model = tm.native()
+    spec, info = probe_hooks(model)
+    from dataclasses import replace
+
+    import posgen_tl.capture as cap
+
+    monkeypatch.setitem(cap._PROBES, model, (spec, replace(info, scores_kind="absent")))
+    with pytest.raises(CaptureError, match="hook_attn_scores"):
+        capture_qk(model, torch.randint(3, 50, (1, 6)), with_scores=True)
+
+
+def test_expand_kv_rejects_bad_grouping():
+    with pytest.raises(RopeError, match="multiple"):
+        expand_kv(torch.randn(1, 2, 3, 4), 4)

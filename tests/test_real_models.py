@@ -1,0 +1,80 @@
+"""Exactness on the real models (SmolLM2-135M default, Gemma3-270M local + global layers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posgen_tl.capture import capture_qk, probe_hooks
+from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table, valid_mask
+from posgen_tl.rope import rotate
+
+pytestmark = pytest.mark.real
+
+
+def test_smollm2_spec_from_model(smollm2):
+    spec, info = probe_hooks(smollm2)
+    assert (spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.d_head) == (30, 9, 3, 64)
+    # rope_theta 1e5 from the HF rotary module — not the bridge's wrong cfg.rotary_base (10000)
+    assert smollm2.cfg.rotary_base == 10000
+    theta = spec.layers[0].inv_freq.double()
+    assert torch.allclose(theta, 1.0 / 1e5 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64), rtol=1e-6)
+    assert spec.layers[0].layout == "half" and spec.layers[0].score_scale == pytest.approx(64**-0.5)
+    assert info.rot_fires and info.scores_kind == "pre_softmax" and info.q_hook == "hook_q"
+
+
+def test_smollm2_exact_all_layers(smollm2, smollm2_tokens):
+    df = exactness_table(smollm2, smollm2_tokens)
+    assert len(df) == 30 and df["passed"].all()
+    assert (df["rot_q_max_err"] <= ROT_RTOL * df["rot_ref"]).all()
+    assert (df["score_rel_err"] <= SCORE_RTOL).all()
+
+
+def test_smollm2_logits_equal_hf_and_paris(smollm2):
+    toks = torch.tensor([[504, 3575, 282, 4649, 314]])  # "The capital of France is"
+    with torch.no_grad():
+        bl = smollm2(toks)
+        hl = smollm2.original_model(toks).logits
+    assert torch.equal(bl, hl)
+    assert smollm2.tokenizer.decode(bl[0, -1].argmax()).strip().startswith("Paris")
+
+
+def test_smollm2_rotation_identity_on_captured(smollm2, smollm2_tokens):
+    c = capture_qk(smollm2, smollm2_tokens[:1], layers=[15])[15]
+    assert torch.equal(rotate(c.q, c.positions, c.rope), c.rot_q)
+    assert torch.equal(rotate(c.k, c.positions, c.rope), c.rot_k)
+
+
+@pytest.mark.gemma
+def test_gemma3_local_and_global_exact(gemma3):
+    spec, info = probe_hooks(gemma3)
+    assert info.q_hook == "hook_q_normed"  # QK-norm: the tensor entering RoPE
+    kinds = [lr.kind for lr in spec.layers]
+    assert kinds.count("global") == 3 and kinds[5] == "global" and kinds[0] == "local"
+    assert spec.layers[0].sliding_window == 512
+    base_local = 1.0 / spec.layers[0].inv_freq[1].double() ** (-256 / 2)
+    assert float(spec.layers[0].inv_freq[1]) == pytest.approx(1e4 ** (-2 / 256), rel=1e-6)
+    assert float(spec.layers[5].inv_freq[1]) == pytest.approx(1e6 ** (-2 / 256), rel=1e-6)
+    assert base_local is not None
+    from posgen_tl.corpus import corpus_tokens
+
+    toks = corpus_tokens(gemma3, None, seq_len=48, n_seq=1)
+    assert int(toks[0, 0]) == gemma3.tokenizer.bos_token_id  # Gemma's own policy: BOS first
+    df = exactness_table(gemma3, toks, layers=[0, 5])
+    assert df["passed"].all() and set(df["kind"]) == {"local", "global"}
+    with torch.no_grad():
+        assert torch.equal(gemma3(toks[:, :8]), gemma3.original_model(toks[:, :8]).logits)
+
+
+@pytest.mark.gemma
+def test_gemma3_window_respected_beyond_512(gemma3):
+    """A 600-token sequence: local layer masks keys ≥ 512 back, global does not; both exact."""
+    from posgen_tl.corpus import corpus_tokens
+
+    toks = corpus_tokens(gemma3, None, seq_len=600, n_seq=1)
+    caps = capture_qk(gemma3, toks, layers=[0, 5], with_scores=True)
+    for layer, c in caps.items():
+        m = valid_mask(600, c.rope.sliding_window)
+        err = (c.logits() - c.scores)[..., m].abs().max()
+        assert err <= SCORE_RTOL * c.scores[..., m].abs().max()
+        assert bool((m.sum(-1)[-1] == (512 if layer == 0 else 600)))
