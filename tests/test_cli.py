@@ -1,0 +1,75 @@
+"""CLI: check on tiny + real model, and a fuzz pass over bad arguments (no traceback reaches the user)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posgen_tl.cli import build_parser, main
+
+
+def test_check_default_model_passes(capsys, smollm2):
+    rc = main(["check", "--model", "smollm2-135m", "--seq-len", "32", "--n-seq", "1", "--layers", "0,14-15,29"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "PASS" in out and "hook_rot_q/k fire" in out and "pre_softmax" in out
+    assert "heads=9  kv_heads=3" in out
+
+
+def test_check_unknown_model_is_one_line_error(capsys):
+    rc = main(["check", "--model", "definitely-not-a-model"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown model 'definitely-not-a-model'" in err and "Traceback" not in err
+
+
+def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
+    import pandas as pd
+
+    import posgen_tl.exactness as ex
+
+    real = ex.exactness_table
+
+    def broken(*a, **k):
+        df = real(*a, **k)
+        df.loc[0, "passed"] = False
+        return df
+
+    monkeypatch.setattr(ex, "exactness_table", broken)
+    rc = main(["check", "--seq-len", "16", "--n-seq", "1", "--layers", "0"])
+    assert rc == 1 and "FAIL" in capsys.readouterr().out
+    assert isinstance(broken(smollm2, __import__("torch").zeros(1, 4, dtype=__import__("torch").long), [0]), pd.DataFrame)
+
+
+_words = st.sampled_from(["check", "report", "--model", "--seq-len", "--n-seq", "--layers", "--out", "--quick", "-x",
+                          "0", "-3", "abc", "1,2", "5-", "--corpus", "", "--seed", "1e9", "x" * 50])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_words, max_size=6))
+def test_fuzz_arguments_never_traceback(argv):
+    """Bad argument vectors exit 2 with a usage line (argparse) — parsing only, no model loads."""
+    parser = build_parser()
+    try:
+        parser.parse_args(argv)
+    except SystemExit as e:
+        assert e.code in (0, 2)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["check", "--seq-len", "0"], "positive integer"),
+        (["check", "--layers", "a,b"], "layers must look like"),
+        (["report", "--n-seq", "-2"], "positive integer"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments_say_what_to_change(argv, needle):
+    r = subprocess.run([sys.executable, "-m", "posgen_tl.cli", *argv], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
