@@ -1,0 +1,406 @@
+"""Interventions on pre-rotation keys/queries and on positions, as plain TransformerLens hooks.
+
+Like TransformerLens' ``patching.py``: one generic hook builder (:func:`intervention_hooks`)
+and small ``functools.partial`` specialisations (:func:`enforce_hooks`, :func:`destroy_hooks`,
+...). Every builder returns ``list[(hook_name, fn)]``, usable as
+
+    with model.hooks(fwd_hooks=intervention_hooks(model, iv, k_means)):
+        model(tokens)
+    model.run_with_hooks(tokens, fwd_hooks=intervention_hooks(model, iv, k_means))
+
+With :mod:`posgen_tl.capture`, this is the only module that knows hook names.
+
+Band picture (METHOD.md §1, §5): each band ``m`` of a pre-rotation key is a complex number
+``k^(m)``; ``k̄^(m)`` is the band of the mean key of that kv-group (:func:`key_means`).
+
+* ``enforce``: ``k^(m) ← k̄^(m)`` (token-invariant keys: D3 exact in those bands);
+* ``destroy``: ``k^(m) ← k^(m) − k̄^(m)`` (remove the offset);
+* ``rephase``: ``k^(m) ← (k^(m) − k̄^(m)) + k̄^(m)·e^{iφ_m}`` with a fixed random phase
+  ``φ_m`` per (layer, head, band) drawn from ``seed``;
+* ``random_bands`` (control): the change vector that ``base`` (enforce/destroy/rephase)
+  would make in ``bands``/``heads`` is TRANSPLANTED, complex entry by complex entry (each
+  entry times a random unit phase per position when ``scramble``), into
+  ``len(bands)`` other bands chosen at random (seeded per layer, drawn from the bands not in
+  ``bands`` when there are enough) and, when ``heads`` is given, into the same number of
+  randomly chosen heads. Per token the change therefore has exactly the intervention's norm
+  at the same ``alpha``; it lands where the intervention does not act;
+* ``noop``: hooks that return ``None`` (the tensor is not touched; logits bit-identical).
+
+Strength: ``k ← k + alpha·(k_intervened − k)`` on the selected bands/heads only; the other
+coordinates (and pass-through dims ``>= rotary_dim``) are returned bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+from jaxtyping import Complex, Float, Int
+from torch import Tensor
+
+from .capture import CaptureError, probe_hooks, stream_qk
+from .features import BandStats
+from .perturb import capped_scores
+from .rope import LayerRope, from_bands, rotate, to_bands, unrotate
+
+__all__ = [
+    "Intervention",
+    "key_means",
+    "feature_means",
+    "intervention_hooks",
+    "enforce_hooks",
+    "destroy_hooks",
+    "rephase_hooks",
+    "random_bands_hooks",
+    "noop_hooks",
+    "change_vectors",
+    "reposition_hooks",
+    "distance_cap_hooks",
+    "final_residual_hook",
+    "StopForward",
+]
+
+Kind = Literal["enforce", "destroy", "rephase", "random_bands", "noop"]
+HookList = list[tuple[str, Callable]]
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """What to change in the pre-rotation keys (``target='k'``) or queries (``'q'``).
+
+    Attributes:
+        kind: ``'enforce' | 'destroy' | 'rephase' | 'random_bands' | 'noop'``.
+        bands: band indices (band 0 = fastest) the intervention acts on.
+        heads: kv-groups (keys) or query heads (queries); ``None`` = all.
+        layers: layers; ``None`` = all.
+        alpha: strength in ``[0, 1]`` (0 = clean, 1 = fully intervened). A ``random_bands``
+            control may take ``alpha > 1`` (its change is then ``alpha`` × the intervention's
+            norm), so that its clean damage can be matched to the intervention's.
+        target: ``'k'`` or ``'q'``.
+        seed: seeds rephase phases and the random control's band/head choice.
+        label: free text for tables.
+        base: for ``random_bands``, the kind whose change vector is transplanted.
+        scramble: for ``random_bands``, multiply each transplanted complex entry by a random
+            unit phase ``e^{iψ}`` drawn per (position, head, band) from ``seed`` (norm kept
+            exactly). Without it a constant change (``destroy``'s ``−k̄``) moved into slow bands
+            is a near row-constant logit shift that softmax ignores, and no strength reaches
+            the intervention's damage.
+    """
+
+    kind: Kind
+    bands: Sequence[int] = ()
+    heads: Sequence[int] | None = None
+    layers: Sequence[int] | None = None
+    alpha: float = 1.0
+    target: Literal["k", "q"] = "k"
+    seed: int = 0
+    label: str = ""
+    base: Literal["enforce", "destroy", "rephase"] = "destroy"
+    scramble: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("enforce", "destroy", "rephase", "random_bands", "noop"):
+            raise ValueError(f"unknown intervention kind {self.kind!r}")
+        if self.target not in ("k", "q"):
+            raise ValueError(f"target must be 'k' or 'q', got {self.target!r}")
+        if self.base not in ("enforce", "destroy", "rephase"):
+            raise ValueError(f"random_bands base must be enforce/destroy/rephase, got {self.base!r}")
+        hi = math.inf if self.kind == "random_bands" else 1.0
+        if not (0.0 <= float(self.alpha) <= hi) or math.isnan(self.alpha):
+            raise ValueError(f"alpha must be in [0, {hi}] for {self.kind}, got {self.alpha}")
+        if self.kind != "noop" and not len(self.bands):
+            raise ValueError(f"{self.kind}: no bands given")
+        if not self.label:
+            object.__setattr__(self, "label", f"{self.kind} {self.target} bands {_span(self.bands)}")
+
+    def with_alpha(self, alpha: float) -> "Intervention":
+        """A copy at strength ``alpha``."""
+        return dataclasses.replace(self, alpha=float(alpha))
+
+
+def _span(b: Sequence[int]) -> str:
+    b = sorted(int(x) for x in b)
+    if b and b == list(range(b[0], b[-1] + 1)):
+        return f"{b[0]}–{b[-1]}"
+    return ",".join(map(str, b))
+
+
+# ----------------------------------------------------------------------------- means
+
+
+def feature_means(
+    model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | None = None, *,
+    sink: int = 1, target: Literal["k", "q"] = "k", batch_size: int = 8, progress: bool = False,
+) -> dict[int, Float[Tensor, "head d_head"]]:  # fmt: skip
+    """Mean pre-rotation key (or query) per layer, first ``sink`` positions excluded.
+
+    Returns:
+        ``{layer: Float[Tensor, "kv_head d_head"]}`` (``head_index`` for queries), float32.
+    """
+    spec, _ = probe_hooks(model)
+    stats: dict[int, BandStats] = {}
+
+    def acc(c) -> None:
+        x = c.k if target == "k" else c.q
+        if c.layer not in stats:
+            stats[c.layer] = BandStats(x.shape[-2], x.shape[-1], c.rope.rotary_dim, c.rope.layout)
+        mask = torch.ones(x.shape[:2], dtype=torch.bool)
+        mask[:, :sink] = False
+        stats[c.layer].update(x, mask)
+
+    stream_qk(model, tokens, acc, layers, batch_size=batch_size, progress=progress and "means")
+    return {layer: s.mean().float() for layer, s in sorted(stats.items())}
+
+
+key_means = functools.partial(feature_means, target="k")
+key_means.__doc__ = """``key_means(model, tokens, layers=None, sink=1)``: the D3 ``k̄`` per layer,
+``{layer: Float[Tensor, "kv_head d_head"]}`` (see :func:`feature_means`)."""
+
+
+# ----------------------------------------------------------------------------- the edit
+
+
+def _phases(seed: int, layer: int, n_heads: int, n_bands: int) -> Float[Tensor, "head band"]:
+    g = torch.Generator().manual_seed(1_000_003 * int(seed) + layer)
+    return torch.rand(n_heads, n_bands, generator=g, dtype=torch.float64).float() * (2 * math.pi)
+
+
+def _control_choice(iv: Intervention, layer: int, n_heads: int, n_bands: int) -> tuple[list[int], list[int] | None]:
+    """Random target bands (and heads) of the random_bands control, seeded per layer."""
+    g = torch.Generator().manual_seed(7_919 * int(iv.seed) + 31 * layer + 1)
+    bands = [int(b) for b in iv.bands]
+    others = [b for b in range(n_bands) if b not in bands]
+    pool = others if len(others) >= len(bands) else list(range(n_bands))
+    new_bands = [pool[i] for i in torch.randperm(len(pool), generator=g)[: len(bands)].tolist()]
+    new_heads = None
+    if iv.heads is not None:
+        heads = [int(h) for h in iv.heads]
+        rest = [h for h in range(n_heads) if h not in heads]
+        hp = rest if len(rest) >= len(heads) else list(range(n_heads))
+        new_heads = [hp[i] for i in torch.randperm(len(hp), generator=g)[: len(heads)].tolist()]
+    return new_bands, new_heads
+
+
+def change_vectors(
+    x: Float[Tensor, "batch pos head d_head"], mean: Float[Tensor, "head d_head"], iv: Intervention,
+    rope: LayerRope, layer: int,
+) -> Complex[Tensor, "batch pos head band"]:  # fmt: skip
+    """The complex change ``alpha·(z_intervened − z)`` per token, head and band (zero elsewhere).
+
+    Pure function (no hooks): used by the hooks and by tests of the control's norm.
+    """
+    r, lay = rope.rotary_dim, rope.layout
+    z = to_bands(x.float(), r, lay)
+    zbar = to_bands(mean.float().to(x.device), r, lay)  # head band
+    n_heads, n_bands = z.shape[-2], z.shape[-1]
+    delta = torch.zeros_like(z)
+    kind = iv.base if iv.kind == "random_bands" else iv.kind
+    bands = torch.as_tensor([int(b) for b in iv.bands], dtype=torch.long)
+    if bands.numel() and (bands.min() < 0 or bands.max() >= n_bands):
+        raise ValueError(f"bands {list(iv.bands)} out of range for {n_bands} bands (layer {layer})")
+    heads = torch.arange(n_heads) if iv.heads is None else torch.as_tensor([int(h) for h in iv.heads])
+    if heads.numel() and (heads.min() < 0 or heads.max() >= n_heads):
+        raise ValueError(f"heads {list(iv.heads)} out of range for {n_heads} heads (layer {layer})")
+    zs = z[:, :, heads][..., bands]
+    zb = zbar[heads][:, bands]
+    if kind == "enforce":
+        new = zb.expand_as(zs)
+    elif kind == "destroy":
+        new = zs - zb
+    else:  # rephase
+        ph = _phases(iv.seed, layer, n_heads, n_bands)[heads][:, bands].to(x.device)
+        new = zs - zb + zb * torch.polar(torch.ones_like(ph), ph)
+    d = (new - zs) * float(iv.alpha)
+    if iv.kind == "random_bands":
+        nb, nh = _control_choice(iv, layer, n_heads, n_bands)
+        bands = torch.as_tensor(nb, dtype=torch.long)
+        heads = heads if nh is None else torch.as_tensor(nh, dtype=torch.long)
+        if iv.scramble:
+            g = torch.Generator().manual_seed(104_729 * int(iv.seed) + 17 * layer + 3)
+            psi = torch.rand(d.shape[1:], generator=g, dtype=torch.float64).float().to(d.device) * (2 * math.pi)
+            d = d * torch.polar(torch.ones_like(psi), psi)
+    idx_h = heads[:, None].expand(-1, bands.numel())
+    idx_b = bands[None, :].expand(heads.numel(), -1)
+    delta[:, :, idx_h, idx_b] = d
+    return delta
+
+
+def _edit(
+    x: Tensor, hook: Any, *, iv: Intervention, mean: Tensor, rope: LayerRope, layer: int, bhsd: bool
+) -> Tensor:
+    xs = x.transpose(1, 2) if bhsd else x
+    delta = change_vectors(xs, mean, iv, rope, layer)
+    r = rope.rotary_dim
+    z = to_bands(xs.float(), r, rope.layout)
+    touched = delta != 0
+    out_z = torch.where(touched, z + delta, z)
+    if iv.alpha == 1.0 and iv.kind == "enforce":  # exact k̄ (no z + (k̄ − z) rounding)
+        zbar = to_bands(mean.float().to(x.device), r, rope.layout).expand_as(z)
+        out_z = torch.where(touched, zbar, z)
+    rot = from_bands(out_z, rope.layout).to(x.dtype)
+    out = torch.cat([rot, xs[..., r:]], dim=-1) if xs.shape[-1] > r else rot
+    return out.transpose(1, 2) if bhsd else out
+
+
+def _noop(x: Tensor, hook: Any) -> None:
+    return None
+
+
+def intervention_hooks(
+    model: Any, intervention: Intervention, k_means: dict[int, Tensor] | None = None
+) -> HookList:
+    """TransformerLens forward hooks that apply ``intervention`` to pre-rotation k (or q).
+
+    ``k_means`` = :func:`key_means` (or query means for ``target='q'``) for every layer
+    touched; not needed for ``noop``. Returns ``[(hook_name, fn), ...]``; hooks return the
+    edited tensor in the model's dtype and the hook's own layout.
+    """
+    spec, info = probe_hooks(model)
+    layers = range(spec.n_layers) if intervention.layers is None else intervention.layers
+    layers = sorted({int(x) % spec.n_layers for x in layers})
+    hook = info.q_hook if intervention.target == "q" else info.k_hook
+    bhsd = hook.endswith("_normed") and info.normed_layout == "bhsd"
+    out: HookList = []
+    for layer in layers:
+        name = info.name(layer, hook)
+        if intervention.kind == "noop":
+            out.append((name, _noop))
+            continue
+        if k_means is None or layer not in k_means:
+            raise ValueError(f"{intervention.label}: no mean {intervention.target} for layer {layer} (pass key_means(...))")
+        fn = functools.partial(
+            _edit, iv=intervention, mean=k_means[layer], rope=spec.layer(layer), layer=layer, bhsd=bhsd
+        )
+        out.append((name, fn))
+    return out
+
+
+def _make(kind: str, doc: str):
+    def hooks(model: Any, k_means: dict[int, Tensor] | None, bands: Sequence[int] = (), **kw) -> HookList:
+        return intervention_hooks(model, Intervention(kind=kind, bands=bands, **kw), k_means)
+
+    hooks.__name__ = f"{kind}_hooks"
+    hooks.__doc__ = doc
+    return hooks
+
+
+enforce_hooks = _make("enforce", "Hooks setting ``k^(m) ← k̄^(m)`` in ``bands`` (kwargs as :class:`Intervention`).")
+destroy_hooks = _make("destroy", "Hooks removing the key offset ``k^(m) ← k^(m) − k̄^(m)`` in ``bands``.")
+rephase_hooks = _make("rephase", "Hooks re-phasing the key offset by a fixed random phase per band.")
+random_bands_hooks = _make(
+    "random_bands", "Control hooks: the ``base`` change transplanted into random other bands (same norm)."
+)
+
+
+def noop_hooks(model: Any, layers: Sequence[int] | None = None) -> HookList:
+    """Hooks on the pre-rotation key hooks that return ``None`` (tensor untouched)."""
+    return intervention_hooks(model, Intervention(kind="noop", layers=layers, label="noop"))
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def _pos_for(position_ids: Tensor, batch: int, device) -> Tensor:
+    p = position_ids.to(device)
+    return p.expand(batch, -1) if p.ndim == 1 else p
+
+
+def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"]) -> HookList:
+    """T2 by re-rotation: the model runs with positions ``arange``; these hooks make every
+    layer's RoPE use ``position_ids`` instead.
+
+    Where ``hook_rot_q``/``hook_rot_k`` fire: ``x ← rotate(unrotate(x, arange), position_ids)``.
+    Otherwise (rotation inside the model without hooks) at the pre-rotation hooks:
+    ``x ← unrotate(rotate(x, position_ids), arange) = R_{ids − arange} x``, which the model's own
+    rotation then turns into ``R_ids x``. Equal to passing ``position_ids`` to the forward up to
+    float rounding.
+    """
+    spec, info = probe_hooks(model)
+    out: HookList = []
+
+    def at_rot(x: Tensor, hook: Any, rope: LayerRope) -> Tensor:
+        ar = torch.arange(x.shape[1], device=x.device)
+        new = _pos_for(position_ids, x.shape[0], x.device)
+        return rotate(unrotate(x.float(), ar, rope), new, rope).to(x.dtype)
+
+    def at_pre(x: Tensor, hook: Any, rope: LayerRope, bhsd: bool) -> Tensor:
+        xs = x.transpose(1, 2) if bhsd else x
+        ar = torch.arange(xs.shape[1], device=x.device)
+        new = _pos_for(position_ids, xs.shape[0], x.device)
+        y = unrotate(rotate(xs.float(), new, rope), ar, rope).to(x.dtype)
+        return y.transpose(1, 2) if bhsd else y
+
+    for layer in range(spec.n_layers):
+        rope = spec.layer(layer)
+        if info.rot_fires:
+            for h in ("hook_rot_q", "hook_rot_k"):
+                out.append((info.name(layer, h), functools.partial(at_rot, rope=rope)))
+        else:
+            for h in (info.q_hook, info.k_hook):
+                bhsd = h.endswith("_normed") and info.normed_layout == "bhsd"
+                out.append((info.name(layer, h), functools.partial(at_pre, rope=rope, bhsd=bhsd)))
+    return out
+
+
+def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None) -> HookList:
+    """T3, LM-Infinite style: replace ``hook_attn_scores`` by logits with distance ``min(i−j, cap)``.
+
+    Pre-rotation q/k of the layer are stashed by hooks on the q/k hooks, then the scores
+    hook returns :func:`posgen_tl.perturb.capped_scores` (``-inf`` on masked keys, the
+    layer's sliding window kept; Gemma-style logit soft-capping applied if the model has it).
+
+    Raises:
+        CaptureError: the model's ``hook_attn_scores`` are not pre-softmax logits.
+    """
+    spec, info = probe_hooks(model)
+    if info.scores_kind != "pre_softmax":
+        raise CaptureError(
+            f"{spec.model_name}: hook_attn_scores holds {info.scores_kind!r} values; cannot recompute capped logits"
+        )
+    softcap = spec.extra.get("attn_logit_softcapping")
+    layers = range(spec.n_layers) if layers is None else layers
+    out: HookList = []
+    for layer in sorted({int(x) % spec.n_layers for x in layers}):
+        rope, stash = spec.layer(layer), {}
+
+        def keep(x: Tensor, hook: Any, stash=stash, key="q", bhsd=False) -> None:
+            stash[key] = (x.transpose(1, 2) if bhsd else x).float()
+
+        def scores(w: Tensor, hook: Any, stash=stash, rope=rope) -> Tensor:
+            new = capped_scores(stash["q"], stash["k"], rope, cap)
+            if softcap:
+                new = torch.tanh(new / softcap) * softcap
+            stash.clear()
+            return new.to(w.dtype)
+
+        for key, h in (("q", info.q_hook), ("k", info.k_hook)):
+            bhsd = h.endswith("_normed") and info.normed_layout == "bhsd"
+            out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key, bhsd=bhsd)))
+        out.append((info.name(layer, "hook_attn_scores"), scores))
+    return out
+
+
+class StopForward(Exception):
+    """Raised by :func:`final_residual_hook` to end a forward pass before the unembedding."""
+
+
+def final_residual_hook(model: Any, store: dict, start: int, stop: int) -> tuple[str, Callable] | None:
+    """``(name, fn)`` on the final norm's output: stores ``x[:, start:stop]`` in ``store['resid']``
+    and raises :class:`StopForward` (so no full-vocabulary logits are computed).
+
+    Returns ``None`` when the model has no ``ln_final.hook_out`` or no ``unembed`` (then
+    compute full logits instead).
+    """
+    name = "ln_final.hook_out"
+    if name not in getattr(model, "hook_dict", {}) or not hasattr(model, "unembed"):
+        return None
+
+    def fn(x: Tensor, hook: Any) -> None:
+        store["resid"] = x[:, start:stop]
+        raise StopForward
+
+    return name, fn
