@@ -30,6 +30,7 @@ __all__ = [
     "causal_mask",
     "AdditiveFit",
     "fit_additive",
+    "normal_system",
     "D3Split",
     "d3_split",
     "d3_bound",
@@ -103,7 +104,7 @@ def _diag_sums(x: Float[Tensor, "batch query_pos key_pos"]) -> Float[Tensor, "ba
     return skew.sum(-2)[:, n - 1 :]
 
 
-def _normal_system(mask: Tensor, three_axis: bool, ridge: float) -> tuple[Tensor, Tensor]:
+def normal_system(mask: Tensor, three_axis: bool, ridge: float) -> tuple[Tensor, Tensor]:
     """``(XᵀX, cholesky(XᵀX + λI))`` for the additive design on ``mask`` (cached, float64).
 
     Parameter order ``[a_0..a_{n−1}, (b_0..b_{n−1},) c_0..c_{n−1}]``; ``XᵀX`` holds counts
@@ -185,7 +186,7 @@ def fit_additive(
 
     rhs_parts = [_diag_sums(wc)] + ([wc.sum(-1)] if three_axis else []) + [wc.sum(-2)]
     rhs = rearrange(torch.cat(rhs_parts, dim=-1), "b p -> p b")
-    xtx, factor = _normal_system(mask, three_axis, ridge)
+    xtx, factor = normal_system(mask, three_axis, ridge)
     beta = torch.cholesky_solve(rhs, factor)
     for _ in range(refine):
         beta = beta + torch.cholesky_solve(rhs - xtx @ beta, factor)

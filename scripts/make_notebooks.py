@@ -87,12 +87,13 @@ compares everything with a randomly initialised twin of the same model."""),
 def main() -> None:
     HERE.mkdir(exist_ok=True)
     books = {"01_quickstart.ipynb": quickstart()}
-    try:
-        from _notebooks_more import more  # noqa: PLC0415
+    import sys  # noqa: PLC0415
 
-        books.update(more(md, code, SETUP))
-    except ImportError:
-        pass
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from notebook_cells import feature_pattern_nb, patching_nb  # noqa: PLC0415
+
+    books["02_feature_pattern.ipynb"] = feature_pattern_nb(md, code, SETUP)
+    books["03_patching_tolerance.ipynb"] = patching_nb(md, code, SETUP)
     for name, cells in books.items():
         nb = nbf.v4.new_notebook()
         nb.cells = cells

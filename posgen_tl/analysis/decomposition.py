@@ -42,7 +42,7 @@ from torch import Tensor
 
 from posgen_tl.capture import QKCapture, probe_hooks, stream_qk
 from posgen_tl.corpus import CorpusLike, corpus_tokens
-from posgen_tl.decompose import _normal_system, causal_mask
+from posgen_tl.decompose import normal_system, causal_mask
 from posgen_tl.features import BandStats
 from posgen_tl.rope import angles, expand_kv, rotate, to_bands
 
@@ -152,7 +152,7 @@ def _geometry(n: int, sink: int, window: int | None, device: torch.device | str 
     dmask = torch.where(d_idx >= 0, md[i[:, None].expand(n, n), d_idx.clamp(min=0)], 0.0)
     ops = {}
     for three in (True, False):
-        xtx, factor = _normal_system(mask, three, _RIDGE)
+        xtx, factor = normal_system(mask, three, _RIDGE)
         m_inv = torch.cholesky_inverse(factor)
         e = torch.eye(m_inv.shape[0], dtype=m_inv.dtype) - m_inv @ xtx
         p = m_inv
