@@ -226,6 +226,10 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
         qn = got[(layer, "hook_q_normed")]
         normed_layout = "bhsd" if qn.ndim == 4 and qn.shape[1] == spec.n_heads and qn.shape[2] == 6 else "bshd"
     rot_fires = (layer, "hook_rot_q") in got and (layer, "hook_rot_k") in got
+    try:  # a bf16/fp16 model rounds its own rotation and scores to its precision
+        eps = torch.finfo(next(model.parameters()).dtype).eps
+    except (StopIteration, AttributeError, TypeError):
+        eps = 0.0
     lr = spec.layer(layer)
     q = _to_bshd(got[(layer, q_hook)], normed_layout if use_norm else "bshd")
     k = _to_bshd(got[(layer, k_hook)], normed_layout if use_norm else "bshd")
@@ -234,7 +238,7 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     if rot_fires:
         err = (rq - got[(layer, "hook_rot_q")]).abs().max().item()
         ref = got[(layer, "hook_rot_q")].abs().max().item() + 1e-12
-        if err > 1e-4 * ref:
+        if err > max(1e-4, 16 * eps) * ref:
             raise RopeError(
                 f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's hook_rot_q "
                 f"by {err:.3g} (max |rot_q| {ref:.3g}); the RoPE variant is not understood"
@@ -249,11 +253,11 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
             w = torch.tanh(w / cap) * cap
         tri = torch.ones(6, 6, dtype=torch.bool, device=w.device).tril()
         scale = w[..., tri].abs().max().item() + 1e-12
-        if (w - s)[..., tri].abs().max().item() <= 1e-4 * scale:
+        if (w - s)[..., tri].abs().max().item() <= max(1e-4, 16 * eps) * scale:
             scores_kind = "pre_softmax"
         else:
             p = torch.softmax(w.masked_fill(~tri, float("-inf")), dim=-1)
-            scores_kind = "post_softmax" if (p - s)[..., tri].abs().max().item() < 1e-4 else "unknown"
+            scores_kind = "post_softmax" if (p - s)[..., tri].abs().max().item() < max(1e-4, 16 * eps) else "unknown"
     info = HookInfo(q_hook, k_hook, normed_layout, rot_fires, scores_kind, pre)
     _PROBES[model] = (spec, info)
     return spec, info
@@ -318,7 +322,15 @@ def stream_qk(
                 x = t.detach()
                 if h in ("hook_q_normed", "hook_k_normed"):
                     x = _to_bshd(x, info.normed_layout)
-                d[h] = x.float()
+                x = x.float()
+                if h != "hook_attn_scores" and not bool(torch.isfinite(x).all()):
+                    bad = int((~torch.isfinite(x)).sum())
+                    raise CaptureError(
+                        f"{spec.model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{layer}.attn.{h} "
+                        f"(batch {b_idx}); the model's activations overflowed or the weights are corrupted — "
+                        "refusing to compute statistics from them"
+                    )
+                d[h] = x
                 if len(d) == len(need):
                     cap = _make_capture(layer, d, spec.layer(layer), info, pos, b_idx, offset)
                     del store[layer]

@@ -42,10 +42,19 @@ def exactness_table(
 
     Columns: ``layer, kind, rot_source, rot_q_max_err, rot_k_max_err, rot_ref,
     scores_kind, score_max_err, score_ref, score_rel_err, passed``. Errors are max
-    absolute differences; ``*_ref`` is the max |value| they are relative to.
+    absolute differences; ``*_ref`` is the max |value| they are relative to. Tolerances:
+    ``ROT_RTOL``/``SCORE_RTOL`` (1e-5) for float32 models, ``8·eps`` of the model dtype for
+    bf16/fp16 models (whose own rotation rounds to that precision).
     """
     spec, info = probe_hooks(model)
     rows: list[dict] = []
+    # a bf16/fp16 model rounds its own rotation: scale the tolerances with its precision
+    try:
+        eps = torch.finfo(next(model.parameters()).dtype).eps
+    except (StopIteration, AttributeError, TypeError):
+        eps = torch.finfo(torch.float32).eps
+    rot_tol, score_tol = max(ROT_RTOL, 8 * eps), max(SCORE_RTOL, 8 * eps)
+    pattern_tol = max(PATTERN_ATOL, 8 * eps)
     with_scores = info.scores_kind in ("pre_softmax", "post_softmax")
     cap = spec.extra.get("attn_logit_softcapping")
 
@@ -62,7 +71,7 @@ def exactness_table(
         else:
             row["rot_q_max_err"] = row["rot_k_max_err"] = float("nan")
         row["scores_kind"] = c.scores_kind
-        ok = c.rot_source != "hook" or max(row["rot_q_max_err"], row["rot_k_max_err"]) <= ROT_RTOL * ref
+        ok = c.rot_source != "hook" or max(row["rot_q_max_err"], row["rot_k_max_err"]) <= rot_tol * ref
         if c.scores is not None:
             w = c.logits()
             if cap:
@@ -72,12 +81,12 @@ def exactness_table(
                 w = torch.softmax(w.masked_fill(~m, float("-inf")), dim=-1)
                 err = (w - c.scores)[..., m].abs().max().item()
                 row.update(score_max_err=err, score_ref=1.0, score_rel_err=err)
-                ok &= err <= PATTERN_ATOL
+                ok &= err <= pattern_tol
             else:
                 err = (w - c.scores)[..., m].abs().max().item()
                 sref = c.scores[..., m].abs().max().item() + 1e-30
                 row.update(score_max_err=err, score_ref=sref, score_rel_err=err / sref)
-                ok &= err <= SCORE_RTOL * sref
+                ok &= err <= score_tol * sref
         else:
             row.update(score_max_err=float("nan"), score_ref=float("nan"), score_rel_err=float("nan"))
         row["passed"] = bool(ok)

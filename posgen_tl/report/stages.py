@@ -100,11 +100,29 @@ def decomposition_render(ctx) -> tuple[Section, dict]:
         paragraphs=lines + [f"D3 bound |W−f−g| ≤ s·Σ‖q‖‖k−k̄‖·2|sin(Δθ/2)| held on a fraction {_fmt(held, 4)} of the sampled entries (must be 1).",
                             "Paper (Llama, mid layers): r = 0.959 for its additive approximation; compare the trained r above, "
                             "and note how much of it the random twin already reaches."],
-        tables=[("Summary by layer group (mean ± std over heads × sequences)", summ)],
+        tables=[("Mean ± std over heads × sequences, first key (sink) excluded — trained beside its random twin",
+                 _compact_decomposition(summ))],
         figures=[(_png(ctx, "fig_decomposition_r.png"), "Per-layer mean r and within-row r, trained (solid) vs random twin (dashed)"),
                  (_png(ctx, "fig_decomposition_maps.png"), "One head: logits W, positional f, semantic g, residual W−f−g")],
     )
     return sec, res
+
+
+def _compact_decomposition(summ: pd.DataFrame) -> pd.DataFrame:
+    """Layer group × estimator rows; r and within-row r as 'mean ± std', trained | random columns."""
+    d = summ
+    if "sink_excluded" in d and d["sink_excluded"].astype(bool).any():
+        d = d[d["sink_excluded"].astype(bool)]
+    rows = []
+    order = {"early": 0, "middle": 1, "late": 2, "all": 3}
+    for (grp, est), g in sorted(d.groupby(["layer_group", "estimator"]), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1])):
+        row = {"layers": grp, "estimator": est}
+        for twin in ("trained", "random"):
+            t = g[g["twin"] == twin]
+            for m in ("r", "r_within", "r2"):
+                row[f"{m} {twin}"] = (f"{t[f'{m}_mean'].iloc[0]:.3f} ± {t[f'{m}_std'].iloc[0]:.3f}" if len(t) else "–")
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 # ----------------------------------------------------------------------------- feature pattern
@@ -245,7 +263,10 @@ def tolerance_render(ctx) -> tuple[Section, dict]:
                     "Reading: 'depends' needs matched damage AND a slope difference whose CI excludes 0; with few sequences a null "
                     "('no evidence') is expected and is not evidence of no effect."],
         tables=[("ΔNLL on the target span and tolerance slope, trained vs random twin", summ),
-                ("T1 − T2 (paired)", t12), ("Per intervention", csum[cols]), ("Verdicts", causal)],
+                ("T1 − T2 (paired)", t12), ("Per intervention", csum[cols]),
+                ("Verdicts", causal[[c for c in ["intervention", "control", "damage", "control_damage", "diff", "diff_lo",
+                                                 "diff_hi", "n_seq", "damage_matched", "verdict", "direction"]
+                                     if c in causal.columns]])],
         figures=[(_png(ctx, "fig_tolerance.png"), "ΔNLL vs swap fraction with 95 % CIs: T1 and T2, trained vs random twin")],
     )
     return sec, {"t1_vs_t2": t12.to_dict("records"), "causal": causal.to_dict("records")}

@@ -1,0 +1,168 @@
+"""Figures for METHOD.md §3 (feature pattern): each takes tidy frames and returns a Figure.
+
+Every figure shows the trained model beside its random-init twin, on a shared scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg", force=False)
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+__all__ = [
+    "plot_band_heatmaps",
+    "plot_pattern_distribution",
+    "plot_pattern_vs_d3",
+    "plot_phase_histogram",
+    "band_phases",
+]
+
+_TWIN_ORDER = ("trained", "random")
+_COLOURS = {"trained": "tab:blue", "random": "tab:orange"}
+
+
+def _twins(df: pd.DataFrame) -> list[str]:
+    present = list(dict.fromkeys(df["twin"]))
+    return [t for t in _TWIN_ORDER if t in present] + [t for t in present if t not in _TWIN_ORDER]
+
+
+def _one_model(df: pd.DataFrame, model: str | None) -> tuple[pd.DataFrame, str]:
+    models = list(dict.fromkeys(df["model"]))
+    if model is None:
+        if len(models) > 1:
+            raise ValueError(f"frame holds several models {models}: pass model=")
+        model = models[0] if models else ""
+    return df[df["model"] == model], str(model)
+
+
+def plot_band_heatmaps(
+    bands: pd.DataFrame, which: str = "k", stat: str = "offset_ratio", *, model: str | None = None,
+    cmap: str = "viridis",
+) -> Figure:
+    """Band × layer heat maps of ``stat`` (mean over heads), one panel per twin, one colour scale.
+
+    Args:
+        bands: ``PatternResult.bands`` / ``TwinPattern.bands`` (columns model, twin, layer,
+            which, head, band, ``stat``).
+        which: ``"q"`` or ``"k"``; stat: e.g. ``"offset_ratio"``, ``"energy_share"``,
+            ``"phase_concentration"``.
+
+    Returns:
+        Figure with one image per twin (x = layer, y = band, band 0 = fastest at the top);
+        NaN cells (a band with zero energy, e.g. zeroed by a QK-norm weight) are white.
+    """
+    df, model = _one_model(bands[bands["which"] == which], model)
+    if df.empty:
+        raise ValueError(f"no rows with which={which!r}")
+    twins = _twins(df)
+    grids = {t: df[df["twin"] == t].pivot_table(index="band", columns="layer", values=stat, aggfunc="mean")
+             for t in twins}
+    vals = np.concatenate([g.to_numpy().ravel() for g in grids.values()])
+    vals = vals[np.isfinite(vals)]
+    vmin, vmax = (float(vals.min()), float(vals.max())) if vals.size else (0.0, 1.0)
+    if stat in ("offset_ratio", "phase_concentration"):
+        vmin, vmax = 0.0, 1.0  # bounded statistics: the natural scale
+    fig, axes = plt.subplots(1, len(twins), figsize=(4.2 * len(twins) + 0.8, 4.0), squeeze=False,
+                             sharey=True, constrained_layout=True)
+    im = None
+    for ax, t in zip(axes[0], twins):
+        g = grids[t]
+        im = ax.imshow(g.to_numpy(), aspect="auto", origin="upper", vmin=vmin, vmax=vmax, cmap=cmap,
+                       interpolation="nearest",
+                       extent=(g.columns.min() - 0.5, g.columns.max() + 0.5, g.index.max() + 0.5, g.index.min() - 0.5))
+        ax.set_title(f"{t}")
+        ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_facecolor("white")  # NaN cells (bands with zero energy) show white
+    axes[0][0].set_ylabel("band (0 = fastest)")
+    fig.colorbar(im, ax=axes[0].tolist(), label=f"{stat} ({which}, mean over heads)")
+    fig.suptitle(f"{model}: {which} {stat} by band and layer")
+    return fig
+
+
+def plot_pattern_distribution(heads: pd.DataFrame, column: str = "pattern_score", *,
+                              model: str | None = None, bins: int = 30) -> Figure:
+    """Histogram of a per-head column (default the pattern score), trained vs random twin."""
+    df, model = _one_model(heads, model)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), constrained_layout=True)
+    vals = df[column].to_numpy(dtype=float)
+    vals = vals[np.isfinite(vals)]
+    edges = np.linspace(vals.min(), vals.max() + 1e-12, bins + 1) if vals.size else bins
+    for t in _twins(df):
+        x = df.loc[df["twin"] == t, column].to_numpy(dtype=float)
+        ax.hist(x[np.isfinite(x)], bins=edges, alpha=0.6, label=f"{t} (median {np.nanmedian(x):.3f})",
+                color=_COLOURS.get(t))
+    ax.set_xlabel(column)
+    ax.set_ylabel("heads")
+    ax.set_title(f"{model}: {column} per head")
+    ax.legend()
+    return fig
+
+
+def plot_pattern_vs_d3(merged: pd.DataFrame, x: str = "pattern_score", y: str = "r_within") -> Figure:
+    """Scatter of the per-head pattern score vs D3 within-row r, coloured by twin.
+
+    ``merged`` is the first output of :func:`posgen_tl.analysis.pattern.link_to_decomposition`.
+    The legend gives each twin's Pearson r across heads.
+    """
+    fig, ax = plt.subplots(figsize=(5.5, 4.2), constrained_layout=True)
+    for t in _twins(merged):
+        g = merged[merged["twin"] == t]
+        ok = np.isfinite(g[x].astype(float)) & np.isfinite(g[y].astype(float))
+        r = g.loc[ok, x].corr(g.loc[ok, y]) if ok.sum() > 2 else float("nan")
+        ax.scatter(g[x], g[y], s=12, alpha=0.7, color=_COLOURS.get(t), label=f"{t} (r = {r:.2f}, n = {int(ok.sum())})")
+    ax.set_xlabel(f"{x} (per head)")
+    ax.set_ylabel(f"D3 {y} (mean over sequences)")
+    ax.set_title("feature pattern vs D3 decomposition")
+    ax.legend()
+    return fig
+
+
+def band_phases(model: Any, tokens: torch.Tensor, layer: int, head: int, band: int,
+                which: str = "k", sink: int = 1) -> np.ndarray:
+    """Phase angles ``arg z_m`` (radians) of one head's band over a small batch, sink excluded.
+
+    Returns ``ndarray [tokens]``; ``head`` indexes kv-groups for ``which="k"``.
+    """
+    from posgen_tl.capture import capture_qk  # noqa: PLC0415
+    from posgen_tl.rope import to_bands  # noqa: PLC0415
+
+    cap = capture_qk(model, tokens, [layer])[layer]
+    x = (cap.q if which == "q" else cap.k)[:, sink:, head]  # batch pos d_head
+    z = to_bands(x.double(), cap.rope.rotary_dim, cap.rope.layout)[..., band]
+    z = z.reshape(-1)
+    return torch.angle(z[z.abs() > 0]).cpu().numpy()
+
+
+def plot_phase_histogram(model: Any, tokens: torch.Tensor, layer: int, head: int, band: int,
+                         which: str = "k", *, twin: Any = None, seed: int = 0, sink: int = 1,
+                         bins: int = 36) -> Figure:
+    """Polar histogram of one band's phase angle, trained vs its random-init twin (same tokens).
+
+    ``twin`` defaults to ``random_twin(model, seed)``. Keep ``tokens`` small: one layer is
+    captured in memory. Each panel's title gives the mean resultant length ``R``.
+    """
+    if twin is None:
+        from posgen_tl.models import random_twin  # noqa: PLC0415
+
+        twin = random_twin(model, seed)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 4), subplot_kw={"projection": "polar"}, constrained_layout=True)
+    edges = np.linspace(-np.pi, np.pi, bins + 1)
+    for ax, (label, m) in zip(axes, (("trained", model), ("random", twin))):
+        ph = band_phases(m, tokens, layer, head, band, which, sink)
+        counts, _ = np.histogram(ph, bins=edges)
+        dens = counts / max(1, counts.sum())
+        ax.bar(edges[:-1], dens, width=np.diff(edges), align="edge", color=_COLOURS[label], alpha=0.75)
+        R = float(np.abs(np.exp(1j * ph).mean())) if ph.size else float("nan")
+        ax.set_title(f"{label}: R = {R:.2f}")
+        ax.set_yticklabels([])
+    fig.suptitle(f"layer {layer}, {which} head {head}, band {band}: phase of z_m")
+    return fig
