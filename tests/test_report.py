@@ -1,0 +1,103 @@
+"""`posgen-tl report`: the quick run on the default model, interruption safety, resumption, rendering."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from posgen_tl.report import run as report_run
+from posgen_tl.report.run import ReportConfig, run_report
+
+pytestmark = [pytest.mark.real]
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory, smollm2):
+    out = tmp_path_factory.mktemp("report") / "r"
+    assert run_report(ReportConfig(out=str(out), quick=True, seq_len=64, n_seq=2)) == 0
+    return out
+
+
+def test_quick_report_writes_html_json_and_csvs(quick_report):
+    out = quick_report
+    html = (out / "report.html").read_text()
+    res = json.loads((out / "results.json").read_text())
+    assert set(res) >= {"exactness", "decomposition", "pattern", "tolerance", "heads", "config", "stage_seconds"}
+    assert res["exactness"]["passed"] is True
+    assert res["decomposition"]["bound_holds_min"] == 1.0
+    for est in ("D1", "D2", "D3"):
+        assert {"r_trained", "r_random"} <= set(res["decomposition"][est])
+    for name in ("exactness.csv", "decomposition.csv", "pattern_heads.csv", "tolerance_curves.csv", "causal_table.csv", "heads.csv"):
+        assert (out / name).stat().st_size > 100, name
+    # self-contained: no external resources, every figure is an embedded PNG that decodes
+    assert "http://" not in html and "https://" not in html and "<script" not in html
+    imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", html)
+    assert len(imgs) >= 10
+    for b64 in imgs:
+        png = base64.b64decode(b64)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
+    # every section shows its random twin or control
+    assert html.count("random") >= 10 and "control" in html
+
+
+def test_interrupted_report_leaves_no_complete_looking_files_and_resumes(tmp_path, monkeypatch, smollm2):
+    out = tmp_path / "r"
+    stages = list(report_run.STAGES)
+    calls = []
+
+    def interrupt(ctx):
+        raise KeyboardInterrupt
+
+    broken = [(n, (interrupt if n == "pattern" else f), r) for n, f, r in stages]
+    monkeypatch.setattr(report_run, "STAGES", broken)
+    cfg = ReportConfig(out=str(out), quick=True, seq_len=64, n_seq=2)
+    with pytest.raises(KeyboardInterrupt):
+        run_report(cfg)
+    assert not (out / "report.html").exists() and not (out / "results.json").exists()
+    done = sorted(p.name for p in (out / ".work").glob("*.done"))
+    assert done == ["decomposition.done", "exactness.done"]
+    # rerun: finished stages are not recomputed
+    counting = [(n, (lambda ctx, f=f, n=n: (calls.append(n), f(ctx))[1]), r) for n, f, r in stages]
+    monkeypatch.setattr(report_run, "STAGES", counting)
+    assert run_report(cfg) == 0
+    assert calls == ["pattern", "tolerance", "heads"]
+    assert (out / "report.html").exists() and (out / "results.json").exists()
+    # different arguments start afresh (the work folder is keyed by the configuration)
+    calls.clear()
+    assert run_report(ReportConfig(out=str(out), quick=True, seq_len=64, n_seq=2, seed=1)) == 0
+    assert calls == ["exactness", "decomposition", "pattern", "tolerance", "heads"]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium not installed")
+def test_report_renders_in_headless_chromium(quick_report, tmp_path):
+    shot = tmp_path / "shot.png"
+    r = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'prof'}", "--window-size=1200,4000", f"--screenshot={shot}",
+         (quick_report / "report.html").resolve().as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-500:]
+    from PIL import Image
+
+    im = Image.open(shot).convert("L")
+    assert im.size == (1200, 4000)
+    # figures rendered: a good part of the page is neither white background nor text-grey
+    hist = im.histogram()
+    non_white = sum(hist[:250]) / sum(hist)
+    assert non_white > 0.05
+
+
+def test_cli_quick_report(tmp_path, smollm2):
+    from posgen_tl.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["report", "--quick", "--seq-len", "64", "--n-seq", "2", "--out", str(out)]) == 0
+    assert (out / "report.html").exists()
