@@ -478,7 +478,7 @@ def decompose_model(
     sink: int = 1,
     n_ref: int = 8,
     batch_size: int = 4,
-    bound_rows: int = 64,
+    bound_rows: int = 32,
     twin_label: str = "trained",
     model_label: str | None = None,
     progress: bool = True,
