@@ -70,6 +70,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from posgen_tl import load_model
+    from posgen_tl.analysis import _moments as moments
     from posgen_tl.analysis import decomposition as dec
     from posgen_tl.capture import probe_hooks, stream_qk
     from posgen_tl.corpus import corpus_tokens
@@ -88,9 +89,9 @@ def main() -> None:
     _, t_fwd, m_fwd = measure(forward)
     _, t_cap, m_cap = measure(lambda: stream_qk(model, tokens, lambda c: None, batch_size=args.batch_size, progress=False))
     kms, t_ref, m_ref = measure(lambda: dec.reference_key_means(model, ref, sink=1, batch_size=args.batch_size, progress=False))
-    dec._GEOMS.clear()
+    moments._GEOMS.clear()
     windows = {spec.layer(i).sliding_window for i in range(spec.n_layers)}
-    _, t_geo, m_geo = measure(lambda: [dec._geometry(args.seq_len, s, w) for s in (0, 1) for w in windows])
+    _, t_geo, m_geo = measure(lambda: [moments._geometry(args.seq_len, s, w) for s in (0, 1) for w in windows])
     df, t_dec, m_dec = measure(lambda: dec.decompose_model(
         model, torch.cat([tokens, ref]), n_ref=args.n_ref, k_means=kms, batch_size=args.batch_size, progress=False))
     _, t_fwd2, _ = measure(forward)

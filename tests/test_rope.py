@@ -59,6 +59,8 @@ def test_relative_rotation_identity(rd, i, j):
     Ri = _dense64(i, rope64, d)
     Rj = _dense64(j, rope64, d)
     assert torch.allclose(Ri.T @ Rj, _dense64(j - i, rope64, d), atol=1e-10)
+    # the library's dense R_{j−i} (float32 angles, as the model) agrees to float32 precision
+    assert torch.allclose(relative_rotation_matrix(j - i, rope64, d), _dense64(j - i, rope64, d), atol=1e-5)
 
 
 def _dense64(p, rope, d):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from .html import Section, figure_to_png, render_html
+from .html import figure_to_png, render_html
 
 __all__ = ["run_report", "ReportConfig", "STAGES"]
 

@@ -1,0 +1,250 @@
+"""Score moments for the decomposition runner: every r, R² and within-row r of D1/D2/D3 from
+per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.analysis.decomposition`).
+
+* :class:`_Geometry` — a mask (causal, sink, window) with its cached D1/D2 least-squares operators
+  (``fit_additive``'s ridge solve plus refinement folded into one matrix per mask);
+* :class:`_Target` — one batch of logit maps, centred and masked in place, with its row/column/diagonal sums;
+* ``_fit_*`` / ``_d3_moments`` — moments (Σx, Σy, Σx², Σy², Σxy per row) of each approximation;
+* :func:`_scores` — Pearson r, R² and within-row r from those moments.
+
+Private: the public entry points are in :mod:`posgen_tl.analysis.decomposition`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from posgen_tl.decompose import causal_mask, normal_system
+
+_RIDGE, _REFINE = 1e-6, 3  # fit_additive's defaults
+
+# ----------------------------------------------------------------------------- masks and fit operators
+
+
+@dataclass
+class _Geometry:
+    """One scoring mask (``j ∈ [max(sink, i−w+1), i]``) and everything derived from it."""
+
+    n: int
+    sink: int
+    window: int | None
+    mask: Tensor  # bool [i j]
+    cnt: Tensor  # float64 [i] entries per row
+    dmask: Tensor  # float64 [i d]: (i, i−d) in mask
+    maskd: Tensor  # float64 [i j]
+    ncol: Tensor  # float64 [j]
+    ndiag: Tensor  # float64 [d]
+    amask: Tensor  # float64 [d]: distances in use
+    ops: dict  # three_axis -> P [p, p] float64
+
+
+_GEOMS: dict[tuple, _Geometry] = {}
+
+
+def _geometry(n: int, sink: int, window: int | None, device: torch.device | str = "cpu") -> _Geometry:
+    """Mask ``j ∈ [max(sink, i−w+1), i]`` with its counts and fit operators (LRU-cached, on ``device``)."""
+    key = (n, sink, window, str(device))
+    if key in _GEOMS:
+        return _GEOMS[key]
+    mask = causal_mask(n, sink, window)
+    md = mask.double()
+    i = torch.arange(n)
+    d_idx = (i[:, None] - i[None, :])  # [i, d] -> j = i − d
+    dmask = torch.where(d_idx >= 0, md[i[:, None].expand(n, n), d_idx.clamp(min=0)], 0.0)
+    ops = {}
+    for three in (True, False):
+        xtx, factor = normal_system(mask, three, _RIDGE)
+        m_inv = torch.cholesky_inverse(factor)
+        e = torch.eye(m_inv.shape[0], dtype=m_inv.dtype) - m_inv @ xtx
+        p = m_inv
+        for _ in range(_REFINE):  # β_{t+1} = β_t + M(r − Aβ_t)  ⇒  β = Σ_t E^t M r
+            p = m_inv + e @ p
+        ops[three] = p
+    g = _Geometry(n, sink, window, mask, md.sum(-1), dmask, md, md.sum(-2), dmask.sum(-2), (dmask.sum(-2) > 0).double(), ops)
+    for name in ("mask", "cnt", "dmask", "maskd", "ncol", "ndiag", "amask"):
+        setattr(g, name, getattr(g, name).to(device))
+    g.ops = {k: v.to(device) for k, v in ops.items()}
+    if len(_GEOMS) >= 6:
+        _GEOMS.pop(next(iter(_GEOMS)))
+    _GEOMS[key] = g
+    return g
+
+
+# ----------------------------------------------------------------------------- moments → scores
+
+
+@dataclass
+class _Moments:
+    """Per-map, per-row masked sums (float64 ``[maps, query_pos]``) of target x and approx y."""
+
+    sx: Tensor
+    sy: Tensor
+    sxx: Tensor
+    syy: Tensor
+    sxy: Tensor
+    xmax: Tensor  # [maps] magnitude of x (for the degeneracy test)
+    ymax: Tensor
+
+
+def _scores(m: _Moments, g: _Geometry) -> dict[str, Tensor]:
+    """r, R², within-row r from moments, with :mod:`posgen_tl.decompose`'s NaN rules."""
+    n = g.cnt.sum()
+    sx, sy = m.sx.sum(-1), m.sy.sum(-1)
+    vx = m.sxx.sum(-1) - sx * sx / n
+    vy = m.syy.sum(-1) - sy * sy / n
+    cov = m.sxy.sum(-1) - sx * sy / n
+
+    def degen(ss: Tensor, ref: Tensor, cnt: Tensor) -> Tensor:
+        return ss <= cnt * (1e-12 * ref) ** 2
+
+    r = torch.where(degen(vx, m.xmax, n) | degen(vy, m.ymax, n) | (n < 2), torch.nan, cov / (vx * vy).sqrt())
+    ssres = m.sxx.sum(-1) - 2 * m.sxy.sum(-1) + m.syy.sum(-1)
+    r2 = torch.where(degen(vx, m.xmax, n), torch.nan, 1 - ssres / vx)
+    ok = (g.cnt >= 2).double()
+    c = g.cnt.clamp(min=1)
+    wx = ((m.sxx - m.sx**2 / c) * ok).sum(-1)
+    wy = ((m.syy - m.sy**2 / c) * ok).sum(-1)
+    wxy = ((m.sxy - m.sx * m.sy / c) * ok).sum(-1)
+    nw = (g.cnt * ok).sum()
+    rw = torch.where(degen(wx, m.xmax, nw) | degen(wy, m.ymax, nw) | (nw < 2), torch.nan, wxy / (wx * wy).sqrt())
+    return {"r": r, "r2": r2, "r_within": rw}
+
+
+def _rowdot(x: Tensor, y: Tensor, cache: dict | None = None) -> Tensor:
+    """``Σ_j x[..., i, j]·y[..., i, j]`` → float64 ``[maps, query_pos]`` (float32 products and sums).
+
+    The product goes to a scratch buffer kept in ``cache`` (a fresh map-sized temporary per
+    call costs more in page faults than the arithmetic)."""
+    tmp = None if cache is None else cache.get("tmp")
+    if tmp is None or tmp.shape != x.shape or tmp.device != x.device:
+        tmp = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if cache is not None:
+            cache["tmp"] = tmp
+    return torch.mul(x, y, out=tmp).sum(-1).double()
+
+
+def _mask_(x: Tensor, g: _Geometry) -> Tensor:
+    """Zero the off-mask entries of ``x [maps, i, j]`` in place (``g.sink`` must be 0)."""
+    x.tril_()
+    if g.window is not None:
+        x.triu_(-(g.window - 1))
+    return x
+
+
+def _absmax(x: Tensor) -> Tensor:
+    """``max |x|`` over the last two axes, float64 ``[maps]`` (no temporary the size of x)."""
+    return torch.maximum(x.amin((-1, -2)).abs(), x.amax((-1, -2)).abs()).double()
+
+
+class _Target:
+    """The shifted, masked logit maps of one (batch, layer) and their sink-kept row sums.
+
+    ``x = (W − μ)·mask₀`` (``μ`` a per-map shift, the masked mean of the bound rows; any
+    constant works, it only keeps the moments from cancelling) lives in the right half of a
+    zero-padded ``[maps, n, 2n]`` buffer so that ``view[m, i, e] = x[m, i, i − (n−1−e)]`` is a
+    strided VIEW (no copy). The buffer is kept in ``cache`` and reused across the layers of
+    one run (its left half stays zero).
+    """
+
+    def __init__(self, W: Float[Tensor, "maps query_pos key_pos"], g0: _Geometry, mu: Tensor, cache: dict) -> None:
+        nm, n = W.shape[0], W.shape[-1]
+        buf = cache.get("buf")
+        if buf is None or buf.shape != (nm, n, 2 * n) or buf.device != W.device:
+            buf = cache["buf"] = W.new_zeros(nm, n, 2 * n)
+        x = buf[..., n:]
+        x.copy_(W)
+        _mask_(x.sub_(mu[:, None, None]), g0)
+        self.mu, self.x, self.n, self.cache = mu, x, n, cache
+        self.view = buf.as_strided((nm, n, n), (2 * n * n, 2 * n + 1, 1), 1)  # e = n−1−d
+        self.sx = x.sum(-1).double()
+        self.sxx = _rowdot(x, x, cache)
+        self.col = x.sum(-2).double()
+        self.diag = self.view.sum(-2).double().flip(-1)  # [maps, d]
+        self.xmax = _absmax(x) + mu.double().abs()
+
+    def sink_cols(self, sink: int) -> Tensor:
+        return self.x[..., :sink]
+
+    def moments_x(self, sink: int) -> tuple[Tensor, Tensor]:
+        """Row sums ``Σx``, ``Σx²`` over the mask with the first ``sink`` keys excluded."""
+        if sink == 0:
+            return self.sx, self.sxx
+        s = self.sink_cols(sink).double()
+        return self.sx - s.sum(-1), self.sxx - (s * s).sum(-1)
+
+
+def _fit_solve(t: _Target, g: _Geometry, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(mean, a, b, c)`` of ``fit_additive(x, g.mask, three_axis)`` (float64; ``b = 0`` for D2)."""
+    n, s = t.n, g.sink
+    sx, _ = t.moments_x(s)
+    diag, col = t.diag.clone(), t.col.clone()
+    if s:
+        cols = t.sink_cols(s).double()
+        for c in range(s):  # entry (i, c) sits on diagonal d = i − c
+            diag[:, : n - c] -= cols[:, c:, c]
+        col[:, :s] = 0.0
+    mean = sx.sum(-1) / g.cnt.sum()
+    parts = [diag - mean[:, None] * g.ndiag] + ([sx - mean[:, None] * g.cnt] if three_axis else [])
+    rhs = torch.cat(parts + [col - mean[:, None] * g.ncol], dim=-1)
+    beta = rhs @ g.ops[three_axis].T
+    a, c_ = beta[:, :n], beta[:, -n:]
+    b = beta[:, n : 2 * n] if three_axis else torch.zeros_like(a)
+    return mean, a, b, c_
+
+
+def _fit_moments(t: _Target, g: _Geometry, fit: tuple, xc: Tensor, xa: Tensor) -> _Moments:
+    """Moments of x and of the fitted map ``mean + a[i−j] + b[i] + c[j]`` on mask ``g``.
+
+    ``xc = Σ_j x_ij c_j`` and ``xa = Σ_d x[i, i−d] a_d`` over the sink-KEPT mask (``[maps, i]``).
+    """
+    n, s, dev = t.n, g.sink, t.x.device
+    mean, a, b, c_ = fit
+    sx, sxx = t.moments_x(s)
+    mi = mean[:, None] + b
+    a1, a2 = a @ g.dmask.T, (a * a) @ g.dmask.T
+    c1, c2 = c_ @ g.maskd.T, (c_ * c_) @ g.maskd.T
+    am = a * g.amask
+    cm = c_ * (torch.arange(n, device=dev) >= s).double()
+    conv = torch.fft.irfft(torch.fft.rfft(am, 2 * n) * torch.fft.rfft(cm, 2 * n), 2 * n)[:, :n]
+    sy = g.cnt * mi + a1 + c1
+    syy = g.cnt * mi * mi + a2 + c2 + 2 * mi * (a1 + c1) + 2 * conv
+    if s:
+        cols = t.sink_cols(s).double()
+        xc = xc - (cols * c_[:, None, :s]).sum(-1)
+        ii, cc = torch.arange(n, device=dev)[:, None], torch.arange(s, device=dev)[None, :]
+        a_ic = a[:, (ii - cc).clamp(min=0)] * (ii >= cc)  # [maps, i, c]: a_{i−c}
+        xa = xa - (cols * a_ic).sum(-1)
+    sxy = mi * sx + xc + xa
+    ymax = mean.abs() + b.abs().amax(-1) + a.abs().amax(-1) + c_.abs().amax(-1)
+    return _Moments(sx, sy, sxx, syy, sxy, t.xmax, ymax)
+
+
+def _all_fit_moments(t: _Target, geoms: dict[int, _Geometry]) -> dict[tuple[int, str], _Moments]:
+    """D1 and D2 on every mask; the two map-sized products for all fits in one pass each."""
+    fits = {(s, est): _fit_solve(t, g, est == "D1") for s, g in geoms.items() for est in ("D1", "D2")}
+    keys = list(fits)
+    cs = torch.stack([fits[k][3] for k in keys], -1).float()  # [maps, j, fits]
+    as_ = torch.stack([fits[k][1].flip(-1) for k in keys], -1).float()
+    xc, xa = torch.bmm(t.x, cs).double(), torch.bmm(t.view, as_).double()
+    return {k: _fit_moments(t, geoms[k[0]], fits[k], xc[..., i], xa[..., i]) for i, k in enumerate(keys)}
+
+
+def _d3_moments(t: _Target, y: Tensor, g0: _Geometry, sinks: Sequence[int]) -> dict[int, _Moments]:
+    """Moments of x and the D3 approximation ``y = f + g`` (float32 ``[maps, i, j]``, modified in place)."""
+    _mask_(y.sub_(t.mu[:, None, None]), g0)
+    sy, syy, sxy = y.sum(-1).double(), _rowdot(y, y, t.cache), _rowdot(t.x, y, t.cache)
+    ymax = _absmax(y) + t.mu.double().abs()
+    out = {}
+    for s in sinks:
+        sx, sxx = t.moments_x(s)
+        if s:
+            yc, xc = y[..., :s].double(), t.sink_cols(s).double()
+            out[s] = _Moments(sx, sy - yc.sum(-1), sxx, syy - (yc * yc).sum(-1), sxy - (xc * yc).sum(-1), t.xmax, ymax)
+        else:
+            out[s] = _Moments(sx, sy, sxx, syy, sxy, t.xmax, ymax)
+    return out
