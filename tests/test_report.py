@@ -97,6 +97,13 @@ def test_report_renders_in_headless_chromium(quick_report, tmp_path):
 def test_cli_quick_report(tmp_path, smollm2):
     from posgen_tl.cli import main
 
+    from posgen_tl.corpus import default_texts
+
+    corpus = tmp_path / "corpus.txt"  # a user's own text file (here: reversed pydoc documents)
+    corpus.write_text("\n\n".join(reversed(default_texts()[:20])), encoding="utf-8")
     out = tmp_path / "cli"
-    assert main(["report", "--quick", "--seq-len", "64", "--n-seq", "2", "--out", str(out)]) == 0
+    assert main(["report", "--quick", "--seq-len", "64", "--n-seq", "2", "--corpus", str(corpus), "--out", str(out)]) == 0
     assert (out / "report.html").exists()
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["corpus"] == str(corpus) and res["exactness"]["passed"] is True
+    assert str(corpus) in (out / "report.html").read_text()
