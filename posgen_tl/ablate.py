@@ -42,7 +42,7 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
-from .capture import CaptureError, probe_hooks, stream_qk
+from .capture import CaptureError, StopForward, probe_hooks, stream_qk
 from .features import BandStats
 from .perturb import capped_scores
 from .rope import LayerRope, from_bands, rotate, to_bands, unrotate
@@ -382,10 +382,6 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
             out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key, bhsd=bhsd)))
         out.append((info.name(layer, "hook_attn_scores"), scores))
     return out
-
-
-class StopForward(Exception):
-    """Raised by :func:`final_residual_hook` to end a forward pass before the unembedding."""
 
 
 def final_residual_hook(model: Any, store: dict, start: int, stop: int) -> tuple[str, Callable] | None:

@@ -33,6 +33,7 @@ __all__ = [
     "QKCapture",
     "HookInfo",
     "CaptureError",
+    "StopForward",
     "probe_hooks",
     "stream_qk",
     "capture_qk",
@@ -46,8 +47,8 @@ class CaptureError(RuntimeError):
     """The model's hooks cannot give what was asked (named in the message)."""
 
 
-class _StopForward(Exception):
-    """Raised inside a hook to end the forward pass once every needed layer is seen."""
+class StopForward(Exception):
+    """Raised inside a hook to end a forward pass early (nothing after it — e.g. the logits — is computed)."""
 
 
 @dataclass
@@ -336,7 +337,7 @@ def stream_qk(
                     del store[layer]
                     fn(cap)
                     if layer == last_layer:
-                        raise _StopForward
+                        raise StopForward
 
             fwd = list(extra_hooks)
             for layer in layers:
@@ -345,7 +346,7 @@ def stream_qk(
             with torch.no_grad(), hooks_attached(model, fwd):
                 try:
                     _forward(model, batch, pos_arg)
-                except _StopForward:
+                except StopForward:
                     pass
             if store:
                 raise CaptureError(

@@ -283,10 +283,11 @@ def decompose_model(
                 twin_label=twin_label, model_label=model_label, progress=progress, extra_hooks=extra_hooks)
 
 
-def decompose_with_twin(model: Any, corpus: CorpusLike = None, *, seed: int = 0, **kw: Any) -> pd.DataFrame:
+def decompose_with_twin(model: Any, corpus: CorpusLike = None, *, seed: int = 0, twin: Any = None, **kw: Any) -> pd.DataFrame:
     """:func:`decompose_model` for ``model`` (twin ``'trained'``) and ``random_twin(model, seed)``
     (twin ``'random'``) on the SAME token sequences (and the same reference sequences, each
-    model computing its own ``k̄``); both frames concatenated, ``model`` label shared."""
+    model computing its own ``k̄``); both frames concatenated, ``model`` label shared.
+    ``twin``: an already-built ``random_twin(model, seed)`` to reuse (built here if None)."""
     from posgen_tl.models import random_twin  # noqa: PLC0415
 
     kw = dict(kw)
@@ -297,7 +298,7 @@ def decompose_with_twin(model: Any, corpus: CorpusLike = None, *, seed: int = 0,
     both = torch.cat([tokens, ref])
     label = kw.pop("model_label", None) or probe_hooks(model)[0].model_name
     trained = decompose_model(model, both, twin_label="trained", model_label=label, n_seq=len(tokens), **kw)
-    twin = random_twin(model, seed)
+    twin = random_twin(model, seed) if twin is None else twin
     random = decompose_model(twin, both, twin_label="random", model_label=label, n_seq=len(tokens), **kw)
     return pd.concat([trained, random], ignore_index=True)
 

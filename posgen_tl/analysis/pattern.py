@@ -254,11 +254,13 @@ def feature_pattern(
                                      model=model_label or _model_label(model), twin=twin_label, sink=sink)
 
 
-def feature_pattern_with_twin(model: Any, corpus: Any = None, seed: int = 0, **kw: Any) -> TwinPattern:
+def feature_pattern_with_twin(model: Any, corpus: Any = None, seed: int = 0, *, twin: Any = None,
+                              **kw: Any) -> TwinPattern:
     """:func:`feature_pattern` of ``model`` and of ``random_twin(model, seed)`` on the same tokens.
 
     Both results carry the trained model's label in ``model``; ``twin`` is
-    ``"trained"`` / ``"random"``. ``kw`` go to :func:`feature_pattern`.
+    ``"trained"`` / ``"random"``. ``kw`` go to :func:`feature_pattern`. ``twin``: an
+    already-built ``random_twin(model, seed)`` to reuse (built here if None).
     """
     from posgen_tl.models import random_twin  # noqa: PLC0415
 
@@ -267,7 +269,7 @@ def feature_pattern_with_twin(model: Any, corpus: Any = None, seed: int = 0, **k
     label = kw.pop("model_label", None) or _model_label(model)
     kw.pop("twin_label", None)
     trained = feature_pattern(model, tokens, model_label=label, twin_label="trained", **kw)
-    twin = random_twin(model, seed)
+    twin = random_twin(model, seed) if twin is None else twin
     rand = feature_pattern(twin, tokens, model_label=label, twin_label="random", **kw)
     del twin
     return TwinPattern(trained, rand)

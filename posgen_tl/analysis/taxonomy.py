@@ -264,14 +264,16 @@ def head_table(model_or_df: Any, corpus: Any = None, **kw: Any) -> pd.DataFrame:
     return df[df["band"] == -1][HEAD_COLUMNS].reset_index(drop=True)
 
 
-def head_taxonomy_with_twin(model: Any, corpus: Any = None, seed: int = 0, **kw: Any) -> pd.DataFrame:
+def head_taxonomy_with_twin(model: Any, corpus: Any = None, seed: int = 0, *, twin: Any = None,
+                            **kw: Any) -> pd.DataFrame:
     """:func:`head_taxonomy` of the trained model and of ``random_twin(model, seed)`` on the
-    SAME tokens (``twin`` = ``'trained'`` / ``'random'``), concatenated (same columns)."""
+    SAME tokens (``twin`` = ``'trained'`` / ``'random'``), concatenated (same columns).
+    ``twin``: an already-built ``random_twin(model, seed)`` to reuse (built here if None)."""
     n_prompts, seq_len = kw.pop("n_prompts", 8), kw.pop("seq_len", 256)
     tokens = _tokens(model, corpus, n_prompts, seq_len)
     label = kw.pop("model_label", None) or str(getattr(getattr(model, "cfg", None), "model_name", "model"))
     trained = head_taxonomy(model, tokens, n_prompts=n_prompts, model_label=label, twin_label="trained", **kw)
-    twin = random_twin(model, seed)
+    twin = random_twin(model, seed) if twin is None else twin
     rand = head_taxonomy(twin, tokens, n_prompts=n_prompts, model_label=label, twin_label="random", **kw)
     return pd.concat([trained, rand], ignore_index=True)
 

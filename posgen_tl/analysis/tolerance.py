@@ -271,13 +271,17 @@ def matched_alpha(
 def tolerance_rows(
     model: Any, tokens: Tensor, interventions: Sequence[Intervention], *, k_means: dict | None = None,
     fracs: Sequence[float] = (0.0, 0.05, 0.1, 0.2), seeds: Sequence[int] = (0, 1), target_len: int = 64,
-    mode: str = "T1", batch_size: int = 4, include_none: bool = True,
+    mode: str = "T1", batch_size: int = 4, include_none: bool = True, base: Tensor | None = None,
 ) -> pd.DataFrame:  # fmt: skip
     """Per-sequence rows of the T1/T2 curve under each intervention (plus ``none``):
-    ``intervention, kind, alpha, mode, seq, frac, seed, clean_nll, nll, delta, base_clean_nll``."""
+    ``intervention, kind, alpha, mode, seq, frac, seed, clean_nll, nll, delta, base_clean_nll``.
+
+    ``base``: the clean target NLL without intervention (:func:`nll_on_target`), if already
+    computed — saves one forward pass over ``tokens``."""
     if k_means is None and any(iv.kind != "noop" for iv in interventions):
         k_means = key_means(model, tokens[:, : tokens.shape[1] - target_len])
-    base = nll_on_target(model, tokens, target_len=target_len, batch_size=batch_size)
+    if base is None:
+        base = nll_on_target(model, tokens, target_len=target_len, batch_size=batch_size)
     todo = ([None] if include_none else []) + list(interventions)
     frames = []
     for iv in tqdm(todo, desc="interventions", leave=False):

@@ -117,7 +117,15 @@ class Context:
     work: Work
     model: Any
     model_name: str
-    _tokens: Any = None
+    _twin: Any = None
+
+    def twin(self):
+        """``random_twin(model, cfg.seed)``, built once per report run and shared by every stage."""
+        if self._twin is None:
+            from ..models import random_twin  # noqa: PLC0415
+
+            self._twin = random_twin(self.model, self.cfg.seed)
+        return self._twin
 
     def tokens(self, n_seq: int | None = None, seq_len: int | None = None):
         from ..corpus import corpus_tokens  # noqa: PLC0415

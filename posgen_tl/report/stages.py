@@ -65,7 +65,7 @@ def decomposition_compute(ctx) -> None:
 
     n_ref = _n_ref(ctx)
     toks = ctx.tokens(n_seq=ctx.cfg.n_seq + n_ref)
-    df = decompose_with_twin(ctx.model, toks, seed=ctx.cfg.seed, layers=_layers(ctx), n_seq=ctx.cfg.n_seq,
+    df = decompose_with_twin(ctx.model, toks, seed=ctx.cfg.seed, twin=ctx.twin(), layers=_layers(ctx), n_seq=ctx.cfg.n_seq,
                              seq_len=ctx.cfg.seq_len, n_ref=n_ref, batch_size=4)
     ctx.work.save_df("decomposition.csv", df)
     ctx.work.save_df("decomposition_summary.csv", summarize_decomposition(df))
@@ -134,7 +134,7 @@ def pattern_compute(ctx) -> None:
     from .run import _layers  # noqa: PLC0415
 
     n = ctx.cfg.n_seq * (1 if ctx.cfg.quick else 2)
-    tw = feature_pattern_with_twin(ctx.model, ctx.tokens(n_seq=n), seed=ctx.cfg.seed, layers=_layers(ctx),
+    tw = feature_pattern_with_twin(ctx.model, ctx.tokens(n_seq=n), seed=ctx.cfg.seed, twin=ctx.twin(), layers=_layers(ctx),
                                    n_seq=n, seq_len=ctx.cfg.seq_len, batch_size=4)
     bands = tw.bands
     mean_bands = bands.groupby(["model", "twin", "layer", "which", "band"], as_index=False)[
@@ -197,7 +197,6 @@ def tolerance_compute(ctx) -> None:
     from ..ablate import key_means  # noqa: PLC0415
     from ..analysis import tolerance as tol  # noqa: PLC0415
     from ..capture import probe_hooks  # noqa: PLC0415
-    from ..models import random_twin  # noqa: PLC0415
     from .fig_tolerance import plot_tolerance_curves  # noqa: PLC0415
 
     cfg = ctx.cfg
@@ -208,10 +207,8 @@ def tolerance_compute(ctx) -> None:
     curves = [tol.transposition_curve(ctx.model, toks, fracs=fracs, seeds=seeds, target_len=target,
                                       modes=("T1", "T2")).assign(twin="trained")]
     if cfg.twin:
-        twin = random_twin(ctx.model, cfg.seed)
-        curves.append(tol.transposition_curve(twin, toks, fracs=fracs, seeds=seeds[:1], target_len=target,
+        curves.append(tol.transposition_curve(ctx.twin(), toks, fracs=fracs, seeds=seeds[:1], target_len=target,
                                               modes=("T1", "T2")).assign(twin="random"))
-        del twin
     curves = pd.concat(curves, ignore_index=True)
     ctx.work.save_df("tolerance_curves.csv", curves)
     summ = pd.concat([tol.curve_summary(g, by=("mode",)).assign(twin=t) for t, g in curves.groupby("twin")])
@@ -230,7 +227,7 @@ def tolerance_compute(ctx) -> None:
                                  max_iter=2 if cfg.quick else 6)
     control = control.with_alpha(alpha)
     ivs = [destroy_fast, control] if cfg.quick else [destroy_fast, control, enforce_fast, destroy_slow]
-    rows = tol.tolerance_rows(ctx.model, toks, ivs, k_means=km, fracs=fracs, seeds=seeds, target_len=target)
+    rows = tol.tolerance_rows(ctx.model, toks, ivs, k_means=km, fracs=fracs, seeds=seeds, target_len=target, base=base)
     ctx.work.save_df("causal_rows.csv", rows)
     summary = tol.summarize_tolerance(rows)
     ctx.work.save_df("causal_summary.csv", summary)
@@ -282,7 +279,7 @@ def heads_compute(ctx) -> None:
 
     n = 2 if ctx.cfg.quick else 4
     block = max(8, min(32, ctx.cfg.seq_len // 8))
-    df = head_taxonomy_with_twin(ctx.model, ctx.tokens(n_seq=n), seed=ctx.cfg.seed, layers=_layers(ctx),
+    df = head_taxonomy_with_twin(ctx.model, ctx.tokens(n_seq=n), seed=ctx.cfg.seed, twin=ctx.twin(), layers=_layers(ctx),
                                  n_prompts=n, seq_len=ctx.cfg.seq_len, block_len=block)
     heads = head_table(df)
     ctx.work.save_df("heads.csv", heads)
