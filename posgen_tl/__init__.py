@@ -21,7 +21,7 @@ from .decompose import (
     score_maps,
     within_row_r,
 )
-from .ablate import Intervention, intervention_hooks, key_means, noop_hooks, reposition_hooks, distance_cap_hooks
+from .interventions import Intervention, intervention_hooks, key_means, noop_hooks, reposition_hooks, distance_cap_hooks
 from .analysis.decomposition import decompose_model, decompose_with_twin, summarize_decomposition
 from .analysis.pattern import PatternResult, feature_pattern, feature_pattern_with_twin, link_to_decomposition
 from .analysis.taxonomy import head_table, head_taxonomy, head_taxonomy_with_twin, taxonomy_agreement
@@ -41,10 +41,10 @@ from .exactness import exactness_table
 from .features import BandStats, band_stats, distance_weights, pattern_scores, stats_frame
 from .models import DEFAULT_MODEL, ZOO, ModelLoadError, cache_dir, load_model, random_twin
 from .perturb import adjacent_swap_permutation, bootstrap_ci, capped_scores, position_ids_for_permutation, slope_ci
-from .report.fig_decomposition import plot_head_maps, plot_r_by_layer
-from .report.fig_heads import plot_frequency_usage, plot_positional_symbolic_plane, plot_taxonomy_vs_share
-from .report.fig_pattern import plot_band_heatmaps, plot_pattern_vs_d3, plot_phase_histogram
-from .report.fig_tolerance import plot_dose_response, plot_length, plot_tolerance_curves
+from .plot.decomposition import plot_head_maps, plot_r_by_layer
+from .plot.heads import plot_frequency_usage, plot_positional_symbolic_plane, plot_taxonomy_vs_share
+from .plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3, plot_phase_histogram
+from .plot.tolerance import plot_dose_response, plot_length, plot_tolerance_curves
 from .rope import LayerRope, RopeError, RopeSpec, rotate, scores_from_rotated, to_bands, unrotate
 from .rope_spec import rope_spec
 

@@ -1,5 +1,5 @@
 """Hook-based, streaming capture of pre- and post-rotation q/k — the only module that
-walks TransformerLens hook names (with :mod:`posgen_tl.ablate` for writing hooks).
+walks TransformerLens hook names (with :mod:`posgen_tl.interventions` for writing hooks).
 
 Which tensor is "pre-rotation"? The one that enters RoPE: ``hook_q``/``hook_k`` on
 plain models, ``hook_q_normed``/``hook_k_normed`` on models with QK-norm (Gemma3),
@@ -286,7 +286,7 @@ def stream_qk(
     ``fn`` runs inside the forward pass, right after the layer's q/k (and scores) are
     available; the capture is dropped afterwards, so memory is one layer of one batch.
     The pass stops after the last requested layer. ``extra_hooks`` (e.g. an
-    intervention from :mod:`posgen_tl.ablate`) are attached for the same passes;
+    intervention from :mod:`posgen_tl.interventions`) are attached for the same passes;
     captured q/k then show their effect.
 
     Hooks are removed when this returns or raises (KeyboardInterrupt included).

@@ -109,6 +109,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")  # the report writes PNGs; only the CLI picks a backend, never an import
     from .report.run import run_report  # noqa: PLC0415
 
     return run_report(args)

@@ -23,12 +23,13 @@ import shutil
 import tempfile
 import time
 import warnings
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from .corpus import NATIVE_BOS, tokenizer_adds_bos
 
 __all__ = [
     "ZOO",
@@ -240,15 +241,10 @@ def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose
     return hf, tok, "gguf"
 
 
-#: the tokenizer's own BOS policy, recorded before TransformerLens wraps the tokenizer
-#: (the bridge's tokenizer prepends a BOS that e.g. SmolLM2's own tokenizer does not add)
-NATIVE_BOS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 def _boot(hf, tok, name: str, device: str):
     from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
-
-    from .corpus import tokenizer_adds_bos  # noqa: PLC0415
 
     native_bos = tokenizer_adds_bos(tok) if tok is not None else False
     with warnings.catch_warnings():

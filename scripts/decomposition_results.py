@@ -30,7 +30,7 @@ import pandas as pd  # noqa: E402
 from posgen_tl import load_model  # noqa: E402
 from posgen_tl.analysis.decomposition import decompose_with_twin, summarize_decomposition  # noqa: E402
 from posgen_tl.capture import probe_hooks  # noqa: E402
-from posgen_tl.report.fig_decomposition import plot_r_by_layer  # noqa: E402
+from posgen_tl.plot.decomposition import plot_r_by_layer  # noqa: E402
 
 
 def parse_layers(text: str | None, n_layers: int) -> list[int] | None:

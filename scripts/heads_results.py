@@ -21,7 +21,7 @@ import torch
 
 from posgen_tl import load_model
 from posgen_tl.analysis.taxonomy import head_table, head_taxonomy_with_twin, taxonomy_agreement
-from posgen_tl.report.fig_heads import (
+from posgen_tl.plot.heads import (
     plot_frequency_usage,
     plot_positional_symbolic_plane,
     plot_taxonomy_vs_share,

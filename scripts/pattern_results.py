@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from posgen_tl.analysis.pattern import feature_pattern_with_twin, link_to_decomposition
     from posgen_tl.corpus import corpus_tokens
     from posgen_tl.models import load_model, random_twin
-    from posgen_tl.report.fig_pattern import (
+    from posgen_tl.plot.pattern import (
         plot_band_heatmaps,
         plot_pattern_distribution,
         plot_pattern_vs_d3,

@@ -19,12 +19,12 @@ torch.set_num_threads(1)
 
 import pandas as pd  # noqa: E402
 
-from posgen_tl.ablate import Intervention, intervention_hooks, key_means  # noqa: E402
+from posgen_tl.interventions import Intervention, intervention_hooks, key_means  # noqa: E402
 from posgen_tl.analysis import tolerance as tol  # noqa: E402
 from posgen_tl.capture import probe_hooks  # noqa: E402
 from posgen_tl.corpus import corpus_tokens  # noqa: E402
 from posgen_tl.models import load_model, random_twin  # noqa: E402
-from posgen_tl.report.fig_tolerance import plot_dose_response, plot_length, plot_tolerance_curves  # noqa: E402
+from posgen_tl.plot.tolerance import plot_dose_response, plot_length, plot_tolerance_curves  # noqa: E402
 
 
 def floats(s: str) -> tuple[float, ...]:

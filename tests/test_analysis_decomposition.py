@@ -155,7 +155,7 @@ def test_summary_groups():
 
 
 def test_figures():
-    from posgen_tl.report.fig_decomposition import plot_head_maps, plot_r_by_layer
+    from posgen_tl.plot.decomposition import plot_head_maps, plot_r_by_layer
 
     model = tm.hf_llama()[0]
     df = decompose_with_twin(model, _tokens(), n_ref=N_REF, batch_size=2, bound_rows=8, progress=False)

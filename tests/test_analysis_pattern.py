@@ -181,7 +181,7 @@ def test_link_to_decomposition_correlations():
 def test_figures(native):
     from matplotlib.figure import Figure
 
-    from posgen_tl.report.fig_pattern import (
+    from posgen_tl.plot.pattern import (
         plot_band_heatmaps,
         plot_pattern_distribution,
         plot_pattern_vs_d3,

@@ -134,7 +134,7 @@ def test_block_layout_rejects_too_long_blocks():
 def test_figures(llama):
     import matplotlib.pyplot as plt
 
-    from posgen_tl.report.fig_heads import (
+    from posgen_tl.plot.heads import (
         plot_frequency_usage,
         plot_positional_symbolic_plane,
         plot_taxonomy_vs_share,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl.ablate import Intervention, distance_cap_hooks, key_means, reposition_hooks
+from posgen_tl.interventions import Intervention, distance_cap_hooks, key_means, reposition_hooks
 from posgen_tl.analysis import tolerance as tol
 from posgen_tl.capture import CaptureError
 from posgen_tl.perturb import adjacent_swap_permutation, nll_from_logits, position_ids_for_permutation
@@ -152,7 +152,7 @@ def test_tolerance_under_intervention_runs(llama):
 def test_figures_return_figures(llama):
     from matplotlib.figure import Figure
 
-    from posgen_tl.report.fig_tolerance import plot_dose_response, plot_length, plot_tolerance_curves
+    from posgen_tl.plot.tolerance import plot_dose_response, plot_length, plot_tolerance_curves
 
     df = pd.concat([_rows("none", "none", 1.0, 0.0), _rows("iv @0.5", "destroy", 0.5, 0.2)], ignore_index=True)
     df["alpha"] = np.where(df["intervention"] == "none", 0.0, 0.5)

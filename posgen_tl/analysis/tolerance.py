@@ -2,7 +2,7 @@
 
 T1 swaps adjacent tokens in the context, T2 applies the same swaps to position ids only, T3
 reads NLL by position with/without an LM-Infinite distance cap. Tolerance of a model (or of
-a model under an :class:`~posgen_tl.ablate.Intervention`) is the least-squares slope of
+a model under an :class:`~posgen_tl.interventions.Intervention`) is the least-squares slope of
 ΔNLL (target span) over the swap fraction ``p``, with a bootstrap CI over sequences.
 
 Units and CIs: the unit is a sequence (seeds are averaged within a sequence first); every
@@ -20,7 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..ablate import (
+from ..interventions import (
     Intervention,
     StopForward,
     distance_cap_hooks,
@@ -201,7 +201,7 @@ def length_curve(
 ) -> pd.DataFrame:  # fmt: skip
     """T3: mean NLL per position bucket, one row per (sequence, bucket): ``cap`` (None or
     int), ``bucket_start``, ``nll``. With ``cap`` the attention logits are recomputed with
-    distance ``min(i − j, cap)`` (:func:`posgen_tl.ablate.distance_cap_hooks`)."""
+    distance ``min(i − j, cap)`` (:func:`posgen_tl.interventions.distance_cap_hooks`)."""
     tokens = check_tokens(model, tokens, probe_hooks(model)[0])
     hooks = list(fwd_hooks) + (distance_cap_hooks(model, cap) if cap is not None else [])
     rows = []

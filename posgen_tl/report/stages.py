@@ -60,7 +60,7 @@ def _n_ref(ctx) -> int:
 
 def decomposition_compute(ctx) -> None:
     from ..analysis.decomposition import decompose_with_twin, summarize_decomposition  # noqa: PLC0415
-    from .fig_decomposition import plot_head_maps, plot_r_by_layer  # noqa: PLC0415
+    from ..plot.decomposition import plot_head_maps, plot_r_by_layer  # noqa: PLC0415
     from .run import _layers  # noqa: PLC0415
 
     n_ref = _n_ref(ctx)
@@ -130,7 +130,7 @@ def _compact_decomposition(summ: pd.DataFrame) -> pd.DataFrame:
 
 def pattern_compute(ctx) -> None:
     from ..analysis.pattern import feature_pattern_with_twin, link_to_decomposition  # noqa: PLC0415
-    from .fig_pattern import plot_band_heatmaps, plot_pattern_vs_d3  # noqa: PLC0415
+    from ..plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3  # noqa: PLC0415
     from .run import _layers  # noqa: PLC0415
 
     n = ctx.cfg.n_seq * (1 if ctx.cfg.quick else 2)
@@ -178,7 +178,7 @@ def pattern_render(ctx) -> tuple[Section, dict]:
 
 
 def _intervention_set(spec, quick: bool):
-    from ..ablate import Intervention  # noqa: PLC0415
+    from ..interventions import Intervention  # noqa: PLC0415
 
     nb = spec.layer(0).n_bands
     q = max(1, nb // 4)
@@ -194,10 +194,10 @@ def _intervention_set(spec, quick: bool):
 
 
 def tolerance_compute(ctx) -> None:
-    from ..ablate import key_means  # noqa: PLC0415
+    from ..interventions import key_means  # noqa: PLC0415
     from ..analysis import tolerance as tol  # noqa: PLC0415
     from ..capture import probe_hooks  # noqa: PLC0415
-    from .fig_tolerance import plot_tolerance_curves  # noqa: PLC0415
+    from ..plot.tolerance import plot_tolerance_curves  # noqa: PLC0415
 
     cfg = ctx.cfg
     toks = ctx.tokens()
@@ -274,7 +274,7 @@ def tolerance_render(ctx) -> tuple[Section, dict]:
 
 def heads_compute(ctx) -> None:
     from ..analysis.taxonomy import head_table, head_taxonomy_with_twin, taxonomy_agreement  # noqa: PLC0415
-    from .fig_heads import plot_frequency_usage, plot_positional_symbolic_plane, plot_taxonomy_vs_share  # noqa: PLC0415
+    from ..plot.heads import plot_frequency_usage, plot_positional_symbolic_plane, plot_taxonomy_vs_share  # noqa: PLC0415
     from .run import _layers  # noqa: PLC0415
 
     n = 2 if ctx.cfg.quick else 4

@@ -7,15 +7,11 @@ Figure with one panel per twin (trained beside its random-init twin). No ``plt.s
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
 
 __all__ = ["plot_positional_symbolic_plane", "plot_frequency_usage", "plot_taxonomy_vs_share"]
 

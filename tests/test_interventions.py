@@ -1,4 +1,4 @@
-"""Interventions on pre-rotation keys as TransformerLens hooks (posgen_tl.ablate)."""
+"""Interventions on pre-rotation keys as TransformerLens hooks (posgen_tl.interventions)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl.ablate import (
+from posgen_tl.interventions import (
     Intervention,
     change_vectors,
     destroy_hooks,
