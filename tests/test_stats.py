@@ -77,6 +77,13 @@ def test_sign_flip_exact_properties():
     assert sign_flip_test(np.abs(x) + 1) == pytest.approx(2 / 2**16)  # only identity and all-flip
     assert sign_flip_test(np.zeros(5)) == 1.0
     assert sign_flip_test(np.array([1.0, -1.0, 2.0, -2.0])) == 1.0  # T = 0
+    # n = 17 (uneven halves 8 + 9) against a numpy enumeration of all 131 072 patterns
+    z = rng.normal(0.2, 1.0, size=17)
+    signs = 1 - 2 * ((np.arange(2**17)[:, None] >> np.arange(17)) & 1)
+    brute = np.mean(np.abs(signs @ z) >= abs(z.sum()) - 1e-9 * np.abs(z).sum())
+    assert sign_flip_test(z) == pytest.approx(brute, abs=1e-12)
+    with pytest.raises(ValueError, match="limited to 40"):
+        sign_flip_test(rng.normal(size=41), exact_max_n=50)
     # documents are the units: repeating each value inside its document changes nothing
     assert sign_flip_test(np.repeat(x, 3), clusters=np.repeat(np.arange(16), 3)) == pytest.approx(p)
 
