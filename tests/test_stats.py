@@ -328,11 +328,15 @@ def test_verdict_requires_split_half_agreement():
 
 
 def test_holm_is_over_the_family():
-    rng = np.random.default_rng(3)
-    d, doc = simulate(rng, 0.55, n_docs=16)
+    rng = np.random.default_rng(9)
+    d, doc = simulate(rng, 0.6, n_docs=16, per_doc=2)
     one = verdict_table([make_contrast(d, doc, name="a")]).iloc[0]
+    assert 0.0125 < one["p_exact"] < 0.05 and one["verdict"] == "depends"  # significant alone...
     fam = verdict_table([make_contrast(d, doc, name=f"c{i}") for i in range(4)])
-    assert fam["p_holm"].iloc[0] == pytest.approx(min(1.0, 4 * one["p_exact"]))
+    assert fam["p_holm"].to_numpy() == pytest.approx(np.full(4, min(1.0, 4 * one["p_exact"])))
+    assert (fam["p_exact"] == one["p_exact"]).all()
+    # ... but not in a family of four: the verdict follows the Holm-adjusted p
+    assert (fam["verdict"] == "no evidence").all() and fam["reason"].str.startswith("Holm p = ").all()
 
 
 # ----------------------------------------------------------------------------- bad input
