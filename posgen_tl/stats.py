@@ -616,18 +616,19 @@ def verdict_table(
     - ``half_a``/``half_b``: mean ``d`` on two disjoint halves of the documents (seeded by
       ``split_seed``); ``split_half_agree``: both non-zero with the sign of ``mean_diff``;
     - ``sd`` (of document means) and ``mde``: the mean difference detectable with 80 % power at
-      level ``alpha`` by a t-test on those ``n_docs`` units (:func:`mde`);
+      level ``alpha`` by a t-test on those ``n_docs`` units (:func:`mde`; at the UNADJUSTED level,
+      so in a family of several contrasts it is a lower bound of what Holm lets through);
     - ``verdict``: ``"depends"`` only if ``p_holm < alpha`` AND damage matched AND split halves
       agree, else ``"no evidence"``; ``reason`` states the conditions that failed (with the MDE).
       ``exploratory`` = ``n_seq < min_n``; then the verdict ends in ``" (exploratory)"``.
       "No evidence" is never evidence of no effect (use :func:`tost` for that).
 
     Returns:
-        ``pd.DataFrame``, one row per contrast in input order, columns ``contrast, intervention,
-        control, primary, n_seq, n_docs, mean_diff, boot_lo, boot_hi, t_lo, t_hi, p_exact,
-        p_holm, damage, damage_lo, damage_hi, control_damage, control_damage_lo,
-        control_damage_hi, damage_matched, half_a, half_b, split_half_agree, sd, mde,
-        exploratory, verdict, reason``.
+        ``pd.DataFrame`` (settings and the rule in ``.attrs``), one row per contrast in input
+        order, columns ``contrast, intervention, control, primary, n_seq, n_docs, mean_diff,
+        boot_lo, boot_hi, t_lo, t_hi, p_exact, p_holm, damage, damage_lo, damage_hi,
+        control_damage, control_damage_lo, control_damage_hi, damage_matched, half_a, half_b,
+        split_half_agree, sd, mde, exploratory, verdict, reason``.
 
     Raises:
         ValueError: an empty family, duplicated contrast names, more than one primary, or any
@@ -693,6 +694,11 @@ def verdict_table(
         reasons.append(reason)
     out["verdict"] = verdicts
     out["reason"] = reasons
+    out.attrs.update(alpha=alpha, min_n=min_n, match_rel=match_rel, n_boot=n_boot, seed=seed, split_seed=split_seed,
+                     family_size=len(contrasts),
+                     rule=("'depends' only if Holm p < alpha over this table's contrasts, damage matched and the "
+                           "sign agrees on both disjoint halves of the documents; otherwise 'no evidence' "
+                           "(not evidence of no effect)"))  # fmt: skip
     return out
 
 

@@ -432,6 +432,12 @@ def test_landed_rows_give_no_depends():
     assert p1 == pytest.approx(0.109, abs=0.002) and p1 == pytest.approx(28 / 256)
     # even alone in its family (no Holm help) the @0.5 pair is not "depends"
     assert tables[3]["verdict"].iloc[0] == "no evidence (exploratory)"
+    # Gemma3 (4 sequences): the issue reports p = 0.625
+    gem = landed("causal_rows_gemma3-270m.csv")
+    c = contrast_from_rows(gem, "destroy fast 0–31 L6–11 @1",
+                           "control: destroy-change moved to random bands L6–11 @2.12", doc={s: s for s in range(4)})
+    g = verdict_table([c]).iloc[0]
+    assert g["p_exact"] == pytest.approx(10 / 16) and g["verdict"] == "no evidence (exploratory)"
 
 
 def test_per_sequence_slopes_average_seeds():
