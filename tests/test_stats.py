@@ -302,6 +302,9 @@ def test_verdict_columns_and_depends():
     few = make_contrast(d[::2], doc[::2], name="few")
     row = verdict_table([few]).iloc[0]
     assert row["exploratory"] and row["verdict"] == "depends (exploratory)" and "exploratory" in row["reason"]
+    # contrasts of one family may cover different sequence sets
+    mixed = verdict_table([strong, few])
+    assert mixed["n_seq"].tolist() == [40, 20] and mixed.attrs["family_size"] == 2
 
 
 def test_verdict_requires_matched_damage():
