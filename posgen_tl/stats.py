@@ -18,6 +18,7 @@ grouped by document and the document is the unit that is resampled (bootstrap) o
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -377,14 +378,18 @@ def mde(sd: float, n: int, *, alpha: float = 0.05, power: float = 0.8) -> float:
         raise ValueError(f"sd must be finite and >= 0, got {sd}")
     if not alpha / 2 < power < 1:
         raise ValueError(f"power must be in (alpha/2, 1), got {power}")
-    if sd == 0.0:
-        return 0.0
+    return float(sd) * _mde_unit(int(n), float(alpha), float(power))  # the MDE scales with sd
+
+
+@functools.lru_cache(maxsize=1024)
+def _mde_unit(n: int, alpha: float, power: float) -> float:
+    """:func:`mde` for ``sd = 1`` (cached: a family of contrasts shares ``n`` and ``alpha``)."""
     df = n - 1
-    approx = (float(sps.t.ppf(1 - alpha / 2, df)) + float(sps.t.ppf(power, df))) * sd / math.sqrt(n)
-    hi = max(approx, sd / math.sqrt(n))
-    while _power(hi, sd, n, alpha) < power:
+    approx = (float(sps.t.ppf(1 - alpha / 2, df)) + float(sps.t.ppf(power, df))) / math.sqrt(n)
+    hi = max(approx, 1.0 / math.sqrt(n))
+    while _power(hi, 1.0, n, alpha) < power:
         hi *= 2.0
-    return float(optimize.brentq(lambda x: _power(x, sd, n, alpha) - power, 0.0, hi, xtol=1e-10 * sd, rtol=1e-12))
+    return float(optimize.brentq(lambda x: _power(x, 1.0, n, alpha) - power, 0.0, hi, xtol=1e-12, rtol=1e-12))
 
 
 # ----------------------------------------------------------------------------- slopes

@@ -42,7 +42,8 @@ def brute_force_p(x: np.ndarray) -> float:
     x = np.asarray(x, float)
     t = abs(x.sum())
     tol = 1e-9 * np.abs(x).sum()
-    hits = sum(abs(sum(s * v for s, v in zip(signs, x))) >= t - tol for signs in itertools.product((1, -1), repeat=x.size))
+    patterns = itertools.product((1, -1), repeat=x.size)
+    hits = sum(abs(sum(s * v for s, v in zip(signs, x))) >= t - tol for signs in patterns)
     return hits / 2**x.size
 
 
@@ -445,7 +446,8 @@ def test_landed_rows_give_no_depends():
 
 def test_per_sequence_slopes_average_seeds():
     rows = pd.DataFrame(
-        [dict(seq=s, frac=f, seed=k, delta=(s + 1) * f + 0.01 * k) for s in range(3) for f in (0, 0.1, 0.2) for k in (0, 1)]
+        [dict(seq=s, frac=f, seed=k, delta=(s + 1) * f + 0.01 * k)
+         for s in range(3) for f in (0, 0.1, 0.2) for k in (0, 1)]
     )
     sl = per_sequence_slopes(rows)
     np.testing.assert_allclose(sl.to_numpy(), [1.0, 2.0, 3.0])
