@@ -175,7 +175,7 @@ def test_figures():
     fig = plot_r_by_layer(df)
     axes = fig.get_axes()
     assert len(axes) == 2
-    assert len(axes[0].get_lines()) == 6  # 3 estimators × 2 twins
+    assert len(axes[0].get_lines()) == 8  # (D1, D2, D3 global, D3 per_sequence) × 2 twins
     assert {ln.get_linestyle() for ln in axes[0].get_lines()} == {"-", "--"}
     fig = plot_head_maps(model, _tokens()[0], layer=1, head=2)
     assert len([a for a in fig.get_axes() if a.get_images()]) == 4
