@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--bound-rows", type=int, default=32)
     ap.add_argument("--out", required=True, help="output prefix, e.g. results/est_smollm2")
+    ap.add_argument("--reuse-decomposition", action="store_true",
+                    help="read <out>_decomp.csv.gz from an earlier run (same windows) instead of recomputing it")
     a = ap.parse_args()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,12 +112,19 @@ def main() -> None:
     t_load = time.time() - t0
 
     t1 = time.time()
-    dec = decompose_with_twin(model, windows, reference=ref, seed=a.seed, twin=twin, layers=layers, n_seq=len(windows),
-                              seq_len=a.seq_len, n_ref=a.n_ref, batch_size=a.batch_size, bound_rows=a.bound_rows,
-                              model_label=a.model)
-    t_dec = time.time() - t1
-    dec.to_csv(f"{out}_decomp.csv.gz", index=False)
-    summarize_decomposition(dec).to_csv(f"{out}_decomp_summary.csv", index=False)
+    if a.reuse_decomposition:
+        dec = pd.read_csv(f"{out}_decomp.csv.gz")
+        old = json.loads(Path(f"{out}_meta.json").read_text())
+        t_dec = old["wall_s"]["decomposition"]
+        if sorted(set(windows.doc_names[i] for i in windows.doc_ids.tolist())) != old["analysed_docs"]:
+            raise SystemExit("the saved decomposition was computed on other windows")
+    else:
+        dec = decompose_with_twin(model, windows, reference=ref, seed=a.seed, twin=twin, layers=layers,
+                                  n_seq=len(windows), seq_len=a.seq_len, n_ref=a.n_ref, batch_size=a.batch_size,
+                                  bound_rows=a.bound_rows, model_label=a.model)
+        t_dec = time.time() - t1
+        dec.to_csv(f"{out}_decomp.csv.gz", index=False)
+        summarize_decomposition(dec).to_csv(f"{out}_decomp_summary.csv", index=False)
 
     t2 = time.time()
     tp = feature_pattern_with_twin(model, windows, reference=ref, seed=a.seed, twin=twin, layers=layers,

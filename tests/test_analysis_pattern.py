@@ -57,6 +57,7 @@ def test_frames_columns_and_sizes(which_model, request):
     assert ((res.heads["legacy_pattern_score"] >= 0) & (res.heads["legacy_pattern_score"] <= 1)).all()
     assert (res.heads["pred_d3_err_per_sequence"] > 0).all()
     assert res.heads["pred_d3_err_global"].isna().all()  # no reference windows given: no global k̄
+    assert (res.heads["blind_d3_err_per_sequence"] > 0).all()
     assert res.bands["rho_within"].between(0, 1).all() and np.isfinite(res.bands["rho_cross"]).all()
     assert set(res.bands["band_group"]) <= {"fast", "middle", "slow"}
     assert (res.heads["kv_group"] == res.heads["head"] // (spec.n_heads // spec.n_kv_heads)).all()
@@ -157,7 +158,8 @@ def _synthetic(pattern: dict[str, np.ndarray], r_within: dict[str, np.ndarray], 
     for twin, ps in pattern.items():
         for h, p in enumerate(ps):
             heads.append(dict(model="m", twin=twin, layer=0, head=h, kv_group=0, pred_d3_err_global=p,
-                              pred_d3_err_per_sequence=-p, legacy_pattern_score=p ** 2, expected_bound=0.5 + h))
+                              pred_d3_err_per_sequence=-p, legacy_pattern_score=p ** 2, expected_bound=0.5 + h,
+                              blind_d3_err_global=1.0 + h % 2, blind_d3_err_per_sequence=1.0, logit_spread=2.0 + h))
             noise = rng.normal(size=n_seq)
             noise -= noise.mean()  # averages out over seq
             for s in range(n_seq):
@@ -194,6 +196,10 @@ def test_link_to_decomposition_correlations():
     row = one("random", "global", "pred_d3_err")
     assert row.spearman == pytest.approx(want.statistic) and row.p == pytest.approx(want.pvalue) and row.n_heads == 5
     assert one("trained", "global", "legacy_pattern_score").spearman == pytest.approx(-1.0)
+    assert one("trained", "global", "inv_logit_spread").spearman == pytest.approx(1.0)  # 1/σ falls with head index
+    assert one("trained", "global", "blind_d3_err").n_heads == 5
+    assert np.isnan(one("trained", "per_sequence", "blind_d3_err").spearman)  # constant control: undefined, not 0
+    assert set(summary.score) == {"pred_d3_err", "blind_d3_err", "residual_size", "inv_logit_spread", "legacy_pattern_score"}
     with pytest.raises(ValueError):
         link_to_decomposition(heads, dec[dec.estimator == "D1"])
 

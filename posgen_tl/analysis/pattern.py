@@ -22,8 +22,9 @@ From the accumulated statistics:
 * ``heads`` — one row per (layer, query head): the rotation-aware pattern score
   ``pred_d3_err_<k̄ kind>`` (predicted relative D3 error, :func:`~posgen_tl.features.predicted_d3_error`,
   entry-weighted rotation factors with ``max_distance = seq_len − 1`` and the sink excluded)
-  for the global and the per-sequence k̄, the logit spread, the legacy score, and the key ρ
-  forms of the fastest third of the bands.
+  for the global and the per-sequence k̄, the logit spread, a rotation-BLIND control
+  ``blind_d3_err_<kind>`` (every band given the mean rotation weight), the legacy score, and
+  the key ρ forms of the fastest third of the bands.
 
 :func:`link_to_decomposition` joins ``heads`` with per-sequence D3 scores
 (``posgen_tl.analysis.decomposition``) and reports Spearman's rank correlation of each score
@@ -74,6 +75,7 @@ BAND_COLUMNS = [
 ]
 HEAD_COLUMNS = [
     "model", "twin", "layer", "head", "kv_group", "logit_spread", "pred_d3_err_global", "pred_d3_err_per_sequence",
+    "blind_d3_err_global", "blind_d3_err_per_sequence",
     "fast_key_rho_within", "fast_key_rho_cross", "fast_key_stability", "key_energy_centroid",
     "legacy_pattern_score", "expected_bound",
 ]
@@ -133,16 +135,20 @@ def pattern_frames(
         scale = rope.score_scale * rope.attention_scaling**2
         q_e = q_seq.energy() if q_seq is not None else q_stats.energy().double().cpu()
         res_seq = k_seq.within_residual_energy() if k_seq is not None else None
-        per_seq = predicted_d3_error(q_e, res_seq, w, sigma, scale)["pred_d3_err"] if res_seq is not None else nan_h
+        flat = torch.full_like(w, float(w.mean()))  # control: every band the same (mean) rotation weight
+
+        def pred(res: Tensor | None, weights: Tensor) -> Tensor:
+            return nan_h if res is None else predicted_d3_error(q_e, res, weights, sigma, scale)["pred_d3_err"]
+
+        per_seq, blind_seq = pred(res_seq, w), pred(res_seq, flat)
+        res_g = None
         if k_global is not None:
             kg = to_bands(k_global.double().cpu(), rope.rotary_dim, rope.layout)
             res_g = (k_seq.residual_energy(kg) if k_seq is not None else
                      (k_stats.energy().double().cpu() - 2 * (k_stats.mean_bands().cpu() * kg.conj()).real + kg.abs().square()))
-            glob = predicted_d3_error(q_e, res_g, w, sigma, scale)["pred_d3_err"]
-        else:
-            glob = nan_h
+        glob, blind_g = pred(res_g, w), pred(res_g, flat)
     else:
-        sigma, per_seq, glob = nan_h, nan_h, nan_h
+        sigma, per_seq, glob, blind_seq, blind_g = nan_h, nan_h, nan_h, nan_h, nan_h
     centroid = frequency_centroid(k_stats.energy_share()).cpu()[group]
     fk = {key: torch.nanmean(forms["k"][key][:, :fast].double(), -1)[group].numpy() for key in ("rho_within", "rho_cross", "stability")}
     heads = pd.DataFrame({
@@ -150,6 +156,8 @@ def pattern_frames(
         "logit_spread": sigma.cpu().numpy(),
         "pred_d3_err_global": glob.cpu().numpy(),
         "pred_d3_err_per_sequence": per_seq.cpu().numpy(),
+        "blind_d3_err_global": blind_g.cpu().numpy(),
+        "blind_d3_err_per_sequence": blind_seq.cpu().numpy(),
         "fast_key_rho_within": fk["rho_within"], "fast_key_rho_cross": fk["rho_cross"],
         "fast_key_stability": fk["stability"],
         "key_energy_centroid": centroid.numpy(),
@@ -392,6 +400,9 @@ def feature_pattern_with_twin(model: Any, corpus: Any = None, seed: int = 0, *, 
 # ----------------------------------------------------------------------------- link to D3
 
 SCORES = {"pred_d3_err": "rotation-aware predicted relative D3 error (lower = D3 expected to fit)",
+          "blind_d3_err": "control: the same with every band given the mean rotation weight (rotation-blind)",
+          "residual_size": "control: numerator only, s·Σ‖q‖‖k−k̄‖w (logit units, no σ(W))",
+          "inv_logit_spread": "control: 1/σ(W) alone",
           "legacy_pattern_score": "LEGACY first-landing score (invariant to rescaling rotation weights)"}
 
 
@@ -430,7 +441,9 @@ def link_to_decomposition(
         r_within, d3_err_mean, d3_bound_mean`` plus ``n_seq``; ``summary`` = one row per
         (twin, k_mean, score) with ``spearman`` (score vs D3 within-row r), ``p`` (scipy's
         two-sided p-value), ``n_heads`` and ``description``. A working score has a NEGATIVE
-        Spearman for ``pred_d3_err`` (more predicted error, lower r).
+        Spearman for ``pred_d3_err`` (more predicted error, lower r). Controls beside it: the
+        rotation-blind version, the numerator alone and ``1/σ(W)`` alone — the rotation-aware
+        score is only informative where it beats them.
     """
     on = list(on)
     if not isinstance(pattern_heads, pd.DataFrame):
@@ -447,6 +460,9 @@ def link_to_decomposition(
         h = pattern_heads.copy()
         col = f"pred_d3_err_{kind}"
         h["pred_d3_err"] = h[col] if col in h else np.nan
+        h["blind_d3_err"] = h[f"blind_d3_err_{kind}"] if f"blind_d3_err_{kind}" in h else np.nan
+        h["residual_size"] = h["pred_d3_err"] * h["logit_spread"] if "logit_spread" in h else np.nan
+        h["inv_logit_spread"] = 1.0 / h["logit_spread"] if "logit_spread" in h else np.nan
         parts.append(h.merge(a, on=on, how="inner"))
     merged = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
     if merged.empty:
@@ -457,6 +473,8 @@ def link_to_decomposition(
         for kind in sorted(set(merged["k_mean"])):
             g = merged[(merged["twin"] == twin) & (merged["k_mean"] == kind)]
             for score, desc in SCORES.items():
+                if score not in g or g[score].isna().all():
+                    continue
                 rho, p, n = _spearman(g[score], g["r_within"])
                 rows.append({"twin": twin, "k_mean": kind, "score": score, "spearman": rho, "p": p, "n_heads": n,
                              "description": desc})
