@@ -25,13 +25,12 @@ from ..interventions import StopForward, distance_cap_hooks, final_residual_hook
 from ..capture import check_tokens, probe_hooks
 from ..perturb import (
     adjacent_swap_permutation,
-    bootstrap_ci,
     nll_from_logits,
     position_ids_for_permutation,
-    slope_ci,
     swap_seed,
     word_units,
 )
+from ..stats import bootstrap_ci, slope_ci
 
 __all__ = [
     "nll_on_target",
