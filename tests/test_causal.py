@@ -232,7 +232,12 @@ def test_causal_study_end_to_end(llama, tmp_path):
     res = ca.causal_study(llama, _corpus(), n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1),
                           layers=[1, 2], alpha=0.5, match_subset=4, n_ref=3, batch_size=4, progress=False,
                           on_partial=partial.append)
-    assert partial and partial[0].config["partial"] and set(partial[0].rows["intervention"]) == {"none", "destroy", "C1"}
+    # partial results after every batch: first the primary phase on 4 then 6 sequences, then the rest
+    assert len(partial) == 3 and all(p.config["partial"] for p in partial)
+    assert set(partial[0].rows["intervention"]) == {"none", "destroy", "C1"} and partial[0].rows["seq"].nunique() == 4
+    assert list(partial[0].contrasts["n_seq"]) == [4, 4]
+    assert set(partial[2].rows["intervention"]) == set(ca.CONTROLS) | {"none", "destroy"}
+    assert partial[2].contrasts.set_index("contrast").loc["destroy vs C2", "n_seq"] == 4  # finished sequences only
     assert not res.config["partial"] and res.config["primary"] == "destroy vs C1"
     r = res.rows
     assert {"intervention", "kind", "alpha", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta",

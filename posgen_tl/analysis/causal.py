@@ -458,7 +458,9 @@ def _bands(spec, layers, fast, slow):
     return nb, fast, slow
 
 
-def _result(rows, kl, conds, match, config, pairs, primary) -> CausalResult:
+def _result(rows, kl, conds, match, config, pairs, primary, partial: bool = False) -> CausalResult:
+    """Tables from rows. ``partial``: each contrast uses the sequences both of its conditions have
+    finished (the ``n_seq`` column says how many); a complete run never drops a sequence."""
     from .. import stats  # noqa: PLC0415
 
     summ = summarize_conditions(rows, kl)
@@ -470,9 +472,17 @@ def _result(rows, kl, conds, match, config, pairs, primary) -> CausalResult:
     present = set(rows["intervention"])
     fam = [(a, b) for a, b in pairs if a in present and b in present]
     table = pd.DataFrame()
-    if fam:
-        table = stats.verdict_table(contrasts_from_rows(rows, fam, primary if any(f"{a} vs {b}" == primary for a, b in fam)
-                                                        else None))
+    prim = primary if any(f"{a} vs {b}" == primary for a, b in fam) else None
+    if fam and not partial:
+        table = stats.verdict_table(contrasts_from_rows(rows, fam, prim))
+    elif fam:
+        cs = []
+        for a, b in fam:
+            common = set(rows.loc[rows["intervention"] == a, "seq"]) & set(rows.loc[rows["intervention"] == b, "seq"])
+            sub = rows[rows["intervention"].isin([a, b]) & rows["seq"].isin(common)]
+            if len(common) >= 3:
+                cs += contrasts_from_rows(sub, [(a, b)], prim if f"{a} vs {b}" == prim else None)
+        table = stats.verdict_table(cs) if cs else table
     return CausalResult(rows, kl, summ, table, config)
 
 
@@ -498,8 +508,9 @@ def causal_study(
     ``destroy vs <control>`` and ``destroy vs none`` through :func:`posgen_tl.stats.verdict_table`.
 
     Conditions run in two phases — ``none, destroy`` and the primary control first, the other
-    controls after — and ``on_partial(result)`` is called after the first (``config['partial']``
-    is True there), so a long study writes its primary result early.
+    controls after — and ``on_partial(result)`` is called after every batch until the run is
+    complete (``config['partial']`` is True there; ``config['n_seq_done']`` says how many
+    sequences the primary phase has finished), so a long study writes its results as they come.
 
     Args:
         layers: edited layers (default: the middle third). ``fast``/``slow``: band indices
@@ -586,6 +597,18 @@ def causal_study(
     info = ana.frame()
     kl = _KL(layers)
     done: list[Condition] = []
+
+    def assemble(running: list[Condition], *, partial: bool, n_done: int, ph: int) -> CausalResult:
+        rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
+        rows["base_clean_nll"] = base.numpy()[rows["seq"].to_numpy()]
+        rows = rows[["intervention", "kind", "alpha", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll",
+                     "delta", "base_clean_nll"]]
+        keys = [c.key for c in done + running]
+        cfg = dict(config, partial=partial, conditions_done=[c.key for c in done], conditions_running=[c.key for c in running],
+                   n_seq_done={"phase": ph + 1, "sequences": n_done}, wall_s={**times, "total_s": time.time() - t_start})
+        return _result(rows, pd.concat(kls, ignore_index=True), [c for c in conds if c.key in keys], match, cfg, pairs,
+                       primary, partial=partial)
+    last_phase = max(i for i, p in enumerate(phases) if p)
     for ph, phase in enumerate(phases):
         if not phase:
             continue
@@ -607,21 +630,13 @@ def causal_study(
                 frames.append(df)
                 kls.append(pd.DataFrame(dict(intervention=c.key, seq=b, attn_kl=kv.numpy())))
                 bar.update(1)
+            if on_partial is not None and not (ph == last_phase and b is batches[-1]):
+                on_partial(assemble(phase, partial=True, n_done=b[-1] + 1, ph=ph))
         bar.close()
         times[f"phase{ph + 1}_s"] = time.time() - t0
         done += phase
-        rows = pd.concat(frames, ignore_index=True)
-        rows = rows.merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
-        rows["base_clean_nll"] = base.numpy()[rows["seq"].to_numpy()]
-        cols = ["intervention", "kind", "alpha", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta",
-                "base_clean_nll"]
-        rows = rows[cols]
-        klf = pd.concat(kls, ignore_index=True)
-        config.update(partial=len(done) < len(conds), conditions_done=[c.key for c in done],
-                      wall_s={**times, "total_s": time.time() - t_start})
-        res = _result(rows, klf, done, match, dict(config), pairs, primary)
-        if on_partial is not None and ph == 0 and phases[1]:
-            on_partial(res)
+        res = assemble([], partial=len(done) < len(conds), n_done=n, ph=ph)
+    return res
     return res
 
 
