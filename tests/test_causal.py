@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import sys
-import types
-from dataclasses import dataclass
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -16,97 +11,9 @@ import tiny_models as tm
 from posgen_tl.analysis import causal as ca
 from posgen_tl.analysis.tolerance import nll_on_target
 from posgen_tl.capture import capture_qk, probe_hooks
-from posgen_tl.corpus import Windows
-from posgen_tl.interventions import Intervention, change_vectors, intervention_hooks, key_means
+from posgen_tl.interventions import Intervention, change_vectors, key_means
 from posgen_tl.perturb import position_ids_for_permutation
 from posgen_tl.rope import to_bands
-
-
-# ----------------------------------------------------------------------------- stats stand-in
-# Used only while posgen_tl.stats (branch `stats`) has not landed: the same API, minimal maths.
-
-
-def _standin_stats() -> types.ModuleType:
-    m = types.ModuleType("posgen_tl.stats")
-    m.EQUIVARIANCE_NOTE = "Equivariance (stand-in note): T1 − T2 is the causal-order effect."
-
-    def _units(v, clusters):
-        v = np.asarray(v, float)
-        if clusters is None:
-            return v
-        ids, inv = np.unique(np.asarray(clusters), return_inverse=True)
-        return np.bincount(inv, weights=v) / np.bincount(inv)
-
-    def bootstrap_ci(values, *, clusters=None, n_boot=2000, seed=0, **_):
-        u = _units(values, clusters)
-        rng = np.random.default_rng(seed)
-        b = u[rng.integers(0, u.size, (n_boot, u.size))].mean(1)
-        return float(np.mean(values)), float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975))
-
-    def unit_slopes(p, y):
-        p, y = np.asarray(p, float), np.asarray(y, float)
-        if not np.isfinite(y).all():
-            raise ValueError("y has non-finite values")
-        pc = p - p.mean()
-        return (y - y.mean(1, keepdims=True)) @ pc / (pc @ pc)
-
-    @dataclass
-    class Contrast:
-        name: str
-        intervention: str
-        control: str
-        d: np.ndarray
-        seq: np.ndarray
-        doc: np.ndarray
-        damage: np.ndarray
-        control_damage: np.ndarray
-        primary: bool = False
-
-    def paired_differences(a, b):
-        if set(a.index) != set(b.index):
-            raise ValueError("intervention and control sequences differ")
-        seq = np.asarray(sorted(a.index))
-        return a.loc[seq].to_numpy(float) - b.loc[seq].to_numpy(float), seq
-
-    def verdict_table(contrasts, *, min_n=32, **_):
-        rows = []
-        for c in contrasts:
-            if len(c.d) < 3 or not np.isfinite(c.d).all():
-                raise ValueError(f"contrast {c.name!r}: needs >= 3 finite sequences")
-            rows.append(dict(contrast=c.name, intervention=c.intervention, control=c.control, primary=c.primary,
-                             n_seq=len(c.d), n_docs=len(np.unique(c.doc)), mean_diff=float(np.mean(c.d)),
-                             damage=float(np.mean(c.damage)), control_damage=float(np.mean(c.control_damage)),
-                             exploratory=len(c.d) < min_n, verdict="no evidence" + (" (exploratory)" if len(c.d) < min_n else ""),
-                             reason="stand-in"))
-        return pd.DataFrame(rows)
-
-    def t1_t2_equivalence(a, b, doc, margin):
-        d = np.asarray(a) - np.asarray(b)
-        return dict(mean=float(d.mean()), lo=float(d.min()), hi=float(d.max()), p=1.0, equivalent=False,
-                    margin=margin, alike=False, n_seq=len(d), n_docs=len(np.unique(doc)), p_diff=1.0,
-                    note=m.EQUIVARIANCE_NOTE)
-
-    for f in (bootstrap_ci, unit_slopes, paired_differences, verdict_table, t1_t2_equivalence):
-        setattr(m, f.__name__, f)
-    m.Contrast = Contrast
-    return m
-
-
-@pytest.fixture(autouse=True, scope="module")
-def stats_module():
-    try:
-        import posgen_tl.stats  # noqa: F401
-
-        yield
-    except ImportError:
-        import posgen_tl
-
-        mod = _standin_stats()
-        sys.modules["posgen_tl.stats"] = mod
-        posgen_tl.stats = mod
-        yield
-        del sys.modules["posgen_tl.stats"]
-        del posgen_tl.stats
 
 
 # ----------------------------------------------------------------------------- fixtures

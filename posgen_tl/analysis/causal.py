@@ -40,7 +40,6 @@ sequences and unembeds only the target span.
 from __future__ import annotations
 
 import dataclasses
-import math
 import subprocess
 import time
 from dataclasses import dataclass, field
