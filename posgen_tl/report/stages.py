@@ -289,96 +289,91 @@ def pattern_render(ctx) -> tuple[Section, dict]:
 # ----------------------------------------------------------------------------- tolerance
 
 
-def _intervention_set(spec, quick: bool):
-    from ..interventions import Intervention  # noqa: PLC0415
-
-    nb = spec.layer(0).n_bands
-    q = max(1, nb // 4)
-    fast, slow = list(range(q)), list(range(nb - q, nb))
-    n = spec.n_layers
-    layers = list(range(n // 3, (2 * n) // 3)) if not quick else list(range(n // 3, n // 3 + 2))
-    destroy_fast = Intervention("destroy", bands=fast, layers=layers, label=f"destroy fast-band key offset 0–{q - 1}")
-    enforce_fast = Intervention("enforce", bands=fast, layers=layers, label=f"enforce fast bands 0–{q - 1}")
-    destroy_slow = Intervention("destroy", bands=slow, layers=layers, label=f"destroy slow bands {nb - q}–{nb - 1} (control)")
-    control = Intervention("random_bands", bands=fast, layers=layers, base="destroy", seed=1,
-                           label="random-band control of 'destroy fast' (damage-matched)")
-    return layers, destroy_fast, enforce_fast, destroy_slow, control
-
-
 def tolerance_compute(ctx) -> None:
-    from ..interventions import key_means  # noqa: PLC0415
-    from ..analysis import tolerance as tol  # noqa: PLC0415
-    from ..capture import probe_hooks  # noqa: PLC0415
-    from ..plot.tolerance import plot_tolerance_curves  # noqa: PLC0415
+    """T1/T2 (trained + twin, TOST) and the causal test with controls C1–C4 — both from
+    :mod:`posgen_tl.analysis.causal` (the same recipe as the study command); verdicts only from
+    :func:`posgen_tl.stats.verdict_table`."""
+    from ..analysis import causal as ca  # noqa: PLC0415
+    from ..corpus import CorpusError  # noqa: PLC0415
+    from ..plot.tolerance import plot_causal_conditions, plot_tolerance_curves  # noqa: PLC0415
 
     cfg = ctx.cfg
-    toks = ctx.tokens()
     target = min(64, cfg.seq_len // 4)
     fracs = (0.0, 0.1, 0.2) if cfg.quick else (0.0, 0.05, 0.1, 0.2)
     seeds = (0,) if cfg.quick else (0, 1)
-    curves = [tol.transposition_curve(ctx.model, toks, fracs=fracs, seeds=seeds, target_len=target,
-                                      modes=("T1", "T2")).assign(twin="trained")]
-    if cfg.twin:
-        curves.append(tol.transposition_curve(ctx.twin(), toks, fracs=fracs, seeds=seeds[:1], target_len=target,
-                                              modes=("T1", "T2")).assign(twin="random"))
-    curves = pd.concat(curves, ignore_index=True)
-    ctx.work.save_df("tolerance_curves.csv", curves)
-    summ = pd.concat([tol.curve_summary(g, by=("mode",)).assign(twin=t) for t, g in curves.groupby("twin")])
-    ctx.work.save_df("tolerance_summary.csv", summ)
-    ctx.work.save_df("tolerance_t1_vs_t2.csv", tol.t1_vs_t2(curves[curves["twin"] == "trained"]))
-    ctx.work.save_fig("fig_tolerance.png", plot_tolerance_curves(summ, hue="twin", title=ctx.model_name))
-
-    spec = probe_hooks(ctx.model)[0]
-    layers, destroy_fast, enforce_fast, destroy_slow, control = _intervention_set(spec, cfg.quick)
-    km = key_means(ctx.model, toks[:, : toks.shape[1] - target])
-    base = tol.nll_on_target(ctx.model, toks, target_len=target)
-    # METHOD §5: half strength keeps the model usable (full strength approaches the floor effect)
-    destroy_fast = destroy_fast.with_alpha(0.5)
-    dmg = tol.clean_damage(ctx.model, toks, destroy_fast, k_means=km, target_len=target, base=base)
-    alpha, _ = tol.matched_alpha(ctx.model, toks, control, dmg, k_means=km, target_len=target, base=base,
-                                 max_iter=2 if cfg.quick else 6)
-    control = control.with_alpha(alpha)
-    ivs = [destroy_fast, control] if cfg.quick else [destroy_fast, control, enforce_fast, destroy_slow]
-    rows = tol.tolerance_rows(ctx.model, toks, ivs, k_means=km, fracs=fracs, seeds=seeds, target_len=target, base=base)
-    ctx.work.save_df("causal_rows.csv", rows)
-    summary = tol.summarize_tolerance(rows)
-    ctx.work.save_df("causal_summary.csv", summary)
-    table = tol.causal_table(rows, {destroy_fast.label: control.label})
-    ctx.work.save_df("causal_table.csv", table)
-    ctx.work.save_json("causal_meta.json", {"layers": layers, "target_len": target, "fracs": fracs, "seeds": seeds,
-                                            "control_alpha": alpha, "n_seq": int(toks.shape[0]),
-                                            "intervention_alpha": destroy_fast.alpha})
+    n = max(cfg.n_seq, 4)  # a contrast needs >= 3 sequences; below 32 the section says "exploratory"
+    meta: dict[str, Any] = {"n_seq": n, "requested_n_seq": cfg.n_seq, "target_len": target, "fracs": fracs, "seeds": seeds}
+    try:
+        ana, ref = ca.study_windows(ctx.model, cfg.corpus, n_seq=n, seq_len=cfg.seq_len, n_ref=2 if cfg.quick else 4,
+                                    seed=cfg.seed)
+    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
+        meta["skipped"] = f"tolerance and causal study skipped: {e}"
+        ctx.work.save_json("causal_meta.json", meta)
+        return
+    t12 = ca.t1_t2_study(ctx.model, n_seq=n, target_len=target, fracs=fracs, seeds=seeds,
+                         twin=ctx.twin() if cfg.twin else None, twin_seeds=(0,), seed=cfg.seed, windows=ana)
+    ctx.work.save_df("tolerance_curves.csv", t12.rows)
+    ctx.work.save_df("tolerance_summary.csv", t12.summary)
+    ctx.work.save_df("t1_t2_tost.csv", t12.equivalence)
+    ctx.work.save_fig("fig_tolerance.png", plot_tolerance_curves(t12.summary, hue="twin", title=ctx.model_name))
+    spec_layers = None  # middle third (the recipe's default)
+    controls = ("C1",) if cfg.quick else ca.CONTROLS
+    res = ca.causal_study(ctx.model, n_seq=n, target_len=target, fracs=fracs, seeds=seeds, layers=spec_layers,
+                          controls=controls, match_subset=min(16, n), match_steps=2 if cfg.quick else 3,
+                          seed=cfg.seed, windows=(ana, ref), batch_size=4)
+    ctx.work.save_df("causal_rows.csv", res.rows)
+    ctx.work.save_df("causal_conditions.csv", res.conditions)
+    ctx.work.save_df("causal_table.csv", res.contrasts)
+    ctx.work.save_fig("fig_causal.png", plot_causal_conditions(res.conditions, title=ctx.model_name))
+    meta.update({k: res.config[k] for k in ("layers", "fast", "slow", "alpha", "primary", "n_docs", "match_subset")})
+    meta.update(margin_rule=t12.config["margin_rule"], note=t12.config["note"], controls=list(controls))
+    ctx.work.save_json("causal_meta.json", meta)
 
 
 def tolerance_render(ctx) -> tuple[Section, dict]:
-    summ = ctx.work.load_df("tolerance_summary.csv")
-    t12 = ctx.work.load_df("tolerance_t1_vs_t2.csv")
-    causal = ctx.work.load_df("causal_table.csv")
-    csum = ctx.work.load_df("causal_summary.csv")
     meta = ctx.work.load_json("causal_meta.json")
-    slope_alike = bool(t12.loc[t12["estimator"] == "slope", "alike"].iloc[0]) if len(t12) else False
-    verdicts = "; ".join(f"{r.intervention} vs {r.control}: {r.verdict}" for r in causal.itertuples())
-    cols = [c for c in ["intervention", "clean_nll", "damage", "damage_lo", "damage_hi", "slope", "slope_lo", "slope_hi",
-                        "dnll@0.05", "dnll@0.1", "dnll@0.2", "dslope", "dslope_lo", "dslope_hi"] if c in csum.columns]
+    if "skipped" in meta:
+        sec = Section("4 · Position tolerance and the causal test (METHOD §4–§5)", verdict=meta["skipped"],
+                      paragraphs=["Give a corpus of several documents (a folder of text files, or the default pydoc "
+                                  "topics): the unit of every verdict is a sequence clustered by document, and k̄ must "
+                                  "come from documents disjoint from the analysed ones."])
+        return sec, {"skipped": meta["skipped"]}
+    summ = ctx.work.load_df("tolerance_summary.csv")
+    tost = ctx.work.load_df("t1_t2_tost.csv")
+    table = ctx.work.load_df("causal_table.csv")
+    conds = ctx.work.load_df("causal_conditions.csv")
+    expl = meta["n_seq"] < 32
+    label = " — EXPLORATORY (n < 32 sequences)" if expl else ""
+    tr = tost[tost["twin"] == "trained"].iloc[0]
+    alike = (f"T1 and T2 slopes are equivalent within ±{tr['margin']:.3g} (TOST p = {tr['p']:.3g})" if tr["equivalent"]
+             else f"T1 and T2 slopes are NOT shown equivalent within ±{tr['margin']:.3g} (TOST p = {tr['p']:.3g})")
+    prim = table[table["primary"].astype(bool)]
+    pv = (f"primary contrast `{prim['contrast'].iloc[0]}`: {prim['verdict'].iloc[0]}" if len(prim) else "no primary")
     sec = Section(
-        "4 · Position tolerance and the causal test (METHOD §4–§5)",
-        verdict=f"T1 (tokens swapped) vs T2 (position ids only): slopes {'alike (paired CI contains 0)' if slope_alike else 'differ'}. "
-                f"Causal: {verdicts}. 'no evidence' means the intervention and its control did not differ beyond their CIs.",
-        paragraphs=[f"Interventions on pre-rotation keys in layers {meta['layers']}, {meta['n_seq']} sequences, target span "
-                    f"{meta['target_len']} tokens, swap fractions {meta['fracs']}, seeds {meta['seeds']}; the intervention runs at "
-                    f"strength alpha={meta.get('intervention_alpha', 1.0):g}, the random-band control (same per-token change norm, "
-                    f"random bands, random phases) at alpha={meta['control_alpha']:.3g} chosen to match its clean-NLL damage. "
-                    "Slope = ΔNLL per unit swap fraction; dslope = change vs no intervention (paired). CIs: 95 % bootstrap over sequences.",
-                    "Reading: 'depends' needs matched damage AND a slope difference whose CI excludes 0; with few sequences a null "
-                    "('no evidence') is expected and is not evidence of no effect."],
-        tables=[("ΔNLL on the target span and tolerance slope, trained vs random twin", summ),
-                ("T1 − T2 (paired)", t12), ("Per intervention", csum[cols]),
-                ("Verdicts", causal[[c for c in ["intervention", "control", "damage", "control_damage", "diff", "diff_lo",
-                                                 "diff_hi", "n_seq", "damage_matched", "verdict", "direction"]
-                                     if c in causal.columns]])],
-        figures=[(_png(ctx, "fig_tolerance.png"), "ΔNLL vs swap fraction with 95 % CIs: T1 and T2, trained vs random twin")],
+        f"4 · Position tolerance and the causal test (METHOD §4–§5){label}",
+        verdict=f"{alike}. Causal test, {pv} (verdicts from the METHOD §8 rule: Holm-adjusted exact sign-flip p, "
+                "matched damage, split-half sign).",
+        paragraphs=[f"{meta['n_seq']} sequences from {meta.get('n_docs')} documents (one window per document first; "
+                    f"requested {meta['requested_n_seq']}, at least 4 are used), target span {meta['target_len']} tokens, "
+                    f"p ∈ {meta['fracs']} = fraction of disjoint adjacent pairs swapped (≈ 2p of the context tokens move), "
+                    f"independent per (sequence, seed), seeds {meta['seeds']}. TOST margin: {meta['margin_rule']}.",
+                    meta["note"],
+                    f"Causal test: keys edited in layers {meta['layers']}; destroy = remove the fast-band key offset "
+                    f"(bands {meta['fast']}) at α = {meta['alpha']}; controls {meta['controls']} each matched to its "
+                    f"clean-NLL damage on {meta['match_subset']} sequences by its own α (C1 random bands, C2 slow bands, "
+                    "C3 rephase, C4 same-norm noise). k̄ from reference documents disjoint from the analysed ones. "
+                    "'no evidence' is not evidence of no effect: the MDE column says what this n could detect."],
+        tables=[("T1 / T2 slopes and ΔNLL (document bootstrap CIs), trained vs random twin", summ),
+                ("T1 − T2 slope: TOST equivalence", tost.drop(columns=["margin_rule"], errors="ignore")),
+                ("Per condition: damage, attention KL, slope", conds[[c for c in ["condition", "kind", "alpha", "n_seq",
+                 "n_docs", "damage", "damage_lo", "damage_hi", "attn_kl", "slope", "slope_lo", "slope_hi"] if c in conds]]),
+                ("Contrasts (one family; Holm)", table[[c for c in ["contrast", "primary", "n_seq", "n_docs", "mean_diff",
+                 "boot_lo", "boot_hi", "t_lo", "t_hi", "p_exact", "p_holm", "damage_matched", "split_half_agree", "mde",
+                 "verdict"] if c in table]])],
+        figures=[(_png(ctx, "fig_tolerance.png"), "ΔNLL vs swap fraction: T1 and T2, trained vs random twin"),
+                 (_png(ctx, "fig_causal.png"), "Conditions: slope vs damage, and attention change")],
     )
-    return sec, {"t1_vs_t2": t12.to_dict("records"), "causal": causal.to_dict("records")}
+    return sec, {"t1_t2": tost.to_dict("records"), "causal": table.to_dict("records"), "exploratory": expl}
 
 
 # ----------------------------------------------------------------------------- heads
