@@ -139,16 +139,19 @@ def null_variance(
     ``wᵀ (X̂X̂ᵀ ∘ ŶŶᵀ) w / (n−1)``. Rows of ``x_hat``/``y_hat`` must be centred (excluded rows
     all-zero, weight 0).
 
+    Computed in the inputs' precision (float32 or wider), returned as float64.
+
     Returns:
         ``Float[Tensor, "..."]``: the variance (float64), leading dims of the inputs.
     """
     n = x_hat.shape[-1]
     if n < 2:
         raise ValueError(f"need at least 2 keys for a permutation null, got {n}")
-    gx = einsum(x_hat.double(), x_hat.double(), "... a k, ... b k -> ... a b")
-    gy = einsum(y_hat.double(), y_hat.double(), "... a k, ... b k -> ... a b")
-    w = weights.double()
-    return einsum(w, gx * gy, w, "... a, ... a b, ... b -> ...") / (n - 1)
+    dt = torch.promote_types(x_hat.dtype, torch.float32)
+    x, y, w = x_hat.to(dt), y_hat.to(dt), weights.to(dt)
+    gx = x @ x.transpose(-1, -2)
+    gy = y @ y.transpose(-1, -2)
+    return ((gx * gy) @ w[..., None])[..., 0].mul(w).sum(-1).double() / (n - 1)
 
 
 @dataclass
@@ -248,26 +251,27 @@ def region_logit_scores(
     if null_perm.shape != perm.shape:
         raise ValueError(f"null_perm must have the shape of perm {tuple(perm.shape)}, got {tuple(null_perm.shape)}")
     dev = w_orig.device
+    dt = torch.promote_types(w_orig.dtype, torch.float32)  # float32 inputs are scored in float32, sums in float64
     inv = torch.argsort(perm, -1).to(dev)
     inv_null = torch.argsort(null_perm, -1).to(dev)
-    x, keep_x = _centre_unit(w_orig.double(), min_std)
-    w = weights.double().clamp_min(0)
+    x, keep_x = _centre_unit(w_orig.to(dt), min_std)
+    w = weights.to(dt).clamp_min(0)
     lead = w_orig.shape[:-2]
     z = torch.zeros(lead, dtype=torch.float64, device=dev)
     acc = LogitScoreSums(z, z.clone(), z.clone(), z.clone(), z.clone(), z.clone(), z.clone())
     for p in range(n_p):
-        y, keep_y = _centre_unit(w_perm[p].double(), min_std)
+        y, keep_y = _centre_unit(w_perm[p].to(dt), min_std)
         keep = keep_x & keep_y
         wk = torch.where(keep, w, 0.0)
         xk = torch.where(keep[..., None], x, 0.0)
         r_pos = (xk * y).sum(-1)
         r_sym = (xk * y.index_select(-1, inv[p])).sum(-1)
         r_null = (xk * y.index_select(-1, inv_null[p])).sum(-1)
-        acc.pos += (wk * r_pos).sum(-1)
-        acc.sym += (wk * r_sym).sum(-1)
-        acc.null += (wk * r_null).sum(-1)
+        acc.pos += (wk * r_pos).sum(-1).double()
+        acc.sym += (wk * r_sym).sum(-1).double()
+        acc.null += (wk * r_null).sum(-1).double()
         acc.null_var += null_variance(xk, torch.where(keep[..., None], y, 0.0), wk)
-        acc.weight += wk.sum(-1)
+        acc.weight += wk.sum(-1).double()
         acc.n_used += keep.double().sum(-1)
         acc.n_excluded += (~keep).double().sum(-1)
     return acc

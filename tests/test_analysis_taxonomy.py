@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -184,19 +182,25 @@ def test_figures(llama):
 
 @pytest.mark.real
 def test_smollm2_random_twin_is_not_both(smollm2):
-    """The degenerate first metric put the random twin on 'both'; the logit metric must not."""
+    """The degenerate first metric put the random twin on 'both' (≈ 1 on both axes); the logit
+    metric must not. Layers 0 (keys ≈ token embeddings), 3 (transition) and 6."""
     from posgen_tl.analysis.taxonomy import taxonomy_windows
     from posgen_tl.models import random_twin
 
-    t0 = time.time()
     tokens, ref = taxonomy_windows(smollm2, None, n_prompts=2, seq_len=96, n_ref=1)
     twin = random_twin(smollm2, 0)
-    df = head_taxonomy(twin, tokens, ref, layers=[0, 15, 29], region_len=32, n_query=32, n_perm=8,
+    df = head_taxonomy(twin, tokens, ref, layers=[0, 3, 6], region_len=32, n_query=32, n_perm=8,
                        model_label="smollm2", twin_label="random", progress=False)
     heads = head_table(df)
     assert len(heads) == 3 * smollm2.cfg.n_heads
     assert heads[["positional", "symbolic", "null_q", "positional_share"]].notna().all().all()
-    assert (heads["label"] != "both").all(), heads[["layer", "head", "positional", "symbolic", "label"]]
-    bands = df[df["band"] >= 0]
-    assert (bands["label"] != "both").mean() > 0.9
-    assert time.time() - t0 < 60
+    assert (heads["n_rows_used"] > 0).all()
+    # never the degenerate signature, and 'both' is not what the twin lands on
+    assert not ((heads["positional"] > 0.5) & (heads["symbolic"] > 0.5)).any()
+    counts = heads["label"].value_counts()
+    assert counts.idxmax() != "both" and counts.get("both", 0) <= len(heads) // 4, counts
+    # layer 0 reads token embeddings: symbolic; deeper layers read a per-sequence key constant
+    # (METHOD §2) and turn positional
+    assert (heads.loc[heads["layer"] == 0, "label"] == "symbolic").all()
+    l6 = heads[heads["layer"] == 6]
+    assert (l6["positional"] > l6["symbolic"]).all()

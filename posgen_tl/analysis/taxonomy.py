@@ -27,7 +27,8 @@ Per head also: frequency usage (energy share of pre-rotation q and k per band,
 :class:`posgen_tl.features.BandStats`, and :func:`frequency_centroid`; 0 = fastest band),
 and the D3 **positional share** ``V(f)/(V(f)+V(g))`` of the clean prompts' within-row logit
 variance (:func:`posgen_tl.decompose.d3_split`) with a GLOBAL ``k̄`` per kv-head from
-reference windows of documents disjoint from the analysed ones (sink excluded).
+reference windows of documents disjoint from the analysed ones (sink excluded); the same
+share with each prompt's own mean key is reported beside it (``positional_share_seq``).
 :func:`share_by_class` tests whether positional heads carry more positional share than
 symbolic heads (Mann–Whitney U).
 """
@@ -79,7 +80,7 @@ __all__ = [
 HEAD_COLUMNS = [
     "model", "twin", "layer", "kind", "head", "positional", "symbolic", "null_mc", "null_sd", "null_q", "label",
     "positional_std", "symbolic_std", "n_rows_used", "n_rows_excluded", "region_mass", "n_prompts", "n_docs",
-    "q_centroid", "k_centroid", "positional_share", "positional_share_std",
+    "q_centroid", "k_centroid", "positional_share", "positional_share_std", "positional_share_seq",
 ]
 
 
@@ -134,6 +135,7 @@ class _LayerAcc:
         self.pos = np.full((n_prompts, n_heads, 1 + n_bands), np.nan)
         self.sym = np.full((n_prompts, n_heads, 1 + n_bands), np.nan)
         self.share = np.full((n_prompts, n_heads), np.nan)
+        self.share_seq = np.full((n_prompts, n_heads), np.nan)
         self.q_stats: BandStats | None = None
         self.k_stats: BandStats | None = None
 
@@ -157,8 +159,12 @@ def _score_prompt(
     keep = c.positions[sl][:1] >= sink
     acc.q_stats.update(clean_q, keep)
     acc.k_stats.update(clean_k, keep)
+    fmask = fit_mask(n, sink, rope.sliding_window)
     d3 = d3_split(clean_q, clean_k, k_mean, c.positions[sl][:1], rope)
-    acc.share[prompt] = positional_share(d3.f, d3.g, fit_mask(n, sink, rope.sliding_window))[0].cpu().numpy()
+    acc.share[prompt] = positional_share(d3.f, d3.g, fmask)[0].cpu().numpy()
+    k_seq = clean_k[0, sink:].double().mean(0).float()  # this prompt's own mean key (sink excluded)
+    d3s = d3_split(clean_q, clean_k, k_seq, c.positions[sl][:1], rope)
+    acc.share_seq[prompt] = positional_share(d3s.f, d3s.g, fmask)[0].cpu().numpy()
     if rows.numel() == 0:
         return
     rq = c.rot_q[sl][:, rows]  # [K+1, n_q, H, d]
@@ -233,7 +239,9 @@ def head_taxonomy(
         n_rows_excluded`` (query rows × permutations), ``region_mass`` (mean clean attention
         mass on ``R`` of the used rows), ``n_prompts, n_docs, q_energy_share, k_energy_share``
         (band rows), ``q_centroid, k_centroid, positional_share, positional_share_std``
-        (full-head rows; NaN on band rows), and the settings ``n_perm, region_len, n_query,
+        (global k̄), ``positional_share_seq`` (each prompt's own mean key, sink excluded: the
+        random twin's keys carry a large per-sequence constant, METHOD §2) (full-head rows;
+        NaN on band rows), and the settings ``n_perm, region_len, n_query,
         block, min_score, rel_tol``.
 
     Raises:
@@ -324,6 +332,7 @@ def head_taxonomy(
             q_centroid=np.where(is_full, q_c[head], nan), k_centroid=np.where(is_full, k_c[head], nan),
             positional_share=np.where(is_full, sh[head], nan),
             positional_share_std=np.where(is_full, sh_sd[head], nan),
+            positional_share_seq=np.where(is_full, _nanmean(acc.share_seq)[head], nan),
             n_perm=n_perm, region_len=region_len, n_query=n_query, block=block, min_score=min_score,
             rel_tol=rel_tol,
         )))
