@@ -127,11 +127,12 @@ def plot_taxonomy_vs_share(head_df: pd.DataFrame) -> Figure:
                            edgecolors="none")
                 ax.hlines(np.median(v), x - 0.3, x + 0.3, color="k", lw=1.5)
         r = link[link["twin"] == twin]
-        t = "" if r.empty else (f"\nMann–Whitney pos vs sym: p={r['p'].iloc[0]:.2g} "
-                                f"(n={int(r['n_a'].iloc[0])}, {int(r['n_b'].iloc[0])})")
+        t = "" if r.empty else (f"\nMann–Whitney pos vs sym p={r['p'].iloc[0]:.2g} "
+                                f"(n={int(r['n_a'].iloc[0])}/{int(r['n_b'].iloc[0])})")
         ax.set_xticks(range(len(_LABELS)), [f"{lab}\n({int((g['label'] == lab).sum())})" for lab in _LABELS],
                       fontsize=7)
-        ax.set(ylim=(-0.02, 1.02), title=f"{_title(df, twin)}{t}")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{_title(df, twin)}{t}", fontsize=9)
     axes[0][0].set_ylabel("D3 positional share V(f)/(V(f)+V(g))")
     plt.close(fig)
     return fig

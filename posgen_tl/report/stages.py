@@ -318,11 +318,13 @@ def heads_compute(ctx) -> None:
 
 def heads_render(ctx) -> tuple[Section, dict]:
     from ..analysis.taxonomy import label_counts  # noqa: PLC0415
+    from ..heads import LABELS  # noqa: PLC0415
 
     heads = ctx.work.load_df("heads.csv").assign(band=-1)
     link = ctx.work.load_df("heads_link.csv")
     meta = ctx.work.load_json("heads_meta.json")
-    counts = label_counts(heads).pivot_table(index="twin", columns="label", values="n", sort=False).reset_index()
+    counts = label_counts(heads).pivot(index="twin", columns="label", values="n")
+    counts = counts[[c for c in LABELS if c in counts]].astype(int).reset_index()
     scores = heads.groupby("twin", sort=False).agg(
         positional=("positional", "mean"), symbolic=("symbolic", "mean"), null_q=("null_q", "mean"),
         null_mc=("null_mc", "mean"), rows_used=("n_rows_used", "sum"), rows_excluded=("n_rows_excluded", "sum"),
