@@ -232,8 +232,8 @@ def region_logit_scores(
         :class:`LogitScoreSums` with fields of shape ``...`` (float64).
 
     Raises:
-        ValueError: mismatched shapes, a region of < 3 keys, or a row of ``perm`` that is not
-        a permutation.
+        ValueError: mismatched shapes, a region of < 3 keys, or a row of ``perm`` that is
+            not a permutation.
     """
     n_p, n_k = perm.shape
     if w_perm.shape != (n_p, *w_orig.shape):
