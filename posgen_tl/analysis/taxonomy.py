@@ -16,7 +16,8 @@ query rows over ``R`` are compared before/after each permutation by
 (positional) and following the moved tokens (symbolic), rows weighted by their clean
 attention mass on ``R`` (softmax over the causal mask, sliding window included), near-
 constant rows excluded (within-row std below ``rel_tol ×`` the layer's median within-row
-std of this prompt, floor ``1e-6``), and a null from an independent permutation (exact
+std of this prompt, floor ``1e-6``; the SAME threshold serves the band rows, so a band
+whose logits hardly vary compared with its head's is excluded, not scored), and a null from an independent permutation (exact
 null sd, 95 % quantile). On sliding-window layers only rows that see ALL of ``R`` are
 scored (``i − r0 < window``); a layer where no row does gives NaN scores ('undefined').
 
