@@ -65,6 +65,7 @@ from posgen_tl.heads import (
     taxonomy_label,
 )
 from posgen_tl.models import random_twin
+from posgen_tl.rope import scores_from_rotated
 
 __all__ = [
     "region_layout",
@@ -171,7 +172,7 @@ def _score_prompt(
     rq = c.rot_q[sl][:, rows]  # [K+1, n_q, H, d]
     rk = c.rot_k_expanded()[sl]  # [K+1, n, H, d]
     # clean attention mass on R: softmax over every visible key of the row
-    full_clean = (band_logits(rq[:1], rk[:1], rope).sum(2) + pass_logits(rq[:1], rk[:1], rope))[0]  # [H, n_q, n]
+    full_clean = scores_from_rotated(rq[:1], rk[:1], rope.score_scale)[0]  # [H, n_q, n]
     vis = causal_mask(n, rope.sliding_window, device=full_clean.device)[rows]
     attn = torch.softmax(full_clean.double().masked_fill(~vis, float("-inf")), -1)
     mass = attn[..., r0:r1].sum(-1)  # [H, n_q]
