@@ -110,6 +110,9 @@ def row_spread_threshold(
 
     Returns:
         the threshold (a float, in logit units).
+
+    Raises:
+        ValueError: negative ``rel`` or ``atol``.
     """
     if rel < 0 or atol < 0:
         raise ValueError(f"rel and atol must be >= 0, got {rel}, {atol}")
@@ -124,7 +127,7 @@ def _centre_unit(x: Tensor, min_std: float) -> tuple[Tensor, Tensor]:
     xc = x - x.mean(-1, keepdim=True)
     norm = xc.norm(dim=-1, keepdim=True)
     keep = (norm[..., 0] / math.sqrt(x.shape[-1])) >= min_std
-    return torch.where(keep[..., None], xc / norm.clamp_min(1e-300), 0.0), keep
+    return torch.where(keep[..., None], xc / norm.clamp_min(torch.finfo(x.dtype).tiny), 0.0), keep
 
 
 def null_variance(
