@@ -24,6 +24,7 @@ import torch
 from posgen_tl import load_model
 from posgen_tl.analysis.taxonomy import (
     head_table,
+    head_taxonomy,
     head_taxonomy_with_twin,
     label_counts,
     share_by_class,
@@ -31,6 +32,7 @@ from posgen_tl.analysis.taxonomy import (
     taxonomy_windows,
 )
 from posgen_tl.heads import LABELS
+from posgen_tl.models import random_twin
 from posgen_tl.plot.heads import (
     plot_frequency_usage,
     plot_label_counts,
@@ -55,7 +57,7 @@ def summary(df: pd.DataFrame, n_layers: int) -> str:
     """Markdown: label counts (heads; per layer group; bands), scores and null, link to D3, frequency use."""
     heads = head_table(df)
     out = []
-    c = label_counts(df).pivot_table(index="twin", columns="label", values="n", sort=False)[list(LABELS)]
+    c = label_counts(df).pivot_table(index="twin", columns="label", values="n", sort=False)[list(LABELS)].astype(int)
     out += ["**Head labels** (all layers)", "", _md(c.reset_index()), ""]
     h = heads.assign(group=heads["layer"].map(layer_groups(n_layers)))
     g = h.groupby(["twin", "group"], sort=False)["label"].value_counts().unstack(fill_value=0)
@@ -102,8 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="random twin, document split and permutation seed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--twin", choices=["both", "trained", "random"], default="both",
+                    help="run both (default) or one side only (writes heads_<model>_<side>_bands.csv; the "
+                         "sides use the same windows, permutations and reference; --from-csv merges them)")
     ap.add_argument("--from-csv", action="store_true",
-                    help="re-draw figures and summary from the CSV already in --out (no model run)")
+                    help="re-draw figures and summary from the CSV already in --out (no model run); "
+                         "merges the _trained/_random parts if the joint CSV is absent")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.time()
     if args.from_csv:
-        df = pd.read_csv(args.out / f"{stem}_bands.csv")
+        joint = args.out / f"{stem}_bands.csv"
+        parts = [args.out / f"{stem}_{side}_bands.csv" for side in ("trained", "random")]
+        df = pd.read_csv(joint) if joint.exists() else pd.concat([pd.read_csv(p) for p in parts], ignore_index=True)
         n_layers = int(df["layer"].max()) + 1
         n_docs = int(df["n_docs"].iloc[0])
     else:
@@ -120,11 +128,15 @@ def main(argv: list[str] | None = None) -> None:
         tokens, ref = taxonomy_windows(model, None, n_prompts=args.n_prompts, seq_len=args.seq_len, n_ref=args.n_ref,
                                        seed=args.seed)
         n_docs = tokens.n_docs
-        df = head_taxonomy_with_twin(
-            model, tokens, ref, seed=args.seed, layers=args.layers, region_len=args.region_len,
-            n_query=args.n_query, n_perm=args.n_perm, block=args.block, min_score=args.min_score,
-            batch_size=args.batch_size, model_label=args.model,
-        )
+        kw = dict(seed=args.seed, layers=args.layers, region_len=args.region_len, n_query=args.n_query,
+                  n_perm=args.n_perm, block=args.block, min_score=args.min_score, batch_size=args.batch_size,
+                  model_label=args.model)
+        if args.twin == "both":
+            df = head_taxonomy_with_twin(model, tokens, ref, **kw)
+        else:
+            subject = model if args.twin == "trained" else random_twin(model, args.seed)
+            df = head_taxonomy(subject, tokens, ref, twin_label=args.twin, **kw)
+            stem = f"{stem}_{args.twin}"
         df.to_csv(args.out / f"{stem}_bands.csv", index=False)
         head_table(df).to_csv(args.out / f"{stem}.csv", index=False)
     wall = time.time() - t0
@@ -138,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, fig in figs.items():
         fig.savefig(args.out / f"{stem}_{name}.png", dpi=90)
         plt.close(fig)
+    if df["twin"].nunique() < 2:  # one side of a split run: data saved, figures/summary after the merge
+        print(f"{args.twin} side done in {time.time() - t0:.0f} s; run again with --from-csv to merge")
+        return
     text = (f"## Head taxonomy — {args.model} ({args.n_prompts} prompts from {n_docs} documents × {args.seq_len} "
             f"tokens; region {args.region_len} tokens permuted {args.n_perm}× per prompt (block {args.block}), "
             f"{args.n_query} query rows; min score {args.min_score}; layers "
