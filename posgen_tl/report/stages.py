@@ -379,39 +379,93 @@ def tolerance_render(ctx) -> tuple[Section, dict]:
 # ----------------------------------------------------------------------------- heads
 
 
+def _taxonomy_inputs(ctx, n: int, n_ref: int):
+    """Analysed windows from distinct documents + reference windows from disjoint documents;
+    a corpus with too few documents falls back to disjoint WINDOWS of the same text (said so)."""
+    from ..analysis.taxonomy import taxonomy_windows  # noqa: PLC0415
+    from ..corpus import CorpusError  # noqa: PLC0415
+
+    try:
+        tokens, ref = taxonomy_windows(ctx.model, ctx.cfg.corpus, n_prompts=n, seq_len=ctx.cfg.seq_len, n_ref=n_ref,
+                                       seed=ctx.cfg.seed)
+        return tokens, ref, f"{n} windows from {tokens.n_docs} distinct documents; k̄ from {n_ref} windows of other documents"
+    except CorpusError:
+        toks = ctx.tokens(n_seq=n + n_ref)
+        return toks[:n], toks[n:], (f"{n} windows; the corpus has too few documents, so k̄ comes from {n_ref} other "
+                                    "windows of the same text (disjoint tokens, not disjoint documents)")
+
+
 def heads_compute(ctx) -> None:
-    from ..analysis.taxonomy import head_table, head_taxonomy_with_twin, taxonomy_agreement  # noqa: PLC0415
-    from ..plot.heads import plot_frequency_usage, plot_positional_symbolic_plane, plot_taxonomy_vs_share  # noqa: PLC0415
+    from ..analysis.taxonomy import head_table, head_taxonomy_with_twin, label_counts, share_by_class  # noqa: PLC0415
+    from ..plot.heads import (  # noqa: PLC0415
+        plot_frequency_usage,
+        plot_label_counts,
+        plot_positional_symbolic_plane,
+        plot_taxonomy_vs_share,
+    )
     from .run import _layers  # noqa: PLC0415
 
-    n = 2 if ctx.cfg.quick else 4
-    block = max(8, min(32, ctx.cfg.seq_len // 8))
-    df = head_taxonomy_with_twin(ctx.model, ctx.tokens(n_seq=n), seed=ctx.cfg.seed, twin=ctx.twin(), layers=_layers(ctx),
-                                 n_prompts=n, seq_len=ctx.cfg.seq_len, block_len=block)
+    n = 2 if ctx.cfg.quick else 8
+    tokens, ref, source = _taxonomy_inputs(ctx, n, 2 if ctx.cfg.quick else 4)
+    span = max(4, min(64, ctx.cfg.seq_len // 4))
+    df = head_taxonomy_with_twin(ctx.model, tokens, ref, seed=ctx.cfg.seed, twin=ctx.twin(), layers=_layers(ctx),
+                                 region_len=span, n_query=span, n_perm=8)
     heads = head_table(df)
     ctx.work.save_df("heads.csv", heads)
-    ctx.work.save_json("heads_agreement.json", taxonomy_agreement(heads))
+    ctx.work.save_df("heads_bands.csv", df[df["band"] >= 0])
+    ctx.work.save_df("heads_link.csv", share_by_class(df))
+    ctx.work.save_json("heads_meta.json", {"source": source, "region_len": span, "n_query": span, "n_perm": 8,
+                                           "n_prompts": n, "min_score": float(df["min_score"].iloc[0])})
     ctx.work.save_fig("fig_heads_plane.png", plot_positional_symbolic_plane(heads))
+    ctx.work.save_fig("fig_heads_bands.png", plot_label_counts(df))
     ctx.work.save_fig("fig_heads_freq.png", plot_frequency_usage(df))  # band rows: head × band heat map
     ctx.work.save_fig("fig_heads_share.png", plot_taxonomy_vs_share(heads))
+    ctx.work.save_df("heads_band_counts.csv", label_counts(df, by_band=True))
 
 
 def heads_render(ctx) -> tuple[Section, dict]:
-    heads = ctx.work.load_df("heads.csv")
-    agree = ctx.work.load_json("heads_agreement.json")
-    counts = heads.groupby(["twin", "label"]).size().unstack(fill_value=0).reset_index()
+    from ..analysis.taxonomy import label_counts  # noqa: PLC0415
+    from ..heads import LABELS  # noqa: PLC0415
+
+    heads = ctx.work.load_df("heads.csv").assign(band=-1)
+    link = ctx.work.load_df("heads_link.csv")
+    meta = ctx.work.load_json("heads_meta.json")
+    counts = label_counts(heads).pivot(index="twin", columns="label", values="n")
+    counts = counts[[c for c in LABELS if c in counts]].astype(int).reset_index()
+    scores = heads.groupby("twin", sort=False).agg(
+        positional=("positional", "mean"), symbolic=("symbolic", "mean"), null_q=("null_q", "mean"),
+        null_mc=("null_mc", "mean"), rows_used=("n_rows_used", "sum"), rows_excluded=("n_rows_excluded", "sum"),
+        k_centroid=("k_centroid", "mean"), positional_share=("positional_share", "mean")).reset_index()
+    by_class = heads.groupby(["twin", "label"], sort=False).agg(
+        n=("head", "size"), positional_share=("positional_share", "median"),
+        k_centroid=("k_centroid", "median"), region_mass=("region_mass", "median")).reset_index()
+    tr = counts[counts["twin"] == "random"]
+    both_twin = int(tr["both"].iloc[0]) if len(tr) and "both" in tr else 0
     sec = Section(
         "5 · Head taxonomy: positional vs symbolic heads (METHOD §6)",
-        verdict="Rank correlation of (positional − symbolic) with D3's positional share: " + "; ".join(
-            f"{t}: ρ={_fmt(v['rho'])} (n={v['n']})" for t, v in agree.items()),
-        paragraphs=["Block swap of the context: a positional head's attention stays with the positions, a symbolic head's "
-                    "follows the moved tokens (cosine scores over the moved region, query rows after it)."],
-        tables=[("Head labels", counts)],
-        figures=[(_png(ctx, "fig_heads_plane.png"), "Positional–symbolic plane, coloured by layer, trained vs twin"),
+        verdict=("Label counts (trained vs random twin): " + "; ".join(
+            f"{r['twin']}: " + ", ".join(f"{k} {int(r[k])}" for k in counts.columns if k != "twin")
+            for _, r in counts.iterrows()) + f". Random-twin heads on 'both': {both_twin}."),
+        paragraphs=[
+            f"{meta['source']}. In every prompt the tokens of a {meta['region_len']}-token region are permuted "
+            f"{meta['n_perm']} times (independent random permutations); for the {meta['n_query']} query rows after it, "
+            "the row-centred pre-softmax logits over the region are correlated before/after at the same positions "
+            "(positional) and following the moved tokens (symbolic). Rows with near-constant logits are excluded; rows "
+            "are weighted by their attention mass on the region; the null is the same correlation under an "
+            "independent permutation (mean 0, exact sd). An axis counts when its score exceeds the null's 95 % "
+            f"quantile and {meta['min_score']}.",
+            "Link to D3: positional share = V(f)/(V(f)+V(g)) of the within-row logit variance, global k̄ from the "
+            "reference windows; Mann–Whitney U between positional and symbolic heads (heads of one model are not "
+            "independent units: read p as descriptive)."],
+        tables=[("Head labels", counts), ("Mean scores and row counts", scores),
+                ("Per label: medians of D3 positional share, key frequency centroid (band, 0 = fastest), attention mass on the region", by_class),
+                ("D3 positional share, positional vs symbolic heads", link)],
+        figures=[(_png(ctx, "fig_heads_plane.png"), "Positional vs symbolic score per head, coloured by label, trained vs twin"),
+                 (_png(ctx, "fig_heads_bands.png"), "Labels of each RoPE band taken alone as a 2-D head, trained vs twin"),
                  (_png(ctx, "fig_heads_freq.png"), "RoPE frequency usage: key energy share per (layer, head) × band (log scale), trained vs twin"),
-                 (_png(ctx, "fig_heads_share.png"), "Taxonomy vs positional share of the logit variance")],
+                 (_png(ctx, "fig_heads_share.png"), "D3 positional share by head label, trained vs twin")],
     )
-    return sec, {"counts": counts.to_dict("records"), "agreement": agree}
+    return sec, {"counts": counts.to_dict("records"), "link": link.to_dict("records"), "meta": meta}
 
 
 STAGES = [
