@@ -1,7 +1,7 @@
 """The benchmark suite: every analysis as a RATIO to the plain forward pass of the same tokens.
 
     python benchmarks/suite.py                 # full sizes: 8 × 512 and 4 × 2048, scaling 256 … 4096
-    python benchmarks/suite.py --small         # quick check: 4 × 256 and 1 × 1024, scaling 128 … 1024
+    python benchmarks/suite.py --small         # quick check: 2 × 128 and 1 × 512, scaling 128 … 512
     python benchmarks/suite.py --models smollm2-135m,gemma3-270m --repeats 5 --out benchmarks/results.json
 
 Writes ``--out`` (default ``benchmarks/results.json``) and prints a table with the targets, met or not.
@@ -54,10 +54,11 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-FULL = {"sizes": [(8, 512), (4, 2048)], "lengths": [256, 512, 1024, 2048, 4096], "counts": [1, 2, 4, 8],
-        "count_len": 512}
-SMALL = {"sizes": [(4, 256), (1, 1024)], "lengths": [128, 256, 512, 1024], "counts": [1, 2, 4, 8],
-         "count_len": 128}
+#: counts start at the batch size of the count series, so every point streams full batches
+FULL = {"sizes": [(8, 512), (4, 2048)], "lengths": [256, 512, 1024, 2048, 4096], "counts": [4, 8, 16, 32],
+        "count_len": 512, "count_batch": 4}
+SMALL = {"sizes": [(2, 128), (1, 512)], "lengths": [128, 256, 512], "counts": [2, 4, 8],
+         "count_len": 64, "count_batch": 2}
 TARGETS = {"decomposition": 1.3, "pattern": 1.0, "tolerance_curve": 1.1, "causal_condition": 1.1,
            "sufficiency": 1.1}
 MEM_SLACK_MIB = 1024.0
@@ -91,7 +92,7 @@ def _batch_size(seq_len: int) -> int:
 class Bench:
     """The model, the tokens and every step of the suite as a zero-argument callable."""
 
-    def __init__(self, model_name: str, n_seq: int, seq_len: int) -> None:
+    def __init__(self, model_name: str, n_seq: int, seq_len: int, batch_size: int | None = None) -> None:
         import torch
 
         from posgen_tl.capture import probe_hooks
@@ -104,7 +105,7 @@ class Bench:
         self.n_ref = max(1, n_seq // 2)
         toks = corpus_tokens(self.model, None, seq_len=seq_len, n_seq=n_seq + self.n_ref)
         self.tokens, self.ref = toks[:n_seq], toks[n_seq:]
-        self.bs = _batch_size(seq_len)
+        self.bs = batch_size or _batch_size(seq_len)
         self.n_seq, self.seq_len = n_seq, seq_len
         self._kbar = None
         self._km = None
@@ -328,7 +329,7 @@ def _run_point(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    b = Bench(spec["model"], spec["n_seq"], spec["seq_len"])
+    b = Bench(spec["model"], spec["n_seq"], spec["seq_len"], spec.get("batch_size"))
     fn = b.steps()[spec["step"]][0]
     if spec["step"] == "decomposition":
         b.geometry()
@@ -420,11 +421,12 @@ def _log(msg: str) -> None:
 def run_suite(args: argparse.Namespace) -> dict:
     cfg = SMALL if args.small else FULL
     models = [m.strip() for m in args.models.split(",") if m.strip()]
+    parts = {p.strip() for p in args.parts.split(",")}
     base = {"threads": args.threads, "repeats": args.repeats}
     res: dict[str, Any] = {
         "config": {"small": args.small, "models": models, "repeats": args.repeats, "threads": args.threads,
-                   "sizes": cfg["sizes"], "lengths": cfg["lengths"], "counts": cfg["counts"],
-                   "count_len": cfg["count_len"], "fracs": FRACS, "target_len": TARGET_LEN},
+                   "report_repeats": args.report_repeats, "parts": sorted(parts), **cfg, "fracs": FRACS,
+                   "target_len": TARGET_LEN},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "load_avg_start": os.getloadavg()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -434,7 +436,7 @@ def run_suite(args: argparse.Namespace) -> dict:
                  "naive_decomposition", "naive_pattern"]
     for model in models:
         mres: dict[str, Any] = {"sizes": {}, "scaling": {}}
-        for n_seq, seq_len in cfg["sizes"]:
+        for n_seq, seq_len in (cfg["sizes"] if "sizes" in parts else []):
             key = f"{n_seq}x{seq_len}"
             spec = dict(base, model=model, n_seq=n_seq, seq_len=seq_len)
             _log(f"{model} {key}: timing ({args.repeats} repeats)")
@@ -444,7 +446,7 @@ def run_suite(args: argparse.Namespace) -> dict:
                 entry["memory"][step] = _spawn("memory", dict(spec, step=step), args.timeout)
             mres["sizes"][key] = entry
             _save(res | {"partial": True}, args.out, model, mres)
-        if not args.skip_scaling:
+        if "scaling" in parts:
             for axis, points in (("length", [(1, n) for n in cfg["lengths"]]),
                                  ("count", [(c, cfg["count_len"]) for c in cfg["counts"]])):
                 series: dict[str, Any] = {}
@@ -452,8 +454,9 @@ def run_suite(args: argparse.Namespace) -> dict:
                     rows = []
                     for n_seq, seq_len in points:
                         _log(f"{model} scaling vs {axis}: {step} {n_seq}x{seq_len}")
-                        r = _spawn("point", dict(base, model=model, n_seq=n_seq, seq_len=seq_len, step=step),
-                                   args.timeout)
+                        bs = cfg["count_batch"] if axis == "count" else None
+                        r = _spawn("point", dict(base, model=model, n_seq=n_seq, seq_len=seq_len, step=step,
+                                                 batch_size=bs), args.timeout)
                         rows.append(dict(n_seq=n_seq, seq_len=seq_len, **r))
                     xs = [r["seq_len"] if axis == "length" else r["n_seq"] for r in rows]
                     series[step] = {
@@ -463,7 +466,7 @@ def run_suite(args: argparse.Namespace) -> dict:
                     }
                 mres["scaling"][axis] = series
                 _save(res | {"partial": True}, args.out, model, mres)
-        if not args.skip_report:
+        if "report" in parts:
             _log(f"{model}: whole report --quick ({args.report_repeats} repeats)")
             mres["report_quick"] = _spawn("report", dict(base, model=model, repeats=args.report_repeats),
                                           args.timeout * 3)
@@ -472,6 +475,22 @@ def run_suite(args: argparse.Namespace) -> dict:
     res["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     res["targets"] = evaluate(res)
     return res
+
+
+def merge_results(parts: list[dict]) -> dict:
+    """One results object from several ``--parts`` runs (per model: sizes, scaling, report united)."""
+    out = json.loads(json.dumps(parts[0]))
+    out["parts"] = [{"started": p.get("started"), "finished": p.get("finished"), "machine": p.get("machine")}
+                    for p in parts]
+    for p in parts[1:]:
+        for model, m in p["models"].items():
+            dst = out["models"].setdefault(model, {"sizes": {}, "scaling": {}})
+            dst.setdefault("sizes", {}).update(m.get("sizes", {}))
+            dst.setdefault("scaling", {}).update(m.get("scaling", {}))
+            if "report_quick" in m:
+                dst["report_quick"] = m["report_quick"]
+    out["targets"] = evaluate(out)
+    return out
 
 
 def _save(res: dict, out: str, model: str, mres: dict) -> None:
@@ -610,8 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600.0, help="per worker process, seconds")
-    ap.add_argument("--skip-scaling", action="store_true")
-    ap.add_argument("--skip-report", action="store_true")
+    ap.add_argument("--parts", default="sizes,scaling,report",
+                    help="which parts to run (comma-separated); run parts as separate jobs and --merge their files")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge results files of separate --parts runs into --out")
     ap.add_argument("--out", default=str(HERE / "results.json"))
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--print", dest="print_only", metavar="RESULTS_JSON", help="print the table of a results file")
@@ -630,6 +650,12 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(res) if args.markdown else "", end="")
         if not args.markdown:
             print_table(res)
+        return 0
+    if args.merge:
+        res = merge_results([json.loads(Path(f).read_text()) for f in args.merge])
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print_table(res)
+        print(f"\nwrote {args.out}")
         return 0
     if args.repeats < 3:
         print("suite: note: fewer than 3 repeats; min/median are weak", file=sys.stderr)
