@@ -32,12 +32,13 @@ def _run(kind: str, args: argparse.Namespace, out: Path) -> float:
               "--out", str(out)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if kind == "2x1":
+    if kind.startswith("2x"):
         env.update(OMP_NUM_THREADS="1", POSGEN_THREADS="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "posgen_tl.distributed", *common]
     else:
-        env.update(OMP_NUM_THREADS="2", POSGEN_THREADS="2")
+        threads = kind.split("x")[1]
+        env.update(OMP_NUM_THREADS=threads, POSGEN_THREADS=threads)
         cmd = [sys.executable, "-m", "posgen_tl.distributed", *common]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
@@ -67,24 +68,27 @@ def main() -> None:
     ap.add_argument("--target-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kinds", default="2x1,1x2", help="ranks x threads; 1x1 adds the single-thread reference")
     args = ap.parse_args()
-    times: dict[str, list[float]] = {"2x1": [], "1x2": []}
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {k: Path(tmp) / k for k in times}
         for r in range(args.repeats):
-            for kind in (("2x1", "1x2") if r % 2 == 0 else ("1x2", "2x1")):
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 loads.append(os.getloadavg()[0])
                 t = _run(kind, args, dirs[kind])
                 times[kind].append(t)
                 print(f"[{time.strftime('%H:%M:%S')}] {kind}: {t:.1f} s", file=sys.stderr, flush=True)
-        diffs = _same(dirs["2x1"], dirs["1x2"])
+        diffs = _same(dirs["2x1"], dirs["1x2"]) if {"2x1", "1x2"} <= set(kinds) else {}
     res = {
         "model": args.model, "tokens": [args.n_seq, args.seq_len], "repeats": args.repeats,
         "seconds": times, "min": {k: min(v) for k, v in times.items()},
         "median": {k: statistics.median(v) for k, v in times.items()},
-        "speedup_min": min(times["1x2"]) / min(times["2x1"]),
-        "speedup_median": statistics.median(times["1x2"]) / statistics.median(times["2x1"]),
+        "speedup_min": min(times["1x2"]) / min(times["2x1"]) if {"2x1", "1x2"} <= set(kinds) else None,
+        "speedup_median": (statistics.median(times["1x2"]) / statistics.median(times["2x1"])
+                           if {"2x1", "1x2"} <= set(kinds) else None),
         "max_abs_table_diff_2ranks_vs_1process": diffs, "load_avg_1min_during": loads, "cpus": os.cpu_count(),
     }
     print(json.dumps(res, indent=1))
