@@ -210,6 +210,15 @@ def check_tokens(model: Any, tokens: Tensor, spec: RopeSpec | None = None) -> In
     d_vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
     if d_vocab and (int(tokens.max()) >= d_vocab or int(tokens.min()) < 0):
         raise ValueError(f"token ids must lie in [0, {d_vocab}); got range [{int(tokens.min())}, {int(tokens.max())}]")
+    mask = compat.implicit_attention_mask(model, tokens)
+    if mask is not None and not bool(mask.all()):
+        rows = sorted({int(r) for r in (mask == 0).nonzero()[:, 0].tolist()})
+        raise ValueError(
+            f"sequences {rows[:8]} start with the pad token (id {model.tokenizer.pad_token_id}): this HookedTransformer "
+            "(tokenizer padding_side='left') would mask those leading tokens and shift every later position, so "
+            "positions would not be 0..n-1; pass unpadded, equal-length sequences (e.g. corpus_tokens) or set "
+            "model.tokenizer.padding_side = 'right'"
+        )
     return tokens.to(model_device(model))
 
 

@@ -19,7 +19,9 @@ and per model *backend* (:func:`backend`), the hook conventions (:func:`conventi
   ``attn.q_norm.hook_normalized`` (flattened ``[batch·pos·head, d_head]``, *before* the norm
   weight ``attn.q_norm.w``) times that weight; ``hook_attn_scores`` is pre-softmax, after
   the soft-cap and after the causal/sliding mask (masked entries ``-inf``); ``forward`` takes
-  no ``position_ids``.
+  no ``position_ids``; and when its tokenizer pads on the left (Gemma's does) ``forward`` derives
+  an attention mask from the tokens themselves: *leading pad tokens* are masked and the
+  positions of the rest shifted (:func:`implicit_attention_mask`).
 * ``"bridge"`` — a ``TransformerBridge`` (3.9 and 4.x alike, checked): ``hook_q_normed``/
   ``hook_k_normed`` fire on ``[batch, head, pos, d_head]`` (Gemma3's post-reshape norm);
   ``hook_rot_q``/``hook_rot_k`` fire on the HF position-embeddings attention and never on
@@ -56,6 +58,7 @@ __all__ = [
     "HookConventions",
     "conventions",
     "accepts_position_ids",
+    "implicit_attention_mask",
     "summary",
 ]
 
@@ -237,6 +240,20 @@ def accepts_position_ids(model: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def implicit_attention_mask(model: Any, tokens: Any) -> Any | None:
+    """The attention mask a TL 3.x ``HookedTransformer`` derives from ``tokens`` by itself (its
+    tokenizer pads on the left: leading pad tokens masked, later positions shifted), computed by
+    TransformerLens' own ``get_attention_mask``; ``None`` where the model derives none."""
+    if backend(model) != "hooked":
+        return None
+    tok = getattr(model, "tokenizer", None)
+    if tok is None or getattr(tok, "padding_side", None) != "left" or getattr(tok, "pad_token_id", None) is None:
+        return None
+    from transformer_lens.utilities import get_attention_mask  # noqa: PLC0415  (TL 3.x, already imported)
+
+    return get_attention_mask(tok, tokens, bool(getattr(model.cfg, "default_prepend_bos", True)))
 
 
 def summary() -> dict[str, Any]:

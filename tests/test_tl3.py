@@ -380,3 +380,26 @@ def test_readme_example_runs_as_written():
     table = pg.exactness_table(model, tokens)
     caps = pg.capture_qk(model, tokens[:1], layers=[1])
     assert table["passed"].all() and caps[1].q.shape == (1, 16, 4, 8)
+
+
+@needs_hooked
+def test_hooked_left_padding_is_refused_not_misread():
+    """A HookedTransformer whose tokenizer pads on the left masks leading pad tokens and shifts
+    positions by itself: such a batch is refused (it would silently break positions 0..n-1)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    tok = tm.tiny_tokenizer()
+    cfg = HookedTransformerConfig(d_model=32, d_head=8, n_heads=4, n_layers=1, n_ctx=64, d_vocab=100, act_fn="silu",
+                                  normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8)
+    torch.manual_seed(0)
+    model = HookedTransformer(cfg, tokenizer=tok).eval()
+    pad = model.tokenizer.pad_token_id
+    toks = torch.randint(3, 90, (2, 10))
+    toks[1, :3] = pad  # a left-padded row
+    model.tokenizer.padding_side = "left"
+    with pytest.raises(ValueError, match="pad token"):
+        exactness_table(model, toks)
+    assert exactness_table(model, toks[:1])["passed"].all()  # unpadded rows are fine
+    model.tokenizer.padding_side = "right"  # no implicit mask: positions are 0..n-1 again
+    df = exactness_table(model, toks)
+    assert df["passed"].all() and (df["rot_q_max_err"] == 0).all()
