@@ -260,7 +260,11 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     n_probe = 6  # a length no head count equals, so [b, head, pos, d] and [b, pos, head, d] differ
     while n_probe in (spec.n_heads, spec.n_kv_heads):
         n_probe += 1
-    toks = (torch.arange(n_probe) % max(d_vocab - 1, 1) + 1)[None].to(model_device(model))
+    toks = torch.arange(n_probe) % max(d_vocab - 1, 1) + 1
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    if pad is not None:  # a HookedTransformer may mask leading pad tokens by itself (compat.implicit_attention_mask)
+        toks = torch.where(toks == pad, (pad + 1) % max(d_vocab, 2), toks)
+    toks = toks[None].to(model_device(model))
     with torch.no_grad(), hooks_attached(model, fwd):
         _forward(model, toks, None)
     layer = probe_layers[-1]
