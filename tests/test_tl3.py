@@ -403,3 +403,18 @@ def test_hooked_left_padding_is_refused_not_misread():
     model.tokenizer.padding_side = "right"  # no implicit mask: positions are 0..n-1 again
     df = exactness_table(model, toks)
     assert df["passed"].all() and (df["rot_q_max_err"] == 0).all()
+
+
+@needs_hooked
+def test_hooked_decomposition_with_twin():
+    """METHOD §2 on a HookedTransformer (Gemma3-style local/global, QK-norm): trained vs random twin,
+    same tokens, the D3 bound holds on every entry."""
+    from posgen_tl.analysis.decomposition import decompose_with_twin
+
+    model = tm.hooked(**HOOKED["local_global_qknorm_softcap"])
+    toks = torch.randint(1, 50, (5, 16), generator=torch.Generator().manual_seed(0))
+    df = decompose_with_twin(model, toks, seed=1, n_ref=2, batch_size=2, bound_rows=8, progress=False)
+    assert set(df.twin) == {"trained", "random"} and set(df.kind) == {"local", "global"}
+    assert len(df) == 2 * 3 * 4 * 3 * 3 * 2  # twins × layers × heads × seqs × estimators × sink
+    assert (df[df.estimator == "D3"].d3_bound_holds == 1.0).all()
+    assert df.r.notna().all()
