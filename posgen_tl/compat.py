@@ -4,12 +4,10 @@ In the spirit of SAELens' ``sae_lens/analysis/compat.py``: the version is read f
 package metadata (``importlib.metadata``, so nothing heavy is imported), and every
 version-dependent fact posgen_tl relies on lives here, stated once:
 
-=====================  ===========================================  ==========================================
-                       TransformerLens 3.9 – 3.x                    TransformerLens 4.x
-=====================  ===========================================  ==========================================
-``HookedTransformer``  yes (deprecated)                             no (removed)
-``TransformerBridge``  yes                                          yes
-=====================  ===========================================  ==========================================
+| | TransformerLens 3.9 – 3.x | TransformerLens 4.x |
+|---|---|---|
+| ``HookedTransformer`` | yes (deprecated) | no (removed) |
+| ``TransformerBridge`` | yes | yes |
 
 and per model *backend* (:func:`backend`), the hook conventions (:func:`conventions`):
 
