@@ -264,6 +264,20 @@ def _boot(hf, tok, name: str, device: str):
     return bridge
 
 
+def _drop_gguf_marker(hf, name: str) -> None:
+    """A model just converted from GGUF keeps ``quantization_config`` (GGUF) in its config although
+    transformers de-quantised every tensor on load; HookedTransformer refuses any quantization
+    config. Drop it from *this* freshly converted object (the weight cache stores the same model
+    without it) after checking that every parameter really is a dense floating-point tensor."""
+    if getattr(hf.config, "quantization_config", None) is None:
+        return
+    bad = [n for n, p in hf.named_parameters() if not p.is_floating_point() or p.dtype == torch.uint8]
+    if bad:
+        raise ModelLoadError(f"{name}: parameters {bad[:3]} are still quantised; cannot build a HookedTransformer")
+    with contextlib.suppress(AttributeError):
+        del hf.config.quantization_config
+
+
 def _require_hooked() -> None:
     from . import compat  # noqa: PLC0415
 
@@ -388,6 +402,7 @@ def load_model(
             _require_hooked()  # fail before the (long) weight conversion
         hf, tok, _ = _load_zoo_hf(entry, dtype, use_cache, verbose)
         if backend == "hooked":
+            _drop_gguf_marker(hf, entry.name)
             return _boot_hooked(hf, tok, entry.name, entry.tl_name, device, dtype)
         return _boot(hf, tok, entry.name, device)
     path = Path(name)

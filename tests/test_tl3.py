@@ -348,8 +348,9 @@ def test_gemma3_hooked_check_passes(capsys):
     from posgen_tl.cli import main
 
     rc = main(["check", "--model", "gemma3-270m", "--backend", "hooked", "--n-seq", "1", "--seq-len", "64"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
+    cap = capsys.readouterr()
+    out = cap.out
+    assert rc == 0, out + cap.err
     assert "HookedTransformer" in out and "PASS" in out
     assert "q_norm.hook_normalized" in out and "kv_heads=1" in out and "qk_norm=True" in out
 
@@ -357,7 +358,8 @@ def test_gemma3_hooked_check_passes(capsys):
 @needs_hooked
 @pytest.mark.real
 def test_smollm2_hooked_exact_and_paris():
-    model = load_model("smollm2-135m", backend="hooked")
+    # use_cache=False: straight from the GGUF conversion (its config still names GGUF; weights de-quantised)
+    model = load_model("smollm2-135m", backend="hooked", use_cache=False)
     assert compat.backend(model) == "hooked"
     spec, info = probe_hooks(model)
     assert model.cfg.rotary_base == 100000.0  # correct in HookedTransformer (the 4.3 bridge says 10000)
