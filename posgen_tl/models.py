@@ -177,14 +177,27 @@ def _write_manifest(folder: Path) -> None:
     (folder / "manifest.json").write_text(json.dumps(data, indent=1))
 
 
-def _load_hf_from_gguf(entry: ModelEntry, dtype: torch.dtype):
+def _placement(dtype: torch.dtype, device_map: Any = None) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments: ``dtype`` and, if given, accelerate's ``device_map``."""
+    kw: dict[str, Any] = {"dtype": dtype}
+    if device_map is not None:
+        if importlib.util.find_spec("accelerate") is None:
+            raise ModelLoadError(
+                f"device_map={device_map!r} needs HF accelerate: pip install 'posgen_tl[multigpu]' (or accelerate)"
+            )
+        kw["device_map"] = device_map
+    return kw
+
+
+def _load_hf_from_gguf(entry: ModelEntry, dtype: torch.dtype, device_map: Any = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     gguf = entry.gguf()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  **_placement(dtype, device_map))
     hf.config.architectures = [entry.architecture]
     return hf.eval(), tok
 
@@ -213,7 +226,7 @@ def _save_cache(entry: ModelEntry, hf, tok, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose: bool):
+def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose: bool, device_map: Any = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     folder = cache_dir() / "models" / entry.name
@@ -221,7 +234,7 @@ def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose
         if _manifest_ok(folder):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+                hf = AutoModelForCausalLM.from_pretrained(str(folder), **_placement(dtype, device_map)).eval()
                 tok = AutoTokenizer.from_pretrained(str(folder))
             hf.config.architectures = [entry.architecture]
             return hf, tok, "cache"
@@ -245,6 +258,12 @@ def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose
                 RuntimeWarning,
                 stacklevel=3,
             )
+    if device_map is not None:  # place the de-quantised weights with accelerate (from the cache if written)
+        del hf
+        if use_cache and _manifest_ok(folder):
+            return _load_zoo_hf(entry, dtype, True, False, device_map)
+        hf, tok = _load_hf_from_gguf(entry, dtype, device_map)
+        return hf, tok, "gguf"
     if dtype != torch.float32:
         hf = hf.to(dtype)
     return hf, tok, "gguf"
@@ -252,10 +271,15 @@ def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose
 
 
 
-def _boot(hf, tok, name: str, device: str):
+def _boot(hf, tok, name: str, device: str | None):
+    """Bridge over a loaded HF model. ``device``: move the weights there first (the bridge
+    leaves a pre-loaded ``hf_model`` where it is and only records ``device``); ``None`` keeps
+    the placement (an accelerate ``device_map`` dispatch)."""
     from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
 
     native_bos = tokenizer_adds_bos(tok) if tok is not None else False
+    if device is not None and getattr(hf, "hf_device_map", None) is None:
+        hf = hf.to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bridge = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=tok, device=device)
@@ -362,10 +386,11 @@ def _check_hooked_against_hf(model, hf, name: str, n_tokens: int = 8) -> None:
 def load_model(
     name_or_model: Any = DEFAULT_MODEL,
     *,
-    device: str = "cpu",
+    device: str | None = None,
     dtype: torch.dtype = torch.float32,
     use_cache: bool = True,
     verbose: bool = False,
+    device_map: str | dict | None = None,
     backend: str = "bridge",
 ):
     """Return a ``TransformerBridge`` (or ``HookedTransformer``) for a zoo name, a hub name /
@@ -375,19 +400,33 @@ def load_model(
         name_or_model: ``"smollm2-135m"`` (default), ``"gemma3-270m"``, any name
             TransformerLens can boot (needs a hub or a local HF folder), or an
             already-built model exposing the standard hook names (returned as is).
-        device: torch device for the model.
-        dtype: parameter dtype (float32 recommended; analyses run in float32/64 anyway).
+        device: torch device for the whole model (default ``"cpu"``; not with ``device_map``).
+        dtype: parameter dtype (float32 recommended; analyses run in float32/64 anyway;
+            ``torch.bfloat16`` halves the memory of a big model).
         use_cache: use/write the safetensors cache of de-quantised zoo weights.
+        device_map: passed to HF ``from_pretrained(..., device_map=...)`` (HF accelerate:
+            ``"auto"``, ``"balanced"``, ``"cpu"``, or a ``{module: device}`` dict) for a model
+            larger than one GPU; layers then live on several devices. Tokens go to the
+            embedding's device, every hook sees its layer's device, and the analyses move what
+            they combine (``k̄``, masks, positions) to the tensor at hand; results come back
+            on the CPU. Needs ``pip install 'posgen_tl[multigpu]'``.
         backend: ``"bridge"`` (default; TransformerLens 3.9+ and 4.x) or ``"hooked"``
             (a ``HookedTransformer``; TransformerLens 3.x only, zoo models and local HF
-            folders), built offline from the same weights.
+            folders, one ``device``), built offline from the same weights.
 
     Raises:
         ModelLoadError: unknown name or backend, missing package, a hub/local load that
-            failed, or ``backend="hooked"`` under TransformerLens 4.x.
+            failed, ``device`` and ``device_map`` both given, ``backend="hooked"`` under
+            TransformerLens 4.x or with a ``device_map``.
     """
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if device_map is not None and device is not None:
+        raise ModelLoadError(f"give device={device!r} or device_map={device_map!r}, not both")
+    if backend == "hooked" and device_map is not None:
+        raise ModelLoadError("backend='hooked' builds a HookedTransformer on one device; device_map is for bridges")
+    if device_map is None and device is None:
+        device = "cpu"
     if not isinstance(name_or_model, (str, os.PathLike)):
         if not hasattr(name_or_model, "hook_dict") and not hasattr(name_or_model, "run_with_hooks"):
             raise ModelLoadError(
@@ -400,7 +439,7 @@ def load_model(
         entry = ZOO[key]
         if backend == "hooked":
             _require_hooked()  # fail before the (long) weight conversion
-        hf, tok, _ = _load_zoo_hf(entry, dtype, use_cache, verbose)
+        hf, tok, _ = _load_zoo_hf(entry, dtype, use_cache, verbose, device_map)
         if backend == "hooked":
             _drop_gguf_marker(hf, entry.name)
             return _boot_hooked(hf, tok, entry.name, entry.tl_name, device, dtype)
@@ -409,8 +448,9 @@ def load_model(
     if path.exists() and path.is_dir():
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
+        kw = _placement(dtype, device_map)
         try:
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+            hf = AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()
             tok = AutoTokenizer.from_pretrained(str(path))
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot load a HF causal LM from the folder {path}: {e}") from e
@@ -429,10 +469,11 @@ def load_model(
             f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
             "and not a TransformerLens/HF hub name (hub names look like 'org/name')"
         )
+    _placement(dtype, device_map)  # a clear error if accelerate is missing
     try:
         from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
 
-        return TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
+        return TransformerBridge.boot_transformers(name, device=device, dtype=dtype, device_map=device_map)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(
             f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
@@ -487,6 +528,12 @@ def random_twin(model: Any, seed: int = 0):
             hf = AutoModelForCausalLM.from_config(config).eval()
             dtype = next(inner.parameters()).dtype
             hf = hf.to(dtype)
+            dmap = getattr(inner, "hf_device_map", None)
+            if dmap and len(set(map(str, dmap.values()))) > 1 and "disk" not in map(str, dmap.values()):
+                from accelerate import dispatch_model  # noqa: PLC0415 — the trained model was dispatched by it
+
+                hf = dispatch_model(hf, device_map=dict(dmap))  # the twin is placed like the trained model
+                return _boot(hf, tok, f"{name}-random-twin-seed{seed}", None)
             return _boot(hf, tok, f"{name}-random-twin-seed{seed}", device)
         if inner is not None and type(inner).__name__ == "NativeModel":
             import copy  # noqa: PLC0415
