@@ -7,6 +7,10 @@ Layers (data flows one way):
 
 from __future__ import annotations
 
+from .compat import check_supported as _check_supported
+
+_check_supported()  # a TransformerLens outside the supported range fails here, naming both versions
+
 from .capture import CaptureError, HookInfo, QKCapture, capture_qk, probe_hooks, stream_qk
 from .corpus import CorpusError, corpus_tokens, default_texts, load_texts, tokenize_corpus
 from .decompose import (

@@ -52,7 +52,7 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
-from .capture import CaptureError, StopForward, probe_hooks, stream_qk
+from .capture import CaptureError, StopForward, pre_rotation, probe_hooks, stream_qk
 from .features import BandStats
 from .perturb import capped_scores
 from .rope import LayerRope, from_bands, rotate, to_bands, unrotate
@@ -264,6 +264,41 @@ def _edit(
     return out.transpose(1, 2) if bhsd else out
 
 
+def _stash_shape(x: Tensor, hook: Any, *, stash: dict) -> None:
+    """On ``hook_q``/``hook_k`` (``[batch, pos, head, d]``): remember ``(batch, pos)`` for a flattened norm hook."""
+    stash["shape"] = (x.shape[0], x.shape[1])
+
+
+def _edit_prescale(
+    x: Tensor, hook: Any, *, iv: Intervention, mean: Tensor, rope: LayerRope, layer: int,
+    model: Any, info: Any, d_head: int, stash: dict,
+) -> Tensor:
+    """:func:`_edit` on a flattened QK-norm hook *before* the norm weight (TL 3.x
+    ``HookedTransformer``: ``attn.k_norm.hook_normalized``, which the model multiplies by ``w`` next).
+
+    The pre-rotation tensor ``x·w`` is edited as in :func:`_edit`; edited coordinates are returned
+    divided by ``w`` (so the model's ``·w`` gives the edit, up to one rounding), every other
+    coordinate is returned bit for bit.
+
+    Raises:
+        CaptureError: an edited coordinate has norm weight 0 (no value before the weight reaches it).
+    """
+    b, s = stash["shape"]
+    pre = pre_rotation(model, info, layer, iv.target, x, b, s, d_head)
+    edited = _edit(pre, hook, iv=iv, mean=mean, rope=rope, layer=layer, bhsd=False)
+    changed = edited != pre
+    q_mod, k_mod, attr = info.norm_weight
+    w = getattr(model.get_submodule(info.name(layer, q_mod if iv.target == "q" else k_mod).rstrip(".")), attr)
+    w = w.reshape(-1, d_head)  # [1, d_head] (per-head norm) or [head, d_head] (norm over all heads)
+    if bool((changed & (w == 0)).any()):
+        raise CaptureError(
+            f"layer {layer}: {iv.label} changes coordinates whose QK-norm weight is 0; they cannot be reached "
+            "through the pre-weight hook of this HookedTransformer"
+        )
+    out = torch.where(changed, edited.float() / w.float(), x.reshape(pre.shape).float())
+    return out.reshape(x.shape).to(x.dtype)
+
+
 def _noop(x: Tensor, hook: Any) -> None:
     return None
 
@@ -281,7 +316,9 @@ def intervention_hooks(
     layers = range(spec.n_layers) if intervention.layers is None else intervention.layers
     layers = sorted({int(x) % spec.n_layers for x in layers})
     hook = info.q_hook if intervention.target == "q" else info.k_hook
-    bhsd = hook.endswith("_normed") and info.normed_layout == "bhsd"
+    bhsd = info.normed_layout == "bhsd"  # only ever set for the bridge's hook_q_normed/hook_k_normed
+    # TL 3.x HookedTransformer + QK-norm: the hook sits before the norm weight (see _edit_prescale)
+    prescale = info.normed_layout == "flat_prescale"
     out: HookList = []
     for layer in layers:
         name = info.name(layer, hook)
@@ -290,6 +327,13 @@ def intervention_hooks(
             continue
         if k_means is None or layer not in k_means:
             raise ValueError(f"{intervention.label}: no mean {intervention.target} for layer {layer} (pass key_means(...))")
+        if prescale:
+            stash: dict = {}
+            out.append((info.name(layer, f"hook_{intervention.target}"), functools.partial(_stash_shape, stash=stash)))
+            out.append((name, functools.partial(
+                _edit_prescale, iv=intervention, mean=k_means[layer], rope=spec.layer(layer), layer=layer,
+                model=model, info=info, d_head=spec.d_head, stash=stash)))
+            continue
         fn = functools.partial(
             _edit, iv=intervention, mean=k_means[layer], rope=spec.layer(layer), layer=layer, bhsd=bhsd
         )
@@ -357,6 +401,8 @@ def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, 
 
     for layer in range(spec.n_layers):
         rope = spec.layer(layer)
+        if not info.rot_fires and info.normed_layout == "flat_prescale":  # pragma: no cover - TL guarantees it
+            raise CaptureError(f"{spec.model_name}: QK-norm without firing hook_rot_q/k: cannot re-position")
         if info.rot_fires:
             for h in ("hook_rot_q", "hook_rot_k"):
                 out.append((info.name(layer, h), functools.partial(at_rot, rope=rope)))
@@ -388,8 +434,9 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
     for layer in sorted({int(x) % spec.n_layers for x in layers}):
         rope, stash = spec.layer(layer), {}
 
-        def keep(x: Tensor, hook: Any, stash=stash, key="q", bhsd=False) -> None:
-            stash[key] = (x.transpose(1, 2) if bhsd else x).float()
+        def keep(x: Tensor, hook: Any, stash=stash, key="q", layer=layer) -> None:
+            b, s = stash.get("shape", (x.shape[0], x.shape[1]))  # (batch, pos) from hook_q on a flattened norm hook
+            stash[key] = pre_rotation(model, info, layer, key, x, b, s, spec.d_head).float()
 
         def scores(w: Tensor, hook: Any, stash=stash, rope=rope) -> Tensor:
             new = capped_scores(stash["q"], stash["k"], rope, cap)
@@ -398,9 +445,10 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
             stash.clear()
             return new.to(w.dtype)
 
+        if info.normed_layout == "flat_prescale":
+            out.append((info.name(layer, "hook_q"), functools.partial(_stash_shape, stash=stash)))
         for key, h in (("q", info.q_hook), ("k", info.k_hook)):
-            bhsd = h.endswith("_normed") and info.normed_layout == "bhsd"
-            out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key, bhsd=bhsd)))
+            out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key)))
         out.append((info.name(layer, "hook_attn_scores"), scores))
     return out
 
