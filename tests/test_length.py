@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -289,3 +290,100 @@ def test_hooks_removed_after_error(llama):
     with pytest.raises(ValueError, match="position_ids"):
         _logits(llama, toks, bad)
     assert torch.equal(_logits(llama, toks), ref)
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def _corpus(n_docs=14, n_words=70, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(f"t{int(t)}" for t in torch.randint(3, 100, (n_words,), generator=g)) for _ in range(n_docs)]
+
+
+def test_span_nll_gap_zero_bit_identical(llama):
+    from posgen_tl.analysis.length import span_nll
+
+    toks = _toks(16)
+    a = span_nll(llama, toks, 9)
+    b = span_nll(llama, toks, 9, position_ids=gap_position_ids(8, 8, 0))
+    assert torch.equal(a, b)
+    c = span_nll(llama, toks, 9, position_ids=gap_position_ids(8, 8, 0, offset=11))
+    assert torch.allclose(a, c, atol=1e-5)  # whole-sequence shift: NLL unchanged to float tolerance
+    full = torch.log_softmax(_logits(llama, toks), -1)
+    ref = -full[:, 8:15].gather(-1, toks[:, 9:16, None])[..., 0]
+    assert torch.allclose(a, ref, atol=1e-5)
+
+
+def test_gap_probe_rows_summary_and_errors(llama):
+    from posgen_tl.analysis.length import gap_probe
+
+    res = gap_probe(llama, _corpus(), prefix_len=12, suffix_len=12, gaps=(0, 1.0), n_seq=6, n_ref=2, skip=3,
+                    batch_size=4, progress=False)
+    rows = res.rows
+    assert set(rows["condition"]) == {"vanilla", "lm_infinite", "disentangled"}
+    assert len(rows) == 6 * 2 * 3 and rows["doc"].notna().all()
+    g0 = rows[rows["gap"] == 0]
+    assert g0[g0["condition"] != "vanilla"]["reused"].all()
+    far = rows[rows["gap"] == 128].pivot(index="seq", columns="condition", values="nll")
+    assert not np.allclose(far["vanilla"], far["lm_infinite"])
+    s = res.summary
+    assert {"nll", "d_vs_gap0", "d_vs_vanilla"} <= set(s["estimator"]) and (s["ci_low"] <= s["ci_high"]).all()
+    assert s["p_holm"].dropna().between(0, 1).all() and (s["label"] == "exploratory").all()
+    with pytest.raises(ValueError, match="gaps"):
+        gap_probe(llama, _corpus(), prefix_len=12, suffix_len=12, gaps=(-0.5,), n_seq=2, n_ref=2, progress=False)
+    with pytest.raises(ValueError, match="cap"):
+        gap_probe(llama, _corpus(), prefix_len=12, suffix_len=12, cap=-1, n_seq=2, n_ref=2, progress=False)
+    with pytest.raises(ValueError, match="skip"):
+        gap_probe(llama, _corpus(), prefix_len=12, suffix_len=4, skip=4, n_seq=2, n_ref=2, progress=False)
+    from posgen_tl.corpus import document_windows
+
+    short = document_windows(llama, _corpus(), seq_len=10, n_seq=4)
+    with pytest.raises(ValueError, match="prefix"):
+        gap_probe(llama, short, prefix_len=12, suffix_len=12, k_means={}, n_seq=2, progress=False)
+
+
+def test_window_removal_recipe(gemma):
+    from posgen_tl.analysis.length import window_removal
+
+    docs = _corpus(n_docs=10, n_words=40) + [" ".join(["t5"] * 5)] * 3  # 3 short docs → the k̄ reference
+    res = window_removal(gemma, docs, seq_len=16, n_seq=5, bucket=4, n_ref=2, progress=False)
+    rows = res.rows
+    assert set(rows["condition"]) == {"window", "no_window", "lm_infinite", "disentangled"}
+    w = rows.pivot_table(index=["seq", "bucket_start"], columns="condition", values="nll")
+    first = w.xs(1, level="bucket_start")  # tokens 1..4: every distance < window 4 → identical
+    assert np.allclose(first["window"], first["no_window"])
+    assert not np.allclose(w["window"], w["no_window"])
+    assert res.config["local_layers"] == [0, 1]
+    with pytest.raises(ValueError, match="sliding-window"):
+        window_removal(hf_llama()[0], docs, seq_len=16, n_seq=2, progress=False)
+
+
+def test_gap_attention_and_head_class_test(llama):
+    from posgen_tl.analysis.length import gap_attention, head_class_test
+    from posgen_tl.corpus import document_windows
+
+    win = document_windows(llama, _corpus(), seq_len=24, n_seq=6)
+    km = key_means(llama, win.tokens)
+    rows = gap_attention(llama, win, prefix_len=12, suffix_len=12, k_means=km, skip=3, progress=False)
+    assert len(rows) == 6 * 2 * 4
+    assert (rows["kl"] >= -1e-6).all() and rows["kl"].max() > 0
+    assert rows[["mass_far_0", "mass_far_gap"]].stack().between(0, 1 + 1e-5).all()
+    assert rows["f_share"].between(0, 1).all() and rows["r_far"].between(-1, 1).all()
+    res = head_class_test(rows, threshold=float(rows.groupby(["layer", "head"])["f_share"].mean().median()))
+    assert res["classes"].iloc[0].startswith("proxy")
+    assert any(res["estimator"].str.startswith("kl"))
+
+
+def test_sufficiency_recipe(llama):
+    from posgen_tl.analysis.sufficiency import layer_groups, sufficiency
+
+    assert layer_groups(30)["10–19"] == list(range(10, 20)) and layer_groups(30)["all"] == list(range(30))
+    res = sufficiency(llama, _corpus(), n_seq=6, seq_len=24, target_len=8, n_ref=2, groups={"0": [0], "all": [0, 1]},
+                      tolerance=[("d3", "all")], fracs=(0.0, 0.1, 0.3), batch_size=6, progress=False)
+    rows = res.rows
+    assert set(rows["source"]) == {"d3", "d3_quantile", "d1", "wrong_kbar"}
+    assert rows["dnll"].abs().max() > 0
+    s = res.summary
+    assert "dslope" in set(s["estimator"]) and s["p_holm"].dropna().between(0, 1).all()
+    with pytest.raises(ValueError, match="source"):
+        sufficiency(llama, _corpus(), n_seq=2, seq_len=24, sources=("d9",), progress=False)
