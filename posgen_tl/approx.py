@@ -25,7 +25,8 @@ position ids (not sequence indices). In the band picture ``W = s·a²·Re Σ_m q
   (``f(q,C) + g_C = s·q_iᵀR_{−C}k_j``): the approximation only differs from LM-Infinite when
   ``Δ0 ≠ C``.
 
-Every map is float64 ``[batch, head_index, query_pos, key_pos]`` with ``-inf`` on hidden entries
+Every map is ``[batch, head_index, query_pos, key_pos]`` in ``dtype`` (float64 by default; the
+hooks use float32 — the model's own precision — for speed) with ``-inf`` on hidden entries
 (``j > i`` by sequence index, and Λ-hidden keys); the layer's sliding window is NOT applied here
 (the hooks do it, so that it can be removed).
 """
@@ -36,7 +37,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .rope import LayerRope, angles, expand_kv, to_bands
+from .rope import LayerRope, expand_kv, rotate
 
 __all__ = [
     "distances",
@@ -75,9 +76,14 @@ def causal_visible(n: int, device=None) -> Bool[Tensor, "query_pos key_pos"]:
 
 
 class _Bands:
-    """float64 complex bands of q, k (expanded), the phases of the position ids, pass-through dims."""
+    """q, k (expanded to query heads) in ``dtype`` and the position ids; logits by real matmuls.
 
-    def __init__(self, q: Tensor, k: Tensor, rope: LayerRope, positions: Tensor | None):
+    Rotations use :func:`posgen_tl.rope.rotate` (float32 angles, HF op order, attention scaling
+    ``a`` on the rotary dims, pass-through dims untouched), so ``(R_x q)·(R_y k) = a²·q_rotᵀR_{y−x}k_rot
+    + q_pass·k_pass`` exactly as the model computes it; one ``[b h i d]×[b h d j]`` matmul per map.
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, rope: LayerRope, positions: Tensor | None, dtype=torch.float64):
         if q.ndim != 4 or k.ndim != 4:
             raise ValueError(f"q and k must be [batch, pos, head, d_head], got {tuple(q.shape)} / {tuple(k.shape)}")
         if q.shape[-1] < rope.rotary_dim:
@@ -85,40 +91,27 @@ class _Bands:
         self.h = q.shape[-2]
         if k.shape[-2] != self.h:
             k = expand_kv(k, self.h)
-        self.rope, r = rope, rope.rotary_dim
-        self.q, self.k = q.double(), k.double()
-        self.zq, self.zk = to_bands(self.q, r, rope.layout), to_bands(self.k, r, rope.layout)
+        self.rope, self.r = rope, rope.rotary_dim
+        self.q, self.k = q.to(dtype), k.to(dtype)
         b, n = q.shape[0], q.shape[1]
         self.pos = _positions(positions, b, n, q.device)
-        # float32 angles exactly as the model computes them, float64 phasors
-        self.e = torch.polar(torch.ones(1, dtype=torch.float64, device=q.device), angles(self.pos, rope).double())
         self.scale = rope.score_scale
-        self.a2 = rope.attention_scaling**2
-        self.r = r
 
-    def phasor(self, offset: int) -> Tensor:
-        """``e^{i·offset·θ_m}`` with float32 angles as the model computes them: ``[band]``."""
-        ang = angles(torch.tensor([int(offset)], device=self.q.device), self.rope).double()[0]
-        return torch.polar(torch.ones_like(ang), ang)
+    def rot(self, x: Tensor, at: Tensor | int) -> Tensor:
+        if isinstance(at, int):
+            at = torch.full(self.pos.shape, at, dtype=torch.long, device=x.device)
+        return rotate(x, at, self.rope)
 
-    def dot(self, x: Tensor, y: Tensor) -> Tensor:
-        """``Re Σ_m x_m conj(y_m)``: ``[b i h m], [b j h m] -> [b h i j]``."""
-        return torch.einsum("bihm,bjhm->bhij", x, y.conj()).real
-
-    def pdot(self, kp: Tensor) -> Tensor:
-        """pass-through part ``q_pass · kp_pass``: ``[b h i j]`` (0 if the head is fully rotary)."""
-        if self.q.shape[-1] <= self.r:
-            return torch.zeros((), dtype=torch.float64, device=self.q.device)
-        return torch.einsum("bihd,bjhd->bhij", self.q[..., self.r :], kp[..., self.r :])
+    def mm(self, a: Tensor, b: Tensor) -> Tensor:
+        """``s · a_i · b_j``: ``[b i h d], [b j h d] -> [b h i j]``."""
+        return self.scale * torch.einsum("bihd,bjhd->bhij", a, b)
 
     def exact(self) -> Tensor:
-        w = self.dot(self.zq * self.e[:, :, None], self.zk * self.e[:, :, None])
-        return self.scale * (self.a2 * w + self.pdot(self.k))
+        return self.mm(self.rot(self.q, self.pos), self.rot(self.k, self.pos))
 
-    def at_offset(self, offset: int, k: Tensor, zk: Tensor) -> Tensor:
+    def at_offset(self, offset: int, k: Tensor) -> Tensor:
         """``s·(a²·q_iᵀR_{−offset} k_j + q_pass·k_pass)`` for every (i, j)."""
-        w = self.dot(self.zq * self.phasor(offset), zk)
-        return self.scale * (self.a2 * w + self.pdot(k))
+        return self.mm(self.rot(self.q, int(offset)), self.rot(k, 0))
 
 
 def _finish(x: Tensor, hide: Tensor) -> Tensor:
@@ -130,9 +123,11 @@ def exact_logits(
     k: Float[Tensor, "batch pos kv_head d_head"],
     rope: LayerRope,
     positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
-    """The model's logits ``W`` recomputed from pre-rotation q/k (float64, ``-inf`` for ``j > i``)."""
-    z = _Bands(q, k, rope, positions)
+    """The model's logits ``W`` recomputed from pre-rotation q/k (``dtype``, ``-inf`` for ``j > i``)."""
+    z = _Bands(q, k, rope, positions, dtype)
     return _finish(z.exact(), ~causal_visible(q.shape[1], q.device))
 
 
@@ -146,6 +141,7 @@ def lm_infinite_logits(
     positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     lambda_window: int | None = None,
     sink_capped: bool = False,
+    dtype: torch.dtype = torch.float64,
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
     """LM-Infinite logits: distance ``min(d, cap)``, the first ``n_sink`` keys at their true distance.
 
@@ -163,14 +159,14 @@ def lm_infinite_logits(
     _check_cap("n_sink", n_sink)
     if lambda_window is not None and lambda_window < 1:
         raise ValueError(f"lambda_window must be >= 1, got {lambda_window}")
-    z = _Bands(q, k, rope, positions)
+    z = _Bands(q, k, rope, positions, dtype)
     n = q.shape[1]
     w = z.exact()
     far = distances(z.pos)[:, None] > cap  # b 1 i j
     if not sink_capped:
         far = far & (torch.arange(n, device=q.device) >= n_sink)
     if bool(far.any()):
-        w = torch.where(far, z.at_offset(cap, z.k, z.zk), w)
+        w = torch.where(far, z.at_offset(cap, z.k), w)
     hide = ~causal_visible(n, q.device)
     if lambda_window is not None:
         idx = torch.arange(n, device=q.device)
@@ -178,12 +174,11 @@ def lm_infinite_logits(
     return _finish(w, hide)
 
 
-def _kbar(k_mean: Tensor, z: _Bands) -> tuple[Tensor, Tensor]:
+def _kbar(k_mean: Tensor, z: _Bands) -> Tensor:
     if k_mean.ndim != 2 or k_mean.shape[-1] != z.q.shape[-1]:
         raise ValueError(f"k_mean must be [kv_head, d_head={z.q.shape[-1]}], got {tuple(k_mean.shape)}")
     km = k_mean if k_mean.shape[0] == z.h else expand_kv(k_mean, z.h)
-    km = km.to(z.q.device).double()
-    return km, to_bands(km, z.r, z.rope.layout)
+    return km.to(device=z.q.device, dtype=z.q.dtype)
 
 
 def d3_approx_logits(
@@ -195,6 +190,7 @@ def d3_approx_logits(
     delta0: int = 0,
     cap: int | None = None,
     positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
     """``f(q_i, min(d, cap)) + g_Δ0(q_i, k_j)`` for every causal entry (D3 at offset ``delta0``).
 
@@ -208,19 +204,16 @@ def d3_approx_logits(
     _check_cap("cap", cap)
     if int(delta0) != delta0:
         raise ValueError(f"delta0 must be an integer offset, got {delta0!r}")
-    z = _Bands(q, k, rope, positions)
-    km, zkm = _kbar(k_mean, z)
-    kc, zkc = z.k - km, z.zk - zkm  # b j h (d|m)
-    g = z.at_offset(int(delta0), kc, zkc)
-    n = q.shape[1]
-    zkm_b = zkm.expand(z.q.shape[0], n, -1, -1)
-    km_b = km.expand(z.q.shape[0], n, -1, -1)
-    f_true = z.scale * (z.a2 * z.dot(z.zq * z.e[:, :, None], zkm_b * z.e[:, :, None]) + z.pdot(km_b))
-    if cap is None:
-        f = f_true
-    else:
-        f_cap = z.at_offset(cap, km_b, zkm_b)  # constant over j
-        f = torch.where(distances(z.pos)[:, None] > cap, f_cap, f_true)
+    z = _Bands(q, k, rope, positions, dtype)
+    km = _kbar(k_mean, z)
+    b, n = q.shape[0], q.shape[1]
+    g = z.at_offset(int(delta0), z.k - km)
+    km_b = km.expand(b, n, -1, -1)
+    f = z.mm(z.rot(z.q, z.pos), z.rot(km_b, z.pos))  # f(q_i, i − j): k̄ placed at every key position
+    if cap is not None:
+        far = distances(z.pos)[:, None] > cap
+        if bool(far.any()):
+            f = torch.where(far, z.at_offset(cap, km_b), f)  # f(q_i, cap), constant over j
     return _finish(f + g, ~causal_visible(n, q.device))
 
 
@@ -234,6 +227,7 @@ def disentangled_logits(
     delta0: int = 0,
     n_sink: int = 0,
     positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
     """Exact logits for ``d ≤ cap`` and for the first ``n_sink`` keys; ``f(q_i, cap) + g_Δ0(q_i, k_j)``
     for ``d > cap`` (global ``k_mean``; see the module docstring for how this differs from the
@@ -247,12 +241,12 @@ def disentangled_logits(
     """
     _check_cap("cap", cap)
     _check_cap("n_sink", n_sink)
-    z = _Bands(q, k, rope, positions)
+    z = _Bands(q, k, rope, positions, dtype)
     n = q.shape[1]
     w = z.exact()
     far = (distances(z.pos)[:, None] > cap) & (torch.arange(n, device=q.device) >= n_sink)
     if bool(far.any()):
-        approx = d3_approx_logits(q, k, k_mean, rope, delta0=delta0, cap=cap, positions=positions)
+        approx = d3_approx_logits(q, k, k_mean, rope, delta0=delta0, cap=cap, positions=positions, dtype=dtype)
         w = torch.where(far, approx, w)
     return _finish(w, ~causal_visible(n, q.device))
 

@@ -515,14 +515,14 @@ def logit_substitution_hooks(
             if fn is None:
                 if not bool(unwin.any()):
                     return w
-                values, replace = exact_logits(q, k, rope, pos), unwin
+                values, replace = exact_logits(q, k, rope, pos, dtype=torch.float32), unwin
             else:
                 values, replace = fn(LogitContext(layer, q, k, pos, rope, w))
                 replace = (replace & vis) | unwin
                 if values is None:  # fn replaces nothing; only the window's entries may need values
                     if not bool(unwin.any()):
                         return w
-                    values = exact_logits(q, k, rope, pos)
+                    values = exact_logits(q, k, rope, pos, dtype=torch.float32)
             if not bool(replace.any()):
                 return w
             return torch.where(replace, _softcap(values, softcap).to(w.dtype), w)
@@ -552,7 +552,7 @@ def _lm_infinite(ctx: LogitContext, *, cap: int, n_sink: int, lambda_window: int
     if not bool((d > cap).any()) and lambda_window is None:  # nothing is far: exact no-op
         return None, torch.zeros((), dtype=torch.bool, device=ctx.q.device)
     values = lm_infinite_logits(ctx.q, ctx.k, ctx.rope, cap, n_sink=n_sink, positions=ctx.positions,
-                                lambda_window=lambda_window, sink_capped=sink_capped)
+                                lambda_window=lambda_window, sink_capped=sink_capped, dtype=torch.float32)
     sink = torch.arange(n, device=ctx.q.device) < n_sink
     replace = (d > cap) if sink_capped else (d > cap) & ~sink
     return values, replace | torch.isneginf(values)
@@ -587,7 +587,7 @@ def _disentangled(ctx: LogitContext, *, k_means: dict, cap: int, delta0: int, n_
     if not bool(far.any()):
         return None, far
     values = disentangled_logits(ctx.q, ctx.k, _mean_for(k_means, ctx.layer), ctx.rope, cap, delta0=delta0,
-                                 n_sink=n_sink, positions=ctx.positions)
+                                 n_sink=n_sink, positions=ctx.positions, dtype=torch.float32)
     return values, far
 
 
@@ -623,7 +623,7 @@ def _sufficiency(ctx: LogitContext, *, source: str, k_means: dict | None, delta0
     if source == "d3":
         src = ctx.layer if mean_layer is None else mean_layer[ctx.layer]
         values = d3_approx_logits(ctx.q, ctx.k, _mean_for(k_means, src), ctx.rope, delta0=delta0,
-                                  positions=ctx.positions)
+                                  positions=ctx.positions, dtype=torch.float32)
     else:  # D1: the least-squares a[i−j] + b[i] + c[j] fit of this very map
         w = exact_logits(ctx.q, ctx.k, ctx.rope, ctx.positions)
         values = fit_additive(torch.where(fit_mask, w, 0.0), fit_mask).fitted

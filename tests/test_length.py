@@ -103,9 +103,9 @@ def test_d3_approx_equals_pure_d3_and_disentangled_definition():
     for delta0 in (0, 7):
         mine = d3_approx_logits(q, k, kbar, rope, delta0=delta0, positions=pos)
         theirs = d3_logits(q, k, kbar, pos, rope, delta0=delta0)
-        assert torch.allclose(mine[..., vis], theirs[..., vis], atol=1e-10)
+        assert torch.allclose(mine[..., vis], theirs[..., vis], rtol=1e-5, atol=1e-5)
     sp = d3_split(q, k, kbar, pos, rope)
-    assert torch.allclose(d3_approx_logits(q, k, kbar, rope, positions=pos)[..., vis], (sp.f + sp.g)[..., vis], atol=1e-10)
+    assert torch.allclose(d3_approx_logits(q, k, kbar, rope, positions=pos)[..., vis], (sp.f + sp.g)[..., vis], atol=1e-5)
     # disentangled: exact near, f(q_i, C) + g_Δ0 far; f(q_i, C) is D3's f at a constant distance C
     C, d0 = 20, 3
     dis = disentangled_logits(q, k, kbar, rope, C, delta0=d0, positions=pos)
@@ -121,8 +121,8 @@ def test_d3_approx_equals_pure_d3_and_disentangled_definition():
     near = near.expand(-1, 4, -1, -1)
     g_d0 = d3_split(q, k, kbar, pos, rope, delta0=d0).g
     want = f_rows[..., None] + g_d0
-    assert torch.allclose(dis[far], want[far], atol=1e-10)
-    assert torch.allclose(dis[near], exact_logits(q, k, rope, pos)[near], atol=1e-10)
+    assert torch.allclose(dis[far], want[far], atol=1e-5)
+    assert torch.allclose(dis[near], sp.W[near], atol=1e-5)
     # Δ0 = C turns the approximation back into the plain cap (f(q,C) + g_C = q R_{-C} k)
     same = disentangled_logits(q, k, kbar, rope, C, delta0=C, positions=pos)
     lm = lm_infinite_logits(q, k, rope, C, positions=pos)
