@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 from .. import stats
 from ..capture import QKCapture, StopForward, check_tokens, probe_hooks, stream_qk
 from ..corpus import CorpusLike, Windows, document_windows, split_documents
-from ..decompose import causal_mask, d3_split, within_row_r
+from ..approx import d3_approx_logits, exact_logits
+from ..decompose import causal_mask, within_row_r
 from ..interventions import (
     disentangled_hooks,
     final_residual_hook,
@@ -383,6 +384,7 @@ def window_summary(rows: pd.DataFrame) -> pd.DataFrame:
 def _var_within(x: Tensor, mask: Tensor) -> Tensor:
     """Mean within-row variance of ``x`` over ``mask`` entries: ``[batch, head]``."""
     mf = mask.double()
+    x = torch.where(mask, x, 0.0)  # off-mask entries may be -inf
     cnt = mf.sum(-1).clamp(min=1)
     xm = (x * mf).sum(-1) / cnt
     v = (((x - xm[..., None]) * mf) ** 2).sum(-1) / cnt
@@ -431,7 +433,11 @@ def gap_attention(
                 rope = c.rope
                 # the model's own pattern: softmax of its (masked) pre-softmax scores
                 d[f"p_{tag}"] = torch.softmax(c.scores[:, :, rows_q].float(), dim=-1)
-                sp = d3_split(c.q, c.k, k_means[c.layer], c.positions, rope)
+                km = k_means[c.layer]
+                W = exact_logits(c.q, c.k, rope, c.positions, dtype=torch.float32)
+                approx = d3_approx_logits(c.q, c.k, km, rope, positions=c.positions, dtype=torch.float32)
+                kbar = km.float().expand(c.k.shape[0], c.k.shape[1], -1, -1)
+                f = d3_approx_logits(c.q, kbar, km, rope, positions=c.positions, dtype=torch.float32)  # k := k̄ → g = 0
                 m = causal_mask(n, sink, rope.sliding_window, device=c.q.device)
                 far = torch.zeros_like(m)
                 far[prefix_len + skip :, sink:prefix_len] = True
@@ -439,13 +445,12 @@ def gap_attention(
                 near = torch.zeros_like(m)
                 near[prefix_len + skip :, prefix_len:] = True
                 near &= m
-                approx = sp.f + sp.g
-                d[f"r_far_{tag}"] = within_row_r(sp.W, approx, far) if far.any() else torch.full(sp.W.shape[:2], torch.nan)
+                d[f"r_far_{tag}"] = within_row_r(W, approx, far) if far.any() else torch.full(W.shape[:2], torch.nan)
                 if tag == "0":
-                    vf, vg = _var_within(sp.f, m), _var_within(sp.g, m)
+                    vf, vg = _var_within(f.double(), m), _var_within((approx - f).double(), m)
                     d["f_share"] = vf / (vf + vg)
                 else:
-                    d["r_near"] = within_row_r(sp.W, approx, near)
+                    d["r_near"] = within_row_r(W, approx, near)
 
             stream_qk(model, b, on_qk, layers, with_scores=True, batch_size=b.shape[0], position_ids=pos,
                       progress=False)
