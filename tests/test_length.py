@@ -352,6 +352,13 @@ def test_window_removal_recipe(gemma):
     w = rows.pivot_table(index=["seq", "bucket_start"], columns="condition", values="nll")
     first = w.xs(1, level="bucket_start")  # tokens 1..4: every distance < window 4 → identical
     assert np.allclose(first["window"], first["no_window"])
+    # the recipe reuses those tokens' NLL; check the claim it rests on: tokens 1..window are identical
+    from posgen_tl.analysis.length import span_nll
+
+    toks = _toks(16)
+    for h in (window_removal_hooks(gemma), lm_infinite_hooks(gemma, 3, layers=[0, 1], remove_window=True)):
+        a, b = span_nll(gemma, toks, 1), span_nll(gemma, toks, 1, fwd_hooks=h)
+        assert torch.equal(a[:, :4], b[:, :4]) and not torch.allclose(a[:, 4:], b[:, 4:])
     assert not np.allclose(w["window"], w["no_window"])
     assert res.config["local_layers"] == [0, 1]
     with pytest.raises(ValueError, match="sliding-window"):

@@ -351,9 +351,19 @@ def window_removal(
     docs = win.doc_ids.numpy()
     rows = []
     n = tokens.shape[1]
+    # tokens 1..window are predicted from positions that see no distance ≥ window: identical in every
+    # condition (tested), so the no-window conditions reuse the window run's NLL there
+    conditions = sorted(conditions, key=lambda c: c != "window")
+    first: dict[int, Tensor] = {}
     for cond in conditions:
         for s in tqdm(range(tokens.shape[0]), desc=f"window removal: {cond}", disable=not progress, leave=False):
-            nll = span_nll(model, tokens[s : s + 1], 1, n, fwd_hooks=hooks[cond])[0]  # token t at nll[t − 1]
+            if cond != "window" and s in first and window + 1 < n:
+                tail = span_nll(model, tokens[s : s + 1], window + 1, n, fwd_hooks=hooks[cond])[0]
+                nll = torch.cat([first[s], tail])
+            else:
+                nll = span_nll(model, tokens[s : s + 1], 1, n, fwd_hooks=hooks[cond])[0]  # token t at nll[t − 1]
+                if cond == "window":
+                    first[s] = nll[:window]
             for b0 in range(0, n - 1, bucket):
                 rows.append(dict(condition=cond, seq=s, doc=int(docs[s]), doc_name=win.doc_names[int(docs[s])],
                                  bucket_start=b0 + 1, nll=float(nll[b0 : b0 + bucket].mean())))
