@@ -123,8 +123,10 @@ def _ci_rows(values: np.ndarray, docs: np.ndarray) -> dict:
 
 
 def _contrast(d: np.ndarray, docs: np.ndarray) -> dict:
+    """CI row of paired differences plus the sign-flip p; identically-zero differences (identical by
+    construction, e.g. tokens that see no changed entry) get no p and do not enter the Holm family."""
     out = _ci_rows(d, docs)
-    out["p"] = stats.sign_flip_test(d, clusters=docs) if out["n_docs"] >= 2 else np.nan
+    out["p"] = stats.sign_flip_test(d, clusters=docs) if out["n_docs"] >= 2 and np.any(d != 0) else np.nan
     return out
 
 
