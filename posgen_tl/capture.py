@@ -392,4 +392,3 @@ def capture_qk(
     stream_qk(model, tokens, keep, layers, with_scores=with_scores, batch_size=max(1, tokens.shape[0]),
               position_ids=position_ids, progress=False)
     return out
-
