@@ -5,7 +5,7 @@
 Trained model and its random-init twin (seed ``--seed``) on the same windows (distinct
 documents, :func:`posgen_tl.analysis.taxonomy.taxonomy_windows`), the same region
 permutations and the same reference windows (global k̄, disjoint documents).
-Outputs in ``--out``: ``heads_<model>_bands.csv`` (all rows, per head and band),
+Outputs in ``--out``: ``heads_<model>_bands.csv.gz`` (all rows, per head and band),
 ``heads_<model>.csv`` (one row per head), ``heads_<model>_{plane,bands,freq,share}.png``,
 ``heads_<model>_summary.md``.
 """
@@ -117,9 +117,13 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.time()
     if args.from_csv:
-        joint = args.out / f"{stem}_bands.csv"
-        parts = [args.out / f"{stem}_{side}_bands.csv" for side in ("trained", "random")]
-        df = pd.read_csv(joint) if joint.exists() else pd.concat([pd.read_csv(p) for p in parts], ignore_index=True)
+        parts = [args.out / f"{stem}_{side}_bands.csv.gz" for side in ("trained", "random")]
+        if all(p.exists() for p in parts):  # a split run: merge its sides into the joint files
+            df = pd.concat([pd.read_csv(p) for p in parts], ignore_index=True)
+            df.to_csv(args.out / f"{stem}_bands.csv.gz", index=False)
+            head_table(df).to_csv(args.out / f"{stem}.csv", index=False)
+        else:
+            df = pd.read_csv(args.out / f"{stem}_bands.csv.gz")
         n_layers = int(df["layer"].max()) + 1
         n_docs = int(df["n_docs"].iloc[0])
     else:
@@ -137,9 +141,12 @@ def main(argv: list[str] | None = None) -> None:
             subject = model if args.twin == "trained" else random_twin(model, args.seed)
             df = head_taxonomy(subject, tokens, ref, twin_label=args.twin, **kw)
             stem = f"{stem}_{args.twin}"
-        df.to_csv(args.out / f"{stem}_bands.csv", index=False)
+        df.to_csv(args.out / f"{stem}_bands.csv.gz", index=False)
         head_table(df).to_csv(args.out / f"{stem}.csv", index=False)
     wall = time.time() - t0
+    if df["twin"].nunique() < 2:  # one side of a split run: data saved, figures/summary after the merge
+        print(f"{args.twin} side done in {wall:.0f} s; run again with --from-csv to merge")
+        return
     heads = head_table(df)
     figs = {
         "plane": plot_positional_symbolic_plane(heads),
@@ -150,9 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     for name, fig in figs.items():
         fig.savefig(args.out / f"{stem}_{name}.png", dpi=90)
         plt.close(fig)
-    if df["twin"].nunique() < 2:  # one side of a split run: data saved, figures/summary after the merge
-        print(f"{args.twin} side done in {time.time() - t0:.0f} s; run again with --from-csv to merge")
-        return
     text = (f"## Head taxonomy — {args.model} ({args.n_prompts} prompts from {n_docs} documents × {args.seq_len} "
             f"tokens; region {args.region_len} tokens permuted {args.n_perm}× per prompt (block {args.block}), "
             f"{args.n_query} query rows; min score {args.min_score}; layers "
