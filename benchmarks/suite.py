@@ -271,17 +271,24 @@ class Bench:
 
 
 def _sufficiency_step(b: Bench):
-    """The sufficiency substitution, if ``posgen_tl.analysis.sufficiency`` exists (else None)."""
+    """One sufficiency condition (METHOD §5): the logits of the middle third of the layers
+    SUBSTITUTED by ``f + g`` (global k̄) and the clean target NLL read — one forward. ``None`` when
+    ``posgen_tl.analysis.sufficiency`` is not installed (older versions)."""
     import importlib.util
 
     if importlib.util.find_spec("posgen_tl.analysis.sufficiency") is None:
         return None
-    import posgen_tl.analysis.sufficiency as suf  # noqa: F401 — API not fixed yet: measured only when it exists
+    from posgen_tl.analysis.sufficiency import sufficiency_hooks_for
+    from posgen_tl.analysis.tolerance import nll_on_target
 
-    fn = getattr(suf, "substitution_nll", None) or getattr(suf, "sufficiency_rows", None)
-    if fn is None:
-        return None
-    return (lambda: fn(b.model, b.tokens, k_means=b.kbar(), target_len=TARGET_LEN), 1)
+    n = b.spec.n_layers
+    layers = list(range(n // 3, (2 * n) // 3))
+
+    def run() -> None:
+        hooks = sufficiency_hooks_for(b.model, "d3", layers, b.kbar())
+        nll_on_target(b.model, b.tokens, target_len=TARGET_LEN, fwd_hooks=hooks, batch_size=b.bs)
+
+    return (run, 1)
 
 
 def _run_timing(spec: dict) -> dict:
