@@ -322,8 +322,11 @@ def _run_memory(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     b = Bench(spec["model"], spec["n_seq"], spec["seq_len"])
-    fn = b.steps()[spec["step"]][0]
-    if spec["step"] == "decomposition" or spec["step"].startswith("naive"):
+    steps = b.steps()
+    if spec["step"] not in steps:
+        return {"skipped": f"{spec['step']} is not available in this version of posgen_tl"}
+    fn = steps[spec["step"]][0]
+    if spec["step"] in ("decomposition", "sufficiency") or spec["step"].startswith("naive"):
         b.geometry()
         b.kbar()
     if spec["step"] == "causal_condition":
@@ -448,7 +451,7 @@ def run_suite(args: argparse.Namespace) -> dict:
         "models": {},
     }
     mem_steps = ["forward", "capture", "decomposition", "pattern", "tolerance_curve", "causal_condition",
-                 "naive_decomposition", "naive_pattern"]
+                 "sufficiency", "naive_decomposition", "naive_pattern"]
     for model in models:
         mres: dict[str, Any] = {"sizes": {}, "scaling": {}}
         for n_seq, seq_len in (cfg["sizes"] if "sizes" in parts else []):
@@ -546,7 +549,7 @@ def evaluate(res: dict) -> list[dict]:
             if key == long_key:
                 mem = entry["memory"]
                 fwd = mem.get("forward", {}).get("peak_delta_mib")
-                for step in ("capture", "decomposition", "pattern", "tolerance_curve", "causal_condition"):
+                for step in ("capture", "decomposition", "pattern", "tolerance_curve", "causal_condition", "sufficiency"):
                     v = mem.get(step, {}).get("peak_delta_mib")
                     ok = None if v is None or fwd is None else v <= fwd + MEM_SLACK_MIB
                     out.append(dict(model=model, size=key, target=f"peak memory of {step} ≤ forward + 1 GiB",
