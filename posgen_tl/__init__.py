@@ -7,6 +7,10 @@ Layers (data flows one way):
 
 from __future__ import annotations
 
+from .compat import check_supported as _check_supported
+
+_check_supported()  # a TransformerLens outside the supported range fails here, naming both versions
+
 from .capture import CaptureError, HookInfo, QKCapture, capture_qk, probe_hooks, stream_qk
 from .corpus import CorpusError, corpus_tokens, default_texts, load_texts, tokenize_corpus
 from .decompose import (
@@ -25,26 +29,17 @@ from .interventions import Intervention, intervention_hooks, key_means, noop_hoo
 from .analysis.decomposition import decompose_model, decompose_with_twin, summarize_decomposition
 from .analysis.pattern import PatternResult, feature_pattern, feature_pattern_with_twin, link_to_decomposition
 from .analysis.taxonomy import head_table, head_taxonomy, head_taxonomy_with_twin, taxonomy_agreement
-from .analysis.tolerance import (
-    causal_table,
-    curve_summary,
-    length_curve,
-    matched_alpha,
-    nll_on_target,
-    summarize_tolerance,
-    t1_vs_t2,
-    tolerance_rows,
-    tolerance_under_intervention,
-    transposition_curve,
-)
+from .analysis.tolerance import curve_summary, length_curve, nll_on_target, transposition_curve
+from .analysis.causal import causal_study, t1_t2_study, write_causal_outputs
 from .exactness import exactness_table
 from .features import BandStats, band_stats, distance_weights, pattern_scores, stats_frame
 from .models import DEFAULT_MODEL, ZOO, ModelLoadError, cache_dir, load_model, random_twin
-from .perturb import adjacent_swap_permutation, bootstrap_ci, capped_scores, position_ids_for_permutation, slope_ci
+from .perturb import adjacent_swap_permutation, capped_scores, position_ids_for_permutation
+from .stats import bootstrap_ci, slope_ci
 from .plot.decomposition import plot_head_maps, plot_r_by_layer
 from .plot.heads import plot_frequency_usage, plot_positional_symbolic_plane, plot_taxonomy_vs_share
 from .plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3, plot_phase_histogram
-from .plot.tolerance import plot_dose_response, plot_length, plot_tolerance_curves
+from .plot.tolerance import plot_causal_conditions, plot_length, plot_tolerance_curves
 from .rope import LayerRope, RopeError, RopeSpec, rotate, scores_from_rotated, to_bands, unrotate
 from .rope_spec import rope_spec
 
@@ -59,9 +54,9 @@ __all__ = [
     "cache_dir",
     "capped_scores",
     "capture_qk",
+    "causal_study",
     "CaptureError",
     "causal_mask",
-    "causal_table",
     "corpus_tokens",
     "CorpusError",
     "curve_summary",
@@ -90,7 +85,6 @@ __all__ = [
     "link_to_decomposition",
     "load_model",
     "load_texts",
-    "matched_alpha",
     "ModelLoadError",
     "nll_on_target",
     "noop_hooks",
@@ -98,7 +92,7 @@ __all__ = [
     "PatternResult",
     "pearson_r",
     "plot_band_heatmaps",
-    "plot_dose_response",
+    "plot_causal_conditions",
     "plot_frequency_usage",
     "plot_head_maps",
     "plot_length",
@@ -124,15 +118,13 @@ __all__ = [
     "stats_frame",
     "stream_qk",
     "summarize_decomposition",
-    "summarize_tolerance",
-    "t1_vs_t2",
+    "t1_t2_study",
     "taxonomy_agreement",
     "to_bands",
     "tokenize_corpus",
-    "tolerance_rows",
-    "tolerance_under_intervention",
     "transposition_curve",
     "unrotate",
     "within_row_r",
+    "write_causal_outputs",
     "ZOO",
 ]

@@ -13,7 +13,6 @@ Writes into ``--out`` (prefix ``pattern_<model>_``): ``heads.csv`` (per head), `
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,8 @@ def layer_groups(n_layers: int, n_groups: int = 3) -> list[tuple[str, list[int]]
 
 
 def summary_table(bands: pd.DataFrame, heads: pd.DataFrame, n_groups: int = 3) -> pd.DataFrame:
-    """Per layer group and twin: mean key ρ of the fastest / slowest quarter of bands, pattern score."""
+    """Per layer group and twin: mean cross-fitted key ρ of the fastest / slowest quarter of bands,
+    median rotation-aware pattern score (predicted relative D3 error, global k̄)."""
     k = bands[bands["which"] == "k"]
     nb = int(k["band"].max()) + 1
     q = max(1, nb // 4)
@@ -52,18 +52,18 @@ def summary_table(bands: pd.DataFrame, heads: pd.DataFrame, n_groups: int = 3) -
         for twin in ("trained", "random"):
             kb = k[(k.twin == twin) & k.layer.isin(layers)]
             hd = heads[(heads.twin == twin) & heads.layer.isin(layers)]
-            row[f"fast_k_rho_{twin}"] = kb[kb.band < q]["offset_ratio"].mean()
-            row[f"slow_k_rho_{twin}"] = kb[kb.band >= nb - q]["offset_ratio"].mean()
+            row[f"fast_k_rho_{twin}"] = kb[kb.band < q]["rho_cross"].mean()
+            row[f"slow_k_rho_{twin}"] = kb[kb.band >= nb - q]["rho_cross"].mean()
             row[f"slow_k_energy_{twin}"] = kb[kb.band >= nb // 2].groupby(["layer", "head"])["energy_share"].sum().mean()
-            row[f"pattern_{twin}"] = hd["pattern_score"].mean()
+            row[f"pred_d3_err_{twin}"] = hd["pred_d3_err_global"].median()
         rows.append(row)
     all_row = {"group": "all", "layers": f"0-{n_layers - 1}"}
     for twin in ("trained", "random"):
         kb, hd = k[k.twin == twin], heads[heads.twin == twin]
-        all_row[f"fast_k_rho_{twin}"] = kb[kb.band < q]["offset_ratio"].mean()
-        all_row[f"slow_k_rho_{twin}"] = kb[kb.band >= nb - q]["offset_ratio"].mean()
+        all_row[f"fast_k_rho_{twin}"] = kb[kb.band < q]["rho_cross"].mean()
+        all_row[f"slow_k_rho_{twin}"] = kb[kb.band >= nb - q]["rho_cross"].mean()
         all_row[f"slow_k_energy_{twin}"] = kb[kb.band >= nb // 2].groupby(["layer", "head"])["energy_share"].sum().mean()
-        all_row[f"pattern_{twin}"] = hd["pattern_score"].mean()
+        all_row[f"pred_d3_err_{twin}"] = hd["pred_d3_err_global"].median()
     rows.append(all_row)
     return pd.DataFrame(rows)
 
@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     label = args.model
     stem = f"pattern_{label}_"
     tokens = corpus_tokens(model, None, seq_len=args.seq_len, n_seq=args.n_seq)
-    tp = feature_pattern_with_twin(model, tokens, seed=args.seed, sink=args.sink, batch_size=args.batch_size,
-                                   model_label=label)
+    # document windows; the global k̄ from 8 windows of OTHER documents (same split as the decomposition runner)
+    tp = feature_pattern_with_twin(model, None, seed=args.seed, sink=args.sink, batch_size=args.batch_size,
+                                   n_seq=args.n_seq, seq_len=args.seq_len, n_ref=8, model_label=label)
     t_pass = time.time() - t0
     bands, heads = tp.bands, tp.heads
     heads.to_csv(out / f"{stem}heads.csv", index=False, float_format="%.6g")
@@ -144,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         by_kind = pd.concat(parts, ignore_index=True)
     md = [f"### Feature pattern: {label} ({args.n_seq}×{args.seq_len} tokens, sink={args.sink}, twin seed {args.seed})",
           "", f"tokens per layer (sink excluded): {tp.trained.n_tokens}; pass time (trained+twin): {t_pass:.0f} s",
-          "", "fast/slow = fastest/slowest quarter of the bands; k ρ = key offset ratio (mean over kv-heads, bands);"
-          " slow_k_energy = key energy share in the slower half of the bands; pattern = per-head pattern score.",
+          "", "fast/slow = fastest/slowest quarter of the bands; k ρ = cross-fitted key offset ratio ρ_cross (mean over"
+          " kv-heads, bands); slow_k_energy = key energy share in the slower half of the bands; pred_d3_err = median"
+          " predicted relative D3 error (rotation-aware pattern score, global k̄).",
           "", to_markdown(table)]
     if by_kind is not None:
         md += ["", "By attention kind:", "", to_markdown(by_kind)]
@@ -157,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         merged, summ = link_to_decomposition(heads, dec, on=on)
         merged.to_csv(out / f"{stem}vs_d3.csv", index=False, float_format="%.6g")
         figs["vs_d3"] = plot_pattern_vs_d3(merged)
-        srows = pd.DataFrame([{"twin": t, **v} for t, v in summ.items()])
-        md += ["", "Pattern score vs D3 (sink excluded, mean over sequences), across heads:", "", to_markdown(srows)]
-        (out / f"{stem}vs_d3_summary.json").write_text(json.dumps(summ, indent=1))
+        md += ["", "Pattern scores vs D3 within-row r (sink excluded, mean over sequences), Spearman across heads,"
+               " each twin and k̄ apart:", "", to_markdown(summ.drop(columns=["description"]))]
+        summ.to_csv(out / f"{stem}vs_d3_summary.csv", index=False)
     for name, fig in figs.items():
         fig.savefig(out / f"{stem}{name}.png", dpi=80)
         plt.close(fig)
