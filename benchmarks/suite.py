@@ -193,11 +193,19 @@ class Bench:
                             modes=("T1",), batch_size=self.bs, progress=False)
 
     def causal_condition(self) -> None:
-        from posgen_tl.analysis.tolerance import tolerance_rows
+        """One condition of the causal study (:func:`posgen_tl.analysis.causal.condition_rows`): the clean
+        pass under the intervention and one pass per swap fraction > 0."""
+        from posgen_tl.analysis.causal import Condition, condition_rows
+        from posgen_tl.corpus import Windows
 
-        km, base = self.causal_inputs()
-        tolerance_rows(self.model, self.tokens, [self.intervention()], k_means=km, fracs=FRACS, seeds=(0,),
-                       target_len=TARGET_LEN, batch_size=self.bs, include_none=False, base=base)
+        km, _ = self.causal_inputs()
+        n = self.n_seq
+        win = Windows(self.tokens, self.torch.arange(n), self.torch.zeros(n, dtype=self.torch.long),
+                      [f"row{i}" for i in range(n)])
+        cond = Condition("destroy", self.intervention())
+        for s in range(0, n, self.bs):
+            condition_rows(self.model, win.subset(range(s, min(s + self.bs, n))), cond, k_means=km,
+                           target_len=TARGET_LEN, fracs=FRACS, seeds=(0,))
 
     def sufficiency(self) -> None:
         raise NotImplementedError  # replaced in steps() when posgen_tl.analysis.sufficiency exists
