@@ -313,6 +313,7 @@ def _as_windows(x: Windows | Tensor) -> Windows:
 
 
 def _local(windows: Windows | Tensor) -> tuple[Windows, Tensor]:
+    """This rank's windows (whole documents) and their global indices."""
     w = _as_windows(windows)
     d = current()
     idx = shard_documents(w.doc_ids, d.world_size, d.rank)
@@ -348,95 +349,116 @@ def key_means_distributed(
 
 
 def decompose_distributed(
-    model: Any, windows: Windows | Tensor, reference: Windows | Tensor, *, layers: Sequence[int] | None = None,
-    sink: int = 1, batch_size: int = 4, bound_rows: int = 32, k_means: dict[int, Tensor] | None = None,
+    model: Any, windows: Windows, reference: Windows | Tensor | None = None, *, k_mean: Sequence[str] | str = ("global", "per_sequence"),
+    layers: Sequence[int] | None = None, sink: int = 1, batch_size: int = 4, bound_rows: int = 32,
     twin_label: str = "trained", model_label: str | None = None, extra_hooks: Sequence = (),
 ) -> pd.DataFrame:  # fmt: skip
     """:func:`posgen_tl.analysis.decomposition.decompose_model` over ``windows``, documents sharded.
 
-    ``k̄`` comes from ``reference`` (other documents; rows split across ranks and merged) unless
-    ``k_means`` is given. Returns, on every rank, the frame a single process would return for
-    ``decompose_model(model, cat([windows.tokens, reference]), n_ref=len(reference))`` — same
-    columns, rows and order (``seq`` = index into ``windows``) — plus a ``doc`` column.
-    Raises :class:`ShardError` (more ranks than documents) before any work, and
-    :class:`DistributedRunError` on every rank if any rank fails.
+    The ``global`` k̄ comes from ``reference`` (other documents; rows split across ranks, merged by
+    token count); ``per_sequence`` k̄ is each sequence's own. Returns, on every rank, the frame a
+    single process returns for ``decompose_model(model, windows, reference=reference, k_mean=k_mean)``
+    — same columns (:data:`~posgen_tl.analysis.decomposition.COLUMNS`), rows and order (``seq`` =
+    index into ``windows``, ``doc`` its document). Raises :class:`ShardError` (more ranks than
+    documents) before any work, and :class:`DistributedRunError` on every rank if any rank fails.
     """
-    from posgen_tl.analysis.decomposition import decompose_model  # noqa: PLC0415
+    from posgen_tl.analysis.decomposition import COLUMNS, _k_mean_kinds, _run  # noqa: PLC0415
 
-    w = _as_windows(windows)
-    loc, idx = _local(w)
-    ref = reference.tokens if isinstance(reference, Windows) else reference
-    if k_means is None:
-        k_means = key_means_distributed(model, ref, layers, sink=sink, batch_size=batch_size)
+    kinds, given = _k_mean_kinds(k_mean)
+    loc, idx = _local(windows)
+    if "global" in kinds:
+        if reference is None:
+            raise ValueError("k_mean='global' needs reference windows from other documents: pass reference=")
+        ref = reference.tokens if isinstance(reference, Windows) else reference
+        given = key_means_distributed(model, ref, layers, sink=sink, batch_size=batch_size)
 
     def local() -> pd.DataFrame:
-        # decompose_model takes [analysed; reference] rows; with k_means given the reference row is unused
-        toks = torch.cat([loc.tokens, ref[:1].to(loc.tokens.device)])
-        return decompose_model(model, toks, layers=layers, n_seq=len(loc), n_ref=1, sink=sink, batch_size=batch_size,
-                               bound_rows=bound_rows, k_means=k_means, twin_label=twin_label,
-                               model_label=model_label, progress=False, extra_hooks=extra_hooks)
+        return _run(model, loc, kinds, given, layers, sink=sink, batch_size=batch_size, bound_rows=bound_rows,
+                    twin_label=twin_label, model_label=model_label, progress=False, extra_hooks=extra_hooks)
 
     df = gather_frame(guarded(local, what="decomposition"), idx, what="decomposition rows")
-    df = df.sort_values(["layer", "estimator", "sink_excluded", "seq", "head"], kind="stable").reset_index(drop=True)
-    df["doc"] = w.doc_ids.numpy()[df["seq"].to_numpy()]
-    return df
+    df = df[COLUMNS].sort_values(["layer", "estimator", "k_mean", "sink_excluded", "seq", "head"], kind="stable")
+    return df.reset_index(drop=True)
 
 
 def pattern_distributed(
-    model: Any, windows: Windows | Tensor, *, layers: Sequence[int] | None = None, sink: int = 1,
-    batch_size: int = 8, model_label: str | None = None, twin_label: str = "trained",
+    model: Any, windows: Windows, reference: Windows | Tensor | None = None, *, layers: Sequence[int] | None = None,
+    sink: int = 1, batch_size: int = 8, model_label: str | None = None, twin_label: str = "trained", n_splits: int = 16,
 ):  # fmt: skip
-    """:func:`posgen_tl.analysis.pattern.feature_pattern` over ``windows``, documents sharded; the
-    :class:`~posgen_tl.features.BandStats` sums are all-reduced and the frames rebuilt from them.
+    """:func:`posgen_tl.analysis.pattern.feature_pattern` over ``windows``, documents sharded: each rank
+    streams its documents, the raw states (``BandStats`` sums, per-sequence band sums with their
+    document ids, logit spread) are gathered and merged with
+    :meth:`~posgen_tl.analysis.pattern.PatternResult.merge`; the global k̄ (for the predicted D3
+    error) comes from ``reference``, merged across ranks.
 
-    Returns a :class:`~posgen_tl.analysis.pattern.PatternResult` equal (to float64 rounding of
-    the sums) to the single-process one, on every rank.
+    Returns a :class:`~posgen_tl.analysis.pattern.PatternResult` equal (to float rounding) to
+    ``feature_pattern(model, windows, reference=reference)`` in one process, on every rank.
     """
-    from posgen_tl.analysis.pattern import PatternResult, feature_pattern  # noqa: PLC0415
+    from posgen_tl.analysis.pattern import feature_pattern  # noqa: PLC0415
 
-    w = _as_windows(windows)
-    loc, _ = _local(w)
+    loc, _ = _local(windows)
     label = model_label or str(getattr(getattr(model, "cfg", None), "model_name", None) or type(model).__name__)
-    res = guarded(lambda: feature_pattern(model, loc.tokens, layers=layers, sink=sink, batch_size=batch_size,
-                                          model_label=label, twin_label=twin_label, progress=False),
+    km = None
+    if reference is not None:
+        ref = reference.tokens if isinstance(reference, Windows) else reference
+        km = key_means_distributed(model, ref, layers, sink=sink, batch_size=batch_size)
+    res = guarded(lambda: feature_pattern(model, loc, k_means=km, layers=layers, sink=sink, batch_size=batch_size,
+                                          model_label=label, twin_label=twin_label, n_splits=n_splits, progress=False),
                   what="feature pattern")
-    states = all_reduce_states(res.states, what="BandStats")
-    return PatternResult.from_states(states, res.ropes, max_distance=res.max_distance, model=res.model,
-                                     twin=res.twin, sink=res.sink)
+    if not current().active:
+        return res
+    parts = _all_gather_object(res, what="pattern states")
+    out = parts[0]
+    for p in parts[1:]:
+        out = out.merge(p)
+    return out
 
 
 def tolerance_distributed(
-    model: Any, windows: Windows | Tensor, interventions: Sequence[Any] = (), *,
-    k_means: dict | None = None, fracs: Sequence[float] = (0.0, 0.05, 0.1, 0.2), seeds: Sequence[int] = (0, 1),
-    target_len: int = 64, mode: str = "T1", batch_size: int = 4, include_none: bool = True, sink: int = 1,
+    model: Any, windows: Windows, interventions: Sequence[Any] = (), *, k_means: dict | None = None,
+    fracs: Sequence[float] = (0.0, 0.05, 0.1, 0.2), seeds: Sequence[int] = (0, 1), target_len: int = 64,
+    mode: str = "T1", batch_size: int = 4, sink: int = 1, base_seed: int = 0,
 ) -> pd.DataFrame:  # fmt: skip
-    """:func:`posgen_tl.analysis.tolerance.tolerance_rows` over ``windows``, documents sharded.
+    """Per-sequence T1/T2 rows of the unmodified model (``none``) and of each intervention, documents
+    sharded: :func:`posgen_tl.analysis.causal.condition_rows` on each rank's windows in batches
+    (swaps seeded per document and window start, so they do not depend on the sharding).
 
-    ``k_means`` (needed by interventions) defaults, as in ``tolerance_rows``, to the mean key of
-    the analysed windows' context (``tokens[:, :N − target_len]``, first ``sink`` positions
-    excluded) — here merged across ranks. Returns the per-sequence rows (``seq`` = index into
-    ``windows``) plus ``doc``, on every rank, in the single-process order.
+    ``k_means`` (needed by interventions) defaults to the mean key of the analysed windows' context
+    (``tokens[:, :N − target_len]``, first ``sink`` positions excluded), merged across ranks.
+    Returns ``condition, kind, alpha, seq, doc, frac, seed, clean_nll, nll, delta`` (``seq`` =
+    index into ``windows``), on every rank, ordered by condition, frac, seed, seq.
     """
-    from posgen_tl.analysis.tolerance import tolerance_rows  # noqa: PLC0415
+    from posgen_tl.analysis.causal import Condition, condition_rows  # noqa: PLC0415
     from posgen_tl.interventions import key_means  # noqa: PLC0415
 
-    w = _as_windows(windows)
-    loc, idx = _local(w)
-    n = w.tokens.shape[1]
-    if k_means is None and any(iv.kind != "noop" for iv in interventions):
+    loc, idx = _local(windows)
+    n = windows.tokens.shape[1]
+    conds = [Condition("none", None)] + [iv if isinstance(iv, Condition) else Condition(iv.label, iv) for iv in interventions]
+    if k_means is None and any(c.intervention is not None and c.intervention.kind != "noop" for c in conds):
         ctx = loc.tokens[:, : n - target_len]
         km = guarded(lambda: key_means(model, ctx, sink=sink), what="key means")
         k_means = {k: v.float() for k, v in merge_means(km, len(loc) * max(ctx.shape[1] - sink, 0)).items()}
-    rows = guarded(lambda: tolerance_rows(model, loc.tokens, interventions, k_means=k_means, fracs=fracs,
-                                          seeds=seeds, target_len=target_len, mode=mode, batch_size=batch_size,
-                                          include_none=include_none), what="tolerance")
-    df = gather_frame(rows, idx, what="tolerance rows")
-    # the single-process order: intervention (as run), frac and seed (as given), then sequence
-    rank = {"intervention": {lab: i for i, lab in enumerate(dict.fromkeys(rows["intervention"]))},
-            "frac": {float(f): i for i, f in enumerate(fracs)}, "seed": {int(s): i for i, s in enumerate(seeds)}}
-    df = df.sort_values(["intervention", "frac", "seed", "seq"], kind="stable",
-                        key=lambda s: s.map(rank[s.name]) if s.name in rank else s).reset_index(drop=True)
-    df["doc"] = w.doc_ids.numpy()[df["seq"].to_numpy()]
+
+    def local() -> pd.DataFrame:
+        frames = []
+        for cond in conds:
+            for s in range(0, len(loc), batch_size):
+                sub = loc.subset(range(s, min(s + batch_size, len(loc))))
+                rows, _, _ = condition_rows(model, sub, cond, k_means=k_means, target_len=target_len, fracs=fracs,
+                                            seeds=seeds, mode=mode, base_seed=base_seed)
+                rows["seq"] += s
+                rows.insert(0, "condition", cond.key)
+                rows.insert(1, "kind", cond.kind)
+                rows.insert(2, "alpha", 0.0 if cond.intervention is None else float(cond.intervention.alpha))
+                frames.append(rows)
+        return pd.concat(frames, ignore_index=True)
+
+    df = gather_frame(guarded(local, what="tolerance"), idx, what="tolerance rows")
+    rank = {"condition": {c.key: i for i, c in enumerate(conds)}, "frac": {float(f): i for i, f in enumerate(fracs)},
+            "seed": {int(x): i for i, x in enumerate(seeds)}}
+    df = df.sort_values(["condition", "frac", "seed", "seq"], kind="stable",
+                        key=lambda c: c.map(rank[c.name]) if c.name in rank else c).reset_index(drop=True)
+    df.insert(4, "doc", windows.doc_ids.numpy()[df["seq"].to_numpy()])
     return df
 
 
@@ -515,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timing["decomposition"] = time.perf_counter() - ts
         if "pattern" in stages:
             ts = time.perf_counter()
-            pr = pattern_distributed(model, win, layers=layers, batch_size=args.batch_size)
+            pr = pattern_distributed(model, win, ref, layers=layers, batch_size=args.batch_size)
             tables["pattern_bands.csv"], tables["pattern_heads.csv"] = pr.bands, pr.heads
             timing["pattern"] = time.perf_counter() - ts
         if "tolerance" in stages:

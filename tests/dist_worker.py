@@ -35,9 +35,11 @@ def build():
     model = tm.hf_llama(n_layers=2)[0]
     g = torch.Generator().manual_seed(1)
     toks = torch.randint(3, 90, (len(DOC_IDS), SEQ_LEN), generator=g)
-    ref = torch.randint(3, 90, (3, SEQ_LEN), generator=g)
+    ref_toks = torch.randint(3, 90, (3, SEQ_LEN), generator=g)
     n = len(DOC_IDS)
-    win = Windows(toks, torch.tensor(DOC_IDS), torch.zeros(n, dtype=torch.long), [f"d{i}" for i in range(6)])
+    names = [f"d{i}" for i in range(9)]  # documents 6–8 are the reference (disjoint from the analysed 0–5)
+    win = Windows(toks, torch.tensor(DOC_IDS), torch.arange(n) * SEQ_LEN, names)
+    ref = Windows(ref_toks, torch.tensor([6, 7, 8]), torch.zeros(3, dtype=torch.long), names)
     return model, win, ref
 
 
@@ -64,7 +66,7 @@ def main() -> int:
     outcome = {"rank": d.rank, "world_size": d.world_size, "ok": True, "error": None, "message": ""}
     try:
         dec = D.decompose_distributed(model, win, ref, batch_size=4, extra_hooks=hooks)
-        pat = D.pattern_distributed(model, win, batch_size=4)
+        pat = D.pattern_distributed(model, win, ref, batch_size=4)
         tol = D.tolerance_distributed(model, win, [intervention()], fracs=FRACS, seeds=SEEDS, target_len=TARGET,
                                       batch_size=4)
         if d.is_main:

@@ -102,7 +102,7 @@ def test_device_map_reaches_accelerate_and_analyses_run(tiny_folder, from_pretra
     df = decompose_model(model, toks, n_ref=1, batch_size=2, progress=False)
     assert len(df) and df["d3_bound_holds"].dropna().eq(1.0).all()
     pat = feature_pattern(model, toks, progress=False)
-    assert pat.heads["pattern_score"].notna().all()
+    assert pat.heads["pred_d3_err_per_sequence"].notna().all()
 
 
 @pytest.mark.real
@@ -120,15 +120,17 @@ def test_zoo_model_with_device_map(from_pretrained_calls):
 
 
 def _analyses(model, toks):
-    from posgen_tl.analysis.decomposition import decompose_model
+    from posgen_tl.analysis.causal import Condition, condition_rows
+    from posgen_tl.analysis.decomposition import _tensor_windows, decompose_model
     from posgen_tl.analysis.pattern import feature_pattern
-    from posgen_tl.analysis.tolerance import tolerance_rows
-    from posgen_tl.interventions import Intervention
+    from posgen_tl.interventions import Intervention, key_means
 
     dec = decompose_model(model, toks, n_ref=1, batch_size=2, progress=False)
     pat = feature_pattern(model, toks[:-1], progress=False)
     iv = Intervention("destroy", bands=[0, 1], layers=[1], alpha=0.5)
-    tol = tolerance_rows(model, toks[:-1], [iv], fracs=(0.0, 0.2), seeds=(0,), target_len=6, batch_size=2)
+    km = key_means(model, toks[:-1, :-6])
+    tol, _, _ = condition_rows(model, _tensor_windows(toks[:-1]), Condition("destroy", iv), k_means=km,
+                               target_len=6, fracs=(0.0, 0.2), seeds=(0,))
     return dec, pat, tol
 
 
@@ -157,4 +159,4 @@ def test_device_map_auto_on_gpu(tiny_folder):
     model = load_model(str(tiny_folder), device_map="auto", dtype=torch.bfloat16)
     toks = torch.randint(3, 90, (2, 16))
     res = feature_pattern(model, toks, progress=False)
-    assert res.heads["pattern_score"].notna().all()
+    assert res.heads["pred_d3_err_per_sequence"].notna().all()

@@ -79,15 +79,21 @@ def test_single_process_helpers_are_identity():
 @pytest.fixture(scope="module")
 def reference():
     """Single-process tables from the recipes themselves (not the distributed wrappers)."""
+    from posgen_tl.analysis.causal import Condition, condition_rows
     from posgen_tl.analysis.decomposition import decompose_model
     from posgen_tl.analysis.pattern import feature_pattern
-    from posgen_tl.analysis.tolerance import tolerance_rows
+    from posgen_tl.interventions import key_means
 
     model, win, ref = W.build()
-    dec = decompose_model(model, torch.cat([win.tokens, ref]), n_ref=len(ref), batch_size=4, progress=False)
-    pat = feature_pattern(model, win.tokens, batch_size=4, progress=False)
-    tol = tolerance_rows(model, win.tokens, [W.intervention()], fracs=W.FRACS, seeds=W.SEEDS,
-                         target_len=W.TARGET, batch_size=4)
+    dec = decompose_model(model, win, reference=ref, n_seq=len(win), batch_size=4, progress=False)
+    pat = feature_pattern(model, win, reference=ref, batch_size=4, progress=False)
+    iv = W.intervention()
+    km = key_means(model, win.tokens[:, : W.SEQ_LEN - W.TARGET])
+    frames = []
+    for cond in (Condition("none", None), Condition(iv.label, iv)):  # all windows in ONE batch
+        rows, _, _ = condition_rows(model, win, cond, k_means=km, target_len=W.TARGET, fracs=W.FRACS, seeds=W.SEEDS)
+        frames.append(rows.assign(condition=cond.key))
+    tol = pd.concat(frames, ignore_index=True)
     return {"decomposition": dec, "bands": pat.bands, "heads": pat.heads, "tolerance": tol}
 
 
