@@ -417,6 +417,9 @@ def test_hooked_decomposition_with_twin():
     toks = torch.randint(1, 50, (5, 16), generator=torch.Generator().manual_seed(0))
     df = decompose_with_twin(model, toks, seed=1, n_ref=2, batch_size=2, bound_rows=8, progress=False)
     assert set(df.twin) == {"trained", "random"} and set(df.kind) == {"local", "global"}
-    assert len(df) == 2 * 3 * 4 * 3 * 3 * 2  # twins × layers × heads × seqs × estimators × sink
+    assert {"D1", "D2", "D3"} <= set(df.estimator)
+    tr, rd = df[df.twin == "trained"], df[df.twin == "random"]
+    assert len(tr) == len(rd) > 0  # the same rows for the model and its twin
+    assert set(df.layer) == {0, 1, 2} and set(df.head) == set(range(4)) and set(df.seq) == {0, 1, 2}
     assert (df[df.estimator == "D3"].d3_bound_holds == 1.0).all()
     assert df.r.notna().all()
