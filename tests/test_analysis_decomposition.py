@@ -67,7 +67,7 @@ def test_scores_match_reference_functions(tiny):
         W = c.logits()
         d3 = d3_split(c.q, c.k, kms[layer].float(), c.positions, c.rope)
         for sink in (0, 1):
-            m = causal_mask(N_POS, sink, c.rope.sliding_window)
+            m = causal_mask(N_POS, sink=sink, sliding_window=c.rope.sliding_window)
             approx = {"D1": fit_additive(W, m, True).fitted, "D2": fit_additive(W, m, False).fitted, "D3": d3.f + d3.g}
             for est, y in approx.items():
                 want = score_maps(W, y, m)
@@ -91,7 +91,7 @@ def test_d3_bound_holds_and_matches_library(tiny):
         s = d3_split(c.q, c.k, kms[layer], c.positions, c.rope)
         err = (s.W - s.f - s.g)[:, :, rows].abs()
         bound = d3_bound(c.q, c.k, kms[layer], c.positions, c.rope, rows=rows)
-        m = causal_mask(N_POS, 1, c.rope.sliding_window)[rows].double()
+        m = causal_mask(N_POS, sink=1, sliding_window=c.rope.sliding_window)[rows].double()
         sub = d3[(d3.layer == layer) & d3.sink_excluded].sort_values(["seq", "head"])
         np.testing.assert_allclose(sub.d3_err_mean, ((err * m).sum((-1, -2)) / m.sum()).reshape(-1), rtol=1e-10)
         np.testing.assert_allclose(sub.d3_bound_mean, ((bound * m).sum((-1, -2)) / m.sum()).reshape(-1), rtol=1e-10)
@@ -164,7 +164,9 @@ def test_figures():
     assert len(axes) == 2
     assert len(axes[0].get_lines()) == 6  # 3 estimators × 2 twins
     assert {ln.get_linestyle() for ln in axes[0].get_lines()} == {"-", "--"}
-    fig = plot_head_maps(model, _tokens()[0], layer=1, head=2)
+    from posgen_tl.analysis.head import decompose_head
+
+    fig = plot_head_maps(decompose_head(model, _tokens()[:1], layer=1, head=2))
     assert len([a for a in fig.get_axes() if a.get_images()]) == 4
     img = fig.get_axes()[0].get_images()[0].get_array()
     assert np.isnan(np.asarray(img.filled(np.nan) if hasattr(img, "filled") else img)[0, 1])  # j > i blank

@@ -200,7 +200,9 @@ def test_figures(native):
     merged, _ = link_to_decomposition(heads, dec)
     fig = plot_pattern_vs_d3(merged)
     assert len(fig.axes[0].collections) == 2
-    fig = plot_phase_histogram(native, tok[:2], layer=0, head=0, band=0, twin=tm.native(seed=1))
+    from posgen_tl.analysis.head import phase_angles_with_twin
+
+    fig = plot_phase_histogram(phase_angles_with_twin(native, tok[:2], layer=0, head=0, band=0, twin=tm.native(seed=1)))
     assert len(fig.axes) == 2 and all(len(ax.patches) == 36 for ax in fig.axes)
 
 

@@ -90,7 +90,7 @@ def test_paired_stream_matches_separate_runs(llama):
     perm = block_swap_permutation(N_POS, (a0, a1), (b0, b1))
     orig = capture_qk(llama, tokens, layers=[0])[0]
     swap = capture_qk(llama, tokens[:, perm], layers=[0])[0]
-    mask = causal_mask(N_POS, orig.rope.sliding_window)
+    mask = causal_mask(N_POS, sliding_window=orig.rope.sliding_window)
     p_o, p_s = (band_patterns(c.logits(), mask) for c in (orig, swap))
     pos, sym = positional_symbolic_scores(p_o, p_s, perm, torch.arange(b1, N_POS), torch.arange(a0, b1))
     got = df[(df["layer"] == 0) & (df["band"] == -1)].sort_values("head")

@@ -141,7 +141,7 @@ def _pair_scores(c: QKCapture, perm: Tensor, a0: int, b1: int, sink: int, k_mean
     n = c.rot_q.shape[1]
     rows = torch.arange(b1, n)
     n_l = b1 - a0
-    mask = causal_mask(n, rope.sliding_window)[rows]  # softmax mask of the query rows
+    mask = causal_mask(n, sliding_window=rope.sliding_window)[rows]  # softmax mask of the query rows
     perm_sq = torch.cat([perm[a0:b1] - a0, torch.arange(n_l, n_l + len(rows))])
     q_sq, k_sq = torch.arange(n_l, n_l + len(rows)), torch.arange(n_l)
     rq, rk = c.rot_q[:, b1:], c.rot_k_expanded()
@@ -158,7 +158,7 @@ def _pair_scores(c: QKCapture, perm: Tensor, a0: int, b1: int, sink: int, k_mean
         acc.sym[p0 : p0 + n_b, h] = sym.double().cpu().numpy()
     orig = slice(0, None, 2)
     d3 = d3_split(c.q[orig], c.k[orig], k_mean, c.positions[orig], rope)
-    share = positional_share(d3.f, d3.g, fit_mask(n, sink, rope.sliding_window))
+    share = positional_share(d3.f, d3.g, fit_mask(n, sink=sink, sliding_window=rope.sliding_window))
     acc.share[p0 : p0 + n_b] = share.cpu().numpy()
 
 

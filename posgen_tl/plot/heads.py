@@ -55,6 +55,7 @@ def plot_positional_symbolic_plane(head_df: pd.DataFrame, *, margin: float = 0.1
     axes[0][0].set_ylabel("symbolic score")
     if sc is not None:
         fig.colorbar(sc, ax=axes[0].tolist(), label="layer", shrink=0.85)
+    plt.close(fig)
     return fig
 
 
@@ -93,6 +94,7 @@ def plot_frequency_usage(bands_or_head_df: pd.DataFrame, *, which: str = "k") ->
             ax.set(xlabel="layer·head", ylabel=f"{which} frequency centroid", title=_title(df, twin))
     if im is not None:
         fig.colorbar(im, ax=axes[0].tolist(), label=f"{which} energy share (log)", shrink=0.85)
+    plt.close(fig)
     return fig
 
 
@@ -118,4 +120,5 @@ def plot_taxonomy_vs_share(head_df: pd.DataFrame) -> Figure:
     axes[0][0].set_ylabel("D3 positional share V(f)/(V(f)+V(g))")
     if sc is not None:
         fig.colorbar(sc, ax=axes[0].tolist(), label="layer", shrink=0.85)
+    plt.close(fig)
     return fig

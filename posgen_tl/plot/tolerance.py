@@ -34,6 +34,7 @@ def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: st
     ax.set_title(title or "Position tolerance (T1 tokens, T2 position ids)")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    plt.close(fig)
     return fig
 
 
@@ -64,6 +65,7 @@ def plot_dose_response(df: pd.DataFrame, *, title: str = "") -> Figure:
     axes[1].legend(fontsize=7)
     fig.suptitle(title or "Dose–response of key interventions")
     fig.tight_layout()
+    plt.close(fig)
     return fig
 
 
@@ -86,4 +88,5 @@ def plot_length(df: pd.DataFrame, *, title: str = "") -> Figure:
     ax.set_title(title or "T3: NLL by position, with/without distance cap")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    plt.close(fig)
     return fig
