@@ -40,7 +40,8 @@ from .analysis.tolerance import (
 from .exactness import exactness_table
 from .features import BandStats, band_stats, distance_weights, pattern_scores, stats_frame
 from .models import DEFAULT_MODEL, ZOO, ModelLoadError, cache_dir, load_model, random_twin
-from .perturb import adjacent_swap_permutation, bootstrap_ci, capped_scores, position_ids_for_permutation, slope_ci
+from .perturb import adjacent_swap_permutation, capped_scores, position_ids_for_permutation
+from .stats import bootstrap_ci, slope_ci
 from .plot.decomposition import plot_head_maps, plot_r_by_layer
 from .plot.heads import plot_frequency_usage, plot_positional_symbolic_plane, plot_taxonomy_vs_share
 from .plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3, plot_phase_histogram

@@ -1,8 +1,9 @@
-"""Position-tolerance perturbations and their statistics (METHOD.md §4), as pure functions.
+"""Position-tolerance perturbations (METHOD.md §4), as pure functions.
 
 T1 (transposition) :func:`adjacent_swap_permutation` + :func:`apply_permutation`; T2 (index
 perturbation) :func:`position_ids_for_permutation`; T3 (distance cap) :func:`capped_scores`;
-read-out :func:`nll_from_logits`, :func:`span_mean`, :func:`bootstrap_ci`, :func:`slope_ci`.
+read-out :func:`nll_from_logits`, :func:`span_mean`. Statistics (bootstrap, slopes, tests) live
+in :mod:`posgen_tl.stats`.
 
 Permutation convention: ``new_sequence = old_sequence[perm]`` (``perm[n]`` is the OLD index of
 the token at NEW index ``n``); the token at old index ``t`` sits at new index ``perm_inv[t]``.
@@ -15,7 +16,6 @@ import warnings
 from collections.abc import Iterable
 from typing import Literal
 
-import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -24,8 +24,7 @@ from .rope import LayerRope, expand_kv, rotate, scores_from_rotated
 
 __all__ = [
     "adjacent_swap_permutation", "word_units", "apply_permutation", "inverse_permutation",
-    "position_ids_for_permutation", "nll_from_logits", "span_mean", "bootstrap_ci", "slope_ci",
-    "capped_scores",
+    "position_ids_for_permutation", "nll_from_logits", "span_mean", "capped_scores",
 ]  # fmt: skip
 
 _WORD_START_CHARS = ("Ġ", "▁", "Ċ", "\n")
@@ -243,93 +242,6 @@ def span_mean(
     if not (0 <= lo < hi <= n):
         raise ValueError(f"span [{start}, {stop}) ({coords} coords) is empty or outside nll[{n}]")
     return nll[..., lo:hi].mean(dim=-1)
-
-
-def _as_np(x) -> np.ndarray:
-    if isinstance(x, Tensor):
-        x = x.detach().cpu().double().numpy()
-    return np.asarray(x, dtype=np.float64)
-
-
-def _boot_indices(rng: np.random.Generator, n: int, n_boot: int, chunk: int = 2**22):
-    """Yield index blocks ``[b, n]`` totalling ``n_boot`` rows, ≤ ``chunk`` entries each."""
-    rows = max(1, chunk // max(n, 1))
-    for done in range(0, n_boot, rows):
-        yield rng.integers(0, n, size=(min(rows, n_boot - done), n))
-
-
-def bootstrap_ci(
-    values: Float[Tensor, "n"] | np.ndarray, *, n_boot: int = 2000, alpha: float = 0.05,
-    seed: int = 0, paired_with: Float[Tensor, "n"] | np.ndarray | None = None,
-) -> tuple[float, float, float]:  # fmt: skip
-    """Percentile bootstrap of a mean over units (sequences, seeds, heads...).
-
-    With ``paired_with`` (same length) the statistic is the mean DIFFERENCE
-    ``values − paired_with``, resampling the same unit indices for both (paired design).
-    Uses ``numpy.random.default_rng(seed)``.
-
-    Returns:
-        ``(mean, lo, hi)`` as floats: the sample mean and the ``alpha/2``, ``1 − alpha/2``
-        quantiles of the bootstrap means. One unit gives ``(x, x, x)``.
-
-    Raises:
-        ValueError: empty input, non-finite values, length mismatch, bad ``alpha``.
-    """
-    x = _as_np(values).ravel()
-    if paired_with is not None:
-        y = _as_np(paired_with).ravel()
-        if y.shape != x.shape:
-            raise ValueError(f"paired_with has {y.size} values, values has {x.size}")
-        x = x - y
-    if x.size == 0:
-        raise ValueError("bootstrap_ci needs at least one value")
-    if not np.all(np.isfinite(x)):
-        raise ValueError("bootstrap_ci got non-finite values (drop NaN/inf units first)")
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    mean = float(x.mean())
-    if x.size == 1:
-        return mean, mean, mean
-    rng = np.random.default_rng(seed)
-    means = np.concatenate([x[idx].mean(axis=1) for idx in _boot_indices(rng, x.size, n_boot)])
-    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
-    return mean, float(lo), float(hi)
-
-
-def slope_ci(
-    p: Float[np.ndarray, "n_p"], y_per_unit: Float[np.ndarray, "n_units n_p"], *,
-    n_boot: int = 2000, alpha: float = 0.05, seed: int = 0,
-) -> tuple[float, float, float]:  # fmt: skip
-    """Least-squares slope of the unit-mean curve ``ȳ(p)``, with a unit bootstrap CI.
-
-    ``y_per_unit`` is ``[n_units, n_p]`` (e.g. ΔNLL per sequence at each swap fraction
-    ``p``). The slope is ``Σ (p − p̄)(ȳ − mean ȳ) / Σ (p − p̄)²``; the CI resamples units
-    (rows) with replacement and takes percentile quantiles of the resampled slopes.
-
-    Returns:
-        ``(slope, lo, hi)`` as floats.
-    """
-    p = _as_np(p).ravel()
-    y = _as_np(y_per_unit)
-    if y.ndim != 2 or y.shape[1] != p.size:
-        raise ValueError(f"y_per_unit must be [n_units, {p.size}], got {y.shape}")
-    if y.shape[0] == 0 or p.size < 2:
-        raise ValueError("slope_ci needs at least one unit and two p values")
-    pc = p - p.mean()
-    ss = float(pc @ pc)
-    if ss == 0.0:
-        raise ValueError("all p values are equal: the slope is undefined")
-
-    def slopes(curves: np.ndarray) -> np.ndarray:
-        return (curves - curves.mean(axis=-1, keepdims=True)) @ pc / ss
-
-    slope = float(slopes(y.mean(axis=0)))
-    rng = np.random.default_rng(seed)
-    boot = np.concatenate(
-        [slopes(y[idx].mean(axis=1)) for idx in _boot_indices(rng, y.shape[0], n_boot, 2**20)]
-    )
-    lo, hi = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
-    return slope, float(lo), float(hi)
 
 
 # ----------------------------------------------------------------------------- T3

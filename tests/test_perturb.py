@@ -12,15 +12,14 @@ from hypothesis import strategies as st
 from posgen_tl.perturb import (
     adjacent_swap_permutation,
     apply_permutation,
-    bootstrap_ci,
     capped_scores,
     inverse_permutation,
     nll_from_logits,
     position_ids_for_permutation,
-    slope_ci,
     span_mean,
     word_units,
 )
+from posgen_tl.stats import bootstrap_ci, slope_ci
 from posgen_tl.rope import LayerRope, relative_rotation_matrix, rotate, scores_from_rotated
 
 

@@ -31,12 +31,11 @@ from ..interventions import (
 from ..capture import check_tokens, probe_hooks
 from ..perturb import (
     adjacent_swap_permutation,
-    bootstrap_ci,
     nll_from_logits,
     position_ids_for_permutation,
-    slope_ci,
     word_units,
 )
+from ..stats import bootstrap_ci, slope_ci
 
 __all__ = [
     "nll_on_target",
