@@ -288,12 +288,35 @@ def intervention_hooks(
     return out
 
 
+_SPECIALISATION_DOC = """
+
+    ``{name}(model, k_means, bands, **kw)`` is ``intervention_hooks(model,
+    Intervention("{kind}", bands=bands, **kw), k_means)``: the generic builder with the kind fixed.
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge).
+        k_means: ``{{layer: Float[Tensor, "kv_head d_head"]}}`` from :func:`key_means` (for
+            ``target="q"`` the query means of :func:`feature_means`), every touched layer present.
+        bands: band indices, band 0 = fastest.
+        **kw: the other :class:`Intervention` fields — ``layers``, ``heads``, ``alpha``,
+            ``target``, ``seed``, ``label`` (and ``base``/``scramble`` for controls).
+
+    Returns:
+        ``[(hook_name, fn), ...]`` on the pre-rotation ``hook_k`` (or ``hook_q``) of each layer,
+        for ``model.run_with_hooks(tokens, fwd_hooks=...)`` or ``with model.hooks(fwd_hooks=...):``.
+
+    Example:
+        >>> km = key_means(model, reference_tokens)
+        >>> logits = model.run_with_hooks(tokens, fwd_hooks={name}(model, km, bands=range(8), alpha=0.5))
+    """
+
+
 def _make(kind: str, doc: str):
     def hooks(model: Any, k_means: dict[int, Tensor] | None, bands: Sequence[int] = (), **kw) -> HookList:
         return intervention_hooks(model, Intervention(kind=kind, bands=bands, **kw), k_means)
 
-    hooks.__name__ = f"{kind}_hooks"
-    hooks.__doc__ = doc
+    hooks.__name__ = hooks.__qualname__ = f"{kind}_hooks"
+    hooks.__doc__ = doc + _SPECIALISATION_DOC.format(name=f"{kind}_hooks", kind=kind)
     return hooks
 
 

@@ -128,7 +128,8 @@ def decompose_head(
     Args:
         tokens_or_cache: token ids ``[batch, pos]`` (or ``[pos]``), or an ``ActivationCache``
             from ``model.run_with_cache(tokens)`` (then no forward pass is run).
-        layer, head: the query head (its key group is ``head // (n_heads // n_kv_heads)``).
+        layer: the layer.
+        head: the query head (its key group is ``head // (n_heads // n_kv_heads)``).
         k_mean: which mean pre-rotation key ``k̄`` (METHOD §2 — it decides what a D3 score
             means): ``"per_sequence"`` (each sequence's own keys, first ``sink`` positions
             excluded; the default), ``"global"`` (one k̄ from ``reference`` tokens of other
