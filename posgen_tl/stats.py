@@ -18,6 +18,7 @@ grouped by document and the document is the unit that is resampled (bootstrap) o
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -377,14 +378,18 @@ def mde(sd: float, n: int, *, alpha: float = 0.05, power: float = 0.8) -> float:
         raise ValueError(f"sd must be finite and >= 0, got {sd}")
     if not alpha / 2 < power < 1:
         raise ValueError(f"power must be in (alpha/2, 1), got {power}")
-    if sd == 0.0:
-        return 0.0
+    return float(sd) * _mde_unit(int(n), float(alpha), float(power))  # the MDE scales with sd
+
+
+@functools.lru_cache(maxsize=1024)
+def _mde_unit(n: int, alpha: float, power: float) -> float:
+    """:func:`mde` for ``sd = 1`` (cached: a family of contrasts shares ``n`` and ``alpha``)."""
     df = n - 1
-    approx = (float(sps.t.ppf(1 - alpha / 2, df)) + float(sps.t.ppf(power, df))) * sd / math.sqrt(n)
-    hi = max(approx, sd / math.sqrt(n))
-    while _power(hi, sd, n, alpha) < power:
+    approx = (float(sps.t.ppf(1 - alpha / 2, df)) + float(sps.t.ppf(power, df))) / math.sqrt(n)
+    hi = max(approx, 1.0 / math.sqrt(n))
+    while _power(hi, 1.0, n, alpha) < power:
         hi *= 2.0
-    return float(optimize.brentq(lambda x: _power(x, sd, n, alpha) - power, 0.0, hi, xtol=1e-10 * sd, rtol=1e-12))
+    return float(optimize.brentq(lambda x: _power(x, 1.0, n, alpha) - power, 0.0, hi, xtol=1e-12, rtol=1e-12))
 
 
 # ----------------------------------------------------------------------------- slopes
@@ -616,18 +621,19 @@ def verdict_table(
     - ``half_a``/``half_b``: mean ``d`` on two disjoint halves of the documents (seeded by
       ``split_seed``); ``split_half_agree``: both non-zero with the sign of ``mean_diff``;
     - ``sd`` (of document means) and ``mde``: the mean difference detectable with 80 % power at
-      level ``alpha`` by a t-test on those ``n_docs`` units (:func:`mde`);
+      level ``alpha`` by a t-test on those ``n_docs`` units (:func:`mde`; at the UNADJUSTED level,
+      so in a family of several contrasts it is a lower bound of what Holm lets through);
     - ``verdict``: ``"depends"`` only if ``p_holm < alpha`` AND damage matched AND split halves
       agree, else ``"no evidence"``; ``reason`` states the conditions that failed (with the MDE).
       ``exploratory`` = ``n_seq < min_n``; then the verdict ends in ``" (exploratory)"``.
       "No evidence" is never evidence of no effect (use :func:`tost` for that).
 
     Returns:
-        ``pd.DataFrame``, one row per contrast in input order, columns ``contrast, intervention,
-        control, primary, n_seq, n_docs, mean_diff, boot_lo, boot_hi, t_lo, t_hi, p_exact,
-        p_holm, damage, damage_lo, damage_hi, control_damage, control_damage_lo,
-        control_damage_hi, damage_matched, half_a, half_b, split_half_agree, sd, mde,
-        exploratory, verdict, reason``.
+        ``pd.DataFrame`` (settings and the rule in ``.attrs``), one row per contrast in input
+        order, columns ``contrast, intervention, control, primary, n_seq, n_docs, mean_diff,
+        boot_lo, boot_hi, t_lo, t_hi, p_exact, p_holm, damage, damage_lo, damage_hi,
+        control_damage, control_damage_lo, control_damage_hi, damage_matched, half_a, half_b,
+        split_half_agree, sd, mde, exploratory, verdict, reason``.
 
     Raises:
         ValueError: an empty family, duplicated contrast names, more than one primary, or any
@@ -693,6 +699,11 @@ def verdict_table(
         reasons.append(reason)
     out["verdict"] = verdicts
     out["reason"] = reasons
+    out.attrs.update(alpha=alpha, min_n=min_n, match_rel=match_rel, n_boot=n_boot, seed=seed, split_seed=split_seed,
+                     family_size=len(contrasts),
+                     rule=("'depends' only if Holm p < alpha over this table's contrasts, damage matched and the "
+                           "sign agrees on both disjoint halves of the documents; otherwise 'no evidence' "
+                           "(not evidence of no effect)"))  # fmt: skip
     return out
 
 

@@ -42,7 +42,8 @@ def brute_force_p(x: np.ndarray) -> float:
     x = np.asarray(x, float)
     t = abs(x.sum())
     tol = 1e-9 * np.abs(x).sum()
-    hits = sum(abs(sum(s * v for s, v in zip(signs, x))) >= t - tol for signs in itertools.product((1, -1), repeat=x.size))
+    patterns = itertools.product((1, -1), repeat=x.size)
+    hits = sum(abs(sum(s * v for s, v in zip(signs, x))) >= t - tol for signs in patterns)
     return hits / 2**x.size
 
 
@@ -302,6 +303,9 @@ def test_verdict_columns_and_depends():
     few = make_contrast(d[::2], doc[::2], name="few")
     row = verdict_table([few]).iloc[0]
     assert row["exploratory"] and row["verdict"] == "depends (exploratory)" and "exploratory" in row["reason"]
+    # contrasts of one family may cover different sequence sets
+    mixed = verdict_table([strong, few])
+    assert mixed["n_seq"].tolist() == [40, 20] and mixed.attrs["family_size"] == 2
 
 
 def test_verdict_requires_matched_damage():
@@ -328,11 +332,15 @@ def test_verdict_requires_split_half_agreement():
 
 
 def test_holm_is_over_the_family():
-    rng = np.random.default_rng(3)
-    d, doc = simulate(rng, 0.55, n_docs=16)
+    rng = np.random.default_rng(9)
+    d, doc = simulate(rng, 0.6, n_docs=16, per_doc=2)
     one = verdict_table([make_contrast(d, doc, name="a")]).iloc[0]
+    assert 0.0125 < one["p_exact"] < 0.05 and one["verdict"] == "depends"  # significant alone...
     fam = verdict_table([make_contrast(d, doc, name=f"c{i}") for i in range(4)])
-    assert fam["p_holm"].iloc[0] == pytest.approx(min(1.0, 4 * one["p_exact"]))
+    assert fam["p_holm"].to_numpy() == pytest.approx(np.full(4, min(1.0, 4 * one["p_exact"])))
+    assert (fam["p_exact"] == one["p_exact"]).all()
+    # ... but not in a family of four: the verdict follows the Holm-adjusted p
+    assert (fam["verdict"] == "no evidence").all() and fam["reason"].str.startswith("Holm p = ").all()
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -428,11 +436,18 @@ def test_landed_rows_give_no_depends():
     assert p1 == pytest.approx(0.109, abs=0.002) and p1 == pytest.approx(28 / 256)
     # even alone in its family (no Holm help) the @0.5 pair is not "depends"
     assert tables[3]["verdict"].iloc[0] == "no evidence (exploratory)"
+    # Gemma3 (4 sequences): the issue reports p = 0.625
+    gem = landed("causal_rows_gemma3-270m.csv")
+    c = contrast_from_rows(gem, "destroy fast 0–31 L6–11 @1",
+                           "control: destroy-change moved to random bands L6–11 @2.12", doc={s: s for s in range(4)})
+    g = verdict_table([c]).iloc[0]
+    assert g["p_exact"] == pytest.approx(10 / 16) and g["verdict"] == "no evidence (exploratory)"
 
 
 def test_per_sequence_slopes_average_seeds():
     rows = pd.DataFrame(
-        [dict(seq=s, frac=f, seed=k, delta=(s + 1) * f + 0.01 * k) for s in range(3) for f in (0, 0.1, 0.2) for k in (0, 1)]
+        [dict(seq=s, frac=f, seed=k, delta=(s + 1) * f + 0.01 * k)
+         for s in range(3) for f in (0, 0.1, 0.2) for k in (0, 1)]
     )
     sl = per_sequence_slopes(rows)
     np.testing.assert_allclose(sl.to_numpy(), [1.0, 2.0, 3.0])
