@@ -45,6 +45,14 @@ def test_import_is_light():
     assert out.stdout.strip() == "[]"
 
 
+def test_nested_namespaces_resolve_in_a_fresh_interpreter():
+    code = ("import posgen_tl as pg; pg.analysis.head.decompose_head; pg.analysis.pattern.link_to_decomposition; "
+            "pg.analysis.tolerance.curve_summary; pg.corpus.reference_windows; pg.stats.verdict_table; "
+            "pg.interventions.noop_hooks; pg.decompose.d3_bound; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PKG.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-800:]
+
+
 def test_one_mask_and_one_key_mean():
     from posgen_tl import decompose, exactness, heads, interventions, rope
     from posgen_tl.analysis import decomposition

@@ -87,6 +87,8 @@ def test_notebook_executes_and_shows_its_figures(name, smollm2, kernel_name, mon
     # smollm2 fixture: the weight cache is built once before the kernels start
     monkeypatch.setenv("POSGEN_NB_SMALL", "1")
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's own default (inline), as for a user
+    old = os.environ.get("PYTHONPATH")  # the kernel imports THIS checkout's posgen_tl, not another install
+    monkeypatch.setenv("PYTHONPATH", str(NB_DIR.parent) + (os.pathsep + old if old else ""))
     nb = nbformat.read(NB_DIR / name, as_version=4)
     client = NotebookClient(nb, timeout=900, kernel_name=kernel_name, resources={"metadata": {"path": str(NB_DIR)}})
     client.execute()  # raises CellExecutionError on any failing cell
