@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +11,9 @@ import pytest
 import posgen_tl as pg
 
 PKG = Path(pg.__file__).parent
-MODULES = sorted(
-    "posgen_tl" + ("." + m.name if m.name else "")
-    for m in pkgutil.walk_packages([str(PKG)], prefix="")
+MODULES = sorted(  # every module file of the package, subpackages included
+    ".".join(("posgen_tl", *f.relative_to(PKG).with_suffix("").parts)).removesuffix(".__init__")
+    for f in PKG.rglob("*.py")
 )
 
 
