@@ -22,6 +22,8 @@ Layers (data flows one way):
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -74,6 +76,19 @@ _LATER: dict[str, str] = {
 }
 
 __all__ = [*_EXPORTS, *_NAMESPACES]
+
+
+class _Package(types.ModuleType):
+    """``posgen_tl`` itself. Importing a submodule binds it on the package; ``rope_spec`` is both a
+    submodule and the function of the same name, and ``pg.rope_spec`` must stay the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return  # the submodule stays reachable through sys.modules / ``from posgen_tl.rope_spec import ...``
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

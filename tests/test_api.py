@@ -44,6 +44,13 @@ def test_import_is_light():
     assert out.stdout.strip() == "[]"
 
 
+def test_rope_spec_stays_the_function_after_its_module_is_imported():
+    code = ("import posgen_tl as pg, posgen_tl.capture; from posgen_tl.rope_spec import rope_spec; "
+            "assert callable(pg.rope_spec) and pg.rope_spec is rope_spec; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PKG.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-800:]
+
+
 def test_nested_namespaces_resolve_in_a_fresh_interpreter():
     code = ("import posgen_tl as pg; pg.analysis.head.decompose_head; pg.analysis.pattern.link_to_decomposition; "
             "pg.analysis.tolerance.curve_summary; pg.corpus.reference_windows; pg.stats.verdict_table; "
