@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "key_means": "interventions",
     "nll_on_target": "analysis.tolerance",
     "transposition_curve": "analysis.tolerance",
+    "causal_study": "analysis.causal",
     # errors
     "RopeError": "rope",
     "CaptureError": "capture",
@@ -70,7 +71,6 @@ _SUBMODULES = frozenset({
 
 #: recipes other branches add; they resolve here as soon as their module exists
 _LATER: dict[str, str] = {
-    "causal_study": "analysis.causal",
     "sufficiency": "analysis.sufficiency",
     "gap_probe": "analysis.length",
 }
@@ -124,6 +124,7 @@ if TYPE_CHECKING:  # for editors and type checkers; nothing is imported at run t
     from .analysis.head import decompose_head
     from .analysis.pattern import feature_pattern, feature_pattern_with_twin
     from .analysis.taxonomy import head_taxonomy
+    from .analysis.causal import causal_study
     from .analysis.tolerance import nll_on_target, transposition_curve
     from .capture import CaptureError, capture_qk, probe_hooks, stream_qk
     from .corpus import CorpusError, corpus_tokens, document_windows

@@ -41,6 +41,7 @@ __all__ = [
     "check_tokens",
     "hooks_attached",
     "model_device",
+    "pattern_hooks",
 ]
 
 
@@ -427,3 +428,29 @@ def capture_from_cache(model: Any, cache: Any, layer: int) -> QKCapture:
     if info.rot_fires and not ("hook_rot_q" in d and "hook_rot_k" in d):
         info = HookInfo(info.q_hook, info.k_hook, info.normed_layout, False, info.scores_kind, info.attn_prefix)
     return _make_capture(layer, d, spec.layer(layer), info, pos, 0, 0)
+
+
+def pattern_hooks(
+    model: Any, layers: Sequence[int], fn: Callable[[int, Float[Tensor, "batch head_index query_pos key_pos"]], None]
+) -> list[tuple[str, Callable]]:
+    """Read-only hooks on ``blocks.{l}.attn.hook_pattern`` (post-softmax attention) of ``layers``.
+
+    ``fn(layer, pattern)`` receives the pattern ``[batch, head_index, query_pos, key_pos]``
+    (float32, detached); the hook returns ``None`` (the forward pass is not changed).
+
+    Raises:
+        CaptureError: the model has no ``hook_pattern`` for one of the layers.
+    """
+    spec, info = probe_hooks(model)
+    names = _hook_names(model)
+    out = []
+    for layer in sorted({int(x) % spec.n_layers for x in layers}):
+        name = info.name(layer, "hook_pattern")
+        if name not in names:
+            raise CaptureError(f"{spec.model_name}: no {name} hook: attention patterns are unavailable")
+
+        def grab(t: Tensor, hook: Any, layer: int = layer) -> None:
+            fn(layer, t.detach().float())
+
+        out.append((name, grab))
+    return out

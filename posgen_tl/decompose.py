@@ -4,7 +4,11 @@
   without ``b`` (D2) over the masked (causal) entries: :func:`fit_additive`.
 * D3 — the constructive split ``W = f + g + (W − f − g)`` with the head's mean
   pre-rotation key ``k̄``: :func:`d3_split`, and the per-entry bound on the remainder:
-  :func:`d3_bound`.
+  :func:`d3_bound`. Both take a reference offset ``delta0`` (METHOD §2): the semantic term
+  becomes ``g_Δ0 = s·q_iᵀ R_{−Δ0}(k_j − k̄)`` (the form LM-Infinite's "disentangled"
+  approximation uses for far keys); ``delta0 = 0`` is D3. :func:`d3_logits` returns
+  ``f + g_Δ0`` alone. ``k̄`` may be one per head (a global mean key) or one per sequence
+  and head (:func:`sequence_key_mean`).
 * Scores over masked entries: :func:`pearson_r`, :func:`r_squared`, :func:`within_row_r`,
   :func:`score_maps`.
 
@@ -34,6 +38,8 @@ __all__ = [
     "D3Split",
     "d3_split",
     "d3_bound",
+    "d3_logits",
+    "sequence_key_mean",
     "pearson_r",
     "r_squared",
     "within_row_r",
@@ -203,52 +209,85 @@ class D3Split:
     Attributes:
         W: ``s·a²·q_iᵀR_{j−i}k_j`` on rotated dims ``+ s·q_pass·k_pass`` (the logits).
         f: positional term ``s·a²·q_iᵀR_{j−i}k̄ + s·q_pass·k̄_pass`` (q_i and i−j only).
-        g: semantic term ``s·a²·q_rotᵀ(k_j−k̄)_rot + s·q_pass·(k_j−k̄)_pass`` (no rotation).
+        g: semantic term ``s·a²·q_rotᵀR_{−Δ0}(k_j−k̄)_rot + s·q_pass·(k_j−k̄)_pass``
+            (no dependence on i−j; ``R_0 = I`` for the default ``Δ0 = 0``).
+        delta0: the reference offset ``Δ0`` used for ``g``.
 
-    ``W − f − g = s·a²·q_iᵀ(R_{j−i} − I)(k_j − k̄)`` on the rotated dims only.
+    ``W − f − g = s·a²·q_iᵀ(R_{j−i} − R_{−Δ0})(k_j − k̄)`` on the rotated dims only.
     """
 
     W: Float[Tensor, "batch head_index query_pos key_pos"]
     f: Float[Tensor, "batch head_index query_pos key_pos"]
     g: Float[Tensor, "batch head_index query_pos key_pos"]
+    delta0: float = 0
 
 
-def _d3_inputs(q: Tensor, k: Tensor, k_mean: Tensor, positions: Tensor, rope: LayerRope):
-    """float64 bands of q, k, k̄ (k and k̄ expanded to query heads) and the unit phasors."""
+def sequence_key_mean(
+    k: Float[Tensor, "batch pos kv_head d_head"], sink: int = 0
+) -> Float[Tensor, "batch kv_head d_head"]:
+    """Each sequence's own mean pre-rotation key over positions ``>= sink`` (the
+    ``per_sequence`` k̄ of METHOD §2), float64 ``[batch, kv_head, d_head]``."""
+    if not 0 <= sink < k.shape[1]:
+        raise ValueError(f"sink={sink} must be in [0, {k.shape[1] - 1}] for {k.shape[1]} positions")
+    return k[:, sink:].double().mean(1)
+
+
+def _kbar_batched(k_mean: Tensor, batch: int, n_heads: int) -> Tensor:
+    """``k̄`` as ``[batch, head_index, d_head]`` from ``[head, d]`` or ``[batch, head, d]`` (kv heads expanded)."""
+    if k_mean.ndim == 2:
+        k_mean = k_mean[None].expand(batch, *k_mean.shape)
+    elif k_mean.ndim != 3 or k_mean.shape[0] != batch:
+        raise ValueError(
+            f"k_mean has shape {tuple(k_mean.shape)}; expected [head, d_head] or [batch={batch}, head, d_head]"
+        )
+    if k_mean.shape[1] != n_heads:
+        k_mean = expand_kv(k_mean[:, None], n_heads)[:, 0]
+    return k_mean
+
+
+def _d3_inputs(q: Tensor, k: Tensor, k_mean: Tensor, positions: Tensor, rope: LayerRope, delta0: float = 0):
+    """float64 q, k, k̄ ``[batch, head, d]`` (k and k̄ expanded to query heads), their bands,
+    the angles ``φ [batch pos band]`` and the reference angle ``ψ0 = Δ0·θ [band]``."""
     n_heads = q.shape[-2]
     if k.shape[-2] != n_heads:
         k = expand_kv(k, n_heads)
-    if k_mean.shape[0] != n_heads:
-        k_mean = expand_kv(k_mean, n_heads)
     if q.shape[-1] < rope.rotary_dim:
         raise ValueError(f"d_head={q.shape[-1]} is smaller than rotary_dim={rope.rotary_dim}")
-    q, k, k_mean = q.double(), k.double(), k_mean.to(q.device).double()
+    k_mean = _kbar_batched(k_mean.to(q.device), q.shape[0], n_heads)
+    q, k, k_mean = q.double(), k.double(), k_mean.double()
     r = rope.rotary_dim
     zq, zk, zkbar = (to_bands(x, r, rope.layout) for x in (q, k, k_mean))
     # float32 angles exactly as the model computes them, then float64 phasors
     phi = angles(positions.to(q.device), rope).double()  # batch pos band
-    return q, k, k_mean, zq, zk, zkbar, phi
+    psi0 = angles(torch.tensor([delta0], dtype=torch.float64, device=q.device), rope).double()[0]
+    return q, k, k_mean, zq, zk, zkbar, phi, psi0
 
 
 def d3_split(
     q: Float[Tensor, "batch pos head_index d_head"],
     k: Float[Tensor, "batch pos head_index d_head"],
-    k_mean: Float[Tensor, "head_index d_head"],
+    k_mean: Float[Tensor, "head_index d_head"] | Float[Tensor, "batch head_index d_head"],
     positions: Int[Tensor, "batch pos"],
     rope: LayerRope,
+    delta0: float = 0,
 ) -> D3Split:
     """D3 split of the logits from PRE-rotation ``q``, ``k`` and the mean key ``k_mean``.
 
-    ``k`` (and ``k_mean``) may hold kv-heads; they are expanded to query heads. Computed in
+    ``k`` (and ``k_mean``) may hold kv-heads; they are expanded to query heads. ``k_mean`` is
+    one k̄ per head ``[head, d_head]`` (global) or one per sequence ``[batch, head, d_head]``.
+    ``delta0``: reference offset Δ0 of the semantic term ``g_Δ0 = s·q_iᵀR_{−Δ0}(k_j − k̄)``
+    (0 = plain D3; the angle is ``Δ0·θ_m`` computed like the model's, float32). Computed in
     the complex band picture with batched matmuls, O(N²·bands) per head. Returns a
     :class:`D3Split` of float64 ``[batch, head_index, query_pos, key_pos]`` maps.
     """
-    q, k, k_mean, zq, zk, zkbar, phi = _d3_inputs(q, k, k_mean, positions, rope)
+    q, k, k_mean, zq, zk, zkbar, phi, psi0 = _d3_inputs(q, k, k_mean, positions, rope, delta0)
     r, s, a2 = rope.rotary_dim, rope.score_scale, rope.attention_scaling**2
     e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # batch pos 1 band
     zq_rot = zq * e
     zk_rot = zk * e
-    zkbar_rot = zkbar * e  # k̄ rotated to every key position
+    zkbar_rot = zkbar[:, None] * e  # k̄ rotated to every key position
+    # q_iᵀR_{−Δ0}x = Re Σ_m zq_m e^{iψ0_m} conj(x_m)
+    zq_ref = zq * torch.polar(torch.ones_like(psi0), psi0) if delta0 else zq
 
     def band_dot(x: Tensor, y: Tensor) -> Tensor:
         # Re Σ_m x_m conj(y_m): [b i h m], [b j h m] -> [b h i j]
@@ -256,37 +295,59 @@ def d3_split(
 
     w_map = a2 * band_dot(zq_rot, zk_rot)
     f_map = a2 * band_dot(zq_rot, zkbar_rot)
-    g_map = a2 * band_dot(zq, zk - zkbar)
+    g_map = a2 * band_dot(zq_ref, zk - zkbar[:, None])
     if q.shape[-1] > r:
         qp, kp, kbp = q[..., r:], k[..., r:], k_mean[..., r:]
         w_map = w_map + torch.einsum("bihd,bjhd->bhij", qp, kp)
-        f_map = f_map + torch.einsum("bihd,hd->bhi", qp, kbp)[..., None]
-        g_map = g_map + torch.einsum("bihd,bjhd->bhij", qp, kp - kbp)
-    return D3Split(W=s * w_map, f=s * f_map, g=s * g_map)
+        f_map = f_map + torch.einsum("bihd,bhd->bhi", qp, kbp)[..., None]
+        g_map = g_map + torch.einsum("bihd,bjhd->bhij", qp, kp - kbp[:, None])
+    return D3Split(W=s * w_map, f=s * f_map, g=s * g_map, delta0=delta0)
+
+
+def d3_logits(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos head_index d_head"],
+    k_mean: Float[Tensor, "head_index d_head"] | Float[Tensor, "batch head_index d_head"],
+    positions: Int[Tensor, "batch pos"],
+    rope: LayerRope,
+    delta0: float = 0,
+) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+    """The D3 approximation of the logits, ``f + g_Δ0`` of :func:`d3_split` (all entries, no mask).
+
+    ``f = s·q_iᵀR_{j−i}k̄`` (positional), ``g_Δ0 = s·q_iᵀR_{−Δ0}(k_j − k̄)`` (semantic at the
+    reference offset Δ0). Substituting it for the model's scores is METHOD §5's sufficiency
+    test (LM-Infinite's "disentangled" approximation with Δ0 = their cap). Returns float64
+    ``[batch, head_index, query_pos, key_pos]``.
+    """
+    sp = d3_split(q, k, k_mean, positions, rope, delta0)
+    return sp.f + sp.g
 
 
 def d3_bound(
     q: Float[Tensor, "batch pos head_index d_head"],
     k: Float[Tensor, "batch pos head_index d_head"],
-    k_mean: Float[Tensor, "head_index d_head"],
+    k_mean: Float[Tensor, "head_index d_head"] | Float[Tensor, "batch head_index d_head"],
     positions: Int[Tensor, "batch pos"],
     rope: LayerRope,
     rows: Int[Tensor, "n_rows"] | None = None,
     max_chunk_bytes: int = 64 * 2**20,
+    delta0: float = 0,
 ) -> Float[Tensor, "batch head_index n_rows key_pos"]:
-    """Per-entry bound on ``|W − f − g|`` of :func:`d3_split`.
+    """Per-entry bound on ``|W − f − g_Δ0|`` of :func:`d3_split` (same ``delta0``).
 
-    ``s·a²·Σ_m ‖q_i^(m)‖·‖k_j^(m) − k̄^(m)‖·2|sin((φ_{i,m} − φ_{j,m})/2)|`` with the actual
-    angles ``φ = angles(positions, rope)`` (valid for any position ids). ``rows`` selects
-    query positions (``None`` = all). Chunked over rows so each temporary stays under
-    ``max_chunk_bytes`` (peak ≈ 3×). Returns float64 ``[batch, head_index, n_rows, key_pos]``.
+    ``s·a²·Σ_m ‖q_i^(m)‖·‖k_j^(m) − k̄^(m)‖·2|sin((φ_{i,m} − φ_{j,m} − Δ0·θ_m)/2)|`` with the
+    actual angles ``φ = angles(positions, rope)`` (valid for any position ids). It follows
+    from ``|e^{ia} − e^{ib}| = 2|sin((a − b)/2)|`` alone, so it holding is a check of the
+    code, not a finding about a model. ``rows`` selects query positions (``None`` = all).
+    Chunked over rows so each temporary stays under ``max_chunk_bytes`` (peak ≈ 3×).
+    Returns float64 ``[batch, head_index, n_rows, key_pos]``.
     """
-    q, k, k_mean, zq, zk, zkbar, phi = _d3_inputs(q, k, k_mean, positions, rope)
+    q, k, k_mean, zq, zk, zkbar, phi, psi0 = _d3_inputs(q, k, k_mean, positions, rope, delta0)
     if rows is None:
         rows = torch.arange(q.shape[1], device=q.device)
     rows = rows.to(q.device)
     qn = zq.abs()[:, rows]  # b i h m
-    kn = (zk - zkbar).abs()  # b j h m
+    kn = (zk - zkbar[:, None]).abs()  # b j h m
     n_b, n_k, n_h, n_m = kn.shape
     per_row = max(1, n_b * n_k * n_h * n_m * 8)
     chunk = max(1, max_chunk_bytes // per_row)
@@ -294,7 +355,7 @@ def d3_bound(
     out = []
     for start in range(0, len(rows), chunk):
         sl = slice(start, start + chunk)
-        dphi = phi[:, rows[sl], None, :] - phi[:, None, :, :]  # b i j m
+        dphi = phi[:, rows[sl], None, :] - phi[:, None, :, :] - psi0  # b i j m
         sin = 2 * (dphi / 2).sin().abs()
         weighted = kn[:, None] * sin[:, :, :, None, :]  # b i j h m
         out.append(torch.einsum("bihm,bijhm->bhij", qn[:, sl], weighted))

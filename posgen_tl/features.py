@@ -18,25 +18,26 @@ Undefined ratios (no tokens, a band with zero energy) are NaN, never silently 0.
 The residual uses the raw second moment minus the squared mean, so keep the default
 float64 accumulators: the relative error of ``residual_rms²`` is ~``eps / (1 − ρ)``.
 
-Pattern score
--------------
+Pattern score (rotation-aware)
+------------------------------
 The D3 bound (METHOD §2) is ``|W − f − g| ≤ s·Σ_m ‖q^(m)‖·‖k^(m) − k̄^(m)‖·2|sin(Δθ_m/2)|``.
-With the distance weight ``w_m(L) = mean_{Δ=1..L} 2|sin(Δ·θ_m/2)|`` (``θ_m = rope.theta``)
-and, for query head ``h`` reading kv-group ``g = h // (H/G)``,
-``q_rms_m = sqrt(E|q_m|²)``, ``k_rms_m = sqrt(E|k_m|²)``, ``k_res_m = residual_rms(k)_m``::
+With the ENTRY-weighted rotation factor ``w_m = Σ_Δ c_Δ·2|sin(Δ·θ_m/2)| / Σ_Δ c_Δ`` over the
+causal entries actually present (``c_Δ = n − sink − Δ`` entries at distance ``Δ``, window
+respected; :func:`distance_weights`), ``q_rms_m = sqrt(E|q_m|²)`` and ``kres_m`` the rms of
+``k_m − k̄_m`` for the chosen k̄ (global reference mean, or each sequence's own mean)::
 
-    c_m     = q_rms_m · k_rms_m · w_m          (rotation-weighted key energy)
-    bound_m = q_rms_m · k_res_m · w_m          (rotation-weighted key residual)
-    pattern_score  = 1 − Σ_m bound_m / Σ_m c_m          ∈ [0, 1]
-    expected_bound = s · a² · Σ_m bound_m
+    pred_d3_err = s·a²·Σ_m q_rms_m · kres_m · w_m / σ(W)        (:func:`predicted_d3_error`)
 
-``pattern_score`` is 1 when keys are token-invariant in every band that rotates over
-distances ``≤ L`` (then D3 is exact) and 0 when no band carries a key offset; bands with
-``θ_m = 0`` get ``w_m = 0`` and never count. Pass-through dims do not rotate, so they are
-absorbed exactly by the semantic term ``g`` and do not enter either sum.
-``expected_bound`` replaces the per-entry norms of the bound by rms values and averages
-the rotation factor over distances: it is an rms-style *typical size* of ``|W − f − g|``,
-not a strict bound.
+with ``σ(W)`` the head's within-row logit spread (:func:`within_row_spread`): the predicted
+size of D3's error relative to what softmax sees. It scales with the rotation weights (a key
+residual in bands that do not rotate over the distances present costs nothing; in fast
+bands, the most). Lower is better (D3 expected to fit).
+
+``legacy_pattern_score = 1 − Σ_m q_rms·k_res·w_m / Σ_m q_rms·k_rms·w_m`` (the first landing's
+score) is kept only for comparison: it is unchanged when every ``w_m`` is rescaled, and its
+normalisation by the key's own energy hides how large the error is relative to the logits.
+``expected_bound = s·a²·Σ_m q_rms·k_res·w_m`` (residual around the analysed tokens' mean) is
+an rms-style typical size of ``|W − f − g|``, not a strict bound.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ __all__ = [
     "band_stats",
     "distance_weights",
     "pattern_scores",
+    "predicted_d3_error",
+    "within_row_spread",
     "fast_band_offset",
     "stats_frame",
 ]
@@ -243,32 +246,85 @@ def band_stats(
 # ----------------------------------------------------------------------------- pattern score
 
 
-def distance_weights(rope: LayerRope, max_distance: int, chunk: int = 4096) -> Float[Tensor, "band"]:
-    """``w_m(L) = mean_{Δ=1..L} 2|sin(Δ·θ_m/2)|`` in float64, ``L = max_distance``.
+def distance_weights(
+    rope: LayerRope, max_distance: int, chunk: int = 4096, *, sink: int = 0
+) -> Float[Tensor, "band"]:
+    """Entry-weighted mean rotation factor ``w_m = Σ_Δ c_Δ·2|sin(Δ·θ_m/2)| / Σ_Δ c_Δ`` (float64).
 
-    With a sliding window, keys at ``Δ >= window`` are masked, so ``L`` is capped at
-    ``window − 1``. Returns ``[band]`` on ``rope.inv_freq``'s device; 0 where ``θ_m = 0``.
+    The average runs over the causal entries of a map of ``n = max_distance + 1`` positions
+    with the first ``sink`` keys excluded: distance ``Δ = i − j`` occurs ``c_Δ = n − sink − Δ``
+    times (``Δ = 0 .. n − 1 − sink``; ``Δ = 0`` counts, with factor 0). With a sliding window,
+    only ``Δ < window`` enters. Returns ``[band]`` on ``rope.inv_freq``'s device; 0 where ``θ_m = 0``.
     """
     if max_distance < 1:
         raise ValueError(f"max_distance must be >= 1, got {max_distance}")
-    L = max_distance if rope.sliding_window is None else min(max_distance, rope.sliding_window - 1)
-    L = max(L, 1)
-    theta = rope.theta
+    n = max_distance + 1
+    if not 0 <= sink < n:
+        raise ValueError(f"sink={sink} must be in [0, {n - 1}]")
+    top = n - 1 - sink if rope.sliding_window is None else min(n - 1 - sink, rope.sliding_window - 1)
+    theta = rope.theta.double()
     total = torch.zeros_like(theta)
-    for start in range(1, L + 1, chunk):  # bounded memory for long contexts
-        delta = torch.arange(start, min(start + chunk, L + 1), dtype=theta.dtype, device=theta.device)
-        total += (2 * torch.sin(delta[:, None] * theta / 2).abs()).sum(0)
-    return total / L
+    weight = 0.0
+    for start in range(0, top + 1, chunk):  # bounded memory for long contexts
+        delta = torch.arange(start, min(start + chunk, top + 1), dtype=theta.dtype, device=theta.device)
+        c = n - sink - delta
+        total += (c[:, None] * 2 * torch.sin(delta[:, None] * theta / 2).abs()).sum(0)
+        weight += float(c.sum())
+    return total / weight
+
+
+def within_row_spread(
+    W: Float[Tensor, "batch head_index query_pos key_pos"], mask: Bool[Tensor, "query_pos key_pos"]
+) -> tuple[Float[Tensor, "head_index"], Float[Tensor, ""]]:
+    """Mergeable sums of the within-row logit spread: ``(Σ (W_ij − mean_i W)², n_entries)``.
+
+    Sums over the batch and every row with ``>= 2`` masked entries (row means over the mask);
+    ``σ(W) = sqrt(ss / n)`` is the head's within-row logit spread (softmax ignores row
+    constants). Returns float64 ``([head_index], scalar)``.
+    """
+    mask = mask.to(device=W.device, dtype=torch.bool)
+    mask = mask & (mask.sum(-1, keepdim=True) >= 2)
+    mf = mask.double()
+    x = torch.where(mask, W.double(), 0.0)
+    cnt = mf.sum(-1).clamp(min=1)
+    dev = (x - (x.sum(-1) / cnt)[..., None]) * mf
+    return dev.square().sum((0, 2, 3)), mf.sum() * W.shape[0]
+
+
+def predicted_d3_error(
+    q_energy: Float[Tensor, "head_index band"],
+    k_res_energy: Float[Tensor, "kv_head band"],
+    weights: Float[Tensor, "band"],
+    logit_spread: Float[Tensor, "head_index"],
+    scale: float = 1.0,
+) -> dict[str, Tensor]:
+    """Rotation-aware pattern score: predicted relative D3 error per query head (module docstring).
+
+    ``scale·Σ_m sqrt(q_energy_m)·sqrt(k_res_energy_m)·w_m / σ(W)``; ``k_res_energy`` per kv
+    group (expanded to query heads: head ``h`` reads group ``h // (H/G)``), e.g.
+    ``E|k_m − k̄_m|²`` for the global k̄ or the within-sequence residual for a per-sequence k̄.
+    Returns float64 ``{"pred_d3_err": [head_index], "per_band": [head_index, band]}``
+    (``per_band`` sums to ``pred_d3_err``); NaN where ``σ(W) = 0``.
+    """
+    H, G = q_energy.shape[0], k_res_energy.shape[0]
+    if H % G:
+        raise ValueError(f"{H} query heads are not a multiple of {G} kv heads")
+    kres = k_res_energy.double().to(q_energy.device).clamp_min(0).sqrt().repeat_interleave(H // G, dim=0)
+    per_band = scale * q_energy.double().clamp_min(0).sqrt() * kres * weights.double().to(q_energy.device)
+    per_band = _div(per_band, logit_spread.double().to(q_energy.device)[:, None])
+    return {"pred_d3_err": per_band.sum(-1), "per_band": per_band}
 
 
 def pattern_scores(
-    q_stats: BandStats, k_stats: BandStats, rope: LayerRope, max_distance: int
+    q_stats: BandStats, k_stats: BandStats, rope: LayerRope, max_distance: int, *, sink: int = 0
 ) -> dict[str, Tensor]:
-    """Per-query-head pattern score and rotation-weighted residual (module docstring).
+    """LEGACY pattern score and rotation-weighted residual of the first landing (module docstring).
 
     ``q_stats`` has ``H`` query heads, ``k_stats`` ``G`` kv-groups; head ``h`` reads
-    group ``h // (H // G)``. Returns float64 tensors:
-    ``"pattern_score"`` [head_index] ∈ [0, 1] (NaN if no key energy in any rotating band),
+    group ``h // (H // G)``; ``w_m`` = :func:`distance_weights` ``(rope, max_distance, sink=sink)``.
+    Returns float64 tensors:
+    ``"legacy_pattern_score"`` [head_index] ∈ [0, 1] (NaN if no key energy in any rotating
+    band; invariant to rescaling every ``w_m`` — use :func:`predicted_d3_error` instead),
     ``"expected_bound"`` [head_index] = ``s·a²·Σ_m bound_m``,
     ``"bound_per_band"`` [head_index band] = ``s·a²·bound_m`` (sums to ``expected_bound``).
     """
@@ -282,7 +338,7 @@ def pattern_scores(
                 f"rotary_dim={rope.rotary_dim}, layout={rope.layout!r}"
             )
     dev = q_stats.sum_x.device
-    w = distance_weights(rope, max_distance).to(dev, torch.float64)
+    w = distance_weights(rope, max_distance, sink=sink).to(dev, torch.float64)
     q_rms = q_stats.energy().double().sqrt()
     k_rms = k_stats.energy().double().to(dev).sqrt().repeat_interleave(H // G, dim=0)
     k_res = k_stats.residual_rms().double().to(dev).repeat_interleave(H // G, dim=0)
@@ -290,7 +346,7 @@ def pattern_scores(
     bound = q_rms * k_res * w
     scale = rope.score_scale * rope.attention_scaling**2
     return {
-        "pattern_score": (1 - _div(bound.sum(-1), c.sum(-1))).clamp(0.0, 1.0),
+        "legacy_pattern_score": (1 - _div(bound.sum(-1), c.sum(-1))).clamp(0.0, 1.0),
         "expected_bound": scale * bound.sum(-1),
         "bound_per_band": scale * bound,
     }

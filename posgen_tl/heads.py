@@ -1,11 +1,24 @@
 """Head taxonomy (METHOD.md §6): positional vs symbolic heads, band-level logits, frequency use.
 
-Block swap. The context blocks ``A = [a0, a1)`` and ``B = [b0, b1)`` trade places (each keeps
-its internal order; tokens between them shift when the lengths differ). A query row
-``i ≥ b1`` then sees the SAME tokens at DIFFERENT positions. Comparing its attention over
-the moved region before and after the swap tells whether the head's attention stays with
-the positions (positional head) or follows the tokens (symbolic head) — the metric of
-seed 003 in cosine form.
+Region permutation. The tokens of a context region ``R = [r0, r1)`` are permuted (many
+independent random permutations per prompt, :func:`region_permutations`); query rows
+``i ≥ r1`` keep their token and position. For each such row the ROW-CENTRED PRE-SOFTMAX
+logits over ``R`` (``x`` before, ``y`` after the permutation) are correlated two ways:
+
+* positional = corr(x_j, y_j): the logit stays with the POSITION ``j``;
+* symbolic   = corr(x_j, y_{π⁻¹(j)}): the logit follows the TOKEN that sat at ``j``
+  (the token at old region index ``j`` sits at new index ``π⁻¹(j)``).
+
+Both use the same two vectors (the symbolic one reorders ``y``), so they are directly
+comparable. Softmax ignores row constants, hence the centring. Rows whose logits over
+``R`` are (near) constant are EXCLUDED (never scored as agreeing): within-row std below
+``min_std`` (the runner uses ``1e-3 ×`` the layer's median within-row std, floored at
+``1e-6``), before or after the permutation. Rows are weighted by their clean attention
+mass on ``R``. Null: the same correlation with ``y`` re-aligned by an INDEPENDENT random
+permutation σ (one per permutation unit, shared by all rows and heads of that unit). For
+centred rows its mean is exactly 0 and its variance is known in closed form (Gram
+identity, :func:`null_variance`), so every score carries its null's standard deviation
+and 95 % quantile; a Monte-Carlo null score (one σ per unit) is reported too.
 
 Band view. A RoPE band (plane) ``m`` is a 2-D attention head of its own: its logit
 ``s·Re(z_q conj z_k)`` depends on position through one frequency ``θ_m`` (band 0 fastest).
@@ -18,6 +31,9 @@ old index ``j`` sits at new index ``perm_inv[j]``.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, fields
+
 import numpy as np
 import pandas as pd
 import torch
@@ -28,9 +44,13 @@ from torch import Tensor
 from .rope import LayerRope, causal_mask, expand_kv, to_bands
 
 __all__ = [
-    "block_swap_permutation",
-    "positional_symbolic_scores",
+    "region_permutations",
+    "row_spread_threshold",
+    "region_logit_scores",
+    "null_variance",
+    "LogitScoreSums",
     "taxonomy_label",
+    "LABELS",
     "band_logits",
     "pass_logits",
     "band_patterns",
@@ -39,126 +59,258 @@ __all__ = [
     "frequency_usage_frame",
 ]
 
+#: every label :func:`taxonomy_label` can give
+LABELS = ("positional", "symbolic", "both", "neither", "undefined")
 
-# ----------------------------------------------------------------------------- block swap
+
+# ----------------------------------------------------------------------------- region permutation
 
 
-def block_swap_permutation(
-    n_pos: int, block_a: tuple[int, int], block_b: tuple[int, int]
-) -> Int[Tensor, "pos"]:
-    """Permutation that swaps block ``A = [a0, a1)`` with block ``B = [b0, b1)``.
+def region_permutations(
+    n_region: int, n_perm: int, *, block: int = 1, generator: torch.Generator | None = None
+) -> Int[Tensor, "n_perm n_region"]:
+    """``n_perm`` independent random permutations of a region of ``n_region`` tokens.
 
-    New order: ``old[:a0] + old[B] + old[a1:b0] + old[A] + old[b1:]``; each block keeps its
-    internal order, tokens between the blocks shift by ``len(B) − len(A)``, everything
-    outside ``[a0, b1)`` is fixed.
+    ``block = 1`` (default) permutes single tokens; ``block > 1`` cuts the region into
+    consecutive blocks of ``block`` tokens (the last may be shorter) and permutes the blocks,
+    each keeping its internal order (word-sized chunks keep more local context, at the cost
+    of fewer independent units). Identity draws are re-drawn (a permutation that moves
+    nothing scores nothing).
 
     Returns:
-        ``perm``, ``Int[Tensor, "pos"]`` (int64) with ``new_sequence = old_sequence[perm]``.
+        ``Int[Tensor, "n_perm n_region"]`` (int64), each row ``perm`` with
+        ``new_region = old_region[perm]``.
 
     Raises:
-        ValueError: unless ``0 ≤ a0 < a1 ≤ b0 < b1 ≤ n_pos``.
+        ValueError: ``n_region < 2``, ``n_perm < 1``, ``block < 1`` or fewer than 2 blocks.
     """
-    a0, a1 = block_a
-    b0, b1 = block_b
-    if not (0 <= a0 < a1 <= b0 < b1 <= n_pos):
-        raise ValueError(
-            f"blocks must satisfy 0 <= a0 < a1 <= b0 < b1 <= n_pos; got A={block_a}, "
-            f"B={block_b}, n_pos={n_pos}"
-        )
-    ar = torch.arange
-    return torch.cat([ar(0, a0), ar(b0, b1), ar(a1, b0), ar(a0, a1), ar(b1, n_pos)]).long()
+    if n_region < 2 or n_perm < 1 or block < 1:
+        raise ValueError(f"need n_region >= 2, n_perm >= 1, block >= 1; got {n_region}, {n_perm}, {block}")
+    starts = list(range(0, n_region, block))
+    if len(starts) < 2:
+        raise ValueError(f"block={block} leaves fewer than 2 blocks in a region of {n_region} tokens")
+    pieces = [torch.arange(s, min(s + block, n_region)) for s in starts]
+    out = []
+    while len(out) < n_perm:
+        order = torch.randperm(len(pieces), generator=generator)
+        if torch.equal(order, torch.arange(len(pieces))):
+            continue
+        out.append(torch.cat([pieces[int(b)] for b in order]))
+    return torch.stack(out).long()
 
 
-def _row_cosine(u: Tensor, v: Tensor, eps: float) -> Tensor:
-    num = (u * v).sum(-1)
-    den = u.norm(dim=-1) * v.norm(dim=-1)
-    return torch.where(den > eps * eps, num / den.clamp_min(eps * eps), torch.zeros_like(num))
+def row_spread_threshold(
+    logits: Float[Tensor, "... query_pos key_pos"], *, rel: float = 1e-3, atol: float = 1e-6
+) -> float:
+    """Exclusion threshold for near-constant rows: ``max(rel · median within-row std, atol)``.
+
+    ``logits`` are the rows of one layer over the region (all heads, rows, prompts passed in
+    count); the std is the population std over the last axis.
+
+    Returns:
+        the threshold (a float, in logit units).
+
+    Raises:
+        ValueError: negative ``rel`` or ``atol``.
+    """
+    if rel < 0 or atol < 0:
+        raise ValueError(f"rel and atol must be >= 0, got {rel}, {atol}")
+    sd = logits.double().std(-1, correction=0)
+    sd = sd[torch.isfinite(sd)]
+    typical = float(sd.median()) if sd.numel() else 0.0
+    return max(rel * typical, atol)
 
 
-def positional_symbolic_scores(
-    pattern_orig: Float[Tensor, "*batch head_index query_pos key_pos"],
-    pattern_swap: Float[Tensor, "*batch head_index query_pos key_pos"],
-    perm: Int[Tensor, "pos"],
-    query_rows: Int[Tensor, "n_q"],
-    key_cols: Int[Tensor, "n_k"],
+def _centre_unit(x: Tensor, min_std: float) -> tuple[Tensor, Tensor]:
+    """Row-centred, unit-norm rows and the mask of rows whose population std ≥ ``min_std``."""
+    xc = x - x.mean(-1, keepdim=True)
+    norm = xc.norm(dim=-1, keepdim=True)
+    keep = (norm[..., 0] / math.sqrt(x.shape[-1])) >= min_std
+    return torch.where(keep[..., None], xc / norm.clamp_min(torch.finfo(x.dtype).tiny), 0.0), keep
+
+
+def null_variance(
+    x_hat: Float[Tensor, "... query_pos key_pos"],
+    y_hat: Float[Tensor, "... query_pos key_pos"],
+    weights: Float[Tensor, "... query_pos"],
+) -> Float[Tensor, "..."]:
+    """Exact permutation variance of ``Σ_a w_a · x̂_a·ŷ_a[σ]`` over a uniform random σ.
+
+    For row-centred vectors, ``Cov_σ(x·y[σ], u·v[σ]) = (x·u)(y·v)/(n−1)`` (n = key count)
+    and the mean is 0, so the weighted sum over rows sharing one σ has variance
+    ``wᵀ (X̂X̂ᵀ ∘ ŶŶᵀ) w / (n−1)``. Rows of ``x_hat``/``y_hat`` must be centred (excluded rows
+    all-zero, weight 0).
+
+    Computed in the inputs' precision (float32 or wider), returned as float64.
+
+    Returns:
+        ``Float[Tensor, "..."]``: the variance (float64), leading dims of the inputs.
+    """
+    n = x_hat.shape[-1]
+    if n < 2:
+        raise ValueError(f"need at least 2 keys for a permutation null, got {n}")
+    dt = torch.promote_types(x_hat.dtype, torch.float32)
+    x, y, w = x_hat.to(dt), y_hat.to(dt), weights.to(dt)
+    gx = x @ x.transpose(-1, -2)
+    gy = y @ y.transpose(-1, -2)
+    return ((gx * gy) @ w[..., None])[..., 0].mul(w).sum(-1).double() / (n - 1)
+
+
+@dataclass
+class LogitScoreSums:
+    """Mergeable sums behind the positional/symbolic scores (one entry per head, or head × band).
+
+    All fields have the same shape (the leading dims of the logits, e.g. ``[head_index]``
+    or ``[head_index, band]``), float64. Add two with ``+``; :meth:`finalize` gives the scores.
+
+    Attributes:
+        pos, sym, null: ``Σ w·r`` of the positional, symbolic and Monte-Carlo null correlations.
+        null_var: ``Σ`` over permutation units of the exact null variance of ``Σ w·r``.
+        weight: ``Σ w`` over scored rows (attention mass on the region).
+        n_used / n_excluded: row counts (one row = one query row under one permutation).
+    """
+
+    pos: Tensor
+    sym: Tensor
+    null: Tensor
+    null_var: Tensor
+    weight: Tensor
+    n_used: Tensor
+    n_excluded: Tensor
+
+    def __add__(self, other: "LogitScoreSums") -> "LogitScoreSums":
+        return LogitScoreSums(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def finalize(self, quantile: float = 0.95) -> dict[str, Tensor]:
+        """Scores from the sums.
+
+        Returns:
+            dict of float64 tensors (shape of the fields): ``positional``, ``symbolic``
+            (weighted mean row correlations), ``null_mc`` (the same with an independent
+            permutation), ``null_sd`` (exact null sd of the weighted mean), ``null_q``
+            (its ``quantile`` under a normal approximation; the null mean is exactly 0),
+            ``n_used``, ``n_excluded``, ``weight``. Scores are NaN where no row was used.
+        """
+        if not 0.5 < quantile < 1:
+            raise ValueError(f"quantile must lie in (0.5, 1), got {quantile}")
+        w = self.weight
+        ok = w > 0
+        nan = torch.full_like(w, float("nan"))
+
+        def mean(s: Tensor) -> Tensor:
+            return torch.where(ok, s / w.clamp_min(1e-300), nan)
+
+        sd = torch.where(ok, self.null_var.clamp_min(0).sqrt() / w.clamp_min(1e-300), nan)
+        z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(quantile, dtype=torch.float64)))
+        return dict(positional=mean(self.pos), symbolic=mean(self.sym), null_mc=mean(self.null), null_sd=sd,
+                    null_q=z * sd, n_used=self.n_used, n_excluded=self.n_excluded, weight=w)
+
+
+def region_logit_scores(
+    w_orig: Float[Tensor, "... query_pos key_pos"],
+    w_perm: Float[Tensor, "n_perm ... query_pos key_pos"],
+    perm: Int[Tensor, "n_perm key_pos"],
+    weights: Float[Tensor, "... query_pos"],
     *,
-    eps: float = 1e-8,
-) -> tuple[Float[Tensor, "*batch head_index"], Float[Tensor, "*batch head_index"]]:
-    """Positional and symbolic scores of each head under a context permutation.
+    min_std: float,
+    null_perm: Int[Tensor, "n_perm key_pos"] | None = None,
+    generator: torch.Generator | None = None,
+) -> LogitScoreSums:
+    """Positional/symbolic sums of one prompt under ``n_perm`` permutations of the region.
 
-    For each query row ``i`` (must be a fixed point of ``perm``: same token, same position
-    before and after, e.g. rows ``≥ b1`` of a block swap) let
-    ``u = pattern_orig[..., i, key_cols]`` (the original attention over the moved region):
+    ``w_orig``: clean pre-softmax logits of the query rows over the region (region order);
+    ``w_perm[p]``: the same rows' logits over the region POSITIONS after the region was
+    permuted by ``perm[p]`` (``new_region = old_region[perm[p]]``). Query rows must be
+    unmoved by the permutation (rows after the region). Leading dims ``...`` are e.g.
+    ``head_index`` or ``head_index band``. ``weights``: each row's clean attention mass on
+    the region (any non-negative weight).
 
-    * positional = cos(u, ``pattern_swap[..., i, key_cols]``)  — attention stays with
-      the POSITIONS;
-    * symbolic   = cos(u, ``pattern_swap[..., i, perm_inv[key_cols]]``) — attention follows
-      the TOKENS (the token at old index ``j`` is at new index ``perm_inv[j]``).
-
-    Scores are averaged over query rows, per head (and per any leading dim, e.g. a band
-    axis ``[batch, head_index, band, q, k]`` from :func:`band_patterns`). Rows where
-    ``‖u‖ ≤ eps`` (the head does not look at the region) are ignored; a row whose swapped
-    vector is ~0 scores 0. If every row is ignored the result is NaN. Works for patterns
-    (post-softmax) as for any non-negative row map; with signed inputs cosines can be < 0.
+    Per row and permutation, with ``x``, ``y`` the centred, unit-norm rows:
+    positional ``r = x·y``, symbolic ``r = x·y[π⁻¹]``, null ``r = x·y[σ⁻¹]`` (σ =
+    ``null_perm[p]``, an independent permutation; drawn from ``generator`` if None). A row
+    whose within-row std (population) is below ``min_std`` before or after is excluded.
 
     Returns:
-        ``(positional, symbolic)``, each ``Float[Tensor, "*batch head_index"]``.
+        :class:`LogitScoreSums` with fields of shape ``...`` (float64).
 
     Raises:
-        ValueError: a query row that ``perm`` moves, or mismatched shapes.
+        ValueError: mismatched shapes, a region of < 3 keys, or a row of ``perm`` that is
+            not a permutation.
     """
-    if pattern_orig.shape != pattern_swap.shape:
-        raise ValueError(
-            f"pattern shapes differ: {tuple(pattern_orig.shape)} vs {tuple(pattern_swap.shape)}"
-        )
-    dev = pattern_orig.device
-    perm = perm.to(dev)
-    query_rows = torch.as_tensor(query_rows, device=dev).long()
-    key_cols = torch.as_tensor(key_cols, device=dev).long()
-    if perm.shape[0] != pattern_orig.shape[-1]:
-        raise ValueError(f"perm has {perm.shape[0]} entries; patterns have {pattern_orig.shape[-1]}")
-    if not torch.equal(perm[query_rows], query_rows):
-        moved = query_rows[perm[query_rows] != query_rows].tolist()
-        raise ValueError(f"query rows {moved} are moved by perm; use unmoved rows (e.g. >= b1)")
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.shape[0], device=dev, dtype=perm.dtype)
-
-    u = pattern_orig[..., query_rows, :][..., key_cols].double()
-    rows_swap = pattern_swap[..., query_rows, :].double()
-    v_pos = rows_swap[..., key_cols]
-    v_sym = rows_swap[..., inv[key_cols]]
-    valid = u.norm(dim=-1) > eps  # *batch head n_q
-    w = valid.double()
-    n_valid = w.sum(-1)
-
-    def mean_rows(c: Tensor) -> Tensor:
-        out = (c * w).sum(-1) / n_valid.clamp_min(1)
-        return torch.where(n_valid > 0, out, torch.full_like(out, float("nan")))
-
-    pos = mean_rows(_row_cosine(u, v_pos, eps))
-    sym = mean_rows(_row_cosine(u, v_sym, eps))
-    out = torch.promote_types(pattern_orig.dtype, torch.float32)
-    return pos.to(out), sym.to(out)
+    n_p, n_k = perm.shape
+    if w_perm.shape != (n_p, *w_orig.shape):
+        raise ValueError(f"w_perm must be [n_perm, *w_orig.shape] = [{n_p}, {tuple(w_orig.shape)}], "
+                         f"got {tuple(w_perm.shape)}")
+    if w_orig.shape[-1] != n_k or weights.shape != w_orig.shape[:-1]:
+        raise ValueError(f"region of {n_k} keys (perm) vs logits {tuple(w_orig.shape)}, weights {tuple(weights.shape)}")
+    if n_k < 3:
+        raise ValueError(f"the region needs at least 3 keys, got {n_k}")
+    ar = torch.arange(n_k, device=perm.device)
+    if not torch.equal(perm.sort(-1).values, ar.expand(n_p, -1)):
+        raise ValueError("every row of perm must be a permutation of 0..n_region-1")
+    if null_perm is None:
+        null_perm = torch.stack([torch.randperm(n_k, generator=generator) for _ in range(n_p)])
+    if null_perm.shape != perm.shape:
+        raise ValueError(f"null_perm must have the shape of perm {tuple(perm.shape)}, got {tuple(null_perm.shape)}")
+    dev = w_orig.device
+    dt = torch.promote_types(w_orig.dtype, torch.float32)  # float32 inputs are scored in float32, sums in float64
+    inv = torch.argsort(perm, -1).to(dev)
+    inv_null = torch.argsort(null_perm, -1).to(dev)
+    x, keep_x = _centre_unit(w_orig.to(dt), min_std)
+    w = weights.to(dt).clamp_min(0)
+    lead = w_orig.shape[:-2]
+    z = torch.zeros(lead, dtype=torch.float64, device=dev)
+    acc = LogitScoreSums(z, z.clone(), z.clone(), z.clone(), z.clone(), z.clone(), z.clone())
+    for p in range(n_p):
+        y, keep_y = _centre_unit(w_perm[p].to(dt), min_std)
+        keep = keep_x & keep_y
+        wk = torch.where(keep, w, 0.0)
+        xk = torch.where(keep[..., None], x, 0.0)
+        r_pos = (xk * y).sum(-1)
+        r_sym = (xk * y.index_select(-1, inv[p])).sum(-1)
+        r_null = (xk * y.index_select(-1, inv_null[p])).sum(-1)
+        acc.pos += (wk * r_pos).sum(-1).double()
+        acc.sym += (wk * r_sym).sum(-1).double()
+        acc.null += (wk * r_null).sum(-1).double()
+        acc.null_var += null_variance(xk, torch.where(keep[..., None], y, 0.0), wk)
+        acc.weight += wk.sum(-1).double()
+        acc.n_used += keep.double().sum(-1)
+        acc.n_excluded += (~keep).double().sum(-1)
+    return acc
 
 
 def taxonomy_label(
     pos: Float[Tensor, "*batch"] | np.ndarray,
     sym: Float[Tensor, "*batch"] | np.ndarray,
-    margin: float = 0.1,
+    null_q: Float[Tensor, "*batch"] | np.ndarray,
+    *,
+    min_score: float = 0.2,
 ) -> np.ndarray:
-    """Class per head: ``'positional'`` if ``pos − sym > margin``, ``'symbolic'`` if
-    ``sym − pos > margin``, else ``'mixed'``; ``'undefined'`` where either score is NaN.
+    """Class per head (or band) from its scores AND their null.
+
+    An axis is present when its score exceeds the null quantile ``null_q`` AND
+    ``min_score`` (a significant but tiny correlation is not a mechanism). Present on
+    both axes → ``'both'``; one → ``'positional'`` / ``'symbolic'``; none → ``'neither'``;
+    ``'undefined'`` where a score or the null is NaN (no row was scored, e.g. constant
+    logits). A head with no usable rows is therefore never ``'both'``.
 
     Returns:
-        numpy array of ``str`` (object dtype) with the broadcast shape of ``pos``/``sym``.
+        numpy array of ``str`` (object dtype), broadcast shape of the inputs.
     """
-    p = pos.detach().cpu().double().numpy() if isinstance(pos, Tensor) else np.asarray(pos, float)
-    s = sym.detach().cpu().double().numpy() if isinstance(sym, Tensor) else np.asarray(sym, float)
-    diff = p - s
-    out = np.full(diff.shape, "mixed", dtype=object)
-    out[diff > margin] = "positional"
-    out[diff < -margin] = "symbolic"
-    out[np.isnan(diff)] = "undefined"
+    def arr(v):
+        return v.detach().cpu().double().numpy() if isinstance(v, Tensor) else np.asarray(v, float)
+
+    p, s, q = np.broadcast_arrays(arr(pos), arr(sym), arr(null_q))
+    if min_score < 0:
+        raise ValueError(f"min_score must be >= 0, got {min_score}")
+    with np.errstate(invalid="ignore"):
+        has_p = (p > q) & (p >= min_score)
+        has_s = (s > q) & (s >= min_score)
+    out = np.full(p.shape, "neither", dtype=object)
+    out[has_p & has_s] = "both"
+    out[has_p & ~has_s] = "positional"
+    out[~has_p & has_s] = "symbolic"
+    out[np.isnan(p) | np.isnan(s) | np.isnan(q)] = "undefined"
     return out
 
 

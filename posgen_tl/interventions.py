@@ -15,8 +15,12 @@ Band picture (METHOD.md §1, §5): each band ``m`` of a pre-rotation key is a co
 
 * ``enforce``: ``k^(m) ← k̄^(m)`` (token-invariant keys: D3 exact in those bands);
 * ``destroy``: ``k^(m) ← k^(m) − k̄^(m)`` (remove the offset);
-* ``rephase``: ``k^(m) ← (k^(m) − k̄^(m)) + k̄^(m)·e^{iφ_m}`` with a fixed random phase
-  ``φ_m`` per (layer, head, band) drawn from ``seed``;
+* ``rephase``: ``k^(m) ← (k^(m) − k̄^(m)) + k̄^(m)·e^{iαφ_m}`` with a fixed random phase
+  ``φ_m`` per (layer, head, band) drawn from ``seed``; ``alpha`` scales the ANGLE, so the
+  offset keeps its norm ``|k̄^(m)|`` (and ρ) at every strength (METHOD §5 control C3);
+* ``noise``: ``k^(m) ← k^(m) + α·|k̄^(m)|·e^{iψ}`` with a random phase ``ψ`` per (position,
+  head, band) drawn from ``seed`` and the layer: per token, a change with exactly the norm of
+  ``destroy``'s change ``−α·k̄^(m)`` in the same bands, but no constant direction (control C4);
 * ``random_bands`` (control): the change vector that ``base`` (enforce/destroy/rephase)
   would make in ``bands``/``heads`` is TRANSPLANTED, complex entry by complex entry (each
   entry times a random unit phase per position when ``scramble``), into
@@ -26,8 +30,14 @@ Band picture (METHOD.md §1, §5): each band ``m`` of a pre-rotation key is a co
   at the same ``alpha``; it lands where the intervention does not act;
 * ``noop``: hooks that return ``None`` (the tensor is not touched; logits bit-identical).
 
-Strength: ``k ← k + alpha·(k_intervened − k)`` on the selected bands/heads only; the other
-coordinates (and pass-through dims ``>= rotary_dim``) are returned bit-for-bit.
+Strength: ``k ← k + alpha·(k_intervened − k)`` on the selected bands/heads only (``rephase``:
+the angle; ``noise``: the norm, as above); the other coordinates (and pass-through dims
+``>= rotary_dim``) are returned bit-for-bit. ``alpha > 1`` (over-driving the edit, e.g.
+``k − 1.5·k̄``) is allowed for every kind except ``enforce``, so that a control can be matched
+to an intervention's clean-NLL damage; tables report the alpha used.
+
+Random phases (``random_bands`` scramble, ``noise``) are drawn per POSITION index (not per
+sequence): the edited model is one fixed function, identical for every sequence and batch.
 """
 
 from __future__ import annotations
@@ -56,7 +66,9 @@ __all__ = [
     "destroy_hooks",
     "rephase_hooks",
     "random_bands_hooks",
+    "noise_hooks",
     "noop_hooks",
+    "KINDS",
     "change_vectors",
     "reposition_hooks",
     "distance_cap_hooks",
@@ -64,7 +76,8 @@ __all__ = [
     "StopForward",
 ]
 
-Kind = Literal["enforce", "destroy", "rephase", "random_bands", "noop"]
+Kind = Literal["enforce", "destroy", "rephase", "random_bands", "noise", "noop"]
+KINDS = ("enforce", "destroy", "rephase", "random_bands", "noise", "noop")
 HookList = list[tuple[str, Callable]]
 
 
@@ -73,13 +86,13 @@ class Intervention:
     """What to change in the pre-rotation keys (``target='k'``) or queries (``'q'``).
 
     Attributes:
-        kind: ``'enforce' | 'destroy' | 'rephase' | 'random_bands' | 'noop'``.
+        kind: ``'enforce' | 'destroy' | 'rephase' | 'random_bands' | 'noise' | 'noop'``.
         bands: band indices (band 0 = fastest) the intervention acts on.
         heads: kv-groups (keys) or query heads (queries); ``None`` = all.
         layers: layers; ``None`` = all.
-        alpha: strength in ``[0, 1]`` (0 = clean, 1 = fully intervened). A ``random_bands``
-            control may take ``alpha > 1`` (its change is then ``alpha`` × the intervention's
-            norm), so that its clean damage can be matched to the intervention's.
+        alpha: strength, 0 = clean, 1 = fully intervened. ``enforce`` needs ``[0, 1]``; the
+            other kinds accept ``alpha > 1`` (the change is then ``alpha`` × the unit change:
+            over-driven), so that a control's clean damage can be matched to an intervention's.
         target: ``'k'`` or ``'q'``.
         seed: seeds rephase phases and the random control's band/head choice.
         label: free text for tables.
@@ -103,13 +116,13 @@ class Intervention:
     scramble: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in ("enforce", "destroy", "rephase", "random_bands", "noop"):
+        if self.kind not in KINDS:
             raise ValueError(f"unknown intervention kind {self.kind!r}")
         if self.target not in ("k", "q"):
             raise ValueError(f"target must be 'k' or 'q', got {self.target!r}")
         if self.base not in ("enforce", "destroy", "rephase"):
             raise ValueError(f"random_bands base must be enforce/destroy/rephase, got {self.base!r}")
-        hi = math.inf if self.kind == "random_bands" else 1.0
+        hi = 1.0 if self.kind == "enforce" else math.inf
         if not (0.0 <= float(self.alpha) <= hi) or math.isnan(self.alpha):
             raise ValueError(f"alpha must be in [0, {hi}] for {self.kind}, got {self.alpha}")
         if self.kind != "noop" and not len(self.bands):
@@ -217,13 +230,18 @@ def change_vectors(
     zs = z[:, :, heads][..., bands]
     zb = zbar[heads][:, bands]
     if kind == "enforce":
-        new = zb.expand_as(zs)
+        d = (zb.expand_as(zs) - zs) * float(iv.alpha)
     elif kind == "destroy":
-        new = zs - zb
-    else:  # rephase
-        ph = _phases(iv.seed, layer, n_heads, n_bands)[heads][:, bands].to(x.device)
-        new = zs - zb + zb * torch.polar(torch.ones_like(ph), ph)
-    d = (new - zs) * float(iv.alpha)
+        d = (-zb).expand_as(zs) * float(iv.alpha)
+    elif kind == "rephase":  # the offset turns by alpha·φ_m: |k̄^(m)| kept at every alpha
+        ph = _phases(iv.seed, layer, n_heads, n_bands)[heads][:, bands].to(x.device) * float(iv.alpha)
+        d = (zb * (torch.polar(torch.ones_like(ph), ph) - 1)).expand_as(zs)
+    else:  # noise: |change| = alpha·|k̄^(m)| per token, random phase per (position, head, band)
+        g = torch.Generator().manual_seed(15_485_863 * int(iv.seed) + 13 * layer + 5)
+        psi = torch.rand((zs.shape[1], n_heads, n_bands), generator=g, dtype=torch.float64).float()
+        psi = psi[:, heads][..., bands].to(x.device) * (2 * math.pi)
+        d = (zb.abs() * float(iv.alpha))[None, None] * torch.polar(torch.ones_like(psi), psi)[None]
+        d = d.expand_as(zs)
     if iv.kind == "random_bands":
         nb, nh = _control_choice(iv, layer, n_heads, n_bands)
         bands = torch.as_tensor(nb, dtype=torch.long)
@@ -325,6 +343,9 @@ destroy_hooks = _make("destroy", "Hooks removing the key offset ``k^(m) ← k^(m
 rephase_hooks = _make("rephase", "Hooks re-phasing the key offset by a fixed random phase per band.")
 random_bands_hooks = _make(
     "random_bands", "Control hooks: the ``base`` change transplanted into random other bands (same norm)."
+)
+noise_hooks = _make(
+    "noise", "Control hooks: per token a change of norm ``alpha·|k̄^(m)|`` with a random phase, in ``bands``."
 )
 
 

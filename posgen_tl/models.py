@@ -168,14 +168,27 @@ def _write_manifest(folder: Path) -> None:
     (folder / "manifest.json").write_text(json.dumps(data, indent=1))
 
 
-def _load_hf_from_gguf(entry: ModelEntry, dtype: torch.dtype):
+def _placement(dtype: torch.dtype, device_map: Any = None) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments: ``dtype`` and, if given, accelerate's ``device_map``."""
+    kw: dict[str, Any] = {"dtype": dtype}
+    if device_map is not None:
+        if importlib.util.find_spec("accelerate") is None:
+            raise ModelLoadError(
+                f"device_map={device_map!r} needs HF accelerate: pip install 'posgen_tl[multigpu]' (or accelerate)"
+            )
+        kw["device_map"] = device_map
+    return kw
+
+
+def _load_hf_from_gguf(entry: ModelEntry, dtype: torch.dtype, device_map: Any = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     gguf = entry.gguf()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                  **_placement(dtype, device_map))
     hf.config.architectures = [entry.architecture]
     return hf.eval(), tok
 
@@ -204,7 +217,7 @@ def _save_cache(entry: ModelEntry, hf, tok, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose: bool):
+def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose: bool, device_map: Any = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     folder = cache_dir() / "models" / entry.name
@@ -212,7 +225,7 @@ def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose
         if _manifest_ok(folder):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+                hf = AutoModelForCausalLM.from_pretrained(str(folder), **_placement(dtype, device_map)).eval()
                 tok = AutoTokenizer.from_pretrained(str(folder))
             hf.config.architectures = [entry.architecture]
             return hf, tok, "cache"
@@ -236,6 +249,12 @@ def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose
                 RuntimeWarning,
                 stacklevel=3,
             )
+    if device_map is not None:  # place the de-quantised weights with accelerate (from the cache if written)
+        del hf
+        if use_cache and _manifest_ok(folder):
+            return _load_zoo_hf(entry, dtype, True, False, device_map)
+        hf, tok = _load_hf_from_gguf(entry, dtype, device_map)
+        return hf, tok, "gguf"
     if dtype != torch.float32:
         hf = hf.to(dtype)
     return hf, tok, "gguf"
@@ -243,10 +262,15 @@ def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose
 
 
 
-def _boot(hf, tok, name: str, device: str):
+def _boot(hf, tok, name: str, device: str | None):
+    """Bridge over a loaded HF model. ``device``: move the weights there first (the bridge
+    leaves a pre-loaded ``hf_model`` where it is and only records ``device``); ``None`` keeps
+    the placement (an accelerate ``device_map`` dispatch)."""
     from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
 
     native_bos = tokenizer_adds_bos(tok) if tok is not None else False
+    if device is not None and getattr(hf, "hf_device_map", None) is None:
+        hf = hf.to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bridge = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=tok, device=device)
@@ -258,10 +282,11 @@ def _boot(hf, tok, name: str, device: str):
 def load_model(
     name_or_model: Any = DEFAULT_MODEL,
     *,
-    device: str = "cpu",
+    device: str | None = None,
     dtype: torch.dtype = torch.float32,
     use_cache: bool = True,
     verbose: bool = False,
+    device_map: str | dict | None = None,
 ):
     """Return a ``TransformerBridge`` for a zoo name, a hub name / local folder, or a model.
 
@@ -269,13 +294,25 @@ def load_model(
         name_or_model: ``"smollm2-135m"`` (default), ``"gemma3-270m"``, any name
             TransformerLens can boot (needs a hub or a local HF folder), or an
             already-built model exposing the standard hook names (returned as is).
-        device: torch device for the model.
-        dtype: parameter dtype (float32 recommended; analyses run in float32/64 anyway).
+        device: torch device for the whole model (default ``"cpu"``; not with ``device_map``).
+        dtype: parameter dtype (float32 recommended; analyses run in float32/64 anyway;
+            ``torch.bfloat16`` halves the memory of a big model).
         use_cache: use/write the safetensors cache of de-quantised zoo weights.
+        device_map: passed to HF ``from_pretrained(..., device_map=...)`` (HF accelerate:
+            ``"auto"``, ``"balanced"``, ``"cpu"``, or a ``{module: device}`` dict) for a model
+            larger than one GPU; layers then live on several devices. Tokens go to the
+            embedding's device, every hook sees its layer's device, and the analyses move what
+            they combine (``k̄``, masks, positions) to the tensor at hand; results come back
+            on the CPU. Needs ``pip install 'posgen_tl[multigpu]'``.
 
     Raises:
-        ModelLoadError: unknown name, missing package, or a hub/local load that failed.
+        ModelLoadError: unknown name, missing package, a hub/local load that failed, or
+            ``device`` and ``device_map`` both given.
     """
+    if device_map is not None and device is not None:
+        raise ModelLoadError(f"give device={device!r} or device_map={device_map!r}, not both")
+    if device_map is None and device is None:
+        device = "cpu"
     if not isinstance(name_or_model, (str, os.PathLike)):
         if not hasattr(name_or_model, "hook_dict") and not hasattr(name_or_model, "run_with_hooks"):
             raise ModelLoadError(
@@ -286,14 +323,15 @@ def load_model(
     key = name.lower()
     if key in ZOO:
         entry = ZOO[key]
-        hf, tok, _ = _load_zoo_hf(entry, dtype, use_cache, verbose)
+        hf, tok, _ = _load_zoo_hf(entry, dtype, use_cache, verbose, device_map)
         return _boot(hf, tok, entry.name, device)
     path = Path(name)
     if path.exists() and path.is_dir():
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
+        kw = _placement(dtype, device_map)
         try:
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+            hf = AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()
             tok = AutoTokenizer.from_pretrained(str(path))
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot load a HF causal LM from the folder {path}: {e}") from e
@@ -305,10 +343,11 @@ def load_model(
             f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
             "and not a TransformerLens/HF hub name (hub names look like 'org/name')"
         )
+    _placement(dtype, device_map)  # a clear error if accelerate is missing
     try:
         from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
 
-        return TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
+        return TransformerBridge.boot_transformers(name, device=device, dtype=dtype, device_map=device_map)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(
             f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
@@ -351,6 +390,12 @@ def random_twin(model: Any, seed: int = 0):
             hf = AutoModelForCausalLM.from_config(config).eval()
             dtype = next(inner.parameters()).dtype
             hf = hf.to(dtype)
+            dmap = getattr(inner, "hf_device_map", None)
+            if dmap and len(set(map(str, dmap.values()))) > 1 and "disk" not in map(str, dmap.values()):
+                from accelerate import dispatch_model  # noqa: PLC0415 — the trained model was dispatched by it
+
+                hf = dispatch_model(hf, device_map=dict(dmap))  # the twin is placed like the trained model
+                return _boot(hf, tok, f"{name}-random-twin-seed{seed}", None)
             return _boot(hf, tok, f"{name}-random-twin-seed{seed}", device)
         if inner is not None and type(inner).__name__ == "NativeModel":
             import copy  # noqa: PLC0415

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Literal
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -24,7 +25,7 @@ from .rope import LayerRope, expand_kv, rotate, scores_from_rotated
 
 __all__ = [
     "adjacent_swap_permutation", "word_units", "apply_permutation", "inverse_permutation",
-    "position_ids_for_permutation", "nll_from_logits", "span_mean", "capped_scores",
+    "position_ids_for_permutation", "swap_seed", "nll_from_logits", "span_mean", "capped_scores",
 ]  # fmt: skip
 
 _WORD_START_CHARS = ("Ġ", "▁", "Ċ", "\n")
@@ -183,6 +184,17 @@ def position_ids_for_permutation(perm: Int[Tensor, "pos"]) -> Int[Tensor, "pos"]
 
 
 # ----------------------------------------------------------------------------- read-out
+
+
+def swap_seed(base_seed: int, doc: int, start: int, seed: int) -> int:
+    """Generator seed of one sequence's swaps (METHOD §4: independent per (sequence, seed)).
+
+    A hash (:class:`numpy.random.SeedSequence`) of (base seed, the sequence's document id, its
+    window start, the seed index): the same sequence gets the same swaps under every condition
+    and in T1 and T2 (pairing); different sequences get different swaps. Returns a 63-bit int.
+    """
+    ss = np.random.SeedSequence([int(base_seed) % 2**32, int(doc) % 2**32, int(start) % 2**32, int(seed) % 2**32])
+    return int(ss.generate_state(1, dtype=np.uint64)[0]) >> 1
 
 
 def nll_from_logits(

@@ -54,7 +54,12 @@ def test_frames_columns_and_sizes(which_model, request):
     assert res.n_tokens == 4 * (20 - 2)  # sink positions excluded
     assert set(res.k_means) == set(range(spec.n_layers))
     assert tuple(res.k_means[0].shape) == (spec.n_kv_heads, spec.d_head)
-    assert ((res.heads["pattern_score"] >= 0) & (res.heads["pattern_score"] <= 1)).all()
+    assert ((res.heads["legacy_pattern_score"] >= 0) & (res.heads["legacy_pattern_score"] <= 1)).all()
+    assert (res.heads["pred_d3_err_per_sequence"] > 0).all()
+    assert res.heads["pred_d3_err_global"].isna().all()  # no reference windows given: no global k̄
+    assert (res.heads["blind_d3_err_per_sequence"] > 0).all()
+    assert res.bands["rho_within"].between(0, 1).all() and np.isfinite(res.bands["rho_cross"]).all()
+    assert set(res.bands["band_group"]) <= {"fast", "middle", "slow"}
     assert (res.heads["kv_group"] == res.heads["head"] // (spec.n_heads // spec.n_kv_heads)).all()
     # band periods follow the layer's frequencies (band 0 fastest = shortest period)
     per = res.bands[(res.bands.layer == 0) & (res.bands.which == "k") & (res.bands.head == 0)]["period"].to_numpy()
@@ -74,20 +79,27 @@ def test_batch_size_does_not_change_statistics(llama):
     tok = _tokens(5, 24, 100, seed=3)
     a = feature_pattern(llama, tok, batch_size=1, progress=False)
     b = feature_pattern(llama, tok, batch_size=4, progress=False)
-    num = [c for c in BAND_COLUMNS if c not in ("model", "twin", "kind", "which")]
+    num = [c for c in BAND_COLUMNS if c not in ("model", "twin", "kind", "which", "band_group")]
     np.testing.assert_allclose(a.bands[num].to_numpy(float), b.bands[num].to_numpy(float), rtol=0, atol=1e-10)
     hnum = [c for c in HEAD_COLUMNS if c not in ("model", "twin")]
     np.testing.assert_allclose(a.heads[hnum].to_numpy(float), b.heads[hnum].to_numpy(float), rtol=0, atol=1e-10)
 
 
 def test_merge_equals_one_pass(native):
+    from posgen_tl.corpus import Windows
+
     tok = _tokens(6, 20, seed=5)
-    whole = feature_pattern(native, tok, progress=False)
-    parts = feature_pattern(native, tok[:2], progress=False).merge(feature_pattern(native, tok[2:], progress=False))
+    win = Windows(tok, torch.tensor([0, 1, 1, 2, 3, 4]), torch.zeros(6, dtype=torch.long), [f"d{i}" for i in range(5)])
+    whole = feature_pattern(native, win, progress=False)
+    parts = feature_pattern(native, win.subset([0, 1]), progress=False).merge(
+        feature_pattern(native, win.subset([2, 3, 4, 5]), progress=False))
     assert parts.n_tokens == whole.n_tokens
     num = ["energy_share", "offset_ratio", "phase_concentration", "residual_rms", "energy"]
     np.testing.assert_allclose(parts.bands[num].to_numpy(float), whole.bands[num].to_numpy(float), atol=1e-10)
-    np.testing.assert_allclose(parts.heads["pattern_score"], whole.heads["pattern_score"], atol=1e-10)
+    num += ["rho_within", "rho_cross", "stability"]
+    np.testing.assert_allclose(parts.bands[num].to_numpy(float), whole.bands[num].to_numpy(float), atol=1e-10)
+    for col in ("legacy_pattern_score", "pred_d3_err_per_sequence", "logit_spread"):
+        np.testing.assert_allclose(parts.heads[col], whole.heads[col], atol=1e-10)
     rebuilt = PatternResult.from_states(whole.states, whole.ropes, max_distance=whole.max_distance,
                                         model=whole.model, twin=whole.twin)
     pd.testing.assert_frame_equal(rebuilt.heads, whole.heads)
@@ -108,11 +120,15 @@ def test_constant_keys_give_full_offset_and_pattern_one():
     np.testing.assert_allclose(k0["offset_ratio"], 1.0, atol=1e-6)
     np.testing.assert_allclose(k0["phase_concentration"], 1.0, atol=1e-6)
     assert (k0["residual_rms"] < 1e-6).all()
+    np.testing.assert_allclose(k0["rho_within"], 1.0, atol=1e-6)
+    np.testing.assert_allclose(k0["rho_cross"], 1.0, atol=1e-6)
     h0 = res.heads[res.heads.layer == 0]
-    np.testing.assert_allclose(h0["pattern_score"], 1.0, atol=1e-6)
-    np.testing.assert_allclose(h0["fast_key_offset"], 1.0, atol=1e-6)
+    np.testing.assert_allclose(h0["legacy_pattern_score"], 1.0, atol=1e-6)
+    np.testing.assert_allclose(h0["fast_key_stability"], 1.0, atol=1e-6)
+    assert (h0["pred_d3_err_per_sequence"] < 1e-4).all()  # constant keys: D3 exact, no predicted error
     # the untouched layer keeps token-dependent keys
-    assert (res.heads[res.heads.layer == 1]["pattern_score"] < 0.9).all()
+    assert (res.heads[res.heads.layer == 1]["legacy_pattern_score"] < 0.9).all()
+    assert (res.heads[res.heads.layer == 1]["pred_d3_err_per_sequence"] > 1e-3).all()
 
 
 def test_twin_differs_from_trained(native):
@@ -122,8 +138,8 @@ def test_twin_differs_from_trained(native):
     assert set(heads["twin"]) == {"trained", "random"}
     assert set(heads["model"]) == {tp.trained.model}
     assert tp.trained.n_tokens == tp.random.n_tokens
-    a = heads[heads.twin == "trained"]["pattern_score"].to_numpy()
-    b = heads[heads.twin == "random"]["pattern_score"].to_numpy()
+    a = heads[heads.twin == "trained"]["pred_d3_err_per_sequence"].to_numpy()
+    b = heads[heads.twin == "random"]["pred_d3_err_per_sequence"].to_numpy()
     assert np.abs(a - b).max() > 1e-3
     assert len(tp.bands) == 2 * len(tp.trained.bands)
 
@@ -133,7 +149,7 @@ def test_gemma3_qk_norm_layer_kinds():
     res = feature_pattern(model, _tokens(2, 12, 100), progress=False)
     kinds = res.bands.groupby("layer")["kind"].first().to_dict()
     assert kinds == {0: "local", 1: "local", 2: "global"}
-    assert np.isfinite(res.heads["pattern_score"]).all()
+    assert np.isfinite(res.heads["pred_d3_err_per_sequence"]).all()
 
 
 def _synthetic(pattern: dict[str, np.ndarray], r_within: dict[str, np.ndarray], n_seq=3):
@@ -141,41 +157,87 @@ def _synthetic(pattern: dict[str, np.ndarray], r_within: dict[str, np.ndarray], 
     rng = np.random.default_rng(0)
     for twin, ps in pattern.items():
         for h, p in enumerate(ps):
-            heads.append(dict(model="m", twin=twin, layer=0, head=h, kv_group=0, pattern_score=p,
-                              expected_bound=0.5 + h, fast_key_offset=p, key_energy_centroid=1.0))
+            heads.append(dict(model="m", twin=twin, layer=0, head=h, kv_group=0, pred_d3_err_global=p,
+                              pred_d3_err_per_sequence=-p, legacy_pattern_score=p ** 2, expected_bound=0.5 + h,
+                              blind_d3_err_global=1.0 + h % 2, blind_d3_err_per_sequence=1.0, logit_spread=2.0 + h))
             noise = rng.normal(size=n_seq)
             noise -= noise.mean()  # averages out over seq
             for s in range(n_seq):
                 base = dict(model="m", twin=twin, layer=0, head=h, seq=s, r=0.9, r2=0.8)
-                rows.append(dict(base, estimator="D3", sink_excluded=True, r_within=r_within[twin][h] + 0.1 * noise[s],
-                                 d3_err_mean=2 * (0.5 + h) + 0.01 * noise[s], d3_bound_mean=5.0))
-                rows.append(dict(base, estimator="D3", sink_excluded=False, r_within=-5.0, d3_err_mean=0.0,
-                                 d3_bound_mean=0.0))
-                rows.append(dict(base, estimator="D1", sink_excluded=True, r_within=-7.0, d3_err_mean=np.nan,
-                                 d3_bound_mean=np.nan))
+                for km in ("global", "per_sequence"):
+                    rows.append(dict(base, estimator="D3", k_mean=km, sink_excluded=True,
+                                     r_within=r_within[twin][h] + 0.1 * noise[s], d3_err_mean=1.0, d3_bound_mean=5.0))
+                    rows.append(dict(base, estimator="D3", k_mean=km, sink_excluded=False, r_within=-5.0,
+                                     d3_err_mean=0.0, d3_bound_mean=0.0))
+                rows.append(dict(base, estimator="D1", k_mean="none", sink_excluded=True, r_within=-7.0,
+                                 d3_err_mean=np.nan, d3_bound_mean=np.nan))
     return pd.DataFrame(heads), pd.DataFrame(rows)
 
 
 def test_link_to_decomposition_correlations():
+    from scipy.stats import spearmanr
+
     ps_t = np.array([0.1, 0.4, 0.5, 0.8, 0.9])
     ps_r = np.array([0.2, 0.3, 0.6, 0.7, 0.1])
     rw_r = np.array([0.5, 0.1, 0.4, 0.2, 0.3])
-    heads, dec = _synthetic({"trained": ps_t, "random": ps_r}, {"trained": 0.2 + 0.5 * ps_t, "random": rw_r})
+    heads, dec = _synthetic({"trained": ps_t, "random": ps_r}, {"trained": 0.2 - 0.5 * ps_t, "random": rw_r})
     merged, summary = link_to_decomposition(heads, dec)
-    assert len(merged) == 10
+    assert len(merged) == 20  # 10 heads × 2 k̄ kinds
     assert (merged["n_seq"] == 3).all()
-    np.testing.assert_allclose(merged.loc[merged.twin == "trained", "r_within"], 0.2 + 0.5 * ps_t, atol=1e-12)
-    assert summary["trained"]["pearson_pattern_r_within"] == pytest.approx(1.0)
-    assert summary["trained"]["spearman_pattern_r_within"] == pytest.approx(1.0)
-    assert summary["random"]["pearson_pattern_r_within"] == pytest.approx(np.corrcoef(ps_r, rw_r)[0, 1])
-    from scipy.stats import spearmanr
-
-    assert summary["random"]["spearman_pattern_r_within"] == pytest.approx(spearmanr(ps_r, rw_r)[0])
-    assert summary["trained"]["pearson_bound_err"] == pytest.approx(1.0, abs=1e-6)
-    assert summary["trained"]["err_over_bound_median"] == pytest.approx(2.0, abs=1e-3)
-    assert summary["all"]["n_heads"] == 10
+    tr = merged[(merged.twin == "trained") & (merged.k_mean == "global")]
+    np.testing.assert_allclose(tr["r_within"], 0.2 - 0.5 * ps_t, atol=1e-12)
+    np.testing.assert_allclose(tr["pred_d3_err"], ps_t)  # the matching k̄ kind's column
+    np.testing.assert_allclose(merged[(merged.twin == "trained") & (merged.k_mean == "per_sequence")]["pred_d3_err"], -ps_t)
+    assert set(summary["twin"]) == {"trained", "random"}  # never pooled
+    one = lambda t, k, sc: summary[(summary.twin == t) & (summary.k_mean == k) & (summary.score == sc)].iloc[0]  # noqa: E731
+    assert one("trained", "global", "pred_d3_err").spearman == pytest.approx(-1.0)
+    assert one("trained", "per_sequence", "pred_d3_err").spearman == pytest.approx(1.0)
+    want = spearmanr(ps_r, rw_r)
+    row = one("random", "global", "pred_d3_err")
+    assert row.spearman == pytest.approx(want.statistic) and row.p == pytest.approx(want.pvalue) and row.n_heads == 5
+    assert one("trained", "global", "legacy_pattern_score").spearman == pytest.approx(-1.0)
+    assert one("trained", "global", "inv_logit_spread").spearman == pytest.approx(1.0)  # 1/σ falls with head index
+    assert one("trained", "global", "blind_d3_err").n_heads == 5
+    assert np.isnan(one("trained", "per_sequence", "blind_d3_err").spearman)  # constant control: undefined, not 0
+    assert set(summary.score) == {"pred_d3_err", "blind_d3_err", "residual_size", "inv_logit_spread", "legacy_pattern_score"}
     with pytest.raises(ValueError):
         link_to_decomposition(heads, dec[dec.estimator == "D1"])
+
+
+def test_pred_error_global_matches_direct_computation(llama):
+    """pred_d3_err_global from the reference k̄, q energies, the logit spread and entry-weighted
+    rotation factors, recomputed by hand from captured q/k; ρ forms from the per-sequence sums."""
+    from posgen_tl.analysis.decomposition import reference_key_means
+    from posgen_tl.capture import capture_qk
+    from posgen_tl.decompose import causal_mask
+    from posgen_tl.features import distance_weights
+    from posgen_tl.rho import rho_forms
+    from posgen_tl.rope import expand_kv, to_bands
+
+    tok, ref = _tokens(4, 20, 100, seed=7), _tokens(2, 20, 100, seed=8)
+    res = feature_pattern(llama, tok, reference=ref, sink=1, progress=False)
+    kg = reference_key_means(llama, ref, sink=1, progress=False)
+    for layer, c in capture_qk(llama, tok).items():
+        rope = c.rope
+        zq = to_bands(c.q[:, 1:].double(), rope.rotary_dim, rope.layout)
+        zk = to_bands(c.k[:, 1:].double(), rope.rotary_dim, rope.layout)
+        kres = (zk - to_bands(kg[layer].double(), rope.rotary_dim, rope.layout)).abs().square().mean((0, 1))
+        W = c.logits().double()
+        m = causal_mask(20, sink=1)
+        rows = m.sum(-1) >= 2
+        dev = [(W[:, :, i, m[i]] - W[:, :, i, m[i]].mean(-1, keepdim=True)) for i in range(20) if rows[i]]
+        sigma = (sum(d.square().sum((0, 2)) for d in dev) / sum(d.shape[0] * d.shape[2] for d in dev)).sqrt()
+        w = distance_weights(rope, 19, sink=1)
+        pred = rope.score_scale * rope.attention_scaling**2 * (
+            zq.abs().square().mean((0, 1)).sqrt() * expand_kv(kres.sqrt()[None], c.n_heads)[0] * w).sum(-1) / sigma
+        got = res.heads[res.heads.layer == layer].sort_values("head")
+        np.testing.assert_allclose(got["pred_d3_err_global"], pred.numpy(), rtol=1e-4)
+        np.testing.assert_allclose(got["logit_spread"], sigma.numpy(), rtol=1e-4)
+        forms = rho_forms(c.k, torch.arange(4), rope.rotary_dim, rope.layout,
+                          (torch.arange(20) >= 1).expand(4, -1))
+        kb = res.bands[(res.bands.layer == layer) & (res.bands.which == "k")].sort_values(["head", "band"])
+        for key in ("rho_within", "rho_cross", "stability"):
+            np.testing.assert_allclose(kb[key], forms[key].reshape(-1).numpy(), rtol=1e-6, atol=1e-9)
 
 
 def test_figures(native):
@@ -190,7 +252,7 @@ def test_figures(native):
 
     tok = _tokens(3, 20)
     tp = feature_pattern_with_twin(native, tok, seed=1, progress=False)
-    for stat in ("offset_ratio", "energy_share"):
+    for stat in ("rho_cross", "offset_ratio", "energy_share"):
         fig = plot_band_heatmaps(tp.bands, which="k", stat=stat)
         ims = [ax.images[0] for ax in fig.axes if ax.images]
         assert len(ims) == 2 and ims[0].get_clim() == ims[1].get_clim()
@@ -216,5 +278,6 @@ def test_real_smollm2_ranges(smollm2, smollm2_tokens):
     sums = b.groupby(["layer", "which", "head"])["energy_share"].sum()
     np.testing.assert_allclose(sums.to_numpy(), 1.0, atol=1e-9)
     assert len(res.heads) == 3 * 9
-    assert res.heads["pattern_score"].between(0, 1).all()
+    assert res.heads["legacy_pattern_score"].between(0, 1).all()
+    assert (res.heads["pred_d3_err_per_sequence"] > 0).all()
     assert res.n_tokens == 2 * 63

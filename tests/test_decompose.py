@@ -15,14 +15,23 @@ from posgen_tl.decompose import (
     ESTIMATORS,
     causal_mask,
     d3_bound,
+    d3_logits,
     d3_split,
+    sequence_key_mean,
     fit_additive,
     pearson_r,
     r_squared,
     score_maps,
     within_row_r,
 )
-from posgen_tl.rope import LayerRope, expand_kv, rotate, scores_from_prerotation, scores_from_rotated
+from posgen_tl.rope import (
+    LayerRope,
+    expand_kv,
+    relative_rotation_matrix,
+    rotate,
+    scores_from_prerotation,
+    scores_from_rotated,
+)
 
 FAST = settings(max_examples=25, deadline=None)
 
@@ -355,3 +364,119 @@ def test_d3_bound_rows_and_chunking():
     tiny = d3_bound(q, k, km, pos, rope, max_chunk_bytes=1)  # one row per chunk
     torch.testing.assert_close(tiny, full, atol=1e-12, rtol=0)
     assert (full[..., torch.arange(16), torch.arange(16)] == 0).all()  # zero distance, zero bound
+
+
+# ----------------------------------------------------------------------------- D3 at a reference offset Δ0
+
+
+def test_d3_delta0_zero_is_d3():
+    rope, d = make_rope(4, "half", 2, 1.2, 0.3)
+    q, k, km = qk(2, 12, 4, 2, d, 11)
+    pos = torch.arange(12).expand(2, 12)
+    sp = d3_split(q, k, km, pos, rope)
+    sp0 = d3_split(q, k, km, pos, rope, delta0=0)
+    for a, b in ((sp.W, sp0.W), (sp.f, sp0.f), (sp.g, sp0.g)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    y = d3_logits(q, k, km, pos, rope)
+    assert y.dtype == torch.float64 and y.shape == (2, 4, 12, 12)
+    torch.testing.assert_close(y, sp.f + sp.g, atol=0, rtol=0)
+    torch.testing.assert_close(d3_bound(q, k, km, pos, rope, delta0=0), d3_bound(q, k, km, pos, rope), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["half", "adjacent"])
+@pytest.mark.parametrize("delta0", [0, 1, 7, 1000])
+def test_d3_delta0_matches_dense_rotation(layout, delta0):
+    """g_Δ0 = s·q_iᵀ R_{−Δ0}(k_j − k̄) with a dense rotation matrix (a² on rotary dims); f, W unchanged."""
+    rope, d = make_rope(3, layout, 2, 1.2, 0.4)
+    q, k, km = qk(2, 9, 4, 2, d, 12)
+    pos = torch.arange(9).expand(2, 9)
+    sp = d3_split(q, k, km, pos, rope, delta0=delta0)
+    base = d3_split(q, k, km, pos, rope)
+    torch.testing.assert_close(sp.W, base.W, atol=0, rtol=0)
+    torch.testing.assert_close(sp.f, base.f, atol=0, rtol=0)
+    R = relative_rotation_matrix(-delta0, rope, d)  # [d, d], identity on pass dims
+    lam = torch.ones(d, dtype=torch.float64)
+    lam[: rope.rotary_dim] = rope.attention_scaling**2
+    diff = expand_kv(k, 4) - expand_kv(km, 4)[None, None]
+    want = rope.score_scale * torch.einsum("bihd,de,bjhe->bhij", q * lam, R, diff)
+    torch.testing.assert_close(sp.g, want, atol=1e-5, rtol=1e-5)
+    if delta0:
+        assert (sp.g - base.g).abs().max() > 1e-3  # Δ0 really changes g
+
+
+@FAST
+@given(
+    n_bands=st.integers(1, 4),
+    layout=st.sampled_from(["half", "adjacent"]),
+    extra=st.integers(0, 3),
+    scaling=st.sampled_from([1.0, 1.2]),
+    score_scale=st.floats(0.05, 3.0),
+    freqs=st.lists(st.floats(0.0, 3.0, width=32), min_size=4, max_size=4),
+    position_scale=st.sampled_from([1.0, 2.0]),
+    permute=st.booleans(),
+    pos=st.integers(1, 12),
+    delta0=st.integers(-50, 5000),
+    per_seq=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_d3_delta0_remainder_within_bound(n_bands, layout, extra, scaling, score_scale, freqs, position_scale,
+                                          permute, pos, delta0, per_seq, seed):
+    rope, d = make_rope(n_bands, layout, extra, scaling, score_scale, freqs[:n_bands], position_scale)
+    q, k, km = qk(2, pos, 2, 1, d, seed)
+    g = torch.Generator().manual_seed(seed)
+    if per_seq:
+        km = torch.randn(2, 1, d, generator=g, dtype=torch.float64)
+    if permute:
+        positions = torch.stack([torch.randperm(pos, generator=g) * 3 for _ in range(2)])
+    else:
+        positions = torch.arange(pos).expand(2, pos)
+    sp = d3_split(q, k, km, positions, rope, delta0=delta0)
+    bound = d3_bound(q, k, km, positions, rope, delta0=delta0)
+    assert ((sp.W - sp.f - sp.g).abs() <= bound + 1e-9 * (1 + sp.W.abs() + sp.f.abs() + sp.g.abs())).all()
+    torch.testing.assert_close(sp.W, scores_from_prerotation(q, k, positions, rope), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("delta0", [0, 3, 1000])
+def test_d3_delta0_exact_when_keys_equal_mean(delta0):
+    """keys := k̄ everywhere → g_Δ0 = 0, W = f exactly and the bound is 0, for any Δ0 (global and per-sequence k̄)."""
+    rope, d = make_rope(3, "adjacent", 2, 1.2, 0.5)
+    q, _, km = qk(2, 9, 4, 2, d, 5)
+    pos = torch.arange(9).expand(2, 9)
+    for kbar, k in ((km, km.expand(2, 9, 2, d).clone()),
+                    (torch.stack([km, 2 * km]), torch.stack([km, 2 * km])[:, None].expand(2, 9, 2, d).clone())):
+        sp = d3_split(q, k, kbar, pos, rope, delta0=delta0)
+        assert (sp.g == 0).all()
+        torch.testing.assert_close(sp.W, d3_logits(q, k, kbar, pos, rope, delta0=delta0), atol=1e-12, rtol=0)
+        assert (d3_bound(q, k, kbar, pos, rope, delta0=delta0) == 0).all()
+
+
+def test_d3_delta0_bound_is_zero_at_distance_delta0():
+    """At i − j = Δ0 the remainder and its bound vanish (the semantic term is exact there)."""
+    rope, d = make_rope(3, "half", 0, 1.0, 0.5, [1.0, 0.25, 0.0625])
+    q, k, km = qk(1, 12, 2, 2, d, 9)
+    pos = torch.arange(12)[None]
+    sp = d3_split(q, k, km, pos, rope, delta0=4)
+    b = d3_bound(q, k, km, pos, rope, delta0=4)
+    i = torch.arange(4, 12)
+    torch.testing.assert_close((sp.W - sp.f - sp.g)[..., i, i - 4], torch.zeros(1, 2, 8, dtype=torch.float64),
+                               atol=1e-12, rtol=0)
+    assert b[..., i, i - 4].abs().max() < 1e-12 and b[..., i, i].min() > 0
+
+
+def test_per_sequence_k_mean_is_each_sequences_own_mean():
+    rope, d = make_rope(3, "half", 2, 1.0, 0.5)
+    q, k, _ = qk(3, 10, 4, 2, d, 13)
+    km = sequence_key_mean(k, sink=1)
+    assert km.shape == (3, 2, d) and km.dtype == torch.float64
+    for b in range(3):
+        torch.testing.assert_close(km[b], k[b, 1:].mean(0), atol=1e-12, rtol=0)
+    pos = torch.arange(10).expand(3, 10)
+    sp = d3_split(q, k, km, pos, rope)
+    for b in range(3):  # batched k̄ = running the split per sequence with its own k̄
+        one = d3_split(q[b : b + 1], k[b : b + 1], km[b], pos[b : b + 1], rope)
+        torch.testing.assert_close(sp.f[b : b + 1], one.f, atol=1e-12, rtol=0)
+        torch.testing.assert_close(sp.g[b : b + 1], one.g, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError):
+        d3_split(q, k, km[:2], pos, rope)
+    with pytest.raises(ValueError):
+        sequence_key_mean(k, sink=10)

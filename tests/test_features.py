@@ -16,7 +16,9 @@ from posgen_tl.features import (
     distance_weights,
     fast_band_offset,
     pattern_scores,
+    predicted_d3_error,
     stats_frame,
+    within_row_spread,
 )
 from posgen_tl.rope import LayerRope, band_indices
 
@@ -196,13 +198,26 @@ def _rope(n_bands: int, inv_freq: torch.Tensor | None = None, **kw) -> LayerRope
 
 def test_distance_weights():
     rope = _rope(3, torch.tensor([math.pi, 0.0, 1e-3]))
+    # 3 positions: Δ=0 ×3 (factor 0), Δ=1 ×2, Δ=2 ×1 — weighted by causal-entry count
     w = distance_weights(rope, 2)  # band 0: Δ=1 → 2, Δ=2 → 0
-    assert w[0].item() == pytest.approx(1.0, abs=1e-6) and w[1] == 0
-    assert w[2].item() == pytest.approx((2 * math.sin(5e-4) + 2 * math.sin(1e-3)) / 2, rel=1e-6)
+    assert w[0].item() == pytest.approx(4 / 6, abs=1e-6) and w[1] == 0
+    assert w[2].item() == pytest.approx((2 * 2 * math.sin(5e-4) + 2 * math.sin(1e-3)) / 6, rel=1e-5)
+    # sink=1: the first key column is gone → Δ=0 ×2, Δ=1 ×1
+    assert distance_weights(rope, 2, sink=1)[0].item() == pytest.approx(2 / 3, abs=1e-6)
     r2 = _rope(8)
     torch.testing.assert_close(distance_weights(r2, 1000, chunk=7), distance_weights(r2, 1000))
-    windowed = _rope(8, sliding_window=65)
-    torch.testing.assert_close(distance_weights(windowed, 1000), distance_weights(r2, 64))
+    # brute force over the causal mask
+    n, sink = 40, 2
+    ii, jj = torch.tril_indices(n, n)
+    keep = jj >= sink
+    d = (ii - jj)[keep].double()
+    brute = (2 * torch.sin(d[:, None] * r2.theta.double() / 2).abs()).mean(0)
+    torch.testing.assert_close(distance_weights(r2, n - 1, sink=sink), brute)
+    windowed = _rope(8, sliding_window=5)
+    keep_w = keep & (ii - jj < 5)
+    d = (ii - jj)[keep_w].double()
+    brute_w = (2 * torch.sin(d[:, None] * r2.theta.double() / 2).abs()).mean(0)
+    torch.testing.assert_close(distance_weights(windowed, n - 1, sink=sink), brute_w)
 
 
 def test_pattern_score_constant_vs_zero_mean_keys_with_gqa():
@@ -215,7 +230,7 @@ def test_pattern_score_constant_vs_zero_mean_keys_with_gqa():
     half = torch.randn(1, N // 2, d, generator=g, dtype=torch.float64)
     k[:, :, 1] = torch.cat([half, -half], dim=1)  # group 1: exactly zero-mean keys
     out = pattern_scores(band_stats(q, 2 * nb, "half"), band_stats(k, 2 * nb, "half"), rope, 256)
-    ps = out["pattern_score"]
+    ps = out["legacy_pattern_score"]
     assert ps.shape == (H,) and out["bound_per_band"].shape == (H, nb)
     assert ps[:2].tolist() == pytest.approx([1.0, 1.0], abs=1e-6)  # heads 0, 1 read group 0
     assert ps[2:].tolist() == pytest.approx([0.0, 0.0], abs=1e-9)  # heads 2, 3 read group 1
@@ -225,7 +240,7 @@ def test_pattern_score_constant_vs_zero_mean_keys_with_gqa():
     out2 = pattern_scores(band_stats(q, 2 * nb, "half"), band_stats(k, 2 * nb, "half"),
                           _rope(nb, score_scale=0.5, attention_scaling=1.2), 256)
     torch.testing.assert_close(out2["expected_bound"], 2 * out["expected_bound"])
-    torch.testing.assert_close(out2["pattern_score"], ps)
+    torch.testing.assert_close(out2["legacy_pattern_score"], ps)
     out3 = pattern_scores(band_stats(q, 2 * nb, "half"), band_stats(k, 2 * nb, "half"),
                           _rope(nb, score_scale=0.25), 256)  # a = 1
     torch.testing.assert_close(out["expected_bound"], 1.2**2 * out3["expected_bound"])
@@ -245,8 +260,8 @@ def test_pattern_score_ignores_non_rotating_bands():
     inv = 10000.0 ** (-torch.arange(nb, dtype=torch.float32) / nb)
     frozen = inv.clone()
     frozen[[2, 5]] = 0.0
-    score_frozen = pattern_scores(qs, ks, _rope(nb, frozen, layout=layout), 128)["pattern_score"]
-    score_rotating = pattern_scores(qs, ks, _rope(nb, inv, layout=layout), 128)["pattern_score"]
+    score_frozen = pattern_scores(qs, ks, _rope(nb, frozen, layout=layout), 128)["legacy_pattern_score"]
+    score_rotating = pattern_scores(qs, ks, _rope(nb, inv, layout=layout), 128)["legacy_pattern_score"]
     assert score_frozen.item() == pytest.approx(1.0, abs=1e-6)
     assert score_rotating.item() < 0.9
 
@@ -306,3 +321,87 @@ def test_memory_independent_of_tokens_seen():
         ten.update(torch.randn(4, 50 + i, 2, 8, generator=g))
     assert sizes(one) == sizes(ten)
     assert ten.n_tokens == sum(4 * (50 + i) for i in range(10))
+
+
+# ----------------------------------------------------------------------------- rotation-aware pattern score
+
+
+def _legacy(q_e, k_e, k_res_e, w):
+    """The first landing's score, written from its definition."""
+    c = (q_e.sqrt() * k_e.sqrt() * w).sum(-1)
+    b = (q_e.sqrt() * k_res_e.sqrt() * w).sum(-1)
+    return 1 - b / c
+
+
+def test_predicted_error_depends_on_rotation_weights_legacy_does_not():
+    g = _gen(21)
+    q_e, k_e = torch.rand(3, 6, generator=g, dtype=torch.float64) + 0.1, torch.rand(3, 6, generator=g, dtype=torch.float64) + 1
+    k_res = k_e * torch.rand(3, 6, generator=g, dtype=torch.float64)
+    w = torch.rand(6, generator=g, dtype=torch.float64) + 0.05
+    spread = torch.rand(3, generator=g, dtype=torch.float64) + 0.5
+    base = predicted_d3_error(q_e, k_res, w, spread, scale=0.3)
+    assert base["pred_d3_err"].shape == (3,) and base["per_band"].shape == (3, 6)
+    torch.testing.assert_close(base["per_band"].sum(-1), base["pred_d3_err"])
+    want = 0.3 * (q_e.sqrt() * k_res.sqrt() * w).sum(-1) / spread
+    torch.testing.assert_close(base["pred_d3_err"], want)
+    # rescaling every w_m: the legacy score is blind to it, the new one is not
+    torch.testing.assert_close(_legacy(q_e, k_e, k_res, 3 * w), _legacy(q_e, k_e, k_res, w))
+    torch.testing.assert_close(predicted_d3_error(q_e, k_res, 3 * w, spread, 0.3)["pred_d3_err"], 3 * base["pred_d3_err"])
+    # a real change of frequencies (faster bands) changes it through distance_weights
+    slow, fast = _rope(6), _rope(6, 4 * 10000.0 ** (-torch.arange(6, dtype=torch.float32) / 6))
+    a = predicted_d3_error(q_e, k_res, distance_weights(slow, 255), spread)["pred_d3_err"]
+    b = predicted_d3_error(q_e, k_res, distance_weights(fast, 255), spread)["pred_d3_err"]
+    assert (b > a * 1.05).all()
+    # GQA: kv groups expanded to query heads
+    two = predicted_d3_error(torch.ones(4, 2, dtype=torch.float64), torch.tensor([[1.0, 0.0], [4.0, 0.0]]),
+                             torch.ones(2), torch.ones(4))["pred_d3_err"]
+    assert two.tolist() == pytest.approx([1.0, 1.0, 2.0, 2.0])
+
+
+def test_within_row_spread():
+    g = _gen(22)
+    W = torch.randn(2, 3, 6, 6, generator=g, dtype=torch.float64) + torch.randn(2, 3, 6, 1, generator=g, dtype=torch.float64) * 50
+    mask = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    mask[:, 0] = False
+    ss, n = within_row_spread(W, mask)
+    want, cnt = torch.zeros(3, dtype=torch.float64), 0
+    for i in range(2, 6):  # rows with >= 2 masked entries: keys 1..i
+        row = W[:, :, i, 1 : i + 1]
+        want += (row - row.mean(-1, keepdim=True)).square().sum((0, 2))
+        cnt += 2 * i
+    torch.testing.assert_close(ss, want)
+    assert float(n) == cnt
+
+
+def _head_maps(fast: bool, seed: int):
+    """q random; keys = constant + token-dependent noise in the 2 FASTEST or the 2 SLOWEST bands."""
+    nb, n, d = 8, 96, 16
+    rope = _rope(nb, score_scale=0.25)
+    g = _gen(seed)
+    q = torch.randn(2, n, 1, d, generator=g, dtype=torch.float64)
+    k = torch.randn(d, generator=g, dtype=torch.float64).expand(2, n, 1, d).clone()
+    for m in ((0, 1) if fast else (nb - 2, nb - 1)):
+        for c in _coords(m, d, "half"):
+            k[..., c] += torch.randn(2, n, 1, generator=g, dtype=torch.float64) * 2
+    return rope, q, k
+
+
+def test_predicted_error_ranks_fast_band_key_noise_worse_and_d3_agrees():
+    from posgen_tl.decompose import causal_mask, d3_split, within_row_r
+
+    out = {}
+    for fast in (True, False):
+        rope, q, k = _head_maps(fast, seed=23)
+        pos = torch.arange(q.shape[1]).expand(2, -1)
+        ks, qs = band_stats(k, 16, "half"), band_stats(q, 16, "half")
+        sp = d3_split(q, k, ks.mean(), pos, rope)
+        mask = causal_mask(q.shape[1], sink=1)
+        ss, n = within_row_spread(sp.W, mask)
+        w = distance_weights(rope, q.shape[1] - 1, sink=1)
+        pred = predicted_d3_error(qs.energy(), ks.residual_rms() ** 2, w, (ss / n).sqrt(),
+                                  rope.score_scale * rope.attention_scaling**2)["pred_d3_err"].item()
+        r = within_row_r(sp.W, sp.f + sp.g, mask).mean().item()
+        out[fast] = (pred, r)
+    (pf, rf), (ps, rs) = out[True], out[False]
+    assert pf > 3 * ps  # fast-band key noise predicted much worse …
+    assert rf < rs  # … and D3 really fits worse there

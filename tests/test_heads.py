@@ -1,24 +1,29 @@
-"""Tests of posgen_tl.heads: block swaps, positional/symbolic scores, band logits, frequency use."""
+"""Tests of posgen_tl.heads: region permutations, positional/symbolic logit scores and their
+null, labels, band logits, frequency use."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from posgen_tl.heads import (
+    LABELS,
     band_logits,
     band_patterns,
-    block_swap_permutation,
     causal_mask,
     frequency_centroid,
     frequency_usage_frame,
+    null_variance,
     pass_logits,
     positional_share,
-    positional_symbolic_scores,
+    region_logit_scores,
+    region_permutations,
+    row_spread_threshold,
     taxonomy_label,
 )
-from posgen_tl.perturb import inverse_permutation
 from posgen_tl.rope import LayerRope, expand_kv, rotate, scores_from_rotated
 
 
@@ -27,108 +32,218 @@ def make_rope(layout="half", rotary_dim=8, score_scale=0.25) -> LayerRope:
     return LayerRope(inv_freq=inv, rotary_dim=rotary_dim, layout=layout, score_scale=score_scale)
 
 
-# ----------------------------------------------------------------------------- block swap
+# ----------------------------------------------------------------------------- region permutations
 
 
-@pytest.mark.parametrize(
-    "a,b", [((2, 6), (6, 10)), ((2, 5), (8, 14)), ((1, 8), (10, 12)), ((0, 1), (19, 20))]
-)
-def test_block_swap_permutation(a, b):
-    n = 20
-    p = block_swap_permutation(n, a, b)
-    assert torch.equal(p.sort().values, torch.arange(n))
-    old = torch.arange(100, 100 + n)
-    new = old[p]
-    la, lb = a[1] - a[0], b[1] - b[0]
-    assert torch.equal(new[: a[0]], old[: a[0]])
-    assert torch.equal(new[a[0] : a[0] + lb], old[b[0] : b[1]])  # B first, in order
-    mid = b[0] - a[1]
-    assert torch.equal(new[a[0] + lb : a[0] + lb + mid], old[a[1] : b[0]])  # shifted middle
-    assert torch.equal(new[a[0] + lb + mid : b[1]], old[a[0] : a[1]])  # then A, in order
-    assert torch.equal(new[b[1] :], old[b[1] :])
-    assert a[0] + lb + mid + la == b[1]
-
-
-def test_block_swap_invalid():
-    for a, b in [((3, 2), (5, 6)), ((2, 6), (5, 8)), ((2, 4), (6, 21)), ((2, 2), (4, 6))]:
-        with pytest.raises(ValueError):
-            block_swap_permutation(20, a, b)
+@pytest.mark.parametrize("block", [1, 3, 7])
+def test_region_permutations(block):
+    g = torch.Generator().manual_seed(0)
+    p = region_permutations(20, 12, block=block, generator=g)
+    assert p.shape == (12, 20) and p.dtype == torch.int64
+    assert (p.sort(-1).values == torch.arange(20)).all()
+    assert not (p == torch.arange(20)).all(-1).any()  # never the identity
+    assert len({tuple(r) for r in p.tolist()}) > 1  # independent draws
+    for r in p:  # each block lands as one consecutive run, in its internal order
+        inv = torch.argsort(r)  # new index of old token j
+        for s in range(0, 20, block):
+            run = inv[s : min(s + block, 20)]
+            assert torch.equal(run, torch.arange(int(run[0]), int(run[0]) + len(run)))
+    again = region_permutations(20, 12, block=block, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(p, again)  # seeded
+    with pytest.raises(ValueError):
+        region_permutations(20, 2, block=20)
+    with pytest.raises(ValueError):
+        region_permutations(1, 2)
 
 
 # ----------------------------------------------------------------------------- constructed heads
 
-
-def _pattern(logits: torch.Tensor) -> torch.Tensor:
-    n = logits.shape[-1]
-    return torch.softmax(logits.masked_fill(~causal_mask(n), float("-inf")), dim=-1)
-
-
-N, A, B = 40, (8, 14), (17, 26)
+N, R0, R1 = 48, 12, 36  # region [12, 36), query rows [36, 48)
+ROWS = torch.arange(R1, N)
+KEYS = torch.arange(R0, R1)
 
 
-def _positional_head(n):
-    """Logits depend on the offset i − j only: a peak at i − 5 (plus a fixed offset profile)."""
+def _tokens(seed=1):
+    return torch.randperm(200, generator=torch.Generator().manual_seed(seed))[:N]
+
+
+def _permuted(tokens, perm):
+    t = tokens.clone()
+    t[R0:R1] = tokens[R0:R1][perm]
+    return t
+
+
+def _scores(head_fn, n_perm=8, seed=0, min_std=1e-6, weights=None):
+    """Run a constructed head ``head_fn(tokens) -> [n_q, n_region]`` through the metric."""
+    g = torch.Generator().manual_seed(seed)
+    toks = _tokens(seed + 1)
+    perms = region_permutations(R1 - R0, n_perm, generator=g)
+    w0 = head_fn(toks)
+    wp = torch.stack([head_fn(_permuted(toks, p)) for p in perms])
+    w = torch.ones(len(ROWS)) if weights is None else weights
+    return region_logit_scores(w0, wp, perms, w, min_std=min_std, generator=g).finalize()
+
+
+def _offset_head(delta_profile):
+    """Logit depends only on the relative offset i − j (a fixed kernel), never on the token."""
+    def fn(tokens):
+        return delta_profile[ROWS[:, None] - KEYS[None, :]]
+    return fn
+
+
+def _token_head(content):
+    """Logit depends only on the key's token identity."""
+    def fn(tokens):
+        return content[tokens[R0:R1]][None, :].expand(len(ROWS), -1)
+    return fn
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 100.0))
+def test_constructed_positional_head(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    prof = torch.randn(N, generator=g, dtype=torch.float64) * scale
+    s = _scores(_offset_head(prof), seed=seed)
+    assert s["positional"] == pytest.approx(1.0, abs=1e-9)
+    assert abs(float(s["symbolic"])) < 0.35 and s["symbolic"] < s["null_q"] * 4
+    assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).item() == "positional"
+    assert s["n_excluded"] == 0 and s["n_used"] == 8 * len(ROWS)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 100.0))
+def test_constructed_symbolic_head(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    content = torch.randn(200, generator=g, dtype=torch.float64) * scale
+    s = _scores(_token_head(content), seed=seed)
+    assert s["symbolic"] == pytest.approx(1.0, abs=1e-9)
+    assert abs(float(s["positional"])) < 0.35
+    assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).item() == "symbolic"
+
+
+def test_constructed_mixed_head_is_both_and_noise_is_neither():
+    g = torch.Generator().manual_seed(3)
+    prof, content = torch.randn(N, generator=g), torch.randn(200, generator=g)
+    both = _scores(lambda t: _offset_head(prof)(t) + _token_head(content)(t))
+    assert both["positional"] > 0.25 and both["symbolic"] > 0.25
+    assert taxonomy_label(both["positional"], both["symbolic"], both["null_q"]).item() == "both"
+    # fresh noise before and after: no alignment on either axis
+    noise = _scores(lambda t: torch.randn(len(ROWS), R1 - R0, generator=g))
+    assert abs(float(noise["positional"])) < 3 * float(noise["null_sd"]) + 0.05
+    assert taxonomy_label(noise["positional"], noise["symbolic"], noise["null_q"]).item() == "neither"
+
+
+@pytest.mark.parametrize("const", [0.0, 5.0])
+def test_constant_logits_are_excluded_never_both(const):
+    s = _scores(lambda t: torch.full((len(ROWS), R1 - R0), const, dtype=torch.float64))
+    assert s["n_used"] == 0 and s["n_excluded"] == 8 * len(ROWS)
+    assert torch.isnan(s["positional"]) and torch.isnan(s["symbolic"])
+    assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).item() == "undefined"
+    # near-constant (noise far below the threshold) is excluded too; above it, it is scored
     g = torch.Generator().manual_seed(0)
-    prof = torch.randn(n, generator=g) * 0.3
-    prof[5] += 6.0
-    i = torch.arange(n)
-    rel = (i[:, None] - i[None, :]).clamp_min(0)
-    return _pattern(prof[rel])
+    tiny = _scores(lambda t: const + 1e-9 * torch.randn(len(ROWS), R1 - R0, generator=g), min_std=1e-6)
+    assert tiny["n_used"] == 0
+    kept = _scores(lambda t: const + 1e-3 * torch.randn(len(ROWS), R1 - R0, generator=g), min_std=1e-6)
+    assert kept["n_used"] == 8 * len(ROWS)
 
 
-def _symbolic_head(tokens, content):
-    """Logits depend on the key's token identity only (a fixed token gets most mass)."""
-    n = tokens.shape[0]
-    return _pattern(content[tokens][None, :].expand(n, n))
+def test_rows_weighted_by_mass_and_excluded_rows_do_not_count():
+    """Half the rows positional, half symbolic: the weights decide the mix."""
+    g = torch.Generator().manual_seed(4)
+    prof, content = torch.randn(N, generator=g), torch.randn(200, generator=g)
+    half = len(ROWS) // 2
+
+    def fn(t):
+        w = _offset_head(prof)(t).clone()
+        w[half:] = _token_head(content)(t)[half:]
+        return w
+
+    w = torch.ones(len(ROWS))
+    w[half:] = 0.0  # only the positional rows count
+    s = _scores(fn, weights=w)
+    assert s["positional"] == pytest.approx(1.0, abs=1e-9)
+    w2 = 1.0 - w
+    s2 = _scores(fn, weights=w2)
+    assert s2["symbolic"] == pytest.approx(1.0, abs=1e-9)
+    # a constant row with weight 1 is excluded, not scored as agreeing
+    def fn_c(t):
+        x = fn(t).clone()
+        x[:half] = 2.0
+        return x
+    s3 = _scores(fn_c)
+    assert s3["n_excluded"] == 8 * half and s3["symbolic"] == pytest.approx(1.0, abs=1e-9)
 
 
-def test_constructed_positional_and_symbolic_heads():
-    perm = block_swap_permutation(N, A, B)
-    inv = inverse_permutation(perm)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randperm(100, generator=g)[:N]  # distinct token ids
-    tokens_swap = tokens[perm]
-    content = torch.randn(100, generator=g) * 0.5
-    content[tokens[10]] += 6.0  # the head looks for this token (inside block A)
-    key_cols = torch.arange(A[0], B[1])
-    # the positional head's queries must look into the moved region: i − 5 ∈ [a0, b1)
-    rows_pos = torch.arange(B[1], B[1] + 5)
-    rows_all = torch.arange(B[1], N)
-
-    pos_head = torch.stack([_positional_head(N), _positional_head(N)])  # orig, swap: same
-    sym_orig, sym_swap = _symbolic_head(tokens, content), _symbolic_head(tokens_swap, content)
-    # stack into [batch=1, head_index=2, q, k]: head 0 positional, head 1 symbolic
-    orig = torch.stack([pos_head[0], sym_orig])[None]
-    swap = torch.stack([pos_head[1], sym_swap])[None]
-
-    pos_p, sym_p = positional_symbolic_scores(orig, swap, perm, rows_pos, key_cols)
-    assert pos_p.shape == (1, 2)
-    assert pos_p[0, 0] > 0.999 and sym_p[0, 0] < pos_p[0, 0] - 0.5
-    pos_s, sym_s = positional_symbolic_scores(orig, swap, perm, rows_all, key_cols)
-    assert sym_s[0, 1] > 0.999 and pos_s[0, 1] < sym_s[0, 1] - 0.5
-    labels = taxonomy_label(torch.stack([pos_p[0, 0], pos_s[0, 1]]), torch.stack([sym_p[0, 0], sym_s[0, 1]]))
-    assert labels.tolist() == ["positional", "symbolic"]
-
-    # sanity of the symbolic construction: the target token moved and the head followed it
-    p_old = 10
-    assert sym_orig[N - 1].argmax() == p_old and sym_swap[N - 1].argmax() == inv[p_old] != p_old
+def test_scores_invariant_to_row_constants_and_scale():
+    g = torch.Generator().manual_seed(5)
+    prof, content = torch.randn(N, generator=g), torch.randn(200, generator=g)
+    base = lambda t: _offset_head(prof)(t) + 0.7 * _token_head(content)(t)  # noqa: E731
+    shift = torch.randn(len(ROWS), 1, generator=g) * 10
+    a = _scores(base)
+    b = _scores(lambda t: 3.0 * base(t) + shift)
+    for k in ("positional", "symbolic", "null_mc", "null_sd"):
+        torch.testing.assert_close(a[k], b[k])
 
 
-def test_positional_symbolic_edge_cases():
-    perm = block_swap_permutation(N, A, B)
-    key_cols = torch.arange(A[0], B[1])
-    pat = _positional_head(N)[None, None]
-    # rows whose attention misses the region are ignored; all ignored -> NaN
-    zero = torch.zeros_like(pat)
-    zero[..., torch.arange(N), torch.arange(N)] = 1.0  # attend to self only (outside the region)
-    pos, sym = positional_symbolic_scores(zero, zero, perm, torch.arange(B[1], N), key_cols)
-    assert torch.isnan(pos).all() and torch.isnan(sym).all()
-    assert taxonomy_label(pos, sym).tolist() == [["undefined"]]
-    with pytest.raises(ValueError, match="moved"):
-        positional_symbolic_scores(pat, pat, perm, torch.tensor([A[0], B[1]]), key_cols)
-    assert taxonomy_label(np.array([0.5, 0.9, 0.2]), np.array([0.45, 0.2, 0.9])).tolist() == [
-        "mixed", "positional", "symbolic"
-    ]
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(4, 12), n_q=st.integers(1, 4))
+def test_null_variance_matches_monte_carlo(seed, n, n_q):
+    """Exact permutation variance vs brute force over random σ (rows share σ)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_q, n, generator=g, dtype=torch.float64)
+    y = torch.randn(n_q, n, generator=g, dtype=torch.float64) + torch.randn(n_q, 1, generator=g, dtype=torch.float64)
+    x = x - x.mean(-1, keepdim=True)
+    y = y - y.mean(-1, keepdim=True)
+    w = torch.rand(n_q, generator=g, dtype=torch.float64)
+    draws = torch.stack([(w * (x * y[:, torch.randperm(n, generator=g)]).sum(-1)).sum() for _ in range(20_000)])
+    exact = null_variance(x, y, w)
+    assert abs(float(draws.mean())) < 5 * float(exact.sqrt()) / np.sqrt(20_000) + 1e-12
+    assert float(draws.var()) == pytest.approx(float(exact), rel=0.08)
+
+
+def test_region_scores_batched_heads_and_errors():
+    g = torch.Generator().manual_seed(6)
+    prof, content = torch.randn(N, generator=g), torch.randn(200, generator=g)
+    toks = _tokens()
+    perms = region_permutations(R1 - R0, 8, generator=g)
+    fns = [_offset_head(prof), _token_head(content)]
+    w0 = torch.stack([f(toks) for f in fns])  # [head_index=2, n_q, n_region]
+    wp = torch.stack([torch.stack([f(_permuted(toks, p)) for f in fns]) for p in perms])
+    s = region_logit_scores(w0, wp, perms, torch.ones(2, len(ROWS)), min_std=1e-6, generator=g).finalize()
+    assert s["positional"].shape == (2,)
+    assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).tolist() == ["positional", "symbolic"]
+    with pytest.raises(ValueError, match="w_perm"):
+        region_logit_scores(w0, wp[:, :1], perms, torch.ones(2, len(ROWS)), min_std=1e-6)
+    bad = perms.clone()
+    bad[0, 0] = bad[0, 1]
+    with pytest.raises(ValueError, match="permutation"):
+        region_logit_scores(w0, wp, bad, torch.ones(2, len(ROWS)), min_std=1e-6)
+    with pytest.raises(ValueError, match="weights"):
+        region_logit_scores(w0, wp, perms, torch.ones(2, 3), min_std=1e-6)
+
+
+def test_row_spread_threshold():
+    x = torch.zeros(3, 5, 10)
+    assert row_spread_threshold(x) == 1e-6  # all constant: the floor
+    x[0] = torch.randn(5, 10) * 4.0
+    x[1] = torch.randn(5, 10) * 4.0
+    t = row_spread_threshold(x, rel=1e-3)
+    assert 1e-3 < t < 1e-2
+    with pytest.raises(ValueError):
+        row_spread_threshold(x, rel=-1)
+
+
+def test_taxonomy_label_rules():
+    pos = np.array([0.9, 0.05, 0.5, 0.5, 0.15, np.nan])
+    sym = np.array([0.0, 0.9, 0.5, 0.01, 0.15, 0.3])
+    q = np.array([0.1, 0.1, 0.1, 0.1, 0.05, 0.05])
+    got = taxonomy_label(pos, sym, q, min_score=0.2).tolist()
+    assert got == ["positional", "symbolic", "both", "positional", "neither", "undefined"]
+    # a score under its null quantile is absent even if large
+    assert taxonomy_label(0.6, 0.0, 0.7).item() == "neither"
+    assert set(got) <= set(LABELS)
+    with pytest.raises(ValueError):
+        taxonomy_label(0.5, 0.5, 0.1, min_score=-1)
 
 
 # ----------------------------------------------------------------------------- band view

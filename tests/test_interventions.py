@@ -159,7 +159,10 @@ def test_reposition_hooks_equal_position_ids(tiny):
 
 def test_intervention_validation():
     with pytest.raises(ValueError):
-        Intervention("destroy", bands=[0], alpha=1.5)
+        Intervention("enforce", bands=[0], alpha=1.5)
+    with pytest.raises(ValueError):
+        Intervention("destroy", bands=[0], alpha=-0.1)
+    assert Intervention("destroy", bands=[0], alpha=1.5).alpha == 1.5  # over-driven control (C2)
     with pytest.raises(ValueError):
         Intervention("smash", bands=[0])
     with pytest.raises(ValueError):

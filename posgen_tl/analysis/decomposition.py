@@ -1,10 +1,18 @@
 """METHOD.md §2 runner: D1 / D2 / D3 decompositions of every head's logit map, scored
 honestly (r, R², within-row r; with and without the sink keys) beside a random-init twin.
 
-Flow: a reference pass (:func:`reference_key_means`) gives ``k̄`` per layer and kv-group
-from sequences DISJOINT from the analysed ones (sink positions excluded); one streaming
-pass (:func:`posgen_tl.capture.stream_qk`) then scores, for each (batch, layer) and all
-heads at once, the model's logits ``W = s·rot_q·rot_k`` against
+Which k̄ (METHOD §2 — it decides what a D3 score means; both kinds by default):
+
+* ``"global"`` — one ``k̄`` per layer and kv-group from a reference pass
+  (:func:`reference_key_means`) over windows of DOCUMENTS DISJOINT from the analysed ones
+  (:func:`posgen_tl.corpus.reference_windows`; sink positions excluded). A good fit means the
+  head has one text-independent positional kernel.
+* ``"per_sequence"`` — each analysed sequence's own mean key (sink excluded,
+  :func:`posgen_tl.decompose.sequence_key_mean`), computed inside the same capture pass.
+  Random-init keys carry a large per-sequence constant, so this fits the random twin too.
+
+One streaming pass (:func:`posgen_tl.capture.stream_qk`) then scores, for each (batch,
+layer), each k̄ kind and all heads at once, the model's logits ``W = s·rot_q·rot_k`` against
 
 * D1 / D2 — the least-squares additive fits of :func:`posgen_tl.decompose.fit_additive`
   (same ridge and refinement), refitted on each mask (sink kept / sink excluded);
@@ -14,7 +22,8 @@ and checks the D3 bound ``|W − f − g| ≤ bound`` in float64 on ``bound_rows
 spaced query rows (same numbers as :func:`posgen_tl.decompose.d3_split` /
 :func:`posgen_tl.decompose.d3_bound`, computed with real matmuls and only on ``j ≤ i``; a
 theorem, so the reported fraction must be 1 — up to a float64 rounding allowance of
-``1e-10·(|W| + |f| + |g|)``).
+``1e-10·(|W| + |f| + |g|)``). It holding is an algebraic identity (a check of the code),
+not a finding about the model.
 
 Speed (the issue asks ≤ 2× a forward pass): nothing of size ``n²`` per map is done in
 float64 except on the bound rows. Scores are computed from per-row moments ``Σx, Σy, Σx²,
@@ -41,14 +50,17 @@ from torch import Tensor
 
 from posgen_tl.analysis._moments import _all_fit_moments, _d3_moments, _geometry, _Geometry, _scores, _Target
 from posgen_tl.capture import QKCapture, probe_hooks, stream_qk
-from posgen_tl.corpus import CorpusLike, corpus_tokens
+from posgen_tl.corpus import CorpusLike, Windows, corpus_tokens, reference_windows
+from posgen_tl.decompose import _kbar_batched, sequence_key_mean
 from posgen_tl.interventions import feature_means
 from posgen_tl.rope import angles, expand_kv, rotate, to_bands
 
 __all__ = [
     "ESTIMATORS",
     "split_tokens",
+    "analysis_windows",
     "reference_key_means",
+    "K_MEAN_KINDS",
     "decompose_model",
     "decompose_with_twin",
     "summarize_decomposition",
@@ -56,7 +68,10 @@ __all__ = [
 ]
 
 ESTIMATORS = ("D1", "D2", "D3")
+K_MEAN_KINDS = ("global", "per_sequence")
 SCORE_COLUMNS = ("r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds")
+COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
+           "sink_excluded", *SCORE_COLUMNS]
 _BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative to |W|+|f|+|g|)
 
 
@@ -89,9 +104,74 @@ def split_tokens(
     return toks[:n_seq], toks[n_seq:]
 
 
+def analysis_windows(
+    model: Any,
+    corpus: CorpusLike | Windows = None,
+    reference: Windows | Tensor | None = None,
+    *,
+    n_seq: int = 16,
+    seq_len: int = 512,
+    n_ref: int = 8,
+    seed: int = 0,
+) -> tuple[Windows, Windows | None]:
+    """``(analysed, reference)`` windows whose DOCUMENTS are disjoint (the global k̄'s reference).
+
+    * ``corpus`` a :class:`~posgen_tl.corpus.Windows`: analysed as given (first ``n_seq``);
+      ``reference`` (Windows) is checked for shared documents — a :class:`ValueError` if any;
+    * ``corpus`` text (``None`` = pydoc topics, a file, a folder, strings):
+      :func:`~posgen_tl.corpus.reference_windows` splits the DOCUMENTS (seeded) into a
+      reference set (``n_ref`` windows) and an analysed pool, of which the first ``n_seq``
+      windows are taken (round-robin over documents: as many documents as possible);
+    * ``corpus`` a token tensor: each row is treated as its own document; its last ``n_ref``
+      rows are the reference unless ``reference`` is given (then all rows are analysed).
+      Rows cannot be traced to documents here: prefer Windows.
+
+    Returns:
+        ``analysed`` Windows of ``[≤ n_seq, pos]`` tokens with ``doc_ids``; ``reference``
+        Windows (``None`` when ``corpus`` is Windows and no reference was given).
+    """
+    if isinstance(reference, Tensor) and not isinstance(corpus, Windows):
+        reference = _tensor_windows(reference, prefix="ref_row")
+    if isinstance(corpus, Windows):
+        analysed = corpus.subset(range(min(n_seq, len(corpus))))
+    elif isinstance(corpus, Tensor):
+        t = corpus if corpus.ndim == 2 else corpus[None]
+        if reference is None:
+            a, r = split_tokens(model, t, n_seq=n_seq, n_ref=n_ref)
+            analysed, reference = _tensor_windows(a), _tensor_windows(r, prefix="ref_row")
+        else:
+            analysed = _tensor_windows(t[:n_seq])
+    else:
+        pool, ref = reference_windows(model, corpus, seq_len=seq_len, n_seq=n_ref, seed=seed)
+        if len(pool) < n_seq:
+            raise ValueError(f"the analysed documents give only {len(pool)} windows of {seq_len} tokens; "
+                             f"{n_seq} were asked for (lower n_seq or seq_len)")
+        analysed = pool.subset(range(n_seq))
+        reference = ref if reference is None else reference
+    if isinstance(reference, Windows):
+        _check_disjoint(analysed, reference)
+    return analysed, reference
+
+
+def _tensor_windows(t: Tensor, prefix: str = "row") -> Windows:
+    """Token rows as Windows, row ``i`` its own document ``i`` named ``f"{prefix}{i}"``."""
+    n = t.shape[0]
+    return Windows(t, torch.arange(n), torch.zeros(n, dtype=torch.long), [f"{prefix}{i}" for i in range(n)])
+
+
+def _check_disjoint(analysed: Windows, reference: Windows) -> None:
+    """Raise if an analysed window and a reference window come from the same document."""
+    names_a = {analysed.doc_names[i] for i in analysed.doc_ids.tolist()}
+    names_r = {reference.doc_names[i] for i in reference.doc_ids.tolist()}
+    shared = names_a & names_r
+    if shared:
+        raise ValueError(f"the reference windows share documents with the analysed ones ({sorted(shared)[:5]}); "
+                         "the global k̄ must come from OTHER documents (corpus.split_documents)")
+
+
 def reference_key_means(
     model: Any,
-    tokens: Int[Tensor, "batch pos"],
+    tokens: Int[Tensor, "batch pos"] | Windows,
     layers: Sequence[int] | None = None,
     *,
     sink: int = 1,
@@ -100,51 +180,65 @@ def reference_key_means(
     extra_hooks: Sequence = (),
 ) -> dict[int, Float[Tensor, "kv_head d_head"]]:
     """Mean PRE-rotation key ``k̄`` per layer and kv-group over ``tokens`` (positions ``< sink``
-    excluded): :func:`posgen_tl.interventions.feature_means` in float64.
-    Returns ``{layer: Float[Tensor, "kv_head d_head"]}`` float64."""
+    excluded): :func:`posgen_tl.interventions.feature_means` in float64 (``tokens`` may be
+    :class:`~posgen_tl.corpus.Windows`). Returns ``{layer: Float[Tensor, "kv_head d_head"]}`` float64."""
+    if isinstance(tokens, Windows):
+        tokens = tokens.tokens
     return feature_means(model, tokens, layers, sink=sink, target="k", batch_size=batch_size,
                          progress="k̄ reference" if progress else False, extra_hooks=extra_hooks, dtype=torch.float64)
+
+
 
 
 # ----------------------------------------------------------------------------- W and D3 pieces
 
 
-def _maps(c: QKCapture, k_mean: Tensor) -> tuple[Tensor, Tensor]:
-    """``(W, f + g)`` float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat).
-
-    ``W = s·R_i q_i · R_j k_j`` (= ``c.logits()``); ``f + g`` of :func:`d3_split` as ONE matmul of
-    width ``2·d_head``: ``[s·R_i q_i | s·Λq_i] · [R_j k̄ | k_j − k̄]``, ``Λ = a²`` on rotary dims, 1 on pass dims.
-    """
+def _q2(c: QKCapture) -> Tensor:
+    """``[s·R_i q_i | s·Λq_i]`` grouped by kv-head, ``[b, kv, (g i), 2·d_head]`` float32 (``Λ = a²`` on rotary dims)."""
     rope, kv = c.rope, c.k.shape[-2]
-    kbar = k_mean.to(c.k.device, torch.float32)
-    b, n = c.k.shape[:2]
-    rot_kbar = rotate(kbar[None, None].expand(b, n, *kbar.shape), c.positions, rope)
     lam = torch.ones(c.q.shape[-1], device=c.q.device)
     lam[: rope.rotary_dim] = rope.attention_scaling**2
-    q2 = rearrange(torch.cat([c.rot_q, c.q * lam], dim=-1) * rope.score_scale,
-                   "b i (kv g) d -> b kv (g i) d", kv=kv).contiguous()
-    k_w = rearrange(c.rot_k, "b j kv d -> b kv d j")
-    k_y = rearrange(torch.cat([rot_kbar, c.k - kbar], dim=-1), "b j kv d -> b kv d j")
+    return rearrange(torch.cat([c.rot_q, c.q * lam], dim=-1) * rope.score_scale,
+                     "b i (kv g) d -> b kv (g i) d", kv=kv).contiguous()
+
+
+_GROUPED = "b kv (g i) j -> (b kv g) i j"
+
+
+def _w_map(c: QKCapture, q2: Tensor) -> Tensor:
+    """``W = s·R_i q_i · R_j k_j`` (= ``c.logits()``), float32 ``[(batch head_index), query_pos, key_pos]``."""
     d = c.q.shape[-1]
-    w = torch.matmul(q2[..., :d], k_w)
-    y = torch.matmul(q2, k_y)
-    shape = "b kv (g i) j -> (b kv g) i j"
-    return rearrange(w, shape, i=n), rearrange(y, shape, i=n)
+    return rearrange(torch.matmul(q2[..., :d], rearrange(c.rot_k, "b j kv d -> b kv d j")), _GROUPED, i=c.q.shape[1])
+
+
+def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor) -> Tensor:
+    """``f + g`` of :func:`d3_split` as ONE matmul of width ``2·d_head``: ``q2 · [R_j k̄ | k_j − k̄]``.
+
+    ``k_mean``: ``[kv_head, d_head]`` (global) or ``[batch, kv_head, d_head]`` (per sequence).
+    Returns float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat).
+    """
+    b, n, kv = c.k.shape[:3]
+    kbar = _kbar_batched(k_mean.to(c.k.device, torch.float32), b, kv)  # b kv d
+    rot_kbar = rotate(kbar[:, None].expand(b, n, *kbar.shape[1:]), c.positions, c.rope)
+    k_y = rearrange(torch.cat([rot_kbar, c.k - kbar[:, None]], dim=-1), "b j kv d -> b kv d j")
+    return rearrange(torch.matmul(q2, k_y), _GROUPED, i=n)
 
 
 def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, _Geometry]) -> dict[int, dict[str, Tensor]]:
     """D3 check on query ``rows``: mean |W − f − g|, mean bound (as :func:`d3_bound`) and
     fraction of entries within the bound, over the masked entries of ``rows`` per mask.
 
-    ``W, f, g`` in float64 as in :func:`d3_split` (float32 angles, float64 phasors), via real
-    matmuls on ``(Re, Im)`` band coordinates; the bound (float64) only on ``j ≤ i``, with the
-    ``2|sin((φ_i − φ_j)/2)|`` table computed once when all sequences share positions.
+    ``k_mean``: ``[kv_head, d_head]`` or ``[batch, kv_head, d_head]``. ``W, f, g`` in float64
+    as in :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on ``(Re, Im)``
+    band coordinates; the bound (float64) only on ``j ≤ i``, with the ``2|sin((φ_i − φ_j)/2)|``
+    table computed once when all sequences share positions.
     Each ``[batch, head_index]``, flattened to ``[(batch head_index)]``.
     """
     rope, h, r = c.rope, c.n_heads, c.rope.rotary_dim
     q, k = c.q.double(), expand_kv(c.k, h).double()
-    kb = expand_kv(k_mean.to(q.device), h).double()
+    kb = _kbar_batched(k_mean.to(q.device).double(), q.shape[0], h)  # b h d
     zq, zk, zb = (to_bands(x, r, rope.layout) for x in (q, k, kb))
+    zb = zb[:, None]  # b 1 h m
     phi = angles(c.positions.to(q.device), rope).double()  # b pos m
     e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]
 
@@ -158,10 +252,10 @@ def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, _G
     g = a2 * qb @ re(zk - zb).transpose(-1, -2)
     if q.shape[-1] > r:
         qp, kp = rearrange(q[:, rows, :, r:], "b i h d -> b h i d"), rearrange(k[..., r:], "b j h d -> b h d j")
-        kbp = kb[:, r:]
+        kbp = kb[..., r:]  # b h dp
         w = w + qp @ kp
-        f = f + torch.einsum("bhid,hd->bhi", qp, kbp)[..., None]
-        g = g + qp @ (kp - kbp[None, :, :, None])
+        f = f + torch.einsum("bhid,bhd->bhi", qp, kbp)[..., None]
+        g = g + qp @ (kp - kbp[..., None])
     w, f, g = s * w, s * f, s * g
     err = (w - f - g).abs()
     qn = rearrange(zq[:, rows].abs(), "b i h m -> (b h) i m")
@@ -191,33 +285,68 @@ def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, _G
 # ----------------------------------------------------------------------------- runner
 
 
-def _run(model, tokens, k_means, layers, *, sink, batch_size, bound_rows, twin_label, model_label, progress, extra_hooks):
+def _k_mean_kinds(k_mean: Any) -> tuple[list[str], dict[int, Tensor] | Tensor | None]:
+    """``(kinds, given)``: the k̄ kinds to score and a given k̄ (dict per layer or one tensor) if any."""
+    if isinstance(k_mean, (dict, Tensor)):
+        return ["given"], k_mean
+    kinds = [k_mean] if isinstance(k_mean, str) else list(k_mean)
+    bad = [k for k in kinds if k not in K_MEAN_KINDS]
+    if bad or not kinds or len(set(kinds)) != len(kinds):
+        raise ValueError(f"k_mean must be 'global', 'per_sequence', a sequence of them, a tensor or a "
+                         f"{{layer: tensor}} dict; got {k_mean!r}")
+    return kinds, None
+
+
+def _run(model, windows: Windows, kinds, k_means, layers, *, sink, batch_size, bound_rows, twin_label, model_label,
+         progress, extra_hooks):
     spec, _ = probe_hooks(model)
+    tokens = windows.tokens
     n = tokens.shape[1]
     rows = torch.linspace(0, n - 1, min(bound_rows, n)).round().long().unique()
     sinks = [0, sink] if sink else [0]
+    docs = windows.doc_ids.cpu().numpy()
     frames: list[dict[str, np.ndarray]] = []
     cache: dict = {}  # map-sized scratch buffers, freed when the run ends
 
-    def on_layer(c: QKCapture) -> None:
-        lr, kbar = c.rope, k_means[c.layer]
-        geoms = {s: _geometry(n, s, lr.sliding_window, c.q.device) for s in sinks}
+    def kbar_of(kind: str, c: QKCapture) -> Tensor:
+        if kind == "per_sequence":
+            return sequence_key_mean(c.k, sink)
+        km = k_means if isinstance(k_means, Tensor) else k_means[c.layer]
+        return km
+
+    def emit(c, moments, bnd, est_kind: dict[str, str]) -> None:
         b, h = c.q.shape[0], c.n_heads
-        bnd = _bound_check(c, kbar, rows.to(c.q.device), geoms)
-        w, y = _maps(c, kbar)
-        t = _Target(w, geoms[0], bnd[0]["mu"].float(), cache)
-        del w
-        moments = {(s, "D3"): m for s, m in _d3_moments(t, y, geoms[0], sinks).items()}
-        del y
-        moments.update(_all_fit_moments(t, geoms))
+        seq = np.arange(b) + c.seq_offset
         for (s, est), m in sorted(moments.items()):
-            sc = {k: v.cpu().numpy() for k, v in _scores(m, geoms[s]).items()}
+            sc = {k: v.cpu().numpy() for k, v in _scores(m, geoms_of(c)[s]).items()}
             for key in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds"):
                 sc[key] = bnd[s][key].cpu().numpy() if est == "D3" else np.full(b * h, np.nan)
             sc["head"] = np.tile(np.arange(h), b)
-            sc["seq"] = np.repeat(np.arange(b) + c.seq_offset, h)
-            sc.update(layer=c.layer, kind=lr.kind, estimator=est, sink_excluded=bool(s))
+            sc["seq"] = np.repeat(seq, h)
+            sc["doc"] = np.repeat(docs[seq], h)
+            sc.update(layer=c.layer, kind=c.rope.kind, estimator=est, sink_excluded=bool(s), k_mean=est_kind[est])
             frames.append(sc)
+
+    def geoms_of(c: QKCapture) -> dict[int, _Geometry]:
+        return {s: _geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
+
+    def on_layer(c: QKCapture) -> None:
+        geoms = geoms_of(c)
+        r = rows.to(c.q.device)
+        q2 = _q2(c)
+        w = _w_map(c, q2)
+        t = None
+        for kind in kinds:
+            kbar = kbar_of(kind, c)
+            bnd = _bound_check(c, kbar, r, geoms)
+            if t is None:  # the target (and its D1/D2 fits) do not depend on k̄
+                t = _Target(w, geoms[0], bnd[0]["mu"].float(), cache)
+                del w
+                emit(c, _all_fit_moments(t, geoms), bnd, {"D1": "none", "D2": "none"})
+            y = _y_map(c, q2, kbar)
+            moments = {(s, "D3"): m for s, m in _d3_moments(t, y, geoms[0], sinks).items()}
+            del y
+            emit(c, moments, bnd, {"D3": kind})
 
     stream_qk(model, tokens, on_layer, layers, batch_size=batch_size, extra_hooks=extra_hooks,
               progress=f"decompose[{twin_label}]" if progress else False)
@@ -225,15 +354,16 @@ def _run(model, tokens, k_means, layers, *, sink, batch_size, bound_rows, twin_l
     df["model"] = model_label or spec.model_name
     df["twin"] = twin_label
     df["layer_group"] = [layer_group(int(x), spec.n_layers) for x in df["layer"]]
-    cols = ["model", "twin", "layer", "layer_group", "kind", "head", "seq", "estimator", "sink_excluded", *SCORE_COLUMNS]
-    df = df[cols].sort_values(["layer", "estimator", "sink_excluded", "seq", "head"], kind="stable")
+    df = df[COLUMNS].sort_values(["layer", "estimator", "k_mean", "sink_excluded", "seq", "head"], kind="stable")
     return df.reset_index(drop=True)
 
 
 def decompose_model(
     model: Any,
-    corpus: CorpusLike = None,
+    corpus: CorpusLike | Windows = None,
     *,
+    reference: Windows | Tensor | None = None,
+    k_mean: str | Sequence[str] | Tensor | dict[int, Tensor] = K_MEAN_KINDS,
     layers: Sequence[int] | None = None,
     n_seq: int = 16,
     seq_len: int = 512,
@@ -241,6 +371,7 @@ def decompose_model(
     n_ref: int = 8,
     batch_size: int = 4,
     bound_rows: int = 32,
+    corpus_seed: int = 0,
     twin_label: str = "trained",
     model_label: str | None = None,
     progress: bool = True,
@@ -248,53 +379,70 @@ def decompose_model(
     extra_hooks: Sequence = (),
 ) -> pd.DataFrame:
     """D1/D2/D3 scores of every head's logit map, one row per (layer, head, sequence,
-    estimator, sink_excluded).
+    estimator, k̄ kind, sink_excluded).
 
-    Tokens: :func:`split_tokens` (analysed sequences + ``n_ref`` disjoint reference ones;
-    a token tensor's last ``n_ref`` rows are the reference). ``k̄`` per layer and kv-group
-    comes from the reference sequences (:func:`reference_key_means`, first ``sink``
-    positions excluded) unless ``k_means`` ``{layer: [kv_head, d_head]}`` is given.
-    ``sink_excluded=True`` rows refit and rescore with keys ``j < sink`` removed (only
-    produced when ``sink > 0``); SmolLM2 has no BOS, but its first token is still a sink.
+    Windows: :func:`analysis_windows` (analysed windows + ``n_ref`` reference windows from
+    OTHER documents, split by ``corpus_seed``; a token tensor's last ``n_ref`` rows are the reference).
+    ``k_mean``: ``"global"`` (per layer and kv-group from the reference windows,
+    :func:`reference_key_means`, first ``sink`` positions excluded), ``"per_sequence"``
+    (each sequence's own mean key, sink excluded, from the same capture pass), a sequence of
+    both (default: both, scored in ONE pass), or a given k̄ — a ``[kv_head, d_head]`` tensor
+    (all layers) or ``{layer: [kv_head, d_head]}`` — labelled ``"given"``. ``k_means`` is the
+    old name of a given dict. ``sink_excluded=True`` rows rescore with keys ``j < sink``
+    removed (only when ``sink > 0``); SmolLM2 has no BOS, but its first token is a sink.
     ``extra_hooks`` are attached to both passes (e.g. interventions on ``hook_k``).
 
-    Returns a tidy DataFrame with columns ``model, twin, layer, layer_group, kind, head,
-    seq, estimator ('D1'|'D2'|'D3'), sink_excluded, r, r2, r_within`` and, on D3 rows,
-    ``d3_err_mean, d3_bound_mean`` (mean ``|W − f − g|`` and mean bound over the masked
-    entries of ``bound_rows`` evenly spaced query rows, float64) and ``d3_bound_holds``
-    (fraction of those entries within the bound; 1.0 unless there is a bug); NaN elsewhere.
+    Returns a tidy DataFrame with :data:`COLUMNS`: ``model, twin, k_mean ('global' |
+    'per_sequence' | 'given' on D3 rows, 'none' on D1/D2 rows, which do not use k̄), layer,
+    layer_group, kind, head, doc, seq, estimator ('D1'|'D2'|'D3'), sink_excluded, r, r2,
+    r_within`` and, on D3 rows, ``d3_err_mean, d3_bound_mean`` (mean ``|W − f − g|`` and mean
+    bound over the masked entries of ``bound_rows`` evenly spaced query rows, float64) and
+    ``d3_bound_holds`` (fraction within the bound; 1.0 is an algebraic identity, a check of
+    the code, not a finding); NaN elsewhere. ``df.attrs["reference_docs"]`` /
+    ``["analysed_docs"]`` name the documents used.
     """
-    tokens, ref = split_tokens(model, corpus, n_seq=n_seq, seq_len=seq_len, n_ref=n_ref)
-    if k_means is None:
-        k_means = reference_key_means(model, ref, layers, sink=sink, batch_size=batch_size,
-                                      progress=progress, extra_hooks=extra_hooks)
-    return _run(model, tokens, k_means, layers, sink=sink, batch_size=batch_size, bound_rows=bound_rows,
-                twin_label=twin_label, model_label=model_label, progress=progress, extra_hooks=extra_hooks)
+    if k_means is not None:
+        k_mean = k_means
+    kinds, given = _k_mean_kinds(k_mean)
+    windows, ref = analysis_windows(model, corpus, reference, n_seq=n_seq, seq_len=seq_len, n_ref=n_ref,
+                                    seed=corpus_seed)
+    if "global" in kinds:
+        if ref is None:
+            raise ValueError("k_mean='global' needs reference windows from other documents: pass reference=")
+        given = reference_key_means(model, ref, layers, sink=sink, batch_size=batch_size, progress=progress,
+                                    extra_hooks=extra_hooks)
+    df = _run(model, windows, kinds, given, layers, sink=sink, batch_size=batch_size, bound_rows=bound_rows,
+              twin_label=twin_label, model_label=model_label, progress=progress, extra_hooks=extra_hooks)
+    df.attrs["analysed_docs"] = sorted({windows.doc_names[i] for i in windows.doc_ids.tolist()})
+    df.attrs["reference_docs"] = [] if ref is None else sorted({ref.doc_names[i] for i in ref.doc_ids.tolist()})
+    return df
 
 
-def decompose_with_twin(model: Any, corpus: CorpusLike = None, *, seed: int = 0, twin: Any = None, **kw: Any) -> pd.DataFrame:
+def decompose_with_twin(model: Any, corpus: CorpusLike | Windows = None, *, seed: int = 0, twin: Any = None,
+                        reference: Windows | Tensor | None = None, **kw: Any) -> pd.DataFrame:
     """:func:`decompose_model` for ``model`` (twin ``'trained'``) and ``random_twin(model, seed)``
-    (twin ``'random'``) on the SAME token sequences (and the same reference sequences, each
-    model computing its own ``k̄``); both frames concatenated, ``model`` label shared.
+    (twin ``'random'``) on the SAME windows (and the same reference windows, each model
+    computing its own global ``k̄``); both frames concatenated, ``model`` label shared.
     ``twin``: an already-built ``random_twin(model, seed)`` to reuse (built here if None)."""
     from posgen_tl.models import random_twin  # noqa: PLC0415
 
     kw = dict(kw)
     kw.pop("twin_label", None)
-    kw.pop("k_means", None)
-    tokens, ref = split_tokens(model, corpus, n_seq=kw.pop("n_seq", 16), seq_len=kw.pop("seq_len", 512),
-                               n_ref=kw.get("n_ref", 8))
-    both = torch.cat([tokens, ref])
+    windows, ref = analysis_windows(model, corpus, reference, n_seq=kw.pop("n_seq", 16),
+                                    seq_len=kw.pop("seq_len", 512), n_ref=kw.get("n_ref", 8), seed=kw.get("corpus_seed", 0))
     label = kw.pop("model_label", None) or probe_hooks(model)[0].model_name
-    trained = decompose_model(model, both, twin_label="trained", model_label=label, n_seq=len(tokens), **kw)
+    common = dict(reference=ref, n_seq=len(windows), model_label=label, **kw)
+    trained = decompose_model(model, windows, twin_label="trained", **common)
     twin = random_twin(model, seed) if twin is None else twin
-    random = decompose_model(twin, both, twin_label="random", model_label=label, n_seq=len(tokens), **kw)
-    return pd.concat([trained, random], ignore_index=True)
+    random = decompose_model(twin, windows, twin_label="random", **common)
+    out = pd.concat([trained, random], ignore_index=True)
+    out.attrs = dict(trained.attrs)
+    return out
 
 
 def summarize_decomposition(
     df: pd.DataFrame,
-    by: Sequence[str] = ("model", "twin", "estimator", "sink_excluded", "layer_group"),
+    by: Sequence[str] = ("model", "twin", "k_mean", "estimator", "sink_excluded", "layer_group"),
     values: Sequence[str] = ("r", "r2", "r_within"),
 ) -> pd.DataFrame:
     """Mean ± std (spread over heads × sequences × layers in the group) of ``values``; also

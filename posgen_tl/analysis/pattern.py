@@ -1,23 +1,34 @@
 """METHOD.md §3 runner: the intermediate-feature pattern of RoPE planes, per layer/head/band.
 
-One streaming pass over a corpus (:func:`posgen_tl.capture.stream_qk`, no scores, the
-forward stops after the last requested layer) feeds, per layer, a
-:class:`~posgen_tl.features.BandStats` for the pre-rotation queries (query heads) and one
-for the keys (kv-groups). The first ``sink`` positions of every sequence are masked out.
-Memory is the accumulators (``O(layers · heads · d_head)``) plus one layer of one batch:
-it does not grow with the corpus.
+One streaming pass over the analysed windows (:func:`posgen_tl.capture.stream_qk`; the
+forward stops after the last requested layer) feeds, per layer:
+
+* a :class:`~posgen_tl.features.BandStats` for the pre-rotation queries (query heads) and one
+  for the keys (kv-groups): energy share, phase concentration, …;
+* a :class:`~posgen_tl.rho.SequenceBandSums` for each (per-sequence sums with document ids):
+  ρ in three forms — ``rho_within``, cross-fitted ``rho_cross`` over document halves and
+  ``stability = rho_cross / rho_within`` (the plug-in ``offset_ratio`` is kept, labelled legacy);
+* the within-row logit spread ``σ(W)`` per head (:func:`~posgen_tl.features.within_row_spread`).
+
+The first ``sink`` positions of every sequence are excluded from every statistic. Memory is
+the accumulators (``O(layers · heads · d_head)`` plus ``O(n_seq · layers · heads · bands)``)
+and one layer of one batch. A reference pass over windows of OTHER documents gives the
+global k̄ (as in :mod:`posgen_tl.analysis.decomposition`).
 
 From the accumulated statistics:
 
-* ``bands`` — one row per (layer, q|k, head, band): energy share, offset ratio ``ρ``,
-  phase concentration, residual rms, energy and the band's period ``2π/θ_m`` in tokens;
-* ``heads`` — one row per (layer, query head): the pattern score and expected D3 bound of
-  :func:`posgen_tl.features.pattern_scores` (``max_distance = seq_len − 1``), the mean key
-  ``ρ`` of the fastest quarter of the bands and the key energy centroid (band index).
+* ``bands`` — one row per (layer, q|k, head, band): energy share, the ρ forms, phase
+  concentration, residual rms, energy, the band's period ``2π/θ_m`` and its band group;
+* ``heads`` — one row per (layer, query head): the rotation-aware pattern score
+  ``pred_d3_err_<k̄ kind>`` (predicted relative D3 error, :func:`~posgen_tl.features.predicted_d3_error`,
+  entry-weighted rotation factors with ``max_distance = seq_len − 1`` and the sink excluded)
+  for the global and the per-sequence k̄, the logit spread, a rotation-BLIND control
+  ``blind_d3_err_<kind>`` (every band given the mean rotation weight), the legacy score, and
+  the key ρ forms of the fastest third of the bands.
 
 :func:`link_to_decomposition` joins ``heads`` with per-sequence D3 scores
-(``posgen_tl.analysis.decomposition``) and reports how the pattern predicts D3's
-within-row r across heads, trained and random-init twin apart.
+(``posgen_tl.analysis.decomposition``) and reports Spearman's rank correlation of each score
+with D3's within-row r across heads, trained and random-init twin apart (never pooled), per k̄.
 """
 
 from __future__ import annotations
@@ -33,9 +44,19 @@ from jaxtyping import Float
 from torch import Tensor
 
 from posgen_tl.capture import QKCapture, probe_hooks, stream_qk
-from posgen_tl.features import BandStats, fast_band_offset, pattern_scores, stats_frame
+from posgen_tl.corpus import Windows
+from posgen_tl.decompose import causal_mask
+from posgen_tl.features import (
+    BandStats,
+    distance_weights,
+    pattern_scores,
+    predicted_d3_error,
+    stats_frame,
+    within_row_spread,
+)
 from posgen_tl.heads import frequency_centroid
-from posgen_tl.rope import LayerRope
+from posgen_tl.rho import SequenceBandSums, band_group
+from posgen_tl.rope import LayerRope, to_bands
 
 __all__ = [
     "PatternResult",
@@ -49,18 +70,15 @@ __all__ = [
 ]
 
 BAND_COLUMNS = [
-    "model", "twin", "layer", "kind", "which", "head", "band", "energy_share", "offset_ratio",
-    "phase_concentration", "residual_rms", "energy", "period",
+    "model", "twin", "layer", "kind", "which", "head", "band", "band_group", "energy_share",
+    "rho_within", "rho_cross", "stability", "offset_ratio", "phase_concentration", "residual_rms", "energy", "period",
 ]
 HEAD_COLUMNS = [
-    "model", "twin", "layer", "head", "kv_group", "pattern_score", "expected_bound",
-    "fast_key_offset", "key_energy_centroid",
+    "model", "twin", "layer", "head", "kv_group", "logit_spread", "pred_d3_err_global", "pred_d3_err_per_sequence",
+    "blind_d3_err_global", "blind_d3_err_per_sequence",
+    "fast_key_rho_within", "fast_key_rho_cross", "fast_key_stability", "key_energy_centroid",
+    "legacy_pattern_score", "expected_bound",
 ]
-
-
-def _n_fast(n_bands: int) -> int:
-    """Size of the "fastest quarter" of the bands (at least one band)."""
-    return max(1, n_bands // 4)
 
 
 def pattern_frames(
@@ -72,8 +90,19 @@ def pattern_frames(
     max_distance: int,
     model: str = "",
     twin: str = "trained",
+    q_seq: SequenceBandSums | None = None,
+    k_seq: SequenceBandSums | None = None,
+    spread: tuple[Tensor, Tensor] | None = None,
+    k_global: Float[Tensor, "kv_head d_head"] | None = None,
+    sink: int = 0,
+    n_splits: int = 16,
+    seed: int = 0,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The ``bands`` and ``heads`` rows of one layer from its q and k accumulators.
+    """The ``bands`` and ``heads`` rows of one layer from its accumulators.
+
+    ``q_seq``/``k_seq``: per-sequence sums (ρ forms; NaN columns if absent); ``spread``:
+    ``(Σ within-row squared deviations [head_index], n entries)`` of the logits; ``k_global``:
+    the reference k̄ (``pred_d3_err_global`` is NaN without it).
 
     Returns:
         ``(bands, heads)``: ``bands`` has :data:`BAND_COLUMNS`, ``(H + G) · n_bands`` rows
@@ -81,25 +110,59 @@ def pattern_frames(
         ``H`` rows (one per query head, key statistics taken from its kv-group).
     """
     period = (2 * math.pi / rope.theta).cpu().numpy()  # inf for a zero frequency
-    parts = []
-    for which, st in (("q", q_stats), ("k", k_stats)):
+    nb = k_stats.n_bands
+    parts, forms = [], {}
+    for which, st, seq in (("q", q_stats, q_seq), ("k", k_stats, k_seq)):
         f = stats_frame(st, layer=layer, which=which, model=model, twin=twin)
         f["kind"] = rope.kind
         f["period"] = period[f["band"].to_numpy()]
+        f["band_group"] = [band_group(int(b), nb) for b in f["band"]]
+        nan = torch.full((st.n_heads, nb), float("nan"), dtype=torch.float64)
+        forms[which] = seq.forms(n_splits, seed) if seq is not None else {k: nan for k in ("rho_within", "rho_cross", "stability")}
+        for key in ("rho_within", "rho_cross", "stability"):
+            f[key] = forms[which][key].reshape(-1).cpu().numpy()
         parts.append(f)
     bands = pd.concat(parts, ignore_index=True)[BAND_COLUMNS]
 
     H, G = q_stats.n_heads, k_stats.n_heads
-    scores = pattern_scores(q_stats, k_stats, rope, max_distance)
+    legacy = pattern_scores(q_stats, k_stats, rope, max_distance, sink=sink)
     group = torch.arange(H) // (H // G)
-    fast = fast_band_offset(k_stats, _n_fast(k_stats.n_bands)).double().cpu()[group]
+    fast = max(1, nb // 3)
+    nan_h = torch.full((H,), float("nan"), dtype=torch.float64)
+    if spread is not None:
+        sigma = torch.where(spread[1] > 0, (spread[0] / spread[1].clamp(min=1)).sqrt(), torch.nan)
+        w = distance_weights(rope, max_distance, sink=sink)
+        scale = rope.score_scale * rope.attention_scaling**2
+        q_e = q_seq.energy() if q_seq is not None else q_stats.energy().double().cpu()
+        res_seq = k_seq.within_residual_energy() if k_seq is not None else None
+        flat = torch.full_like(w, float(w.mean()))  # control: every band the same (mean) rotation weight
+
+        def pred(res: Tensor | None, weights: Tensor) -> Tensor:
+            return nan_h if res is None else predicted_d3_error(q_e, res, weights, sigma, scale)["pred_d3_err"]
+
+        per_seq, blind_seq = pred(res_seq, w), pred(res_seq, flat)
+        res_g = None
+        if k_global is not None:
+            kg = to_bands(k_global.double().cpu(), rope.rotary_dim, rope.layout)
+            res_g = (k_seq.residual_energy(kg) if k_seq is not None else
+                     (k_stats.energy().double().cpu() - 2 * (k_stats.mean_bands().cpu() * kg.conj()).real + kg.abs().square()))
+        glob, blind_g = pred(res_g, w), pred(res_g, flat)
+    else:
+        sigma, per_seq, glob, blind_seq, blind_g = nan_h, nan_h, nan_h, nan_h, nan_h
     centroid = frequency_centroid(k_stats.energy_share()).cpu()[group]
+    fk = {key: torch.nanmean(forms["k"][key][:, :fast].double(), -1)[group].numpy() for key in ("rho_within", "rho_cross", "stability")}
     heads = pd.DataFrame({
         "model": model, "twin": twin, "layer": layer, "head": np.arange(H), "kv_group": group.numpy(),
-        "pattern_score": scores["pattern_score"].cpu().numpy(),
-        "expected_bound": scores["expected_bound"].cpu().numpy(),
-        "fast_key_offset": fast.numpy(),
+        "logit_spread": sigma.cpu().numpy(),
+        "pred_d3_err_global": glob.cpu().numpy(),
+        "pred_d3_err_per_sequence": per_seq.cpu().numpy(),
+        "blind_d3_err_global": blind_g.cpu().numpy(),
+        "blind_d3_err_per_sequence": blind_seq.cpu().numpy(),
+        "fast_key_rho_within": fk["rho_within"], "fast_key_rho_cross": fk["rho_cross"],
+        "fast_key_stability": fk["stability"],
         "key_energy_centroid": centroid.numpy(),
+        "legacy_pattern_score": legacy["legacy_pattern_score"].cpu().numpy(),
+        "expected_bound": legacy["expected_bound"].cpu().numpy(),
     })[HEAD_COLUMNS]
     return bands, heads
 
@@ -111,21 +174,24 @@ class PatternResult:
     Attributes:
         bands: tidy frame, :data:`BAND_COLUMNS`, one row per (layer, which, head, band).
         heads: tidy frame, :data:`HEAD_COLUMNS`, one row per (layer, query head).
-        states: ``{layer: {"q": BandStats.state_dict(), "k": ...}}`` — mergeable raw sums.
-        k_means: ``{layer: Float[Tensor, "kv_head d_head"]}`` mean pre-rotation key ``k̄``
-            (sink excluded), the reference of the D3 split.
-        ropes: ``{layer: LayerRope}``; ``max_distance``: ``L`` used for the pattern score.
+        states: ``{layer: {"q", "k": BandStats.state_dict(), "q_seq", "k_seq":
+            SequenceBandSums.state_dict(), "spread": (ss [head], n), "k_global": tensor | None}}``
+            — mergeable raw sums.
+        k_means: ``{layer: Float[Tensor, "kv_head d_head"]}`` mean pre-rotation key of the
+            ANALYSED tokens (sink excluded); ``k_global``: the reference (global) k̄ or None.
+        ropes: ``{layer: LayerRope}``; ``max_distance``: ``L`` used for the rotation weights.
     """
 
     model: str
     twin: str
     bands: pd.DataFrame
     heads: pd.DataFrame
-    states: dict[int, dict[str, dict]]
+    states: dict[int, dict[str, Any]]
     k_means: dict[int, Float[Tensor, "kv_head d_head"]]
     ropes: dict[int, LayerRope] = field(repr=False, default_factory=dict)
     max_distance: int = 1
     sink: int = 0
+    n_splits: int = 16
 
     @property
     def n_tokens(self) -> int:
@@ -136,39 +202,52 @@ class PatternResult:
     @classmethod
     def from_states(
         cls,
-        states: dict[int, dict[str, dict]],
+        states: dict[int, dict[str, Any]],
         ropes: dict[int, LayerRope],
         *,
         max_distance: int,
         model: str = "",
         twin: str = "trained",
-        sink: int = 0,
+        sink: int | None = None,
+        n_splits: int = 16,
     ) -> "PatternResult":
-        """Rebuild the frames and ``k̄`` from raw accumulator states."""
+        """Rebuild the frames and ``k̄`` from raw accumulator states (``sink``: the states' own by default)."""
+        if sink is None:
+            sink = int(next(iter(states.values())).get("sink", 0)) if states else 0
         bands, heads, k_means = [], [], {}
         for layer in sorted(states):
-            q = BandStats.from_state_dict(states[layer]["q"])
-            k = BandStats.from_state_dict(states[layer]["k"])
-            b, h = pattern_frames(q, k, ropes[layer], layer=layer, max_distance=max_distance,
-                                  model=model, twin=twin)
+            st = states[layer]
+            q = BandStats.from_state_dict(st["q"])
+            k = BandStats.from_state_dict(st["k"])
+            seqs = {w: SequenceBandSums.from_state_dict(st[f"{w}_seq"]) if st.get(f"{w}_seq") else None for w in ("q", "k")}
+            b, h = pattern_frames(q, k, ropes[layer], layer=layer, max_distance=max_distance, model=model, twin=twin,
+                                  q_seq=seqs["q"], k_seq=seqs["k"], spread=st.get("spread"),
+                                  k_global=st.get("k_global"), sink=sink, n_splits=n_splits)
             bands.append(b)
             heads.append(h)
             k_means[layer] = k.mean().float()
         return cls(model, twin, pd.concat(bands, ignore_index=True), pd.concat(heads, ignore_index=True),
-                   states, k_means, dict(ropes), max_distance, sink)
+                   states, k_means, dict(ropes), max_distance, sink, n_splits)
 
     def merge(self, other: "PatternResult") -> "PatternResult":
-        """The result of having streamed both corpora (same model, layers and settings)."""
+        """The result of having streamed both corpora (same model, layers, settings and global k̄)."""
         if set(self.states) != set(other.states) or (self.model, self.twin) != (other.model, other.twin):
             raise ValueError("can only merge results of the same model/twin over the same layers")
         states = {}
         for layer, st in self.states.items():
-            states[layer] = {
-                w: BandStats.from_state_dict(st[w]).merge(BandStats.from_state_dict(other.states[layer][w])).state_dict()
-                for w in ("q", "k")
-            }
+            ot = other.states[layer]
+            new = {w: BandStats.from_state_dict(st[w]).merge(BandStats.from_state_dict(ot[w])).state_dict()
+                   for w in ("q", "k")}
+            for w in ("q_seq", "k_seq"):
+                if st.get(w) and ot.get(w):
+                    new[w] = SequenceBandSums.from_state_dict(st[w]).merge(SequenceBandSums.from_state_dict(ot[w])).state_dict()
+            if st.get("spread") is not None and ot.get("spread") is not None:
+                new["spread"] = (st["spread"][0] + ot["spread"][0], st["spread"][1] + ot["spread"][1])
+            new["k_global"] = st.get("k_global")
+            new["sink"] = self.sink
+            states[layer] = new
         return PatternResult.from_states(states, self.ropes, max_distance=max(self.max_distance, other.max_distance),
-                                         model=self.model, twin=self.twin, sink=self.sink)
+                                         model=self.model, twin=self.twin, sink=self.sink, n_splits=self.n_splits)
 
 
 @dataclass
@@ -191,72 +270,113 @@ def _model_label(model: Any) -> str:
     return str(getattr(getattr(model, "cfg", None), "model_name", None) or type(model).__name__)
 
 
-def _tokens(model: Any, corpus: Any, n_seq: int, seq_len: int) -> Tensor:
-    if isinstance(corpus, Tensor) and not corpus.is_floating_point():
-        return corpus[None] if corpus.ndim == 1 else corpus
-    from posgen_tl.corpus import corpus_tokens  # noqa: PLC0415
+def _windows(model: Any, corpus: Any, reference: Any, n_seq: int, seq_len: int, n_ref: int,
+             seed: int) -> tuple[Windows, Windows | None]:
+    """Analysed windows (token tensors: all rows, each its own document) and reference windows."""
+    from posgen_tl.analysis.decomposition import _check_disjoint, _tensor_windows, analysis_windows  # noqa: PLC0415
 
-    return corpus_tokens(model, corpus, seq_len=seq_len, n_seq=n_seq)
+    if isinstance(corpus, Tensor) and not corpus.is_floating_point():
+        t = corpus[None] if corpus.ndim == 1 else corpus
+        ref = _tensor_windows(reference, prefix="ref_row") if isinstance(reference, Tensor) else reference
+        return _tensor_windows(t), ref
+    if isinstance(corpus, Windows):
+        if isinstance(reference, Windows):
+            _check_disjoint(corpus, reference)
+        return corpus, reference
+    return analysis_windows(model, corpus, reference, n_seq=n_seq, seq_len=seq_len, n_ref=n_ref, seed=seed)
 
 
 def feature_pattern(
     model: Any,
     corpus: Any = None,
     *,
+    reference: Windows | Tensor | None = None,
+    k_means: dict[int, Tensor] | None = None,
     layers: Sequence[int] | None = None,
     n_seq: int = 64,
     seq_len: int = 512,
+    n_ref: int = 8,
     sink: int = 1,
     batch_size: int = 8,
+    n_splits: int = 16,
+    corpus_seed: int = 0,
     model_label: str | None = None,
     twin_label: str = "trained",
     progress: bool = True,
 ) -> PatternResult:
-    """Per-band q/k statistics and per-head pattern scores of ``model`` over a corpus.
+    """Per-band q/k statistics (ρ in three forms) and per-head pattern scores of ``model``.
 
     Args:
         model: a TransformerLens(-bridge) RoPE model.
-        corpus: token ids ``[batch, pos]`` (used as given), or a source for
-            :func:`posgen_tl.corpus.corpus_tokens` (``None`` = the default pydoc prose),
-            cut into ``n_seq`` sequences of ``seq_len`` tokens.
+        corpus: :class:`~posgen_tl.corpus.Windows` (analysed as given), token ids
+            ``[batch, pos]`` (all rows analysed, each row its own document), or a text source
+            (``None`` = pydoc topics): then ``n_seq`` windows of ``seq_len`` tokens from the
+            analysed documents and ``n_ref`` reference windows from OTHER documents
+            (:func:`posgen_tl.analysis.decomposition.analysis_windows`, split by ``corpus_seed``).
+        reference: reference windows for the global k̄ (disjoint documents); ``k_means``: a
+            given global k̄ ``{layer: [kv_head, d_head]}`` instead. Without either,
+            ``pred_d3_err_global`` is NaN.
         layers: layers to measure (default all).
-        sink: the first ``sink`` positions of every sequence are excluded from all statistics.
+        sink: the first ``sink`` positions of every sequence are excluded from all statistics
+            (and from the logit spread and rotation weights: keys ``j < sink`` are not entries).
+        n_splits: random document halvings averaged in ``rho_cross``.
         model_label / twin_label: the ``model`` / ``twin`` columns.
 
     Returns:
-        :class:`PatternResult`; the pattern score uses ``max_distance = seq_len − 1``.
+        :class:`PatternResult`; rotation weights use ``max_distance = seq_len − 1``.
     """
-    tokens = _tokens(model, corpus, n_seq, seq_len)
+    from posgen_tl.analysis.decomposition import reference_key_means  # noqa: PLC0415
+
+    windows, ref = _windows(model, corpus, reference, n_seq, seq_len, n_ref, corpus_seed)
+    tokens = windows.tokens
     n_pos = tokens.shape[1]
     if not 0 <= sink < n_pos:
         raise ValueError(f"sink={sink} must be in [0, {n_pos - 1}]")
     spec, _ = probe_hooks(model)
     layers = list(range(spec.n_layers)) if layers is None else sorted({int(x) % spec.n_layers for x in layers})
-    acc: dict[int, dict[str, BandStats]] = {}
+    if k_means is None and ref is not None:
+        k_means = reference_key_means(model, ref, layers, sink=sink, batch_size=batch_size, progress=progress)
+    acc: dict[int, dict[str, Any]] = {}
     for layer in layers:
         lr = spec.layer(layer)
         acc[layer] = {
             "q": BandStats(spec.n_heads, spec.d_head, lr.rotary_dim, lr.layout),
             "k": BandStats(spec.n_kv_heads, spec.d_head, lr.rotary_dim, lr.layout),
+            "q_seq": SequenceBandSums(spec.n_heads, lr.rotary_dim, lr.layout),
+            "k_seq": SequenceBandSums(spec.n_kv_heads, lr.rotary_dim, lr.layout),
+            "spread": (torch.zeros(spec.n_heads, dtype=torch.float64), torch.zeros((), dtype=torch.float64)),
         }
     keep = torch.arange(n_pos) >= sink  # [pos]
+    docs = windows.doc_ids
 
     def update(c: QKCapture) -> None:
+        a = acc[c.layer]
         mask = keep.to(c.q.device).expand(c.q.shape[0], -1)
-        acc[c.layer]["q"].update(c.q, mask)
-        acc[c.layer]["k"].update(c.k, mask)
+        d = docs[c.seq_offset : c.seq_offset + c.q.shape[0]]
+        a["q"].update(c.q, mask)
+        a["k"].update(c.k, mask)
+        a["q_seq"].update(c.q, d, mask)
+        a["k_seq"].update(c.k, d, mask)
+        ss, n = within_row_spread(c.logits(), causal_mask(n_pos, sink=sink, sliding_window=c.rope.sliding_window, device=c.q.device))
+        a["spread"] = (a["spread"][0] + ss.cpu(), a["spread"][1] + n.cpu())
 
     desc = f"pattern {twin_label}" if progress else False
     stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc)
-    states = {layer: {w: st.state_dict() for w, st in d.items()} for layer, d in acc.items()}
+    states = {}
+    for layer, d in acc.items():
+        states[layer] = {w: d[w].state_dict() for w in ("q", "k", "q_seq", "k_seq")}
+        states[layer]["spread"] = d["spread"]
+        states[layer]["k_global"] = None if k_means is None else k_means[layer].double().cpu()
+        states[layer]["sink"] = sink
     ropes = {layer: spec.layer(layer) for layer in layers}
-    return PatternResult.from_states(states, ropes, max_distance=max(1, n_pos - 1),
-                                     model=model_label or _model_label(model), twin=twin_label, sink=sink)
+    return PatternResult.from_states(states, ropes, max_distance=max(1, n_pos - 1), model=model_label or _model_label(model),
+                                     twin=twin_label, sink=sink, n_splits=n_splits)
 
 
 def feature_pattern_with_twin(model: Any, corpus: Any = None, seed: int = 0, *, twin: Any = None,
-                              **kw: Any) -> TwinPattern:
-    """:func:`feature_pattern` of ``model`` and of ``random_twin(model, seed)`` on the same tokens.
+                              reference: Windows | Tensor | None = None, **kw: Any) -> TwinPattern:
+    """:func:`feature_pattern` of ``model`` and of ``random_twin(model, seed)`` on the same
+    windows (and the same reference windows, each model computing its own global k̄).
 
     Both results carry the trained model's label in ``model``; ``twin`` is
     ``"trained"`` / ``"random"``. ``kw`` go to :func:`feature_pattern`. ``twin``: an
@@ -265,26 +385,38 @@ def feature_pattern_with_twin(model: Any, corpus: Any = None, seed: int = 0, *, 
     from posgen_tl.models import random_twin  # noqa: PLC0415
 
     kw = dict(kw)
-    tokens = _tokens(model, corpus, kw.pop("n_seq", 64), kw.pop("seq_len", 512))
+    kw.pop("k_means", None)
+    windows, ref = _windows(model, corpus, reference, kw.pop("n_seq", 64), kw.pop("seq_len", 512),
+                            kw.get("n_ref", 8), kw.get("corpus_seed", 0))
     label = kw.pop("model_label", None) or _model_label(model)
     kw.pop("twin_label", None)
-    trained = feature_pattern(model, tokens, model_label=label, twin_label="trained", **kw)
+    trained = feature_pattern(model, windows, reference=ref, model_label=label, twin_label="trained", **kw)
     twin = random_twin(model, seed) if twin is None else twin
-    rand = feature_pattern(twin, tokens, model_label=label, twin_label="random", **kw)
+    rand = feature_pattern(twin, windows, reference=ref, model_label=label, twin_label="random", **kw)
     del twin
     return TwinPattern(trained, rand)
 
 
 # ----------------------------------------------------------------------------- link to D3
 
+SCORES = {"pred_d3_err": "rotation-aware predicted relative D3 error (lower = D3 expected to fit)",
+          "blind_d3_err": "control: the same with every band given the mean rotation weight (rotation-blind)",
+          "residual_size": "control: numerator only, s·Σ‖q‖‖k−k̄‖w (logit units, no σ(W))",
+          "inv_logit_spread": "control: 1/σ(W) alone",
+          "legacy_pattern_score": "LEGACY first-landing score (invariant to rescaling rotation weights)"}
 
-def _corr(x: pd.Series, y: pd.Series) -> tuple[float, float, int]:
-    ok = x.notna() & y.notna() & np.isfinite(x) & np.isfinite(y)
-    x, y = x[ok].astype(float), y[ok].astype(float)
+
+def _spearman(x: pd.Series, y: pd.Series) -> tuple[float, float, int]:
+    """Spearman rho, scipy's two-sided p-value, and n over the finite pairs."""
+    from scipy import stats  # noqa: PLC0415
+
+    ok = np.isfinite(x.to_numpy(dtype=float)) & np.isfinite(y.to_numpy(dtype=float))
     n = int(ok.sum())
-    if n < 3 or x.std() == 0 or y.std() == 0:
+    xv, yv = x.to_numpy(dtype=float)[ok], y.to_numpy(dtype=float)[ok]
+    if n < 3 or np.ptp(xv) == 0 or np.ptp(yv) == 0:
         return float("nan"), float("nan"), n
-    return float(x.corr(y, method="pearson")), float(x.corr(y, method="spearman")), n
+    res = stats.spearmanr(xv, yv)
+    return float(res.statistic), float(res.pvalue), n
 
 
 def link_to_decomposition(
@@ -292,23 +424,26 @@ def link_to_decomposition(
     decomposition: pd.DataFrame,
     *,
     on: Sequence[str] = ("model", "twin", "layer", "head"),
-) -> tuple[pd.DataFrame, dict]:
-    """Join per-head pattern scores with D3 scores and correlate them across heads.
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Join per-head pattern scores with D3 scores and rank-correlate them across heads,
+    within each twin SEPARATELY (pooling trained and random heads manufactures a correlation
+    from two clusters) and per k̄ kind.
 
     Args:
         pattern_heads: ``heads`` frame of :func:`feature_pattern` (or a :class:`TwinPattern`).
-        decomposition: per-sequence rows with ``model, twin, layer, head, seq, estimator,
-            sink_excluded, r, r2, r_within, d3_err_mean, d3_bound_mean``; only
-            ``estimator == "D3"`` rows with ``sink_excluded`` are used, averaged over ``seq``.
+        decomposition: per-sequence rows of :func:`posgen_tl.analysis.decomposition.decompose_model`;
+            only ``estimator == "D3"`` rows with ``sink_excluded`` are used, averaged over ``seq``.
         on: join keys (drop ``"model"`` if the two frames label models differently).
 
     Returns:
-        ``(merged, summary)``: ``merged`` = one row per head with the pattern columns and
-        the seq-mean ``r, r2, r_within, d3_err_mean, d3_bound_mean`` plus ``n_seq``;
-        ``summary[twin]`` (and ``summary["all"]``) = ``n_heads``, ``pearson_pattern_r_within``,
-        ``spearman_pattern_r_within``, ``pearson_bound_err`` / ``spearman_bound_err``
-        (expected_bound vs d3_err_mean), ``err_over_bound_median`` and
-        ``err_over_bound_pooled`` (``Σ err / Σ bound``).
+        ``(merged, summary)``: ``merged`` = one row per (head, k_mean) with the pattern columns,
+        ``pred_d3_err`` (the column of the matching k̄ kind) and the seq-mean ``r, r2,
+        r_within, d3_err_mean, d3_bound_mean`` plus ``n_seq``; ``summary`` = one row per
+        (twin, k_mean, score) with ``spearman`` (score vs D3 within-row r), ``p`` (scipy's
+        two-sided p-value), ``n_heads`` and ``description``. A working score has a NEGATIVE
+        Spearman for ``pred_d3_err`` (more predicted error, lower r). Controls beside it: the
+        rotation-blind version, the numerator alone and ``1/σ(W)`` alone — the rotation-aware
+        score is only informative where it beats them.
     """
     on = list(on)
     if not isinstance(pattern_heads, pd.DataFrame):
@@ -316,25 +451,31 @@ def link_to_decomposition(
     d = decomposition[(decomposition["estimator"] == "D3") & decomposition["sink_excluded"].astype(bool)]
     if d.empty:
         raise ValueError("the decomposition frame has no D3 rows with sink_excluded=True")
+    if "k_mean" not in d:
+        d = d.assign(k_mean="global")
     vals = ["r", "r2", "r_within", "d3_err_mean", "d3_bound_mean"]
-    agg = d.groupby(on, as_index=False).agg(**{v: (v, "mean") for v in vals}, n_seq=("seq", "nunique"))
-    merged = pattern_heads.merge(agg, on=on, how="inner")
+    agg = d.groupby(on + ["k_mean"], as_index=False).agg(**{v: (v, "mean") for v in vals}, n_seq=("seq", "nunique"))
+    parts = []
+    for kind, a in agg.groupby("k_mean"):
+        h = pattern_heads.copy()
+        col = f"pred_d3_err_{kind}"
+        h["pred_d3_err"] = h[col] if col in h else np.nan
+        h["blind_d3_err"] = h[f"blind_d3_err_{kind}"] if f"blind_d3_err_{kind}" in h else np.nan
+        h["residual_size"] = h["pred_d3_err"] * h["logit_spread"] if "logit_spread" in h else np.nan
+        h["inv_logit_spread"] = 1.0 / h["logit_spread"] if "logit_spread" in h else np.nan
+        parts.append(h.merge(a, on=on, how="inner"))
+    merged = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
     if merged.empty:
         raise ValueError(f"no rows in common on {on}: check the model/twin labels of the two frames")
-    summary: dict[str, dict] = {}
+    rows = []
     twins = sorted(set(merged["twin"]), key=lambda t: ({"trained": 0, "random": 1}.get(t, 2), str(t)))
-    groups = [(t, merged[merged["twin"] == t]) for t in twins] + [("all", merged)]
-    for twin, g in groups:
-        pr, sr, n = _corr(g["pattern_score"], g["r_within"])
-        pb, sb, _ = _corr(g["expected_bound"], g["d3_err_mean"])
-        ratio = g["d3_err_mean"] / g["expected_bound"]
-        summary[str(twin)] = {
-            "n_heads": n,
-            "pearson_pattern_r_within": pr,
-            "spearman_pattern_r_within": sr,
-            "pearson_bound_err": pb,
-            "spearman_bound_err": sb,
-            "err_over_bound_median": float(ratio[np.isfinite(ratio)].median()),
-            "err_over_bound_pooled": float(g["d3_err_mean"].sum() / g["expected_bound"].sum()),
-        }
-    return merged, summary
+    for twin in twins:
+        for kind in sorted(set(merged["k_mean"])):
+            g = merged[(merged["twin"] == twin) & (merged["k_mean"] == kind)]
+            for score, desc in SCORES.items():
+                if score not in g or g[score].isna().all():
+                    continue
+                rho, p, n = _spearman(g[score], g["r_within"])
+                rows.append({"twin": twin, "k_mean": kind, "score": score, "spearman": rho, "p": p, "n_heads": n,
+                             "description": desc})
+    return merged, pd.DataFrame(rows)

@@ -13,30 +13,32 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 ``pattern_vs_d3(merged)``  :func:`posgen_tl.analysis.pattern.link_to_decomposition`
 ``phase_histogram(df)``    :func:`posgen_tl.analysis.head.phase_angles_with_twin`
 ``tolerance_curves(df)``   :func:`posgen_tl.analysis.tolerance.curve_summary`
-``dose_response(df)``      :func:`posgen_tl.analysis.tolerance.summarize_tolerance`
+``causal_conditions(df)``  :func:`posgen_tl.causal_study` ``.conditions``
 ``length(df)``             :func:`posgen_tl.analysis.tolerance.length_summary`
-``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``: :func:`posgen_tl.head_taxonomy`
+``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``, ``label_counts``: :func:`posgen_tl.head_taxonomy`
 =========================  ===========================================================
 """
 
 from .decomposition import plot_head_maps as head_maps
 from .decomposition import plot_r_by_layer as r_by_layer
 from .heads import plot_frequency_usage as frequency_usage
+from .heads import plot_label_counts as label_counts
 from .heads import plot_positional_symbolic_plane as positional_symbolic_plane
 from .heads import plot_taxonomy_vs_share as taxonomy_vs_share
 from .pattern import plot_band_heatmaps as band_heatmaps
 from .pattern import plot_pattern_distribution as pattern_distribution
 from .pattern import plot_pattern_vs_d3 as pattern_vs_d3
 from .pattern import plot_phase_histogram as phase_histogram
-from .tolerance import plot_dose_response as dose_response
+from .tolerance import plot_causal_conditions as causal_conditions
 from .tolerance import plot_length as length
 from .tolerance import plot_tolerance_curves as tolerance_curves
 
 __all__ = [
     "band_heatmaps",
-    "dose_response",
+    "causal_conditions",
     "frequency_usage",
     "head_maps",
+    "label_counts",
     "length",
     "pattern_distribution",
     "pattern_vs_d3",

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["plot_r_by_layer", "plot_head_maps"]
 
-_COLOURS = {"D1": "tab:blue", "D2": "tab:orange", "D3": "tab:green"}
+_COLOURS = {"D1": "tab:blue", "D2": "tab:orange", "D3": "tab:green", "D3 global": "tab:green",
+            "D3 per_sequence": "tab:red", "D3 given": "tab:purple"}
 _STYLES = {"trained": "-", "random": "--"}
 
 
@@ -31,19 +32,22 @@ def plot_r_by_layer(
     sink_excluded: bool | None = None,
     band: bool = True,
 ) -> Figure:
-    """Per-layer mean of each metric (one panel per metric), one curve per estimator (colour)
-    and twin (trained solid, random dashed), ± std over heads × sequences as a faint band.
+    """Per-layer mean of each metric (one panel per metric), one curve per estimator and k̄
+    kind (colour: D3 with the global k̄ and with the per-sequence k̄ apart) and twin (trained
+    solid, random dashed), ± std over heads × sequences as a faint band.
 
     ``sink_excluded``: which rows to plot; ``None`` = the sink-excluded rows when present.
     Returns the Figure.
     """
     if sink_excluded is None:
         sink_excluded = bool(df["sink_excluded"].any())
-    d = df[df["sink_excluded"] == sink_excluded]
+    d = df[df["sink_excluded"] == sink_excluded].copy()
+    km = d["k_mean"].astype(str) if "k_mean" in d else pd.Series("none", index=d.index)
+    d["curve"] = [e if k in ("none", "nan") else f"{e} {k}" for e, k in zip(d["estimator"], km)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.8), squeeze=False, layout="constrained")
     axes = axes[0]
     for ax, metric in zip(axes, metrics):
-        for (est, twin), g in d.groupby(["estimator", "twin"], sort=True):
+        for (est, twin), g in d.groupby(["curve", "twin"], sort=True):
             s = g.groupby("layer")[metric].agg(["mean", "std"])
             ax.plot(s.index, s["mean"], _STYLES.get(twin, ":"), color=_COLOURS.get(est), marker="o", ms=3,
                     label=f"{est} {twin}")

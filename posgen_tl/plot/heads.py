@@ -13,9 +13,12 @@ import pandas as pd
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-__all__ = ["plot_positional_symbolic_plane", "plot_frequency_usage", "plot_taxonomy_vs_share"]
+__all__ = ["plot_positional_symbolic_plane", "plot_frequency_usage", "plot_taxonomy_vs_share", "plot_label_counts"]
 
 _TWIN_ORDER = ("trained", "random")
+_LABELS = ("positional", "symbolic", "both", "neither", "undefined")
+_COLOURS = {"positional": "tab:blue", "symbolic": "tab:orange", "both": "tab:purple", "neither": "0.6",
+            "undefined": "0.85"}
 
 
 def _twins(df: pd.DataFrame) -> list[str]:
@@ -32,29 +35,35 @@ def _title(df: pd.DataFrame, twin: str) -> str:
     return f"{model} — {twin}" if model else twin
 
 
-def plot_positional_symbolic_plane(head_df: pd.DataFrame, *, margin: float = 0.1) -> Figure:
-    """Scatter of each head's positional vs symbolic score, coloured by layer; one panel per
-    twin. The band ``|positional − symbolic| ≤ margin`` (label 'mixed') is shaded."""
+def plot_positional_symbolic_plane(head_df: pd.DataFrame) -> Figure:
+    """Scatter of each head's positional vs symbolic score (row-centred logit correlations),
+    coloured by label; one panel per twin. Dashed lines: ``min_score`` (if the frame carries
+    it); the dotted square is the largest null 95 % quantile of the panel's heads. Label
+    counts in the corner ('undefined' heads have no score and are not drawn)."""
     df = _heads(head_df)
     twins = _twins(df)
-    lmax = max(int(df["layer"].max()), 1)
-    fig, axes = plt.subplots(1, len(twins), figsize=(4.6 * len(twins), 4.2), squeeze=False, sharey=True)
-    sc = None
+    fig, axes = plt.subplots(1, len(twins), figsize=(4.6 * len(twins), 4.4), squeeze=False, sharey=True)
     for ax, twin in zip(axes[0], twins):
         g = df[df["twin"] == twin]
-        x = np.linspace(-0.05, 1.05, 2)
-        ax.fill_between(x, x - margin, x + margin, color="0.9", zorder=0, label="mixed")
-        ax.plot(x, x, color="0.6", lw=0.8, zorder=1)
-        sc = ax.scatter(g["positional"], g["symbolic"], c=g["layer"], cmap="viridis", vmin=0, vmax=lmax,
-                        s=14, alpha=0.85, edgecolors="none", zorder=2)
+        for lab in _LABELS:
+            s = g[g["label"] == lab]
+            if len(s):
+                ax.scatter(s["positional"], s["symbolic"], s=14, alpha=0.85, edgecolors="none",
+                           color=_COLOURS[lab], label=lab, zorder=2)
+        if "min_score" in g and len(g):
+            m = float(g["min_score"].iloc[0])
+            ax.axvline(m, color="0.5", ls="--", lw=0.8)
+            ax.axhline(m, color="0.5", ls="--", lw=0.8)
+        if "null_q" in g and g["null_q"].notna().any():
+            q = float(g["null_q"].max())
+            ax.plot([-q, q, q, -q, -q], [-q, -q, q, q, -q], color="0.3", ls=":", lw=0.8)
         counts = g["label"].value_counts()
-        txt = "\n".join(f"{k}: {int(counts.get(k, 0))}" for k in ("positional", "symbolic", "mixed"))
-        ax.text(0.97, 0.03, txt, transform=ax.transAxes, va="bottom", ha="right", fontsize=8,
+        txt = "\n".join(f"{k}: {int(counts.get(k, 0))}" for k in _LABELS)
+        ax.text(0.97, 0.97, txt, transform=ax.transAxes, va="top", ha="right", fontsize=8,
                 bbox=dict(facecolor="white", edgecolor="0.8", alpha=0.9))
-        ax.set(xlim=(-0.05, 1.05), ylim=(-0.05, 1.05), xlabel="positional score", title=_title(df, twin))
-    axes[0][0].set_ylabel("symbolic score")
-    if sc is not None:
-        fig.colorbar(sc, ax=axes[0].tolist(), label="layer", shrink=0.85)
+        ax.set(xlim=(-0.3, 1.05), ylim=(-0.3, 1.05), xlabel="positional score (same positions)", title=_title(df, twin))
+        ax.legend(loc="lower right", fontsize=7, frameon=False)
+    axes[0][0].set_ylabel("symbolic score (follows the tokens)")
     plt.close(fig)
     return fig
 
@@ -99,26 +108,51 @@ def plot_frequency_usage(bands_or_head_df: pd.DataFrame, *, which: str = "k") ->
 
 
 def plot_taxonomy_vs_share(head_df: pd.DataFrame) -> Figure:
-    """``positional − symbolic`` (x) against the D3 positional share (y) per head, coloured by
-    layer; one panel per twin, Spearman ρ in each title."""
-    from posgen_tl.analysis.taxonomy import taxonomy_agreement  # noqa: PLC0415
+    """D3 positional share ``V(f)/(V(f)+V(g))`` (global k̄) per head, grouped by label (strip
+    plot with medians); one panel per twin. The Mann–Whitney test of positional vs symbolic
+    heads (:func:`posgen_tl.analysis.taxonomy.share_by_class`) is in each title."""
+    from posgen_tl.analysis.taxonomy import share_by_class  # noqa: PLC0415
 
     df = _heads(head_df)
-    agree = taxonomy_agreement(df)
+    link = share_by_class(df)
     twins = _twins(df)
-    lmax = max(int(df["layer"].max()), 1)
     fig, axes = plt.subplots(1, len(twins), figsize=(4.6 * len(twins), 4.2), squeeze=False, sharey=True)
-    sc = None
+    rng = np.random.default_rng(0)
     for ax, twin in zip(axes[0], twins):
         g = df[df["twin"] == twin]
-        sc = ax.scatter(g["positional"] - g["symbolic"], g["positional_share"], c=g["layer"], cmap="viridis",
-                        vmin=0, vmax=lmax, s=14, alpha=0.85, edgecolors="none")
-        ax.axvline(0, color="0.6", lw=0.8)
-        a = agree.get(twin, {})
-        ax.set(xlabel="positional − symbolic", ylim=(-0.02, 1.02),
-               title=f"{_title(df, twin)}\nSpearman ρ={a.get('rho', np.nan):.2f} (n={a.get('n', 0)})")
+        for x, lab in enumerate(_LABELS):
+            v = g.loc[g["label"] == lab, "positional_share"].dropna().to_numpy(float)
+            if len(v):
+                ax.scatter(x + rng.uniform(-0.18, 0.18, len(v)), v, s=10, alpha=0.7, color=_COLOURS[lab],
+                           edgecolors="none")
+                ax.hlines(np.median(v), x - 0.3, x + 0.3, color="k", lw=1.5)
+        r = link[link["twin"] == twin]
+        t = "" if r.empty else (f"\nMann–Whitney pos vs sym p={r['p'].iloc[0]:.2g} "
+                                f"(n={int(r['n_a'].iloc[0])}/{int(r['n_b'].iloc[0])})")
+        ax.set_xticks(range(len(_LABELS)), [f"{lab}\n({int((g['label'] == lab).sum())})" for lab in _LABELS],
+                      fontsize=7)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{_title(df, twin)}{t}", fontsize=9)
     axes[0][0].set_ylabel("D3 positional share V(f)/(V(f)+V(g))")
-    if sc is not None:
-        fig.colorbar(sc, ax=axes[0].tolist(), label="layer", shrink=0.85)
+    plt.close(fig)
+    return fig
+
+
+def plot_label_counts(df: pd.DataFrame) -> Figure:
+    """Label counts per band (band rows of :func:`head_taxonomy`: each band as a 2-D head),
+    stacked bars over bands, one panel per twin; band 0 is the fastest."""
+    sub = df[df["band"] >= 0]
+    twins = _twins(df)
+    fig, axes = plt.subplots(1, len(twins), figsize=(4.6 * len(twins), 3.8), squeeze=False, sharey=True)
+    for ax, twin in zip(axes[0], twins):
+        g = sub[sub["twin"] == twin]
+        tab = g.groupby(["band", "label"]).size().unstack(fill_value=0).reindex(columns=list(_LABELS), fill_value=0)
+        bottom = np.zeros(len(tab))
+        for lab in _LABELS:
+            ax.bar(tab.index, tab[lab], bottom=bottom, width=1.0, color=_COLOURS[lab], label=lab)
+            bottom += tab[lab].to_numpy()
+        ax.set(xlabel="band (0 = fastest)", title=_title(df, twin))
+    axes[0][0].set_ylabel("heads (layer × head) per band")
+    axes[0][0].legend(fontsize=7, frameon=False)
     plt.close(fig)
     return fig

@@ -37,7 +37,7 @@ def _one_model(df: pd.DataFrame, model: str | None) -> tuple[pd.DataFrame, str]:
 
 
 def plot_band_heatmaps(
-    bands: pd.DataFrame, which: str = "k", stat: str = "offset_ratio", *, model: str | None = None,
+    bands: pd.DataFrame, which: str = "k", stat: str = "rho_cross", *, model: str | None = None,
     cmap: str = "viridis",
 ) -> Figure:
     """Band × layer heat maps of ``stat`` (mean over heads), one panel per twin, one colour scale.
@@ -45,8 +45,8 @@ def plot_band_heatmaps(
     Args:
         bands: ``PatternResult.bands`` / ``TwinPattern.bands`` (columns model, twin, layer,
             which, head, band, ``stat``).
-        which: ``"q"`` or ``"k"``; stat: e.g. ``"offset_ratio"``, ``"energy_share"``,
-            ``"phase_concentration"``.
+        which: ``"q"`` or ``"k"``; stat: e.g. ``"rho_cross"`` (default), ``"rho_within"``,
+            ``"stability"``, ``"energy_share"``, ``"phase_concentration"``, ``"offset_ratio"`` (legacy plug-in).
 
     Returns:
         Figure with one image per twin (x = layer, y = band, band 0 = fastest at the top);
@@ -61,8 +61,10 @@ def plot_band_heatmaps(
     vals = np.concatenate([g.to_numpy().ravel() for g in grids.values()])
     vals = vals[np.isfinite(vals)]
     vmin, vmax = (float(vals.min()), float(vals.max())) if vals.size else (0.0, 1.0)
-    if stat in ("offset_ratio", "phase_concentration"):
+    if stat in ("offset_ratio", "phase_concentration", "rho_within"):
         vmin, vmax = 0.0, 1.0  # bounded statistics: the natural scale
+    elif stat == "rho_cross":
+        vmin, vmax = min(0.0, vmin), 1.0  # cross-fitted: may dip below 0 by noise
     fig, axes = plt.subplots(1, len(twins), figsize=(4.2 * len(twins) + 0.8, 4.0), squeeze=False,
                              sharey=True, constrained_layout=True)
     im = None
@@ -82,9 +84,10 @@ def plot_band_heatmaps(
     return fig
 
 
-def plot_pattern_distribution(heads: pd.DataFrame, column: str = "pattern_score", *,
+def plot_pattern_distribution(heads: pd.DataFrame, column: str = "pred_d3_err_global", *,
                               model: str | None = None, bins: int = 30) -> Figure:
-    """Histogram of a per-head column (default the pattern score), trained vs random twin."""
+    """Histogram of a per-head column (default the rotation-aware pattern score with the global
+    k̄), trained vs random twin."""
     df, model = _one_model(heads, model)
     fig, ax = plt.subplots(figsize=(5.5, 3.6), constrained_layout=True)
     vals = df[column].to_numpy(dtype=float)
@@ -102,21 +105,29 @@ def plot_pattern_distribution(heads: pd.DataFrame, column: str = "pattern_score"
     return fig
 
 
-def plot_pattern_vs_d3(merged: pd.DataFrame, x: str = "pattern_score", y: str = "r_within") -> Figure:
-    """Scatter of the per-head pattern score vs D3 within-row r, coloured by twin.
+def plot_pattern_vs_d3(merged: pd.DataFrame, x: str = "pred_d3_err", y: str = "r_within",
+                       k_mean: str | None = "global") -> Figure:
+    """Scatter of the per-head pattern score vs D3 within-row r, coloured by twin (log x for
+    ``pred_d3_err``).
 
-    ``merged`` is the first output of :func:`posgen_tl.analysis.pattern.link_to_decomposition`.
-    The legend gives each twin's Pearson r across heads.
+    ``merged`` is the first output of :func:`posgen_tl.analysis.pattern.link_to_decomposition`;
+    ``k_mean`` picks its rows of one k̄ kind (``None`` = all rows). The legend gives each twin's
+    Spearman rank correlation across heads (each twin apart — never pooled).
     """
+    if k_mean is not None and "k_mean" in merged:
+        merged = merged[merged["k_mean"] == k_mean]
     fig, ax = plt.subplots(figsize=(5.5, 4.2), constrained_layout=True)
     for t in _twins(merged):
         g = merged[merged["twin"] == t]
         ok = np.isfinite(g[x].astype(float)) & np.isfinite(g[y].astype(float))
-        r = g.loc[ok, x].corr(g.loc[ok, y]) if ok.sum() > 2 else float("nan")
-        ax.scatter(g[x], g[y], s=12, alpha=0.7, color=_COLOURS.get(t), label=f"{t} (r = {r:.2f}, n = {int(ok.sum())})")
+        r = g.loc[ok, x].corr(g.loc[ok, y], method="spearman") if ok.sum() > 2 else float("nan")
+        ax.scatter(g[x], g[y], s=12, alpha=0.7, color=_COLOURS.get(t),
+                   label=f"{t} (Spearman {r:.2f}, n = {int(ok.sum())})")
+    if x == "pred_d3_err" and (merged[x] > 0).all():
+        ax.set_xscale("log")
     ax.set_xlabel(f"{x} (per head)")
     ax.set_ylabel(f"D3 {y} (mean over sequences)")
-    ax.set_title("feature pattern vs D3 decomposition")
+    ax.set_title(f"feature pattern vs D3 decomposition (k̄: {k_mean or 'all'})")
     ax.legend()
     plt.close(fig)
     return fig

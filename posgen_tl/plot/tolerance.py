@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-__all__ = ["plot_tolerance_curves", "plot_dose_response", "plot_length"]
+__all__ = ["plot_tolerance_curves", "plot_causal_conditions", "plot_length"]
 
 
 def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: str = "") -> Figure:
@@ -38,32 +38,29 @@ def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: st
     return fig
 
 
-def plot_dose_response(df: pd.DataFrame, *, title: str = "") -> Figure:
-    """Left: clean-NLL damage vs strength alpha; right: tolerance slope vs damage (CIs).
+def plot_causal_conditions(df: pd.DataFrame, *, title: str = "") -> Figure:
+    """Left: tolerance slope vs clean-NLL damage per condition; right: attention change per condition.
 
-    ``df``: :func:`posgen_tl.analysis.tolerance.summarize_tolerance` output (columns
-    ``kind, intervention, alpha, damage[_lo,_hi], slope[_lo,_hi]``). Rows of one
-    intervention family share ``intervention`` up to the ``@alpha`` suffix; ``none`` is
-    drawn at alpha = 0 for every family.
+    ``df``: the ``conditions`` table of :func:`posgen_tl.analysis.causal.causal_study`
+    (columns ``condition, damage[_lo,_hi], slope[_lo,_hi]`` and, if present, ``attn_kl[_lo,_hi]``).
+    Conditions at equal damage are the comparisons that mean something (matched controls).
     """
-    d = df.copy()
-    d.attrs = {}  # per-sequence rows ride in attrs; concat would compare them
-    d["family"] = d["intervention"].str.replace(r"\s*@.*$", "", regex=True)
-    none = d[d["kind"] == "none"]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-    for fam, g in d[d["kind"] != "none"].groupby("family", sort=False):
-        g = pd.concat([none.assign(family=fam), g]).sort_values("alpha")
-        for ax, (xc, col) in zip(axes, [("alpha", "damage"), ("damage", "slope")]):
-            yerr = np.vstack([g[col] - g[f"{col}_lo"], g[f"{col}_hi"] - g[col]])
-            ax.errorbar(g[xc], g[col], yerr=yerr, marker="o", ms=3, capsize=2, label=fam)
-    axes[0].set_ylabel("clean-NLL damage (nats)")
-    axes[0].set_xlabel("strength α")
-    axes[1].set_ylabel("tolerance slope dΔNLL/dp")
-    axes[1].set_xlabel("clean-NLL damage (nats): compare lines at equal x")
+    for r in df.itertuples(index=False):
+        axes[0].errorbar([r.damage], [r.slope], xerr=[[r.damage - r.damage_lo], [r.damage_hi - r.damage]],
+                         yerr=[[r.slope - r.slope_lo], [r.slope_hi - r.slope]], marker="o", ms=4, capsize=2,
+                         label=r.condition)
+    axes[0].set_xlabel("clean-NLL damage (nats)")
+    axes[0].set_ylabel("tolerance slope dΔNLL/dp")
+    axes[0].legend(fontsize=7)
+    if "attn_kl" in df.columns:
+        kl = df["attn_kl"].fillna(0).to_numpy()
+        err = np.vstack([kl - df["attn_kl_lo"].fillna(0), df["attn_kl_hi"].fillna(0) - kl])
+        axes[1].bar(df["condition"], kl, yerr=err, capsize=2, color="tab:gray")
+    axes[1].set_ylabel("attention change: mean KL(clean ‖ edited) (nats)")
     for ax in axes:
         ax.axhline(0, color="k", lw=0.5)
-    axes[1].legend(fontsize=7)
-    fig.suptitle(title or "Dose–response of key interventions")
+    fig.suptitle(title or "Causal test: conditions")
     fig.tight_layout()
     plt.close(fig)
     return fig

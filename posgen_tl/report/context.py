@@ -126,6 +126,7 @@ class Context:
     model: Any
     model_name: str
     _twin: Any = None
+    _est_windows: Any = None  # (analysed, reference, note) shared by the decomposition and pattern stages
 
     def twin(self):
         """``random_twin(model, cfg.seed)``, built once per report run and shared by every stage."""

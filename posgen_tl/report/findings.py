@@ -121,17 +121,20 @@ def causal_findings(ctx: Any) -> list[Finding]:
 
 
 def heads_findings(ctx: Any) -> list[Finding]:
-    """Spearman ρ of (positional − symbolic) with D3's positional share, across trained heads."""
-    h = ctx.work.load_df("heads.csv")
-    if "band" in h.columns:
-        h = h[h["band"] == -1]
-    t = h[h["twin"] == "trained"]
-    if not {"positional", "symbolic", "positional_share"} <= set(t.columns):
-        return []
-    rho, ci, p, n = rank_correlation((t["positional"] - t["symbolic"]).to_numpy(float),
-                                     t["positional_share"].to_numpy(float))
-    return [Finding("heads", _word(p, "related"), rho, "Spearman ρ(pos − sym, positional share)", ci, p, n,
-                    exploratory=ctx.cfg.n_seq < 32, note="n = heads")]
+    """D3 positional share of positional vs symbolic heads (trained model): the difference of the
+    class medians and the Mann–Whitney p of :func:`posgen_tl.analysis.taxonomy.share_by_class`
+    (``heads_link.csv``); heads are the unit (descriptive, they are not independent)."""
+    link = ctx.work.load_df("heads_link.csv")
+    t = link[link["twin"] == "trained"]
+    if t.empty:
+        return [Finding("heads", "not testable", note="no trained-model row in heads_link.csv")]
+    r = t.iloc[0]
+    n = int(r["n_a"]) + int(r["n_b"])
+    eff = float(r["median_a"]) - float(r["median_b"])
+    p = float(r["p"])
+    return [Finding("heads", _word(p, "shares differ"), eff, f"median share {r['class_a']} − {r['class_b']}", None,
+                    p, n, exploratory=ctx.cfg.n_seq < 32,
+                    note=f"n = heads ({int(r['n_a'])} {r['class_a']}, {int(r['n_b'])} {r['class_b']}); Mann–Whitney")]
 
 
 #: stage name → headline function; a stage that sets ``Section.findings`` itself needs no entry

@@ -1,0 +1,895 @@
+"""The causal test of METHOD §5 with the factorial controls C1–C4, and the T1/T2 study of §4.
+
+One recipe, called by the report, the ``study`` command and notebooks:
+
+* :func:`causal_study` — does position tolerance depend on the fast-band key offset? The
+  intervention ``destroy`` (remove ``k̄^(m)`` from the pre-rotation keys in the fast bands of a
+  layer subset, strength ``alpha``) against the no-intervention baseline and four controls, each
+  matched to the intervention's clean-NLL damage by searching its own strength:
+
+  - C1 ``random_bands``: the same per-token change moved to random other bands, random phases;
+  - C2 ``destroy`` in the slow bands;
+  - C3 ``rephase``: the fast-band offset turned by a fixed random angle per band (keeps |k̄|, ρ);
+  - C4 ``noise``: same-norm random-phase noise in the same fast bands.
+
+  Verdicts come from :func:`posgen_tl.stats.verdict_table` only (METHOD §8): one family
+  (destroy vs C1 — the PRIMARY contrast, declared in the config before the run — vs C2, C3,
+  C4 and vs none), Holm-adjusted exact sign-flip tests over per-sequence slope differences,
+  document bootstrap, split-half sign, damage matching.
+* :func:`t1_t2_study` — T1 (tokens swapped) and T2 (the same swaps on position ids) for the
+  trained model and its random twin, with a TOST equivalence test at a stated margin and the
+  equivariance statement (:data:`posgen_tl.stats.EQUIVARIANCE_NOTE`).
+
+Sampling (METHOD §4): sequences are :func:`posgen_tl.corpus.document_windows` of the ANALYSED
+documents (one window per document first, seeded offsets); the global ``k̄`` comes from windows
+of the DISJOINT reference documents (:func:`posgen_tl.corpus.split_documents`), context part
+only. Swaps: ``p`` counts swapped disjoint adjacent PAIRS of the context, so ≈ 2p of the context
+tokens move; each sequence's permutation is seeded by (base seed, its document id, its window
+start, the seed index) — the same sequence gets the same swaps under every condition and in
+T1 and T2 (pairing), different sequences get different swaps.
+
+Prefix sharing: every condition edits only layers ≥ L0, so the residual entering L0 is the
+same for all conditions. TransformerLens 4.3's ``TransformerBridge.forward(start_at_layer=)``
+reproduces the target NLL exactly from a cached residual (tested), but per its own docstring
+"blocks 0..k-1 still execute internally (their output is discarded)", so it saves no compute
+(measured: :func:`forward_costs`). The recipe therefore does not use it; it shares the clean
+passes (the ``none`` condition is computed once and is every damage's baseline), batches
+sequences and unembeds only the target span.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..capture import pattern_hooks, probe_hooks
+from ..corpus import CorpusLike, Windows, _named_docs, document_windows, split_documents
+from ..interventions import Intervention, intervention_hooks, key_means
+from ..perturb import adjacent_swap_permutation, position_ids_for_permutation, swap_seed
+from .tolerance import nll_on_target
+
+__all__ = [
+    "CONTROLS",
+    "CausalResult",
+    "T12Result",
+    "study_windows",
+    "swap_seed",
+    "sequence_perms",
+    "perturbed_inputs",
+    "build_conditions",
+    "match_alpha",
+    "attention_kl",
+    "condition_rows",
+    "per_sequence_slopes",
+    "contrasts_from_rows",
+    "summarize_conditions",
+    "causal_study",
+    "t1_t2_study",
+    "forward_costs",
+    "write_causal_outputs",
+    "write_t12_outputs",
+]
+
+CONTROLS = ("C1", "C2", "C3", "C4")
+CONTROL_TEXT = {
+    "none": "no intervention",
+    "destroy": "destroy the fast-band key offset (k ← k − α·k̄)",
+    "C1": "C1: the destroy change moved to random other bands, random phase per token",
+    "C2": "C2: destroy the key offset in the slow bands",
+    "C3": "C3: rephase the fast-band offset (k̄ turned by α·φ_m; keeps |k̄|, ρ)",
+    "C4": "C4: same-norm random-phase noise in the fast bands",
+}
+DEFAULT_FRACS = (0.0, 0.02, 0.05, 0.10, 0.20)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def study_windows(
+    model: Any, corpus: CorpusLike = None, *, n_seq: int, seq_len: int = 256, n_ref: int = 8,
+    reference: int | float = 0.25, seed: int = 0, max_per_doc: int | None = None,
+) -> tuple[Windows, Windows]:  # fmt: skip
+    """``(analysed, reference)`` windows from DISJOINT document sets (METHOD §2, §4).
+
+    The documents are split by :func:`~posgen_tl.corpus.split_documents` (seeded); ``analysed``
+    holds ``n_seq`` windows of the analysed documents, one per document first
+    (:func:`~posgen_tl.corpus.document_windows`); ``reference`` holds ``n_ref`` windows of the
+    reference documents (for the global k̄).
+
+    Raises:
+        ValueError: the two sets share a document (never expected; checked).
+        CorpusError: too few windows.
+    """
+    texts, _ = _named_docs(corpus)
+    analysed_docs, ref_docs = split_documents(len(texts), reference=reference, seed=seed)
+    ana = document_windows(model, corpus, seq_len=seq_len, n_seq=n_seq, docs=analysed_docs, seed=seed,
+                           max_per_doc=max_per_doc)
+    ref = document_windows(model, corpus, seq_len=seq_len, n_seq=n_ref, docs=ref_docs, seed=seed + 1)
+    shared = set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist())
+    if shared:
+        raise ValueError(f"reference and analysed windows share documents {sorted(shared)}")
+    return ana, ref
+
+
+def sequence_perms(
+    windows: Windows, frac: float, seed: int, *, start: int, stop: int, base_seed: int = 0
+) -> Int[Tensor, "batch pos"]:
+    """One adjacent-swap permutation per window (``new = old[perm]``), drawn independently per
+    (sequence, seed) with :func:`swap_seed`: ``round(frac·(L−1))`` disjoint adjacent pairs of
+    the window ``[start, stop)`` swap, so ≈ ``2·frac`` of its tokens move. ``frac = 0`` gives the
+    identity. Returns ``[batch, pos]`` int64."""
+    n = windows.tokens.shape[1]
+    rows = [
+        adjacent_swap_permutation(n, frac, start=start, stop=stop, seed=swap_seed(base_seed, d, s, seed))
+        for d, s in zip(windows.doc_ids.tolist(), windows.starts.tolist())
+    ]
+    return torch.stack(rows)
+
+
+def perturbed_inputs(
+    windows: Windows, frac: float, seed: int, mode: str, *, target_len: int, base_seed: int = 0
+) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"] | None]:
+    """``(tokens, position_ids)`` for T1 (tokens permuted, ids natural: ``None``) or T2 (tokens
+    natural, ids permuted); swaps in ``[1, N − target_len)`` (token 0 and the target never move)."""
+    if mode not in ("T1", "T2"):
+        raise ValueError(f"mode must be 'T1' or 'T2', got {mode!r}")
+    toks = windows.tokens
+    n = toks.shape[1]
+    if frac == 0:
+        return toks, None
+    perm = sequence_perms(windows, frac, seed, start=1, stop=n - target_len, base_seed=base_seed)
+    if mode == "T1":
+        return torch.gather(toks, 1, perm), None
+    return toks, torch.stack([position_ids_for_permutation(p) for p in perm])
+
+
+# ----------------------------------------------------------------------------- conditions
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One condition of the factorial design: ``key`` (``none``, ``destroy``, ``C1``…), the edit
+    (``None`` for ``none``), and how its strength was found."""
+
+    key: str
+    intervention: Intervention | None
+    alpha_max: float = 8.0
+
+    @property
+    def kind(self) -> str:
+        return "none" if self.intervention is None else self.intervention.kind
+
+    @property
+    def alpha(self) -> float:
+        return 0.0 if self.intervention is None else float(self.intervention.alpha)
+
+    def with_alpha(self, a: float) -> "Condition":
+        return dataclasses.replace(self, intervention=self.intervention.with_alpha(a))
+
+
+def build_conditions(
+    layers: Sequence[int], fast: Sequence[int], slow: Sequence[int], *, alpha: float = 0.5,
+    controls: Sequence[str] = CONTROLS, seed: int = 0,
+) -> list[Condition]:  # fmt: skip
+    """``none``, ``destroy`` (fast bands, strength ``alpha``) and the requested controls at a
+    starting strength (their final alpha is matched later, :func:`match_alpha`)."""
+    bad = [c for c in controls if c not in CONTROLS]
+    if bad:
+        raise ValueError(f"unknown controls {bad}; choose from {CONTROLS}")
+    lay = list(layers)
+    out = [Condition("none", None), Condition("destroy", Intervention("destroy", fast, layers=lay, alpha=alpha,
+                                                                      label="destroy"))]
+    make = {
+        "C1": lambda: Intervention("random_bands", fast, layers=lay, alpha=alpha, base="destroy", seed=seed + 1, label="C1"),
+        "C2": lambda: Intervention("destroy", slow, layers=lay, alpha=1.0, label="C2"),
+        "C3": lambda: Intervention("rephase", fast, layers=lay, alpha=1.0, seed=seed + 2, label="C3"),
+        "C4": lambda: Intervention("noise", fast, layers=lay, alpha=alpha, seed=seed + 3, label="C4"),
+    }
+    for c in controls:
+        out.append(Condition(c, make[c](), alpha_max=1.0 if c == "C3" else 8.0))
+    return out
+
+
+def _hooks(model, cond: Condition, km) -> list:
+    return [] if cond.intervention is None else intervention_hooks(model, cond.intervention, km)
+
+
+def match_alpha(
+    damage_fn: Callable[[float], float], target: float, *, start: float = 1.0, alpha_max: float = 8.0,
+    max_steps: int = 5, rel_tol: float = 0.05,
+) -> dict[str, Any]:  # fmt: skip
+    """Find ``alpha`` with ``damage_fn(alpha) ≈ target`` (damage assumed to grow with alpha).
+
+    Bracketing (``start``, then doubling up to ``alpha_max``) and false-position (secant inside
+    the bracket; a bisection step where it stalls), at most ``max_steps`` evaluations in all.
+    Stops when ``|damage − target| ≤ rel_tol·|target|``.
+
+    Returns:
+        dict ``alpha`` (best found), ``damage`` (its damage), ``target``, ``n_evals``,
+        ``reached`` (the bracket contained the target — False when even ``alpha_max`` did less
+        damage: the control is then reported UNMATCHED), ``trace`` (list of (alpha, damage)).
+    """
+    trace: list[tuple[float, float]] = []
+
+    def ev(a: float) -> float:
+        d = float(damage_fn(a))
+        trace.append((a, d))
+        return d
+
+    tol = rel_tol * max(abs(target), 1e-4)
+    lo, d_lo = 0.0, 0.0
+    hi = min(start, alpha_max)
+    d_hi = ev(hi)
+    while d_hi < target and hi < alpha_max and len(trace) < max_steps:
+        lo, d_lo = hi, d_hi
+        hi = min(2 * hi, alpha_max)
+        d_hi = ev(hi)
+    reached = d_hi >= target
+    side = 0
+    while reached and abs(trace[-1][1] - target) > tol and len(trace) < max_steps:
+        t = (target - d_lo) / (d_hi - d_lo) if d_hi > d_lo else 0.5
+        t = min(max(t, 0.1), 0.9) if side == 0 else 0.5  # Illinois-like guard: bisect after a repeat
+        a = lo + t * (hi - lo)
+        d = ev(a)
+        if d < target:
+            side = 1 if side == -1 else -1 if side == 0 else 0
+            lo, d_lo = a, d
+        else:
+            side = 1 if side == 1 else 0
+            hi, d_hi = a, d
+    best = min(trace, key=lambda ad: abs(ad[1] - target))
+    return dict(alpha=best[0], damage=best[1], target=float(target), n_evals=len(trace), reached=bool(reached),
+                trace=trace)
+
+
+# ----------------------------------------------------------------------------- passes
+
+
+class _KL:
+    """Attention-change accumulator: KL(clean ‖ edited) of attention rows in ``layers``.
+
+    ``reference`` mode stores the clean patterns of a batch; ``compare`` mode adds per-sequence
+    mean KL over heads, query rows ``1..N−1`` (row 0, the sink/BOS row, excluded) and layers."""
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = list(layers)
+        self.ref: dict[int, Tensor] = {}
+        self.acc: dict[int, Tensor] = {}
+        self.mode = "reference"
+
+    def __call__(self, layer: int, pat: Float[Tensor, "batch head_index query_pos key_pos"]) -> None:
+        if self.mode == "reference":
+            self.ref[layer] = pat
+        else:
+            self.acc[layer] = attention_kl(self.ref[layer], pat)
+
+    def per_sequence(self) -> Float[Tensor, "batch"]:
+        missing = [lay for lay in self.layers if lay not in self.acc]
+        if missing:
+            raise RuntimeError(f"attention patterns of layers {missing} were not captured")
+        return torch.stack([self.acc[lay] for lay in self.layers]).mean(0)
+
+
+def attention_kl(
+    p: Float[Tensor, "batch head_index query_pos key_pos"], q: Float[Tensor, "batch head_index query_pos key_pos"]
+) -> Float[Tensor, "batch"]:
+    """Mean over heads and query rows ``1..N−1`` of ``KL(p_row ‖ q_row)`` (nats), per sequence.
+
+    Causal rows: entries with ``p = 0`` (masked keys) contribute 0; ``q`` is floored at 1e-30
+    where ``p > 0``. Row 0 (a single key: KL ≡ 0) is excluded."""
+    p, q = p[:, :, 1:].double(), q[:, :, 1:].double()
+    kl = (torch.xlogy(p, p) - torch.xlogy(p, q.clamp_min(1e-30))).sum(-1)
+    return kl.clamp_min(0).mean((1, 2)).float()
+
+
+def condition_rows(
+    model: Any, windows: Windows, cond: Condition, *, k_means: dict | None, target_len: int,
+    fracs: Sequence[float], seeds: Sequence[int], mode: str = "T1", base_seed: int = 0,
+    kl: _KL | None = None, base: Tensor | None = None,
+) -> tuple[pd.DataFrame, Tensor, Tensor | None]:  # fmt: skip
+    """Rows of one condition on one batch of windows: the clean pass (with attention capture
+    when ``kl`` is given) and one pass per (frac > 0, seed).
+
+    Returns ``(rows, clean_nll [batch], kl [batch] or None)``; rows have ``seq`` = position in
+    ``windows`` (the caller maps it to global ids), ``frac, seed, clean_nll, nll, delta``."""
+    hooks = _hooks(model, cond, k_means)
+    bs = windows.tokens.shape[0]
+    kl_vals = None
+    extra = [] if kl is None else pattern_hooks(model, kl.layers, kl)
+    if kl is not None:
+        kl.mode = "reference" if cond.key == "none" else "compare"
+        kl.acc = {}
+    clean = nll_on_target(model, windows.tokens, target_len=target_len, fwd_hooks=hooks + extra, batch_size=bs)
+    if kl is not None:
+        kl_vals = torch.zeros(bs) if cond.key == "none" else kl.per_sequence()
+    rows = []
+    for frac in fracs:
+        for seed in seeds:
+            if frac == 0:
+                nll = clean
+            else:
+                toks, pid = perturbed_inputs(windows, frac, seed, mode, target_len=target_len, base_seed=base_seed)
+                nll = nll_on_target(model, toks, target_len=target_len, position_ids=pid, fwd_hooks=hooks,
+                                    batch_size=bs)
+            for i in range(bs):
+                rows.append(dict(seq=i, frac=float(frac), seed=int(seed), clean_nll=float(clean[i]),
+                                 nll=float(nll[i]), delta=float(nll[i] - clean[i])))
+    return pd.DataFrame(rows), clean, kl_vals
+
+
+# ----------------------------------------------------------------------------- statistics glue
+
+
+def per_sequence_slopes(rows: pd.DataFrame, value: str = "delta") -> pd.Series:
+    """Least-squares slope of ``value`` over ``frac`` per sequence, seeds averaged INSIDE the
+    sequence first (METHOD §8). Returns a Series indexed by ``seq``.
+
+    Raises:
+        ValueError: fewer than two distinct fracs, a sequence missing a frac, NaN values."""
+    from .. import stats  # noqa: PLC0415
+
+    w = rows.groupby(["seq", "frac"])[value].mean().unstack("frac").sort_index(axis=1)
+    if w.shape[1] < 2:
+        raise ValueError(f"a slope needs at least two distinct fracs, got {list(w.columns)}")
+    if w.isna().any().any():
+        bad = w.index[w.isna().any(axis=1)].tolist()
+        raise ValueError(f"sequences {bad[:10]} lack a value at some frac (or have NaN): cannot fit slopes")
+    return pd.Series(stats.unit_slopes(w.columns.to_numpy(float), w.to_numpy(float)), index=w.index, name="slope")
+
+
+def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], primary: str | None) -> list:
+    """:class:`posgen_tl.stats.Contrast` per ``(intervention, control)`` pair, named
+    ``"<intervention> vs <control>"``; the one named ``primary`` is flagged primary.
+
+    Per sequence: ``d`` = slope(intervention) − slope(control) (paired by ``seq``), damages =
+    mean ``clean_nll − base_clean_nll``; document ids from the ``doc`` column.
+
+    Raises:
+        ValueError: a label without rows, mismatched sequence sets, NaN slopes, no ``doc``."""
+    from .. import stats  # noqa: PLC0415
+
+    if "doc" not in rows.columns:
+        raise ValueError("rows have no 'doc' column: every rows frame must carry the document id")
+    names = [f"{a} vs {b}" for a, b in pairs]
+    if primary is not None and primary not in names:
+        raise ValueError(f"the declared primary contrast {primary!r} is not in the family {names}")
+    doc = rows.groupby("seq")["doc"].first()
+    out = []
+    for iv, ctrl in pairs:
+        parts = {}
+        for role, label in (("intervention", iv), ("control", ctrl)):
+            g = rows[rows["intervention"] == label]
+            if g.empty:
+                raise ValueError(f"no rows for {role} {label!r}; present: {sorted(rows['intervention'].unique())}")
+            dmg = (g["clean_nll"] - g["base_clean_nll"]).groupby(g["seq"]).mean()
+            parts[role] = (per_sequence_slopes(g), dmg)
+        d, seq = stats.paired_differences(parts["intervention"][0], parts["control"][0])
+        name = f"{iv} vs {ctrl}"
+        if len(seq) < 3:
+            raise ValueError(f"contrast {name!r}: needs at least 3 sequences, got {len(seq)}")
+        out.append(stats.Contrast(name=name, intervention=iv, control=ctrl, d=d, seq=seq, doc=doc.loc[seq].to_numpy(),
+                                  damage=parts["intervention"][1].loc[seq].to_numpy(float),
+                                  control_damage=parts["control"][1].loc[seq].to_numpy(float),
+                                  primary=name == primary))
+    return out
+
+
+def summarize_conditions(rows: pd.DataFrame, kl: pd.DataFrame | None = None, *, n_boot: int = 10_000) -> pd.DataFrame:
+    """One row per condition: ``condition, kind, alpha, n_seq, n_docs, clean_nll, damage
+    (+ _lo/_hi: document bootstrap), attn_kl (+ CI), slope (+ CI), dnll@p`` (mean ΔNLL per p)."""
+    from .. import stats  # noqa: PLC0415
+
+    out = []
+    for key, g in rows.groupby("intervention", sort=False):
+        doc = g.groupby("seq")["doc"].first()
+        dmg = (g["clean_nll"] - g["base_clean_nll"]).groupby(g["seq"]).mean().loc[doc.index]
+        sl = per_sequence_slopes(g).loc[doc.index]
+        row = dict(condition=key, kind=g["kind"].iloc[0], alpha=float(g["alpha"].iloc[0]), n_seq=len(doc),
+                   n_docs=int(doc.nunique()), clean_nll=float(g.groupby("seq")["clean_nll"].first().mean()))
+        for nm, v in (("damage", dmg), ("slope", sl)):
+            m, lo, hi = stats.bootstrap_ci(v.to_numpy(), clusters=doc.to_numpy(), n_boot=n_boot)
+            row.update({nm: m, f"{nm}_lo": lo, f"{nm}_hi": hi})
+        if kl is not None and key in set(kl["intervention"]):
+            k = kl[kl["intervention"] == key].set_index("seq")["attn_kl"].loc[doc.index]
+            m, lo, hi = stats.bootstrap_ci(k.to_numpy(), clusters=doc.to_numpy(), n_boot=n_boot)
+            row.update(attn_kl=m, attn_kl_lo=lo, attn_kl_hi=hi)
+        for f, v in g.groupby("frac")["delta"].mean().items():
+            if f > 0:
+                row[f"dnll@{f:g}"] = float(v)
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+@dataclass
+class CausalResult:
+    """Output of :func:`causal_study`.
+
+    Attributes:
+        rows: per (condition, sequence, frac, seed): ``intervention`` (condition key), ``kind``,
+            ``alpha``, ``seq``, ``doc``, ``doc_name``, ``frac``, ``seed``, ``clean_nll``, ``nll``,
+            ``delta``, ``base_clean_nll`` (the ``none`` clean NLL of that sequence).
+        kl: per (condition, sequence): ``attn_kl`` (mean KL(clean ‖ edited) of attention rows in
+            the edited layers, nats).
+        conditions: per condition: description, kind, alpha, bands, matching, damage, attention
+            KL and slope with document-bootstrap CIs, ``n_seq``, ``n_docs``.
+        contrasts: :func:`posgen_tl.stats.verdict_table` of the family (empty if < 2 conditions).
+        config: sizes, layers, bands, seeds, primary contrast, corpus, commit, wall times,
+            ``partial`` (True while conditions are missing).
+    """
+
+    rows: pd.DataFrame
+    kl: pd.DataFrame
+    conditions: pd.DataFrame
+    contrasts: pd.DataFrame
+    config: dict = field(default_factory=dict)
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).parent).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _bands(spec, layers, fast, slow):
+    nb = spec.layer(layers[0]).n_bands
+    q = max(1, nb // 4)
+    fast = list(range(q)) if fast is None else [int(b) for b in fast]
+    slow = list(range(nb - q, nb)) if slow is None else [int(b) for b in slow]
+    for nm, b in (("fast", fast), ("slow", slow)):
+        if not b or min(b) < 0 or max(b) >= nb:
+            raise ValueError(f"{nm} bands {b} out of range for {nb} bands")
+    return nb, fast, slow
+
+
+def _result(rows, kl, conds, match, config, pairs, primary, partial: bool = False) -> CausalResult:
+    """Tables from rows. ``partial``: each contrast uses the sequences both of its conditions have
+    finished (the ``n_seq`` column says how many); a complete run never drops a sequence."""
+    from .. import stats  # noqa: PLC0415
+
+    summ = summarize_conditions(rows, kl)
+    meta = pd.DataFrame([dict(condition=c.key, description=CONTROL_TEXT[c.key],
+                              bands=",".join(map(str, c.intervention.bands)) if c.intervention else "",
+                              **{f"match_{k}": v for k, v in match.get(c.key, {}).items() if k != "trace"})
+                         for c in conds])  # fmt: skip
+    summ = meta.merge(summ, on="condition", how="right")
+    present = set(rows["intervention"])
+    fam = [(a, b) for a, b in pairs if a in present and b in present]
+    table = pd.DataFrame()
+    prim = primary if any(f"{a} vs {b}" == primary for a, b in fam) else None
+    if fam and not partial:
+        table = stats.verdict_table(contrasts_from_rows(rows, fam, prim))
+    elif fam:
+        cs = []
+        for a, b in fam:
+            common = set(rows.loc[rows["intervention"] == a, "seq"]) & set(rows.loc[rows["intervention"] == b, "seq"])
+            sub = rows[rows["intervention"].isin([a, b]) & rows["seq"].isin(common)]
+            if len(common) >= 3:
+                cs += contrasts_from_rows(sub, [(a, b)], prim if f"{a} vs {b}" == prim else None)
+        table = stats.verdict_table(cs) if cs else table
+    return CausalResult(rows, kl, summ, table, config)
+
+
+@torch.no_grad()
+def causal_study(
+    model: Any, corpus: CorpusLike = None, *, n_seq: int, seq_len: int = 256, target_len: int = 64,
+    fracs: Sequence[float] = DEFAULT_FRACS, seeds: Sequence[int] = (0, 1), layers: Sequence[int] | None = None,
+    fast: Sequence[int] | None = None, slow: Sequence[int] | None = None, alpha: float = 0.5,
+    controls: Sequence[str] = CONTROLS, primary: str = "destroy vs C1", match_subset: int = 16,
+    match_steps: int = 5, seed: int = 0, n_ref: int = 8, batch_size: int = 8, mode: str = "T1",
+    windows: tuple[Windows, Windows] | None = None, on_partial: Callable[[CausalResult], None] | None = None,
+    progress: bool = True,
+) -> CausalResult:  # fmt: skip
+    """The causal test of METHOD §5 with controls C1–C4 and verdicts by METHOD §8.
+
+    Steps: (1) windows of the analysed documents and a disjoint reference set
+    (:func:`study_windows`); k̄ per edited layer from the reference windows' context part;
+    (2) clean NLL (``none``) on all sequences; (3) the destroy damage on the first
+    ``match_subset`` sequences and, per control, its own alpha matched to it
+    (:func:`match_alpha`, ≤ ``match_steps`` evaluations; unmatched controls are kept and
+    flagged); (4) per condition and batch: the clean pass (with the attention change in the
+    edited layers) and one pass per (frac > 0, seed); (5) the family of contrasts
+    ``destroy vs <control>`` and ``destroy vs none`` through :func:`posgen_tl.stats.verdict_table`.
+
+    Conditions run in two phases — ``none, destroy`` and the primary control first, the other
+    controls after — and ``on_partial(result)`` is called after every batch until the run is
+    complete (``config['partial']`` is True there; ``config['n_seq_done']`` says how many
+    sequences the primary phase has finished), so a long study writes its results as they come.
+
+    Args:
+        layers: edited layers (default: the middle third). ``fast``/``slow``: band indices
+            (default: the first / last quarter of the bands; band 0 = fastest).
+        alpha: strength of ``destroy``. ``primary``: the pre-declared primary contrast.
+        windows: pre-built ``(analysed, reference)`` windows (default :func:`study_windows`).
+
+    Returns:
+        :class:`CausalResult`.
+
+    Raises:
+        ValueError: bad bands/controls, a primary contrast outside the family, fewer than 3
+            sequences (from the verdict code), overlapping reference/analysed documents.
+    """
+    t_start = time.time()
+    spec, _ = probe_hooks(model)
+    layers = list(range(spec.n_layers // 3, 2 * spec.n_layers // 3)) if layers is None else sorted({int(x) for x in layers})
+    nb, fast, slow = _bands(spec, layers, fast, slow)
+    if n_seq < 3:
+        raise ValueError(f"n_seq={n_seq}: a contrast needs at least 3 sequences")
+    if not 0 < target_len < seq_len - 2:
+        raise ValueError(f"target_len={target_len} must be in (0, {seq_len - 2})")
+    if sum(1 for f in fracs if f > 0) < 1 or 0 not in fracs:
+        raise ValueError(f"fracs must include 0 and at least one p > 0, got {fracs}")
+    conds = build_conditions(layers, fast, slow, alpha=alpha, controls=controls, seed=seed)
+    pairs = [("destroy", c) for c in controls] + [("destroy", "none")]
+    if primary not in {f"{a} vs {b}" for a, b in pairs}:
+        raise ValueError(f"primary contrast {primary!r} is not in the family {[f'{a} vs {b}' for a, b in pairs]}")
+    ana, ref = windows if windows is not None else study_windows(model, corpus, n_seq=n_seq, seq_len=seq_len,
+                                                                 n_ref=n_ref, seed=seed)
+    if set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist()):
+        raise ValueError("reference and analysed windows share documents")
+    times: dict[str, float] = {}
+    t0 = time.time()
+    km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - target_len], layers, batch_size=batch_size)
+    times["k_means_s"] = time.time() - t0
+    n = len(ana)
+    batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+
+    # (2) clean NLL without intervention (the baseline of every damage)
+    t0 = time.time()
+    base = torch.cat([nll_on_target(model, ana.tokens[b], target_len=target_len, batch_size=len(b)) for b in batches])
+    times["base_s"] = time.time() - t0
+
+    # (3) matched strengths on a subset
+    t0 = time.time()
+    sub = list(range(min(max(match_subset, 1), n)))
+    sub_toks = ana.tokens[sub]
+
+    def damage_on_subset(cond: Condition) -> float:
+        nll = nll_on_target(model, sub_toks, target_len=target_len, fwd_hooks=_hooks(model, cond, km),
+                            batch_size=batch_size)
+        return float((nll - base[sub]).mean())
+
+    match: dict[str, dict] = {}
+    target = damage_on_subset(conds[1])
+    match["destroy"] = dict(alpha=alpha, damage=target, target=target, n_evals=1, reached=True, matched=True)
+    for i, c in enumerate(conds):
+        if c.key in ("none", "destroy"):
+            continue
+        m = match_alpha(lambda a, c=c: damage_on_subset(c.with_alpha(a)), target, start=c.alpha,
+                        alpha_max=c.alpha_max, max_steps=match_steps)
+        m["matched"] = bool(m["reached"] and abs(m["damage"] - target) <= 0.10 * abs(target))
+        match[c.key] = m
+        conds[i] = c.with_alpha(m["alpha"])
+        if progress:
+            tqdm.write(f"[causal] {c.key}: alpha={m['alpha']:.4g} damage={m['damage']:.4f} (target {target:.4f}, "
+                       f"{m['n_evals']} evals, {'matched' if m['matched'] else 'UNMATCHED'})")
+    times["match_s"] = time.time() - t0
+
+    config = dict(model=getattr(spec, "model_name", None), corpus="pydoc topics" if corpus is None else str(corpus)[:80],
+                  n_seq=n, n_docs=ana.n_docs, n_ref=len(ref), ref_docs=sorted(set(ref.doc_ids.tolist())),
+                  seq_len=int(ana.tokens.shape[1]), target_len=target_len, fracs=list(map(float, fracs)),
+                  seeds=list(map(int, seeds)), layers=layers, n_bands=nb, fast=fast, slow=slow, alpha=alpha,
+                  controls=list(controls), primary=primary, family=[f"{a} vs {b}" for a, b in pairs], mode=mode,
+                  match_subset=len(sub), seed=seed, commit=_commit(), batch_size=batch_size,
+                  swaps="p = fraction of disjoint adjacent pairs of the context swapped: ≈ 2p of the tokens move; "
+                        "per-(sequence, seed) permutations")  # fmt: skip
+
+    # (4) the passes, in two phases
+    first = ["none", "destroy"] + ([primary.split(" vs ")[1]] if primary.split(" vs ")[1] in controls else [])
+    phases = [[c for c in conds if c.key in first], [c for c in conds if c.key not in first]]
+    frames, kls = [], []
+    info = ana.frame()
+    kl = _KL(layers)
+    done: list[Condition] = []
+
+    def assemble(running: list[Condition], *, partial: bool, n_done: int, ph: int) -> CausalResult:
+        rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
+        rows["base_clean_nll"] = base.numpy()[rows["seq"].to_numpy()]
+        rows = rows[["intervention", "kind", "alpha", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll",
+                     "delta", "base_clean_nll"]]
+        keys = [c.key for c in done + running]
+        cfg = dict(config, partial=partial, conditions_done=[c.key for c in done], conditions_running=[c.key for c in running],
+                   n_seq_done={"phase": ph + 1, "sequences": n_done}, wall_s={**times, "total_s": time.time() - t_start})
+        return _result(rows, pd.concat(kls, ignore_index=True), [c for c in conds if c.key in keys], match, cfg, pairs,
+                       primary, partial=partial)
+    last_phase = max(i for i, p in enumerate(phases) if p)
+    for ph, phase in enumerate(phases):
+        if not phase:
+            continue
+        t0 = time.time()
+        jobs = [(b, c) for b in batches for c in phase]
+        bar = tqdm(total=len(jobs), desc=f"causal phase {ph + 1}", disable=not progress)
+        for b in batches:
+            w = ana.subset(b)
+            if phase[0].key != "none":  # attention reference for this batch (clean, no edit)
+                condition_rows(model, w, conds[0], k_means=km, target_len=target_len, fracs=(0.0,), seeds=(0,),
+                               kl=kl)  # fmt: skip
+            for c in phase:
+                df, clean, kv = condition_rows(model, w, c, k_means=km, target_len=target_len, fracs=fracs, seeds=seeds,
+                                               mode=mode, base_seed=seed, kl=kl)
+                df["seq"] = [b[i] for i in df["seq"]]
+                df.insert(0, "intervention", c.key)
+                df.insert(1, "kind", c.kind)
+                df.insert(2, "alpha", c.alpha)
+                frames.append(df)
+                kls.append(pd.DataFrame(dict(intervention=c.key, seq=b, attn_kl=kv.numpy())))
+                bar.update(1)
+            if on_partial is not None and not (ph == last_phase and b is batches[-1]):
+                on_partial(assemble(phase, partial=True, n_done=b[-1] + 1, ph=ph))
+        bar.close()
+        times[f"phase{ph + 1}_s"] = time.time() - t0
+        done += phase
+        res = assemble([], partial=len(done) < len(conds), n_done=n, ph=ph)
+    return res
+    return res
+
+
+# ----------------------------------------------------------------------------- T1 / T2
+
+
+@dataclass
+class T12Result:
+    """Output of :func:`t1_t2_study`: ``rows`` (twin, mode, seq, doc, doc_name, frac, seed,
+    clean_nll, nll, delta), ``slopes`` (per twin, mode, seq), ``summary`` (per twin, mode: mean
+    ΔNLL per p and slope with document-bootstrap CIs), ``equivalence`` (per twin: TOST of T1 − T2
+    slopes at the stated margin, with the equivariance note), ``config``."""
+
+    rows: pd.DataFrame
+    slopes: pd.DataFrame
+    summary: pd.DataFrame
+    equivalence: pd.DataFrame
+    config: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def t1_t2_study(
+    model: Any, corpus: CorpusLike = None, *, n_seq: int, seq_len: int = 256, target_len: int = 64,
+    fracs: Sequence[float] = DEFAULT_FRACS, seeds: Sequence[int] = (0, 1), twin: Any = True,
+    twin_seeds: Sequence[int] | None = None, margin: float | None = None, margin_rel: float = 0.2, seed: int = 0,
+    batch_size: int = 8, windows: Windows | None = None, progress: bool = True,
+) -> T12Result:  # fmt: skip
+    """T1/T2 tolerance curves (METHOD §4) of the trained model and its random twin.
+
+    Same windows and the same per-(sequence, seed) swaps for T1 and T2 and for the twin.
+    Equivalence of T1 and T2 slopes: TOST (:func:`posgen_tl.stats.t1_t2_equivalence`) at
+    ``margin`` (ΔNLL per unit p) — when ``None``, ``margin_rel`` × |mean T1 slope of the
+    TRAINED model| (stated in the output). Read with the equivariance note: T1 − T2 is the
+    causal-order effect.
+
+    Args:
+        twin: ``True`` (build :func:`posgen_tl.models.random_twin` with ``seed``), a prebuilt
+            twin, or ``False``/``None``. ``twin_seeds``: swap seeds for the twin (default ``seeds``).
+
+    Returns:
+        :class:`T12Result`.
+    """
+    from .. import stats  # noqa: PLC0415
+    from ..models import random_twin  # noqa: PLC0415
+
+    t_start = time.time()
+    ana = windows if windows is not None else study_windows(model, corpus, n_seq=n_seq, seq_len=seq_len, seed=seed)[0]
+    models = [("trained", model, tuple(seeds))]
+    if twin is True:
+        twin = random_twin(model, seed)
+    if twin is not None and twin is not False:
+        models.append(("random", twin, tuple(twin_seeds or seeds)))
+    n = len(ana)
+    batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+    info = ana.frame()
+    frames, times = [], {}
+    for name, m, sds in models:
+        t0 = time.time()
+        jobs = [(b, mode) for b in batches for mode in ("T1", "T2")]
+        bar = tqdm(total=len(jobs), desc=f"T1/T2 {name}", disable=not progress)
+        for b in batches:
+            w = ana.subset(b)
+            clean = nll_on_target(m, w.tokens, target_len=target_len, batch_size=len(b))
+            for mode in ("T1", "T2"):
+                rows = []
+                for frac in fracs:
+                    for sd in sds:
+                        if frac == 0:
+                            nll = clean
+                        else:
+                            toks, pid = perturbed_inputs(w, frac, sd, mode, target_len=target_len, base_seed=seed)
+                            nll = nll_on_target(m, toks, target_len=target_len, position_ids=pid, batch_size=len(b))
+                        for i, s in enumerate(b):
+                            rows.append(dict(twin=name, mode=mode, seq=s, frac=float(frac), seed=int(sd),
+                                             clean_nll=float(clean[i]), nll=float(nll[i]), delta=float(nll[i] - clean[i])))
+                frames.append(pd.DataFrame(rows))
+                bar.update(1)
+        bar.close()
+        times[f"{name}_s"] = time.time() - t0
+    rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
+    rows = rows[["twin", "mode", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta"]]
+    slopes = pd.concat([per_sequence_slopes(g).rename("slope").reset_index().assign(twin=t, mode=md)
+                        for (t, md), g in rows.groupby(["twin", "mode"], sort=False)], ignore_index=True)  # fmt: skip
+    slopes = slopes.merge(info[["seq", "doc"]], on="seq")[["twin", "mode", "seq", "doc", "slope"]]
+    summ = []
+    for (t, md), g in rows.groupby(["twin", "mode"], sort=False):
+        doc = g.groupby("seq")["doc"].first()
+        for f, gf in g.groupby("frac"):
+            v = gf.groupby("seq")["delta"].mean().loc[doc.index]
+            mval, lo, hi = stats.bootstrap_ci(v.to_numpy(), clusters=doc.to_numpy())
+            summ.append(dict(twin=t, mode=md, estimator="dnll", frac=f, value=mval, ci_low=lo, ci_high=hi,
+                             n_seq=len(doc), n_docs=doc.nunique()))
+        s = slopes[(slopes["twin"] == t) & (slopes["mode"] == md)]
+        mval, lo, hi = stats.bootstrap_ci(s["slope"].to_numpy(), clusters=s["doc"].to_numpy())
+        summ.append(dict(twin=t, mode=md, estimator="slope", frac=np.nan, value=mval, ci_low=lo, ci_high=hi,
+                         n_seq=len(s), n_docs=s["doc"].nunique()))
+    summ = pd.DataFrame(summ)
+    tr1 = slopes[(slopes["twin"] == "trained") & (slopes["mode"] == "T1")]
+    if margin is None:
+        margin = margin_rel * abs(float(tr1["slope"].mean()))
+        margin_rule = f"{margin_rel:g} × |mean T1 slope of the trained model| = {margin:.4g} ΔNLL per unit p"
+    else:
+        margin_rule = f"stated margin {margin:.4g} ΔNLL per unit p"
+    eq = []
+    for t in [x for x, _, _ in models]:
+        a = slopes[(slopes["twin"] == t) & (slopes["mode"] == "T1")].set_index("seq")
+        b = slopes[(slopes["twin"] == t) & (slopes["mode"] == "T2")].set_index("seq")
+        d, seq = stats.paired_differences(a["slope"], b["slope"])
+        r = stats.t1_t2_equivalence(a["slope"].loc[seq].to_numpy(), b["slope"].loc[seq].to_numpy(),
+                                    a["doc"].loc[seq].to_numpy(), margin)
+        eq.append(dict(twin=t, t1_slope=float(a["slope"].mean()), t2_slope=float(b["slope"].mean()),
+                       **{k: v for k, v in r.items() if k != "note"}, margin_rule=margin_rule))
+    config = dict(n_seq=n, n_docs=ana.n_docs, seq_len=int(ana.tokens.shape[1]), target_len=target_len,
+                  fracs=list(map(float, fracs)), seeds=list(map(int, seeds)),
+                  twin_seeds=[list(s) for nm, _, s in models if nm == "random"], margin=margin, margin_rule=margin_rule,
+                  note=stats.EQUIVARIANCE_NOTE, commit=_commit(), seed=seed,
+                  wall_s={**times, "total_s": time.time() - t_start})  # fmt: skip
+    return T12Result(rows, slopes, summ, pd.DataFrame(eq), config)
+
+
+# ----------------------------------------------------------------------------- cost per forward
+
+
+@torch.no_grad()
+def forward_costs(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, *, target_len: int = 64,
+                  repeats: int = 1) -> dict[str, float]:  # fmt: skip
+    """Seconds per sequence forward: full (target-only unembedding), the prefix
+    ``stop_at_layer=layer``, and the rest from the cached residual (``start_at_layer=layer``),
+    plus ``max_abs_diff`` between the full and the resumed target NLL.
+
+    Uses :func:`posgen_tl.analysis.tolerance.nll_on_target` (``start_at_layer`` passes through
+    its ``forward_kwargs``)."""
+    n = tokens.shape[0]
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        full = nll_on_target(model, tokens, target_len=target_len, batch_size=n)
+    out["full_s_per_seq"] = (time.perf_counter() - t0) / (repeats * n)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        resid = model(tokens, stop_at_layer=layer)
+    out["prefix_s_per_seq"] = (time.perf_counter() - t0) / (repeats * n)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        resumed = nll_on_target(model, tokens, target_len=target_len, batch_size=n, resid_at=(layer, resid))
+    out["resumed_s_per_seq"] = (time.perf_counter() - t0) / (repeats * n)
+    out["max_abs_diff"] = float((full - resumed).abs().max())
+    out["layer"] = layer
+    out["seq_len"] = int(tokens.shape[1])
+    return out
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _md(df: pd.DataFrame, cols: Sequence[str] | None = None, digits: int = 4) -> str:
+    d = df if cols is None else df[[c for c in cols if c in df.columns]]
+
+    def fmt(v) -> str:
+        if isinstance(v, (float, np.floating)):
+            if v != v:
+                return ""
+            return f"{v:.{digits}g}" if abs(v) < 1e-3 and v != 0 else f"{v:.{digits}f}"
+        return str(v)
+
+    head = "| " + " | ".join(map(str, d.columns)) + " |"
+    sep = "|" + "|".join("---" for _ in d.columns) + "|"
+    return "\n".join([head, sep, *("| " + " | ".join(fmt(v) for v in r) + " |" for r in d.itertuples(index=False))])
+
+
+COND_COLS = ["condition", "description", "kind", "alpha", "bands", "match_matched", "n_seq", "n_docs", "clean_nll",
+             "damage", "damage_lo", "damage_hi", "attn_kl", "attn_kl_lo", "attn_kl_hi", "slope", "slope_lo", "slope_hi"]
+CONTRAST_COLS = ["contrast", "primary", "n_seq", "n_docs", "mean_diff", "boot_lo", "boot_hi", "t_lo", "t_hi", "p_exact",
+                 "p_holm", "damage", "control_damage", "damage_matched", "half_a", "half_b", "split_half_agree", "mde",
+                 "verdict"]
+
+
+def causal_markdown(result: CausalResult, title: str = "Causal test") -> str:
+    """Markdown: the per-condition table, the verdict table (from ``verdict_table`` only),
+    each contrast's reason, and the configuration."""
+    c = result.config
+    status = "PARTIAL — conditions still missing: " + ", ".join(
+        k for k in ["none", "destroy", *c.get("controls", [])] if k not in c.get("conditions_done", [])
+    ) if c.get("partial") else "complete"
+    expl = " — EXPLORATORY (n < 32 sequences)" if c.get("n_seq", 0) < 32 else ""
+    lines = [f"## {title}{expl}", "", f"Status: {status}.", "",
+             f"{c.get('model')}: {c.get('n_seq')} sequences from {c.get('n_docs')} documents × {c.get('seq_len')} tokens; "
+             f"target = last {c.get('target_len')} tokens; T1 swaps at p ∈ {c.get('fracs')} ({c.get('swaps')}); seeds "
+             f"{c.get('seeds')}; keys edited in layers {c.get('layers')}; fast bands {c.get('fast')}, slow bands "
+             f"{c.get('slow')} of {c.get('n_bands')}; destroy α = {c.get('alpha')}; k̄ from {c.get('n_ref')} windows of "
+             f"{len(c.get('ref_docs', []))} reference documents disjoint from the analysed ones. Controls matched on the "
+             f"first {c.get('match_subset')} sequences. PRIMARY contrast (declared before the run): `{c.get('primary')}`.",
+             "", "### Per condition (damage = clean-NLL increase; attn KL = mean KL(clean ‖ edited) of attention rows "
+             "in the edited layers; slope = ΔNLL per unit p; CIs: 95 % document bootstrap)", "",
+             _md(result.conditions, COND_COLS)]  # fmt: skip
+    if len(result.contrasts):
+        lines += ["", "### Contrasts (one family, Holm-adjusted; verdicts from `posgen_tl.stats.verdict_table`)", "",
+                  _md(result.contrasts, CONTRAST_COLS), ""]
+        lines += [f"- `{r.contrast}`: {r.verdict} — {r.reason}" for r in result.contrasts.itertuples()]
+    w = c.get("wall_s", {})
+    lines += ["", f"Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in w.items()) + f"; commit {c.get('commit')}.", ""]
+    return "\n".join(lines)
+
+
+def write_causal_outputs(result: CausalResult, out_dir: str | Path, tag: str = "causal") -> dict[str, Path]:
+    """Write ``{tag}_rows.csv``, ``{tag}_kl.csv``, ``{tag}_conditions.csv``, ``{tag}_contrasts.csv``,
+    ``{tag}_config.json`` and ``{tag}.md`` (the markdown table) under ``out_dir``; returns the paths."""
+    import json  # noqa: PLC0415
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {k: out / f"{tag}_{k}.csv" for k in ("rows", "kl", "conditions", "contrasts")}
+    result.rows.to_csv(paths["rows"], index=False)
+    result.kl.to_csv(paths["kl"], index=False)
+    result.conditions.to_csv(paths["conditions"], index=False)
+    result.contrasts.to_csv(paths["contrasts"], index=False)
+    paths["config"] = out / f"{tag}_config.json"
+    paths["config"].write_text(json.dumps(result.config, indent=1, default=str))
+    paths["md"] = out / f"{tag}.md"
+    paths["md"].write_text(causal_markdown(result, f"Causal test ({tag})"))
+    return paths
+
+
+def t12_markdown(result: T12Result, title: str = "T1 / T2") -> str:
+    """Markdown: slopes and ΔNLL per p (trained and twin), the TOST table and the equivariance note."""
+    c = result.config
+    s = result.summary
+    lines = [f"## {title}", "",
+             f"{c['n_seq']} sequences from {c['n_docs']} documents × {c['seq_len']} tokens, target {c['target_len']}; "
+             f"p ∈ {c['fracs']} = fraction of disjoint adjacent pairs swapped (≈ 2p of the context tokens move), "
+             f"independent per (sequence, seed); seeds {c['seeds']} (twin {c['twin_seeds']}). CIs: document bootstrap.", "",
+             _md(s[s["estimator"] == "slope"], ["twin", "mode", "value", "ci_low", "ci_high", "n_seq", "n_docs"]), "",
+             _md(s[s["estimator"] == "dnll"], ["twin", "mode", "frac", "value", "ci_low", "ci_high"]), "",
+             f"T1 − T2 slope, TOST equivalence at margin: {c['margin_rule']}:", "",
+             _md(result.equivalence, ["twin", "t1_slope", "t2_slope", "mean", "lo", "hi", "p", "equivalent", "p_diff",
+                                      "n_seq", "n_docs"]), "",
+             "> " + c["note"], "",
+             f"Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in c["wall_s"].items()) + f"; commit {c['commit']}.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_t12_outputs(result: T12Result, out_dir: str | Path, tag: str = "t12") -> dict[str, Path]:
+    """Write ``{tag}_rows.csv``, ``{tag}_slopes.csv``, ``{tag}_summary.csv``, ``{tag}_tost.csv``,
+    ``{tag}_config.json`` and ``{tag}.md``; returns the paths."""
+    import json  # noqa: PLC0415
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"rows": out / f"{tag}_rows.csv", "slopes": out / f"{tag}_slopes.csv", "summary": out / f"{tag}_summary.csv",
+             "tost": out / f"{tag}_tost.csv", "config": out / f"{tag}_config.json", "md": out / f"{tag}.md"}
+    result.rows.to_csv(paths["rows"], index=False)
+    result.slopes.to_csv(paths["slopes"], index=False)
+    result.summary.to_csv(paths["summary"], index=False)
+    result.equivalence.to_csv(paths["tost"], index=False)
+    paths["config"].write_text(json.dumps(result.config, indent=1, default=str))
+    paths["md"].write_text(t12_markdown(result, f"T1 / T2 ({tag})"))
+    return paths

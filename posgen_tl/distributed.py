@@ -1,0 +1,546 @@
+"""Multi-process runs with ``torch.distributed``: documents sharded across ranks, mergeable
+accumulators all-reduced, per-sequence rows gathered — the merged tables EQUAL a single-process
+run (to float tolerance).
+
+    torchrun --nproc_per_node 2 -m posgen_tl.distributed --model smollm2-135m --n-seq 16 --out run/
+
+Design (no analysis is re-defined here: each wrapper calls the recipe of :mod:`posgen_tl.analysis`
+on its rank's shard and merges what it returns):
+
+* :func:`shard_documents` — windows are grouped by document id and whole documents are dealt to
+  ranks (balanced by window count, deterministic), so no document is split across ranks and the
+  statistical unit of METHOD §8 stays intact. More ranks than documents is an error.
+* mergeable accumulators — :class:`~posgen_tl.features.BandStats` states are summed
+  (:func:`all_reduce_states`); means (the D3 ``k̄``) are merged weighted by their token counts
+  (:func:`merge_means`); per-sequence rows are gathered with global sequence indices
+  (:func:`gather_frame`).
+* failure — every rank runs its local work inside :func:`guarded`; a status exchange follows,
+  and if ANY rank raised, EVERY rank raises :class:`DistributedRunError` naming the failing
+  rank(s) and its error. Nothing is merged or written after a failure, so no partial table is
+  ever presented as complete. A rank that dies outright (killed, segfault) makes the other
+  ranks' next collective fail (or time out after ``timeout_s``); that too is raised as
+  :class:`DistributedRunError`.
+* only rank 0 writes (:func:`main`), after the last status exchange.
+
+Without a process group (plain ``python``), every helper degrades to the single-process call
+(world size 1), so code written against this module runs unchanged on one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+import pandas as pd
+import torch
+import torch.distributed as tdist
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from posgen_tl.corpus import Windows
+
+__all__ = [
+    "Dist",
+    "DistributedRunError",
+    "ShardError",
+    "setup",
+    "teardown",
+    "current",
+    "shard_documents",
+    "guarded",
+    "all_reduce_states",
+    "merge_means",
+    "gather_frame",
+    "decompose_distributed",
+    "pattern_distributed",
+    "key_means_distributed",
+    "tolerance_distributed",
+    "main",
+]
+
+T = TypeVar("T")
+
+
+class DistributedRunError(RuntimeError):
+    """A rank failed (or a collective broke): raised on EVERY rank; no merged result exists."""
+
+
+class ShardError(ValueError):
+    """The documents cannot be sharded over the ranks (e.g. more ranks than documents)."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process' place in the run: ``rank`` in ``[0, world_size)``; ``world_size`` 1 = no group."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the only rank that writes files."""
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        """True when a process group with more than one rank is running."""
+        return self.world_size > 1
+
+
+def current() -> Dist:
+    """The running process group's ``(rank, world_size)``, or ``Dist(0, 1)`` without one."""
+    if tdist.is_available() and tdist.is_initialized():
+        return Dist(tdist.get_rank(), tdist.get_world_size())
+    return Dist()
+
+
+def setup(backend: str = "gloo", *, timeout_s: float = 600.0) -> Dist:
+    """Join the process group described by the environment (``torchrun`` sets ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); without those, a single process.
+
+    ``gloo`` works on CPU (and with CUDA tensors moved to CPU for the collectives, which is what
+    this module does: every merged object is small). ``timeout_s`` bounds how long a rank waits
+    for a peer that died. Returns :class:`Dist`.
+    """
+    if tdist.is_available() and tdist.is_initialized():
+        return current()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not tdist.is_available():
+        raise DistributedRunError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+    tdist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return current()
+
+
+def teardown() -> None:
+    """Leave the process group (if one is running)."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def shard_documents(
+    doc_ids: Int[Tensor, "batch"] | Windows, world_size: int, rank: int
+) -> Int[Tensor, "local"]:
+    """Indices of the windows that ``rank`` analyses: whole documents, balanced by window count.
+
+    Documents are sorted by (window count descending, id) and each goes to the rank holding the
+    fewest windows so far (lowest rank on ties) — deterministic, so every rank computes the same
+    assignment without communicating. Returns a sorted ``[local]`` int64 index into the windows.
+
+    Raises:
+        ShardError: ``world_size`` larger than the number of distinct documents (a rank would
+            have nothing to analyse), or a bad ``rank``.
+    """
+    ids = doc_ids.doc_ids if isinstance(doc_ids, Windows) else torch.as_tensor(doc_ids)
+    if not 0 <= rank < world_size:
+        raise ShardError(f"rank {rank} is outside [0, {world_size})")
+    docs, counts = ids.unique(return_counts=True)
+    if world_size > len(docs):
+        raise ShardError(
+            f"{world_size} ranks but only {len(docs)} documents among {len(ids)} windows: documents are not "
+            f"split across ranks, so use at most {len(docs)} ranks (or more documents)"
+        )
+    order = sorted(zip(counts.tolist(), docs.tolist()), key=lambda t: (-t[0], t[1]))
+    load = [0] * world_size
+    mine: list[int] = []
+    for count, doc in order:
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += count
+        if r == rank:
+            mine.append(doc)
+    keep = torch.isin(ids, torch.tensor(mine, dtype=ids.dtype))
+    return keep.nonzero().flatten()
+
+
+def _shard_rows(n: int, world_size: int, rank: int) -> Int[Tensor, "local"]:
+    """Contiguous near-equal row split (for reference sets, whose documents do not matter)."""
+    bounds = [round(i * n / world_size) for i in range(world_size + 1)]
+    return torch.arange(bounds[rank], bounds[rank + 1])
+
+
+# ----------------------------------------------------------------------------- failure handling
+
+
+def guarded(fn: Callable[..., T], *args: Any, what: str = "work", **kw: Any) -> T:
+    """Run ``fn(*args, **kw)`` on this rank, then agree with every rank on whether all succeeded.
+
+    Returns ``fn``'s result when every rank succeeded. If ANY rank raised, every rank raises
+    :class:`DistributedRunError` naming the failed rank(s) and their error (on the failing rank
+    chained to the original exception). With one process, ``fn``'s exception propagates as is.
+    ``fn`` must not itself call collectives (the status exchange is the synchronisation point).
+    """
+    d = current()
+    if not d.active:
+        return fn(*args, **kw)
+    err: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn(*args, **kw)
+        status = (d.rank, True, "")
+    except Exception as e:  # noqa: BLE001 — reported to every rank below
+        err = e
+        tb = traceback.format_exception_only(type(e), e)[-1].strip()
+        status = (d.rank, False, tb)
+    statuses = _all_gather_object(status, what=what)
+    failed = [s for s in statuses if not s[1]]
+    if failed:
+        msg = "; ".join(f"rank {r}: {m}" for r, _, m in failed)
+        raise DistributedRunError(
+            f"{what} failed on {len(failed)} of {d.world_size} rank(s) — {msg}. No results were merged or written."
+        ) from err
+    return result
+
+
+def _all_gather_object(obj: Any, *, what: str) -> list[Any]:
+    d = current()
+    out: list[Any] = [None] * d.world_size
+    try:
+        tdist.all_gather_object(out, obj)
+    except Exception as e:  # noqa: BLE001 — a dead peer surfaces here (connection closed / timeout)
+        raise DistributedRunError(
+            f"rank {d.rank}: exchanging results of {what} failed ({type(e).__name__}: {str(e)[:200]}); "
+            "another rank probably died. No results were merged or written."
+        ) from e
+    return out
+
+
+# ----------------------------------------------------------------------------- merging
+
+
+def all_reduce_states(states: dict[Any, dict[str, Any]], *, what: str = "accumulators") -> dict[Any, dict[str, Any]]:
+    """Sum tensor entries of (nested) ``BandStats.state_dict()`` maps across ranks.
+
+    ``states``: ``{key: {"q": state_dict, "k": state_dict}}`` or ``{key: state_dict}`` — any
+    nesting of dicts whose tensor leaves are sums (``n``, ``sum_x``, …); non-tensor leaves
+    (config) must agree across ranks and are kept. Returns a new structure on CPU, equal on
+    every rank; the input is not modified. One process: returned as is.
+    """
+    if not current().active:
+        return states
+    flat: list[tuple[tuple, Tensor]] = []
+
+    def walk(node: Any, path: tuple) -> None:
+        for k in sorted(node, key=str):
+            v = node[k]
+            if isinstance(v, dict):
+                walk(v, path + (k,))
+            elif isinstance(v, Tensor):
+                flat.append((path + (k,), v))
+
+    walk(states, ())
+    reduced: dict[tuple, Tensor] = {}
+    try:
+        for path, t in flat:  # complex sums go as (re, im) pairs: gloo reduces real dtypes
+            x = t.detach().cpu().clone()
+            buf = torch.view_as_real(x).contiguous() if x.is_complex() else x
+            tdist.all_reduce(buf, op=tdist.ReduceOp.SUM)
+            reduced[path] = torch.view_as_complex(buf) if x.is_complex() else buf
+    except Exception as e:  # noqa: BLE001
+        raise DistributedRunError(f"all-reduce of {what} failed ({type(e).__name__}: {str(e)[:200]})") from e
+
+    def rebuild(node: Any, path: tuple) -> Any:
+        out = {}
+        for k, v in node.items():
+            if isinstance(v, dict):
+                out[k] = rebuild(v, path + (k,))
+            elif isinstance(v, Tensor):
+                out[k] = reduced[path + (k,)]
+            else:
+                out[k] = v
+        return out
+
+    return rebuild(states, ())
+
+
+def merge_means(
+    means: dict[int, Float[Tensor, "..."]], n_tokens: int, *, what: str = "means"
+) -> dict[int, Float[Tensor, "..."]]:
+    """Global mean from per-rank means over ``n_tokens`` tokens each: ``Σ_r n_r·m_r / Σ_r n_r``.
+
+    ``means`` ``{layer: tensor}`` (a rank with ``n_tokens = 0`` passes zeros of the right shapes).
+    Returns float64 CPU tensors, equal on every rank. One process: the input cast to float64 CPU.
+    """
+    if not current().active:
+        return {k: v.detach().double().cpu() for k, v in means.items()}
+    states = {k: {"s": v.detach().double().cpu() * n_tokens} for k, v in means.items()}
+    states["__n__"] = {"n": torch.tensor(float(n_tokens), dtype=torch.float64)}
+    red = all_reduce_states(states, what=what)
+    total = float(red.pop("__n__")["n"])
+    if total <= 0:
+        raise DistributedRunError(f"{what}: no tokens on any rank")
+    return {k: v["s"] / total for k, v in red.items()}
+
+
+def gather_frame(df: pd.DataFrame, index: Int[Tensor, "local"] | None = None, *, column: str = "seq",
+                 what: str = "rows") -> pd.DataFrame:
+    """Concatenate every rank's ``df`` (rank order) on every rank.
+
+    With ``index`` (this rank's global window indices, from :func:`shard_documents`), the local
+    ``column`` values ``0..local−1`` are first replaced by the global ones. Returns the
+    concatenated frame (index reset). One process: ``df`` with the column remapped.
+    """
+    df = df.copy()
+    if index is not None and column in df.columns and len(df):
+        df[column] = index.numpy()[df[column].to_numpy().astype(int)]
+    if not current().active:
+        return df.reset_index(drop=True)
+    parts = _all_gather_object(df, what=what)
+    parts = [p for p in parts if len(p)]
+    return pd.concat(parts, ignore_index=True) if parts else df.iloc[0:0]
+
+
+# ----------------------------------------------------------------------------- analyses
+
+
+def _as_windows(x: Windows | Tensor) -> Windows:
+    if isinstance(x, Windows):
+        return x
+    t = x if x.ndim == 2 else x[None]
+    n = t.shape[0]
+    return Windows(t, torch.arange(n), torch.zeros(n, dtype=torch.long), [f"row{i}" for i in range(n)])
+
+
+def _local(windows: Windows | Tensor) -> tuple[Windows, Tensor]:
+    w = _as_windows(windows)
+    d = current()
+    idx = shard_documents(w.doc_ids, d.world_size, d.rank)
+    return w.subset(idx), idx
+
+
+def key_means_distributed(
+    model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | None = None, *, sink: int = 1,
+    batch_size: int = 4, shard: bool = True,
+) -> dict[int, Float[Tensor, "kv_head d_head"]]:  # fmt: skip
+    """The D3 ``k̄`` (:func:`posgen_tl.analysis.decomposition.reference_key_means`) over ``tokens``,
+    rows split across ranks (a mean does not care about documents), merged by token count.
+
+    Returns ``{layer: [kv_head, d_head]}`` float64 on CPU, equal on every rank (and, to float64
+    rounding, to the single-process value). ``shard=False``: every rank uses all rows.
+    """
+    from posgen_tl.analysis.decomposition import reference_key_means  # noqa: PLC0415
+    from posgen_tl.capture import probe_hooks  # noqa: PLC0415
+
+    spec, _ = probe_hooks(model)
+    d = current()
+    rows = _shard_rows(tokens.shape[0], d.world_size, d.rank) if shard and d.active else torch.arange(tokens.shape[0])
+    want = list(range(spec.n_layers)) if layers is None else sorted({int(x) % spec.n_layers for x in layers})
+
+    def local() -> dict[int, Tensor]:
+        if len(rows) == 0:
+            return {layer: torch.zeros(spec.n_kv_heads, spec.d_head, dtype=torch.float64) for layer in want}
+        return reference_key_means(model, tokens[rows], want, sink=sink, batch_size=batch_size, progress=False)
+
+    means = guarded(local, what="k̄ reference pass")
+    n_tok = len(rows) * max(tokens.shape[1] - sink, 0)
+    return merge_means(means, n_tok, what="k̄") if shard else {k: v.double().cpu() for k, v in means.items()}
+
+
+def decompose_distributed(
+    model: Any, windows: Windows | Tensor, reference: Windows | Tensor, *, layers: Sequence[int] | None = None,
+    sink: int = 1, batch_size: int = 4, bound_rows: int = 32, k_means: dict[int, Tensor] | None = None,
+    twin_label: str = "trained", model_label: str | None = None, extra_hooks: Sequence = (),
+) -> pd.DataFrame:  # fmt: skip
+    """:func:`posgen_tl.analysis.decomposition.decompose_model` over ``windows``, documents sharded.
+
+    ``k̄`` comes from ``reference`` (other documents; rows split across ranks and merged) unless
+    ``k_means`` is given. Returns, on every rank, the frame a single process would return for
+    ``decompose_model(model, cat([windows.tokens, reference]), n_ref=len(reference))`` — same
+    columns, rows and order (``seq`` = index into ``windows``) — plus a ``doc`` column.
+    Raises :class:`ShardError` (more ranks than documents) before any work, and
+    :class:`DistributedRunError` on every rank if any rank fails.
+    """
+    from posgen_tl.analysis.decomposition import decompose_model  # noqa: PLC0415
+
+    w = _as_windows(windows)
+    loc, idx = _local(w)
+    ref = reference.tokens if isinstance(reference, Windows) else reference
+    if k_means is None:
+        k_means = key_means_distributed(model, ref, layers, sink=sink, batch_size=batch_size)
+
+    def local() -> pd.DataFrame:
+        # decompose_model takes [analysed; reference] rows; with k_means given the reference row is unused
+        toks = torch.cat([loc.tokens, ref[:1].to(loc.tokens.device)])
+        return decompose_model(model, toks, layers=layers, n_seq=len(loc), n_ref=1, sink=sink, batch_size=batch_size,
+                               bound_rows=bound_rows, k_means=k_means, twin_label=twin_label,
+                               model_label=model_label, progress=False, extra_hooks=extra_hooks)
+
+    df = gather_frame(guarded(local, what="decomposition"), idx, what="decomposition rows")
+    df = df.sort_values(["layer", "estimator", "sink_excluded", "seq", "head"], kind="stable").reset_index(drop=True)
+    df["doc"] = w.doc_ids.numpy()[df["seq"].to_numpy()]
+    return df
+
+
+def pattern_distributed(
+    model: Any, windows: Windows | Tensor, *, layers: Sequence[int] | None = None, sink: int = 1,
+    batch_size: int = 8, model_label: str | None = None, twin_label: str = "trained",
+):  # fmt: skip
+    """:func:`posgen_tl.analysis.pattern.feature_pattern` over ``windows``, documents sharded; the
+    :class:`~posgen_tl.features.BandStats` sums are all-reduced and the frames rebuilt from them.
+
+    Returns a :class:`~posgen_tl.analysis.pattern.PatternResult` equal (to float64 rounding of
+    the sums) to the single-process one, on every rank.
+    """
+    from posgen_tl.analysis.pattern import PatternResult, feature_pattern  # noqa: PLC0415
+
+    w = _as_windows(windows)
+    loc, _ = _local(w)
+    label = model_label or str(getattr(getattr(model, "cfg", None), "model_name", None) or type(model).__name__)
+    res = guarded(lambda: feature_pattern(model, loc.tokens, layers=layers, sink=sink, batch_size=batch_size,
+                                          model_label=label, twin_label=twin_label, progress=False),
+                  what="feature pattern")
+    states = all_reduce_states(res.states, what="BandStats")
+    return PatternResult.from_states(states, res.ropes, max_distance=res.max_distance, model=res.model,
+                                     twin=res.twin, sink=res.sink)
+
+
+def tolerance_distributed(
+    model: Any, windows: Windows | Tensor, interventions: Sequence[Any] = (), *,
+    k_means: dict | None = None, fracs: Sequence[float] = (0.0, 0.05, 0.1, 0.2), seeds: Sequence[int] = (0, 1),
+    target_len: int = 64, mode: str = "T1", batch_size: int = 4, include_none: bool = True, sink: int = 1,
+) -> pd.DataFrame:  # fmt: skip
+    """:func:`posgen_tl.analysis.tolerance.tolerance_rows` over ``windows``, documents sharded.
+
+    ``k_means`` (needed by interventions) defaults, as in ``tolerance_rows``, to the mean key of
+    the analysed windows' context (``tokens[:, :N − target_len]``, first ``sink`` positions
+    excluded) — here merged across ranks. Returns the per-sequence rows (``seq`` = index into
+    ``windows``) plus ``doc``, on every rank, in the single-process order.
+    """
+    from posgen_tl.analysis.tolerance import tolerance_rows  # noqa: PLC0415
+    from posgen_tl.interventions import key_means  # noqa: PLC0415
+
+    w = _as_windows(windows)
+    loc, idx = _local(w)
+    n = w.tokens.shape[1]
+    if k_means is None and any(iv.kind != "noop" for iv in interventions):
+        ctx = loc.tokens[:, : n - target_len]
+        km = guarded(lambda: key_means(model, ctx, sink=sink), what="key means")
+        k_means = {k: v.float() for k, v in merge_means(km, len(loc) * max(ctx.shape[1] - sink, 0)).items()}
+    rows = guarded(lambda: tolerance_rows(model, loc.tokens, interventions, k_means=k_means, fracs=fracs,
+                                          seeds=seeds, target_len=target_len, mode=mode, batch_size=batch_size,
+                                          include_none=include_none), what="tolerance")
+    df = gather_frame(rows, idx, what="tolerance rows")
+    # the single-process order: intervention (as run), frac and seed (as given), then sequence
+    rank = {"intervention": {lab: i for i, lab in enumerate(dict.fromkeys(rows["intervention"]))},
+            "frac": {float(f): i for i, f in enumerate(fracs)}, "seed": {int(s): i for i, s in enumerate(seeds)}}
+    df = df.sort_values(["intervention", "frac", "seed", "seq"], kind="stable",
+                        key=lambda s: s.map(rank[s.name]) if s.name in rank else s).reset_index(drop=True)
+    df["doc"] = w.doc_ids.numpy()[df["seq"].to_numpy()]
+    return df
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _atomic_csv(df: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m posgen_tl.distributed",
+        description="Decomposition, feature pattern and tolerance rows over many documents, sharded over "
+                    "torch.distributed ranks (launch with torchrun --nproc_per_node N -m posgen_tl.distributed ...).")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--corpus", default=None, help="text file or folder (default: pydoc topics)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--n-seq", type=int, default=16)
+    p.add_argument("--n-ref", type=int, default=4, help="reference windows (other documents) for k̄")
+    p.add_argument("--layers", default=None, help="comma-separated layer indices (default all)")
+    p.add_argument("--stages", default="decomposition,pattern,tolerance")
+    p.add_argument("--target-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default="posgen_distributed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="gloo")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m posgen_tl.distributed`` / ``torchrun -m posgen_tl.distributed``.
+
+    Writes ``decomposition.csv``, ``pattern_bands.csv``, ``pattern_heads.csv``,
+    ``tolerance_rows.csv`` and ``run.json`` into ``--out`` — on rank 0 only, and only after every
+    stage succeeded on every rank (stale outputs are removed first). Exit 0 on success, 1 if a
+    rank failed (every rank prints the same error), 2 on bad arguments.
+    """
+    args = _parser().parse_args(argv)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = set(stages) - {"decomposition", "pattern", "tolerance"}
+    if unknown:
+        print(f"posgen_tl.distributed: error: unknown stage(s) {sorted(unknown)}", file=sys.stderr)
+        return 2
+    d = setup(args.backend)
+    threads = os.environ.get("POSGEN_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    out = Path(args.out)
+    names = ["decomposition.csv", "pattern_bands.csv", "pattern_heads.csv", "tolerance_rows.csv", "run.json"]
+    if d.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        for nm in names:
+            (out / nm).unlink(missing_ok=True)  # never leave old, complete-looking tables beside a new run
+    try:
+        from posgen_tl.corpus import reference_windows  # noqa: PLC0415
+        from posgen_tl.models import load_model  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        model = guarded(lambda: load_model(args.model, device=args.device), what="model load")
+        pool, ref = reference_windows(model, args.corpus, seq_len=args.seq_len, n_seq=args.n_ref, seed=args.seed)
+        if len(pool) < args.n_seq:
+            raise ShardError(f"the analysed documents give {len(pool)} windows; --n-seq {args.n_seq} asked")
+        win = pool.subset(range(args.n_seq))
+        layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
+        shard_documents(win.doc_ids, d.world_size, d.rank)  # ShardError on every rank before any work
+        tables: dict[str, pd.DataFrame] = {}
+        timing: dict[str, float] = {}
+        if "decomposition" in stages:
+            ts = time.perf_counter()
+            tables["decomposition.csv"] = decompose_distributed(model, win, ref, layers=layers,
+                                                                batch_size=args.batch_size)
+            timing["decomposition"] = time.perf_counter() - ts
+        if "pattern" in stages:
+            ts = time.perf_counter()
+            pr = pattern_distributed(model, win, layers=layers, batch_size=args.batch_size)
+            tables["pattern_bands.csv"], tables["pattern_heads.csv"] = pr.bands, pr.heads
+            timing["pattern"] = time.perf_counter() - ts
+        if "tolerance" in stages:
+            ts = time.perf_counter()
+            tables["tolerance_rows.csv"] = tolerance_distributed(model, win, (), target_len=args.target_len,
+                                                                 batch_size=args.batch_size)
+            timing["tolerance"] = time.perf_counter() - ts
+        guarded(lambda: None, what="final check")
+    except (DistributedRunError, ShardError) as e:
+        print(f"posgen_tl.distributed: rank {d.rank}: error: {e}", file=sys.stderr)
+        teardown()
+        return 1
+    if d.is_main:
+        for nm, df in tables.items():
+            _atomic_csv(df, out / nm)
+        meta = {"world_size": d.world_size, "threads_per_rank": torch.get_num_threads(), "model": args.model,
+                "n_seq": args.n_seq, "seq_len": args.seq_len, "n_docs": win.n_docs, "stage_seconds": timing,
+                "total_seconds": time.perf_counter() - t0}
+        tmp = out / ".run.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, out / "run.json")
+        print(f"posgen_tl.distributed: {d.world_size} rank(s) wrote {', '.join(tables)} to {out}")
+    teardown()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The offset ratio ρ of a RoPE band in three honest forms (METHOD.md §3), streamed per sequence.
+
+For one layer's pre-rotation ``q`` (or ``k``), head ``h`` and band ``m`` (complex coordinate
+``z = x^(m)`` of :func:`posgen_tl.rope.to_bands`), with sequences ``s`` from documents ``d``:
+
+* ``rho_within``  mean over sequences of ``|mean_s z|² / mean_s |z|²`` — token-invariance
+  INSIDE a text (how much of the band is one constant vector per sequence);
+* ``rho_cross``   ``Re⟨z̄_A, z̄_B⟩ / E|z|²`` with ``z̄_A``, ``z̄_B`` the token means over two
+  disjoint halves of the DOCUMENTS (cross-fitted; averaged over ``n_splits`` seeded random
+  splits). The halves are independent, so ``E Re⟨z̄_A, z̄_B⟩ = |E z|²`` exactly: an unbiased
+  estimate of the text-independent offset. It can be negative (no shared offset + noise);
+* ``stability``   ``rho_cross / rho_within`` — the share of the within-text offset that is
+  the SAME vector across texts (≈ 1 one offset for all texts, ≈ 0 a per-text constant);
+* ``rho_plugin``  the naive ``|E z|² / E|z|²`` (legacy; never report it alone). It is biased
+  upward by between-text variance of the per-sequence means (≈ var/n_docs), not by i.i.d.
+  token noise — which is why ``rho_cross`` exists.
+
+:class:`SequenceBandSums` keeps, per sequence, its document id, token count, ``Σ z`` and
+``Σ |z|²`` (``O(n_seq · heads · bands)``, tiny) — mergeable, and exact for every form above.
+It also gives the within-sequence residual energy ``E_s E|z − mean_s z|²`` (the key residual
+around a per-sequence k̄) and the residual around any given k̄ (a global reference mean).
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool, Complex, Float, Int
+from torch import Tensor
+
+from posgen_tl.rope import Layout, to_bands
+
+__all__ = ["SequenceBandSums", "rho_forms", "RHO_FORMS", "band_group"]
+
+RHO_FORMS = ("rho_within", "rho_cross", "stability", "rho_plugin")
+_STATE_KEYS = ("doc", "n", "sum_z", "sum_abs2")
+
+
+def band_group(band: int, n_bands: int) -> str:
+    """``"fast"`` / ``"middle"`` / ``"slow"``: thirds of the bands (band 0 is the fastest)."""
+    third = 3 * band // max(n_bands, 1)
+    return ("fast", "middle", "slow")[min(third, 2)]
+
+
+def _nan_div(num: Tensor, den: Tensor) -> Tensor:
+    return torch.where(den != 0, num / torch.where(den != 0, den, 1), torch.nan)
+
+
+class SequenceBandSums:
+    """Per-sequence band sums of one layer's q or k, mergeable (concatenation of sequences).
+
+    State (float64 / complex128 on CPU): ``doc`` [seq] int64 document ids, ``n`` [seq] int64
+    token counts, ``sum_z`` [seq, head_index, band] complex ``Σ z``, ``sum_abs2``
+    [seq, head_index, band] ``Σ |z|²``. Only the rotated dims enter (bands ``< rotary_dim/2``).
+    """
+
+    def __init__(self, n_heads: int, rotary_dim: int, layout: Layout) -> None:
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise ValueError(f"rotary_dim={rotary_dim} must be even and positive")
+        if layout not in ("half", "adjacent"):
+            raise ValueError(f"unknown layout {layout!r}; use 'half' or 'adjacent'")
+        self.n_heads, self.rotary_dim, self.layout = n_heads, rotary_dim, layout
+        nb = rotary_dim // 2
+        self.doc = torch.zeros(0, dtype=torch.int64)
+        self.n = torch.zeros(0, dtype=torch.int64)
+        self.sum_z = torch.zeros(0, n_heads, nb, dtype=torch.complex128)
+        self.sum_abs2 = torch.zeros(0, n_heads, nb, dtype=torch.float64)
+
+    @property
+    def n_bands(self) -> int:
+        return self.rotary_dim // 2
+
+    @property
+    def n_seq(self) -> int:
+        return int(self.n.numel())
+
+    def update(
+        self,
+        x: Float[Tensor, "batch pos head_index d_head"],
+        docs: Int[Tensor, "batch"],
+        mask: Bool[Tensor, "batch pos"] | None = None,
+    ) -> None:
+        """Append one row per sequence of ``x`` (positions where ``mask`` is False ignored)."""
+        if x.ndim != 4 or x.shape[-2] != self.n_heads or x.shape[-1] < self.rotary_dim:
+            raise ValueError(f"x has shape {tuple(x.shape)}; expected [batch, pos, {self.n_heads}, >= {self.rotary_dim}]")
+        docs = torch.as_tensor(docs, dtype=torch.int64).reshape(-1).cpu()
+        if docs.numel() != x.shape[0]:
+            raise ValueError(f"{docs.numel()} document ids for {x.shape[0]} sequences")
+        z = to_bands(x.double(), self.rotary_dim, self.layout)  # b pos h m
+        keep = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.to(x.device, torch.bool)
+        if tuple(keep.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"mask has shape {tuple(keep.shape)}; expected {tuple(x.shape[:2])}")
+        w = keep.double()[..., None, None]
+        self.doc = torch.cat([self.doc, docs])
+        self.n = torch.cat([self.n, keep.sum(1).cpu().long()])
+        self.sum_z = torch.cat([self.sum_z, (z * w).sum(1).cpu()])
+        self.sum_abs2 = torch.cat([self.sum_abs2, ((z.real.square() + z.imag.square()) * w).sum(1).cpu()])
+
+    def merge(self, other: "SequenceBandSums") -> "SequenceBandSums":
+        """A new accumulator holding both sets of sequences (inputs unchanged)."""
+        if (self.n_heads, self.rotary_dim, self.layout) != (other.n_heads, other.rotary_dim, other.layout):
+            raise ValueError("cannot merge SequenceBandSums of different heads / rotary_dim / layout")
+        out = SequenceBandSums(self.n_heads, self.rotary_dim, self.layout)
+        for key in _STATE_KEYS:
+            setattr(out, key, torch.cat([getattr(self, key), getattr(other, key)]))
+        return out
+
+    # ------------------------------------------------------------------ statistics
+
+    def _total(self) -> tuple[Tensor, Tensor, Tensor]:
+        n = self.n.sum().double()
+        return n, self.sum_z.sum(0), self.sum_abs2.sum(0)
+
+    def energy(self) -> Float[Tensor, "head_index band"]:
+        """``E|z|²`` over all tokens, ``[head_index, band]``."""
+        n, _, s2 = self._total()
+        return _nan_div(s2, n)
+
+    def mean_bands(self) -> Complex[Tensor, "head_index band"]:
+        """``E z`` over all tokens, complex ``[head_index, band]``."""
+        n, sz, _ = self._total()
+        return sz / n if n > 0 else torch.full_like(sz, complex("nan"))
+
+    def rho_plugin(self) -> Float[Tensor, "head_index band"]:
+        """Legacy plug-in ``|E z|² / E|z|²`` (biased upward by between-text variance)."""
+        return _nan_div(self.mean_bands().abs().square(), self.energy())
+
+    def rho_within(self) -> Float[Tensor, "head_index band"]:
+        """Mean over sequences of ``|mean_s z|² / mean_s |z|²`` (sequences with tokens only)."""
+        ok = self.n > 0
+        n = self.n[ok].double()[:, None, None]
+        m2 = (self.sum_z[ok] / n).abs().square()
+        per = _nan_div(m2, self.sum_abs2[ok] / n)
+        return torch.nanmean(per, 0) if ok.any() else torch.full(self.sum_z.shape[1:], torch.nan, dtype=torch.float64)
+
+    def cross_offset(self, n_splits: int = 16, seed: int = 0) -> Float[Tensor, "head_index band"]:
+        """``Re⟨z̄_A, z̄_B⟩`` averaged over ``n_splits`` seeded random halvings of the documents.
+
+        Unbiased for ``|E z|²`` when documents are independent. NaN with fewer than 2 documents.
+        """
+        docs = torch.unique(self.doc[self.n > 0])
+        if docs.numel() < 2:
+            return torch.full(self.sum_z.shape[1:], torch.nan, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(30_011 + int(seed))
+        acc = torch.zeros(self.sum_z.shape[1:], dtype=torch.float64)
+        for _ in range(max(1, n_splits)):
+            perm = docs[torch.randperm(docs.numel(), generator=gen)]
+            half_a = torch.isin(self.doc, perm[: docs.numel() // 2])
+            half_b = torch.isin(self.doc, perm[docs.numel() // 2 :])
+            za = self.sum_z[half_a].sum(0) / self.n[half_a].sum().double()
+            zb = self.sum_z[half_b].sum(0) / self.n[half_b].sum().double()
+            acc += (za * zb.conj()).real
+        return acc / max(1, n_splits)
+
+    def rho_cross(self, n_splits: int = 16, seed: int = 0) -> Float[Tensor, "head_index band"]:
+        """Cross-fitted ``Re⟨z̄_A, z̄_B⟩ / E|z|²`` (document halves; may be < 0)."""
+        return _nan_div(self.cross_offset(n_splits, seed), self.energy())
+
+    def stability(self, n_splits: int = 16, seed: int = 0) -> Float[Tensor, "head_index band"]:
+        """``rho_cross / rho_within``: the share of the within-text offset shared across texts."""
+        return _nan_div(self.rho_cross(n_splits, seed), self.rho_within())
+
+    def within_residual_energy(self) -> Float[Tensor, "head_index band"]:
+        """``Σ_s Σ_t |z − mean_s z|² / Σ_s n_s``: residual energy around each sequence's own mean."""
+        ok = self.n > 0
+        n = self.n[ok].double()[:, None, None]
+        res = self.sum_abs2[ok] - self.sum_z[ok].abs().square() / n
+        return _nan_div(res.sum(0).clamp_min(0.0), n.sum())
+
+    def residual_energy(self, center: Complex[Tensor, "head_index band"]) -> Float[Tensor, "head_index band"]:
+        """``E|z − c|²`` around a fixed ``center`` (e.g. a global reference k̄'s bands)."""
+        c = center.to(torch.complex128).cpu()
+        ez = self.mean_bands()
+        return (self.energy() - 2 * (ez * c.conj()).real + c.abs().square()).clamp_min(0.0)
+
+    def forms(self, n_splits: int = 16, seed: int = 0) -> dict[str, Float[Tensor, "head_index band"]]:
+        """``{rho_within, rho_cross, stability, rho_plugin}``, each float64 ``[head_index, band]``."""
+        within, cross = self.rho_within(), self.rho_cross(n_splits, seed)
+        return {"rho_within": within, "rho_cross": cross, "stability": _nan_div(cross, within),
+                "rho_plugin": self.rho_plugin()}
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict:
+        state = {key: getattr(self, key).clone() for key in _STATE_KEYS}
+        state.update(n_heads=self.n_heads, rotary_dim=self.rotary_dim, layout=self.layout)
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "SequenceBandSums":
+        out = cls(state["n_heads"], state["rotary_dim"], state["layout"])
+        for key in _STATE_KEYS:
+            setattr(out, key, state[key].clone())
+        return out
+
+    def __repr__(self) -> str:
+        return (f"SequenceBandSums(n_heads={self.n_heads}, rotary_dim={self.rotary_dim}, layout={self.layout!r}, "
+                f"n_seq={self.n_seq}, n_docs={int(torch.unique(self.doc).numel())})")
+
+
+def rho_forms(
+    x: Float[Tensor, "batch pos head_index d_head"],
+    docs: Int[Tensor, "batch"],
+    rotary_dim: int,
+    layout: Layout,
+    mask: Bool[Tensor, "batch pos"] | None = None,
+    *,
+    n_splits: int = 16,
+    seed: int = 0,
+) -> dict[str, Float[Tensor, "head_index band"]]:
+    """One-shot :meth:`SequenceBandSums.forms` of a batch: ``{rho_within, rho_cross, stability,
+    rho_plugin}`` float64 ``[head_index, band]``."""
+    s = SequenceBandSums(x.shape[-2], rotary_dim, layout)
+    s.update(x, docs, mask)
+    return s.forms(n_splits, seed)
+
