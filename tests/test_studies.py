@@ -30,9 +30,13 @@ def tiny():
 def corpus(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     docs = [" ".join(f"t{int(i)}" for i in torch.randint(3, 99, (70,), generator=g)) for _ in range(12)]
-    path = tmp_path_factory.mktemp("corpus") / "words.txt"
-    path.write_text("\n\n".join(docs))
-    return str(path)
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "words.txt").write_text("\n\n".join(docs))  # one text file: one document
+    folder = root / "docs"  # a folder of files: one document each (the causal study needs disjoint documents)
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        (folder / f"d{i:02d}.txt").write_text(d)
+    return {"file": str(root / "words.txt"), "folder": str(folder)}
 
 
 def _cfg(out, corpus, **kw):
@@ -46,11 +50,12 @@ def _report_stage(tiny, cfg, *names):
     return ctx.work.dir
 
 
-@pytest.mark.parametrize("name,needs", [("decomposition", ()), ("pattern", ("decomposition",)), ("tolerance", ())])
-def test_study_and_report_stage_write_identical_tables(tiny, corpus, tmp_path, name, needs):
+@pytest.mark.parametrize("name,needs,kind", [("decomposition", (), "file"), ("pattern", ("decomposition",), "file"),
+                                             ("tolerance", (), "folder")])
+def test_study_and_report_stage_write_identical_tables(tiny, corpus, tmp_path, name, needs, kind):
     torch.manual_seed(0)
-    md = run_study(name, _cfg(tmp_path / "study", corpus), model=tiny, command=f"posgen-tl study {name} --quick")
-    work = _report_stage(tiny, _cfg(tmp_path / "report", corpus), *needs, name)
+    md = run_study(name, _cfg(tmp_path / "study", corpus[kind]), model=tiny, command=f"posgen-tl study {name} --quick")
+    work = _report_stage(tiny, _cfg(tmp_path / "report", corpus[kind]), *needs, name)
     study_dir = md.parent
     csvs = sorted(p.name for p in work.glob("*.csv"))
     assert csvs, "the report stage wrote no table"
@@ -61,7 +66,7 @@ def test_study_and_report_stage_write_identical_tables(tiny, corpus, tmp_path, n
 
 
 def test_study_writes_markdown_and_json_a_reader_can_reproduce(tiny, corpus, tmp_path):
-    md = run_study("decomposition", _cfg(tmp_path, corpus), model=tiny, command="posgen-tl study decomposition --quick")
+    md = run_study("decomposition", _cfg(tmp_path, corpus["file"]), model=tiny, command="posgen-tl study decomposition --quick")
     text = md.read_text()
     assert text.startswith("# posgen-tl study decomposition — tiny")
     assert "`posgen-tl study decomposition --quick`" in text and "git commit:" in text and "wall time:" in text
@@ -82,11 +87,11 @@ def test_register_adds_a_recipe_in_one_line(tiny, corpus, tmp_path):
 
     register("count_tokens", count_tokens)
     try:
-        md = run_study("count_tokens", _cfg(tmp_path, corpus), model=tiny)
+        md = run_study("count_tokens", _cfg(tmp_path, corpus["file"]), model=tiny)
         assert pd.read_csv(tmp_path / "counts.csv")["n"].tolist() == [32, 32, 32]
         assert "`counts.csv`" in md.read_text()
         with pytest.raises(KeyError, match="registered: exactness, decomposition"):
-            run_study("nope", _cfg(tmp_path, corpus), model=tiny)
+            run_study("nope", _cfg(tmp_path, corpus["file"]), model=tiny)
     finally:
         STUDIES.pop("count_tokens")
 
