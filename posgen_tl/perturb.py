@@ -26,6 +26,7 @@ from .rope import LayerRope, expand_kv, rotate, scores_from_rotated
 __all__ = [
     "adjacent_swap_permutation", "word_units", "apply_permutation", "inverse_permutation",
     "position_ids_for_permutation", "swap_seed", "nll_from_logits", "span_mean", "capped_scores",
+    "gap_position_ids",
 ]  # fmt: skip
 
 _WORD_START_CHARS = ("Ġ", "▁", "Ċ", "\n")
@@ -305,3 +306,31 @@ def capped_scores(
     if rope.sliding_window is not None:
         masked = masked | (rel >= rope.sliding_window)
     return w.masked_fill(masked, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- gap probe (§7)
+
+
+def gap_position_ids(prefix_len: int, suffix_len: int, gap: int, *, offset: int = 0) -> Int[Tensor, "pos"]:
+    """Position ids of a prefix ‖ suffix sequence whose suffix is moved ``gap`` positions away.
+
+    Prefix ids ``offset .. offset + |P| − 1``; suffix ids ``offset + |P| + gap .. offset + |P| + gap + |S| − 1``.
+    With RoPE the logit of query ``i`` and key ``j`` depends on the ids only through
+    ``p_i − p_j``: distances inside the prefix and inside the suffix are unchanged, every
+    prefix→suffix distance grows by exactly ``gap``. ``offset`` shifts ALL ids and therefore
+    changes no distance (the model is invariant to it up to float rounding of the angles).
+
+    Returns:
+        ``Int[Tensor, "pos"]`` int64 of length ``prefix_len + suffix_len``.
+
+    Raises:
+        ValueError: negative ``gap``/``offset``, or an empty prefix/suffix.
+    """
+    for name, v in (("gap", gap), ("offset", offset)):
+        if int(v) != v or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    if prefix_len < 1 or suffix_len < 1:
+        raise ValueError(f"prefix_len and suffix_len must be >= 1, got {prefix_len}, {suffix_len}")
+    ids = torch.arange(prefix_len + suffix_len, dtype=torch.long) + int(offset)
+    ids[prefix_len:] += int(gap)
+    return ids

@@ -71,6 +71,10 @@ class LayerRope:
         sliding_window: keys with ``i − j >= sliding_window`` are masked (Gemma local
             layers), ``None`` for full causal attention.
         kind: free-form label, e.g. ``"global"`` / ``"local"`` (Gemma3) or ``"full"``.
+        angle_divisor: ``None`` (angles ``p · inv_freq``, as HF and the bridge compute them), or
+            the per-band float32 ``1/inv_freq`` that a TransformerLens 3.x ``HookedTransformer``
+            divides positions by (``p / freq``): set, :func:`angles` divides by it so the
+            rotation matches ``hook_rot_q``/``hook_rot_k`` bit for bit at every position.
     """
 
     inv_freq: Tensor
@@ -81,6 +85,7 @@ class LayerRope:
     score_scale: float = 1.0
     sliding_window: int | None = None
     kind: str = "full"
+    angle_divisor: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("half", "adjacent"):
@@ -90,6 +95,10 @@ class LayerRope:
         if self.inv_freq.ndim != 1 or self.inv_freq.shape[0] != self.rotary_dim // 2:
             raise RopeError(
                 f"inv_freq has shape {tuple(self.inv_freq.shape)}; expected ({self.rotary_dim // 2},)"
+            )
+        if self.angle_divisor is not None and self.angle_divisor.shape != self.inv_freq.shape:
+            raise RopeError(
+                f"angle_divisor has shape {tuple(self.angle_divisor.shape)}; expected {tuple(self.inv_freq.shape)}"
             )
 
     @property
@@ -111,6 +120,7 @@ class LayerRope:
             score_scale=self.score_scale,
             sliding_window=self.sliding_window,
             kind=self.kind,
+            angle_divisor=None if self.angle_divisor is None else self.angle_divisor.to(device),
         )
 
 
@@ -188,12 +198,16 @@ def angles(
     """Rotation angle ``p·θ_m`` per position and band, computed as the model does (float32).
 
     HF computes ``inv_freq.float() @ position_ids.float()`` in float32; a K=1 matmul is an
-    elementwise product, so this reproduces the model's angles bit for bit.
+    elementwise product, so this reproduces the model's angles bit for bit. A TransformerLens
+    3.x ``HookedTransformer`` divides instead (``p / freq``): with ``rope.angle_divisor`` set,
+    so does this.
     """
-    inv = rope.inv_freq.float().to(positions.device)
     pos = positions.float()
     if rope.position_scale != 1.0:
         pos = pos / rope.position_scale
+    if rope.angle_divisor is not None:
+        return pos[..., None] / rope.angle_divisor.float().to(positions.device)
+    inv = rope.inv_freq.float().to(positions.device)
     return pos[..., None] * inv
 
 
@@ -337,6 +351,7 @@ def _plain(rope: LayerRope, dtype: torch.dtype) -> LayerRope:
         score_scale=rope.score_scale,
         sliding_window=rope.sliding_window,
         kind=rope.kind,
+        angle_divisor=None if rope.angle_divisor is None else rope.angle_divisor.to(dtype),
     )
 
 

@@ -121,3 +121,65 @@ what do you expect, and why is "no evidence" not the same as "no effect"?
 **✎ Exercise 4 (open).** Repeat at `alpha=1.0`. The damage grows a lot; what happens to all slopes,
 and why does METHOD.md call this a floor effect?"""),
     ]
+
+
+def length_nb(md, code, SETUP):
+    """Notebook 4, "longer texts" (METHOD §7) and the sufficiency test (§5): public API only."""
+    return [
+        md("""
+# 4 · Longer texts: unseen distances, LM-Infinite and the "disentangled" approximation
+
+A RoPE model trained on `n_ctx` tokens has never seen a query–key distance above `n_ctx`. Running
+it on longer texts is expensive on a CPU, so we use a **gap probe**: a sequence is a prefix ‖ suffix
+whose suffix position ids are moved `G` positions further. RoPE logits depend on ids only through
+`i − j`, so distances inside prefix and suffix stay natural while every suffix→prefix distance
+grows by exactly `G` — past `n_ctx` when `G ≥ n_ctx`. (Shifting *all* ids by a constant changes
+no distance and therefore nothing — a test checks it.)
+
+Two fixes from LM-Infinite are hooks on the attention scores: **LM-Infinite** clamps distances
+`> C` to `C` (first key kept at its true distance); **disentangled** replaces far logits by
+`f(q_i, C) + g_Δ0(q_i, k_j)` — the decomposition of notebook 1 with a global mean key `k̄`."""),
+        code(SETUP),
+        code('''length, sufficiency = pg.analysis.length, pg.analysis.sufficiency
+analysis_windows = pg.analysis.decomposition.analysis_windows
+reference_key_means = pg.analysis.decomposition.reference_key_means
+lm_infinite_hooks = pg.interventions.lm_infinite_hooks
+gap_position_ids = pg.perturb.gap_position_ids
+plot_gap_heads, plot_gap_probe, plot_sufficiency = pg.plot.gap_heads, pg.plot.gap_probe, pg.plot.sufficiency
+
+model = pg.load_model("smollm2-135m")
+n_ctx = model.cfg.n_ctx
+n_seq, half = (2, 32) if SMALL else (16, 256)
+print("n_ctx =", n_ctx, "  ids with G = n_ctx:", gap_position_ids(4, 4, n_ctx).tolist())'''),
+        md("## 1. The gap probe: vanilla vs LM-Infinite vs disentangled"),
+        code('''res = length.gap_probe(model, None, prefix_len=half, suffix_len=half, gaps=(0, 0.5, 1, 2), n_seq=n_seq,
+                       n_ref=2 if SMALL else 8, skip=min(16, half // 4))
+res.summary[res.summary.estimator != "nll"].round(3)
+plot_gap_probe(res.summary)'''),
+        md("""Read the `d_vs_gap0` rows of `vanilla`: if their CIs include 0 the model *tolerates* far distances
+for this task (the prefix matters little to the suffix), and the probe shows tolerance, not failure.
+`d_vs_vanilla` says whether each fix helps where distances are unseen.
+
+## 2. The same hooks, by hand (they compose with `run_with_hooks`)"""),
+        code('''ids = gap_position_ids(half, half, 2 * n_ctx)
+win, ref = analysis_windows(model, None, n_seq=1 if SMALL else 4, seq_len=2 * half, n_ref=2)  # disjoint documents
+hooks = lm_infinite_hooks(model, n_ctx, n_sink=1, position_ids=ids)
+for name, h in (("vanilla", []), ("LM-Infinite", hooks)):
+    nll = length.span_nll(model, win.tokens, half + 1, position_ids=ids, fwd_hooks=h)
+    print(f"{name:12s} suffix NLL {nll.mean():.3f}")
+plot_gap_probe(res.summary[res.summary.condition != "disentangled"])'''),
+        md("""## 3. Which heads change under the gap?
+Seed 003 predicts symbolic heads extrapolate better than positional ones. Without the §6 taxonomy at
+hand we group heads by a stated proxy: D3's positional share of the within-row logit variance."""),
+        code('''km = reference_key_means(model, ref.tokens)  # global k̄ from the reference documents
+heads = length.gap_attention(model, win, prefix_len=half, suffix_len=half, k_means=km, skip=min(16, half // 4))
+length.head_class_test(heads).round(3)
+plot_gap_heads(heads)'''),
+        md("""## 4. Sufficiency: replace the logits by f + g in a layer group
+If `f + g` carries what the model uses, NLL barely moves; the D1 fit and a wrong `k̄` are the controls."""),
+        code('''groups = {"20–29": list(range(20, 30)), "all": list(range(30))} if not SMALL else {"29": [29]}
+suf = sufficiency.sufficiency(model, None, n_seq=n_seq, seq_len=2 * half, target_len=half // 2,
+                              n_ref=2 if SMALL else 8, groups=groups)
+suf.summary[suf.summary.estimator == "dnll"].round(3)
+plot_sufficiency(suf.summary)'''),
+    ]

@@ -165,6 +165,9 @@ def test_causal_study_end_to_end(llama, tmp_path):
     assert {"match_alpha", "match_matched", "damage_lo", "slope_hi"} <= set(res.conditions.columns)
     paths = ca.write_causal_outputs(res, tmp_path, "tiny")
     assert "destroy vs C1" in paths["md"].read_text() and paths["rows"].exists()
+    back = ca.load_causal_outputs(tmp_path, "tiny")
+    assert ca.causal_markdown(back, "Causal test (tiny)") == paths["md"].read_text()
+    assert "PARTIAL — phase 1: 4 of 6 sequences done for none, destroy, C1" in ca.causal_markdown(partial[0])
 
 
 def test_t1_t2_study(llama, tmp_path):

@@ -28,7 +28,8 @@ def test_quick_report_writes_html_json_and_csvs(quick_report):
     out = quick_report
     html = (out / "report.html").read_text()
     res = json.loads((out / "results.json").read_text())
-    assert set(res) >= {"exactness", "decomposition", "pattern", "tolerance", "heads", "config", "stage_seconds"}
+    assert set(res) >= {"exactness", "decomposition", "pattern", "tolerance", "heads", "length", "sufficiency", "config",
+                        "stage_seconds"}
     assert res["exactness"]["passed"] is True
     assert res["decomposition"]["bound_holds_min"] == 1.0
     for est in ("D1", "D2", "D3"):

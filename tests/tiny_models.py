@@ -88,3 +88,30 @@ def _boot(hf):
         warnings.simplefilter("ignore")
         b = TransformerBridge.boot_transformers("tiny", hf_model=hf, tokenizer=tiny_tokenizer(), device="cpu")
     return b.eval()
+
+
+def hooked(seed: int = 0, randomize_norms: bool = True, cls=None, **overrides):
+    """A tiny TransformerLens 3.x ``HookedTransformer`` from a ``HookedTransformerConfig`` (TL 3.x only).
+
+    Defaults: half-split RoPE, 2 layers, 4 heads of 8 dims, RMS norm, gated SiLU MLP; ``overrides``
+    go to the config (``rotary_adjacent_pairs``, ``n_key_value_heads``, ``rotary_dim``,
+    ``use_qk_norm``, ``attn_types``/``window_size``/``rotary_base_local``, NTK-by-parts, YaRN, ...).
+    With QK-norm the norm weights are drawn around 1 (random init leaves them at exactly 1).
+    ``cls`` builds a subclass instead (e.g. SAELens' ``HookedSAETransformer``).
+    """
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    base = dict(
+        d_model=32, d_head=8, n_heads=4, n_layers=2, n_ctx=64, d_vocab=50, act_fn="silu",
+        normalization_type="RMS", positional_embedding_type="rotary", rotary_dim=8, gated_mlp=True,
+        d_mlp=64, seed=seed,
+    )
+    base.update(overrides)
+    torch.manual_seed(seed)
+    model = (cls or HookedTransformer)(HookedTransformerConfig(**base)).eval()
+    if randomize_norms and model.cfg.use_qk_norm:
+        with torch.no_grad():
+            for blk in model.blocks:
+                blk.attn.q_norm.w.normal_(1.0, 0.5)
+                blk.attn.k_norm.w.normal_(1.0, 0.5)
+    return model

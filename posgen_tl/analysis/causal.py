@@ -78,7 +78,10 @@ __all__ = [
     "t1_t2_study",
     "forward_costs",
     "write_causal_outputs",
+    "load_causal_outputs",
+    "causal_markdown",
     "write_t12_outputs",
+    "t12_markdown",
 ]
 
 CONTROLS = ("C1", "C2", "C3", "C4")
@@ -817,10 +820,17 @@ def causal_markdown(result: CausalResult, title: str = "Causal test") -> str:
     """Markdown: the per-condition table, the verdict table (from ``verdict_table`` only),
     each contrast's reason, and the configuration."""
     c = result.config
-    status = "PARTIAL — conditions still missing: " + ", ".join(
-        k for k in ["none", "destroy", *c.get("controls", [])] if k not in c.get("conditions_done", [])
-    ) if c.get("partial") else "complete"
-    expl = " — EXPLORATORY (n < 32 sequences)" if c.get("n_seq", 0) < 32 else ""
+    if c.get("partial"):
+        nd = c.get("n_seq_done") or {}
+        running = c.get("conditions_running", [])
+        todo = [k for k in ["none", "destroy", *c.get("controls", [])] if k not in c.get("conditions_done", []) + running]
+        status = (f"PARTIAL — phase {nd.get('phase')}: {nd.get('sequences')} of {c.get('n_seq')} sequences done for "
+                  f"{', '.join(running) or '—'}; finished on all sequences: {', '.join(c.get('conditions_done', [])) or '—'}; "
+                  f"not started: {', '.join(todo) or '—'}")
+    else:
+        status = "complete"
+    n_now = int(result.contrasts["n_seq"].max()) if len(result.contrasts) else 0
+    expl = f" — EXPLORATORY (n = {n_now} < 32 sequences)" if n_now < 32 else ""
     lines = [f"## {title}{expl}", "", f"Status: {status}.", "",
              f"{c.get('model')}: {c.get('n_seq')} sequences from {c.get('n_docs')} documents × {c.get('seq_len')} tokens; "
              f"target = last {c.get('target_len')} tokens; T1 swaps at p ∈ {c.get('fracs')} ({c.get('swaps')}); seeds "
@@ -857,6 +867,17 @@ def write_causal_outputs(result: CausalResult, out_dir: str | Path, tag: str = "
     paths["md"] = out / f"{tag}.md"
     paths["md"].write_text(causal_markdown(result, f"Causal test ({tag})"))
     return paths
+
+
+def load_causal_outputs(out_dir: str | Path, tag: str = "causal") -> CausalResult:
+    """Read back what :func:`write_causal_outputs` wrote (``{tag}_*.csv`` and ``{tag}_config.json``)
+    as a :class:`CausalResult` (tables as written; nothing is recomputed)."""
+    import json  # noqa: PLC0415
+
+    out = Path(out_dir)
+    read = lambda k: pd.read_csv(out / f"{tag}_{k}.csv") if (out / f"{tag}_{k}.csv").stat().st_size > 1 else pd.DataFrame()  # noqa: E731
+    return CausalResult(read("rows"), read("kl"), read("conditions"), read("contrasts"),
+                        json.loads((out / f"{tag}_config.json").read_text()))
 
 
 def t12_markdown(result: T12Result, title: str = "T1 / T2") -> str:

@@ -14,7 +14,8 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 ``phase_histogram(df)``    :func:`posgen_tl.analysis.head.phase_angles_with_twin`
 ``tolerance_curves(df)``   :func:`posgen_tl.analysis.tolerance.curve_summary`
 ``causal_conditions(df)``  :func:`posgen_tl.causal_study` ``.conditions``
-``length(df)``             :func:`posgen_tl.analysis.tolerance.length_summary`
+``length_buckets(df)``     :func:`posgen_tl.analysis.tolerance.length_summary`
+``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.analysis.length`, :mod:`posgen_tl.analysis.sufficiency`
 ``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``, ``label_counts``: :func:`posgen_tl.head_taxonomy`
 =========================  ===========================================================
 """
@@ -30,7 +31,11 @@ from .pattern import plot_pattern_distribution as pattern_distribution
 from .pattern import plot_pattern_vs_d3 as pattern_vs_d3
 from .pattern import plot_phase_histogram as phase_histogram
 from .tolerance import plot_causal_conditions as causal_conditions
-from .tolerance import plot_length as length
+from .length import plot_gap_heads as gap_heads
+from .length import plot_gap_probe as gap_probe
+from .length import plot_sufficiency as sufficiency
+from .length import plot_window_removal as window_removal
+from .tolerance import plot_length as length_buckets
 from .tolerance import plot_tolerance_curves as tolerance_curves
 
 __all__ = [
@@ -39,7 +44,10 @@ __all__ = [
     "frequency_usage",
     "head_maps",
     "label_counts",
-    "length",
+    "gap_heads",
+    "gap_probe",
+    "length_buckets",
+    "sufficiency",
     "pattern_distribution",
     "pattern_vs_d3",
     "phase_histogram",
@@ -47,4 +55,5 @@ __all__ = [
     "r_by_layer",
     "taxonomy_vs_share",
     "tolerance_curves",
+    "window_removal",
 ]

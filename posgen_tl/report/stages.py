@@ -474,10 +474,117 @@ def heads_render(ctx) -> tuple[Section, dict]:
     return sec, {"counts": counts.to_dict("records"), "link": link.to_dict("records"), "meta": meta}
 
 
+# ----------------------------------------------------------------------------- longer texts (§7)
+
+
+def length_compute(ctx) -> None:
+    from ..analysis.length import gap_probe, window_removal  # noqa: PLC0415
+    from ..interventions import local_layers  # noqa: PLC0415
+    from ..plot.length import plot_gap_probe, plot_window_removal  # noqa: PLC0415
+
+    cfg = ctx.cfg
+    half = max(16, cfg.seq_len // 2)
+    gaps = (0.0, 1.0, 2.0) if cfg.quick else (0.0, 0.25, 0.5, 1.0, 2.0)
+    res = gap_probe(ctx.model, cfg.corpus, prefix_len=half, suffix_len=half, gaps=gaps, skip=min(16, half // 4),
+                    n_seq=cfg.n_seq, n_ref=_n_ref(ctx), seed=cfg.seed)
+    ctx.work.save_df("length_gap_rows.csv", res.rows)
+    ctx.work.save_df("length_gap_summary.csv", res.summary)
+    ctx.work.save_json("length_gap_meta.json", res.config)
+    ctx.work.save_fig("fig_length_gap.png", plot_gap_probe(res.summary, title=f"Gap probe — {ctx.model_name}"))
+    if local_layers(ctx.model):
+        n = 768 if cfg.quick else 2048
+        wr = window_removal(ctx.model, cfg.corpus, seq_len=n, n_seq=2 if cfg.quick else 4, bucket=256,
+                            n_ref=_n_ref(ctx), seed=cfg.seed)
+        ctx.work.save_df("length_window_summary.csv", wr.summary)
+        ctx.work.save_json("length_window_meta.json", wr.config)
+        ctx.work.save_fig("fig_length_window.png", plot_window_removal(wr.summary, title=f"Window removal — {ctx.model_name}"))
+
+
+def _verdict_gap(summ: pd.DataFrame) -> str:
+    d = summ[(summ["estimator"] == "d_vs_gap0") & (summ["condition"] == "vanilla")]
+    if not len(d):
+        return "no gap beyond 0 was run"
+    top = d.sort_values("gap").iloc[-1]
+    word = "degrades" if top["ci_low"] > 0 else "does NOT clearly degrade (tolerance rather than failure)"
+    return (f"Vanilla suffix NLL at G = {top['gap_frac']:g}·n_ctx vs G = 0: {top['value']:+.3f} nats "
+            f"[{top['ci_low']:+.3f}, {top['ci_high']:+.3f}] — the model {word} at that gap.")
+
+
+def length_render(ctx) -> tuple[Section, dict]:
+    summ = ctx.work.load_df("length_gap_summary.csv")
+    meta = ctx.work.load_json("length_gap_meta.json")
+    cols = ["condition", "gap_frac", "gap", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs", "label"]
+    tables = [("Suffix NLL per gap and condition; d_vs_gap0 / d_vs_vanilla are paired changes (document-bootstrap CI, "
+               "sign-flip p, Holm)", summ[[c for c in cols if c in summ.columns]])]
+    figures = [(_png(ctx, "fig_length_gap.png"), "Suffix NLL vs gap G, vanilla / LM-Infinite / disentangled")]
+    res: dict[str, Any] = {"gap": summ.to_dict("records"), "meta": meta}
+    paras = [f"Sequence = prefix ({meta['prefix_len']} tokens) ‖ suffix ({meta['suffix_len']}); suffix ids shifted by G. "
+             "RoPE logits depend on ids only through i − j, so G changes only the suffix→prefix distances (a constant "
+             "shift of all ids changes nothing); at G ≥ n_ctx the suffix sees its prefix at distances never trained on. "
+             f"NLL of suffix tokens after the first {meta['skip']}. Conditions: LM-Infinite clamps distances > C = "
+             f"{meta['cap']} (first {meta['n_sink']} key at its true distance); 'disentangled' replaces them by "
+             f"f(q, C) + g_Δ0 (Δ0 = {meta['delta0']}, global k̄ from disjoint documents). Where no distance exceeds C "
+             "both are exact no-ops. The random twin is not shown: its NLL is near log|V| at every gap, so a gap "
+             "effect there means nothing."]
+    try:
+        wsum = ctx.work.load_df("length_window_summary.csv")
+        wmeta = ctx.work.load_json("length_window_meta.json")
+        tables.append((f"Window removal ({wmeta['seq_len']} tokens, local layers {wmeta['local_layers']}): NLL by "
+                       "position bucket; d_vs_window = paired change vs the trained window", wsum))
+        figures.append((_png(ctx, "fig_length_window.png"), "NLL by position, local layers with / without the window"))
+        res["window"] = wsum.to_dict("records")
+    except FileNotFoundError:
+        pass
+    sec = Section("6 · Longer texts: unseen distances (METHOD §7)", verdict=_verdict_gap(summ), paragraphs=paras,
+                  tables=tables, figures=figures)
+    return sec, res
+
+
+# ----------------------------------------------------------------------------- sufficiency (§5)
+
+
+def sufficiency_compute(ctx) -> None:
+    from ..analysis.sufficiency import sufficiency  # noqa: PLC0415
+    from ..plot.length import plot_sufficiency  # noqa: PLC0415
+
+    cfg = ctx.cfg
+    tol = () if cfg.quick else (("d3", "all"),)
+    res = sufficiency(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, target_len=min(64, cfg.seq_len // 4),
+                      n_ref=_n_ref(ctx), tolerance=tol, fracs=(0.0, 0.1, 0.2), seed=cfg.seed)
+    ctx.work.save_df("sufficiency_summary.csv", res.summary)
+    ctx.work.save_json("sufficiency_meta.json", res.config)
+    ctx.work.save_fig("fig_sufficiency.png", plot_sufficiency(res.summary, title=f"Sufficiency — {ctx.model_name}"))
+
+
+def sufficiency_render(ctx) -> tuple[Section, dict]:
+    summ = ctx.work.load_df("sufficiency_summary.csv")
+    meta = ctx.work.load_json("sufficiency_meta.json")
+    d = summ[summ["estimator"] == "dnll"]
+    line = "; ".join(f"{r.source} @ {r.group}: {r.value:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+                     for r in d.itertuples() if r.source == "d3")
+    cols = ["source", "group", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs", "label"]
+    sec = Section(
+        "7 · Sufficiency: does f + g carry what the model uses? (METHOD §5)",
+        verdict=f"ΔNLL (last {meta['target_len']} tokens) when the logits are replaced by f + g_Δ0: {line}.",
+        paragraphs=[f"W ← f + g_Δ0 (Δ0 = {meta['delta0']}, global k̄ from documents disjoint from the analysed ones) in "
+                    f"each layer group, sink key kept exact; 'd3_quantile' replaces only entries below the row's "
+                    f"{meta['gamma']:g}-quantile (LM-Infinite keeps the top ones). Controls: 'd1' substitutes the "
+                    "in-sample D1 least-squares fit a[i−j] + b[i] + c[j] of the same map; 'wrong_kbar' builds D3 from "
+                    "another layer's k̄. Small ΔNLL for d3 but large for the controls = f + g carries what the model "
+                    "uses. The random twin is not shown: its NLL is near log|V| whatever its logits are."],
+        tables=[("ΔNLL and clean NLL per source and layer group (document-bootstrap CI, sign-flip p, Holm)",
+                 summ[[c for c in cols if c in summ.columns]])],
+        figures=[(_png(ctx, "fig_sufficiency.png"), "ΔNLL by layer group: D3 substitution vs the D1 and wrong-k̄ controls")],
+    )
+    return sec, {"sufficiency": summ.to_dict("records"), "meta": meta}
+
+
 STAGES = [
     ("exactness", exactness_compute, exactness_render),
     ("decomposition", decomposition_compute, decomposition_render),
     ("pattern", pattern_compute, pattern_render),
     ("tolerance", tolerance_compute, tolerance_render),
     ("heads", heads_compute, heads_render),
+    ("length", length_compute, length_render),
+    ("sufficiency", sufficiency_compute, sufficiency_render),
 ]
