@@ -1,130 +1,139 @@
 """posgen_tl — how RoPE language models tolerate positions, read through TransformerLens hooks.
 
+The common path is here (``import posgen_tl as pg``)::
+
+    model = pg.load_model("smollm2-135m")
+    tokens = pg.corpus_tokens(model, seq_len=256, n_seq=8)
+    res = pg.decompose_head(model, tokens, layer=15, head=3)
+    pg.plot.head_maps(res)
+
+Everything else lives in namespaces, imported on first use (PEP 562), so ``import posgen_tl``
+stays light: ``pg.plot`` (figures), ``pg.stats`` (sign-flip tests, bootstrap, Holm, TOST),
+``pg.rope`` (RoPE maths, the causal mask), ``pg.decompose`` (D1/D2/D3 on tensors),
+``pg.features`` (per-band statistics), ``pg.heads`` (taxonomy maths), ``pg.perturb``
+(transpositions), ``pg.interventions`` (edits as TransformerLens hooks), ``pg.analysis``
+(one runner per experiment), ``pg.studies`` (the recipes behind ``posgen-tl study NAME``).
+
 Layers (data flows one way):
-    corpus → models + capture (hooks) → rope / decompose / features / heads / perturb (pure maths)
-    → analysis runners (DataFrames) → report / cli / notebooks
+    corpus → models + capture (hooks) → rope / decompose / features / heads / perturb / stats
+    (pure maths) → analysis (DataFrames) → plot / report / studies / cli / notebooks
 """
 
 from __future__ import annotations
 
-from .compat import check_supported as _check_supported
-
-_check_supported()  # a TransformerLens outside the supported range fails here, naming both versions
-
-from .capture import CaptureError, HookInfo, QKCapture, capture_qk, probe_hooks, stream_qk
-from .corpus import CorpusError, corpus_tokens, default_texts, load_texts, tokenize_corpus
-from .decompose import (
-    AdditiveFit,
-    D3Split,
-    causal_mask,
-    d3_bound,
-    d3_split,
-    fit_additive,
-    pearson_r,
-    r_squared,
-    score_maps,
-    within_row_r,
-)
-from .interventions import Intervention, intervention_hooks, key_means, noop_hooks, reposition_hooks, distance_cap_hooks
-from .analysis.decomposition import decompose_model, decompose_with_twin, summarize_decomposition
-from .analysis.pattern import PatternResult, feature_pattern, feature_pattern_with_twin, link_to_decomposition
-from .analysis.taxonomy import head_table, head_taxonomy, head_taxonomy_with_twin, taxonomy_agreement
-from .analysis.tolerance import curve_summary, length_curve, nll_on_target, transposition_curve
-from .analysis.causal import causal_study, t1_t2_study, write_causal_outputs
-from .exactness import exactness_table
-from .features import BandStats, band_stats, distance_weights, pattern_scores, stats_frame
-from .models import DEFAULT_MODEL, ZOO, ModelLoadError, cache_dir, load_model, random_twin
-from .perturb import adjacent_swap_permutation, capped_scores, position_ids_for_permutation
-from .stats import bootstrap_ci, slope_ci
-from .plot.decomposition import plot_head_maps, plot_r_by_layer
-from .plot.heads import plot_frequency_usage, plot_positional_symbolic_plane, plot_taxonomy_vs_share
-from .plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3, plot_phase_histogram
-from .plot.tolerance import plot_causal_conditions, plot_length, plot_tolerance_curves
-from .rope import LayerRope, RopeError, RopeSpec, rotate, scores_from_rotated, to_bands, unrotate
-from .rope_spec import rope_spec
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AdditiveFit",
-    "adjacent_swap_permutation",
-    "band_stats",
-    "BandStats",
-    "bootstrap_ci",
-    "cache_dir",
-    "capped_scores",
-    "capture_qk",
-    "causal_study",
-    "CaptureError",
-    "causal_mask",
-    "corpus_tokens",
-    "CorpusError",
-    "curve_summary",
-    "d3_bound",
-    "d3_split",
-    "D3Split",
-    "decompose_model",
-    "decompose_with_twin",
-    "DEFAULT_MODEL",
-    "default_texts",
-    "distance_cap_hooks",
-    "distance_weights",
-    "exactness_table",
-    "feature_pattern",
-    "feature_pattern_with_twin",
-    "fit_additive",
-    "head_table",
-    "head_taxonomy",
-    "head_taxonomy_with_twin",
-    "HookInfo",
-    "Intervention",
-    "intervention_hooks",
-    "key_means",
-    "LayerRope",
-    "length_curve",
-    "link_to_decomposition",
-    "load_model",
-    "load_texts",
-    "ModelLoadError",
-    "nll_on_target",
-    "noop_hooks",
-    "pattern_scores",
-    "PatternResult",
-    "pearson_r",
-    "plot_band_heatmaps",
-    "plot_causal_conditions",
-    "plot_frequency_usage",
-    "plot_head_maps",
-    "plot_length",
-    "plot_pattern_vs_d3",
-    "plot_phase_histogram",
-    "plot_positional_symbolic_plane",
-    "plot_r_by_layer",
-    "plot_taxonomy_vs_share",
-    "plot_tolerance_curves",
-    "position_ids_for_permutation",
-    "probe_hooks",
-    "QKCapture",
-    "r_squared",
-    "random_twin",
-    "reposition_hooks",
-    "rope_spec",
-    "RopeError",
-    "RopeSpec",
-    "rotate",
-    "score_maps",
-    "scores_from_rotated",
-    "slope_ci",
-    "stats_frame",
-    "stream_qk",
-    "summarize_decomposition",
-    "t1_t2_study",
-    "taxonomy_agreement",
-    "to_bands",
-    "tokenize_corpus",
-    "transposition_curve",
-    "unrotate",
-    "within_row_r",
-    "write_causal_outputs",
-    "ZOO",
-]
+from .compat import check_supported as _check_supported  # noqa: E402  (importlib.metadata only: light)
+
+_check_supported()  # a TransformerLens outside the supported range fails here, naming both versions
+
+#: top-level name → module that defines it (imported on first access)
+_EXPORTS: dict[str, str] = {
+    # models, text, hooks
+    "load_model": "models",
+    "random_twin": "models",
+    "corpus_tokens": "corpus",
+    "document_windows": "corpus",
+    "rope_spec": "rope_spec",
+    "probe_hooks": "capture",
+    "capture_qk": "capture",
+    "stream_qk": "capture",
+    "exactness_table": "exactness",
+    # decomposition (METHOD §2)
+    "decompose_head": "analysis.head",
+    "decompose_model": "analysis.decomposition",
+    "decompose_with_twin": "analysis.decomposition",
+    # feature pattern (§3), head taxonomy (§6)
+    "feature_pattern": "analysis.pattern",
+    "feature_pattern_with_twin": "analysis.pattern",
+    "head_taxonomy": "analysis.taxonomy",
+    # interventions and tolerance (§4–§5)
+    "Intervention": "interventions",
+    "intervention_hooks": "interventions",
+    "key_means": "interventions",
+    "nll_on_target": "analysis.tolerance",
+    "transposition_curve": "analysis.tolerance",
+    "causal_study": "analysis.causal",
+    # errors
+    "RopeError": "rope",
+    "CaptureError": "capture",
+    "CorpusError": "corpus",
+    "ModelLoadError": "models",
+}
+
+#: namespaces (submodules) in ``__all__``; the other submodules resolve too, lazily
+_NAMESPACES = ("plot", "stats", "analysis", "interventions", "studies")
+_SUBMODULES = frozenset({
+    *_NAMESPACES, "rope", "rope_spec", "decompose", "features", "heads", "perturb", "capture", "corpus",
+    "models", "exactness", "report", "cli", "compat",
+})
+
+#: recipes other branches add; they resolve here as soon as their module exists
+_LATER: dict[str, str] = {
+    "sufficiency": "analysis.sufficiency",
+    "gap_probe": "analysis.length",
+}
+
+__all__ = [*_EXPORTS, *_NAMESPACES]
+
+
+class _Package(types.ModuleType):
+    """``posgen_tl`` itself. Importing a submodule binds it on the package; ``rope_spec`` is both a
+    submodule and the function of the same name, and ``pg.rope_spec`` must stay the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return  # the submodule stays reachable through sys.modules / ``from posgen_tl.rope_spec import ...``
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS or name in _LATER:
+        mod = _EXPORTS.get(name) or _LATER[name]
+        try:
+            value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{mod}":
+                raise
+            raise AttributeError(f"posgen_tl.{name} needs posgen_tl.{mod}, which this installation does not have") from None
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"posgen_tl.{name} is not part of this installation") from None
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'posgen_tl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_SUBMODULES})
+
+
+if TYPE_CHECKING:  # for editors and type checkers; nothing is imported at run time
+    from . import analysis, interventions, plot, stats, studies
+    from .analysis.decomposition import decompose_model, decompose_with_twin
+    from .analysis.head import decompose_head
+    from .analysis.pattern import feature_pattern, feature_pattern_with_twin
+    from .analysis.taxonomy import head_taxonomy
+    from .analysis.causal import causal_study
+    from .analysis.tolerance import nll_on_target, transposition_curve
+    from .capture import CaptureError, capture_qk, probe_hooks, stream_qk
+    from .corpus import CorpusError, corpus_tokens, document_windows
+    from .exactness import exactness_table
+    from .interventions import Intervention, intervention_hooks, key_means
+    from .models import ModelLoadError, load_model, random_twin
+    from .rope import RopeError
+    from .rope_spec import rope_spec

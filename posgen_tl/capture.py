@@ -43,6 +43,7 @@ __all__ = [
     "probe_hooks",
     "stream_qk",
     "capture_qk",
+    "capture_from_cache",
     "check_tokens",
     "hooks_attached",
     "model_device",
@@ -464,6 +465,40 @@ def capture_qk(
     stream_qk(model, tokens, keep, layers, with_scores=with_scores, batch_size=max(1, tokens.shape[0]),
               position_ids=position_ids, progress=False)
     return out
+
+
+def capture_from_cache(model: Any, cache: Any, layer: int) -> QKCapture:
+    """The :class:`QKCapture` of ``layer`` read from a TransformerLens ``ActivationCache``
+    (``model.run_with_cache(tokens)``), without running the model again.
+
+    The cache must hold the layer's pre-rotation q/k hooks (``hook_q``/``hook_k``, or the
+    ``*_normed`` ones on QK-norm models); ``hook_rot_q``/``hook_rot_k`` are used when present,
+    otherwise the rotation is computed from the spec. Positions are ``0..pos−1``.
+
+    Raises:
+        CaptureError: the cache lacks the hooks (the message names them).
+    """
+    spec, info = probe_hooks(model)
+    layer = int(layer) % spec.n_layers
+    need = [info.q_hook, info.k_hook] + (["hook_rot_q", "hook_rot_k"] if info.rot_fires else [])
+    keys = set(cache.keys()) if hasattr(cache, "keys") else set()
+    d: dict[str, Tensor] = {}
+    for h in need:
+        name = info.name(layer, h)
+        if name not in keys:
+            if h.startswith("hook_rot"):
+                continue  # rotation recomputed below
+            raise CaptureError(f"the cache has no {name!r}; run model.run_with_cache(tokens) without names_filter, "
+                               f"or keep that hook")
+        x = cache[name].detach()
+        if h in ("hook_q_normed", "hook_k_normed"):
+            x = _to_bshd(x, info.normed_layout)
+        d[h] = x.float()
+    q = d[info.q_hook]
+    pos = torch.arange(q.shape[1], device=q.device).expand(q.shape[0], -1)
+    if info.rot_fires and not ("hook_rot_q" in d and "hook_rot_k" in d):
+        info = HookInfo(info.q_hook, info.k_hook, info.normed_layout, False, info.scores_kind, info.attn_prefix)
+    return _make_capture(layer, d, spec.layer(layer), info, pos, 0, 0)
 
 
 def pattern_hooks(

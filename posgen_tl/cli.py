@@ -2,6 +2,8 @@
 
     posgen-tl check  --model smollm2-135m        RoPE spec + exactness table; exit 1 if a check fails
     posgen-tl report --model smollm2-135m ...    the whole analysis → HTML report, results.json, CSVs
+    posgen-tl study NAME --model … --out DIR      one experiment → CSVs, PNGs, NAME.md, NAME.json
+    posgen-tl study list                         the registered studies
 
 Bad arguments print one line saying what to change (exit 2), never a traceback.
 """
@@ -68,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="a ≤ 2 minute smoke run with small sizes")
     r.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
     r.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("study", help="run one experiment (the report stage of that name) into --out",
+                       description="Run one registered study; 'posgen-tl study list' names them.")
+    s.add_argument("name", help="study name, or 'list'")
+    s.add_argument("--model", default="smollm2-135m")
+    s.add_argument("--corpus", default=None, help="UTF-8 text file or folder (default: the stdlib's pydoc topics)")
+    s.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default 256; 96 with --quick)")
+    s.add_argument("--n-seq", type=_positive_int, default=None, help="sequences (default 8; 2 with --quick)")
+    s.add_argument("--out", default=None, help="output folder (default: study_<name>)")
+    s.add_argument("--quick", action="store_true", help="small sizes and every 5th layer (a smoke run)")
+    s.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
+    s.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -122,12 +135,37 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return run_report(args)
 
 
+def _cmd_study(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from .studies import STUDIES, run_study  # noqa: PLC0415
+
+    if args.name == "list":
+        for name, st in STUDIES.items():
+            needs = f" (runs {', '.join(st.needs)} first)" if st.needs else ""
+            print(f"{name:15s} {st.about}{needs}")
+        return 0
+    if args.name not in STUDIES:
+        print(f"posgen-tl: error: unknown study {args.name!r}; one of: {', '.join(STUDIES)} (or 'list')", file=sys.stderr)
+        return 2
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")  # a study writes PNGs; only the CLI picks a backend
+    from .report.context import ReportConfig  # noqa: PLC0415
+
+    args.out = args.out or f"study_{args.name}"
+    cfg = ReportConfig.from_args(args)
+    cmd = "posgen-tl " + " ".join(argv if argv is not None else sys.argv[1:])
+    run_study(args.name, cfg, command=cmd)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "check":
             return _cmd_check(args)
+        if args.command == "study":
+            return _cmd_study(args, argv)
         return _cmd_report(args)
     except KeyboardInterrupt:
         print("posgen-tl: interrupted", file=sys.stderr)

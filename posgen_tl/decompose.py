@@ -27,7 +27,7 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from posgen_tl.rope import LayerRope, angles, expand_kv, to_bands
+from posgen_tl.rope import LayerRope, angles, causal_mask, expand_kv, to_bands
 
 __all__ = [
     "ESTIMATORS",
@@ -47,21 +47,6 @@ __all__ = [
 ]
 
 ESTIMATORS = ("D1", "D2", "D3")
-
-
-def causal_mask(
-    n_pos: int, sink: int = 0, sliding_window: int | None = None, device=None
-) -> Bool[Tensor, "query_pos key_pos"]:
-    """Entries used in a fit: ``j <= i``, ``j >= sink`` and ``i − j < sliding_window``.
-
-    Returns a ``[n_pos, n_pos]`` bool tensor; rows ``i < sink`` are all False.
-    """
-    i = torch.arange(n_pos, device=device)[:, None]
-    j = torch.arange(n_pos, device=device)[None, :]
-    m = (j <= i) & (j >= sink)
-    if sliding_window is not None:
-        m = m & (i - j < sliding_window)
-    return m
 
 
 # ----------------------------------------------------------------------------- D1 / D2

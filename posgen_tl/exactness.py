@@ -15,24 +15,14 @@ import torch
 from torch import Tensor
 
 from .capture import QKCapture, probe_hooks, stream_qk
-from .rope import rotate
+from .rope import causal_mask, rotate
 
-__all__ = ["exactness_table", "ROT_RTOL", "SCORE_RTOL", "valid_mask"]
+__all__ = ["exactness_table", "ROT_RTOL", "SCORE_RTOL"]
 
 #: tolerances, relative to the largest |value| of the compared tensor (float32 maths)
 ROT_RTOL = 1e-5
 SCORE_RTOL = 1e-5
 PATTERN_ATOL = 1e-5
-
-
-def valid_mask(n_pos: int, sliding_window: int | None, device=None) -> Tensor:
-    """Entries the model attends to: ``j <= i`` and ``i − j < window``."""
-    i = torch.arange(n_pos, device=device)[:, None]
-    j = torch.arange(n_pos, device=device)[None, :]
-    m = j <= i
-    if sliding_window is not None:
-        m &= (i - j) < sliding_window
-    return m
 
 
 def exactness_table(
@@ -76,7 +66,7 @@ def exactness_table(
             w = c.logits()
             if cap:
                 w = torch.tanh(w / cap) * cap
-            m = valid_mask(w.shape[-1], lr.sliding_window, w.device)
+            m = causal_mask(w.shape[-1], sliding_window=lr.sliding_window, device=w.device)
             if c.scores_kind == "post_softmax":
                 w = torch.softmax(w.masked_fill(~m, float("-inf")), dim=-1)
                 err = (w - c.scores)[..., m].abs().max().item()

@@ -41,7 +41,7 @@ from einops import einsum
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .rope import LayerRope, expand_kv, to_bands
+from .rope import LayerRope, causal_mask, expand_kv, to_bands
 
 __all__ = [
     "region_permutations",
@@ -51,7 +51,6 @@ __all__ = [
     "LogitScoreSums",
     "taxonomy_label",
     "LABELS",
-    "causal_mask",
     "band_logits",
     "pass_logits",
     "band_patterns",
@@ -316,18 +315,6 @@ def taxonomy_label(
 
 
 # ----------------------------------------------------------------------------- band view
-
-
-def causal_mask(
-    n_pos: int, sliding_window: int | None = None, device: torch.device | str | None = None
-) -> Bool[Tensor, "query_pos key_pos"]:
-    """``True`` where key ``j`` is visible to query ``i``: ``j ≤ i`` (and ``i − j < window``)."""
-    i = torch.arange(n_pos, device=device)
-    rel = i[:, None] - i[None, :]
-    keep = rel >= 0
-    if sliding_window is not None:
-        keep = keep & (rel < sliding_window)
-    return keep
 
 
 def _expand(rot_q: Tensor, rot_k: Tensor) -> Tensor:

@@ -157,31 +157,40 @@ def _span(b: Sequence[int]) -> str:
 
 def feature_means(
     model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | None = None, *,
-    sink: int = 1, target: Literal["k", "q"] = "k", batch_size: int = 8, progress: bool = False,
+    sink: int = 1, target: Literal["k", "q"] = "k", batch_size: int = 8, progress: bool | str = False,
+    extra_hooks: Sequence[tuple[str, Callable]] = (), dtype: torch.dtype = torch.float32,
 ) -> dict[int, Float[Tensor, "head d_head"]]:  # fmt: skip
-    """Mean pre-rotation key (or query) per layer, first ``sink`` positions excluded.
+    """Mean pre-rotation key (or query) per layer and head, first ``sink`` positions excluded —
+    the ``k̄`` of METHOD.md §2 and §5 (the package's one implementation of it).
+
+    Streamed with :class:`posgen_tl.features.BandStats` (float64 accumulation), so memory does
+    not grow with ``tokens``. For the *global* k̄ pass tokens from documents disjoint from the
+    analysed ones (:func:`posgen_tl.corpus.reference_windows`). ``extra_hooks`` are attached
+    during the pass (the means then see their edit).
 
     Returns:
-        ``{layer: Float[Tensor, "kv_head d_head"]}`` (``head_index`` for queries), float32.
+        ``{layer: Float[Tensor, "kv_head d_head"]}`` (``"head_index d_head"`` for queries) in ``dtype``.
     """
-    spec, _ = probe_hooks(model)
     stats: dict[int, BandStats] = {}
 
     def acc(c) -> None:
         x = c.k if target == "k" else c.q
         if c.layer not in stats:
             stats[c.layer] = BandStats(x.shape[-2], x.shape[-1], c.rope.rotary_dim, c.rope.layout)
-        mask = torch.ones(x.shape[:2], dtype=torch.bool)
+        mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
         mask[:, :sink] = False
         stats[c.layer].update(x, mask)
 
-    stream_qk(model, tokens, acc, layers, batch_size=batch_size, progress=progress and "means")
-    return {layer: s.mean().float() for layer, s in sorted(stats.items())}
+    label = progress if isinstance(progress, str) else "means"
+    stream_qk(model, tokens, acc, layers, batch_size=batch_size, extra_hooks=extra_hooks,
+              progress=label if progress else False)
+    return {layer: s.mean().to(dtype) for layer, s in sorted(stats.items())}
 
 
 key_means = functools.partial(feature_means, target="k")
-key_means.__doc__ = """``key_means(model, tokens, layers=None, sink=1)``: the D3 ``k̄`` per layer,
-``{layer: Float[Tensor, "kv_head d_head"]}`` (see :func:`feature_means`)."""
+key_means.__doc__ = """``key_means(model, tokens, layers=None, *, sink=1, batch_size=8, dtype=torch.float32)``:
+the mean pre-rotation key ``k̄`` per layer, ``{layer: Float[Tensor, "kv_head d_head"]}``
+(:func:`feature_means` with ``target="k"``)."""
 
 
 # ----------------------------------------------------------------------------- the edit
@@ -351,12 +360,35 @@ def intervention_hooks(
     return out
 
 
+_SPECIALISATION_DOC = """
+
+    ``{name}(model, k_means, bands, **kw)`` is ``intervention_hooks(model,
+    Intervention("{kind}", bands=bands, **kw), k_means)``: the generic builder with the kind fixed.
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge).
+        k_means: ``{{layer: Float[Tensor, "kv_head d_head"]}}`` from :func:`key_means` (for
+            ``target="q"`` the query means of :func:`feature_means`), every touched layer present.
+        bands: band indices, band 0 = fastest.
+        **kw: the other :class:`Intervention` fields — ``layers``, ``heads``, ``alpha``,
+            ``target``, ``seed``, ``label`` (and ``base``/``scramble`` for controls).
+
+    Returns:
+        ``[(hook_name, fn), ...]`` on the pre-rotation ``hook_k`` (or ``hook_q``) of each layer,
+        for ``model.run_with_hooks(tokens, fwd_hooks=...)`` or ``with model.hooks(fwd_hooks=...):``.
+
+    Example:
+        >>> km = key_means(model, reference_tokens)
+        >>> logits = model.run_with_hooks(tokens, fwd_hooks={name}(model, km, bands=range(8), alpha=0.5))
+    """
+
+
 def _make(kind: str, doc: str):
     def hooks(model: Any, k_means: dict[int, Tensor] | None, bands: Sequence[int] = (), **kw) -> HookList:
         return intervention_hooks(model, Intervention(kind=kind, bands=bands, **kw), k_means)
 
-    hooks.__name__ = f"{kind}_hooks"
-    hooks.__doc__ = doc
+    hooks.__name__ = hooks.__qualname__ = f"{kind}_hooks"
+    hooks.__doc__ = doc + _SPECIALISATION_DOC.format(name=f"{kind}_hooks", kind=kind)
     return hooks
 
 

@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 from einops import rearrange
-from jaxtyping import Complex, Float, Int
+from jaxtyping import Bool, Complex, Float, Int
 from torch import Tensor
 
 Layout = Literal["half", "adjacent"]
@@ -46,6 +46,7 @@ __all__ = [
     "scores_from_prerotation",
     "expand_kv",
     "band_periods",
+    "causal_mask",
 ]
 
 
@@ -405,3 +406,25 @@ def scores_from_prerotation(
 def band_periods(rope: LayerRope) -> Float[Tensor, "band"]:
     """Period ``2π/θ_m`` in positions for each band (band 0 shortest)."""
     return 2 * torch.pi / rope.theta
+
+
+def causal_mask(
+    n_pos: int, *, sink: int = 0, sliding_window: int | None = None, device: torch.device | str | None = None
+) -> Bool[Tensor, "query_pos key_pos"]:
+    """``True`` where query ``i`` sees key ``j``: ``j ≤ i``, ``j ≥ sink`` and ``i − j < sliding_window``.
+
+    The one mask of the package: ``sink=0`` gives the model's own attention mask (causal, plus
+    the layer's sliding window); ``sink > 0`` also drops the first ``sink`` keys, as the fits
+    and scores of :mod:`posgen_tl.decompose` do (rows ``i < sink`` are then all False).
+    Everything after ``n_pos`` is keyword-only, so a positional ``sink``/``window`` mix-up
+    fails loudly instead of giving a wrong mask.
+
+    Returns:
+        ``Bool[Tensor, "query_pos key_pos"]`` of shape ``[n_pos, n_pos]``.
+    """
+    i = torch.arange(n_pos, device=device)[:, None]
+    j = torch.arange(n_pos, device=device)[None, :]
+    m = (j <= i) & (j >= sink)
+    if sliding_window is not None:
+        m = m & (i - j < sliding_window)
+    return m

@@ -75,7 +75,7 @@ def test_scores_match_reference_functions(tiny):
         own = c.k[:, 1:].double().mean(1)  # [batch, kv, d]: each sequence's own mean key
         d3s = d3_split(c.q, c.k, own, c.positions, c.rope)
         for sink in (0, 1):
-            m = causal_mask(N_POS, sink, c.rope.sliding_window)
+            m = causal_mask(N_POS, sink=sink, sliding_window=c.rope.sliding_window)
             approx = {("D1", "none"): fit_additive(W, m, True).fitted, ("D2", "none"): fit_additive(W, m, False).fitted,
                       ("D3", "global"): d3.f + d3.g, ("D3", "per_sequence"): d3s.f + d3s.g}
             for (est, km), y in approx.items():
@@ -103,7 +103,7 @@ def test_d3_bound_holds_and_matches_library(tiny):
             s = d3_split(c.q, c.k, kbar, c.positions, c.rope)
             err = (s.W - s.f - s.g)[:, :, rows].abs()
             bound = d3_bound(c.q, c.k, kbar, c.positions, c.rope, rows=rows)
-            m = causal_mask(N_POS, 1, c.rope.sliding_window)[rows].double()
+            m = causal_mask(N_POS, sink=1, sliding_window=c.rope.sliding_window)[rows].double()
             sub = d3[(d3.layer == layer) & d3.sink_excluded & (d3.k_mean == km)].sort_values(["seq", "head"])
             np.testing.assert_allclose(sub.d3_err_mean, ((err * m).sum((-1, -2)) / m.sum()).reshape(-1), rtol=1e-10)
             np.testing.assert_allclose(sub.d3_bound_mean, ((bound * m).sum((-1, -2)) / m.sum()).reshape(-1), rtol=1e-10)
@@ -177,7 +177,9 @@ def test_figures():
     assert len(axes) == 2
     assert len(axes[0].get_lines()) == 8  # (D1, D2, D3 global, D3 per_sequence) × 2 twins
     assert {ln.get_linestyle() for ln in axes[0].get_lines()} == {"-", "--"}
-    fig = plot_head_maps(model, _tokens()[0], layer=1, head=2)
+    from posgen_tl.analysis.head import decompose_head
+
+    fig = plot_head_maps(decompose_head(model, _tokens()[:1], layer=1, head=2))
     assert len([a for a in fig.get_axes() if a.get_images()]) == 4
     img = fig.get_axes()[0].get_images()[0].get_array()
     assert np.isnan(np.asarray(img.filled(np.nan) if hasattr(img, "filled") else img)[0, 1])  # j > i blank
@@ -220,7 +222,7 @@ def test_global_k_mean_reference_documents_are_disjoint():
     kms = reference_key_means(model, refw.tokens, [0], sink=1, progress=False)
     c = capture_qk(model, windows.tokens, layers=[0])[0]
     s = d3_split(c.q, c.k, kms[0], c.positions, c.rope)
-    m = causal_mask(16, 1, None)
+    m = causal_mask(16, sink=1)
     want = score_maps(c.logits(), s.f + s.g, m)["r"].numpy().reshape(-1)
     sub = df[(df.estimator == "D3") & (df.k_mean == "global") & df.sink_excluded].sort_values(["seq", "head"])
     np.testing.assert_allclose(sub.r, want, atol=2e-5)

@@ -223,7 +223,7 @@ def test_pred_error_global_matches_direct_computation(llama):
         zk = to_bands(c.k[:, 1:].double(), rope.rotary_dim, rope.layout)
         kres = (zk - to_bands(kg[layer].double(), rope.rotary_dim, rope.layout)).abs().square().mean((0, 1))
         W = c.logits().double()
-        m = causal_mask(20, 1)
+        m = causal_mask(20, sink=1)
         rows = m.sum(-1) >= 2
         dev = [(W[:, :, i, m[i]] - W[:, :, i, m[i]].mean(-1, keepdim=True)) for i in range(20) if rows[i]]
         sigma = (sum(d.square().sum((0, 2)) for d in dev) / sum(d.shape[0] * d.shape[2] for d in dev)).sqrt()
@@ -262,7 +262,9 @@ def test_figures(native):
     merged, _ = link_to_decomposition(heads, dec)
     fig = plot_pattern_vs_d3(merged)
     assert len(fig.axes[0].collections) == 2
-    fig = plot_phase_histogram(native, tok[:2], layer=0, head=0, band=0, twin=tm.native(seed=1))
+    from posgen_tl.analysis.head import phase_angles_with_twin
+
+    fig = plot_phase_histogram(phase_angles_with_twin(native, tok[:2], layer=0, head=0, band=0, twin=tm.native(seed=1)))
     assert len(fig.axes) == 2 and all(len(ax.patches) == 36 for ax in fig.axes)
 
 

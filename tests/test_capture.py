@@ -7,7 +7,8 @@ import torch
 
 import tiny_models as tm
 from posgen_tl.capture import CaptureError, capture_qk, probe_hooks, stream_qk
-from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table, valid_mask
+from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
+from posgen_tl.rope import causal_mask
 from posgen_tl.rope import RopeError, expand_kv, rotate, scores_from_prerotation
 
 TINY = {
@@ -71,7 +72,7 @@ def test_recomputed_scores_match_model_on_local_and_global_layers():
     toks = torch.randint(3, 90, (1, 10))
     caps = capture_qk(model, toks, with_scores=True)
     for layer, c in caps.items():
-        m = valid_mask(10, c.rope.sliding_window)
+        m = causal_mask(10, sliding_window=c.rope.sliding_window)
         w = c.logits()
         assert torch.allclose(w[..., m], c.scores[..., m], rtol=0, atol=1e-5 * c.scores[..., m].abs().max())
         # masked entries really are masked by the model (window respected)
@@ -91,7 +92,7 @@ def test_gqa_mapping_matches_model():
         g = spec.kv_group(h)
         assert g == h // 3
         w = torch.einsum("bqd,bkd->bqk", c.rot_q[:, :, h], c.rot_k[:, :, g]) * c.rope.score_scale
-        m = valid_mask(7, None)
+        m = causal_mask(7)
         assert torch.allclose(w[..., m], c.scores[:, h][..., m], atol=1e-5)
 
 
@@ -116,7 +117,7 @@ def test_stream_rotation_fallback_matches_model_pattern():
     caps = capture_qk(model, torch.randint(3, 50, (2, 10)), with_scores=True)
     for c in caps.values():
         assert c.rot_source == "computed" and c.scores_kind == "post_softmax"
-        m = valid_mask(10, None)
+        m = causal_mask(10)
         p = torch.softmax(c.logits().masked_fill(~m, float("-inf")), -1)
         assert torch.allclose(p, c.scores, atol=1e-6)
         assert torch.equal(c.rot_q, rotate(c.q, c.positions, c.rope))

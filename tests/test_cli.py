@@ -44,7 +44,7 @@ def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
     assert isinstance(broken(smollm2, __import__("torch").zeros(1, 4, dtype=__import__("torch").long), [0]), pd.DataFrame)
 
 
-_words = st.sampled_from(["check", "report", "--model", "--seq-len", "--n-seq", "--layers", "--out", "--quick", "-x",
+_words = st.sampled_from(["check", "report", "study", "list", "decomposition", "--model", "--seq-len", "--n-seq", "--layers", "--out", "--quick", "-x",
                           "0", "-3", "abc", "1,2", "5-", "--corpus", "", "--seed", "1e9", "x" * 50])
 
 
@@ -66,6 +66,9 @@ def test_fuzz_arguments_never_traceback(argv):
         (["check", "--layers", "a,b"], "layers must look like"),
         (["report", "--n-seq", "-2"], "positive integer"),
         (["frobnicate"], "invalid choice"),
+        (["study", "decomposition", "--n-seq", "0"], "positive integer"),
+        (["study"], "required: name"),
+        (["study", "nope"], "unknown study 'nope'"),
         ([], "required"),
     ],
 )

@@ -24,7 +24,8 @@ def test_docs_build_strict(tmp_path):
     assert "WARNING" not in r.stderr, r.stderr[-3000:]
     site = tmp_path / "site"
     api = (site / "api" / "index.html").read_text()
-    for name in ("load_model", "stream_qk", "fit_additive", "d3_split", "BandStats"):
+    for name in ("load_model", "stream_qk", "fit_additive", "d3_split", "BandStats", "decompose_head", "plot_head_maps",
+                 "verdict_table", "run_study", "Finding"):
         assert name in api, name
     assert (site / "concepts" / "index.html").exists()
     assert (site / "notebooks" / "01_quickstart" / "index.html").exists()

@@ -395,7 +395,7 @@ def test_predicted_error_ranks_fast_band_key_noise_worse_and_d3_agrees():
         pos = torch.arange(q.shape[1]).expand(2, -1)
         ks, qs = band_stats(k, 16, "half"), band_stats(q, 16, "half")
         sp = d3_split(q, k, ks.mean(), pos, rope)
-        mask = causal_mask(q.shape[1], 1)
+        mask = causal_mask(q.shape[1], sink=1)
         ss, n = within_row_spread(sp.W, mask)
         w = distance_weights(rope, q.shape[1] - 1, sink=1)
         pred = predicted_d3_error(qs.energy(), ks.residual_rms() ** 2, w, (ss / n).sqrt(),

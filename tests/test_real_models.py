@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from posgen_tl.capture import capture_qk, probe_hooks
-from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table, valid_mask
+from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
+from posgen_tl.rope import causal_mask
 from posgen_tl.rope import rotate
 
 pytestmark = pytest.mark.real
@@ -74,7 +75,7 @@ def test_gemma3_window_respected_beyond_512(gemma3):
     toks = corpus_tokens(gemma3, None, seq_len=600, n_seq=1)
     caps = capture_qk(gemma3, toks, layers=[0, 5], with_scores=True)
     for layer, c in caps.items():
-        m = valid_mask(600, c.rope.sliding_window)
+        m = causal_mask(600, sliding_window=c.rope.sliding_window)
         err = (c.logits() - c.scores)[..., m].abs().max()
         assert err <= SCORE_RTOL * c.scores[..., m].abs().max()
         assert bool((m.sum(-1)[-1] == (512 if layer == 0 else 600)))

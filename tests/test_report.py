@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,32 @@ def test_quick_report_writes_html_json_and_csvs(quick_report):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 2000
     # every section shows its random twin or control
     assert html.count("random") >= 10 and "control" in html
+
+
+def test_report_leads_with_findings(quick_report):
+    html = (quick_report / "report.html").read_text()
+    res = json.loads((quick_report / "results.json").read_text())
+    box = html.index("<div class='summary'")
+    assert box < html.index("<h2 id='s0'>") and box < html.index("<ul>")  # before the contents and every section
+    summary = html[box: html.index("</div>", box)]
+    for q in ("decomposition", "sufficiency", "pattern", "tolerance", "causal", "heads", "length"):
+        assert f"<b>{q}</b>" in summary, q
+    assert summary.count("not run") >= 2  # sufficiency and length have no stage in this report
+    assert "exploratory" in summary  # 2 sequences < 32
+    qs = {f["question"] for f in res["findings"]}
+    assert {"decomposition", "pattern", "tolerance", "causal", "heads"} <= qs
+    dec = next(f for f in res["findings"] if f["question"] == "decomposition")
+    assert dec["n"] == 2 and dec["exploratory"] and dec["p"] is not None and len(dec["ci"]) == 2
+    # exactness: a one-line PASS, its per-layer table folded
+    ex = html[html.index("<h2 id='s0'>"): html.index("<h2 id='s1'>")]
+    assert "PASS on all 30 layers" in ex and "<details><summary><b>Per layer</b>" in ex
+    # numbers to 3 significant digits in every table cell (integers, e.g. layer and n, are exact)
+    cells = re.findall(r"<td>(-?[0-9.]+(?:e[-+]?\d+)?)</td>", html)
+    floats = [c for c in cells if "." in c or "e" in c]
+    assert floats, "no numeric cells found"
+    for c in floats:
+        digits = c.lstrip("-").split("e")[0].replace(".", "").lstrip("0")
+        assert len(digits) <= 3, c
 
 
 def test_interrupted_report_leaves_no_complete_looking_files_and_resumes(tmp_path, monkeypatch, smollm2):
@@ -85,9 +112,18 @@ def test_report_renders_in_headless_chromium(quick_report, tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 0, r.stderr[-500:]
+    import os
+
     from PIL import Image
 
-    im = Image.open(shot).convert("L")
+    if os.environ.get("POSGEN_SHOT_DIR"):  # keep the screenshot to look at
+        shutil.copyfile(shot, Path(os.environ["POSGEN_SHOT_DIR"]) / "report_screenshot.png")
+    rgb = Image.open(shot).convert("RGB")
+    # what a reader sees first: the findings box (its background #eef4fb) fills the top of the page
+    top = rgb.crop((0, 0, 1200, 900))
+    box_px = sum(1 for px in top.getdata() if px == (0xEE, 0xF4, 0xFB))
+    assert box_px > 0.15 * 1200 * 900, box_px
+    im = rgb.convert("L")
     assert im.size == (1200, 4000)
     # figures rendered: a good part of the page is neither white background nor text-grey
     hist = im.histogram()

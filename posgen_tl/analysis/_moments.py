@@ -51,7 +51,7 @@ def _geometry(n: int, sink: int, window: int | None, device: torch.device | str 
     key = (n, sink, window, str(device))
     if key in _GEOMS:
         return _GEOMS[key]
-    mask = causal_mask(n, sink, window)
+    mask = causal_mask(n, sink=sink, sliding_window=window)
     md = mask.double()
     i = torch.arange(n)
     d_idx = (i[:, None] - i[None, :])  # [i, d] -> j = i − d

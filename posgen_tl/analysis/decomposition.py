@@ -52,7 +52,7 @@ from posgen_tl.analysis._moments import _all_fit_moments, _d3_moments, _geometry
 from posgen_tl.capture import QKCapture, probe_hooks, stream_qk
 from posgen_tl.corpus import CorpusLike, Windows, corpus_tokens, reference_windows
 from posgen_tl.decompose import _kbar_batched, sequence_key_mean
-from posgen_tl.features import BandStats
+from posgen_tl.interventions import feature_means
 from posgen_tl.rope import angles, expand_kv, rotate, to_bands
 
 __all__ = [
@@ -180,21 +180,12 @@ def reference_key_means(
     extra_hooks: Sequence = (),
 ) -> dict[int, Float[Tensor, "kv_head d_head"]]:
     """Mean PRE-rotation key ``k̄`` per layer and kv-group over ``tokens`` (positions ``< sink``
-    excluded), streamed with :class:`posgen_tl.features.BandStats`. Returns ``{layer: [kv_head, d_head]}`` float64."""
+    excluded): :func:`posgen_tl.interventions.feature_means` in float64 (``tokens`` may be
+    :class:`~posgen_tl.corpus.Windows`). Returns ``{layer: Float[Tensor, "kv_head d_head"]}`` float64."""
     if isinstance(tokens, Windows):
         tokens = tokens.tokens
-    stats: dict[int, BandStats] = {}
-
-    def acc(c: QKCapture) -> None:
-        if c.layer not in stats:
-            stats[c.layer] = BandStats(c.k.shape[-2], c.k.shape[-1], c.rope.rotary_dim, c.rope.layout)
-        keep = torch.ones(c.k.shape[:2], dtype=torch.bool, device=c.k.device)
-        keep[:, :sink] = False
-        stats[c.layer].update(c.k, keep)
-
-    stream_qk(model, tokens, acc, layers, batch_size=batch_size, extra_hooks=extra_hooks,
-              progress="k̄ reference" if progress else False)
-    return {layer: s.mean() for layer, s in stats.items()}
+    return feature_means(model, tokens, layers, sink=sink, target="k", batch_size=batch_size,
+                         progress="k̄ reference" if progress else False, extra_hooks=extra_hooks, dtype=torch.float64)
 
 
 

@@ -357,7 +357,7 @@ def feature_pattern(
         a["k"].update(c.k, mask)
         a["q_seq"].update(c.q, d, mask)
         a["k_seq"].update(c.k, d, mask)
-        ss, n = within_row_spread(c.logits(), causal_mask(n_pos, sink, c.rope.sliding_window, c.q.device))
+        ss, n = within_row_spread(c.logits(), causal_mask(n_pos, sink=sink, sliding_window=c.rope.sliding_window, device=c.q.device))
         a["spread"] = (a["spread"][0] + ss.cpu(), a["spread"][1] + n.cpu())
 
     desc = f"pattern {twin_label}" if progress else False

@@ -161,7 +161,7 @@ def _score_prompt(
     keep = c.positions[sl][:1] >= sink
     acc.q_stats.update(clean_q, keep)
     acc.k_stats.update(clean_k, keep)
-    fmask = fit_mask(n, sink, rope.sliding_window)
+    fmask = fit_mask(n, sink=sink, sliding_window=rope.sliding_window)
     d3 = d3_split(clean_q, clean_k, k_mean, c.positions[sl][:1], rope)
     acc.share[prompt] = positional_share(d3.f, d3.g, fmask)[0].cpu().numpy()
     k_seq = clean_k[0, sink:].double().mean(0).float()  # this prompt's own mean key (sink excluded)
@@ -173,7 +173,7 @@ def _score_prompt(
     rk = c.rot_k_expanded()[sl]  # [K+1, n, H, d]
     # clean attention mass on R: softmax over every visible key of the row
     full_clean = scores_from_rotated(rq[:1], rk[:1], rope.score_scale)[0]  # [H, n_q, n]
-    vis = causal_mask(n, rope.sliding_window, device=full_clean.device)[rows]
+    vis = causal_mask(n, sliding_window=rope.sliding_window, device=full_clean.device)[rows]
     attn = torch.softmax(full_clean.double().masked_fill(~vis, float("-inf")), -1)
     mass = attn[..., r0:r1].sum(-1)  # [H, n_q]
     bl = band_logits(rq, rk[:, r0:r1], rope)  # [K+1, H, band, n_q, L]

@@ -1,26 +1,59 @@
 """Figures: one function per figure, built from DataFrames/tensors, never from a model.
 
-Every function returns a ``matplotlib.figure.Figure`` and selects no backend, so in Jupyter
-the returned figure is shown exactly once (as the cell's value).
+Every function builds its figure with pyplot, closes it (``plt.close(fig)``) and returns the
+``matplotlib.figure.Figure``; no backend is selected anywhere in the package. In Jupyter the
+returned figure is therefore shown exactly once, as the cell's value; in a script call
+``fig.savefig(...)``. The analysis that feeds each figure is named in its docstring:
+
+=========================  ===========================================================
+``head_maps(res)``         :func:`posgen_tl.decompose_head`
+``r_by_layer(df)``         :func:`posgen_tl.decompose_model` / ``decompose_with_twin``
+``band_heatmaps(bands)``   ``feature_pattern_with_twin(...).bands``
+``pattern_distribution``   ``feature_pattern_with_twin(...).heads``
+``pattern_vs_d3(merged)``  :func:`posgen_tl.analysis.pattern.link_to_decomposition`
+``phase_histogram(df)``    :func:`posgen_tl.analysis.head.phase_angles_with_twin`
+``tolerance_curves(df)``   :func:`posgen_tl.analysis.tolerance.curve_summary`
+``causal_conditions(df)``  :func:`posgen_tl.causal_study` ``.conditions``
+``length_buckets(df)``     :func:`posgen_tl.analysis.tolerance.length_summary`
+``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.analysis.length`, :mod:`posgen_tl.analysis.sufficiency`
+``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``, ``label_counts``: :func:`posgen_tl.head_taxonomy`
+=========================  ===========================================================
 """
 
-from .decomposition import plot_head_maps, plot_r_by_layer
-from .heads import plot_frequency_usage, plot_label_counts, plot_positional_symbolic_plane, plot_taxonomy_vs_share
-from .pattern import plot_band_heatmaps, plot_pattern_distribution, plot_pattern_vs_d3, plot_phase_histogram
-from .tolerance import plot_causal_conditions, plot_length, plot_tolerance_curves
+from .decomposition import plot_head_maps as head_maps
+from .decomposition import plot_r_by_layer as r_by_layer
+from .heads import plot_frequency_usage as frequency_usage
+from .heads import plot_label_counts as label_counts
+from .heads import plot_positional_symbolic_plane as positional_symbolic_plane
+from .heads import plot_taxonomy_vs_share as taxonomy_vs_share
+from .pattern import plot_band_heatmaps as band_heatmaps
+from .pattern import plot_pattern_distribution as pattern_distribution
+from .pattern import plot_pattern_vs_d3 as pattern_vs_d3
+from .pattern import plot_phase_histogram as phase_histogram
+from .tolerance import plot_causal_conditions as causal_conditions
+from .length import plot_gap_heads as gap_heads
+from .length import plot_gap_probe as gap_probe
+from .length import plot_sufficiency as sufficiency
+from .length import plot_window_removal as window_removal
+from .tolerance import plot_length as length_buckets
+from .tolerance import plot_tolerance_curves as tolerance_curves
 
 __all__ = [
-    "plot_band_heatmaps",
-    "plot_causal_conditions",
-    "plot_frequency_usage",
-    "plot_head_maps",
-    "plot_label_counts",
-    "plot_length",
-    "plot_pattern_distribution",
-    "plot_pattern_vs_d3",
-    "plot_phase_histogram",
-    "plot_positional_symbolic_plane",
-    "plot_r_by_layer",
-    "plot_taxonomy_vs_share",
-    "plot_tolerance_curves",
+    "band_heatmaps",
+    "causal_conditions",
+    "frequency_usage",
+    "head_maps",
+    "label_counts",
+    "gap_heads",
+    "gap_probe",
+    "length_buckets",
+    "sufficiency",
+    "pattern_distribution",
+    "pattern_vs_d3",
+    "phase_histogram",
+    "positional_symbolic_plane",
+    "r_by_layer",
+    "taxonomy_vs_share",
+    "tolerance_curves",
+    "window_removal",
 ]

@@ -31,6 +31,7 @@ def plot_gap_probe(summary: pd.DataFrame, *, title: str = "") -> Figure:
     ax.set_title(title or "Gap probe: the suffix sees its prefix at unseen distances")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    plt.close(fig)  # returned, not left open: Jupyter shows it once
     return fig
 
 
@@ -47,6 +48,7 @@ def plot_window_removal(summary: pd.DataFrame, *, title: str = "") -> Figure:
     ax.set_title(title or "Local layers with / without their sliding window")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    plt.close(fig)  # returned, not left open: Jupyter shows it once
     return fig
 
 
@@ -72,6 +74,7 @@ def plot_sufficiency(summary: pd.DataFrame, *, title: str = "") -> Figure:
     ax.set_title(title or "Sufficiency: substituting the logits by a decomposition")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    plt.close(fig)  # returned, not left open: Jupyter shows it once
     return fig
 
 
@@ -89,4 +92,5 @@ def plot_gap_heads(rows: pd.DataFrame, *, title: str = "") -> Figure:
     ax.set_yscale("symlog", linthresh=1e-3)
     ax.set_title(title or "Which heads change under the gap")
     fig.tight_layout()
+    plt.close(fig)  # returned, not left open: Jupyter shows it once
     return fig

@@ -5,12 +5,9 @@ Every figure shows the trained model beside its random-init twin, on a shared sc
 
 from __future__ import annotations
 
-from typing import Any
-
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -19,7 +16,6 @@ __all__ = [
     "plot_pattern_distribution",
     "plot_pattern_vs_d3",
     "plot_phase_histogram",
-    "band_phases",
 ]
 
 _TWIN_ORDER = ("trained", "random")
@@ -84,6 +80,7 @@ def plot_band_heatmaps(
     axes[0][0].set_ylabel("band (0 = fastest)")
     fig.colorbar(im, ax=axes[0].tolist(), label=f"{stat} ({which}, mean over heads)")
     fig.suptitle(f"{model}: {which} {stat} by band and layer")
+    plt.close(fig)
     return fig
 
 
@@ -104,6 +101,7 @@ def plot_pattern_distribution(heads: pd.DataFrame, column: str = "pred_d3_err_gl
     ax.set_ylabel("heads")
     ax.set_title(f"{model}: {column} per head")
     ax.legend()
+    plt.close(fig)
     return fig
 
 
@@ -131,46 +129,33 @@ def plot_pattern_vs_d3(merged: pd.DataFrame, x: str = "pred_d3_err", y: str = "r
     ax.set_ylabel(f"D3 {y} (mean over sequences)")
     ax.set_title(f"feature pattern vs D3 decomposition (k̄: {k_mean or 'all'})")
     ax.legend()
+    plt.close(fig)
     return fig
 
 
-def band_phases(model: Any, tokens: torch.Tensor, layer: int, head: int, band: int,
-                which: str = "k", sink: int = 1) -> np.ndarray:
-    """Phase angles ``arg z_m`` (radians) of one head's band over a small batch, sink excluded.
+def plot_phase_histogram(phases: pd.DataFrame, *, bins: int = 36) -> Figure:
+    """Polar histogram of one band's phase angle, one panel per twin (trained beside random).
 
-    Returns ``ndarray [tokens]``; ``head`` indexes kv-groups for ``which="k"``.
+    ``phases``: :func:`posgen_tl.analysis.head.phase_angles_with_twin` (or
+    :func:`~posgen_tl.analysis.head.phase_angles`) output — columns ``twin, layer, which,
+    head, band, phase``. Each panel's title gives the mean resultant length ``R`` (1 = all
+    tokens share one phase, ≈ 0 = uniform).
     """
-    from posgen_tl.capture import capture_qk  # noqa: PLC0415
-    from posgen_tl.rope import to_bands  # noqa: PLC0415
-
-    cap = capture_qk(model, tokens, [layer])[layer]
-    x = (cap.q if which == "q" else cap.k)[:, sink:, head]  # batch pos d_head
-    z = to_bands(x.double(), cap.rope.rotary_dim, cap.rope.layout)[..., band]
-    z = z.reshape(-1)
-    return torch.angle(z[z.abs() > 0]).cpu().numpy()
-
-
-def plot_phase_histogram(model: Any, tokens: torch.Tensor, layer: int, head: int, band: int,
-                         which: str = "k", *, twin: Any = None, seed: int = 0, sink: int = 1,
-                         bins: int = 36) -> Figure:
-    """Polar histogram of one band's phase angle, trained vs its random-init twin (same tokens).
-
-    ``twin`` defaults to ``random_twin(model, seed)``. Keep ``tokens`` small: one layer is
-    captured in memory. Each panel's title gives the mean resultant length ``R``.
-    """
-    if twin is None:
-        from posgen_tl.models import random_twin  # noqa: PLC0415
-
-        twin = random_twin(model, seed)
-    fig, axes = plt.subplots(1, 2, figsize=(8, 4), subplot_kw={"projection": "polar"}, constrained_layout=True)
+    if phases.empty:
+        raise ValueError("no phase angles to plot (empty frame)")
+    twins = _twins(phases)
+    fig, axes = plt.subplots(1, len(twins), figsize=(4 * len(twins), 4), subplot_kw={"projection": "polar"},
+                             squeeze=False, constrained_layout=True)
     edges = np.linspace(-np.pi, np.pi, bins + 1)
-    for ax, (label, m) in zip(axes, (("trained", model), ("random", twin))):
-        ph = band_phases(m, tokens, layer, head, band, which, sink)
+    for ax, label in zip(axes[0], twins):
+        ph = phases.loc[phases["twin"] == label, "phase"].to_numpy(float)
         counts, _ = np.histogram(ph, bins=edges)
         dens = counts / max(1, counts.sum())
-        ax.bar(edges[:-1], dens, width=np.diff(edges), align="edge", color=_COLOURS[label], alpha=0.75)
+        ax.bar(edges[:-1], dens, width=np.diff(edges), align="edge", color=_COLOURS.get(label), alpha=0.75)
         R = float(np.abs(np.exp(1j * ph).mean())) if ph.size else float("nan")
-        ax.set_title(f"{label}: R = {R:.2f}")
+        ax.set_title(f"{label}: R = {R:.2f} (n = {ph.size})")
         ax.set_yticklabels([])
-    fig.suptitle(f"layer {layer}, {which} head {head}, band {band}: phase of z_m")
+    r0 = phases.iloc[0]
+    fig.suptitle(f"layer {r0['layer']}, {r0['which']} head {r0['head']}, band {r0['band']}: phase of z_m")
+    plt.close(fig)
     return fig

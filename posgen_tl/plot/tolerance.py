@@ -34,6 +34,7 @@ def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: st
     ax.set_title(title or "Position tolerance (T1 tokens, T2 position ids)")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    plt.close(fig)
     return fig
 
 
@@ -61,6 +62,7 @@ def plot_causal_conditions(df: pd.DataFrame, *, title: str = "") -> Figure:
         ax.axhline(0, color="k", lw=0.5)
     fig.suptitle(title or "Causal test: conditions")
     fig.tight_layout()
+    plt.close(fig)
     return fig
 
 
@@ -83,4 +85,5 @@ def plot_length(df: pd.DataFrame, *, title: str = "") -> Figure:
     ax.set_title(title or "T3: NLL by position, with/without distance cap")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    plt.close(fig)
     return fig

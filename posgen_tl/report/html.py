@@ -1,6 +1,9 @@
 """A self-contained, one-page HTML report: figures embedded as base64 PNG, tables inline.
 
-Readable offline: no scripts, no external CSS or fonts.
+Readable offline: no scripts, no external CSS or fonts. The page opens with a summary box of
+:class:`Finding` s — one line per question of METHOD.md — before any section; numbers are
+printed to 3 significant digits, and tables longer than :data:`FOLD_ROWS` rows are folded in
+``<details>``.
 """
 
 from __future__ import annotations
@@ -8,12 +11,29 @@ from __future__ import annotations
 import base64
 import html
 import io
-from dataclasses import dataclass, field
+import math
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["Section", "figure_to_png", "render_html"]
+__all__ = ["Section", "Finding", "QUESTIONS", "figure_to_png", "render_html", "sig3", "FOLD_ROWS"]
+
+#: the questions of METHOD.md, in the order the summary box lists them (key → what is asked)
+QUESTIONS: dict[str, str] = {
+    "decomposition": "Logits = positional + semantic, beyond the random twin? (§2)",
+    "sufficiency": "Does f + g carry what the model uses? (§5, substitution)",
+    "pattern": "Does the feature pattern explain the decomposition across heads? (§3)",
+    "tolerance": "Does NLL rise when context tokens are swapped? (§4)",
+    "causal": "Does tolerance depend on the pattern? (§5, primary contrast)",
+    "heads": "Do positional/symbolic heads line up with D3's positional share? (§6)",
+    "length": "Do unseen distances hurt, and does the split help? (§7)",
+}
+
+#: tables with more rows than this are folded in <details> (their caption stays visible)
+FOLD_ROWS = 12
+#: METHOD §8: runs with fewer sequences are labelled exploratory
+MIN_N = 32
 
 _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222;line-height:1.45}
@@ -26,9 +46,98 @@ figure{margin:1em 0}
 figure img{max-width:100%;border:1px solid #ddd}
 figcaption{font-size:.85em;color:#555}
 .verdict{background:#fff7e0;border-left:4px solid #e0a000;padding:.5em 1em}
+.summary{background:#eef4fb;border:2px solid #2a5d9f;border-radius:6px;padding:.6em 1.2em;margin:1em 0 1.5em}
+.summary h2{margin:.2em 0 .5em;border:none;font-size:1.25em}
+.summary table{font-size:.9em;width:100%}
+.summary td,.summary th{text-align:left}
+.summary td.num{text-align:right;white-space:nowrap}
+.v-yes{font-weight:bold;color:#0a5d1e}.v-no{font-weight:bold;color:#7a4b00}.v-none{color:#888}
+.expl{color:#a33;font-size:.85em}
+details{margin:.6em 0}summary{cursor:pointer;color:#2a5d9f}
 .meta{font-size:.85em;color:#555}
 code{background:#f4f4f4;padding:0 .2em}
 """
+
+
+def sig3(x: Any) -> str:
+    """A number to 3 significant digits (``–`` for None/NaN; ints and text unchanged)."""
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return "–" if math.isnan(v) else f"{v:.3g}"
+
+
+@dataclass
+class Finding:
+    """The headline of one question, as the summary box prints it.
+
+    Attributes:
+        question: a key of :data:`QUESTIONS` (e.g. ``"causal"``).
+        verdict: the verdict word (``"depends"`` / ``"no evidence"`` for causal contrasts, as
+            :func:`posgen_tl.stats.verdict_table` decides; the stage's own word elsewhere).
+        effect: the effect's value; ``what``: what it measures (with its unit).
+        ci: ``(low, high)`` 95 % interval of the effect; ``p``: its p-value; ``n``: the unit count.
+        exploratory: ``n < 32`` (METHOD §8) unless given.
+        note: one short clause of context (e.g. the reason a verdict is "no evidence").
+    """
+
+    question: str
+    verdict: str
+    effect: float | None = None
+    what: str = ""
+    ci: tuple[float, float] | None = None
+    p: float | None = None
+    n: int | None = None
+    exploratory: bool | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.question not in QUESTIONS:
+            raise ValueError(f"unknown question {self.question!r}; one of {list(QUESTIONS)}")
+        if self.exploratory is None:
+            self.exploratory = self.n is not None and self.n < MIN_N
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        """The plain-text line (markdown and console): ``question: verdict · effect … · p · n``."""
+        parts = [f"{self.question}: {self.verdict}"]
+        if self.effect is not None:
+            ci = f" [{sig3(self.ci[0])}, {sig3(self.ci[1])}]" if self.ci else ""
+            parts.append(f"{self.what + ' ' if self.what else ''}{sig3(self.effect)}{ci}")
+        if self.p is not None:
+            parts.append(f"p = {sig3(self.p)}")
+        if self.n is not None:
+            parts.append(f"n = {self.n}")
+        if self.exploratory:
+            parts.append("exploratory")
+        return " · ".join(parts)
+
+
+@dataclass
+class Section:
+    """One report section: a title, paragraphs (plain text), tables, figures (PNG bytes + caption).
+
+    ``details``: tables always folded in ``<details>`` (e.g. an all-PASS check); ``findings``:
+    headlines this section contributes to the summary box (stages may set them; the report also
+    derives them with :func:`posgen_tl.report.findings.stage_findings`).
+    """
+
+    title: str
+    paragraphs: list[str] = field(default_factory=list)
+    tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
+    figures: list[tuple[bytes, str]] = field(default_factory=list)
+    verdict: str | None = None
+    details: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
 
 
 def figure_to_png(fig: Any, dpi: int = 100) -> bytes:
@@ -41,26 +150,52 @@ def figure_to_png(fig: Any, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
-@dataclass
-class Section:
-    """One report section: a title, paragraphs (plain text), tables, figures (PNG bytes + caption)."""
-
-    title: str
-    paragraphs: list[str] = field(default_factory=list)
-    tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
-    figures: list[tuple[bytes, str]] = field(default_factory=list)
-    verdict: str | None = None
+def _table_html(df: pd.DataFrame) -> str:
+    return df.to_html(index=False, float_format=sig3, border=0, na_rep="–")
 
 
-def _table(caption: str, df: pd.DataFrame) -> str:
-    body = df.to_html(index=False, float_format=lambda x: f"{x:.4g}", border=0, na_rep="–")
-    return f"<p><b>{html.escape(caption)}</b></p>{body}"
+def _table(caption: str, df: pd.DataFrame, fold: bool = False) -> str:
+    if fold or len(df) > FOLD_ROWS:
+        return (f"<details><summary><b>{html.escape(caption)}</b> ({len(df)} rows — click to show)</summary>"
+                f"{_table_html(df)}</details>")
+    return f"<p><b>{html.escape(caption)}</b></p>{_table_html(df)}"
 
 
-def render_html(title: str, meta: dict[str, Any], sections: list[Section]) -> str:
-    """The whole page as a string."""
+def _verdict_class(v: str) -> str:
+    v = v.lower()
+    if v in ("not run", "") or v.startswith(("not testable", "too few")):
+        return "v-none"
+    return "v-no" if v.startswith("no evidence") else "v-yes"
+
+
+def summary_box(findings: list[Finding]) -> str:
+    """The box at the top of the page: one row per question; absent questions say "not run"."""
+    by_q: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_q.setdefault(f.question, []).append(f)
+    rows = []
+    for q, asked in QUESTIONS.items():
+        for f in by_q.get(q) or [Finding(q, "not run")]:
+            ci = f"[{sig3(f.ci[0])}, {sig3(f.ci[1])}]" if f.ci else "–"
+            eff = (f"{html.escape(f.what)}: " if f.what else "") + sig3(f.effect) if f.effect is not None else "–"
+            expl = " <span class='expl'>exploratory</span>" if f.exploratory else ""
+            note = f"<br><span class='meta'>{html.escape(f.note)}</span>" if f.note else ""
+            rows.append(
+                f"<tr><td><b>{html.escape(q)}</b><br><span class='meta'>{html.escape(asked)}</span></td>"
+                f"<td class='{_verdict_class(f.verdict)}'>{html.escape(f.verdict)}{expl}{note}</td>"
+                f"<td class='num'>{eff}</td><td class='num'>{ci}</td><td class='num'>{sig3(f.p)}</td>"
+                f"<td class='num'>{'–' if f.n is None else f.n}</td></tr>")
+    return ("<div class='summary' id='summary'><h2>Findings</h2><table><tr><th>question</th><th>verdict</th>"
+            "<th>effect</th><th>95 % CI</th><th>p</th><th>n</th></tr>" + "".join(rows) + "</table>"
+            f"<p class='meta'>“exploratory”: fewer than {MIN_N} sequences (METHOD §8). “no evidence” is not "
+            "evidence of no effect. Details and the random-twin/control comparisons follow below.</p></div>")
+
+
+def render_html(title: str, meta: dict[str, Any], sections: list[Section], findings: list[Finding] | None = None) -> str:
+    """The whole page as a string: title, the findings box, a contents list, then the sections."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"]
+    parts.append(summary_box(list(findings or []) or [f for s in sections for f in s.findings]))
     parts.append("<p class='meta'>" + " · ".join(f"{html.escape(str(k))}: {html.escape(str(v))}" for k, v in meta.items()) + "</p>")
     parts.append("<ul>" + "".join(f"<li><a href='#s{i}'>{html.escape(s.title)}</a></li>" for i, s in enumerate(sections)) + "</ul>")
     for i, s in enumerate(sections):
@@ -71,6 +206,8 @@ def render_html(title: str, meta: dict[str, Any], sections: list[Section]) -> st
             parts.append(f"<p>{html.escape(p)}</p>")
         for cap, df in s.tables:
             parts.append(_table(cap, df))
+        for cap, df in s.details:
+            parts.append(_table(cap, df, fold=True))
         for png, cap in s.figures:
             b64 = base64.b64encode(png).decode("ascii")
             parts.append(f"<figure><img alt='{html.escape(cap)}' src='data:image/png;base64,{b64}'/>"

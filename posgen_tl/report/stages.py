@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .context import layers_for as _layers
 from .html import Section
 
 __all__ = ["STAGES"]
@@ -40,13 +41,17 @@ def exactness_render(ctx) -> tuple[Section, dict]:
     res = {"passed": ok, "max_rot_err": float(np.nanmax(df[["rot_q_max_err", "rot_k_max_err"]].to_numpy()))
            if df["rot_q_max_err"].notna().any() else None,
            "max_score_rel_err": float(df["score_rel_err"].max())}
+    table = ("Per layer", df[["layer", "kind", "rot_source", "rot_q_max_err", "rot_k_max_err", "scores_kind",
+                              "score_max_err", "score_rel_err", "passed"]])
+    failed = df.loc[~df["passed"].astype(bool), "layer"].tolist()
     sec = Section(
         "1 · Exactness of captured q/k",
-        verdict=f"{'PASS' if ok else 'FAIL'}: our RoPE applied to the pre-rotation q/k vs the model's hook_rot_q/k, and "
-                f"s·rot_q·rot_k vs hook_attn_scores on unmasked entries (max relative score error {res['max_score_rel_err']:.2g}).",
-        paragraphs=["Every later number is computed from these captured tensors; a failure here would make them meaningless."],
-        tables=[("Per layer", df[["layer", "kind", "rot_source", "rot_q_max_err", "rot_k_max_err", "scores_kind",
-                                  "score_max_err", "score_rel_err", "passed"]])],
+        verdict=(f"PASS on all {len(df)} layers: our RoPE on the pre-rotation q/k reproduces hook_rot_q/k, and s·rot_q·rot_k "
+                 f"reproduces hook_attn_scores (max relative score error {res['max_score_rel_err']:.3g})." if ok else
+                 f"FAIL on layers {failed}: the captured q/k do not reproduce the model's scores; every later number is suspect."),
+        paragraphs=[] if ok else ["Every later number is computed from these captured tensors; a failure here makes them meaningless."],
+        tables=[] if ok else [table],
+        details=[table] if ok else [],
     )
     return sec, res
 
@@ -89,8 +94,8 @@ def _windows(ctx):
 
 def decomposition_compute(ctx) -> None:
     from ..analysis.decomposition import decompose_with_twin, summarize_decomposition  # noqa: PLC0415
+    from ..analysis.head import decompose_head  # noqa: PLC0415
     from ..plot.decomposition import plot_head_maps, plot_r_by_layer  # noqa: PLC0415
-    from .run import _layers  # noqa: PLC0415
 
     windows, ref, note = _windows(ctx)
     df = decompose_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(), layers=_layers(ctx),
@@ -102,7 +107,9 @@ def decomposition_compute(ctx) -> None:
     ctx.work.save_fig("fig_decomposition_r.png", plot_r_by_layer(df))
     layer = int(sorted(df["layer"].unique())[len(df["layer"].unique()) // 2])
     toks = windows.tokens
-    ctx.work.save_fig("fig_decomposition_maps.png", plot_head_maps(ctx.model, toks[:1, : min(128, toks.shape[1])], layer, 0))
+    head = decompose_head(ctx.model, toks[:1, : min(128, toks.shape[1])], layer, 0, k_mean="global",
+                          reference=ref.tokens if hasattr(ref, "tokens") else ref)
+    ctx.work.save_fig("fig_decomposition_maps.png", plot_head_maps(head))
 
 
 def _d3_means(df: pd.DataFrame) -> dict:
@@ -159,7 +166,8 @@ def decomposition_render(ctx) -> tuple[Section, dict]:
                  _compact_decomposition(summ))],
         figures=[(_png(ctx, "fig_decomposition_r.png"), "Per-layer mean r and within-row r per estimator and k̄ kind, trained "
                   "(solid) vs random twin (dashed)"),
-                 (_png(ctx, "fig_decomposition_maps.png"), "One head: logits W, positional f, semantic g, residual W−f−g")],
+                 (_png(ctx, "fig_decomposition_maps.png"), "One head: logits W, positional f, semantic g, remainder W−f−g "
+                  "(global k̄ from the reference windows)")],
     )
     return sec, res
 
@@ -190,7 +198,6 @@ def _compact_decomposition(summ: pd.DataFrame) -> pd.DataFrame:
 def pattern_compute(ctx) -> None:
     from ..analysis.pattern import feature_pattern_with_twin, link_to_decomposition  # noqa: PLC0415
     from ..plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3  # noqa: PLC0415
-    from .run import _layers  # noqa: PLC0415
 
     windows, ref, _ = _windows(ctx)
     tw = feature_pattern_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(),
@@ -403,7 +410,6 @@ def heads_compute(ctx) -> None:
         plot_positional_symbolic_plane,
         plot_taxonomy_vs_share,
     )
-    from .run import _layers  # noqa: PLC0415
 
     n = 2 if ctx.cfg.quick else 8
     tokens, ref, source = _taxonomy_inputs(ctx, n, 2 if ctx.cfg.quick else 4)

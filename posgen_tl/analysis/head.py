@@ -1,0 +1,222 @@
+"""One head, looked at closely: its logit map split into positional and semantic terms
+(METHOD.md §2, the paper's Figure-1 view) and the phase angles of one RoPE band (§3).
+
+These are the analysis halves of two figures: :func:`decompose_head` feeds
+:func:`posgen_tl.plot.head_maps`, :func:`phase_angles` feeds
+:func:`posgen_tl.plot.phase_histogram`. Nothing here draws; nothing in ``plot`` runs a model.
+
+    res = pg.decompose_head(model, tokens, layer=15, head=3)
+    pg.plot.head_maps(res)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from posgen_tl.capture import QKCapture, capture_from_cache, capture_qk, probe_hooks
+from posgen_tl.decompose import d3_split, fit_additive, score_maps
+from posgen_tl.rope import causal_mask, to_bands
+
+__all__ = ["HeadDecomposition", "decompose_head", "phase_angles", "phase_angles_with_twin"]
+
+KMean = Union[Literal["global", "per_sequence"], Float[Tensor, "kv_head d_head"], Float[Tensor, "d_head"]]
+
+
+@dataclass
+class HeadDecomposition:
+    """D3 split of one head's logits on one sequence, with D1's fit and the scores.
+
+    Attributes:
+        layer, head: the query head; ``kv_head`` the key group it reads.
+        seq: which sequence of the batch the maps show.
+        k_mean_kind: ``"global"`` (k̄ from reference tokens), ``"per_sequence"`` (each
+            sequence's own mean key) or ``"given"`` (a tensor was passed).
+        W, f, g: ``Float[Tensor, "query_pos key_pos"]`` float64 — logits, positional term
+            ``s·q_iᵀR_{j−i}k̄``, semantic term ``s·q_iᵀ(k_j − k̄)``; unmasked.
+        remainder: ``W − f − g``.
+        a: ``Float[Tensor, "delta"]`` D1's distance term ``a[i−j]`` (``delta = 0..pos−1``).
+        mask: ``Bool[Tensor, "query_pos key_pos"]`` entries the model attends to (causal,
+            sliding window); the maps are only meaningful there.
+        sink: first ``sink`` keys excluded from the scores.
+        scores: tidy DataFrame, one row per (sequence, estimator ∈ {D1, D3}) with columns
+            ``model, layer, head, seq, estimator, k_mean, sink, r, r2, r_within``.
+        model_name: the model's name.
+    """
+
+    layer: int
+    head: int
+    kv_head: int
+    seq: int
+    k_mean_kind: str
+    W: Float[Tensor, "query_pos key_pos"]
+    f: Float[Tensor, "query_pos key_pos"]
+    g: Float[Tensor, "query_pos key_pos"]
+    remainder: Float[Tensor, "query_pos key_pos"]
+    a: Float[Tensor, "delta"]
+    mask: Bool[Tensor, "query_pos key_pos"]
+    sink: int
+    scores: pd.DataFrame
+    model_name: str = ""
+
+    def score(self, estimator: str = "D3", metric: str = "r_within") -> float:
+        """``metric`` of ``estimator`` on the shown sequence (e.g. ``res.score("D3", "r")``)."""
+        row = self.scores[(self.scores["estimator"] == estimator) & (self.scores["seq"] == self.seq)]
+        if row.empty:
+            raise KeyError(f"no {estimator} scores (have {sorted(self.scores['estimator'].unique())})")
+        return float(row[metric].iloc[0])
+
+    def _repr_html_(self) -> str:  # a notebook cell ending in ``res`` shows the score table
+        return (f"<p>layer {self.layer}, head {self.head} (kv head {self.kv_head}), k̄: {self.k_mean_kind}, "
+                f"first {self.sink} key(s) excluded from the scores</p>" + self.scores.to_html(index=False))
+
+
+def _capture(model: Any, tokens_or_cache: Any, layer: int) -> QKCapture:
+    if isinstance(tokens_or_cache, Tensor):
+        toks = tokens_or_cache[None] if tokens_or_cache.ndim == 1 else tokens_or_cache
+        return capture_qk(model, toks, [layer])[layer]
+    if hasattr(tokens_or_cache, "keys") and hasattr(tokens_or_cache, "__getitem__"):
+        return capture_from_cache(model, tokens_or_cache, layer)
+    raise TypeError(f"expected a token tensor [batch, pos] or an ActivationCache, got {type(tokens_or_cache).__name__}")
+
+
+def _k_means(model: Any, cap: QKCapture, k_mean: KMean, reference: Tensor | None, sink: int) -> tuple[Tensor, str]:
+    """``k̄`` as ``[batch, kv_head, d_head]`` (one per sequence, equal rows unless per-sequence) and its kind."""
+    b, kv = cap.k.shape[0], cap.k.shape[-2]
+    if isinstance(k_mean, Tensor):
+        km = k_mean.float().to(cap.k.device)
+        km = km.expand(kv, -1) if km.ndim == 1 else km
+        if km.shape != cap.k.shape[-2:]:
+            raise ValueError(f"k_mean has shape {tuple(km.shape)}; expected [kv_head={kv}, d_head={cap.k.shape[-1]}]")
+        return km[None].expand(b, -1, -1), "given"
+    if k_mean == "per_sequence":
+        if cap.k.shape[1] <= sink:
+            raise ValueError(f"sequences of {cap.k.shape[1]} tokens leave no key after the first {sink} (sink)")
+        return cap.k[:, sink:].mean(dim=1), "per_sequence"
+    if k_mean == "global":
+        if reference is None:
+            raise ValueError("k_mean='global' needs reference=tokens from OTHER documents than the analysed ones "
+                             "(e.g. pg.reference_windows(model, seq_len=...)[1].tokens); "
+                             "or use k_mean='per_sequence'")
+        from posgen_tl.interventions import key_means  # noqa: PLC0415
+
+        km = key_means(model, reference, [cap.layer], sink=sink)[cap.layer].to(cap.k.device)
+        return km[None].expand(b, -1, -1), "global"
+    raise ValueError(f"k_mean must be 'global', 'per_sequence' or a [kv_head, d_head] tensor, got {k_mean!r}")
+
+
+def decompose_head(
+    model: Any,
+    tokens_or_cache: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | Any,
+    layer: int,
+    head: int,
+    *,
+    k_mean: KMean = "per_sequence",
+    reference: Int[Tensor, "n_ref pos"] | None = None,
+    sink: int = 1,
+    seq: int = 0,
+) -> HeadDecomposition:
+    """Split one head's attention logits ``W = f + g + remainder`` (D3) and fit D1's
+    ``a[i−j] + b[i] + c[j]``, on every sequence of the batch; keep the maps of sequence ``seq``.
+
+    Args:
+        tokens_or_cache: token ids ``[batch, pos]`` (or ``[pos]``), or an ``ActivationCache``
+            from ``model.run_with_cache(tokens)`` (then no forward pass is run).
+        layer: the layer.
+        head: the query head (its key group is ``head // (n_heads // n_kv_heads)``).
+        k_mean: which mean pre-rotation key ``k̄`` (METHOD §2 — it decides what a D3 score
+            means): ``"per_sequence"`` (each sequence's own keys, first ``sink`` positions
+            excluded; the default), ``"global"`` (one k̄ from ``reference`` tokens of other
+            documents) or a tensor ``[kv_head, d_head]``.
+        reference: tokens for ``k_mean="global"``; never the analysed tokens.
+        sink: the first ``sink`` keys are excluded from the scores (and from k̄).
+
+    Returns:
+        :class:`HeadDecomposition` — float64 maps ``[query_pos, key_pos]`` of sequence ``seq``
+        and a tidy ``scores`` frame (one row per sequence × {D1, D3}).
+    """
+    spec, _ = probe_hooks(model)
+    if not 0 <= head < spec.n_heads:
+        raise ValueError(f"head={head} out of range: the model has {spec.n_heads} query heads")
+    cap = _capture(model, tokens_or_cache, layer)
+    b, n = cap.q.shape[:2]
+    if not 0 <= seq < b:
+        raise ValueError(f"seq={seq} out of range for a batch of {b}")
+    kv = head // (spec.n_heads // spec.n_kv_heads)
+    km, kind = _k_means(model, cap, k_mean, reference, sink)
+    window = cap.rope.sliding_window
+    score_mask = causal_mask(n, sink=sink, sliding_window=window)
+    rows, keep = [], None
+    for s in range(b):
+        split = d3_split(cap.q[s : s + 1, :, head : head + 1], cap.k[s : s + 1, :, kv : kv + 1],
+                         km[s, kv : kv + 1], cap.positions[s : s + 1], cap.rope)
+        w, fg = split.W[0, 0], split.f[0, 0] + split.g[0, 0]
+        fit = fit_additive(w, score_mask, three_axis=True)
+        for est, approx in (("D1", fit.fitted), ("D3", fg)):
+            sc = score_maps(w, approx, score_mask)
+            rows.append({"layer": cap.layer, "head": head, "seq": s, "estimator": est, "k_mean": kind, "sink": sink,
+                         **{k: float(v) for k, v in sc.items()}})
+        if s == seq:
+            keep = (split, fit)
+    split, fit = keep
+    W, f, g = split.W[0, 0].cpu(), split.f[0, 0].cpu(), split.g[0, 0].cpu()
+    scores = pd.DataFrame(rows).assign(model=spec.model_name)
+    scores = scores[["model", "layer", "head", "seq", "estimator", "k_mean", "sink", "r", "r2", "r_within"]]
+    return HeadDecomposition(
+        layer=cap.layer, head=head, kv_head=kv, seq=seq, k_mean_kind=kind, W=W, f=f, g=g, remainder=W - f - g,
+        a=fit.a.cpu(), mask=causal_mask(n, sliding_window=window), sink=sink, scores=scores,
+        model_name=spec.model_name,
+    )
+
+
+def phase_angles(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"],
+    layer: int,
+    head: int,
+    band: int,
+    which: Literal["q", "k"] = "k",
+    *,
+    sink: int = 1,
+    twin_label: str = "trained",
+) -> pd.DataFrame:
+    """Phase angles ``arg z_m`` (radians, in ``(−π, π]``) of one head's band over all tokens
+    after the first ``sink`` of every sequence; zero-norm entries dropped.
+
+    ``head`` indexes kv-groups for ``which="k"``, query heads for ``"q"``. One layer is held
+    in memory: keep ``tokens`` small.
+
+    Returns:
+        Tidy DataFrame, one row per token: ``model, twin, layer, which, head, band, seq, pos, phase``.
+    """
+    spec, _ = probe_hooks(model)
+    cap = capture_qk(model, tokens, [layer])[layer]
+    x = (cap.q if which == "q" else cap.k)[:, sink:, head]  # batch pos d_head
+    z = to_bands(x.double(), cap.rope.rotary_dim, cap.rope.layout)[..., band]  # batch pos
+    seq, pos = np.meshgrid(np.arange(z.shape[0]), np.arange(sink, sink + z.shape[1]), indexing="ij")
+    keep = (z.abs() > 0).cpu().numpy()
+    return pd.DataFrame({
+        "model": spec.model_name, "twin": twin_label, "layer": cap.layer, "which": which, "head": head,
+        "band": band, "seq": seq[keep], "pos": pos[keep], "phase": torch.angle(z).cpu().numpy()[keep],
+    })
+
+
+def phase_angles_with_twin(
+    model: Any, tokens: Int[Tensor, "batch pos"], layer: int, head: int, band: int, which: Literal["q", "k"] = "k",
+    *, twin: Any = None, seed: int = 0, sink: int = 1,
+) -> pd.DataFrame:
+    """:func:`phase_angles` of ``model`` (twin ``"trained"``) and of ``random_twin(model, seed)``
+    (twin ``"random"``, or the prebuilt ``twin``) on the same tokens, concatenated."""
+    from posgen_tl.models import random_twin  # noqa: PLC0415
+
+    twin = random_twin(model, seed) if twin is None else twin
+    name = probe_hooks(model)[0].model_name
+    parts = [phase_angles(m, tokens, layer, head, band, which, sink=sink, twin_label=t)
+             for t, m in (("trained", model), ("random", twin))]
+    return pd.concat(parts, ignore_index=True).assign(model=name)

@@ -1,0 +1,163 @@
+"""The headline of each stage, as a :class:`~posgen_tl.report.html.Finding` for the summary box.
+
+Each function reads the tables a stage (or a study) wrote and returns ``list[Finding]``;
+nothing here runs a model. p-values and intervals come from :mod:`posgen_tl.stats` (exact
+sign-flip test, bootstrap over sequences — documents where a ``doc`` column exists), causal
+verdicts from :func:`posgen_tl.stats.verdict_table` (the only place "depends" is decided).
+
+A new stage either sets ``Section.findings`` in its render function, or adds one line to
+:data:`DERIVE` (``stage name → function(ctx) -> list[Finding]``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from .html import Finding, Section
+
+__all__ = ["stage_findings", "DERIVE", "decomposition_findings", "pattern_findings", "tolerance_findings",
+           "causal_findings", "heads_findings", "rank_correlation"]
+
+ALPHA = 0.05
+
+
+def _clusters(df: pd.DataFrame, seqs: np.ndarray) -> np.ndarray | None:
+    """Document id per sequence when the rows carry one, else None (each sequence its own unit)."""
+    if "doc" not in df.columns:
+        return None
+    return df.groupby("seq")["doc"].first().loc[seqs].to_numpy()
+
+
+def _paired(d: np.ndarray, clusters: np.ndarray | None) -> tuple[float, tuple[float, float], float]:
+    from ..stats import bootstrap_ci, sign_flip_test  # noqa: PLC0415
+
+    mean, lo, hi = bootstrap_ci(d, clusters=clusters)
+    return mean, (lo, hi), sign_flip_test(d, clusters=clusters)
+
+
+def rank_correlation(x: np.ndarray, y: np.ndarray) -> tuple[float, tuple[float, float], float, int]:
+    """Spearman ρ across units with a Fisher-z 95 % interval (se = √(1.06/(n−3))) and its p-value."""
+    from scipy.stats import spearmanr  # noqa: PLC0415
+
+    ok = np.isfinite(x) & np.isfinite(y)
+    n = int(ok.sum())
+    if n < 4:
+        return float("nan"), (float("nan"), float("nan")), float("nan"), n
+    res = spearmanr(x[ok], y[ok])
+    rho = float(res.statistic)
+    z, se = math.atanh(max(min(rho, 0.999999), -0.999999)), math.sqrt(1.06 / (n - 3))
+    return rho, (math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)), float(res.pvalue), n
+
+
+def _word(p: float, yes: str) -> str:
+    return yes if p == p and p < ALPHA else "no evidence"
+
+
+def decomposition_findings(ctx: Any) -> list[Finding]:
+    """D3 within-row r, trained − random twin, paired per sequence (mean over layers × heads;
+    sink excluded; global k̄ rows where the frame has a ``k_mean`` column)."""
+    df = ctx.work.load_df("decomposition.csv")
+    d3 = df[(df["estimator"] == "D3") & df["sink_excluded"].astype(bool)]
+    if "k_mean" in d3.columns and (d3["k_mean"] == "global").any():
+        d3 = d3[d3["k_mean"] == "global"]
+    per = d3.groupby(["twin", "seq"])["r_within"].mean().unstack("twin")
+    if not {"trained", "random"} <= set(per.columns):
+        return [Finding("decomposition", "not testable", note="no random twin in this run")]
+    per = per.dropna()
+    d = (per["trained"] - per["random"]).to_numpy(float)
+    mean, ci, p = _paired(d, _clusters(d3, per.index.to_numpy()))
+    return [Finding("decomposition", _word(p, "trained beyond twin" if mean > 0 else "twin beyond trained"),
+                    mean, "D3 within-row r, trained − twin", ci, p, len(d))]
+
+
+def pattern_findings(ctx: Any) -> list[Finding]:
+    """Spearman ρ of the pattern score with D3 within-row r across TRAINED heads (METHOD §3:
+    within the trained model, never pooled with the twin)."""
+    m = ctx.work.load_df("pattern_vs_d3.csv")
+    t = m[m["twin"] == "trained"]
+    rho, ci, p, n = rank_correlation(t["pattern_score"].to_numpy(float), t["r_within"].to_numpy(float))
+    return [Finding("pattern", _word(p, "related"), rho, "Spearman ρ(pattern, D3 r) over heads", ci, p, n,
+                    exploratory=ctx.cfg.n_seq < 32, note="n = heads; sequences per head: " + str(ctx.cfg.n_seq))]
+
+
+def tolerance_findings(ctx: Any) -> list[Finding]:
+    """T1 tolerance slope of the trained model (ΔNLL per unit swap fraction), per sequence."""
+    from ..stats import per_sequence_slopes  # noqa: PLC0415
+
+    c = ctx.work.load_df("tolerance_curves.csv")
+    t1 = c[(c["mode"] == "T1") & (c.get("twin", "trained") == "trained")]
+    s = per_sequence_slopes(t1, "delta")
+    mean, ci, p = _paired(s.to_numpy(float), _clusters(t1, s.index.to_numpy()))
+    return [Finding("tolerance", _word(p, "NLL rises with swaps" if mean > 0 else "NLL falls with swaps"),
+                    mean, "T1 slope dΔNLL/dp", ci, p, len(s))]
+
+
+def causal_findings(ctx: Any) -> list[Finding]:
+    """The PRIMARY contrast of the causal table (its first row unless one is marked primary),
+    judged by :func:`posgen_tl.stats.verdict_table` over the whole family of the table."""
+    from ..stats import contrast_from_rows, verdict_table  # noqa: PLC0415
+
+    table = ctx.work.load_df("causal_table.csv")
+    if not {"p_holm", "verdict", "mean_diff"} <= set(table.columns):  # a table without §8 statistics
+        rows = ctx.work.load_df("causal_rows.csv")
+        doc = None if "doc" in rows.columns else {s: s for s in rows["seq"].unique()}
+        try:
+            contrasts = [contrast_from_rows(rows, r.intervention, r.control, primary=(i == 0), doc=doc,
+                                            name=f"{r.intervention} vs {r.control}")
+                         for i, r in enumerate(table.itertuples(index=False))]
+            table = verdict_table(contrasts)
+        except ValueError as e:
+            n = int(rows["seq"].nunique())
+            return [Finding("causal", "not testable", n=n, note=str(e))]
+    prim = table[table["primary"].astype(bool)] if "primary" in table.columns else table
+    r = (prim if len(prim) else table).iloc[0]
+    return [Finding("causal", str(r["verdict"]).replace(" (exploratory)", ""), float(r["mean_diff"]),
+                    "slope(intervention) − slope(control)", (float(r["boot_lo"]), float(r["boot_hi"])),
+                    float(r["p_holm"]), int(r["n_seq"]), note=f"{r['intervention']} vs {r['control']}; Holm p")]
+
+
+def heads_findings(ctx: Any) -> list[Finding]:
+    """D3 positional share of positional vs symbolic heads (trained model): the difference of the
+    class medians and the Mann–Whitney p of :func:`posgen_tl.analysis.taxonomy.share_by_class`
+    (``heads_link.csv``); heads are the unit (descriptive, they are not independent)."""
+    link = ctx.work.load_df("heads_link.csv")
+    t = link[link["twin"] == "trained"]
+    if t.empty:
+        return [Finding("heads", "not testable", note="no trained-model row in heads_link.csv")]
+    r = t.iloc[0]
+    n = int(r["n_a"]) + int(r["n_b"])
+    eff = float(r["median_a"]) - float(r["median_b"])
+    p = float(r["p"])
+    return [Finding("heads", _word(p, "shares differ"), eff, f"median share {r['class_a']} − {r['class_b']}", None,
+                    p, n, exploratory=ctx.cfg.n_seq < 32,
+                    note=f"n = heads ({int(r['n_a'])} {r['class_a']}, {int(r['n_b'])} {r['class_b']}); Mann–Whitney")]
+
+
+#: stage name → headline function; a stage that sets ``Section.findings`` itself needs no entry
+DERIVE: dict[str, Callable[[Any], list[Finding]]] = {
+    "decomposition": decomposition_findings,
+    "pattern": pattern_findings,
+    "tolerance": lambda ctx: tolerance_findings(ctx) + causal_findings(ctx),
+    "heads": heads_findings,
+}
+
+
+def stage_findings(name: str, ctx: Any, section: Section) -> list[Finding]:
+    """The findings of stage ``name``: those its Section carries, else :data:`DERIVE`'s. A stage
+    whose tables lack what the headline needs gives a "not testable" line naming the problem."""
+    if section.findings:
+        return list(section.findings)
+    fn = DERIVE.get(name)
+    if fn is None:
+        return []
+    try:
+        return fn(ctx)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        q = {"tolerance": "tolerance"}.get(name, name)
+        from .html import QUESTIONS  # noqa: PLC0415
+
+        return [Finding(q, "not testable", note=f"{type(e).__name__}: {e}")] if q in QUESTIONS else []

@@ -1,0 +1,106 @@
+"""`posgen-tl study NAME`: one recipe layer shared with the report. A study and the report stage
+of the same name, on the same tiny model and corpus, write identical tables; the study's
+markdown/JSON record what a reader needs to reproduce it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tiny_models as tm  # noqa: E402
+from posgen_tl.report import stages  # noqa: E402
+from posgen_tl.report.context import Context, ReportConfig, Work  # noqa: E402
+from posgen_tl.studies import STUDIES, register, run_study  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tm.hf_llama(n_layers=3)[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(f"t{int(i)}" for i in torch.randint(3, 99, (70,), generator=g)) for _ in range(12)]
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "words.txt").write_text("\n\n".join(docs))  # one text file: one document
+    folder = root / "docs"  # a folder of files: one document each (the causal study needs disjoint documents)
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        (folder / f"d{i:02d}.txt").write_text(d)
+    return {"file": str(root / "words.txt"), "folder": str(folder)}
+
+
+def _cfg(out, corpus, **kw):
+    return ReportConfig(model="tiny", corpus=corpus, seq_len=32, n_seq=3, out=str(out), quick=True, seed=0, **kw)
+
+
+def _report_stage(tiny, cfg, *names):
+    ctx = Context(cfg, Work(Path(cfg.out), cfg), tiny, "tiny")
+    for name in names:
+        dict((n, f) for n, f, _ in stages.STAGES)[name](ctx)
+    return ctx.work.dir
+
+
+@pytest.mark.parametrize("name,needs,kind", [("decomposition", (), "file"), ("pattern", ("decomposition",), "file"),
+                                             ("tolerance", (), "folder")])
+def test_study_and_report_stage_write_identical_tables(tiny, corpus, tmp_path, name, needs, kind):
+    torch.manual_seed(0)
+    md = run_study(name, _cfg(tmp_path / "study", corpus[kind]), model=tiny, command=f"posgen-tl study {name} --quick")
+    work = _report_stage(tiny, _cfg(tmp_path / "report", corpus[kind]), *needs, name)
+    study_dir = md.parent
+    csvs = sorted(p.name for p in work.glob("*.csv"))
+    assert csvs, "the report stage wrote no table"
+    for f in csvs:
+        a, b = pd.read_csv(study_dir / f), pd.read_csv(work / f)
+        pd.testing.assert_frame_equal(a, b, check_exact=True, obj=f)
+    assert sorted(p.name for p in work.glob("*.png")) == sorted(p.name for p in study_dir.glob("*.png"))
+
+
+def test_study_writes_markdown_and_json_a_reader_can_reproduce(tiny, corpus, tmp_path):
+    md = run_study("decomposition", _cfg(tmp_path, corpus["file"]), model=tiny, command="posgen-tl study decomposition --quick")
+    text = md.read_text()
+    assert text.startswith("# posgen-tl study decomposition — tiny")
+    assert "`posgen-tl study decomposition --quick`" in text and "git commit:" in text and "wall time:" in text
+    assert "## Findings" in text and "decomposition: " in text and "n = 3" in text and "exploratory" in text
+    assert "| layers | estimator |" in text  # the section's table, as markdown
+    assert "![fig_decomposition_r.png](fig_decomposition_r.png)" in text
+    meta = json.loads((tmp_path / "decomposition.json").read_text())
+    assert meta["config"]["seq_len"] == 32 and meta["config"]["n_seq"] == 3 and meta["wall_seconds"] > 0
+    assert meta["findings"][0]["question"] == "decomposition" and meta["findings"][0]["n"] == 3
+    assert "decomposition.csv" in meta["files"] and "decomposition_summary.csv" in meta["files"]
+
+
+def test_register_adds_a_recipe_in_one_line(tiny, corpus, tmp_path):
+    def count_tokens(ctx):
+        """Token count per sequence (a recipe in three lines)."""
+        toks = ctx.tokens()
+        ctx.work.save_df("counts.csv", pd.DataFrame({"seq": range(len(toks)), "n": toks.shape[1]}))
+
+    register("count_tokens", count_tokens)
+    try:
+        md = run_study("count_tokens", _cfg(tmp_path, corpus["file"]), model=tiny)
+        assert pd.read_csv(tmp_path / "counts.csv")["n"].tolist() == [32, 32, 32]
+        assert "`counts.csv`" in md.read_text()
+        with pytest.raises(KeyError, match="registered: exactness, decomposition"):
+            run_study("nope", _cfg(tmp_path, corpus["file"]), model=tiny)
+    finally:
+        STUDIES.pop("count_tokens")
+
+
+def test_cli_study_list_and_unknown_name(capsys):
+    from posgen_tl.cli import main
+
+    assert main(["study", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(n in listed for n in ("decomposition", "pattern", "tolerance", "heads"))
+    assert main(["study", "nope"]) == 2
+    assert "unknown study 'nope'" in capsys.readouterr().err
