@@ -16,7 +16,8 @@ import torch
 import tiny_models as tm
 from posgen_tl import compat
 from posgen_tl.capture import CaptureError, capture_qk, probe_hooks, stream_qk
-from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table, valid_mask
+from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
+from posgen_tl.rope import causal_mask
 from posgen_tl.interventions import (
     Intervention,
     destroy_hooks,
@@ -229,7 +230,7 @@ def test_scores_rotary_and_position_ids_conventions():
     _, ninfo = probe_hooks(native)
     assert not ninfo.rot_fires and ninfo.scores_kind == "post_softmax" and ninfo.scores_masked
     c = capture_qk(ht, torch.randint(1, 50, (1, 8)), [0], with_scores=True)[0]
-    m = valid_mask(8, None)
+    m = causal_mask(8)
     assert torch.isneginf(c.scores[..., ~m]).all() and torch.isfinite(c.scores[..., m]).all()
     assert c.rot_k.shape == (1, 8, 2, 8)  # kv-groups kept, [batch, pos, kv_head, d_head]
     assert not probe_hooks(ht)[1].position_ids and probe_hooks(bridge)[1].position_ids
