@@ -421,6 +421,6 @@ def test_hooked_decomposition_with_twin():
     assert {"D1", "D2", "D3"} <= set(df.estimator)
     tr, rd = df[df.twin == "trained"], df[df.twin == "random"]
     assert len(tr) == len(rd) > 0  # the same rows for the model and its twin
-    assert set(df.layer) == {0, 1, 2} and set(df.head) == set(range(4)) and set(df.seq) == {0, 1, 2}
+    assert set(df["layer"]) == {0, 1, 2} and set(df["head"]) == set(range(4)) and set(df["seq"]) == {0, 1, 2}
     assert (df[df.estimator == "D3"].d3_bound_holds == 1.0).all()
     assert df.r.notna().all()
