@@ -450,7 +450,7 @@ def gap_attention(
                 approx = d3_approx_logits(c.q, c.k, km, rope, positions=c.positions, dtype=torch.float32)
                 kbar = km.float().expand(c.k.shape[0], c.k.shape[1], -1, -1)
                 f = d3_approx_logits(c.q, kbar, km, rope, positions=c.positions, dtype=torch.float32)  # k := k̄ → g = 0
-                m = causal_mask(n, sink, rope.sliding_window, device=c.q.device)
+                m = causal_mask(n, sink=sink, sliding_window=rope.sliding_window, device=c.q.device)
                 far = torch.zeros_like(m)
                 far[prefix_len + skip :, sink:prefix_len] = True
                 far &= m
