@@ -21,6 +21,12 @@ def ci(r) -> str:
     return f"{r['value']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
 
 
+def tci(r) -> str:
+    if r.get("t_low", np.nan) != r.get("t_low", np.nan):
+        return ci(r)
+    return f"{r['value']:+.3f} [{r['t_low']:+.3f}, {r['t_high']:+.3f}]"
+
+
 def nll(r) -> str:
     return f"{r['value']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
 
@@ -65,7 +71,9 @@ def window_table(s: pd.DataFrame) -> str:
             if "nll" in c.index:
                 row[f"{cond} NLL"] = nll(c.loc["nll"])
             if "d_vs_window" in c.index:
-                row[f"{cond} − window (p_holm)"] = f"{ci(c.loc['d_vs_window'])} ({p(c.loc['d_vs_window'])})"
+                r = c.loc["d_vs_window"]
+                row[f"{cond} − window: boot CI / t-interval"] = ("identical (no entry changes)" if r["value"] == 0 and
+                                                               r["ci_low"] == r["ci_high"] else f"{ci(r)} / {tci(r)[7:]}")
         rows.append(row)
     return table(rows)
 
