@@ -44,17 +44,9 @@ def _f(x: float, d: int = 3) -> str:
 
 def decomposition_table(df: pd.DataFrame) -> str:
     """Mean ± std over heads × sequences × layers, sink excluded: one line per (estimator, k̄)."""
-    d = df[df["sink_excluded"].astype(bool)]
-    lines = ["| estimator | k̄ | r trained | r random | within-row r trained | within-row r random | R² trained | R² random |",
-             "|---|---|---|---|---|---|---|---|"]
-    for (est, km), g in d.groupby(["estimator", "k_mean"], sort=True):
-        cells = []
-        for m in ("r", "r_within", "r2"):
-            for twin in ("trained", "random"):
-                x = g.loc[g["twin"] == twin, m]
-                cells.append(f"{x.mean():.3f} ± {x.std():.3f}" if m != "r2" else f"{x.mean():.3f}")
-        lines.append(f"| {est} | {km if km != 'none' else '— (no k̄)'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    from estimators_tables import decomposition  # noqa: PLC0415  (same folder; one table writer)
+
+    return "\n".join(decomposition(df))
 
 
 def by_group_table(df: pd.DataFrame) -> str:
