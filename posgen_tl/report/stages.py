@@ -482,11 +482,17 @@ def length_compute(ctx) -> None:
     from ..interventions import local_layers  # noqa: PLC0415
     from ..plot.length import plot_gap_probe, plot_window_removal  # noqa: PLC0415
 
+    from ..corpus import CorpusError  # noqa: PLC0415
+
     cfg = ctx.cfg
     half = max(16, cfg.seq_len // 2)
     gaps = (0.0, 1.0, 2.0) if cfg.quick else (0.0, 0.25, 0.5, 1.0, 2.0)
-    res = gap_probe(ctx.model, cfg.corpus, prefix_len=half, suffix_len=half, gaps=gaps, skip=min(16, half // 4),
-                    n_seq=cfg.n_seq, n_ref=_n_ref(ctx), seed=cfg.seed)
+    try:
+        res = gap_probe(ctx.model, cfg.corpus, prefix_len=half, suffix_len=half, gaps=gaps, skip=min(16, half // 4),
+                        n_seq=cfg.n_seq, n_ref=_n_ref(ctx), seed=cfg.seed)
+    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
+        ctx.work.save_json("length_gap_meta.json", {"skipped": f"longer-texts stage skipped: {e}"})
+        return
     ctx.work.save_df("length_gap_rows.csv", res.rows)
     ctx.work.save_df("length_gap_summary.csv", res.summary)
     ctx.work.save_json("length_gap_meta.json", res.config)
@@ -510,9 +516,18 @@ def _verdict_gap(summ: pd.DataFrame) -> str:
             f"[{top['ci_low']:+.3f}, {top['ci_high']:+.3f}] — the model {word} at that gap.")
 
 
+def _skipped(title: str, reason: str) -> tuple[Section, dict]:
+    sec = Section(title, verdict=reason,
+                  paragraphs=["Give a corpus of several documents (a folder of text files, or the default pydoc topics): "
+                              "the global k̄ must come from documents disjoint from the analysed ones."])
+    return sec, {"skipped": reason}
+
+
 def length_render(ctx) -> tuple[Section, dict]:
-    summ = ctx.work.load_df("length_gap_summary.csv")
     meta = ctx.work.load_json("length_gap_meta.json")
+    if "skipped" in meta:
+        return _skipped("6 · Longer texts: unseen distances (METHOD §7)", meta["skipped"])
+    summ = ctx.work.load_df("length_gap_summary.csv")
     cols = ["condition", "gap_frac", "gap", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs", "label"]
     tables = [("Suffix NLL per gap and condition; d_vs_gap0 / d_vs_vanilla are paired changes (document-bootstrap CI, "
                "sign-flip p, Holm)", summ[[c for c in cols if c in summ.columns]])]
@@ -547,18 +562,27 @@ def sufficiency_compute(ctx) -> None:
     from ..analysis.sufficiency import sufficiency  # noqa: PLC0415
     from ..plot.length import plot_sufficiency  # noqa: PLC0415
 
+    from ..corpus import CorpusError  # noqa: PLC0415
+
     cfg = ctx.cfg
     tol = () if cfg.quick else (("d3", "all"),)
-    res = sufficiency(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, target_len=min(64, cfg.seq_len // 4),
-                      n_ref=_n_ref(ctx), tolerance=tol, fracs=(0.0, 0.1, 0.2), seed=cfg.seed)
+    try:
+        res = sufficiency(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
+                          target_len=min(64, cfg.seq_len // 4), n_ref=_n_ref(ctx), tolerance=tol,
+                          fracs=(0.0, 0.1, 0.2), seed=cfg.seed)
+    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
+        ctx.work.save_json("sufficiency_meta.json", {"skipped": f"sufficiency stage skipped: {e}"})
+        return
     ctx.work.save_df("sufficiency_summary.csv", res.summary)
     ctx.work.save_json("sufficiency_meta.json", res.config)
     ctx.work.save_fig("fig_sufficiency.png", plot_sufficiency(res.summary, title=f"Sufficiency — {ctx.model_name}"))
 
 
 def sufficiency_render(ctx) -> tuple[Section, dict]:
-    summ = ctx.work.load_df("sufficiency_summary.csv")
     meta = ctx.work.load_json("sufficiency_meta.json")
+    if "skipped" in meta:
+        return _skipped("7 · Sufficiency: does f + g carry what the model uses? (METHOD §5)", meta["skipped"])
+    summ = ctx.work.load_df("sufficiency_summary.csv")
     d = summ[summ["estimator"] == "dnll"]
     line = "; ".join(f"{r.source} @ {r.group}: {r.value:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
                      for r in d.itertuples() if r.source == "d3")
