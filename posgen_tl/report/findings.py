@@ -75,12 +75,14 @@ def decomposition_findings(ctx: Any) -> list[Finding]:
 
 
 def pattern_findings(ctx: Any) -> list[Finding]:
-    """Spearman ρ of the pattern score with D3 within-row r across TRAINED heads (METHOD §3:
-    within the trained model, never pooled with the twin)."""
+    """Spearman ρ of the rotation-aware pattern score (predicted relative D3 error, global k̄) with D3
+    within-row r across TRAINED heads (METHOD §3: within the trained model, never pooled with the twin)."""
     m = ctx.work.load_df("pattern_vs_d3.csv")
     t = m[m["twin"] == "trained"]
-    rho, ci, p, n = rank_correlation(t["pattern_score"].to_numpy(float), t["r_within"].to_numpy(float))
-    return [Finding("pattern", _word(p, "related"), rho, "Spearman ρ(pattern, D3 r) over heads", ci, p, n,
+    if "k_mean" in t:
+        t = t[t["k_mean"] == "global"]
+    rho, ci, p, n = rank_correlation(t["pred_d3_err_global"].to_numpy(float), t["r_within"].to_numpy(float))
+    return [Finding("pattern", _word(p, "related"), rho, "Spearman ρ(pred. D3 error, D3 r) over heads", ci, p, n,
                     exploratory=ctx.cfg.n_seq < 32, note="n = heads; sequences per head: " + str(ctx.cfg.n_seq))]
 
 
