@@ -79,6 +79,8 @@ _ABOUT = {
     "pattern": "feature pattern in the RoPE planes and its link to D3 (METHOD §3)",
     "tolerance": "T1/T2 position tolerance and the causal test with matched controls (METHOD §4–§5)",
     "heads": "positional vs symbolic head taxonomy (METHOD §6)",
+    "length": "longer texts: gap probe and (sliding-window models) window removal, vanilla / LM-Infinite / disentangled (METHOD §7)",
+    "sufficiency": "substitute the logits by f + g (D3, global k̄) per layer group, with D1 and wrong-k̄ controls (METHOD §5)",
 }
 for _name, _compute, _render in STAGES:  # every report stage is a study with the same code path
     register(_name, _compute, _render, needs=_NEEDS.get(_name, ()), about=_ABOUT.get(_name, ""))

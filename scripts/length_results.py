@@ -66,6 +66,9 @@ def main() -> None:
     ap.add_argument("--tolerance", default="", help="sufficiency: 'source:group,...' pairs with a slope")
     ap.add_argument("--fracs", default="0,0.05,0.1,0.2")
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--classes", default=None,
+                    help="attention: per-head §6 taxonomy table (heads_<model>.csv) for the head classes "
+                         "(default: the D3 f_share proxy)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="results")
     a = ap.parse_args()
@@ -98,7 +101,8 @@ def main() -> None:
         spec_n_ctx = int(model.cfg.n_ctx)
         rows = L.gap_attention(model, win, prefix_len=a.prefix_len, suffix_len=a.suffix_len,
                                gap=int(round(a.gap * spec_n_ctx)), k_means=km, skip=a.skip)
-        summ = L.head_class_test(rows)
+        classes = L.classes_from_taxonomy(pd.read_csv(a.classes)) if a.classes else None
+        summ = L.head_class_test(rows, classes)
         res = L.LengthResult(rows, summ, dict(model=a.model, n_seq=len(win), n_docs=win.n_docs, gap=a.gap,
                                                n_ctx=spec_n_ctx))
         name = "attention"

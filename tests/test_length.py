@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -366,7 +367,7 @@ def test_window_removal_recipe(gemma):
 
 
 def test_gap_attention_and_head_class_test(llama):
-    from posgen_tl.analysis.length import gap_attention, head_class_test
+    from posgen_tl.analysis.length import classes_from_taxonomy, gap_attention, head_class_test
     from posgen_tl.corpus import document_windows
 
     win = document_windows(llama, _corpus(), seq_len=24, n_seq=6)
@@ -379,6 +380,25 @@ def test_gap_attention_and_head_class_test(llama):
     res = head_class_test(rows, threshold=float(rows.groupby(["layer", "head"])["f_share"].mean().median()))
     assert res["classes"].iloc[0].startswith("proxy")
     assert any(res["estimator"].str.startswith("kl"))
+    # the §6 taxonomy's labels: positional/symbolic heads kept, "both"/"neither" left out, twin rows ignored
+    labels = ["positional", "symbolic", "both", "neither"] * 2
+    tax = pd.DataFrame(dict(twin="trained", layer=[0] * 4 + [1] * 4, head=list(range(4)) * 2, label=labels))
+    tax = pd.concat([tax, tax.assign(twin="random", label="positional")])
+    cls = classes_from_taxonomy(tax)
+    assert cls.to_dict("list") == dict(layer=[0, 0, 1, 1], head=[0, 1, 0, 1],
+                                       head_class=["positional", "symbolic", "positional", "symbolic"])
+    by_tax = head_class_test(rows, cls)
+    assert by_tax["classes"].iloc[0] == "taxonomy"
+    assert (by_tax["n_heads_positional"] == 2).all() and (by_tax["n_heads_symbolic"] == 2).all()
+    # the contrast uses exactly the labelled heads: recompute one entry by hand
+    r = rows.merge(cls, on=["layer", "head"])
+    per = r.groupby(["seq", "head_class"])["kl"].mean().unstack()
+    kl = by_tax.set_index("estimator").loc["kl: positional − symbolic", "value"]
+    assert kl == pytest.approx(float((per["positional"] - per["symbolic"]).mean()), rel=1e-6)
+    with pytest.raises(ValueError, match="label"):
+        classes_from_taxonomy(tax.drop(columns="label"))
+    with pytest.raises(ValueError, match="twin"):
+        classes_from_taxonomy(tax, twin="other")
 
 
 def test_sufficiency_recipe(llama):

@@ -55,10 +55,13 @@ def test_report_leads_with_findings(quick_report):
     summary = html[box: html.index("</div>", box)]
     for q in ("decomposition", "sufficiency", "pattern", "tolerance", "causal", "heads", "length"):
         assert f"<b>{q}</b>" in summary, q
-    assert summary.count("not run") >= 2  # sufficiency and length have no stage in this report
+    assert "not run" not in summary  # every question has a stage and a headline (length, sufficiency included)
     assert "exploratory" in summary  # 2 sequences < 32
     qs = {f["question"] for f in res["findings"]}
-    assert {"decomposition", "pattern", "tolerance", "causal", "heads"} <= qs
+    assert {"decomposition", "pattern", "tolerance", "causal", "heads", "length", "sufficiency"} <= qs
+    for q in ("length", "sufficiency"):
+        f = next(f for f in res["findings"] if f["question"] == q)
+        assert f["verdict"] != "not testable" and f["effect"] is not None and f["n"] == 2, f
     dec = next(f for f in res["findings"] if f["question"] == "decomposition")
     assert dec["n"] == 2 and dec["exploratory"] and dec["p"] is not None and len(dec["ci"]) == 2
     # exactness: a one-line PASS, its per-layer table folded

@@ -101,6 +101,9 @@ def test_cli_study_list_and_unknown_name(capsys):
 
     assert main(["study", "list"]) == 0
     listed = capsys.readouterr().out
-    assert all(n in listed for n in ("decomposition", "pattern", "tolerance", "heads"))
+    assert all(n in listed for n in ("decomposition", "pattern", "tolerance", "heads", "length", "sufficiency"))
+    for line in listed.strip().splitlines():  # every study says what it does
+        name, _, about = line.strip().partition(" ")
+        assert len(about.strip()) > 20, f"study {name!r} has no description"
     assert main(["study", "nope"]) == 2
     assert "unknown study 'nope'" in capsys.readouterr().err

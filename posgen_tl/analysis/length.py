@@ -51,6 +51,7 @@ __all__ = [
     "window_summary",
     "gap_attention",
     "head_class_test",
+    "classes_from_taxonomy",
     "CONDITIONS",
 ]
 
@@ -479,6 +480,29 @@ def gap_attention(
                                     f_share=float(d["f_share"][i, h]), r_far=float(d["r_far_gap"][i, h]),
                                     r_far_0=float(d["r_far_0"][i, h]), r_near=float(d["r_near"][i, h])))
     return pd.DataFrame(out)
+
+
+def classes_from_taxonomy(heads: pd.DataFrame, *, twin: str = "trained") -> pd.DataFrame:
+    """Head classes ``layer, head, head_class`` from a METHOD §6 taxonomy table (one row per head,
+    e.g. :func:`posgen_tl.analysis.taxonomy.head_table` or ``heads_<model>.csv``): heads labelled
+    ``positional`` or ``symbolic`` keep their label; ``both``/``neither``/excluded heads are left
+    out (they belong to neither side of the contrast). Rows of ``twin`` only when the table has a
+    ``twin`` column.
+
+    Raises:
+        ValueError: a needed column is missing, the twin has no rows, or a (layer, head) repeats.
+    """
+    need = {"layer", "head", "label"}
+    if not need <= set(heads.columns):
+        raise ValueError(f"taxonomy table lacks columns {sorted(need - set(heads.columns))}; "
+                         "give the per-head table of the §6 taxonomy (columns layer, head, label)")
+    t = heads[heads["twin"] == twin] if "twin" in heads.columns else heads
+    if t.empty:
+        raise ValueError(f"taxonomy table has no rows for twin {twin!r} (present: {sorted(set(heads['twin']))})")
+    if t.duplicated(["layer", "head"]).any():
+        raise ValueError("taxonomy table has repeated (layer, head) rows for one model")
+    t = t[t["label"].isin(["positional", "symbolic"])]
+    return t[["layer", "head"]].assign(head_class=t["label"].to_numpy()).reset_index(drop=True)
 
 
 def head_class_test(rows: pd.DataFrame, classes: pd.DataFrame | None = None, *, threshold: float = 0.5) -> pd.DataFrame:

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from .html import Finding, Section
+from .html import Finding, Section, sig3
 
 __all__ = ["stage_findings", "DERIVE", "decomposition_findings", "pattern_findings", "tolerance_findings",
-           "causal_findings", "heads_findings", "rank_correlation"]
+           "causal_findings", "heads_findings", "length_findings", "sufficiency_findings", "rank_correlation"]
 
 ALPHA = 0.05
 
@@ -139,12 +139,80 @@ def heads_findings(ctx: Any) -> list[Finding]:
                     note=f"n = heads ({int(r['n_a'])} {r['class_a']}, {int(r['n_b'])} {r['class_b']}); Mann–Whitney")]
 
 
+def _skipped_finding(ctx: Any, meta_file: str, question: str) -> list[Finding] | None:
+    meta = ctx.work.load_json(meta_file)
+    if "skipped" in meta:
+        return [Finding(question, "not testable", note=str(meta["skipped"]))]
+    return None
+
+
+def _summary_row(summ: pd.DataFrame, what: str, **match: Any) -> pd.Series:
+    g = summ
+    for k, v in match.items():
+        g = g[g[k] == v]
+    if g.empty:
+        raise ValueError(f"no {what} row with {match} in the summary table")
+    return g.iloc[0]
+
+
+def _p_of(r: pd.Series) -> float:
+    p = r.get("p_holm", float("nan"))
+    return float(p) if p == p else float(r.get("p", float("nan")))
+
+
+def length_findings(ctx: Any) -> list[Finding]:
+    """Gap probe (METHOD §7): vanilla suffix NLL at the LARGEST gap minus at G = 0 (paired per
+    sequence, document-bootstrap CI, Holm-adjusted sign-flip p of the stage's table); the note
+    gives the disentangled − vanilla change at that gap. Verdict: "degrades" (p < .05, NLL up),
+    "improves" (p < .05, NLL down) or "no evidence"."""
+    skip = _skipped_finding(ctx, "length_gap_meta.json", "length")
+    if skip is not None:
+        return skip
+    summ = ctx.work.load_df("length_gap_summary.csv")
+    d = summ[(summ["estimator"] == "d_vs_gap0") & (summ["condition"] == "vanilla")]
+    if d.empty:
+        return [Finding("length", "not testable", note="no gap beyond 0 in this run")]
+    r = d.sort_values("gap").iloc[-1]
+    p = _p_of(r)
+    note = f"G = {r['gap_frac']:g}·n_ctx vs G = 0"
+    dis = summ[(summ["estimator"] == "d_vs_vanilla") & (summ["condition"] == "disentangled") & (summ["gap"] == r["gap"])]
+    if len(dis):
+        q = dis.iloc[0]
+        note += (f"; disentangled − vanilla there {sig3(float(q['value']))} [{sig3(float(q['ci_low']))}, "
+                 f"{sig3(float(q['ci_high']))}], p = {sig3(_p_of(q))}")
+    word = ("degrades" if r["value"] > 0 else "improves") if p == p and p < ALPHA else "no evidence"
+    return [Finding("length", word, float(r["value"]), "vanilla suffix ΔNLL (nats)",
+                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_seq"]), note=note)]
+
+
+def sufficiency_findings(ctx: Any) -> list[Finding]:
+    """Substitution W ← f + g_Δ0 in ALL layers (METHOD §5, pre-declared group "all"): ΔNLL vs the
+    unmodified model (document-bootstrap CI, Holm p of the stage's table); the note compares it with
+    the D1 control of the same group. Verdict: "costs NLL" when p < .05 and ΔNLL > 0, else "no
+    evidence of a cost" (never "sufficient": that would need an equivalence margin)."""
+    skip = _skipped_finding(ctx, "sufficiency_meta.json", "sufficiency")
+    if skip is not None:
+        return skip
+    summ = ctx.work.load_df("sufficiency_summary.csv")
+    r = _summary_row(summ, "d3 ΔNLL", source="d3", group="all", estimator="dnll")
+    p = _p_of(r)
+    note = "layers: all; global k̄"
+    ctrl = summ[(summ["source"] == "d1") & (summ["group"] == "all") & (summ["estimator"] == "dnll")]
+    if len(ctrl):
+        note += f"; D1 control ΔNLL {sig3(float(ctrl.iloc[0]['value']))}"
+    word = "costs NLL" if p == p and p < ALPHA and r["value"] > 0 else "no evidence of a cost"
+    return [Finding("sufficiency", word, float(r["value"]), "ΔNLL of f + g substitution (nats)",
+                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_seq"]), note=note)]
+
+
 #: stage name → headline function; a stage that sets ``Section.findings`` itself needs no entry
 DERIVE: dict[str, Callable[[Any], list[Finding]]] = {
     "decomposition": decomposition_findings,
     "pattern": pattern_findings,
     "tolerance": lambda ctx: tolerance_findings(ctx) + causal_findings(ctx),
     "heads": heads_findings,
+    "length": length_findings,
+    "sufficiency": sufficiency_findings,
 }
 
 
