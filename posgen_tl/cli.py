@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="a ≤ 2 minute smoke run with small sizes")
     r.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a study parameter of any stage, e.g. layers=10-19 (repeatable; 'posgen-tl study list' names them)")
     s = sub.add_parser("study", help="run one experiment (the report stage of that name) into --out",
                        description="Run one registered study; 'posgen-tl study list' names them.")
     s.add_argument("name", help="study name, or 'list'")
@@ -81,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="small sizes and every 5th layer (a smoke run)")
     s.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a parameter of this study, e.g. --param layers=10-19 --param n_ref=8 (repeatable; "
+                        "'posgen-tl study list' names each study's parameters)")
     return p
 
 
@@ -130,18 +135,29 @@ def _cmd_report(args: argparse.Namespace) -> int:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")  # the report writes PNGs; only the CLI picks a backend, never an import
-    from .report.run import run_report  # noqa: PLC0415
+    from .report.params import check_params  # noqa: PLC0415
+    from .report.run import ReportConfig, run_report  # noqa: PLC0415
+    from .report.stages import STAGES  # noqa: PLC0415
 
-    return run_report(args)
+    try:
+        cfg = ReportConfig.from_args(args)
+        check_params(cfg.params, [name for name, _, _ in STAGES])
+    except ValueError as e:
+        print(f"posgen-tl: error: {e}", file=sys.stderr)
+        return 2
+    return run_report(cfg)
 
 
 def _cmd_study(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     from .studies import STUDIES, run_study  # noqa: PLC0415
 
     if args.name == "list":
+        from .report.params import describe_params  # noqa: PLC0415
+
         for name, st in STUDIES.items():
             needs = f" (runs {', '.join(st.needs)} first)" if st.needs else ""
             print(f"{name:15s} {st.about}{needs}")
+            print(describe_params(name))
         return 0
     if args.name not in STUDIES:
         print(f"posgen-tl: error: unknown study {args.name!r}; one of: {', '.join(STUDIES)} (or 'list')", file=sys.stderr)
@@ -151,8 +167,15 @@ def _cmd_study(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     matplotlib.use("Agg")  # a study writes PNGs; only the CLI picks a backend
     from .report.context import ReportConfig  # noqa: PLC0415
 
+    from .report.params import check_params  # noqa: PLC0415
+
     args.out = args.out or f"study_{args.name}"
-    cfg = ReportConfig.from_args(args)
+    try:
+        cfg = ReportConfig.from_args(args)
+        check_params(cfg.params, [args.name, *STUDIES[args.name].needs])
+    except ValueError as e:
+        print(f"posgen-tl: error: {e}", file=sys.stderr)
+        return 2
     cmd = "posgen-tl " + " ".join(argv if argv is not None else sys.argv[1:])
     run_study(args.name, cfg, command=cmd)
     return 0

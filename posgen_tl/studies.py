@@ -140,12 +140,17 @@ def run_study(name: str, cfg: ReportConfig, *, model: Any = None, command: str |
 
     Raises:
         KeyError: unknown study (the message lists the registered ones).
+        ValueError: a study parameter (``cfg.params``) this study does not declare, or one that
+            does not parse (:mod:`posgen_tl.report.params`).
     """
     from .capture import probe_hooks  # noqa: PLC0415
 
     if name not in STUDIES:
         raise KeyError(f"unknown study {name!r}; registered: {', '.join(study_names())}")
     study = STUDIES[name]
+    from .report.params import check_params  # noqa: PLC0415
+
+    check_params(cfg.params, [name, *study.needs])  # ValueError naming an unknown or malformed parameter
     t0 = time.time()
     if model is None:
         from .models import load_model  # noqa: PLC0415

@@ -102,8 +102,63 @@ def test_cli_study_list_and_unknown_name(capsys):
     assert main(["study", "list"]) == 0
     listed = capsys.readouterr().out
     assert all(n in listed for n in ("decomposition", "pattern", "tolerance", "heads", "length", "sufficiency"))
+    assert "--param layers=" in listed and "--param controls=" in listed  # each study names its parameters
     for line in listed.strip().splitlines():  # every study says what it does
+        if line.startswith(" "):
+            continue
         name, _, about = line.strip().partition(" ")
         assert len(about.strip()) > 20, f"study {name!r} has no description"
     assert main(["study", "nope"]) == 2
     assert "unknown study 'nope'" in capsys.readouterr().err
+
+
+def test_study_parameters_reach_the_recipe(tiny, corpus, tmp_path):
+    """--param layers/controls/fracs/t12 change what the tolerance study runs, and are recorded."""
+    torch.manual_seed(0)
+    params = {"layers": "1", "controls": "C1", "fracs": "0,0.3", "t12": "false", "match_steps": "1", "n_ref": "2"}
+    cfg = _cfg(tmp_path / "s", corpus["folder"], params=params)
+    md = run_study("tolerance", cfg, model=tiny, command="posgen-tl study tolerance ...")
+    out = md.parent
+    meta = json.loads((out / "causal_meta.json").read_text())
+    assert meta["layers"] == [1] and meta["controls"] == ["C1"] and list(meta["fracs"]) == [0.0, 0.3]
+    assert not meta["t12"] and not (out / "tolerance_curves.csv").exists()  # T1/T2 not run
+    rows = pd.read_csv(out / "causal_rows.csv")
+    assert set(rows["intervention"]) == {"none", "destroy", "C1"} and set(rows["frac"]) == {0.0, 0.3}
+    cfg_json = json.loads((out / "causal_config.json").read_text())
+    assert cfg_json["layers"] == [1] and cfg_json["n_ref"] == 2
+    rec = json.loads((out / "tolerance.json").read_text())
+    assert rec["config"]["params"] == params  # the run records its parameters
+    by_q = {f["question"]: f for f in rec["findings"]}
+    assert by_q["tolerance"]["verdict"] == "not run" and by_q["causal"]["verdict"] != "not run"
+    text = md.read_text()
+    assert "Contrasts (one family; Holm)" in text and "T1 / T2" not in text
+
+
+def test_study_parameters_bad_input(tiny, corpus, tmp_path, capsys):
+    from posgen_tl.cli import main
+    from posgen_tl.report.params import check_params, parse_param_args, stage_params
+
+    assert parse_param_args(["n-ref=8", "layers=10-12,20"]) == {"layers": "10-12,20", "n_ref": "8"}
+    assert stage_params({"layers": "10-12,20", "fracs": "0,0.5"}, "tolerance") == {"layers": [10, 11, 12, 20],
+                                                                                    "fracs": [0.0, 0.5]}
+    assert stage_params({"tolerance": "d3:all,d3:20–29"}, "sufficiency") == {"tolerance": [("d3", "all"), ("d3", "20–29")]}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_param_args(["layers"])
+    with pytest.raises(ValueError, match="twice"):
+        parse_param_args(["a=1", "a=2"])
+    with pytest.raises(ValueError, match="unknown parameter 'gaps'.*accepted: .*controls"):
+        check_params({"gaps": "0,1"}, ["tolerance"])
+    with pytest.raises(ValueError, match="layers='ten'"):
+        check_params({"layers": "ten"}, ["tolerance"])
+    with pytest.raises(ValueError, match="backwards"):
+        check_params({"layers": "19-10"}, ["tolerance"])
+    with pytest.raises(ValueError, match="boolean"):
+        check_params({"t12": "maybe"}, ["tolerance"])
+    with pytest.raises(ValueError, match="unknown parameter"):  # the library path checks too, before any compute
+        run_study("tolerance", _cfg(tmp_path / "x", corpus["folder"], params={"gap": "1"}), model=tiny)
+    assert not (tmp_path / "x" / "tolerance.md").exists()
+    assert main(["study", "heads", "--param", "controls=C1", "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown parameter 'controls' for heads" in err and "n_prompts" in err
+    assert main(["report", "--param", "nope=1", "--out", str(tmp_path / "z")]) == 2
+    assert "unknown parameter 'nope'" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +33,23 @@ class ReportConfig:
     quick: bool = False
     twin: bool = True
     seed: int = 0
+    #: study parameters ``KEY → text`` (``--param KEY=VALUE``; parsed per stage by
+    #: :func:`posgen_tl.report.params.stage_params`)
+    params: dict = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "ReportConfig":
+        from .params import parse_param_args  # noqa: PLC0415
+
         quick = bool(a.quick)
         return cls(
             model=a.model, corpus=a.corpus, out=a.out, quick=quick, twin=not a.no_twin, seed=a.seed,
             seq_len=a.seq_len or (96 if quick else 256), n_seq=a.n_seq or (2 if quick else 8),
+            params=parse_param_args(getattr(a, "param", None)),
         )
 
     def key(self) -> str:
-        d = {k: v for k, v in self.__dict__.items() if k != "out"}
+        d = {k: v for k, v in self.__dict__.items() if k != "out" and not (k == "params" and not v)}
         return hashlib.sha1(json.dumps(d, sort_keys=True, default=_jsonable).encode()).hexdigest()[:12]
 
 

@@ -205,11 +205,23 @@ def sufficiency_findings(ctx: Any) -> list[Finding]:
                     (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_seq"]), note=note)]
 
 
+def _each(ctx: Any, *parts: tuple[str, Callable[[Any], list[Finding]]]) -> list[Finding]:
+    """Several headlines of one stage, each failing alone (e.g. a study run with ``t12=false``
+    has a causal table but no tolerance curves): a missing table gives "not run" for that part."""
+    out: list[Finding] = []
+    for q, fn in parts:
+        try:
+            out += fn(ctx)
+        except FileNotFoundError:
+            out.append(Finding(q, "not run", note="this run skipped that part (study parameters)"))
+    return out
+
+
 #: stage name → headline function; a stage that sets ``Section.findings`` itself needs no entry
 DERIVE: dict[str, Callable[[Any], list[Finding]]] = {
     "decomposition": decomposition_findings,
     "pattern": pattern_findings,
-    "tolerance": lambda ctx: tolerance_findings(ctx) + causal_findings(ctx),
+    "tolerance": lambda ctx: _each(ctx, ("tolerance", tolerance_findings), ("causal", causal_findings)),
     "heads": heads_findings,
     "length": length_findings,
     "sufficiency": sufficiency_findings,

@@ -32,7 +32,10 @@ def run_report(args: argparse.Namespace | ReportConfig) -> int:
     from ..capture import probe_hooks  # noqa: PLC0415
     from ..models import load_model  # noqa: PLC0415
 
+    from .params import check_params  # noqa: PLC0415
+
     cfg = args if isinstance(args, ReportConfig) else ReportConfig.from_args(args)
+    check_params(cfg.params, [name for name, _, _ in STAGES])  # an unknown or malformed --param: a clear error
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("report.html", "results.json"):

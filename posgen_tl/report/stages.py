@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from .context import layers_for as _layers
+from .params import stage_params
 from .html import Section
 
 __all__ = ["STAGES"]
@@ -59,8 +60,17 @@ def exactness_render(ctx) -> tuple[Section, dict]:
 # ----------------------------------------------------------------------------- decomposition
 
 
-def _n_ref(ctx) -> int:
-    return 2 if ctx.cfg.quick else 4
+def _params(ctx, stage: str) -> dict[str, Any]:
+    """The study parameters (``--param KEY=VALUE``) of ``stage`` given for this run, parsed."""
+    return stage_params(getattr(ctx.cfg, "params", {}) or {}, stage)
+
+
+def _n_ref(ctx, stage: str = "decomposition") -> int:
+    return int(_params(ctx, stage).get("n_ref", 2 if ctx.cfg.quick else 4))
+
+
+def _stage_layers(ctx, stage: str):
+    return _params(ctx, stage).get("layers", _layers(ctx))
 
 
 def _windows(ctx):
@@ -98,7 +108,8 @@ def decomposition_compute(ctx) -> None:
     from ..plot.decomposition import plot_head_maps, plot_r_by_layer  # noqa: PLC0415
 
     windows, ref, note = _windows(ctx)
-    df = decompose_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(), layers=_layers(ctx),
+    df = decompose_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(),
+                             layers=_stage_layers(ctx, "decomposition"),
                              n_seq=len(windows), seq_len=ctx.cfg.seq_len, n_ref=len(ref), batch_size=4)
     ctx.work.save_df("decomposition.csv", df)
     ctx.work.save_df("decomposition_summary.csv", summarize_decomposition(df))
@@ -201,7 +212,7 @@ def pattern_compute(ctx) -> None:
 
     windows, ref, _ = _windows(ctx)
     tw = feature_pattern_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(),
-                                   layers=_layers(ctx), batch_size=4)
+                                   layers=_stage_layers(ctx, "pattern"), batch_size=4)
     bands = tw.bands
     k = bands[bands["which"] == "k"]
     by_group = k.groupby(["twin", "band_group"], as_index=False).agg(
@@ -305,35 +316,48 @@ def tolerance_compute(ctx) -> None:
     from ..plot.tolerance import plot_causal_conditions, plot_tolerance_curves  # noqa: PLC0415
 
     cfg = ctx.cfg
-    target = min(64, cfg.seq_len // 4)
-    fracs = (0.0, 0.1, 0.2) if cfg.quick else (0.0, 0.05, 0.1, 0.2)
-    seeds = (0,) if cfg.quick else (0, 1)
+    P = _params(ctx, "tolerance")
+    target = P.get("target_len", min(64, cfg.seq_len // 4))
+    fracs = tuple(P.get("fracs", (0.0, 0.1, 0.2) if cfg.quick else (0.0, 0.05, 0.1, 0.2)))
+    seeds = tuple(P.get("seeds", (0,) if cfg.quick else (0, 1)))
+    run_t12, run_causal = P.get("t12", True), P.get("causal", True)
+    if not (run_t12 or run_causal):
+        raise ValueError("tolerance: t12=false and causal=false leave nothing to run")
     n = max(cfg.n_seq, 4)  # a contrast needs >= 3 sequences; below 32 the section says "exploratory"
-    meta: dict[str, Any] = {"n_seq": n, "requested_n_seq": cfg.n_seq, "target_len": target, "fracs": fracs, "seeds": seeds}
+    meta: dict[str, Any] = {"n_seq": n, "requested_n_seq": cfg.n_seq, "target_len": target, "fracs": fracs, "seeds": seeds,
+                            "t12": run_t12, "causal": run_causal}
     try:
-        ana, ref = ca.study_windows(ctx.model, cfg.corpus, n_seq=n, seq_len=cfg.seq_len, n_ref=2 if cfg.quick else 4,
+        ana, ref = ca.study_windows(ctx.model, cfg.corpus, n_seq=n, seq_len=cfg.seq_len, n_ref=_n_ref(ctx, "tolerance"),
                                     seed=cfg.seed)
     except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
         meta["skipped"] = f"tolerance and causal study skipped: {e}"
         ctx.work.save_json("causal_meta.json", meta)
         return
-    t12 = ca.t1_t2_study(ctx.model, n_seq=n, target_len=target, fracs=fracs, seeds=seeds,
-                         twin=ctx.twin() if cfg.twin else None, twin_seeds=(0,), seed=cfg.seed, windows=ana)
-    ctx.work.save_df("tolerance_curves.csv", t12.rows)
-    ctx.work.save_df("tolerance_summary.csv", t12.summary)
-    ctx.work.save_df("t1_t2_tost.csv", t12.equivalence)
-    ctx.work.save_fig("fig_tolerance.png", plot_tolerance_curves(t12.summary, hue="twin", title=ctx.model_name))
-    spec_layers = None  # middle third (the recipe's default)
-    controls = ("C1",) if cfg.quick else ca.CONTROLS
-    res = ca.causal_study(ctx.model, n_seq=n, target_len=target, fracs=fracs, seeds=seeds, layers=spec_layers,
-                          controls=controls, match_subset=min(16, n), match_steps=2 if cfg.quick else 3,
-                          seed=cfg.seed, windows=(ana, ref), batch_size=4)
-    ctx.work.save_df("causal_rows.csv", res.rows)
-    ctx.work.save_df("causal_conditions.csv", res.conditions)
-    ctx.work.save_df("causal_table.csv", res.contrasts)
-    ctx.work.save_fig("fig_causal.png", plot_causal_conditions(res.conditions, title=ctx.model_name))
-    meta.update({k: res.config[k] for k in ("layers", "fast", "slow", "alpha", "primary", "n_docs", "match_subset")})
-    meta.update(margin_rule=t12.config["margin_rule"], note=t12.config["note"], controls=list(controls))
+    meta["n_docs"] = ana.n_docs
+    if run_t12:
+        t12 = ca.t1_t2_study(ctx.model, n_seq=n, target_len=target, fracs=fracs, seeds=seeds,
+                             twin=ctx.twin() if cfg.twin else None, twin_seeds=tuple(P.get("twin_seeds", (0,))),
+                             seed=cfg.seed, windows=ana, batch_size=P.get("batch_size", 8))
+        ctx.work.save_df("tolerance_curves.csv", t12.rows)
+        ctx.work.save_df("tolerance_summary.csv", t12.summary)
+        ctx.work.save_df("t1_t2_tost.csv", t12.equivalence)
+        ctx.work.save_fig("fig_tolerance.png", plot_tolerance_curves(t12.summary, hue="twin", title=ctx.model_name))
+        meta.update(margin_rule=t12.config["margin_rule"], note=t12.config["note"])
+    if run_causal:
+        controls = tuple(P.get("controls", ("C1",) if cfg.quick else ca.CONTROLS))
+        res = ca.causal_study(ctx.model, n_seq=n, target_len=target, fracs=fracs, seeds=seeds,
+                              layers=P.get("layers"),  # None: the middle third (the recipe's default)
+                              controls=controls, alpha=P.get("alpha", 0.5), match_subset=min(P.get("match_subset", 16), n),
+                              match_steps=P.get("match_steps", 2 if cfg.quick else 3), seed=cfg.seed, windows=(ana, ref),
+                              batch_size=P.get("batch_size", 4))
+        ctx.work.save_df("causal_rows.csv", res.rows)
+        ctx.work.save_df("causal_kl.csv", res.kl)
+        ctx.work.save_df("causal_conditions.csv", res.conditions)
+        ctx.work.save_df("causal_table.csv", res.contrasts)
+        ctx.work.save_json("causal_config.json", res.config)
+        ctx.work.save_fig("fig_causal.png", plot_causal_conditions(res.conditions, title=ctx.model_name))
+        meta.update({k: res.config[k] for k in ("layers", "fast", "slow", "alpha", "primary", "n_docs", "match_subset")})
+        meta.update(controls=list(controls))
     ctx.work.save_json("causal_meta.json", meta)
 
 
@@ -345,42 +369,47 @@ def tolerance_render(ctx) -> tuple[Section, dict]:
                                   "topics): the unit of every verdict is a sequence clustered by document, and k̄ must "
                                   "come from documents disjoint from the analysed ones."])
         return sec, {"skipped": meta["skipped"]}
-    summ = ctx.work.load_df("tolerance_summary.csv")
-    tost = ctx.work.load_df("t1_t2_tost.csv")
-    table = ctx.work.load_df("causal_table.csv")
-    conds = ctx.work.load_df("causal_conditions.csv")
     expl = meta["n_seq"] < 32
     label = " — EXPLORATORY (n < 32 sequences)" if expl else ""
-    tr = tost[tost["twin"] == "trained"].iloc[0]
-    alike = (f"T1 and T2 slopes are equivalent within ±{tr['margin']:.3g} (TOST p = {tr['p']:.3g})" if tr["equivalent"]
-             else f"T1 and T2 slopes are NOT shown equivalent within ±{tr['margin']:.3g} (TOST p = {tr['p']:.3g})")
-    prim = table[table["primary"].astype(bool)]
-    pv = (f"primary contrast `{prim['contrast'].iloc[0]}`: {prim['verdict'].iloc[0]}" if len(prim) else "no primary")
-    sec = Section(
-        f"4 · Position tolerance and the causal test (METHOD §4–§5){label}",
-        verdict=f"{alike}. Causal test, {pv} (verdicts from the METHOD §8 rule: Holm-adjusted exact sign-flip p, "
-                "matched damage, split-half sign).",
-        paragraphs=[f"{meta['n_seq']} sequences from {meta.get('n_docs')} documents (one window per document first; "
-                    f"requested {meta['requested_n_seq']}, at least 4 are used), target span {meta['target_len']} tokens, "
-                    f"p ∈ {meta['fracs']} = fraction of disjoint adjacent pairs swapped (≈ 2p of the context tokens move), "
-                    f"independent per (sequence, seed), seeds {meta['seeds']}. TOST margin: {meta['margin_rule']}.",
-                    meta["note"],
-                    f"Causal test: keys edited in layers {meta['layers']}; destroy = remove the fast-band key offset "
-                    f"(bands {meta['fast']}) at α = {meta['alpha']}; controls {meta['controls']} each matched to its "
-                    f"clean-NLL damage on {meta['match_subset']} sequences by its own α (C1 random bands, C2 slow bands, "
-                    "C3 rephase, C4 same-norm noise). k̄ from reference documents disjoint from the analysed ones. "
-                    "'no evidence' is not evidence of no effect: the MDE column says what this n could detect."],
-        tables=[("T1 / T2 slopes and ΔNLL (document bootstrap CIs), trained vs random twin", summ),
-                ("T1 − T2 slope: TOST equivalence", tost.drop(columns=["margin_rule"], errors="ignore")),
-                ("Per condition: damage, attention KL, slope", conds[[c for c in ["condition", "kind", "alpha", "n_seq",
-                 "n_docs", "damage", "damage_lo", "damage_hi", "attn_kl", "slope", "slope_lo", "slope_hi"] if c in conds]]),
-                ("Contrasts (one family; Holm)", table[[c for c in ["contrast", "primary", "n_seq", "n_docs", "mean_diff",
-                 "boot_lo", "boot_hi", "t_lo", "t_hi", "p_exact", "p_holm", "damage_matched", "split_half_agree", "mde",
-                 "verdict"] if c in table]])],
-        figures=[(_png(ctx, "fig_tolerance.png"), "ΔNLL vs swap fraction: T1 and T2, trained vs random twin"),
-                 (_png(ctx, "fig_causal.png"), "Conditions: slope vs damage, and attention change")],
-    )
-    return sec, {"t1_t2": tost.to_dict("records"), "causal": table.to_dict("records"), "exploratory": expl}
+    verdicts, paras, tables, figures, res = [], [], [], [], {"exploratory": expl}
+    paras.append(f"{meta['n_seq']} sequences from {meta.get('n_docs')} documents (one window per document first; "
+                 f"requested {meta['requested_n_seq']}, at least 4 are used), target span {meta['target_len']} tokens, "
+                 f"p ∈ {list(meta['fracs'])} = fraction of disjoint adjacent pairs swapped (≈ 2p of the context tokens "
+                 f"move), independent per (sequence, seed), seeds {list(meta['seeds'])}.")
+    if meta.get("t12", True):
+        summ = ctx.work.load_df("tolerance_summary.csv")
+        tost = ctx.work.load_df("t1_t2_tost.csv")
+        tr = tost[tost["twin"] == "trained"].iloc[0]
+        verdicts.append(f"T1 and T2 slopes are equivalent within ±{tr['margin']:.3g} (TOST p = {tr['p']:.3g})"
+                        if tr["equivalent"] else
+                        f"T1 and T2 slopes are NOT shown equivalent within ±{tr['margin']:.3g} (TOST p = {tr['p']:.3g})")
+        paras += [f"TOST margin: {meta['margin_rule']}.", meta["note"]]
+        tables += [("T1 / T2 slopes and ΔNLL (document bootstrap CIs), trained vs random twin", summ),
+                   ("T1 − T2 slope: TOST equivalence", tost.drop(columns=["margin_rule"], errors="ignore"))]
+        figures.append((_png(ctx, "fig_tolerance.png"), "ΔNLL vs swap fraction: T1 and T2, trained vs random twin"))
+        res["t1_t2"] = tost.to_dict("records")
+    if meta.get("causal", True):
+        table = ctx.work.load_df("causal_table.csv")
+        conds = ctx.work.load_df("causal_conditions.csv")
+        prim = table[table["primary"].astype(bool)]
+        pv = (f"primary contrast `{prim['contrast'].iloc[0]}`: {prim['verdict'].iloc[0]}" if len(prim) else "no primary")
+        verdicts.append(f"Causal test, {pv} (verdicts from the METHOD §8 rule: Holm-adjusted exact sign-flip p, "
+                        "matched damage, split-half sign)")
+        paras.append(f"Causal test: keys edited in layers {meta['layers']}; destroy = remove the fast-band key offset "
+                     f"(bands {meta['fast']}) at α = {meta['alpha']}; controls {meta['controls']} each matched to its "
+                     f"clean-NLL damage on {meta['match_subset']} sequences by its own α (C1 random bands, C2 slow bands, "
+                     "C3 rephase, C4 same-norm noise). k̄ from reference documents disjoint from the analysed ones. "
+                     "'no evidence' is not evidence of no effect: the MDE column says what this n could detect.")
+        tables += [("Per condition: damage, attention KL, slope", conds[[c for c in ["condition", "kind", "alpha", "n_seq",
+                    "n_docs", "damage", "damage_lo", "damage_hi", "attn_kl", "slope", "slope_lo", "slope_hi"] if c in conds]]),
+                   ("Contrasts (one family; Holm)", table[[c for c in ["contrast", "primary", "n_seq", "n_docs", "mean_diff",
+                    "boot_lo", "boot_hi", "t_lo", "t_hi", "p_exact", "p_holm", "damage_matched", "split_half_agree", "mde",
+                    "verdict"] if c in table]])]
+        figures.append((_png(ctx, "fig_causal.png"), "Conditions: slope vs damage, and attention change"))
+        res["causal"] = table.to_dict("records")
+    sec = Section(f"4 · Position tolerance and the causal test (METHOD §4–§5){label}", verdict=". ".join(verdicts) + ".",
+                  paragraphs=paras, tables=tables, figures=figures)
+    return sec, res
 
 
 # ----------------------------------------------------------------------------- heads
@@ -411,16 +440,18 @@ def heads_compute(ctx) -> None:
         plot_taxonomy_vs_share,
     )
 
-    n = 2 if ctx.cfg.quick else 8
-    tokens, ref, source = _taxonomy_inputs(ctx, n, 2 if ctx.cfg.quick else 4)
+    P = _params(ctx, "heads")
+    n = P.get("n_prompts", 2 if ctx.cfg.quick else 8)
+    n_perm = P.get("n_perm", 8)
+    tokens, ref, source = _taxonomy_inputs(ctx, n, _n_ref(ctx, "heads"))
     span = max(4, min(64, ctx.cfg.seq_len // 4))
-    df = head_taxonomy_with_twin(ctx.model, tokens, ref, seed=ctx.cfg.seed, twin=ctx.twin(), layers=_layers(ctx),
-                                 region_len=span, n_query=span, n_perm=8)
+    df = head_taxonomy_with_twin(ctx.model, tokens, ref, seed=ctx.cfg.seed, twin=ctx.twin(),
+                                 layers=_stage_layers(ctx, "heads"), region_len=span, n_query=span, n_perm=n_perm)
     heads = head_table(df)
     ctx.work.save_df("heads.csv", heads)
     ctx.work.save_df("heads_bands.csv", df[df["band"] >= 0])
     ctx.work.save_df("heads_link.csv", share_by_class(df))
-    ctx.work.save_json("heads_meta.json", {"source": source, "region_len": span, "n_query": span, "n_perm": 8,
+    ctx.work.save_json("heads_meta.json", {"source": source, "region_len": span, "n_query": span, "n_perm": n_perm,
                                            "n_prompts": n, "min_score": float(df["min_score"].iloc[0])})
     ctx.work.save_fig("fig_heads_plane.png", plot_positional_symbolic_plane(heads))
     ctx.work.save_fig("fig_heads_bands.png", plot_label_counts(df))
@@ -485,11 +516,14 @@ def length_compute(ctx) -> None:
     from ..corpus import CorpusError  # noqa: PLC0415
 
     cfg = ctx.cfg
+    P = _params(ctx, "length")
     half = max(16, cfg.seq_len // 2)
-    gaps = (0.0, 1.0, 2.0) if cfg.quick else (0.0, 0.25, 0.5, 1.0, 2.0)
+    pre, suf = P.get("prefix_len", half), P.get("suffix_len", half)
+    gaps = tuple(P.get("gaps", (0.0, 1.0, 2.0) if cfg.quick else (0.0, 0.25, 0.5, 1.0, 2.0)))
     try:
-        res = gap_probe(ctx.model, cfg.corpus, prefix_len=half, suffix_len=half, gaps=gaps, skip=min(16, half // 4),
-                        n_seq=cfg.n_seq, n_ref=_n_ref(ctx), seed=cfg.seed)
+        res = gap_probe(ctx.model, cfg.corpus, prefix_len=pre, suffix_len=suf, gaps=gaps,
+                        skip=P.get("skip", min(16, suf // 4)), n_seq=cfg.n_seq, n_ref=_n_ref(ctx, "length"),
+                        seed=cfg.seed, batch_size=P.get("batch_size", 2))
     except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
         ctx.work.save_json("length_gap_meta.json", {"skipped": f"longer-texts stage skipped: {e}"})
         return
@@ -497,10 +531,10 @@ def length_compute(ctx) -> None:
     ctx.work.save_df("length_gap_summary.csv", res.summary)
     ctx.work.save_json("length_gap_meta.json", res.config)
     ctx.work.save_fig("fig_length_gap.png", plot_gap_probe(res.summary, title=f"Gap probe — {ctx.model_name}"))
-    if local_layers(ctx.model):
-        n = 768 if cfg.quick else 2048
-        wr = window_removal(ctx.model, cfg.corpus, seq_len=n, n_seq=2 if cfg.quick else 4, bucket=256,
-                            n_ref=_n_ref(ctx), seed=cfg.seed)
+    if local_layers(ctx.model) and P.get("window", True):
+        n = P.get("window_seq_len", 768 if cfg.quick else 2048)
+        wr = window_removal(ctx.model, cfg.corpus, seq_len=n, n_seq=P.get("window_n_seq", 2 if cfg.quick else 4),
+                            bucket=256, n_ref=_n_ref(ctx, "length"), seed=cfg.seed)
         ctx.work.save_df("length_window_summary.csv", wr.summary)
         ctx.work.save_json("length_window_meta.json", wr.config)
         ctx.work.save_fig("fig_length_window.png", plot_window_removal(wr.summary, title=f"Window removal — {ctx.model_name}"))
@@ -565,11 +599,13 @@ def sufficiency_compute(ctx) -> None:
     from ..corpus import CorpusError  # noqa: PLC0415
 
     cfg = ctx.cfg
-    tol = () if cfg.quick else (("d3", "all"),)
+    P = _params(ctx, "sufficiency")
+    tol = tuple(P.get("tolerance", () if cfg.quick else (("d3", "all"),)))
     try:
         res = sufficiency(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
-                          target_len=min(64, cfg.seq_len // 4), n_ref=_n_ref(ctx), tolerance=tol,
-                          fracs=(0.0, 0.1, 0.2), seed=cfg.seed)
+                          target_len=P.get("target_len", min(64, cfg.seq_len // 4)), n_ref=_n_ref(ctx, "sufficiency"),
+                          tolerance=tol, fracs=tuple(P.get("fracs", (0.0, 0.1, 0.2))), gamma=P.get("gamma", 0.9),
+                          batch_size=P.get("batch_size", 4), seed=cfg.seed)
     except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
         ctx.work.save_json("sufficiency_meta.json", {"skipped": f"sufficiency stage skipped: {e}"})
         return
