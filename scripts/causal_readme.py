@@ -1,10 +1,12 @@
-"""Assemble README-ready text (results/README_causal.md) from the outputs of scripts/causal_study.py.
+"""Assemble README-ready text (results/README_causal.md) from causal/T1-T2 runs.
 
-    python scripts/causal_readme.py --dir results/causal_n32 --out results/README_causal.md
+    python scripts/causal_readme.py --dir results/causal --out results/README_causal.md
 
-Reads ``causal_<tag>[_partial]_*`` and ``t12_<tag>_*`` files (complete outputs preferred over
-partial ones), ``*_forward_costs.json`` and prints nothing it did not read: every number comes
-from those files. Statements about what was not run are passed with ``--missing``.
+Reads the study folders under ``--dir`` (``posgen-tl study tolerance`` / ``scripts/causal_study.py``:
+``<dir>/<tag>/causal_*.csv``, ``causal_meta.json``, ``tolerance_summary.csv``, ``t1_t2_tost.csv``,
+``tolerance.json``; partial tables while a run is going) and the older flat outputs
+(``causal_<tag>[_partial]_*``, ``t12_<tag>_*``), ``*_forward_costs.json``; prints nothing it did
+not read. Statements about what was not run are passed with ``--missing``.
 """
 
 from __future__ import annotations
@@ -104,6 +106,21 @@ def main() -> None:
     lines += [f"- {m}" for m in a.missing] + ([""] if a.missing else [])
     tags = sorted({p.name[len("causal_"):-len("_config.json")].removesuffix("_partial") for p in d.glob("causal_*_config.json")})
     any_res = None
+    t12_study = []
+    for sub in sorted(p for p in d.iterdir() if p.is_dir() and (p / "causal_meta.json").exists()):
+        meta = json.loads((sub / "causal_meta.json").read_text())
+        if meta.get("causal", True):
+            name = "causal" if (sub / "causal_config.json").exists() else "causal_partial"
+            if (sub / f"{name}_config.json").exists():
+                res = ca.load_causal_outputs(sub, name)
+                if (sub / "tolerance.json").exists():
+                    rec = json.loads((sub / "tolerance.json").read_text())
+                    res.config.update(command=rec.get("command"), wall_s={**res.config.get("wall_s", {}),
+                                                                           "study_total_s": rec.get("wall_seconds")})
+                any_res = any_res or res
+                lines += causal_section(res, sub.name) + [""]
+        if meta.get("t12", True) and (sub / "t1_t2_tost.csv").exists():
+            t12_study.append((sub, meta))
     for tag in tags:
         full = d / f"causal_{tag}_config.json"
         name = f"causal_{tag}" if full.exists() else f"causal_{tag}_partial"
@@ -115,7 +132,15 @@ def main() -> None:
     for p in t12:
         tag = p.name[: -len("_config.json")]
         lines += [(d / f"{tag}.md").read_text(), ""]
-    if not t12:
+    for sub, meta in t12_study:
+        rec = json.loads((sub / "tolerance.json").read_text()) if (sub / "tolerance.json").exists() else {}
+        cfg = dict(meta, seq_len=rec.get("config", {}).get("seq_len"), twin_seeds=rec.get("config", {}).get(
+            "params", {}).get("twin_seeds", "0"), wall_s={"study": rec.get("wall_seconds", float("nan"))},
+            commit=rec.get("git_commit"))
+        r = ca.T12Result(pd.DataFrame(), pd.DataFrame(), pd.read_csv(sub / "tolerance_summary.csv"),
+                         pd.read_csv(sub / "t1_t2_tost.csv"), cfg)
+        lines += [ca.t12_markdown(r, f"T1 / T2 — {sub.name}"), f"Command: `{rec.get('command', '?')}`", ""]
+    if not t12 and not t12_study:
         lines += ["The T1/T2 study (T2 and the random twin, with its TOST) did not finish in this session: no T1-vs-T2 "
                   "verdict is given. " + "The equivalence statement that goes with any such comparison: "]
         from posgen_tl import stats  # noqa: PLC0415

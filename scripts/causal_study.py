@@ -1,139 +1,104 @@
-"""Thin CLI around the causal recipe (METHOD §4, §5, §8): writes CSVs + markdown under --out.
+"""Thin wrapper: the README's causal/T1-T2 runs as ``posgen-tl study tolerance`` command lines.
 
-    python scripts/causal_study.py --model smollm2-135m --n-seq 64 --layers 10-19 --tag smollm2_L10-19 --out results/
-    python scripts/causal_study.py --model smollm2-135m --n-seq 64 --t12-only --tag smollm2 --out results/
+    python scripts/causal_study.py --model smollm2-135m --n-seq 64 --layers 10-19 --tag smollm2_L10-19 --out results/causal
+    python scripts/causal_study.py --model smollm2-135m --n-seq 64 --t12-only --tag smollm2 --out results/causal
     python scripts/causal_study.py --queue jobs.txt      # one study per line (its arguments), one process
+    python scripts/causal_study.py ... --print            # only print the posgen-tl command
 
-The recipe is :func:`posgen_tl.analysis.causal.causal_study` / :func:`t1_t2_study`; this file only
-parses arguments and writes outputs (partial outputs, ``<tag>_partial*``, as soon as the primary
-phase is done).
+Each run is exactly ``posgen-tl study tolerance --model M --n-seq N --out OUT/TAG --param …`` (the
+recipe :func:`posgen_tl.analysis.causal.causal_study` / :func:`t1_t2_study`, the report's
+tolerance stage); this file only translates the README's sizes into study parameters (printed
+first, so the command can be copied) and runs the studies of a queue in one process (the model
+is loaded once). Partial tables (``causal_partial_*``) appear in ``OUT/TAG`` while the causal
+phase runs. ``python scripts/causal_readme.py --dir OUT`` turns the folders into README tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
+import shlex
+import sys
 from pathlib import Path
 
 import torch
 
 torch.set_num_threads(int(os.environ.get("POSGEN_THREADS", "1")))
 
-from posgen_tl.analysis import causal as ca  # noqa: E402
-from posgen_tl.models import load_model  # noqa: E402
-
-
-def ints(s: str) -> list[int]:
-    out: list[int] = []
-    for part in s.split(","):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b) + 1)) if b else [int(a)]
-    return out
-
-
-_MODELS: dict = {}
-
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--n-seq", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--target-len", type=int, default=64)
     ap.add_argument("--fracs", default="0,0.02,0.05,0.1,0.2")
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--layers", type=ints, default=None, help="e.g. 10-19")
-    ap.add_argument("--fast", type=ints, default=None, help="fast bands, e.g. 0-7 (default first quarter)")
-    ap.add_argument("--slow", type=ints, default=None)
+    ap.add_argument("--layers", default=None, help="edited layers, e.g. 10-19 (default: the middle third)")
     ap.add_argument("--alpha", type=float, default=0.5)
     ap.add_argument("--controls", default="C1,C2,C3,C4")
+    ap.add_argument("--n-ref", type=int, default=8)
     ap.add_argument("--match-subset", type=int, default=16)
+    ap.add_argument("--match-steps", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--t12", action="store_true", help="also run the T1/T2 study (trained + random twin)")
     ap.add_argument("--t12-only", action="store_true")
     ap.add_argument("--twin-seeds", default=None, help="swap seeds for the twin (default: --seeds)")
-    ap.add_argument("--costs", action="store_true", help="measure seconds per forward (full vs from L0)")
-    ap.add_argument("--tag", default=None)
-    ap.add_argument("--out", default="results/")
+    ap.add_argument("--tag", default=None, help="sub-folder of --out (default: the model name)")
+    ap.add_argument("--out", default="results/causal")
     ap.add_argument("--queue", default=None, help="file with one study's arguments per line, run in order")
+    ap.add_argument("--print", action="store_true", help="print the posgen-tl command(s) and stop")
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
+def study_argv(a: argparse.Namespace) -> list[str]:
+    """The ``posgen-tl`` arguments of one run (``study tolerance …``)."""
+    params = {"target_len": a.target_len, "fracs": a.fracs, "seeds": a.seeds, "alpha": a.alpha, "controls": a.controls,
+              "n_ref": a.n_ref, "match_subset": a.match_subset, "match_steps": a.match_steps, "batch_size": a.batch_size,
+              "t12": str(bool(a.t12 or a.t12_only)).lower(), "causal": str(not a.t12_only).lower(),
+              "twin_seeds": a.twin_seeds or a.seeds}
+    if a.layers:
+        params["layers"] = a.layers
+    out = Path(a.out) / (a.tag or a.model)
+    argv = ["study", "tolerance", "--model", a.model, "--n-seq", str(a.n_seq), "--seq-len", str(a.seq_len),
+            "--out", str(out)]
+    for k, v in params.items():
+        argv += ["--param", f"{k}={v}"]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    if a.queue:
-        jobs = [ln.split() for ln in Path(a.queue).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-        for job in jobs:
-            print(f"[study] queue: {' '.join(job)}", flush=True)
-            run(parser().parse_args(job))
-        return
-    run(a)
+    jobs = ([parser().parse_args(shlex.split(ln)) for ln in Path(a.queue).read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")] if a.queue else [a])
+    cmds = [study_argv(j) for j in jobs]
+    for c in cmds:
+        print("posgen-tl " + shlex.join(c), flush=True)
+    if a.print:
+        return 0
+    if len(cmds) == 1:
+        from posgen_tl.cli import main as cli  # noqa: PLC0415
 
+        return cli(cmds[0])
+    # a queue: one process, the model loaded once per model name
+    import matplotlib  # noqa: PLC0415
 
-def run(a: argparse.Namespace) -> None:
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = a.tag or a.model
-    fracs = tuple(float(x) for x in a.fracs.split(","))
-    seeds = tuple(int(x) for x in a.seeds.split(","))
-    t0 = time.time()
-    if a.model not in _MODELS:
-        _MODELS.clear()  # one model in memory at a time
-        _MODELS[a.model] = load_model(a.model)
-    model = _MODELS[a.model]
-    print(f"[study] {tag}: {a.model} ready in {time.time() - t0:.0f}s", flush=True)
-    if a.costs:
-        ana, _ = ca.study_windows(model, None, n_seq=8, seq_len=a.seq_len, n_ref=2)
-        layer = (a.layers or [10])[0]
-        c = ca.forward_costs(model, ana.tokens, layer, target_len=a.target_len)
-        (out / f"{tag}_forward_costs.json").write_text(json.dumps(c, indent=1))
-        print("[study] forward costs", c, flush=True)
-    if a.t12 or a.t12_only:
-        ts = tuple(int(x) for x in a.twin_seeds.split(",")) if a.twin_seeds else None
-        r = ca.t1_t2_study(model, None, n_seq=a.n_seq, seq_len=a.seq_len, target_len=a.target_len, fracs=fracs,
-                           seeds=seeds, twin_seeds=ts, batch_size=a.batch_size)
-        ca.write_t12_outputs(r, out, f"t12_{tag}")
-        print(ca.t12_markdown(r), flush=True)
-    if a.t12_only:
-        return
+    matplotlib.use("Agg")
+    from posgen_tl.models import load_model  # noqa: PLC0415
+    from posgen_tl.report.context import ReportConfig  # noqa: PLC0415
+    from posgen_tl.report.params import parse_param_args  # noqa: PLC0415
+    from posgen_tl.studies import run_study  # noqa: PLC0415
 
-    def partial(res: ca.CausalResult) -> None:
-        res.config["command"] = command
-        ca.write_causal_outputs(res, out, f"causal_{tag}_partial")
-        c = res.contrasts
-        prim = c[c["primary"].astype(bool)] if len(c) else c
-        print(f"[study] {time.strftime('%H:%M:%S')} partial {res.config['n_seq_done']} running "
-              f"{res.config['conditions_running']}: " + ("; ".join(f"{r.contrast} n={r.n_seq} d={r.mean_diff:.3g} "
-              f"p={r.p_exact:.3g}" for r in c.itertuples()) if len(c) else "no contrast yet"), flush=True)
-
-    command = "python scripts/causal_study.py " + " ".join(_argv(a))
-    res = ca.causal_study(model, None, n_seq=a.n_seq, seq_len=a.seq_len, target_len=a.target_len, fracs=fracs,
-                          seeds=seeds, layers=a.layers, fast=a.fast, slow=a.slow, alpha=a.alpha,
-                          controls=tuple(a.controls.split(",")), match_subset=a.match_subset,
-                          batch_size=a.batch_size, on_partial=partial)
-    res.config["command"] = command
-    p = ca.write_causal_outputs(res, out, f"causal_{tag}")
-    print(p["md"].read_text(), flush=True)
-    print(f"[study] total {time.time() - t0:.0f}s", flush=True)
-
-
-def _argv(a: argparse.Namespace) -> list[str]:
-    """The arguments that reproduce this one study (for the record in its outputs)."""
-    out = []
-    for k, v in vars(a).items():
-        if k == "queue" or v is None or v is False:
-            continue
-        flag = "--" + k.replace("_", "-")
-        if v is True:
-            out.append(flag)
-        elif isinstance(v, list):
-            out += [flag, ",".join(map(str, v))]
-        else:
-            out += [flag, str(v)]
-    return out
+    model, name = None, None
+    for j, c in zip(jobs, cmds):
+        if j.model != name:
+            model, name = None, j.model
+            model = load_model(j.model, verbose=True)
+        params = parse_param_args([c[i + 1] for i, x in enumerate(c) if x == "--param"])
+        cfg = ReportConfig(model=j.model, seq_len=j.seq_len, n_seq=j.n_seq, out=c[c.index("--out") + 1], params=params)
+        run_study("tolerance", cfg, model=model, command="posgen-tl " + shlex.join(c))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

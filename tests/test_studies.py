@@ -162,3 +162,29 @@ def test_study_parameters_bad_input(tiny, corpus, tmp_path, capsys):
     assert "unknown parameter 'controls' for heads" in err and "n_prompts" in err
     assert main(["report", "--param", "nope=1", "--out", str(tmp_path / "z")]) == 2
     assert "unknown parameter 'nope'" in capsys.readouterr().err
+
+
+def test_causal_script_is_a_thin_wrapper_over_the_study_command(capsys, tmp_path):
+    """scripts/causal_study.py only translates the README's sizes into `posgen-tl study tolerance`."""
+    import importlib.util
+
+    from posgen_tl.report.params import check_params, parse_param_args
+
+    spec = importlib.util.spec_from_file_location("causal_script", Path(__file__).parent.parent / "scripts" / "causal_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--model", "gemma3-270m", "--n-seq", "32", "--layers", "6-11", "--tag", "g", "--out", str(tmp_path),
+                     "--print"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    argv = line.split()
+    assert argv[:4] == ["posgen-tl", "study", "tolerance", "--model"] and argv[4] == "gemma3-270m"
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "g") and argv[argv.index("--n-seq") + 1] == "32"
+    params = parse_param_args([argv[i + 1] for i, x in enumerate(argv) if x == "--param"])
+    check_params(params, ["tolerance"])  # every translated option is a declared study parameter
+    assert params["layers"] == "6-11" and params["controls"] == "C1,C2,C3,C4" and params["causal"] == "true"
+    assert params["t12"] == "false"
+    q = tmp_path / "jobs.txt"
+    q.write_text("# two studies\n--n-seq 64 --layers 20-29 --tag a\n--n-seq 64 --t12-only --tag b\n")
+    assert mod.main(["--queue", str(q), "--print"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and "causal=false" in lines[1] and "t12=true" in lines[1] and "layers=20-29" in lines[0]

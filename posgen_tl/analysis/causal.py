@@ -871,11 +871,18 @@ def write_causal_outputs(result: CausalResult, out_dir: str | Path, tag: str = "
 
 def load_causal_outputs(out_dir: str | Path, tag: str = "causal") -> CausalResult:
     """Read back what :func:`write_causal_outputs` wrote (``{tag}_*.csv`` and ``{tag}_config.json``)
-    as a :class:`CausalResult` (tables as written; nothing is recomputed)."""
+    — or the tolerance study's folder (``posgen-tl study tolerance``, ``tag="causal"``) — as a
+    :class:`CausalResult` (tables as written; nothing is recomputed)."""
     import json  # noqa: PLC0415
 
     out = Path(out_dir)
-    read = lambda k: pd.read_csv(out / f"{tag}_{k}.csv") if (out / f"{tag}_{k}.csv").stat().st_size > 1 else pd.DataFrame()  # noqa: E731
+
+    def read(k: str) -> pd.DataFrame:
+        p = out / f"{tag}_{k}.csv"
+        if k == "contrasts" and not p.exists():  # a study/report folder names the contrasts table ``causal_table.csv``
+            p = out / f"{tag}_table.csv"
+        return pd.read_csv(p) if p.stat().st_size > 1 else pd.DataFrame()
+
     return CausalResult(read("rows"), read("kl"), read("conditions"), read("contrasts"),
                         json.loads((out / f"{tag}_config.json").read_text()))
 

@@ -349,7 +349,9 @@ def tolerance_compute(ctx) -> None:
                               layers=P.get("layers"),  # None: the middle third (the recipe's default)
                               controls=controls, alpha=P.get("alpha", 0.5), match_subset=min(P.get("match_subset", 16), n),
                               match_steps=P.get("match_steps", 2 if cfg.quick else 3), seed=cfg.seed, windows=(ana, ref),
-                              batch_size=P.get("batch_size", 4))
+                              batch_size=P.get("batch_size", 4), on_partial=lambda r: _save_partial(ctx, r))
+        for f in ("causal_partial_conditions.csv", "causal_partial_table.csv", "causal_partial_config.json"):
+            ctx.work.path(f).unlink(missing_ok=True)  # complete now: no partial tables beside the final ones
         ctx.work.save_df("causal_rows.csv", res.rows)
         ctx.work.save_df("causal_kl.csv", res.kl)
         ctx.work.save_df("causal_conditions.csv", res.conditions)
@@ -359,6 +361,13 @@ def tolerance_compute(ctx) -> None:
         meta.update({k: res.config[k] for k in ("layers", "fast", "slow", "alpha", "primary", "n_docs", "match_subset")})
         meta.update(controls=list(controls))
     ctx.work.save_json("causal_meta.json", meta)
+
+
+def _save_partial(ctx, res) -> None:
+    """A long causal run writes its tables as they come (``causal_partial_*``; config says how far)."""
+    ctx.work.save_df("causal_partial_conditions.csv", res.conditions)
+    ctx.work.save_df("causal_partial_table.csv", res.contrasts)
+    ctx.work.save_json("causal_partial_config.json", res.config)
 
 
 def tolerance_render(ctx) -> tuple[Section, dict]:
