@@ -71,6 +71,7 @@ __all__ = [
     "match_alpha",
     "attention_kl",
     "condition_rows",
+    "curve_rows",
     "per_sequence_slopes",
     "contrasts_from_rows",
     "summarize_conditions",
@@ -316,6 +317,19 @@ def condition_rows(
     clean = nll_on_target(model, windows.tokens, target_len=target_len, fwd_hooks=hooks + extra, batch_size=bs)
     if kl is not None:
         kl_vals = torch.zeros(bs) if cond.key == "none" else kl.per_sequence()
+    rows = curve_rows(model, windows, clean, fracs=fracs, seeds=seeds, mode=mode, target_len=target_len,
+                      base_seed=base_seed, fwd_hooks=hooks)
+    return pd.DataFrame(rows), clean, kl_vals
+
+
+def curve_rows(
+    model: Any, windows: Windows, clean: Float[Tensor, "batch"], *, fracs: Sequence[float], seeds: Sequence[int],
+    mode: str, target_len: int, base_seed: int = 0, fwd_hooks: Sequence = (),
+) -> list[dict]:  # fmt: skip
+    """The tolerance curve of one batch: one pass per (frac > 0, seed) of :func:`perturbed_inputs`
+    (``frac = 0`` reuses ``clean``), with ``fwd_hooks`` attached. Returns one dict per (frac, seed,
+    sequence): ``seq`` (position in ``windows``), ``frac, seed, clean_nll, nll, delta``."""
+    bs = windows.tokens.shape[0]
     rows = []
     for frac in fracs:
         for seed in seeds:
@@ -323,12 +337,12 @@ def condition_rows(
                 nll = clean
             else:
                 toks, pid = perturbed_inputs(windows, frac, seed, mode, target_len=target_len, base_seed=base_seed)
-                nll = nll_on_target(model, toks, target_len=target_len, position_ids=pid, fwd_hooks=hooks,
+                nll = nll_on_target(model, toks, target_len=target_len, position_ids=pid, fwd_hooks=list(fwd_hooks),
                                     batch_size=bs)
             for i in range(bs):
                 rows.append(dict(seq=i, frac=float(frac), seed=int(seed), clean_nll=float(clean[i]),
                                  nll=float(nll[i]), delta=float(nll[i] - clean[i])))
-    return pd.DataFrame(rows), clean, kl_vals
+    return rows
 
 
 # ----------------------------------------------------------------------------- statistics glue
@@ -703,18 +717,10 @@ def t1_t2_study(
             w = ana.subset(b)
             clean = nll_on_target(m, w.tokens, target_len=target_len, batch_size=len(b))
             for mode in ("T1", "T2"):
-                rows = []
-                for frac in fracs:
-                    for sd in sds:
-                        if frac == 0:
-                            nll = clean
-                        else:
-                            toks, pid = perturbed_inputs(w, frac, sd, mode, target_len=target_len, base_seed=seed)
-                            nll = nll_on_target(m, toks, target_len=target_len, position_ids=pid, batch_size=len(b))
-                        for i, s in enumerate(b):
-                            rows.append(dict(twin=name, mode=mode, seq=s, frac=float(frac), seed=int(sd),
-                                             clean_nll=float(clean[i]), nll=float(nll[i]), delta=float(nll[i] - clean[i])))
-                frames.append(pd.DataFrame(rows))
+                df = pd.DataFrame(curve_rows(m, w, clean, fracs=fracs, seeds=sds, mode=mode, target_len=target_len,
+                                             base_seed=seed))
+                df["seq"] = [b[i] for i in df["seq"]]
+                frames.append(df.assign(twin=name, mode=mode))
                 bar.update(1)
         bar.close()
         times[f"{name}_s"] = time.time() - t0
