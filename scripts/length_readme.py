@@ -1,9 +1,11 @@
-"""Assemble README-ready tables for longer texts and sufficiency from results/length/*.csv.
+"""Assemble README-ready tables for longer texts and sufficiency.
 
     python scripts/length_readme.py --dir results/length
 
-Prints markdown tables (numbers only, from the summary CSVs written by length_results.py); the
-prose around them is written by hand from these numbers.
+Reads the study folders under ``--dir`` (``posgen-tl study length|sufficiency|gap_attention``, as
+run by ``scripts/length_results.py``) and the older flat outputs (``length_*_summary_<tag>.csv``).
+Prints markdown tables (numbers only, from the summary CSVs); the prose around them is written by
+hand from these numbers.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def p(r) -> str:
 def table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(k for r in rows for k in r))  # every column any row has, first-seen order
     out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    out += ["| " + " | ".join(str(r.get(c, "—")) for c in cols) + " |" for r in rows]
     return "\n".join(out)
 
 
@@ -104,6 +106,29 @@ def head_table(s: pd.DataFrame) -> str:
     return table(rows)
 
 
+def disentangled_vs_cap(rows: pd.DataFrame) -> str:
+    """Paired disentangled − LM-Infinite per position bucket where they differ (document clusters:
+    bootstrap CI, sign-flip p, Holm over the buckets) — is the approximation better than the cap?"""
+    from posgen_tl import stats  # noqa: PLC0415
+
+    w = rows.pivot_table(index=["seq", "doc", "bucket_start"], columns="condition", values="nll").reset_index()
+    out = []
+    for b, g in w.groupby("bucket_start"):
+        d = (g["disentangled"] - g["lm_infinite"]).to_numpy()
+        if np.abs(d).max() == 0:
+            continue
+        m, lo, hi = stats.bootstrap_ci(d, clusters=g["doc"].to_numpy())
+        out.append(dict(b=b, m=m, lo=lo, hi=hi, p=stats.sign_flip_test(d, clusters=g["doc"].to_numpy()), n=len(g),
+                        docs=g["doc"].nunique()))
+    ph = stats.holm([r["p"] for r in out])
+    lines = ["| tokens | disentangled − LM-Infinite [doc bootstrap CI] | sign-flip p | Holm p | n seq / docs |",
+             "|---|---|---|---|---|"]
+    for r, h in zip(out, ph):
+        lines.append(f"| {int(r['b'])}–{int(r['b']) + 255} | {r['m']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}] | "
+                     f"{r['p']:.3g} | {h:.3g} | {r['n']} / {r['docs']} |")
+    return "\n".join(lines)
+
+
 def config(md: Path) -> dict:
     m = re.search(r"```\n(\{.*?\})\n```", md.read_text(), re.S)
     return json.loads(m.group(1)) if m else {}
@@ -114,6 +139,27 @@ def main() -> None:
     ap.add_argument("--dir", default="results/length")
     a = ap.parse_args()
     d = Path(a.dir)
+    study_files = {"gap": ("length_gap_summary.csv", "length_gap_meta.json", None),
+                   "window": ("length_window_summary.csv", "length_window_meta.json", "length_window_rows.csv"),
+                   "sufficiency": ("sufficiency_summary.csv", "sufficiency_meta.json", None),
+                   "attention": ("gap_attention_summary.csv", "gap_attention_meta.json", None)}
+    for sub in sorted(p for p in d.iterdir() if p.is_dir()):
+        for kind, (summ, meta, rows_name) in study_files.items():
+            if not (sub / summ).exists():
+                continue
+            rec = next((json.loads(j.read_text()) for j in sub.glob("*.json") if j.stem in ("length", "sufficiency",
+                                                                                          "gap_attention")), {})
+            s = pd.read_csv(sub / summ)
+            print(f"\n### {kind} — {sub.name}\n")
+            print("config:", (sub / meta).read_text().replace("\n", " ") if (sub / meta).exists() else "{}")
+            print(f"command: `{rec.get('command', '?')}` — wall {rec.get('wall_seconds', float('nan')):.0f} s, "
+                  f"commit {rec.get('git_commit', '?')}\n")
+            print({"gap": gap_table, "window": window_table, "sufficiency": suff_table, "attention": head_table}[kind](s))
+            if rows_name and (sub / rows_name).exists():
+                print("\n" + disentangled_vs_cap(pd.read_csv(sub / rows_name)))
+            if kind == "attention":
+                print("\nclasses:", s["classes"].iloc[0], "| positional heads:", s["n_heads_positional"].iloc[0],
+                      "| symbolic heads:", s["n_heads_symbolic"].iloc[0])
     for f in sorted(d.glob("length_*_summary_*.csv")):
         kind = f.name.split("_")[1]
         tag = f.name.split("_summary_")[1][:-4]
@@ -123,6 +169,9 @@ def main() -> None:
         if mdf.exists():
             print("config:", json.dumps(config(mdf)), "\n")
         print({"gap": gap_table, "window": window_table, "sufficiency": suff_table, "attention": head_table}[kind](s))
+        rows_f = d / f"length_{kind}_rows_{tag}.csv"
+        if kind == "window" and rows_f.exists():
+            print("\n" + disentangled_vs_cap(pd.read_csv(rows_f)))
         if kind == "attention":
             print("\nclasses:", s["classes"].iloc[0], "| positional heads:", s["n_heads_positional"].iloc[0],
                   "| symbolic heads:", s["n_heads_symbolic"].iloc[0])

@@ -188,3 +188,41 @@ def test_causal_script_is_a_thin_wrapper_over_the_study_command(capsys, tmp_path
     assert mod.main(["--queue", str(q), "--print"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and "causal=false" in lines[1] and "t12=true" in lines[1] and "layers=20-29" in lines[0]
+
+
+@pytest.mark.parametrize("what,study,must", [
+    ("gap", "length", {"window": "false", "gaps": "0,2"}),
+    ("window", "length", {"gap": "false", "window_n_seq": "16", "window_seq_len": "2048"}),
+    ("sufficiency", "sufficiency", {"tolerance": "d3:all", "target_len": "64"}),
+    ("attention", "gap_attention", {"classes": "heads.csv", "gap": "2.0"}),
+])
+def test_length_script_is_a_thin_wrapper_over_study_commands(capsys, tmp_path, what, study, must):
+    import importlib.util
+
+    from posgen_tl.report.params import check_params, parse_param_args
+
+    spec = importlib.util.spec_from_file_location("length_script", Path(__file__).parent.parent / "scripts" / "length_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    extra = {"gap": ["--gaps", "0,2"], "window": ["--seq-len", "2048"], "sufficiency": ["--tolerance", "d3:all"],
+             "attention": ["--classes", "heads.csv"]}[what]
+    assert mod.main([what, "--n-seq", "16", "--out", str(tmp_path), "--print", *extra]) == 0
+    argv = capsys.readouterr().out.strip().split()
+    assert argv[1:3] == ["study", study] and argv[argv.index("--n-seq") + 1] == "16"
+    params = parse_param_args([argv[i + 1] for i, x in enumerate(argv) if x == "--param"])
+    check_params(params, [study])  # every translated option is a declared parameter of that study
+    assert must.items() <= params.items()
+    assert study in STUDIES
+
+
+def test_gap_attention_study_uses_the_taxonomy_table(tiny, corpus, tmp_path):
+    heads = pd.DataFrame(dict(twin="trained", layer=[0, 0, 1, 1, 2, 2], head=[0, 1, 0, 1, 0, 1],
+                              label=["positional", "symbolic"] * 3))
+    heads.to_csv(tmp_path / "heads.csv", index=False)
+    cfg = _cfg(tmp_path / "s", corpus["folder"], params={"n_ref": "2", "skip": "2",
+                                                         "classes": str(tmp_path / "heads.csv")})
+    md = run_study("gap_attention", cfg, model=tiny, command="posgen-tl study gap_attention ...")
+    summ = pd.read_csv(md.parent / "gap_attention_summary.csv")
+    assert (summ["classes"] == "taxonomy").all() and summ["n_heads_positional"].iloc[0] == 3
+    assert "kl: positional − symbolic" in set(summ["estimator"])
+    assert "Attention change under the gap" in md.read_text()

@@ -168,6 +168,8 @@ def length_findings(ctx: Any) -> list[Finding]:
     skip = _skipped_finding(ctx, "length_gap_meta.json", "length")
     if skip is not None:
         return skip
+    if ctx.work.load_json("length_gap_meta.json").get("gap", True) is False:
+        return [Finding("length", "not run", note="gap probe not run (study parameter gap=false)")]
     summ = ctx.work.load_df("length_gap_summary.csv")
     d = summ[(summ["estimator"] == "d_vs_gap0") & (summ["condition"] == "vanilla")]
     if d.empty:

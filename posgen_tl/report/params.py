@@ -11,7 +11,8 @@ different parameters.
 Values are text on the command line:
 
 * ``ints`` — ``10-19`` or ``0,5,10-12``; ``floats`` — ``0,0.02,0.05``; ``names`` — ``C1,C2``;
-* ``int`` / ``float``; ``bool`` — ``true/false/yes/no/1/0``;
+* ``int`` (positive) / ``count`` (any integer) / ``float``; ``bool`` — ``true/false/yes/no/1/0``;
+  ``text`` — taken as given (e.g. a file path);
 * ``pairs`` — ``d3:all,d3:20–29`` (``source:group`` of the sufficiency test).
 
 An unknown key or a value that does not parse is an error naming the key, the stage and what
@@ -87,6 +88,7 @@ def _pos_int(s: str) -> int:
 
 PARSERS: dict[str, Callable[[str], Any]] = {
     "ints": _ints, "floats": _floats, "names": _names, "int": _pos_int, "float": float, "bool": _bool, "pairs": _pairs,
+    "text": str, "count": int,
 }
 
 
@@ -137,9 +139,22 @@ STAGE_PARAMS: dict[str, dict[str, Param]] = {
         "suffix_len": Param("int", "suffix tokens (default seq_len / 2)"),
         "skip": Param("int", "first suffix tokens left out of the NLL"),
         "batch_size": _BATCH,
+        "gap": Param("bool", "run the gap probe"),
+        "delta0": Param("count", "reference offset Δ0 of the disentangled logits f(q, C) + g_Δ0"),
         "window": Param("bool", "run window removal on sliding-window models"),
         "window_seq_len": Param("int", "tokens per sequence of the window-removal run"),
         "window_n_seq": Param("int", "sequences of the window-removal run"),
+        "bucket": Param("int", "position bucket of the window-removal NLL"),
+        "max_per_doc": Param("int", "window removal: most windows taken from one long document"),
+    },
+    "gap_attention": {
+        "n_ref": _N_REF,
+        "gap": Param("float", "the gap G in units of the model's n_ctx"),
+        "prefix_len": Param("int", "prefix tokens (default seq_len / 2)"),
+        "suffix_len": Param("int", "suffix tokens (default seq_len / 2)"),
+        "skip": Param("int", "first suffix query rows left out"),
+        "classes": Param("text", "per-head §6 taxonomy table (heads.csv / heads_<model>.csv) for the head classes; "
+                                 "default: the D3 f_share proxy"),
     },
     "sufficiency": {
         "n_ref": _N_REF,
@@ -147,6 +162,7 @@ STAGE_PARAMS: dict[str, dict[str, Param]] = {
         "tolerance": Param("pairs", "source:group pairs whose T1 tolerance slope is measured, e.g. d3:all"),
         "fracs": Param("floats", "swap fractions of the tolerance slopes (must include 0)"),
         "gamma": Param("float", "per-row quantile of the 'd3_quantile' source"),
+        "delta0": Param("count", "reference offset Δ0 of g_Δ0"),
         "batch_size": _BATCH,
     },
 }

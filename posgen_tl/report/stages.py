@@ -529,21 +529,26 @@ def length_compute(ctx) -> None:
     half = max(16, cfg.seq_len // 2)
     pre, suf = P.get("prefix_len", half), P.get("suffix_len", half)
     gaps = tuple(P.get("gaps", (0.0, 1.0, 2.0) if cfg.quick else (0.0, 0.25, 0.5, 1.0, 2.0)))
-    try:
-        res = gap_probe(ctx.model, cfg.corpus, prefix_len=pre, suffix_len=suf, gaps=gaps,
-                        skip=P.get("skip", min(16, suf // 4)), n_seq=cfg.n_seq, n_ref=_n_ref(ctx, "length"),
-                        seed=cfg.seed, batch_size=P.get("batch_size", 2))
-    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
-        ctx.work.save_json("length_gap_meta.json", {"skipped": f"longer-texts stage skipped: {e}"})
-        return
-    ctx.work.save_df("length_gap_rows.csv", res.rows)
-    ctx.work.save_df("length_gap_summary.csv", res.summary)
-    ctx.work.save_json("length_gap_meta.json", res.config)
-    ctx.work.save_fig("fig_length_gap.png", plot_gap_probe(res.summary, title=f"Gap probe — {ctx.model_name}"))
+    meta: dict[str, Any] = {}
+    if P.get("gap", True):
+        try:
+            res = gap_probe(ctx.model, cfg.corpus, prefix_len=pre, suffix_len=suf, gaps=gaps,
+                            skip=P.get("skip", min(16, suf // 4)), n_seq=cfg.n_seq, n_ref=_n_ref(ctx, "length"),
+                            delta0=P.get("delta0", 0), seed=cfg.seed, batch_size=P.get("batch_size", 2))
+        except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
+            ctx.work.save_json("length_gap_meta.json", {"skipped": f"longer-texts stage skipped: {e}"})
+            return
+        ctx.work.save_df("length_gap_rows.csv", res.rows)
+        ctx.work.save_df("length_gap_summary.csv", res.summary)
+        meta = res.config
+        ctx.work.save_fig("fig_length_gap.png", plot_gap_probe(res.summary, title=f"Gap probe — {ctx.model_name}"))
+    ctx.work.save_json("length_gap_meta.json", meta if meta else {"gap": False})
     if local_layers(ctx.model) and P.get("window", True):
         n = P.get("window_seq_len", 768 if cfg.quick else 2048)
         wr = window_removal(ctx.model, cfg.corpus, seq_len=n, n_seq=P.get("window_n_seq", 2 if cfg.quick else 4),
-                            bucket=256, n_ref=_n_ref(ctx, "length"), seed=cfg.seed)
+                            bucket=P.get("bucket", 256), n_ref=_n_ref(ctx, "length"), delta0=P.get("delta0", 0),
+                            max_per_doc=P.get("max_per_doc"), seed=cfg.seed)
+        ctx.work.save_df("length_window_rows.csv", wr.rows)
         ctx.work.save_df("length_window_summary.csv", wr.summary)
         ctx.work.save_json("length_window_meta.json", wr.config)
         ctx.work.save_fig("fig_length_window.png", plot_window_removal(wr.summary, title=f"Window removal — {ctx.model_name}"))
@@ -570,20 +575,26 @@ def length_render(ctx) -> tuple[Section, dict]:
     meta = ctx.work.load_json("length_gap_meta.json")
     if "skipped" in meta:
         return _skipped("6 · Longer texts: unseen distances (METHOD §7)", meta["skipped"])
-    summ = ctx.work.load_df("length_gap_summary.csv")
-    cols = ["condition", "gap_frac", "gap", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs", "label"]
-    tables = [("Suffix NLL per gap and condition; d_vs_gap0 / d_vs_vanilla are paired changes (document-bootstrap CI, "
-               "sign-flip p, Holm)", summ[[c for c in cols if c in summ.columns]])]
-    figures = [(_png(ctx, "fig_length_gap.png"), "Suffix NLL vs gap G, vanilla / LM-Infinite / disentangled")]
-    res: dict[str, Any] = {"gap": summ.to_dict("records"), "meta": meta}
-    paras = [f"Sequence = prefix ({meta['prefix_len']} tokens) ‖ suffix ({meta['suffix_len']}); suffix ids shifted by G. "
-             "RoPE logits depend on ids only through i − j, so G changes only the suffix→prefix distances (a constant "
-             "shift of all ids changes nothing); at G ≥ n_ctx the suffix sees its prefix at distances never trained on. "
-             f"NLL of suffix tokens after the first {meta['skip']}. Conditions: LM-Infinite clamps distances > C = "
-             f"{meta['cap']} (first {meta['n_sink']} key at its true distance); 'disentangled' replaces them by "
-             f"f(q, C) + g_Δ0 (Δ0 = {meta['delta0']}, global k̄ from disjoint documents). Where no distance exceeds C "
-             "both are exact no-ops. The random twin is not shown: its NLL is near log|V| at every gap, so a gap "
-             "effect there means nothing."]
+    tables, figures, paras, verdict = [], [], [], "The gap probe was not run (study parameter gap=false)."
+    res: dict[str, Any] = {"meta": meta}
+    if meta.get("gap", True) is not False:
+        summ = ctx.work.load_df("length_gap_summary.csv")
+        cols = ["condition", "gap_frac", "gap", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs",
+                "label"]
+        tables.append(("Suffix NLL per gap and condition; d_vs_gap0 / d_vs_vanilla are paired changes "
+                       "(document-bootstrap CI, sign-flip p, Holm)", summ[[c for c in cols if c in summ.columns]]))
+        figures.append((_png(ctx, "fig_length_gap.png"), "Suffix NLL vs gap G, vanilla / LM-Infinite / disentangled"))
+        res["gap"] = summ.to_dict("records")
+        verdict = _verdict_gap(summ)
+        paras.append(
+            f"Sequence = prefix ({meta['prefix_len']} tokens) ‖ suffix ({meta['suffix_len']}); suffix ids shifted by G. "
+            "RoPE logits depend on ids only through i − j, so G changes only the suffix→prefix distances (a constant "
+            "shift of all ids changes nothing); at G ≥ n_ctx the suffix sees its prefix at distances never trained on. "
+            f"NLL of suffix tokens after the first {meta['skip']}. Conditions: LM-Infinite clamps distances > C = "
+            f"{meta['cap']} (first {meta['n_sink']} key at its true distance); 'disentangled' replaces them by "
+            f"f(q, C) + g_Δ0 (Δ0 = {meta['delta0']}, global k̄ from disjoint documents). Where no distance exceeds C "
+            "both are exact no-ops. The random twin is not shown: its NLL is near log|V| at every gap, so a gap "
+            "effect there means nothing.")
     try:
         wsum = ctx.work.load_df("length_window_summary.csv")
         wmeta = ctx.work.load_json("length_window_meta.json")
@@ -593,7 +604,7 @@ def length_render(ctx) -> tuple[Section, dict]:
         res["window"] = wsum.to_dict("records")
     except FileNotFoundError:
         pass
-    sec = Section("6 · Longer texts: unseen distances (METHOD §7)", verdict=_verdict_gap(summ), paragraphs=paras,
+    sec = Section("6 · Longer texts: unseen distances (METHOD §7)", verdict=verdict, paragraphs=paras,
                   tables=tables, figures=figures)
     return sec, res
 
@@ -614,10 +625,11 @@ def sufficiency_compute(ctx) -> None:
         res = sufficiency(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
                           target_len=P.get("target_len", min(64, cfg.seq_len // 4)), n_ref=_n_ref(ctx, "sufficiency"),
                           tolerance=tol, fracs=tuple(P.get("fracs", (0.0, 0.1, 0.2))), gamma=P.get("gamma", 0.9),
-                          batch_size=P.get("batch_size", 4), seed=cfg.seed)
+                          delta0=P.get("delta0", 0), batch_size=P.get("batch_size", 4), seed=cfg.seed)
     except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
         ctx.work.save_json("sufficiency_meta.json", {"skipped": f"sufficiency stage skipped: {e}"})
         return
+    ctx.work.save_df("sufficiency_rows.csv", res.rows)
     ctx.work.save_df("sufficiency_summary.csv", res.summary)
     ctx.work.save_json("sufficiency_meta.json", res.config)
     ctx.work.save_fig("fig_sufficiency.png", plot_sufficiency(res.summary, title=f"Sufficiency — {ctx.model_name}"))
