@@ -224,3 +224,19 @@ def test_smollm2_prefix_exact_and_windows_disjoint(smollm2):
         full = nll_on_target(smollm2, ana.tokens, target_len=16, position_ids=pid, batch_size=2)
         resumed = nll_on_target(smollm2, ana.tokens, target_len=16, position_ids=pid, batch_size=2, resid_at=(10, resid))
     torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
+
+
+def test_causal_reading_says_when_the_control_carries_a_depends():
+    def table(p_none, verdict_c1="depends"):
+        return pd.DataFrame([
+            dict(contrast="destroy vs C1", mean_diff=0.36, boot_lo=0.26, boot_hi=0.45, p_holm=0.0003, verdict=verdict_c1),
+            dict(contrast="destroy vs none", mean_diff=-0.02, boot_lo=-0.16, boot_hi=0.12, p_holm=p_none,
+                 verdict="no evidence")])
+
+    text = ca.causal_reading(table(0.98))
+    assert "`destroy` itself does not measurably change" in text and "`destroy vs C1` (+0.36)" in text
+    assert "Holm p = 0.98" in text and "not evidence" in text
+    assert ca.causal_reading(table(0.001)) is None  # the intervention moves tolerance itself: no caveat
+    assert ca.causal_reading(table(0.98, "no evidence")) is None  # nothing reads "depends"
+    assert ca.causal_reading(table(0.98).iloc[:1]) is None  # no "vs none" contrast in the family
+    assert ca.causal_reading(pd.DataFrame()) is None

@@ -81,6 +81,7 @@ __all__ = [
     "write_causal_outputs",
     "load_causal_outputs",
     "causal_markdown",
+    "causal_reading",
     "write_t12_outputs",
     "t12_markdown",
 ]
@@ -822,6 +823,31 @@ CONTRAST_COLS = ["contrast", "primary", "n_seq", "n_docs", "mean_diff", "boot_lo
                  "verdict"]
 
 
+def causal_reading(contrasts: pd.DataFrame, alpha: float = 0.05) -> str | None:
+    """Which side carries a "depends"? A contrast ``intervention vs control`` can pass the METHOD §8
+    rule because the CONTROL changes tolerance while the intervention does not. When the family
+    holds ``<intervention> vs none`` and that contrast is not significant (Holm p ≥ ``alpha``)
+    while some ``<intervention> vs <control>`` reads "depends", return the sentence that says so
+    (with both effects); else ``None``. Returns text for tables and reports, never a verdict."""
+    if contrasts is None or not len(contrasts) or "contrast" not in contrasts:
+        return None
+    c = contrasts.set_index("contrast")
+    out = []
+    for iv in dict.fromkeys(str(x).split(" vs ")[0] for x in c.index):
+        key = f"{iv} vs none"
+        if key not in c.index or not c.loc[key, "p_holm"] >= alpha:
+            continue
+        dep = [k for k in c.index if k.startswith(f"{iv} vs ") and k != key and str(c.loc[k, "verdict"]).startswith("depends")]
+        if dep:
+            r = c.loc[key]
+            out.append(f"`{iv}` itself does not measurably change the tolerance slope ({key}: {r['mean_diff']:+.3g} "
+                       f"[{r['boot_lo']:+.3g}, {r['boot_hi']:+.3g}], Holm p = {r['p_holm']:.3g}); the \"depends\" of "
+                       + ", ".join(f"`{k}` ({c.loc[k, 'mean_diff']:+.3g})" for k in dep)
+                       + " is carried by the control's own change of the slope. This is not evidence that tolerance "
+                       "depends on what the intervention removes.")
+    return " ".join(out) or None
+
+
 def causal_markdown(result: CausalResult, title: str = "Causal test") -> str:
     """Markdown: the per-condition table, the verdict table (from ``verdict_table`` only),
     each contrast's reason, and the configuration."""
@@ -851,6 +877,9 @@ def causal_markdown(result: CausalResult, title: str = "Causal test") -> str:
         lines += ["", "### Contrasts (one family, Holm-adjusted; verdicts from `posgen_tl.stats.verdict_table`)", "",
                   _md(result.contrasts, CONTRAST_COLS), ""]
         lines += [f"- `{r.contrast}`: {r.verdict} — {r.reason}" for r in result.contrasts.itertuples()]
+        reading = causal_reading(result.contrasts)
+        if reading:
+            lines += ["", f"**Reading.** {reading}"]
     w = c.get("wall_s", {})
     lines += ["", f"Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in w.items()) + f"; commit {c.get('commit')}.", ""]
     return "\n".join(lines)

@@ -117,9 +117,16 @@ def causal_findings(ctx: Any) -> list[Finding]:
             return [Finding("causal", "not testable", n=n, note=str(e))]
     prim = table[table["primary"].astype(bool)] if "primary" in table.columns else table
     r = (prim if len(prim) else table).iloc[0]
+    from ..analysis.causal import causal_reading  # noqa: PLC0415
+
+    reading = causal_reading(table.assign(contrast=[f"{a} vs {b}" for a, b in zip(table["intervention"],
+                                                                                     table["control"])]))
+    note = f"{r['intervention']} vs {r['control']}; Holm p"
+    if reading and str(r["verdict"]).startswith("depends"):
+        note += f"; CAUTION: {r['intervention']} vs none is not significant — the control carries the difference"
     return [Finding("causal", str(r["verdict"]).replace(" (exploratory)", ""), float(r["mean_diff"]),
                     "slope(intervention) − slope(control)", (float(r["boot_lo"]), float(r["boot_hi"])),
-                    float(r["p_holm"]), int(r["n_seq"]), note=f"{r['intervention']} vs {r['control']}; Holm p")]
+                    float(r["p_holm"]), int(r["n_seq"]), note=note)]
 
 
 def heads_findings(ctx: Any) -> list[Finding]:

@@ -371,6 +371,8 @@ def _save_partial(ctx, res) -> None:
 
 
 def tolerance_render(ctx) -> tuple[Section, dict]:
+    from ..analysis import causal as ca  # noqa: PLC0415
+
     meta = ctx.work.load_json("causal_meta.json")
     if "skipped" in meta:
         sec = Section("4 · Position tolerance and the causal test (METHOD §4–§5)", verdict=meta["skipped"],
@@ -416,6 +418,9 @@ def tolerance_render(ctx) -> tuple[Section, dict]:
                     "verdict"] if c in table]])]
         figures.append((_png(ctx, "fig_causal.png"), "Conditions: slope vs damage, and attention change"))
         res["causal"] = table.to_dict("records")
+        reading = ca.causal_reading(table)
+        if reading:
+            verdicts.append("Reading: " + reading.rstrip("."))
     sec = Section(f"4 · Position tolerance and the causal test (METHOD §4–§5){label}", verdict=". ".join(verdicts) + ".",
                   paragraphs=paras, tables=tables, figures=figures)
     return sec, res
