@@ -67,8 +67,10 @@ def causal_section(res: ca.CausalResult, tag: str) -> list[str]:
         if len(prim):
             v = prim["verdict"].iloc[0]
             holds = v.startswith("depends")
+            reading = ca.causal_reading(t)
             lines += ["", f"**First landing's claim** ({FIRST_LANDING}): "
-                      + ("it holds under the METHOD §8 rule here." if holds else
+                      + (("the METHOD §8 rule reads \"depends\" here, BUT: " + reading if reading else
+                          "it holds under the METHOD §8 rule here.") if holds else
                          f"it does NOT hold under the METHOD §8 rule: the primary contrast `{prim['contrast'].iloc[0]}` "
                          f"reads \"{v}\" ({prim['reason'].iloc[0]}).")]
     w = c.get("wall_s", {})
