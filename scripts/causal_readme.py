@@ -48,7 +48,7 @@ def causal_section(res: ca.CausalResult, tag: str) -> list[str]:
             m = (f" ({fmt(r['match_damage'])} vs {fmt(r['match_target'])}, {int(r['match_n_evals'])} evals, "
                  f"{'matched' if r['match_matched'] else '**UNMATCHED**'})")
         kl = ci(r, "attn_kl", 3) if "attn_kl" in r and r["attn_kl"] == r["attn_kl"] else "–"
-        lines.append(f"| {r['condition']} | {r['description']} | {fmt(r['alpha'])}{m} | {r['n_seq']} / {r['n_docs']} | "
+        lines.append(f"| {r['condition']} | {r['description'].replace('|', chr(92) + '|')} | {fmt(r['alpha'])}{m} | {r['n_seq']} / {r['n_docs']} | "
                      f"{ci(r, 'damage')} | {kl} | {ci(r, 'slope')} |")
     t = res.contrasts
     if len(t):
