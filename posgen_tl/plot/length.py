@@ -18,21 +18,27 @@ def _lines(ax, d: pd.DataFrame, x: str, by: str, xscale=1.0) -> None:
         ax.fill_between(xs, g["ci_low"], g["ci_high"], color=line.get_color(), alpha=0.2)
 
 
+def _nll_by(summary: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str) -> Figure:
+    """NLL (``estimator == 'nll'`` rows) vs ``x``, one line with its 95 % CI band per condition."""
+    d = summary[summary["estimator"] == "nll"]
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    _lines(ax, d, x, "condition")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.close(fig)  # returned, not left open: Jupyter shows it once
+    return fig
+
+
 def plot_gap_probe(summary: pd.DataFrame, *, title: str = "") -> Figure:
     """Suffix NLL vs gap G (units of n_ctx) per condition, 95 % document-bootstrap CIs.
 
     ``summary``: :func:`posgen_tl.analysis.length.gap_summary` (rows ``estimator == 'nll'``).
     """
-    d = summary[summary["estimator"] == "nll"]
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    _lines(ax, d, "gap_frac", "condition")
-    ax.set_xlabel("gap G (units of the trained context n_ctx)")
-    ax.set_ylabel("suffix NLL (nats)")
-    ax.set_title(title or "Gap probe: the suffix sees its prefix at unseen distances")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    plt.close(fig)  # returned, not left open: Jupyter shows it once
-    return fig
+    return _nll_by(summary, "gap_frac", "gap G (units of the trained context n_ctx)", "suffix NLL (nats)",
+                   title or "Gap probe: the suffix sees its prefix at unseen distances")
 
 
 def plot_window_removal(summary: pd.DataFrame, *, title: str = "") -> Figure:
@@ -40,16 +46,8 @@ def plot_window_removal(summary: pd.DataFrame, *, title: str = "") -> Figure:
 
     ``summary``: :func:`posgen_tl.analysis.length.window_summary` (rows ``estimator == 'nll'``).
     """
-    d = summary[summary["estimator"] == "nll"]
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    _lines(ax, d, "bucket_start", "condition")
-    ax.set_xlabel("position of the predicted token (bucket start)")
-    ax.set_ylabel("NLL (nats)")
-    ax.set_title(title or "Local layers with / without their sliding window")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    plt.close(fig)  # returned, not left open: Jupyter shows it once
-    return fig
+    return _nll_by(summary, "bucket_start", "position of the predicted token (bucket start)", "NLL (nats)",
+                   title or "Local layers with / without their sliding window")
 
 
 def plot_sufficiency(summary: pd.DataFrame, *, title: str = "") -> Figure:
