@@ -35,18 +35,10 @@ def _positive_int(text: str) -> int:
 
 
 def _layers(text: str) -> list[int]:
+    from .report.params import PARSERS  # noqa: PLC0415 — one parser of "0,3,5-7" lists (also --param layers=)
+
     try:
-        out: list[int] = []
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part[1:]:
-                a, b = part.split("-", 1)
-                out.extend(range(int(a), int(b) + 1))
-            elif part:
-                out.append(int(part))
-        if not out:
-            raise ValueError
-        return out
+        return PARSERS["ints"](text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"layers must look like '0,3,5-7', got {text!r}") from None
 
