@@ -1,6 +1,7 @@
 """Tables for results/README_estimators.md from the saved runs of scripts/estimators_results.py.
 
-    python scripts/estimators_tables.py results/est_smollm2 results/est_gemma3 > results/est_tables.md
+    python scripts/estimators_tables.py results/est/pattern_smollm2-135m   # a `posgen-tl study pattern` folder
+    python scripts/estimators_tables.py results/est_smollm2 results/est_gemma3   # outputs of the older script
 
 Per model: decomposition (both k̄ kinds, trained vs twin), paired per-sequence contrasts with exact
 sign tests, ρ in three forms by band group, and the pattern-score Spearman across heads (each twin
@@ -91,14 +92,32 @@ def link(heads: pd.DataFrame, dec: pd.DataFrame) -> tuple[list[str], pd.DataFram
     return out, s
 
 
+def load(path: str) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """``(meta, decomposition rows, band rows, head rows)`` of one run: a ``posgen-tl study pattern``
+    folder (``scripts/estimators_results.py``) or the output prefix of the older script."""
+    d = Path(path)
+    if d.is_dir():
+        dec = pd.read_csv(d / "decomposition.csv")
+        study = json.loads((d / "pattern.json").read_text())
+        docs = json.loads((d / "windows.json").read_text())
+        cfg = study["config"]
+        meta = {"model": study["model"], "n_seq": int(dec["seq"].nunique()), "seq_len": cfg["seq_len"],
+                "n_docs_analysed": len(docs["analysed_docs"]), "n_ref": cfg["params"].get("n_ref", "default"),
+                "n_docs_reference": len(docs["reference_docs"]),
+                "wall_s": f"{study['wall_seconds']:.0f} s (decomposition + pattern, commit {study['git_commit'][:7]})",
+                "bound_holds_min": float(dec.loc[dec.estimator == "D3", "d3_bound_holds"].min())}
+        return meta, dec, pd.read_csv(d / "pattern_bands.csv"), pd.read_csv(d / "pattern_heads.csv")
+    meta = json.loads(Path(f"{path}_meta.json").read_text())
+    return (meta, pd.read_csv(f"{path}_decomp.csv.gz"), pd.read_csv(f"{path}_bands.csv.gz"),
+            pd.read_csv(f"{path}_heads.csv.gz"))
+
+
 def main() -> None:
     for prefix in sys.argv[1:]:
-        meta = json.loads(Path(f"{prefix}_meta.json").read_text())
-        dec = pd.read_csv(f"{prefix}_decomp.csv.gz")
-        bands = pd.read_csv(f"{prefix}_bands.csv.gz")
-        heads = pd.read_csv(f"{prefix}_heads.csv.gz")
+        meta, dec, bands, heads = load(prefix)
         lk, s = link(heads, dec)
-        s.to_csv(f"{prefix}_link.csv", index=False)
+        if not Path(prefix).is_dir():
+            s.to_csv(f"{prefix}_link.csv", index=False)
         print(f"## {meta['model']}: {meta['n_seq']} windows × {meta['seq_len']} tokens from {meta['n_docs_analysed']} documents; "
               f"global k̄ from {meta['n_ref']} windows of {meta['n_docs_reference']} other documents; wall {meta['wall_s']}\n")
         for title, lines in (("Decomposition, sink excluded, mean ± std over heads × sequences × layers", decomposition(dec)),

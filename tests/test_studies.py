@@ -226,3 +226,73 @@ def test_gap_attention_study_uses_the_taxonomy_table(tiny, corpus, tmp_path):
     assert (summ["classes"] == "taxonomy").all() and summ["n_heads_positional"].iloc[0] == 3
     assert "kl: positional − symbolic" in set(summ["estimator"])
     assert "Attention change under the gap" in md.read_text()
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("script,study,args,must", [
+    ("heads_results", "heads", ["--n-prompts", "32", "--region-len", "32", "--layers", "0,5-7", "--block", "2"],
+     {"n_prompts": "32", "region_len": "32", "layers": "0,5-7", "block": "2", "n_query": "64", "min_score": "0.2"}),
+    ("estimators_results", "pattern", ["--n-seq", "32", "--n-ref", "8", "--bound-rows", "16"],
+     {"n_ref": "8", "bound_rows": "16", "batch_size": "4"}),
+])
+def test_heads_and_estimator_scripts_are_thin_wrappers(capsys, tmp_path, script, study, args, must):
+    """scripts/heads_results.py and estimators_results.py only translate their options into one
+    `posgen-tl study heads|pattern` command whose every --param the study declares."""
+    from posgen_tl.report.params import check_params, parse_param_args
+
+    assert _script(script).main(["--model", "gemma3-270m", "--seed", "3", "--out", str(tmp_path), "--tag", "t",
+                                 "--print", *args]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    argv = line.split()
+    assert argv[:3] == ["posgen-tl", "study", study] and argv[argv.index("--model") + 1] == "gemma3-270m"
+    assert argv[argv.index("--seed") + 1] == "3"
+    assert argv[argv.index("--out") + 1] == str(tmp_path / f"{study}_gemma3-270m_t")
+    params = parse_param_args([argv[i + 1] for i, x in enumerate(argv) if x == "--param"])
+    check_params(params, [study, *STUDIES[study].needs])
+    assert must.items() <= params.items()
+
+
+def test_heads_study_parameters_and_layer_third_table(tiny, corpus, tmp_path):
+    """The heads study honours region_len / n_query / n_perm, records them, and its markdown carries the
+    tables the old script printed (labels by layer third, Spearman agreement), counts adding up."""
+    from posgen_tl.analysis.taxonomy import labels_by_layer_group
+
+    params = {"n_prompts": "3", "n_ref": "2", "region_len": "8", "n_query": "6", "n_perm": "2", "min_score": "0.1",
+              "layers": "0-2"}
+    md = run_study("heads", _cfg(tmp_path / "h", corpus["folder"], params=params), model=tiny, command="posgen-tl study heads")
+    out = md.parent
+    meta = json.loads((out / "heads_meta.json").read_text())
+    assert (meta["region_len"], meta["n_query"], meta["n_perm"], meta["min_score"]) == (8, 6, 2, 0.1)  # from the rows
+    heads = pd.read_csv(out / "heads.csv")
+    thirds = labels_by_layer_group(heads, meta["n_layers"])
+    assert list(thirds["group"].astype(str).unique()) == ["early", "middle", "late"]  # 3 layers: one per third
+    per_twin = thirds.drop(columns="group").groupby("twin").sum().sum(axis=1)
+    assert per_twin.to_dict() == heads.groupby("twin").size().to_dict()  # every head counted once
+    text = md.read_text()
+    assert "Head labels by layer third" in text and "Spearman ρ of (positional − symbolic)" in text
+
+
+def test_estimator_tables_read_a_pattern_study_folder(tiny, corpus, tmp_path, capsys, monkeypatch):
+    """scripts/estimators_tables.py turns a `posgen-tl study pattern` folder into the README tables."""
+    md = run_study("pattern", _cfg(tmp_path / "p", corpus["folder"], params={"n_ref": "2"}), model=tiny,
+                   command="posgen-tl study pattern")
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "scripts"))
+    tables = _script("estimators_tables")
+    meta, dec, bands, heads = tables.load(str(md.parent))
+    assert meta["n_ref"] == 2 and meta["n_docs_reference"] >= 1 and meta["bound_holds_min"] == 1.0
+    assert len(bands) and set(bands["which"]) == {"q", "k"} and set(bands["twin"]) == {"trained", "random"}
+    monkeypatch.setattr("sys.argv", ["estimators_tables.py", str(md.parent)])
+    tables.main()
+    text = capsys.readouterr().out
+    for title in ("Decomposition, sink excluded", "Paired per-sequence contrasts", "Key ρ by band group",
+                  "Pattern scores vs D3 within-row r"):
+        assert title in text
+    assert "| D3 | global |" in text

@@ -432,3 +432,28 @@ def taxonomy_agreement(head_df: pd.DataFrame) -> dict[str, dict[str, float]]:
         res = spearmanr(x[ok], y[ok])
         out[str(twin)] = {"rho": float(res.statistic), "p": float(res.pvalue), "n": int(ok.sum())}
     return out
+
+
+def labels_by_layer_group(head_df: pd.DataFrame, n_layers: int | None = None) -> pd.DataFrame:
+    """Head label counts per twin and layer third (early / middle / late of ``n_layers``, default
+    the largest layer + 1).
+
+    Returns:
+        tidy-wide DataFrame ``twin, group`` plus one count column per label of
+        :data:`posgen_tl.heads.LABELS` (zeros included), groups in layer order.
+    """
+    df = _heads(head_df)
+    n = int(n_layers if n_layers is not None else df["layer"].max() + 1)
+    cuts = np.array_split(np.arange(n), 3)
+    group = {int(layer): name for name, part in zip(("early", "middle", "late"), cuts) for layer in part}
+    h = df.assign(group=pd.Categorical(df["layer"].map(group), ["early", "middle", "late"], ordered=True))
+    tab = h.groupby(["twin", "group"], sort=False, observed=True)["label"].value_counts().unstack(fill_value=0)
+    tab = tab.reindex(columns=list(LABELS), fill_value=0).reset_index()
+    order = {t: i for i, t in enumerate(dict.fromkeys(df["twin"]))}
+    return tab.sort_values(["twin", "group"], key=lambda c: c.map(order) if c.name == "twin" else c).reset_index(drop=True)
+
+
+def agreement_table(head_df: pd.DataFrame) -> pd.DataFrame:
+    """:func:`taxonomy_agreement` as a tidy table ``twin, n_heads, spearman, p``."""
+    return pd.DataFrame([{"twin": t, "n_heads": a["n"], "spearman": a["rho"], "p": a["p"]}
+                         for t, a in taxonomy_agreement(head_df).items()])

@@ -110,8 +110,9 @@ _BATCH = Param("int", "sequences per forward batch")
 #: stage → {key: Param}; the report's stages plus anything a registered study declares
 STAGE_PARAMS: dict[str, dict[str, Param]] = {
     "exactness": {},
-    "decomposition": {"n_ref": _N_REF, "layers": _LAYERS},
-    "pattern": {"n_ref": _N_REF, "layers": _LAYERS},
+    "decomposition": {"n_ref": _N_REF, "layers": _LAYERS, "batch_size": _BATCH,
+                      "bound_rows": Param("int", "query rows on which the D3 bound is checked (float64)")},
+    "pattern": {"n_ref": _N_REF, "layers": _LAYERS, "batch_size": _BATCH},
     "tolerance": {
         "n_ref": _N_REF,
         "layers": Param("ints", "layers whose keys the causal test edits (default: the middle third)"),
@@ -131,6 +132,11 @@ STAGE_PARAMS: dict[str, dict[str, Param]] = {
         "n_ref": _N_REF, "layers": _LAYERS,
         "n_prompts": Param("int", "prompts (one window per document; default 8, 2 with --quick)"),
         "n_perm": Param("int", "region permutations per prompt"),
+        "region_len": Param("int", "tokens of the permuted region (default min(64, seq_len / 4))"),
+        "n_query": Param("int", "query rows after the region (default = region_len)"),
+        "block": Param("int", "permute blocks of this many tokens (1 = single tokens)"),
+        "min_score": Param("float", "a score must also exceed this to count"),
+        "batch_size": _BATCH,
     },
     "length": {
         "n_ref": _N_REF,

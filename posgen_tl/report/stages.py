@@ -109,8 +109,9 @@ def decomposition_compute(ctx) -> None:
 
     windows, ref, note = _windows(ctx)
     df = decompose_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(),
-                             layers=_stage_layers(ctx, "decomposition"),
-                             n_seq=len(windows), seq_len=ctx.cfg.seq_len, n_ref=len(ref), batch_size=4)
+                             layers=_stage_layers(ctx, "decomposition"), n_seq=len(windows), seq_len=ctx.cfg.seq_len,
+                             n_ref=len(ref), batch_size=_params(ctx, "decomposition").get("batch_size", 4),
+                             bound_rows=_params(ctx, "decomposition").get("bound_rows", 32))
     ctx.work.save_df("decomposition.csv", df)
     ctx.work.save_df("decomposition_summary.csv", summarize_decomposition(df))
     ctx.work.save_json("windows.json", {"note": note, "analysed_docs": df.attrs.get("analysed_docs", []),
@@ -212,8 +213,9 @@ def pattern_compute(ctx) -> None:
 
     windows, ref, _ = _windows(ctx)
     tw = feature_pattern_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(),
-                                   layers=_stage_layers(ctx, "pattern"), batch_size=4)
+                                   layers=_stage_layers(ctx, "pattern"), batch_size=_params(ctx, "pattern").get("batch_size", 4))
     bands = tw.bands
+    ctx.work.save_df("pattern_bands.csv", bands)  # every (twin, layer, head, q/k, band) row: the tables' source
     k = bands[bands["which"] == "k"]
     by_group = k.groupby(["twin", "band_group"], as_index=False).agg(
         rho_within=("rho_within", "mean"), rho_cross=("rho_cross", "mean"), stability_median=("stability", "median"),
@@ -456,17 +458,21 @@ def heads_compute(ctx) -> None:
 
     P = _params(ctx, "heads")
     n = P.get("n_prompts", 2 if ctx.cfg.quick else 8)
-    n_perm = P.get("n_perm", 8)
+    n_perm, block = P.get("n_perm", 8), P.get("block", 1)
     tokens, ref, source = _taxonomy_inputs(ctx, n, _n_ref(ctx, "heads"))
     span = max(4, min(64, ctx.cfg.seq_len // 4))
+    region, n_query = P.get("region_len", span), P.get("n_query", span)
     df = head_taxonomy_with_twin(ctx.model, tokens, ref, seed=ctx.cfg.seed, twin=ctx.twin(),
-                                 layers=_stage_layers(ctx, "heads"), region_len=span, n_query=span, n_perm=n_perm)
+                                 layers=_stage_layers(ctx, "heads"), region_len=region, n_query=n_query, n_perm=n_perm,
+                                 block=block, min_score=P.get("min_score", 0.2), batch_size=P.get("batch_size", 1))
     heads = head_table(df)
     ctx.work.save_df("heads.csv", heads)
     ctx.work.save_df("heads_bands.csv", df[df["band"] >= 0])
     ctx.work.save_df("heads_link.csv", share_by_class(df))
-    ctx.work.save_json("heads_meta.json", {"source": source, "region_len": span, "n_query": span, "n_perm": n_perm,
-                                           "n_prompts": n, "min_score": float(df["min_score"].iloc[0])})
+    ctx.work.save_json("heads_meta.json", {"source": source, "region_len": region, "n_query": n_query, "n_perm": n_perm,
+                                           "block": block, "n_prompts": n, "n_docs": int(df["n_docs"].iloc[0]),
+                                           "n_layers": int(ctx.model.cfg.n_layers),
+                                           "min_score": float(df["min_score"].iloc[0])})
     ctx.work.save_fig("fig_heads_plane.png", plot_positional_symbolic_plane(heads))
     ctx.work.save_fig("fig_heads_bands.png", plot_label_counts(df))
     ctx.work.save_fig("fig_heads_freq.png", plot_frequency_usage(df))  # band rows: head × band heat map
@@ -475,7 +481,7 @@ def heads_compute(ctx) -> None:
 
 
 def heads_render(ctx) -> tuple[Section, dict]:
-    from ..analysis.taxonomy import label_counts  # noqa: PLC0415
+    from ..analysis.taxonomy import agreement_table, label_counts, labels_by_layer_group  # noqa: PLC0415
     from ..heads import LABELS  # noqa: PLC0415
 
     heads = ctx.work.load_df("heads.csv").assign(band=-1)
@@ -511,6 +517,11 @@ def heads_render(ctx) -> tuple[Section, dict]:
         tables=[("Head labels", counts), ("Mean scores and row counts", scores),
                 ("Per label: medians of D3 positional share, key frequency centroid (band, 0 = fastest), attention mass on the region", by_class),
                 ("D3 positional share, positional vs symbolic heads", link)],
+        details=[("Head labels by layer third", labels_by_layer_group(heads, meta.get("n_layers"))),
+                 ("Band labels: each RoPE band alone as a 2-D head, counts over layer × head × band",
+                  ctx.work.load_df("heads_band_counts.csv").groupby(["twin", "label"], sort=False)["n"].sum()
+                  .unstack(fill_value=0).reindex(columns=[c for c in LABELS], fill_value=0).reset_index()),
+                 ("Spearman ρ of (positional − symbolic) with the D3 positional share, across heads", agreement_table(heads))],
         figures=[(_png(ctx, "fig_heads_plane.png"), "Positional vs symbolic score per head, coloured by label, trained vs twin"),
                  (_png(ctx, "fig_heads_bands.png"), "Labels of each RoPE band taken alone as a 2-D head, trained vs twin"),
                  (_png(ctx, "fig_heads_freq.png"), "RoPE frequency usage: key energy share per (layer, head) × band (log scale), trained vs twin"),
