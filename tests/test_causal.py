@@ -240,3 +240,45 @@ def test_causal_reading_says_when_the_control_carries_a_depends():
     assert ca.causal_reading(table(0.98, "no evidence")) is None  # nothing reads "depends"
     assert ca.causal_reading(table(0.98).iloc[:1]) is None  # no "vs none" contrast in the family
     assert ca.causal_reading(pd.DataFrame()) is None
+
+
+def test_causal_none_reuses_the_t1_curve(llama):
+    """Given the T1/T2 result on the same windows, the `none` condition runs only its clean pass and
+    takes the swapped passes from the trained T1 rows: same rows as recomputing them, fewer forwards;
+    a T1/T2 result from other windows, seeds or target is refused."""
+    ana, ref = _windows(llama, n_seq=6, seq_len=24)
+    kw = dict(n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), layers=[1], controls=("C1",),
+              match_subset=4, match_steps=1, batch_size=4, windows=(ana, ref), progress=False)
+    t12 = ca.t1_t2_study(llama, n_seq=6, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), twin=None, windows=ana,
+                         batch_size=4, progress=False)
+    calls = {"n": 0}
+
+    def count(module, args, kwargs):
+        calls["n"] += 1
+
+    h = llama.embed.register_forward_pre_hook(count, with_kwargs=True)  # one call per forward pass
+    try:
+        plain = ca.causal_study(llama, **kw)
+        n_plain = calls["n"]
+        calls["n"] = 0
+        shared = ca.causal_study(llama, **kw, t12=t12)
+        n_shared = calls["n"]
+    finally:
+        h.remove()
+    key = ["intervention", "seq", "frac", "seed"]
+    a = plain.rows.sort_values(key).reset_index(drop=True)
+    b = shared.rows.sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b, check_exact=False, atol=1e-6, rtol=0)
+    pd.testing.assert_frame_equal(plain.contrasts.drop(columns=["boot_lo", "boot_hi"]),
+                                  shared.contrasts.drop(columns=["boot_lo", "boot_hi"]), check_exact=False, atol=1e-6)
+    assert shared.config["none_swaps_from_t12"] and not plain.config["none_swaps_from_t12"]
+    assert n_plain - n_shared == 2 * 4  # 2 batches × 4 swapped passes (2 fracs × 2 seeds) of `none` saved
+    with pytest.raises(ValueError, match="seed"):
+        ca.causal_study(llama, **{**kw, "seeds": (0, 2)}, t12=t12)
+    with pytest.raises(ValueError, match="target_len"):
+        ca.causal_study(llama, **{**kw, "target_len": 5}, t12=t12)
+    other, _ = ca.study_windows(llama, _corpus(seed=1), n_seq=6, seq_len=24, n_ref=3, seed=0)
+    t12_other = ca.t1_t2_study(llama, n_seq=6, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), twin=None,
+                               windows=other, batch_size=4, progress=False)
+    with pytest.raises(ValueError, match="other windows"):
+        ca.causal_study(llama, **kw, t12=t12_other)

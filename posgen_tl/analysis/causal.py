@@ -504,6 +504,48 @@ def _result(rows, kl, conds, match, config, pairs, primary, partial: bool = Fals
 
 
 @torch.no_grad()
+def windows_fingerprint(w: Windows) -> str:
+    """SHA-1 of the windows' token ids (a run's record of exactly which tokens it analysed)."""
+    import hashlib  # noqa: PLC0415
+
+    return hashlib.sha1(w.tokens.cpu().to(torch.int64).numpy().tobytes()).hexdigest()
+
+
+def _t1_reuse(t12: "T12Result", ana: Windows, *, fracs, seeds, target_len: int, seed: int, mode: str) -> pd.Series:
+    """The trained model's T1 NLL per ``(seq, frac, seed)`` of ``t12``, after checking that those
+    passes are exactly the ones the ``none`` condition would run. Raises ``ValueError`` naming the
+    first mismatch."""
+    c = t12.config
+    checks = [("mode", mode, "T1"), ("seed", seed, c.get("seed")), ("target_len", target_len, c.get("target_len")),
+              ("n_seq", len(ana), c.get("n_seq")), ("seq_len", int(ana.tokens.shape[1]), c.get("seq_len"))]
+    for name, mine, theirs in checks:
+        if mine != theirs:
+            raise ValueError(f"t12 cannot stand in for the 'none' passes: {name} is {mine!r} here, {theirs!r} in t12")
+    r = t12.rows[(t12.rows["twin"] == "trained") & (t12.rows["mode"] == "T1")]
+    want = {(float(f), int(s)) for f in fracs if f > 0 for s in seeds}
+    have = set(zip(r["frac"].astype(float), r["seed"].astype(int)))
+    if not want <= have:
+        raise ValueError(f"t12 lacks the (frac, seed) passes {sorted(want - have)} of this run")
+    if c.get("windows_sha1") != windows_fingerprint(ana):
+        raise ValueError("t12 was computed on other windows (the SHA-1 of their tokens differs or is not recorded)")
+    return r.set_index(["seq", "frac", "seed"])["nll"]
+
+
+def _with_reused(df: pd.DataFrame, reuse: pd.Series, b: Sequence[int], clean: Tensor, fracs, seeds) -> pd.DataFrame:
+    """``df`` (the frac = 0 rows of one batch) completed by the reused swapped-pass NLLs, in the
+    row order of :func:`curve_rows` (frac, seed, sequence)."""
+    rows = [df]
+    for frac in fracs:
+        if frac == 0:
+            continue
+        for sd in seeds:
+            nll = np.array([reuse.loc[(g, float(frac), int(sd))] for g in b], dtype=np.float32)
+            cl = clean.float().numpy()  # float32 like curve_rows: same rows bit for bit when the passes agree
+            rows.append(pd.DataFrame(dict(seq=range(len(b)), frac=float(frac), seed=int(sd), clean_nll=cl.astype(float),
+                                          nll=nll.astype(float), delta=(nll - cl).astype(float))))
+    return pd.concat(rows, ignore_index=True)
+
+
 def causal_study(
     model: Any, corpus: CorpusLike = None, *, n_seq: int, seq_len: int = 256, target_len: int = 64,
     fracs: Sequence[float] = DEFAULT_FRACS, seeds: Sequence[int] = (0, 1), layers: Sequence[int] | None = None,
@@ -511,7 +553,7 @@ def causal_study(
     controls: Sequence[str] = CONTROLS, primary: str = "destroy vs C1", match_subset: int = 16,
     match_steps: int = 5, seed: int = 0, n_ref: int = 8, batch_size: int = 8, mode: str = "T1",
     windows: tuple[Windows, Windows] | None = None, on_partial: Callable[[CausalResult], None] | None = None,
-    progress: bool = True,
+    progress: bool = True, t12: "T12Result | None" = None,
 ) -> CausalResult:  # fmt: skip
     """The causal test of METHOD §5 with controls C1–C4 and verdicts by METHOD §8.
 
@@ -534,6 +576,11 @@ def causal_study(
             (default: the first / last quarter of the bands; band 0 = fastest).
         alpha: strength of ``destroy``. ``primary``: the pre-declared primary contrast.
         windows: pre-built ``(analysed, reference)`` windows (default :func:`study_windows`).
+        t12: a :func:`t1_t2_study` result of the same model on the same analysed windows, seeds,
+            fracs, target and ``seed`` (``mode="T1"``): the ``none`` condition then runs only its
+            clean pass (the attention reference) and takes its swapped-pass NLLs from the
+            trained T1 rows instead of recomputing the identical passes (the report runs both;
+            ΔNLL is taken against this run's clean pass). A mismatch raises ``ValueError``.
 
     Returns:
         :class:`CausalResult`.
@@ -560,6 +607,8 @@ def causal_study(
                                                                  n_ref=n_ref, seed=seed)
     if set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist()):
         raise ValueError("reference and analysed windows share documents")
+    reuse = None if t12 is None else _t1_reuse(t12, ana, fracs=fracs, seeds=seeds, target_len=target_len, seed=seed,
+                                                mode=mode)
     times: dict[str, float] = {}
     t0 = time.time()
     km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - target_len], layers, batch_size=batch_size)
@@ -599,6 +648,7 @@ def causal_study(
     times["match_s"] = time.time() - t0
 
     config = dict(model=getattr(spec, "model_name", None), corpus="pydoc topics" if corpus is None else str(corpus)[:80],
+                  none_swaps_from_t12=reuse is not None,
                   n_seq=n, n_docs=ana.n_docs, n_ref=len(ref), ref_docs=sorted(set(ref.doc_ids.tolist())),
                   seq_len=int(ana.tokens.shape[1]), target_len=target_len, fracs=list(map(float, fracs)),
                   seeds=list(map(int, seeds)), layers=layers, n_bands=nb, fast=fast, slow=slow, alpha=alpha,
@@ -638,8 +688,12 @@ def causal_study(
                 condition_rows(model, w, conds[0], k_means=km, target_len=target_len, fracs=(0.0,), seeds=(0,),
                                kl=kl)  # fmt: skip
             for c in phase:
-                df, clean, kv = condition_rows(model, w, c, k_means=km, target_len=target_len, fracs=fracs, seeds=seeds,
-                                               mode=mode, base_seed=seed, kl=kl)
+                shared = reuse is not None and c.key == "none"
+                df, clean, kv = condition_rows(model, w, c, k_means=km, target_len=target_len,
+                                               fracs=(0.0,) if shared else fracs, seeds=seeds, mode=mode, base_seed=seed,
+                                               kl=kl)  # fmt: skip
+                if shared:  # the swapped passes of `none` are the trained T1 curve: reuse them
+                    df = _with_reused(df, reuse, b, clean, fracs, seeds)
                 df["seq"] = [b[i] for i in df["seq"]]
                 df.insert(0, "intervention", c.key)
                 df.insert(1, "kind", c.kind)
@@ -653,7 +707,6 @@ def causal_study(
         times[f"phase{ph + 1}_s"] = time.time() - t0
         done += phase
         res = assemble([], partial=len(done) < len(conds), n_done=n, ph=ph)
-    return res
     return res
 
 
@@ -761,7 +814,7 @@ def t1_t2_study(
     config = dict(n_seq=n, n_docs=ana.n_docs, seq_len=int(ana.tokens.shape[1]), target_len=target_len,
                   fracs=list(map(float, fracs)), seeds=list(map(int, seeds)),
                   twin_seeds=[list(s) for nm, _, s in models if nm == "random"], margin=margin, margin_rule=margin_rule,
-                  note=stats.EQUIVARIANCE_NOTE, commit=_commit(), seed=seed,
+                  note=stats.EQUIVARIANCE_NOTE, commit=_commit(), seed=seed, windows_sha1=windows_fingerprint(ana),
                   wall_s={**times, "total_s": time.time() - t_start})  # fmt: skip
     return T12Result(rows, slopes, summ, pd.DataFrame(eq), config)
 

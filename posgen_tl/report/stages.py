@@ -336,6 +336,7 @@ def tolerance_compute(ctx) -> None:
         ctx.work.save_json("causal_meta.json", meta)
         return
     meta["n_docs"] = ana.n_docs
+    t12 = None
     if run_t12:
         t12 = ca.t1_t2_study(ctx.model, n_seq=n, target_len=target, fracs=fracs, seeds=seeds,
                              twin=ctx.twin() if cfg.twin else None, twin_seeds=tuple(P.get("twin_seeds", (0,))),
@@ -351,7 +352,8 @@ def tolerance_compute(ctx) -> None:
                               layers=P.get("layers"),  # None: the middle third (the recipe's default)
                               controls=controls, alpha=P.get("alpha", 0.5), match_subset=min(P.get("match_subset", 16), n),
                               match_steps=P.get("match_steps", 2 if cfg.quick else 3), seed=cfg.seed, windows=(ana, ref),
-                              batch_size=P.get("batch_size", 4), on_partial=lambda r: _save_partial(ctx, r))
+                              batch_size=P.get("batch_size", 4), on_partial=lambda r: _save_partial(ctx, r),
+                              t12=t12)  # the `none` swaps are the trained T1 curve just computed: not run twice
         for f in ("causal_partial_conditions.csv", "causal_partial_table.csv", "causal_partial_config.json"):
             ctx.work.path(f).unlink(missing_ok=True)  # complete now: no partial tables beside the final ones
         ctx.work.save_df("causal_rows.csv", res.rows)
