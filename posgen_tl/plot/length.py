@@ -7,22 +7,16 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from ._common import ci_lines
+
 __all__ = ["plot_gap_probe", "plot_window_removal", "plot_sufficiency", "plot_gap_heads"]
-
-
-def _lines(ax, d: pd.DataFrame, x: str, by: str, xscale=1.0) -> None:
-    for key, g in d.groupby(by, sort=False):
-        g = g.sort_values(x)
-        xs = g[x].to_numpy(float) * xscale
-        (line,) = ax.plot(xs, g["value"], "-", marker="o", ms=3, label=str(key))
-        ax.fill_between(xs, g["ci_low"], g["ci_high"], color=line.get_color(), alpha=0.2)
 
 
 def _nll_by(summary: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str) -> Figure:
     """NLL (``estimator == 'nll'`` rows) vs ``x``, one line with its 95 % CI band per condition."""
     d = summary[summary["estimator"] == "nll"]
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    _lines(ax, d, x, "condition")
+    ci_lines(ax, d, x, "condition")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -7,6 +7,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from ._common import ci_lines
+
 __all__ = ["plot_tolerance_curves", "plot_causal_conditions", "plot_length"]
 
 
@@ -21,13 +23,7 @@ def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: st
     keys = [c for c in ([hue] if hue else []) + ["twin", "intervention", "mode"] if c and c in d.columns]
     keys = list(dict.fromkeys(keys))
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    for key, g in d.groupby(keys, sort=False) if keys else [((), d)]:
-        key = key if isinstance(key, tuple) else (key,)
-        g = g.sort_values("frac")
-        x = 100 * g["frac"].to_numpy(float)
-        ls = "--" if "random" in map(str, key) else "-"
-        (line,) = ax.plot(x, g["value"], ls, marker="o", ms=3, label=" / ".join(map(str, key)))
-        ax.fill_between(x, g["ci_low"], g["ci_high"], color=line.get_color(), alpha=0.2)
+    ci_lines(ax, d, "frac", keys, xscale=100, linestyle=lambda key: "--" if "random" in map(str, key) else "-")
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xlabel("adjacent pairs swapped in the context, p (%)")
     ax.set_ylabel("ΔNLL on the target span (nats)")
@@ -75,11 +71,7 @@ def plot_length(df: pd.DataFrame, *, title: str = "") -> Figure:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     keys = ["twin", "cap"] if "twin" in df.columns else ["cap"]
     d = df.assign(cap=df["cap"].astype(object).where(df["cap"].notna(), "none"))
-    for key, g in d.groupby(keys, sort=False):
-        key = key if isinstance(key, tuple) else (key,)
-        g = g.sort_values("bucket_start")
-        (line,) = ax.plot(g["bucket_start"], g["value"], marker="o", ms=3, label="cap=" + " / ".join(map(str, key)))
-        ax.fill_between(g["bucket_start"], g["ci_low"], g["ci_high"], color=line.get_color(), alpha=0.2)
+    ci_lines(ax, d, "bucket_start", keys, label=lambda key: "cap=" + " / ".join(map(str, key)))
     ax.set_xlabel("position (bucket start)")
     ax.set_ylabel("mean NLL (nats)")
     ax.set_title(title or "T3: NLL by position, with/without distance cap")
