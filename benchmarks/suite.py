@@ -444,8 +444,36 @@ def _log(msg: str) -> None:
     print(f"[suite {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _ints_arg(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise SystemExit(f"--{what} {text!r}: expected comma-separated integers") from e
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"--{what} {text!r}: expected positive integers")
+    return vals
+
+
+def sizes_config(args: argparse.Namespace) -> dict:
+    """The size grid: ``--small`` or the full one, with ``--sizes`` / ``--lengths`` / ``--counts``
+    replacing its parts (recorded in results.json, so a table always says what it measured)."""
+    cfg = dict(SMALL if args.small else FULL)
+    if getattr(args, "sizes", None):
+        try:
+            cfg["sizes"] = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",") if s.strip()]
+        except ValueError as e:
+            raise SystemExit(f"--sizes {args.sizes!r}: expected e.g. 8x512,4x2048") from e
+        if not cfg["sizes"] or any(len(s) != 2 or min(s) < 1 for s in cfg["sizes"]):
+            raise SystemExit(f"--sizes {args.sizes!r}: expected e.g. 8x512,4x2048")
+    if getattr(args, "lengths", None):
+        cfg["lengths"] = _ints_arg(args.lengths, "lengths")
+    if getattr(args, "counts", None):
+        cfg["counts"] = _ints_arg(args.counts, "counts")
+    return cfg
+
+
 def run_suite(args: argparse.Namespace) -> dict:
-    cfg = SMALL if args.small else FULL
+    cfg = sizes_config(args)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     parts = {p.strip() for p in args.parts.split(",")}
     base = {"threads": args.threads, "repeats": args.repeats}
@@ -659,8 +687,11 @@ def markdown(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--small", action="store_true", help="quick sizes (4×256, 1×1024, scaling to 1024)")
+    ap.add_argument("--small", action="store_true", help="quick sizes (2×128, 1×512; scaling 128 … 512)")
     ap.add_argument("--models", default="smollm2-135m", help="comma-separated: smollm2-135m,gemma3-270m")
+    ap.add_argument("--sizes", default=None, help="replace the size grid, e.g. 8x512,4x2048")
+    ap.add_argument("--lengths", default=None, help="replace the sequence lengths of the scaling series, e.g. 256,512,1024")
+    ap.add_argument("--counts", default=None, help="replace the sequence counts of the scaling series, e.g. 4,8,16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--report-repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
