@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _study_cmd import print_and_run, study_command  # noqa: E402
+
 torch.set_num_threads(int(os.environ.get("POSGEN_THREADS", "1")))
 
 
@@ -60,11 +63,7 @@ def study_argv(a: argparse.Namespace) -> list[str]:
     if a.layers:
         params["layers"] = a.layers
     out = Path(a.out) / (a.tag or a.model)
-    argv = ["study", "tolerance", "--model", a.model, "--n-seq", str(a.n_seq), "--seq-len", str(a.seq_len),
-            "--out", str(out)]
-    for k, v in params.items():
-        argv += ["--param", f"{k}={v}"]
-    return argv
+    return study_command("tolerance", dict(model=a.model, n_seq=a.n_seq, seq_len=a.seq_len, out=out), params)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,14 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     jobs = ([parser().parse_args(shlex.split(ln)) for ln in Path(a.queue).read_text().splitlines()
              if ln.strip() and not ln.startswith("#")] if a.queue else [a])
     cmds = [study_argv(j) for j in jobs]
+    if len(cmds) == 1:
+        return print_and_run(cmds[0], a.print)
     for c in cmds:
         print("posgen-tl " + shlex.join(c), flush=True)
     if a.print:
         return 0
-    if len(cmds) == 1:
-        from posgen_tl.cli import main as cli  # noqa: PLC0415
-
-        return cli(cmds[0])
     # a queue: one process, the model loaded once per model name
     import matplotlib  # noqa: PLC0415
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _study_cmd import print_and_run, study_command  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("POSGEN_THREADS", "1")))
 
@@ -48,23 +50,12 @@ def study_argv(a: argparse.Namespace) -> list[str]:
     """The ``posgen-tl`` arguments of this run."""
     out = Path(a.out) / (f"pattern_{a.model}" + (f"_{a.tag}" if a.tag else ""))
     params = dict(n_ref=a.n_ref, layers=a.layers, batch_size=a.batch_size, bound_rows=a.bound_rows)
-    argv = ["study", "pattern", "--model", a.model, "--n-seq", str(a.n_seq), "--seq-len", str(a.seq_len), "--seed",
-            str(a.seed), "--out", str(out)]
-    for k, v in params.items():
-        if v is not None:
-            argv += ["--param", f"{k}={v}"]
-    return argv
+    return study_command("pattern", dict(model=a.model, n_seq=a.n_seq, seq_len=a.seq_len, seed=a.seed, out=out), params)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    cmd = study_argv(a)
-    print("posgen-tl " + shlex.join(cmd), flush=True)
-    if a.print:
-        return 0
-    from posgen_tl.cli import main as cli  # noqa: PLC0415
-
-    return cli(cmd)
+    return print_and_run(study_argv(a), a.print)
 
 
 if __name__ == "__main__":

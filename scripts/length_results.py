@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _study_cmd import print_and_run, study_command  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("POSGEN_THREADS", "1")))
 
@@ -71,22 +73,12 @@ def study_argv(a: argparse.Namespace) -> list[str]:
         study = "gap_attention"
         params = dict(gap=a.gap, prefix_len=a.prefix_len, suffix_len=a.suffix_len, skip=a.skip, n_ref=a.n_ref,
                       classes=a.classes)
-    argv = ["study", study, "--model", a.model, "--n-seq", str(n_seq), "--seq-len", str(seq_len), "--out", str(out)]
-    for k, v in params.items():
-        if v is not None:
-            argv += ["--param", f"{k}={v}"]
-    return argv
+    return study_command(study, dict(model=a.model, n_seq=n_seq, seq_len=seq_len, out=out), params)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    cmd = study_argv(a)
-    print("posgen-tl " + shlex.join(cmd), flush=True)
-    if a.print:
-        return 0
-    from posgen_tl.cli import main as cli  # noqa: PLC0415
-
-    return cli(cmd)
+    return print_and_run(study_argv(a), a.print)
 
 
 if __name__ == "__main__":
