@@ -102,7 +102,7 @@ def load(path: str) -> tuple[dict, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         docs = json.loads((d / "windows.json").read_text())
         cfg = study["config"]
         meta = {"model": study["model"], "n_seq": int(dec["seq"].nunique()), "seq_len": cfg["seq_len"],
-                "n_docs_analysed": len(docs["analysed_docs"]), "n_ref": cfg["params"].get("n_ref", "default"),
+                "n_docs_analysed": len(docs["analysed_docs"]), "n_ref": docs["n_ref"],
                 "n_docs_reference": len(docs["reference_docs"]),
                 "wall_s": f"{study['wall_seconds']:.0f} s (decomposition + pattern, commit {study['git_commit'][:7]})",
                 "bound_holds_min": float(dec.loc[dec.estimator == "D3", "d3_bound_holds"].min())}

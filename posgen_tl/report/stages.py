@@ -114,7 +114,8 @@ def decomposition_compute(ctx) -> None:
                              bound_rows=_params(ctx, "decomposition").get("bound_rows", 32))
     ctx.work.save_df("decomposition.csv", df)
     ctx.work.save_df("decomposition_summary.csv", summarize_decomposition(df))
-    ctx.work.save_json("windows.json", {"note": note, "analysed_docs": df.attrs.get("analysed_docs", []),
+    ctx.work.save_json("windows.json", {"note": note, "n_seq": len(windows), "n_ref": len(ref),
+                                        "analysed_docs": df.attrs.get("analysed_docs", []),
                                         "reference_docs": df.attrs.get("reference_docs", [])})
     ctx.work.save_fig("fig_decomposition_r.png", plot_r_by_layer(df))
     layer = int(sorted(df["layer"].unique())[len(df["layer"].unique()) // 2])
