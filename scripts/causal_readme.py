@@ -23,6 +23,11 @@ FIRST_LANDING = ("destroy fast-band offset (α = 0.5, layers 10–19) vs its dam
                  "difference +0.33 [0.11, 0.55] over 8 sequences (percentile bootstrap), printed as \"depends\"")
 
 
+def _first_landing_run(config: dict) -> bool:
+    """Is this the run the first landing's claim was about (SmolLM2, keys edited in layers 10–19)?"""
+    return "smollm2" in str(config.get("model", "")).lower() and list(config.get("layers") or []) == list(range(10, 20))
+
+
 def fmt(x, d=3) -> str:
     if isinstance(x, str):
         return x
@@ -64,15 +69,17 @@ def causal_section(res: ca.CausalResult, tag: str) -> list[str]:
                 f"{fmt(r['half_a'])}, {fmt(r['half_b'])} ({bool(r['split_half_agree'])}) | {fmt(r['mde'])} | {r['verdict']} |")
         lines += [""] + [f"- `{r['contrast']}`: {r['verdict']} — {r['reason']}" for r in t.to_dict("records")]
         prim = t[t["primary"].astype(bool)]
-        if len(prim):
+        reading = ca.causal_reading(t)
+        if len(prim) and _first_landing_run(c):
             v = prim["verdict"].iloc[0]
             holds = v.startswith("depends")
-            reading = ca.causal_reading(t)
             lines += ["", f"**First landing's claim** ({FIRST_LANDING}): "
                       + (("the METHOD §8 rule reads \"depends\" here, BUT: " + reading if reading else
                           "it holds under the METHOD §8 rule here.") if holds else
                          f"it does NOT hold under the METHOD §8 rule: the primary contrast `{prim['contrast'].iloc[0]}` "
                          f"reads \"{v}\" ({prim['reason'].iloc[0]}).")]
+        elif reading:
+            lines += ["", f"**Reading:** {reading}"]
     w = c.get("wall_s", {})
     lines += ["", f"Command: `{c.get('command', '?')}`  ", f"Commit: `{c.get('commit')}`; wall times (s): "
               + ", ".join(f"{k} {v:.0f}" for k, v in w.items()) + "."]
