@@ -280,15 +280,19 @@ def within_row_spread(
 
     Sums over the batch and every row with ``>= 2`` masked entries (row means over the mask);
     ``σ(W) = sqrt(ss / n)`` is the head's within-row logit spread (softmax ignores row
-    constants). Returns float64 ``([head_index], scalar)``.
+    constants). Returns float64 ``([head_index], scalar)``; float32 maps are summed per row in
+    float32 (two-pass: deviations from the row mean first, so no cancellation), rows in float64.
     """
     mask = mask.to(device=W.device, dtype=torch.bool)
     mask = mask & (mask.sum(-1, keepdim=True) >= 2)
-    mf = mask.double()
-    x = torch.where(mask, W.double(), 0.0)
+    dt = torch.float64 if W.dtype == torch.float64 else torch.float32
+    mf = mask.to(dt)
     cnt = mf.sum(-1).clamp(min=1)
-    dev = (x - (x.sum(-1) / cnt)[..., None]) * mf
-    return dev.square().sum((0, 2, 3)), mf.sum() * W.shape[0]
+    x = W.to(dt) * mf  # a fresh buffer: W is never modified
+    mean = x.sum(-1, keepdim=True) / cnt[:, None]
+    x.addcmul_(mean, mf, value=-1)  # two-pass: deviations from the row mean, zero off the mask
+    ss = x.square_().sum(-1).double().sum((0, 2))
+    return ss, mask.double().sum() * W.shape[0]
 
 
 def predicted_d3_error(

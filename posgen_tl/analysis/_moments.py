@@ -87,7 +87,7 @@ class _Moments:
     sxx: Tensor
     syy: Tensor
     sxy: Tensor
-    xmax: Tensor  # [maps] magnitude of x (for the degeneracy test)
+    xmax: Tensor  # [maps] a magnitude of x, ≥ max |x| (for the degeneracy test)
     ymax: Tensor
 
 
@@ -115,6 +115,17 @@ def _scores(m: _Moments, g: _Geometry) -> dict[str, Tensor]:
     return {"r": r, "r2": r2, "r_within": rw}
 
 
+def _rowsq(x: Tensor) -> Tensor:
+    """``Σ_j x[..., i, j]²`` → float64 ``[maps, query_pos]`` (one float32 reduction pass, no temporary)."""
+    return torch.linalg.vector_norm(x, dim=-1).double().square()
+
+
+def _scale(sq: Tensor, mu: Tensor) -> Tensor:
+    """``max_i ‖row_i‖₂ + |μ|`` → float64 ``[maps]``: a magnitude ≥ ``max |x + μ|`` for the degeneracy
+    test (between ``max |x|`` and ``√n·max |x|``; costs nothing once the row sums of squares exist)."""
+    return sq.amax(-1).sqrt() + mu.double().abs()
+
+
 def _rowdot(x: Tensor, y: Tensor, cache: dict | None = None) -> Tensor:
     """``Σ_j x[..., i, j]·y[..., i, j]`` → float64 ``[maps, query_pos]`` (float32 products and sums).
 
@@ -136,11 +147,6 @@ def _mask_(x: Tensor, g: _Geometry) -> Tensor:
     return x
 
 
-def _absmax(x: Tensor) -> Tensor:
-    """``max |x|`` over the last two axes, float64 ``[maps]`` (no temporary the size of x)."""
-    return torch.maximum(x.amin((-1, -2)).abs(), x.amax((-1, -2)).abs()).double()
-
-
 class _Target:
     """The shifted, masked logit maps of one (batch, layer) and their sink-kept row sums.
 
@@ -157,15 +163,14 @@ class _Target:
         if buf is None or buf.shape != (nm, n, 2 * n) or buf.device != W.device:
             buf = cache["buf"] = W.new_zeros(nm, n, 2 * n)
         x = buf[..., n:]
-        x.copy_(W)
-        _mask_(x.sub_(mu[:, None, None]), g0)
+        _mask_(torch.sub(W, mu[:, None, None], out=x), g0)
         self.mu, self.x, self.n, self.cache = mu, x, n, cache
         self.view = buf.as_strided((nm, n, n), (2 * n * n, 2 * n + 1, 1), 1)  # e = n−1−d
         self.sx = x.sum(-1).double()
-        self.sxx = _rowdot(x, x, cache)
+        self.sxx = _rowsq(x)
         self.col = x.sum(-2).double()
         self.diag = self.view.sum(-2).double().flip(-1)  # [maps, d]
-        self.xmax = _absmax(x) + mu.double().abs()
+        self.xmax = _scale(self.sxx, mu)
 
     def sink_cols(self, sink: int) -> Tensor:
         return self.x[..., :sink]
@@ -228,17 +233,18 @@ def _all_fit_moments(t: _Target, geoms: dict[int, _Geometry]) -> dict[tuple[int,
     """D1 and D2 on every mask; the two map-sized products for all fits in one pass each."""
     fits = {(s, est): _fit_solve(t, g, est == "D1") for s, g in geoms.items() for est in ("D1", "D2")}
     keys = list(fits)
-    cs = torch.stack([fits[k][3] for k in keys], -1).float()  # [maps, j, fits]
-    as_ = torch.stack([fits[k][1].flip(-1) for k in keys], -1).float()
-    xc, xa = torch.bmm(t.x, cs).double(), torch.bmm(t.view, as_).double()
-    return {k: _fit_moments(t, geoms[k[0]], fits[k], xc[..., i], xa[..., i]) for i, k in enumerate(keys)}
+    cs = torch.stack([fits[k][3] for k in keys], 1).float()  # [maps, fits, j]
+    as_ = torch.stack([fits[k][1].flip(-1) for k in keys], 1).float()
+    # (x·c)ᵀ = cᵀ·xᵀ: the skinny product in this orientation is 2–4× faster on CPU BLAS (same sums)
+    xc, xa = torch.bmm(cs, t.x.transpose(1, 2)).double(), torch.bmm(as_, t.view.transpose(1, 2)).double()
+    return {k: _fit_moments(t, geoms[k[0]], fits[k], xc[:, i], xa[:, i]) for i, k in enumerate(keys)}
 
 
 def _d3_moments(t: _Target, y: Tensor, g0: _Geometry, sinks: Sequence[int]) -> dict[int, _Moments]:
     """Moments of x and the D3 approximation ``y = f + g`` (float32 ``[maps, i, j]``, modified in place)."""
     _mask_(y.sub_(t.mu[:, None, None]), g0)
-    sy, syy, sxy = y.sum(-1).double(), _rowdot(y, y, t.cache), _rowdot(t.x, y, t.cache)
-    ymax = _absmax(y) + t.mu.double().abs()
+    sy, syy, sxy = y.sum(-1).double(), _rowsq(y), _rowdot(t.x, y, t.cache)
+    ymax = _scale(syy, t.mu)
     out = {}
     for s in sinks:
         sx, sxx = t.moments_x(s)

@@ -224,14 +224,44 @@ def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor) -> Tensor:
     return rearrange(torch.matmul(q2, k_y), _GROUPED, i=n)
 
 
+def _bound_table(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tensor, rope, chunk: int = 8) -> Tensor:
+    """``Σ_m |q_im|·|k_jm − k̄_m|·2|sin((φ_im − φ_jm)/2)|`` on query ``rows``, causal part ``j ≤ i`` (0 elsewhere).
+
+    ``qn``: float64 ``[b, rows, head_index, band]`` (``|q|`` per band); ``k``: ``[b, key_pos, kv_head, d_head]``;
+    ``k_mean``: ``[kv_head, d_head]`` or ``[b, kv_head, d_head]``; ``phi``: float64 ``[b, pos, band]``.
+    The key side is built once per kv-group (GQA: no repeat per query head) and the rows are
+    batched ``chunk`` at a time (one masked ``sin`` table per chunk, shared by all sequences when
+    their positions are). Returns float64 ``[(b head_index), rows, key_pos]``.
+    """
+    b, n, kv = k.shape[:3]
+    g = qn.shape[2] // kv
+    kb = _kbar_batched(k_mean.to(k.device).double(), b, kv)  # b kv d
+    zk, zb = to_bands(k.double(), rope.rotary_dim, rope.layout), to_bands(kb, rope.rotary_dim, rope.layout)
+    kn = rearrange((zk - zb[:, None]).abs(), "b j kv m -> b kv 1 j m")
+    qg = rearrange(qn, "b r (kv g) m -> b kv r m g", kv=kv)
+    shared = bool((phi == phi[:1]).all())  # same positions in every sequence (the default)
+    ph = phi[:1] if shared else phi
+    out = torch.zeros(b, kv, len(rows), n, g, dtype=torch.float64, device=k.device)
+    rows_l = rows.tolist()
+    for s in range(0, len(rows_l), chunk):
+        r = slice(s, s + chunk)
+        rc, jn = len(rows_l[r]), max(rows_l[r]) + 1  # keys j > max row are 0 for the whole chunk
+        dphi = ph[:, rows[r], None, :] - ph[:, None, :jn, :]  # b' r j m
+        sin = 2 * (dphi / 2).sin().abs() * (torch.arange(jn, device=k.device) <= rows[r, None].to(k.device))[..., None]
+        t = torch.empty(b, kv, rc, jn, kn.shape[-1], dtype=torch.float64, device=k.device)
+        torch.mul(kn[..., :jn, :], sin[:, None], out=t)  # (out= keeps it contiguous: no copy in the view below)
+        t = t.view(b * kv * rc, jn, -1)  # (b kv r) j m
+        out[:, :, r, :jn] = torch.bmm(t, qg[:, :, r].reshape(b * kv * rc, -1, g)).reshape(b, kv, rc, jn, g)
+    return rearrange(out, "b kv r j g -> (b kv g) r j")
+
+
 def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, _Geometry]) -> dict[int, dict[str, Tensor]]:
     """D3 check on query ``rows``: mean |W − f − g|, mean bound (as :func:`d3_bound`) and
     fraction of entries within the bound, over the masked entries of ``rows`` per mask.
 
     ``k_mean``: ``[kv_head, d_head]`` or ``[batch, kv_head, d_head]``. ``W, f, g`` in float64
     as in :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on ``(Re, Im)``
-    band coordinates; the bound (float64) only on ``j ≤ i``, with the ``2|sin((φ_i − φ_j)/2)|``
-    table computed once when all sequences share positions.
+    band coordinates; the bound (float64) only on ``j ≤ i`` (:func:`_bound_table`).
     Each ``[batch, head_index]``, flattened to ``[(batch head_index)]``.
     """
     rope, h, r = c.rope, c.n_heads, c.rope.rotary_dim
@@ -258,27 +288,18 @@ def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, _G
         g = g + qp @ (kp - kbp[..., None])
     w, f, g = s * w, s * f, s * g
     err = (w - f - g).abs()
-    qn = rearrange(zq[:, rows].abs(), "b i h m -> (b h) i m")
-    kn = rearrange((zk - zb).abs(), "b j h m -> (b h) j m")
-    bound = torch.zeros_like(err).reshape(-1, len(rows), n)
-    shared = bool((phi == phi[:1]).all())  # same positions in every sequence (the default)
-    for bi in range(1 if shared else phi.shape[0]):
-        sl = slice(None) if shared else slice(bi * h, (bi + 1) * h)
-        sin = 2 * ((phi[bi, rows, None, :] - phi[bi, None, :, :]) / 2).sin().abs()  # i j m
-        for k, i in enumerate(rows.tolist()):  # causal part j ≤ i only
-            bound[sl, k, : i + 1] = ((kn[sl, : i + 1] * sin[k, : i + 1]) @ qn[sl, k, :, None])[..., 0]
-    bound = bound.reshape(err.shape) * (s * a2)
+    bound = _bound_table(zq[:, rows].abs(), c.k, k_mean, phi, rows, rope).reshape(err.shape) * (s * a2)
     holds = err <= bound + _BOUND_RTOL * (w.abs() + f.abs() + g.abs())
     out = {}
     for sk, geo in geoms.items():
         m = geo.mask[rows].double()
         cnt = m.sum()
-        out[sk] = {
-            "d3_err_mean": ((err * m).sum((-1, -2)) / cnt).reshape(-1),
-            "d3_bound_mean": ((bound * m).sum((-1, -2)) / cnt).reshape(-1),
-            "d3_bound_holds": ((holds.double() * m).sum((-1, -2)) / cnt).reshape(-1),
-            "mu": ((w * m).sum((-1, -2)) / cnt).reshape(-1),
-        }
+
+        def mean(x: Tensor) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
+            return (x.reshape(x.shape[0] * x.shape[1], -1) @ m.reshape(-1)) / cnt
+
+        out[sk] = {"d3_err_mean": mean(err), "d3_bound_mean": mean(bound), "d3_bound_holds": mean(holds.double()),
+                   "mu": mean(w)}
     return out
 
 
