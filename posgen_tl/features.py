@@ -57,6 +57,7 @@ __all__ = [
     "pattern_scores",
     "predicted_d3_error",
     "within_row_spread",
+    "within_row_spread_qk",
     "fast_band_offset",
     "stats_frame",
 ]
@@ -293,6 +294,77 @@ def within_row_spread(
     x.addcmul_(mean, mf, value=-1)  # two-pass: deviations from the row mean, zero off the mask
     ss = x.square_().sum(-1).double().sum((0, 2))
     return ss, mask.double().sum() * W.shape[0]
+
+
+def within_row_spread_qk(
+    rot_q: Float[Tensor, "batch pos head_index d_head"],
+    rot_k: Float[Tensor, "batch pos kv_head d_head"],
+    score_scale: float,
+    *,
+    sink: int = 0,
+    sliding_window: int | None = None,
+    block: int = 32,
+) -> tuple[Float[Tensor, "head_index"], Float[Tensor, ""]]:
+    """:func:`within_row_spread` of ``W = s·rot_q·rot_kᵀ`` under ``causal_mask(n, sink=, sliding_window=)``,
+    without building the ``n × n`` maps.
+
+    Per query row ``Σ_j (W_ij − mean)² = Σ_j W_ij² − (Σ_j W_ij)²/cnt`` with
+    ``Σ_j W_ij² = s²·q_iᵀ (Σ_j k_j k_jᵀ) q_i``: the key blocks every row of a query block sees
+    enter through block prefix sums of ``k`` and ``k kᵀ`` (``d × d`` per block); only the
+    ≤ 2 partial key blocks at each end of a row's range are scored explicitly. Cost per row
+    ``O(d² + block·d)`` instead of ``O(n·d)``. In float64, with keys centred by their sequence mean
+    (a row constant: the spread is unchanged, the cancellation smaller). GQA: head ``h`` reads
+    kv-group ``h // (H / G)``. Returns float64 ``([head_index], scalar)`` as :func:`within_row_spread`.
+    """
+    if rot_q.ndim != 4 or rot_k.ndim != 4 or rot_q.shape[:2] != rot_k.shape[:2] or rot_q.shape[-1] != rot_k.shape[-1]:
+        raise ValueError(f"rot_q {tuple(rot_q.shape)} and rot_k {tuple(rot_k.shape)} must be [batch, pos, heads, d_head] "
+                         "with the same batch, pos and d_head")
+    b, n, h, d = rot_q.shape
+    kv = rot_k.shape[-2]
+    if h % kv:
+        raise ValueError(f"{h} query heads are not a multiple of {kv} kv heads")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    dev = rot_q.device
+    q = rearrange(rot_q.double(), "b i (kv g) d -> b kv g i d", kv=kv)
+    k = rot_k.double()
+    k = rearrange(k - k.mean(1, keepdim=True), "b j kv d -> b kv j d")
+    nb = -(-n // block)
+    kp = torch.nn.functional.pad(k, (0, 0, 0, nb * block - n)).reshape(b, kv, nb, block, d)
+    zero1, zero2 = k.new_zeros(b, kv, 1, d), k.new_zeros(b, kv, 1, d, d)
+    p1 = torch.cat([zero1, kp.sum(3).cumsum(2)], 2)  # b kv nb+1 d: Σ of keys before block t
+    p2 = torch.cat([zero2, torch.einsum("bkxjd,bkxje->bkxde", kp, kp).cumsum(2)], 2)  # b kv nb+1 d d
+    pos = torch.arange(n, device=dev)
+    lo = pos - sliding_window + 1 if sliding_window is not None else torch.zeros_like(pos)
+    lo = lo.clamp(min=sink)
+    cnt = (pos - lo + 1).clamp(min=0)
+    valid = cnt >= 2
+    ss = torch.zeros(b, kv, q.shape[2], dtype=torch.float64, device=dev)
+    for t in range(nb):
+        i0, i1 = t * block, min(n, (t + 1) * block)
+        qi = q[:, :, :, i0:i1]  # b kv g r d
+        s1 = torch.zeros(qi.shape[:-1], dtype=torch.float64, device=dev)
+        s2 = torch.zeros_like(s1)
+        a_min, a_max = int(lo[i0]), int(lo[i1 - 1])  # lo is non-decreasing: every row sees [a_max, i0]
+        f0, f1 = -(-a_max // block), (i0 + 1) // block  # whole key blocks inside [a_max, i0]
+        spans = [(a_min, i1)]
+        if f0 < f1:
+            ksum, gram = p1[:, :, f1] - p1[:, :, f0], p2[:, :, f1] - p2[:, :, f0]  # b kv d, b kv d d
+            s1 += torch.einsum("bkgrd,bkd->bkgr", qi, ksum)
+            s2 += (torch.einsum("bkgrd,bkde->bkgre", qi, gram) * qi).sum(-1)
+            spans = [(a_min, f0 * block), (f1 * block, i1)]
+        for e0, e1 in spans:
+            if e1 <= e0:
+                continue
+            j = torch.arange(e0, e1, device=dev)
+            m = ((j[None, :] >= lo[i0:i1, None]) & (j[None, :] <= pos[i0:i1, None])).double()  # r e
+            w = torch.einsum("bkgrd,bked->bkgre", qi, k[:, :, e0:e1]) * m
+            s1 += w.sum(-1)
+            s2 += (w * w).sum(-1)
+        s1, s2 = s1 * score_scale, s2 * score_scale**2
+        c = cnt[i0:i1].clamp(min=1).double()
+        ss += ((s2 - s1 * s1 / c) * valid[i0:i1].double()).sum(-1)
+    return rearrange(ss.sum(0), "kv g -> (kv g)"), (cnt * valid).sum().double() * b
 
 
 def predicted_d3_error(

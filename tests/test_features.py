@@ -19,6 +19,7 @@ from posgen_tl.features import (
     predicted_d3_error,
     stats_frame,
     within_row_spread,
+    within_row_spread_qk,
 )
 from posgen_tl.rope import LayerRope, band_indices
 
@@ -371,6 +372,31 @@ def test_within_row_spread():
         cnt += 2 * i
     torch.testing.assert_close(ss, want)
     assert float(n) == cnt
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 2), n=st.integers(1, 40), kv=st.integers(1, 3), g=st.integers(1, 3), d=st.integers(1, 6),
+       sink=st.integers(0, 3), win=st.one_of(st.none(), st.integers(1, 12)), block=st.integers(1, 9),
+       shift=st.sampled_from([0.0, 40.0]), seed=st.integers(0, 2**16))
+def test_within_row_spread_qk_equals_the_map_version(b, n, kv, g, d, sink, win, block, shift, seed):
+    """The block-Gram spread equals within_row_spread on the explicit maps for any mask, block size
+    and GQA grouping — including keys with a large common offset (big row means, small spreads)."""
+    from posgen_tl.rope import causal_mask, scores_from_rotated
+
+    gen = _gen(seed)
+    q = torch.randn(b, n, kv * g, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, n, kv, d, generator=gen, dtype=torch.float64) + shift
+    want, cnt = within_row_spread(scores_from_rotated(q, k, 0.7), causal_mask(n, sink=sink, sliding_window=win))
+    got, got_cnt = within_row_spread_qk(q, k, 0.7, sink=sink, sliding_window=win, block=block)
+    assert float(got_cnt) == float(cnt)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * float(want.abs().max().clamp(min=1)))
+
+
+def test_within_row_spread_qk_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="kv heads"):
+        within_row_spread_qk(torch.zeros(1, 4, 3, 2), torch.zeros(1, 4, 2, 2), 1.0)
+    with pytest.raises(ValueError, match="same batch, pos and d_head"):
+        within_row_spread_qk(torch.zeros(1, 4, 2, 2), torch.zeros(1, 5, 1, 2), 1.0)
 
 
 def _head_maps(fast: bool, seed: int):

@@ -535,12 +535,12 @@ def _with_reused(df: pd.DataFrame, reuse: pd.Series, b: Sequence[int], clean: Te
     """``df`` (the frac = 0 rows of one batch) completed by the reused swapped-pass NLLs, in the
     row order of :func:`curve_rows` (frac, seed, sequence)."""
     rows = [df]
+    cl = clean.float().numpy()  # float32 like curve_rows: same rows bit for bit when the passes agree
     for frac in fracs:
         if frac == 0:
             continue
         for sd in seeds:
             nll = np.array([reuse.loc[(g, float(frac), int(sd))] for g in b], dtype=np.float32)
-            cl = clean.float().numpy()  # float32 like curve_rows: same rows bit for bit when the passes agree
             rows.append(pd.DataFrame(dict(seq=range(len(b)), frac=float(frac), seed=int(sd), clean_nll=cl.astype(float),
                                           nll=nll.astype(float), delta=(nll - cl).astype(float))))
     return pd.concat(rows, ignore_index=True)

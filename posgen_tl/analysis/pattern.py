@@ -8,7 +8,8 @@ forward stops after the last requested layer) feeds, per layer:
 * a :class:`~posgen_tl.rho.SequenceBandSums` for each (per-sequence sums with document ids):
   ρ in three forms — ``rho_within``, cross-fitted ``rho_cross`` over document halves and
   ``stability = rho_cross / rho_within`` (the plug-in ``offset_ratio`` is kept, labelled legacy);
-* the within-row logit spread ``σ(W)`` per head (:func:`~posgen_tl.features.within_row_spread`).
+* the within-row logit spread ``σ(W)`` per head (:func:`~posgen_tl.features.within_row_spread`, or the same
+  sums without the ``n × n`` map, :func:`~posgen_tl.features.within_row_spread_qk`, for rows longer than 5·d_head).
 
 The first ``sink`` positions of every sequence are excluded from every statistic. Memory is
 the accumulators (``O(layers · heads · d_head)`` plus ``O(n_seq · layers · heads · bands)``)
@@ -53,6 +54,7 @@ from posgen_tl.features import (
     predicted_d3_error,
     stats_frame,
     within_row_spread,
+    within_row_spread_qk,
 )
 from posgen_tl.heads import frequency_centroid
 from posgen_tl.rho import SequenceBandSums, band_group
@@ -68,6 +70,10 @@ __all__ = [
     "BAND_COLUMNS",
     "HEAD_COLUMNS",
 ]
+
+#: rows longer than this many × d_head get the spread from block-Gram sums (O(n·d²), no n × n map;
+#: :func:`~posgen_tl.features.within_row_spread_qk`); shorter ones from the explicit map (cheaper there).
+_GRAM_FROM = 5
 
 BAND_COLUMNS = [
     "model", "twin", "layer", "kind", "which", "head", "band", "band_group", "energy_share",
@@ -357,7 +363,12 @@ def feature_pattern(
         a["k"].update(c.k, mask)
         a["q_seq"].update(c.q, d, mask)
         a["k_seq"].update(c.k, d, mask)
-        ss, n = within_row_spread(c.logits(), causal_mask(n_pos, sink=sink, sliding_window=c.rope.sliding_window, device=c.q.device))
+        if n_pos > _GRAM_FROM * c.q.shape[-1]:  # long rows: block-Gram sums, no n × n map (exact, float64)
+            ss, n = within_row_spread_qk(c.rot_q, c.rot_k, c.rope.score_scale, sink=sink,
+                                         sliding_window=c.rope.sliding_window, block=max(8, c.q.shape[-1] // 2))
+        else:
+            ss, n = within_row_spread(c.logits(), causal_mask(n_pos, sink=sink, sliding_window=c.rope.sliding_window,
+                                                              device=c.q.device))
         a["spread"] = (a["spread"][0] + ss.cpu(), a["spread"][1] + n.cpu())
 
     desc = f"pattern {twin_label}" if progress else False

@@ -46,6 +46,7 @@ from jaxtyping import Float, Int
 from scipy.stats import mannwhitneyu, spearmanr
 from torch import Tensor
 
+from posgen_tl.analysis.decomposition import layer_group
 from posgen_tl.capture import QKCapture, probe_hooks, stream_qk
 from posgen_tl.corpus import CorpusError, Windows, reference_windows
 from posgen_tl.decompose import causal_mask as fit_mask
@@ -435,7 +436,8 @@ def taxonomy_agreement(head_df: pd.DataFrame) -> dict[str, dict[str, float]]:
 
 
 def labels_by_layer_group(head_df: pd.DataFrame, n_layers: int | None = None) -> pd.DataFrame:
-    """Head label counts per twin and layer third (early / middle / late of ``n_layers``, default
+    """Head label counts per twin and layer third (early / middle / late of ``n_layers`` as
+    :func:`posgen_tl.analysis.decomposition.layer_group`, default
     the largest layer + 1).
 
     Returns:
@@ -444,9 +446,8 @@ def labels_by_layer_group(head_df: pd.DataFrame, n_layers: int | None = None) ->
     """
     df = _heads(head_df)
     n = int(n_layers if n_layers is not None else df["layer"].max() + 1)
-    cuts = np.array_split(np.arange(n), 3)
-    group = {int(layer): name for name, part in zip(("early", "middle", "late"), cuts) for layer in part}
-    h = df.assign(group=pd.Categorical(df["layer"].map(group), ["early", "middle", "late"], ordered=True))
+    groups = [layer_group(int(x), n) for x in df["layer"]]  # the decomposition tables' thirds
+    h = df.assign(group=pd.Categorical(groups, ["early", "middle", "late"], ordered=True))
     tab = h.groupby(["twin", "group"], sort=False, observed=True)["label"].value_counts().unstack(fill_value=0)
     tab = tab.reindex(columns=list(LABELS), fill_value=0).reset_index()
     order = {t: i for i, t in enumerate(dict.fromkeys(df["twin"]))}
