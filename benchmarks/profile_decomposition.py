@@ -1,0 +1,69 @@
+"""Per-function time split of the streaming decomposition (diagnostic, not a target).
+
+    python benchmarks/profile_decomposition.py [--n-seq 4] [--seq-len 512] [--threads 1]
+
+Prints the forward, the capture-only pass and the decomposition of the same tokens, then the
+seconds spent in each piece of :mod:`posgen_tl.analysis.decomposition` (wrapped timers, summed
+over layers and batches). Run it on an idle machine; under load the split is only indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--n-seq", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    import torch
+
+    import posgen_tl.analysis._moments as M
+    import posgen_tl.analysis.decomposition as D
+    from suite import Bench
+
+    torch.set_num_threads(a.threads)
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def timed(mod, name):
+        f = getattr(mod, name)
+
+        def g(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t
+
+        setattr(mod, name, g)
+
+    for name in ("_q2", "_w_map", "_y_map", "_bound_check", "_all_fit_moments", "_d3_moments", "_scores"):
+        timed(D, name)
+    timed(M, "_Target")
+    D._Target = M._Target
+    b = Bench(a.model, a.n_seq, a.seq_len)
+    b.kbar()
+    b.decomposition()  # warm-up: geometry, allocator
+    for label, fn in (("forward", b.forward), ("capture", b.capture)):
+        t = time.perf_counter()
+        fn()
+        print(f"{label:<18}{time.perf_counter() - t:8.2f} s")
+    spent.clear()
+    t = time.perf_counter()
+    b.decomposition()
+    print(f"{'decomposition':<18}{time.perf_counter() - t:8.2f} s   of which:")
+    for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<16}{v:8.2f} s")
+
+
+if __name__ == "__main__":
+    main()
