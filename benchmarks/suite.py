@@ -472,6 +472,18 @@ def sizes_config(args: argparse.Namespace) -> dict:
     return cfg
 
 
+def _commit() -> str | None:
+    """The commit of the code measured (``git rev-parse`` in this checkout; ``None`` outside git)."""
+    try:
+        p = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "posgen_tl",
+                            "benchmarks"], capture_output=True, text=True, timeout=10).stdout.strip()
+    return (p.stdout.strip() + ("+modified" if dirty else "")) if p.returncode == 0 else None
+
+
 def run_suite(args: argparse.Namespace) -> dict:
     cfg = sizes_config(args)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -479,11 +491,13 @@ def run_suite(args: argparse.Namespace) -> dict:
     base = {"threads": args.threads, "repeats": args.repeats}
     res: dict[str, Any] = {
         "config": {"small": args.small, "models": models, "repeats": args.repeats, "threads": args.threads,
-                   "report_repeats": args.report_repeats, "parts": sorted(parts), **cfg, "fracs": FRACS,
+                   "report_repeats": args.report_repeats, "parts": sorted(parts), "axes": sorted(args.axes),
+                   "skip_memory": args.skip_memory, **cfg, "fracs": FRACS,
                    "target_len": TARGET_LEN},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "load_avg_start": os.getloadavg()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "commit": _commit(),
         "models": {},
     }
     mem_steps = ["forward", "capture", "decomposition", "pattern", "tolerance_curve", "causal_condition",
@@ -495,14 +509,14 @@ def run_suite(args: argparse.Namespace) -> dict:
             spec = dict(base, model=model, n_seq=n_seq, seq_len=seq_len)
             _log(f"{model} {key}: timing ({args.repeats} repeats)")
             entry = {"timing": _spawn("timing", spec, args.timeout), "memory": {}}
-            for step in mem_steps:
+            for step in ([] if args.skip_memory else mem_steps):
                 _log(f"{model} {key}: memory of {step}")
                 entry["memory"][step] = _spawn("memory", dict(spec, step=step), args.timeout)
             mres["sizes"][key] = entry
             _save(res | {"partial": True}, args.out, model, mres)
         if "scaling" in parts:
-            for axis, points in (("length", [(1, n) for n in cfg["lengths"]]),
-                                 ("count", [(c, cfg["count_len"]) for c in cfg["counts"]])):
+            axes = (("length", [(1, n) for n in cfg["lengths"]]), ("count", [(c, cfg["count_len"]) for c in cfg["counts"]]))
+            for axis, points in [a for a in axes if a[0] in args.axes]:
                 series: dict[str, Any] = {}
                 for step in ("forward", "pattern", "decomposition"):
                     rows = []
@@ -534,7 +548,10 @@ def run_suite(args: argparse.Namespace) -> dict:
 def merge_results(parts: list[dict]) -> dict:
     """One results object from several ``--parts`` runs (per model: sizes, scaling, report united)."""
     out = json.loads(json.dumps(parts[0]))
-    out["parts"] = [{"started": p.get("started"), "finished": p.get("finished"), "machine": p.get("machine")}
+    out["parts"] = [{"started": p.get("started"), "finished": p.get("finished"), "machine": p.get("machine"),
+                     "commit": p.get("commit"), "config": p.get("config"),
+                     "measured": {m: {"sizes": sorted(v.get("sizes", {})), "scaling": sorted(v.get("scaling", {}))}
+                                  for m, v in p.get("models", {}).items()}}
                     for p in parts]
     for p in parts[1:]:
         for model, m in p["models"].items():
@@ -692,6 +709,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=None, help="replace the size grid, e.g. 8x512,4x2048")
     ap.add_argument("--lengths", default=None, help="replace the sequence lengths of the scaling series, e.g. 256,512,1024")
     ap.add_argument("--counts", default=None, help="replace the sequence counts of the scaling series, e.g. 4,8,16")
+    ap.add_argument("--axes", default="length,count", type=lambda t: {a.strip() for a in t.split(",")},
+                    help="scaling axes to run: length, count or both (merging replaces only the axes run)")
+    ap.add_argument("--skip-memory", action="store_true",
+                    help="sizes: timing only (no peak-memory worker per step), e.g. for a 1-thread timing run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--report-repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
@@ -724,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(res)
         print(f"\nwrote {args.out}")
         return 0
+    if not args.axes or not args.axes <= {"length", "count"}:
+        raise SystemExit(f"--axes {sorted(args.axes)}: expected length, count or length,count")
     if args.repeats < 3:
         print("suite: note: fewer than 3 repeats; min/median are weak", file=sys.stderr)
     res = run_suite(args)

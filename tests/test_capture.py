@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -109,6 +111,20 @@ def test_stream_stops_early_and_visits_each_layer_once():
     stream_qk(model, torch.randint(3, 50, (5, 8)), lambda c: seen.append((c.batch_index, c.layer)), layers=[1, 2],
               batch_size=2, progress=False)
     assert seen == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+def test_stream_returns_freed_heap_after_each_batch(monkeypatch):
+    """Memory independent of the number of batches: the freed heap goes back to the OS per batch (glibc)."""
+    import platform  # noqa: PLC0415
+
+    import posgen_tl.capture as cap  # noqa: PLC0415
+
+    real, calls = cap.release_freed_memory, []
+    monkeypatch.setattr(cap, "release_freed_memory", lambda: calls.append(1) or real())
+    stream_qk(tm.native(n_layers=2), torch.randint(3, 50, (5, 8)), lambda c: None, batch_size=2, progress=False)
+    assert len(calls) == 3  # 3 batches
+    if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
+        assert real() is True
 
 
 def test_stream_rotation_fallback_matches_model_pattern():

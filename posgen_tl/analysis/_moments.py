@@ -126,19 +126,6 @@ def _scale(sq: Tensor, mu: Tensor) -> Tensor:
     return sq.amax(-1).sqrt() + mu.double().abs()
 
 
-def _rowdot(x: Tensor, y: Tensor, cache: dict | None = None) -> Tensor:
-    """``Σ_j x[..., i, j]·y[..., i, j]`` → float64 ``[maps, query_pos]`` (float32 products and sums).
-
-    The product goes to a scratch buffer kept in ``cache`` (a fresh map-sized temporary per
-    call costs more in page faults than the arithmetic)."""
-    tmp = None if cache is None else cache.get("tmp")
-    if tmp is None or tmp.shape != x.shape or tmp.device != x.device:
-        tmp = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        if cache is not None:
-            cache["tmp"] = tmp
-    return torch.mul(x, y, out=tmp).sum(-1).double()
-
-
 def _mask_(x: Tensor, g: _Geometry) -> Tensor:
     """Zero the off-mask entries of ``x [maps, i, j]`` in place (``g.sink`` must be 0)."""
     x.tril_()
@@ -241,15 +228,18 @@ def _all_fit_moments(t: _Target, geoms: dict[int, _Geometry]) -> dict[tuple[int,
 
 
 def _d3_moments(t: _Target, y: Tensor, g0: _Geometry, sinks: Sequence[int]) -> dict[int, _Moments]:
-    """Moments of x and the D3 approximation ``y = f + g`` (float32 ``[maps, i, j]``, modified in place)."""
+    """Moments of x and the D3 approximation ``y = f + g`` (float32 ``[maps, i, j]``; OVERWRITTEN: it
+    ends holding ``x·(y − μ)``, so ``Σxy`` needs no map-sized temporary)."""
     _mask_(y.sub_(t.mu[:, None, None]), g0)
-    sy, syy, sxy = y.sum(-1).double(), _rowsq(y), _rowdot(t.x, y, t.cache)
+    sy, syy = y.sum(-1).double(), _rowsq(y)
+    ycols = {s: y[..., :s].double() for s in sinks if s}  # before the in-place product below
+    sxy = y.mul_(t.x).sum(-1).double()
     ymax = _scale(syy, t.mu)
     out = {}
     for s in sinks:
         sx, sxx = t.moments_x(s)
         if s:
-            yc, xc = y[..., :s].double(), t.sink_cols(s).double()
+            yc, xc = ycols[s], t.sink_cols(s).double()
             out[s] = _Moments(sx, sy - yc.sum(-1), sxx, syy - (yc * yc).sum(-1), sxy - (xc * yc).sum(-1), t.xmax, ymax)
         else:
             out[s] = _Moments(sx, sy, sxx, syy, sxy, t.xmax, ymax)

@@ -205,23 +205,41 @@ def _q2(c: QKCapture) -> Tensor:
 _GROUPED = "b kv (g i) j -> (b kv g) i j"
 
 
-def _w_map(c: QKCapture, q2: Tensor) -> Tensor:
-    """``W = s·R_i q_i · R_j k_j`` (= ``c.logits()``), float32 ``[(batch head_index), query_pos, key_pos]``."""
+def _map_buffer(cache: dict | None, c: QKCapture) -> Tensor | None:
+    """The run's one map-sized float32 scratch ``[b, kv, (g i), j]`` (W, then each ``f + g``), kept in
+    ``cache`` and reused across layers and batches: a fresh map per product costs page faults and,
+    with glibc, heap growth with the number of batches. ``None`` without a cache."""
+    if cache is None:
+        return None
+    b, n, kv = c.k.shape[:3]
+    shape = (b, kv, c.q.shape[2] // kv * n, n)
+    buf = cache.get("map")
+    if buf is None or tuple(buf.shape) != shape or buf.device != c.q.device:
+        cache.pop("map", None)
+        buf = cache["map"] = torch.empty(shape, dtype=torch.float32, device=c.q.device)
+    return buf
+
+
+def _w_map(c: QKCapture, q2: Tensor, cache: dict | None = None) -> Tensor:
+    """``W = s·R_i q_i · R_j k_j`` (= ``c.logits()``), float32 ``[(batch head_index), query_pos, key_pos]``
+    (written into the run's map buffer when ``cache`` is given)."""
     d = c.q.shape[-1]
-    return rearrange(torch.matmul(q2[..., :d], rearrange(c.rot_k, "b j kv d -> b kv d j")), _GROUPED, i=c.q.shape[1])
+    w = torch.matmul(q2[..., :d], rearrange(c.rot_k, "b j kv d -> b kv d j"), out=_map_buffer(cache, c))
+    return rearrange(w, _GROUPED, i=c.q.shape[1])
 
 
-def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor) -> Tensor:
+def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) -> Tensor:
     """``f + g`` of :func:`d3_split` as ONE matmul of width ``2·d_head``: ``q2 · [R_j k̄ | k_j − k̄]``.
 
     ``k_mean``: ``[kv_head, d_head]`` (global) or ``[batch, kv_head, d_head]`` (per sequence).
-    Returns float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat).
+    Returns float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat); written
+    into the run's map buffer when ``cache`` is given (W must be consumed by then).
     """
     b, n, kv = c.k.shape[:3]
     kbar = _kbar_batched(k_mean.to(c.k.device, torch.float32), b, kv)  # b kv d
     rot_kbar = rotate(kbar[:, None].expand(b, n, *kbar.shape[1:]), c.positions, c.rope)
     k_y = rearrange(torch.cat([rot_kbar, c.k - kbar[:, None]], dim=-1), "b j kv d -> b kv d j")
-    return rearrange(torch.matmul(q2, k_y), _GROUPED, i=n)
+    return rearrange(torch.matmul(q2, k_y, out=_map_buffer(cache, c)), _GROUPED, i=n)
 
 
 def _bound_table(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tensor, rope, chunk: int = 8) -> Tensor:
@@ -355,7 +373,7 @@ def _run(model, windows: Windows, kinds, k_means, layers, *, sink, batch_size, b
         geoms = geoms_of(c)
         r = rows.to(c.q.device)
         q2 = _q2(c)
-        w = _w_map(c, q2)
+        w = _w_map(c, q2, cache)
         t = None
         for kind in kinds:
             kbar = kbar_of(kind, c)
@@ -364,7 +382,7 @@ def _run(model, windows: Windows, kinds, k_means, layers, *, sink, batch_size, b
                 t = _Target(w, geoms[0], bnd[0]["mu"].float(), cache)
                 del w
                 emit(c, _all_fit_moments(t, geoms), bnd, {"D1": "none", "D2": "none"})
-            y = _y_map(c, q2, kbar)
+            y = _y_map(c, q2, kbar, cache)  # the buffer W was in (copied into the target by now)
             moments = {(s, "D3"): m for s, m in _d3_moments(t, y, geoms[0], sinks).items()}
             del y
             emit(c, moments, bnd, {"D3": kind})
