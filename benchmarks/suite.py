@@ -3,6 +3,10 @@
     python benchmarks/suite.py                 # full sizes: 8 × 512 and 4 × 2048, scaling 256 … 4096
     python benchmarks/suite.py --small         # quick check: 2 × 128 and 1 × 512, scaling 128 … 512
     python benchmarks/suite.py --models smollm2-135m,gemma3-270m --repeats 5 --out benchmarks/results.json
+    python benchmarks/suite.py --parts scaling --axes count --out benchmarks/results_counts.json   # one axis
+    python benchmarks/suite.py --parts sizes --threads 1 --skip-memory --out benchmarks/results_1thread.json
+    python benchmarks/suite.py --merge A.json B.json --out benchmarks/results.json   # later files replace
+                                                  # the sizes / scaling axes they measured; commits kept per part
 
 Writes ``--out`` (default ``benchmarks/results.json``) and prints a table with the targets, met or not.
 
@@ -547,6 +551,13 @@ def run_suite(args: argparse.Namespace) -> dict:
 
 def merge_results(parts: list[dict]) -> dict:
     """One results object from several ``--parts`` runs (per model: sizes, scaling, report united)."""
+    parts = [json.loads(json.dumps(p)) for p in parts]  # the inputs stay untouched
+    for p in parts:  # each size and scaling axis keeps the commit that measured it
+        for m in p.get("models", {}).values():
+            for entry in m.get("sizes", {}).values():
+                entry.setdefault("commit", p.get("commit"))
+            m["scaling_commit"] = {axis: m.get("scaling_commit", {}).get(axis, p.get("commit"))
+                                   for axis in m.get("scaling", {})}
     out = json.loads(json.dumps(parts[0]))
     out["parts"] = [{"started": p.get("started"), "finished": p.get("finished"), "machine": p.get("machine"),
                      "commit": p.get("commit"), "config": p.get("config"),
@@ -558,6 +569,7 @@ def merge_results(parts: list[dict]) -> dict:
             dst = out["models"].setdefault(model, {"sizes": {}, "scaling": {}})
             dst.setdefault("sizes", {}).update(m.get("sizes", {}))
             dst.setdefault("scaling", {}).update(m.get("scaling", {}))
+            dst.setdefault("scaling_commit", {}).update(m.get("scaling_commit", {}))
             if "report_quick" in m:
                 dst["report_quick"] = m["report_quick"]
     out["targets"] = evaluate(out)
@@ -666,8 +678,9 @@ def markdown(res: dict) -> str:
                 lines.append(f"**{model} {key}**: timing failed ({t['error'][-200:]})\n")
                 continue
             f = min(t["seconds"]["forward"])
-            lines += [f"**{model}, {key.replace('x', ' × ')} tokens** (forward {f:.2f} s min; ratios min / median of "
-                      f"{res['config']['repeats']} runs; peak = RSS high-water mark above the step's start, own process)",
+            at = f"commit {entry['commit']}; " if entry.get("commit") else ""
+            lines += [f"**{model}, {key.replace('x', ' × ')} tokens** ({at}forward {f:.2f} s min; ratios min / median of "
+                      f"{len(t['seconds']['forward'])} runs; peak = RSS high-water mark above the step's start, own process)",
                       "", "| step | ratio min | ratio median | ratio of minima | seconds (each run) | peak MiB |",
                       "|---|---:|---:|---:|---|---:|"]
             for step, r in t["ratios"].items():
@@ -678,7 +691,9 @@ def markdown(res: dict) -> str:
                              f"{secs} | {'' if pk is None else f'{pk:.0f}'} |")
             lines.append("")
         for axis, series in mres.get("scaling", {}).items():
-            lines += [f"**{model}: scaling vs {'sequence length (1 sequence)' if axis == 'length' else 'number of sequences'}**",
+            commit = mres.get("scaling_commit", {}).get(axis)
+            at = f" (commit {commit})" if commit else ""
+            lines += [f"**{model}: scaling vs {'sequence length (1 sequence)' if axis == 'length' else 'number of sequences'}**{at}",
                       "", "| step | time exponent | memory exponent | points (size: min s / peak MiB) |", "|---|---:|---:|---|"]
             for step, sr in series.items():
                 pts = "; ".join(f"{p['n_seq']}×{p['seq_len']}: {p.get('min_s', float('nan')):.2f} / "
