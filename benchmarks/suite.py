@@ -588,6 +588,17 @@ def _ratio_of_minima(t: dict, step: str) -> float:
     return min(t["seconds"][step]) / (t["ratios"][step]["forwards"] * min(t["seconds"]["forward"]))
 
 
+def _over_capture(t: dict, step: str) -> float | None:
+    """Median over repeats of ``step / (forwards · capture)``: the cost over the pass the analysis
+    streams from (the forward up to the last layer, no unembedding). Beside the ratio to the full
+    forward because a large vocabulary (Gemma3: 262 144 tokens) makes the forward's unembedding —
+    which no analysis needs — most of the forward. ``None`` without a capture step."""
+    if "capture" not in t["seconds"] or step not in t["seconds"]:
+        return None
+    n = t["ratios"][step]["forwards"]
+    return statistics.median(x / (n * c) for x, c in zip(t["seconds"][step], t["seconds"]["capture"]))
+
+
 def evaluate(res: dict) -> list[dict]:
     """Every target of issue #16, per model and size: value, limit, met (None = not measured)."""
     out = []
@@ -681,14 +692,15 @@ def markdown(res: dict) -> str:
             at = f"commit {entry['commit']}; " if entry.get("commit") else ""
             lines += [f"**{model}, {key.replace('x', ' × ')} tokens** ({at}forward {f:.2f} s min; ratios min / median of "
                       f"{len(t['seconds']['forward'])} runs; peak = RSS high-water mark above the step's start, own process)",
-                      "", "| step | ratio min | ratio median | ratio of minima | seconds (each run) | peak MiB |",
-                      "|---|---:|---:|---:|---|---:|"]
+                      "", "| step | ratio min | ratio median | ratio of minima | median ÷ capture | seconds (each run) "
+                      "| peak MiB |", "|---|---:|---:|---:|---:|---|---:|"]
             for step, r in t["ratios"].items():
                 pk = mem.get(step, {}).get("peak_delta_mib")
                 div = f" (per forward, {r['forwards']} needed)" if r["forwards"] > 1 else ""
                 secs = ", ".join(f"{x:.2f}" for x in t["seconds"][step])
+                vc = _over_capture(t, step)
                 lines.append(f"| {step}{div} | {r['min']:.3f} | {r['median']:.3f} | {_ratio_of_minima(t, step):.3f} | "
-                             f"{secs} | {'' if pk is None else f'{pk:.0f}'} |")
+                             f"{'' if vc is None else f'{vc:.3f}'} | {secs} | {'' if pk is None else f'{pk:.0f}'} |")
             lines.append("")
         for axis, series in mres.get("scaling", {}).items():
             commit = mres.get("scaling_commit", {}).get(axis)

@@ -69,6 +69,15 @@ def test_evaluate_says_met_not_met_and_not_measured():
     assert dec["met"] is False and dec["value"] > 0.3
 
 
+def test_cost_over_the_capture_pass_divides_by_the_forwards_a_step_needs():
+    t = _timing({"capture": 0.5, "decomposition": 1.25, "causal_condition": 1.0}, forwards={"causal_condition": 3})
+    assert suite._over_capture(t, "decomposition") == pytest.approx(2.5)  # 12.5 s over 5 s
+    assert suite._over_capture(t, "causal_condition") == pytest.approx(2.0)  # 30 s over 3 × 5 s
+    assert suite._over_capture(_timing({"decomposition": 1.25}), "decomposition") is None  # no capture measured
+    md = suite.markdown(_result("c", {"8x512": {"timing": t, "memory": {}}}, {}))
+    assert "| median ÷ capture |" in md and "| decomposition | 1.250 | 1.250 | 1.250 | 2.500 |" in md
+
+
 def test_merge_replaces_only_what_a_later_part_measured():
     a = _result("aaa", {"8x512": {"timing": _timing({"decomposition": 1.7}), "memory": {}},
                         "4x2048": {"timing": _timing({"decomposition": 2.4}), "memory": {}}},
