@@ -689,7 +689,8 @@ def markdown(res: dict) -> str:
                 lines.append(f"**{model} {key}**: timing failed ({t['error'][-200:]})\n")
                 continue
             f = min(t["seconds"]["forward"])
-            at = f"commit {entry['commit']}; " if entry.get("commit") else ""
+            commit = entry.get("commit") or res.get("commit")
+            at = f"commit {commit}; " if commit else ""
             lines += [f"**{model}, {key.replace('x', ' × ')} tokens** ({at}forward {f:.2f} s min; ratios min / median of "
                       f"{len(t['seconds']['forward'])} runs; peak = RSS high-water mark above the step's start, own process)",
                       "", "| step | ratio min | ratio median | ratio of minima | median ÷ capture | seconds (each run) "
@@ -703,7 +704,7 @@ def markdown(res: dict) -> str:
                              f"{'' if vc is None else f'{vc:.3f}'} | {secs} | {'' if pk is None else f'{pk:.0f}'} |")
             lines.append("")
         for axis, series in mres.get("scaling", {}).items():
-            commit = mres.get("scaling_commit", {}).get(axis)
+            commit = mres.get("scaling_commit", {}).get(axis) or res.get("commit")
             at = f" (commit {commit})" if commit else ""
             lines += [f"**{model}: scaling vs {'sequence length (1 sequence)' if axis == 'length' else 'number of sequences'}**{at}",
                       "", "| step | time exponent | memory exponent | points (size: min s / peak MiB) |", "|---|---:|---:|---|"]

@@ -1,7 +1,7 @@
 """A/B in one process: decomposition and feature statistics with and without the per-batch malloc_trim
 (SmolLM2 8 x 512, batch 4, 2 threads), modes alternating, 3 repeats each."""
 import statistics, sys, time
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
 import torch
 torch.set_num_threads(2)
 import suite

@@ -1,6 +1,6 @@
 """RSS / high-water mark after each streamed batch of a 32 x 512 decomposition and feature pattern (1 thread)."""
 import gc, json, sys, time
-sys.path.insert(0, "/work/main/benchmarks")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
 import torch
 torch.set_num_threads(1)
 import suite

@@ -4,6 +4,6 @@
 cd /work/main
 echo "=== start $(date -u +%T) commit $(git rev-parse --short HEAD)"
 .venv/bin/python results/powered/run_K.py
-PYTHONPATH=/work/main .venv/bin/python results/powered/mem_batches.py decomposition 2>/dev/null | tail -1
-PYTHONPATH=/work/main .venv/bin/python results/powered/mem_batches.py pattern 2>/dev/null | tail -1
+.venv/bin/python results/powered/mem_batches.py decomposition 2>/dev/null | tail -1
+.venv/bin/python results/powered/mem_batches.py pattern 2>/dev/null | tail -1
 echo "=== done $(date -u +%T)"
