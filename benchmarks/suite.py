@@ -519,8 +519,10 @@ def run_suite(args: argparse.Namespace) -> dict:
             mres["sizes"][key] = entry
             _save(res | {"partial": True}, args.out, model, mres)
         if "scaling" in parts:
-            axes = (("length", [(1, n) for n in cfg["lengths"]]), ("count", [(c, cfg["count_len"]) for c in cfg["counts"]]))
-            for axis, points in [a for a in axes if a[0] in args.axes]:
+            axes = {"length": [(1, n) for n in cfg["lengths"]], "count": [(c, cfg["count_len"]) for c in cfg["counts"]]}
+            for axis, points in axes.items():
+                if axis not in args.axes:
+                    continue
                 series: dict[str, Any] = {}
                 for step in ("forward", "pattern", "decomposition"):
                     rows = []
@@ -558,7 +560,7 @@ def merge_results(parts: list[dict]) -> dict:
                 entry.setdefault("commit", p.get("commit"))
             m["scaling_commit"] = {axis: m.get("scaling_commit", {}).get(axis, p.get("commit"))
                                    for axis in m.get("scaling", {})}
-    out = json.loads(json.dumps(parts[0]))
+    out = parts[0]
     out["parts"] = [{"started": p.get("started"), "finished": p.get("finished"), "machine": p.get("machine"),
                      "commit": p.get("commit"), "config": p.get("config"),
                      "measured": {m: {"sizes": sorted(v.get("sizes", {})), "scaling": sorted(v.get("scaling", {}))}

@@ -151,7 +151,7 @@ class _Target:
             buf = cache["buf"] = W.new_zeros(nm, n, 2 * n)
         x = buf[..., n:]
         _mask_(torch.sub(W, mu[:, None, None], out=x), g0)
-        self.mu, self.x, self.n, self.cache = mu, x, n, cache
+        self.mu, self.x, self.n = mu, x, n
         self.view = buf.as_strided((nm, n, n), (2 * n * n, 2 * n + 1, 1), 1)  # e = n−1−d
         self.sx = x.sum(-1).double()
         self.sxx = _rowsq(x)
