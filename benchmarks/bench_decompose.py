@@ -70,10 +70,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from posgen_tl import load_model
-    from posgen_tl.analysis import _moments as moments
-    from posgen_tl.analysis import decomposition as dec
-    from posgen_tl.capture import probe_hooks, stream_qk
-    from posgen_tl.corpus import corpus_tokens
+    import posgen_tl.maths.moments as moments
+    from posgen_tl.experiments import decomposition as dec
+    from posgen_tl.hooks.capture import probe_hooks, stream_qk
+    from posgen_tl.io.corpus import corpus_tokens
 
     model = load_model(args.model)
     spec, _ = probe_hooks(model)

@@ -51,9 +51,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
 
-    from posgen_tl.analysis.pattern import feature_pattern
-    from posgen_tl.corpus import corpus_tokens
-    from posgen_tl.models import load_model
+    from posgen_tl.experiments.pattern import feature_pattern
+    from posgen_tl.io.corpus import corpus_tokens
+    from posgen_tl.io.models import load_model
 
     model = load_model(args.model)
     tokens = corpus_tokens(model, None, seq_len=args.seq_len, n_seq=args.n_seq)
@@ -71,7 +71,7 @@ def main() -> None:
     res["forward_with_logits_s"] = time.perf_counter() - t
     res["forward_peak_mb"] = vm_kb() / 1024
 
-    from posgen_tl.capture import stream_qk
+    from posgen_tl.hooks.capture import stream_qk
 
     t = time.perf_counter()
     stream_qk(model, tokens[: args.small], lambda c: None, batch_size=args.batch_size, progress=False)

@@ -3,7 +3,7 @@
     python benchmarks/profile_decomposition.py [--n-seq 4] [--seq-len 512] [--threads 1]
 
 Prints the forward, the capture-only pass and the decomposition of the same tokens, then the
-seconds spent in each piece of :mod:`posgen_tl.analysis.decomposition` (wrapped timers, summed
+seconds spent in each piece of :mod:`posgen_tl.experiments.decomposition` (wrapped timers, summed
 over layers and batches). Run it on an idle machine; under load the split is only indicative.
 """
 
@@ -27,8 +27,8 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    import posgen_tl.analysis._moments as M
-    import posgen_tl.analysis.decomposition as D
+    import posgen_tl.maths.moments as M
+    import posgen_tl.experiments.decomposition as D
     from suite import Bench
 
     torch.set_num_threads(a.threads)

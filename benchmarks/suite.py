@@ -25,7 +25,7 @@ How it measures (all in fresh subprocesses of this script, ``--threads`` torch t
   real resident peak of the step (torch CPU tensors included), not an estimate.
 * **naive baseline** — ``model.run_with_cache`` of every hook the analysis needs (all layers, all
   sequences at once, as a notebook would), then the SAME analysis code fed from the cache
-  (:func:`posgen_tl.capture.stream_qk` replaced, in this benchmark only, by a replay of the cached
+  (:func:`posgen_tl.hooks.capture.stream_qk` replaced, in this benchmark only, by a replay of the cached
   layers) — so the difference to the streaming step is exactly what streaming saves.
 * **scaling** — time (min over repeats) and peak memory of forward / feature statistics /
   decomposition vs sequence length (1 sequence) and vs number of sequences (fixed length), one
@@ -107,9 +107,9 @@ class Bench:
     def __init__(self, model_name: str, n_seq: int, seq_len: int, batch_size: int | None = None) -> None:
         import torch
 
-        from posgen_tl.capture import probe_hooks
-        from posgen_tl.corpus import corpus_tokens
-        from posgen_tl.models import load_model
+        from posgen_tl.hooks.capture import probe_hooks
+        from posgen_tl.io.corpus import corpus_tokens
+        from posgen_tl.io.models import load_model
 
         self.torch = torch
         self.model = load_model(model_name)
@@ -129,15 +129,15 @@ class Bench:
 
     def kbar(self):
         if self._kbar is None:
-            from posgen_tl.analysis.decomposition import reference_key_means
+            from posgen_tl.experiments.decomposition import reference_key_means
 
             self._kbar = reference_key_means(self.model, self.ref, sink=1, batch_size=self.bs, progress=False)
         return self._kbar
 
     def causal_inputs(self):
         if self._km is None:
-            from posgen_tl.analysis.tolerance import nll_on_target
-            from posgen_tl.interventions import key_means
+            from posgen_tl.experiments.tolerance import nll_on_target
+            from posgen_tl.hooks.edits import key_means
 
             n = self.tokens.shape[1]
             self._km = key_means(self.model, self.tokens[:, : n - TARGET_LEN])
@@ -145,7 +145,7 @@ class Bench:
         return self._km, self._base
 
     def intervention(self):
-        from posgen_tl.interventions import Intervention
+        from posgen_tl.hooks.edits import Intervention
 
         nb, n = self.spec.layer(0).n_bands, self.spec.n_layers
         q = max(1, nb // 4)
@@ -153,7 +153,7 @@ class Bench:
                             label="destroy fast-band key offset")
 
     def geometry(self) -> None:
-        from posgen_tl.analysis import _moments
+        from posgen_tl.maths import moments as _moments
 
         _moments._GEOMS.clear()
         windows = {self.spec.layer(i).sliding_window for i in range(self.spec.n_layers)}
@@ -170,37 +170,37 @@ class Bench:
                 del out
 
     def capture(self) -> None:
-        from posgen_tl.capture import stream_qk
+        from posgen_tl.hooks.capture import stream_qk
 
         stream_qk(self.model, self.tokens, lambda c: None, batch_size=self.bs, progress=False)
 
     def kbar_pass(self) -> None:
-        from posgen_tl.analysis.decomposition import reference_key_means
+        from posgen_tl.experiments.decomposition import reference_key_means
 
         reference_key_means(self.model, self.ref, sink=1, batch_size=self.bs, progress=False)
 
     def decomposition(self) -> None:
-        from posgen_tl.analysis.decomposition import decompose_model
+        from posgen_tl.experiments.decomposition import decompose_model
 
         decompose_model(self.model, self.torch.cat([self.tokens, self.ref]), n_seq=self.n_seq, n_ref=self.n_ref,
                         k_means=self.kbar(), batch_size=self.bs, progress=False)
 
     def pattern(self) -> None:
-        from posgen_tl.analysis.pattern import feature_pattern
+        from posgen_tl.experiments.pattern import feature_pattern
 
         feature_pattern(self.model, self.tokens, batch_size=self.bs, progress=False)
 
     def tolerance_curve(self) -> None:
-        from posgen_tl.analysis.tolerance import transposition_curve
+        from posgen_tl.experiments.tolerance import transposition_curve
 
         transposition_curve(self.model, self.tokens, fracs=FRACS, seeds=(0,), target_len=TARGET_LEN,
                             modes=("T1",), batch_size=self.bs, progress=False)
 
     def causal_condition(self) -> None:
-        """One condition of the causal study (:func:`posgen_tl.analysis.causal.condition_rows`): the clean
+        """One condition of the causal study (:func:`posgen_tl.experiments.causal.condition_rows`): the clean
         pass under the intervention and one pass per swap fraction > 0."""
-        from posgen_tl.analysis.causal import Condition, condition_rows
-        from posgen_tl.corpus import Windows
+        from posgen_tl.experiments.causal import Condition, condition_rows
+        from posgen_tl.io.corpus import Windows
 
         km, _ = self.causal_inputs()
         n = self.n_seq
@@ -212,12 +212,12 @@ class Bench:
                            target_len=TARGET_LEN, fracs=FRACS, seeds=(0,))
 
     def sufficiency(self) -> None:
-        raise NotImplementedError  # replaced in steps() when posgen_tl.analysis.sufficiency exists
+        raise NotImplementedError  # replaced in steps() when posgen_tl.experiments.sufficiency exists
 
     # ------------------------------------------------------------ naive: run_with_cache, then the same analysis
 
     def _cached_captures(self):
-        from posgen_tl.capture import _make_capture, _to_bshd
+        from posgen_tl.hooks.capture import _make_capture, _to_bshd
 
         info, spec, torch = self.info, self.spec, self.torch
         need = [info.q_hook, info.k_hook] + (["hook_rot_q", "hook_rot_k"] if info.rot_fires else [])
@@ -254,7 +254,7 @@ class Bench:
             module.stream_qk = orig
 
     def naive_decomposition(self) -> None:
-        from posgen_tl.analysis import decomposition as dec
+        from posgen_tl.experiments import decomposition as dec
 
         km = self.kbar()
         with self._replay(dec):
@@ -262,7 +262,7 @@ class Bench:
                                 n_ref=self.n_ref, k_means=km, batch_size=self.n_seq, progress=False)
 
     def naive_pattern(self) -> None:
-        from posgen_tl.analysis import pattern as pat
+        from posgen_tl.experiments import pattern as pat
 
         with self._replay(pat):
             pat.feature_pattern(self.model, self.tokens, batch_size=self.n_seq, progress=False)
@@ -285,13 +285,13 @@ class Bench:
 def _sufficiency_step(b: Bench):
     """One sufficiency condition (METHOD §5): the logits of the middle third of the layers
     SUBSTITUTED by ``f + g`` (global k̄) and the clean target NLL read — one forward. ``None`` when
-    ``posgen_tl.analysis.sufficiency`` is not installed (older versions)."""
+    ``posgen_tl.experiments.sufficiency`` is not installed (older versions)."""
     import importlib.util
 
-    if importlib.util.find_spec("posgen_tl.analysis.sufficiency") is None:
+    if importlib.util.find_spec("posgen_tl.experiments.sufficiency") is None:
         return None
-    from posgen_tl.analysis.sufficiency import sufficiency_hooks_for
-    from posgen_tl.analysis.tolerance import nll_on_target
+    from posgen_tl.experiments.sufficiency import sufficiency_hooks_for
+    from posgen_tl.experiments.tolerance import nll_on_target
 
     n = b.spec.n_layers
     layers = list(range(n // 3, (2 * n) // 3))
@@ -384,8 +384,8 @@ def _run_report(spec: dict) -> dict:
     matplotlib.use("Agg")
     import torch
 
-    from posgen_tl.corpus import corpus_tokens
-    from posgen_tl.models import load_model
+    from posgen_tl.io.corpus import corpus_tokens
+    from posgen_tl.io.models import load_model
     from posgen_tl.report.run import ReportConfig, run_report
 
     torch.set_num_threads(spec["threads"])
@@ -613,7 +613,7 @@ def evaluate(res: dict) -> list[dict]:
                 if step not in rat:
                     out.append(dict(model=model, size=key, target=f"{step} ≤ {limit}× forward", value=None,
                                     met=None, note="not measured" if step != "sufficiency" else
-                                    "posgen_tl.analysis.sufficiency does not exist on this branch"))
+                                    "posgen_tl.experiments.sufficiency does not exist on this branch"))
                     continue
                 v = rat[step]["median"]
                 unit = "× the forwards it needs" if rat[step]["forwards"] > 1 else "× forward"

@@ -7,133 +7,105 @@ The common path is here (``import posgen_tl as pg``)::
     res = pg.decompose_head(model, tokens, layer=15, head=3)
     pg.plot.head_maps(res)
 
-Everything else lives in namespaces, imported on first use (PEP 562), so ``import posgen_tl``
-stays light: ``pg.plot`` (figures), ``pg.stats`` (sign-flip tests, bootstrap, Holm, TOST),
-``pg.rope`` (RoPE maths, the causal mask), ``pg.decompose`` (D1/D2/D3 on tensors),
-``pg.features`` (per-band statistics), ``pg.heads`` (taxonomy maths), ``pg.perturb``
-(transpositions), ``pg.interventions`` (edits as TransformerLens hooks), ``pg.analysis``
-(one runner per experiment), ``pg.studies`` (the recipes behind ``posgen-tl study NAME``).
+Everything else lives in subpackages, imported on first use (PEP 562), so ``import posgen_tl``
+stays light. Data flows one way through them:
 
-Layers (data flows one way):
-    corpus → models + capture (hooks) → rope / decompose / features / heads / perturb / stats
-    (pure maths) → analysis (DataFrames) → plot / report / studies / cli / notebooks
+* ``pg.io`` — models (``models``), text (``corpus``), THE analysed/reference split (``sampling``),
+  the RoPE spec read off a model (``spec``);
+* ``pg.hooks`` — the only code that knows TransformerLens hook names: ``capture`` (read q/k),
+  ``edits`` (key edits), ``positions`` (position-id hooks), ``logits`` (logit substitution);
+* ``pg.maths`` — pure tensor maths: ``rope``, ``decompose``, ``band_stats``, ``taxonomy``,
+  ``perturb``, ``groups`` (layer groups), ``approx_logits``;
+* ``pg.stats`` — sign-flip tests, bootstrap, Holm, TOST, verdicts;
+* ``pg.experiments`` — one module per experiment, each owning its ``Config``;
+* ``pg.plot``, ``pg.report``, the ``posgen-tl`` command (``pg.cli``).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
-from .compat import check_supported as _check_supported  # noqa: E402  (importlib.metadata only: light)
+from posgen_tl._version import __version__
+from posgen_tl.compat import check_supported as _check_supported
 
 _check_supported()  # a TransformerLens outside the supported range fails here, naming both versions
 
 #: top-level name → module that defines it (imported on first access)
 _EXPORTS: dict[str, str] = {
     # models, text, hooks
-    "load_model": "models",
-    "random_twin": "models",
-    "corpus_tokens": "corpus",
-    "document_windows": "corpus",
-    "rope_spec": "rope_spec",
-    "probe_hooks": "capture",
-    "capture_qk": "capture",
-    "stream_qk": "capture",
-    "exactness_table": "exactness",
+    "load_model": "io.models",
+    "random_twin": "io.models",
+    "corpus_tokens": "io.corpus",
+    "document_windows": "io.corpus",
+    "rope_spec": "io.spec",
+    "probe_hooks": "hooks.capture",
+    "capture_qk": "hooks.capture",
+    "stream_qk": "hooks.capture",
+    "exactness_table": "experiments.exactness",
     # decomposition (METHOD §2)
-    "decompose_head": "analysis.head",
-    "decompose_model": "analysis.decomposition",
-    "decompose_with_twin": "analysis.decomposition",
+    "decompose_head": "experiments.head_maps",
+    "decompose_model": "experiments.decomposition",
+    "decompose_with_twin": "experiments.decomposition",
     # feature pattern (§3), head taxonomy (§6)
-    "feature_pattern": "analysis.pattern",
-    "feature_pattern_with_twin": "analysis.pattern",
-    "head_taxonomy": "analysis.taxonomy",
+    "feature_pattern": "experiments.pattern",
+    "feature_pattern_with_twin": "experiments.pattern",
+    "head_taxonomy": "experiments.taxonomy",
     # interventions and tolerance (§4–§5)
-    "Intervention": "interventions",
-    "intervention_hooks": "interventions",
-    "key_means": "interventions",
-    "nll_on_target": "analysis.tolerance",
-    "transposition_curve": "analysis.tolerance",
-    "causal_study": "analysis.causal",
+    "Intervention": "hooks.edits",
+    "intervention_hooks": "hooks.edits",
+    "key_means": "hooks.edits",
+    "nll_on_target": "experiments.tolerance",
+    "transposition_curve": "experiments.tolerance",
+    "causal_study": "experiments.causal",
+    "sufficiency": "experiments.sufficiency",
+    "gap_probe": "experiments.length",
     # errors
-    "RopeError": "rope",
-    "CaptureError": "capture",
-    "CorpusError": "corpus",
-    "ModelLoadError": "models",
+    "RopeError": "maths.rope",
+    "CaptureError": "hooks.capture",
+    "CorpusError": "io.corpus",
+    "ModelLoadError": "io.models",
 }
 
-#: namespaces (submodules) in ``__all__``; the other submodules resolve too, lazily
-_NAMESPACES = ("plot", "stats", "analysis", "interventions", "studies")
-_SUBMODULES = frozenset({
-    *_NAMESPACES, "rope", "rope_spec", "decompose", "features", "heads", "perturb", "capture", "corpus",
-    "models", "exactness", "report", "cli", "compat",
-})
+#: subpackages and modules reachable as ``pg.NAME`` (imported on first access)
+_NAMESPACES = ("io", "hooks", "maths", "stats", "experiments", "plot", "report", "cli", "compat", "distributed")
 
-#: recipes other branches add; they resolve here as soon as their module exists
-_LATER: dict[str, str] = {
-    "sufficiency": "analysis.sufficiency",
-    "gap_probe": "analysis.length",
-}
-
-__all__ = [*_EXPORTS, *_NAMESPACES]
-
-
-class _Package(types.ModuleType):
-    """``posgen_tl`` itself. Importing a submodule binds it on the package; ``rope_spec`` is both a
-    submodule and the function of the same name, and ``pg.rope_spec`` must stay the function."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return  # the submodule stays reachable through sys.modules / ``from posgen_tl.rope_spec import ...``
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+#: the common path (≤ 30 names); every name of ``_EXPORTS`` and ``_NAMESPACES`` resolves
+__all__ = [
+    *(n for n in _EXPORTS if n not in ("document_windows", "decompose_with_twin", "feature_pattern_with_twin")),
+    "io", "hooks", "maths", "stats", "experiments", "plot",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS or name in _LATER:
-        mod = _EXPORTS.get(name) or _LATER[name]
-        try:
-            value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{mod}":
-                raise
-            raise AttributeError(f"posgen_tl.{name} needs posgen_tl.{mod}, which this installation does not have") from None
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"posgen_tl.{name} is not part of this installation") from None
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'posgen_tl' has no attribute {name!r}")
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    elif name in _NAMESPACES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'posgen_tl' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_SUBMODULES})
+    return sorted({*globals(), *__all__, *_EXPORTS, *_NAMESPACES})
 
 
 if TYPE_CHECKING:  # for editors and type checkers; nothing is imported at run time
-    from . import analysis, interventions, plot, stats, studies
-    from .analysis.decomposition import decompose_model, decompose_with_twin
-    from .analysis.head import decompose_head
-    from .analysis.pattern import feature_pattern, feature_pattern_with_twin
-    from .analysis.taxonomy import head_taxonomy
-    from .analysis.causal import causal_study
-    from .analysis.tolerance import nll_on_target, transposition_curve
-    from .capture import CaptureError, capture_qk, probe_hooks, stream_qk
-    from .corpus import CorpusError, corpus_tokens, document_windows
-    from .exactness import exactness_table
-    from .interventions import Intervention, intervention_hooks, key_means
-    from .models import ModelLoadError, load_model, random_twin
-    from .rope import RopeError
-    from .rope_spec import rope_spec
+    from posgen_tl import cli, compat, distributed, experiments, hooks, io, maths, plot, report, stats
+    from posgen_tl.experiments.causal import causal_study
+    from posgen_tl.experiments.decomposition import decompose_model, decompose_with_twin
+    from posgen_tl.experiments.exactness import exactness_table
+    from posgen_tl.experiments.head_maps import decompose_head
+    from posgen_tl.experiments.length import gap_probe
+    from posgen_tl.experiments.pattern import feature_pattern, feature_pattern_with_twin
+    from posgen_tl.experiments.sufficiency import sufficiency
+    from posgen_tl.experiments.taxonomy import head_taxonomy
+    from posgen_tl.experiments.tolerance import nll_on_target, transposition_curve
+    from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+    from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
+    from posgen_tl.io.corpus import CorpusError, corpus_tokens, document_windows
+    from posgen_tl.io.models import ModelLoadError, load_model, random_twin
+    from posgen_tl.io.spec import rope_spec
+    from posgen_tl.maths.rope import RopeError

@@ -35,7 +35,7 @@ def _positive_int(text: str) -> int:
 
 
 def _layers(text: str) -> list[int]:
-    from .report.params import PARSERS  # noqa: PLC0415 — one parser of "0,3,5-7" lists (also --param layers=)
+    from posgen_tl.report.params import PARSERS  # noqa: PLC0415 — one parser of "0,3,5-7" lists (also --param layers=)
 
     try:
         return PARSERS["ints"](text)
@@ -84,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_check(args: argparse.Namespace) -> int:
     import pandas as pd  # noqa: PLC0415
 
-    from .capture import probe_hooks  # noqa: PLC0415
-    from .corpus import corpus_tokens  # noqa: PLC0415
-    from .exactness import ROT_RTOL, SCORE_RTOL, exactness_table  # noqa: PLC0415
-    from .models import load_model  # noqa: PLC0415
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.io.corpus import corpus_tokens  # noqa: PLC0415
+    from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table  # noqa: PLC0415
+    from posgen_tl.io.models import load_model  # noqa: PLC0415
 
-    from . import compat  # noqa: PLC0415
+    from posgen_tl import compat  # noqa: PLC0415
 
     t0 = time.time()
     model = load_model(args.model, verbose=True, backend=args.backend)
@@ -127,9 +127,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")  # the report writes PNGs; only the CLI picks a backend, never an import
-    from .report.params import check_params  # noqa: PLC0415
-    from .report.run import ReportConfig, run_report  # noqa: PLC0415
-    from .report.stages import STAGES  # noqa: PLC0415
+    from posgen_tl.report.params import check_params  # noqa: PLC0415
+    from posgen_tl.report.run import ReportConfig, run_report  # noqa: PLC0415
+    from posgen_tl.report.stages import STAGES  # noqa: PLC0415
 
     try:
         cfg = ReportConfig.from_args(args)
@@ -141,10 +141,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_study(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from .studies import STUDIES, run_study  # noqa: PLC0415
+    from posgen_tl.studies import STUDIES, run_study  # noqa: PLC0415
 
     if args.name == "list":
-        from .report.params import describe_params  # noqa: PLC0415
+        from posgen_tl.report.params import describe_params  # noqa: PLC0415
 
         for name, st in STUDIES.items():
             needs = f" (runs {', '.join(st.needs)} first)" if st.needs else ""
@@ -157,9 +157,9 @@ def _cmd_study(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")  # a study writes PNGs; only the CLI picks a backend
-    from .report.context import ReportConfig  # noqa: PLC0415
+    from posgen_tl.report.context import ReportConfig  # noqa: PLC0415
 
-    from .report.params import check_params  # noqa: PLC0415
+    from posgen_tl.report.params import check_params  # noqa: PLC0415
 
     args.out = args.out or f"study_{args.name}"
     try:

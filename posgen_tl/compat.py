@@ -24,7 +24,7 @@ and per model *backend* (:func:`backend`), the hook conventions (:func:`conventi
   ``hook_k_normed`` fire on ``[batch, head, pos, d_head]`` (Gemma3's post-reshape norm);
   ``hook_rot_q``/``hook_rot_k`` fire on the HF position-embeddings attention and never on
   TransformerLens-native models, where ``hook_attn_scores`` holds post-softmax weights
-  (detected by :func:`posgen_tl.capture.probe_hooks`, never assumed); ``forward`` takes
+  (detected by :func:`posgen_tl.hooks.capture.probe_hooks`, never assumed); ``forward`` takes
   ``position_ids``.
 
 No TransformerLens class is patched; nothing here imports TransformerLens unless a model

@@ -10,7 +10,7 @@ on its rank's shard and merges what it returns):
 * :func:`shard_documents` — windows are grouped by document id and whole documents are dealt to
   ranks (balanced by window count, deterministic), so no document is split across ranks and the
   statistical unit of METHOD §8 stays intact. More ranks than documents is an error.
-* mergeable accumulators — :class:`~posgen_tl.features.BandStats` states are summed
+* mergeable accumulators — :class:`~posgen_tl.maths.band_stats.BandStats` states are summed
   (:func:`all_reduce_states`); means (the D3 ``k̄``) are merged weighted by their token counts
   (:func:`merge_means`); per-sequence rows are gathered with global sequence indices
   (:func:`gather_frame`).
@@ -45,7 +45,7 @@ import torch.distributed as tdist
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from posgen_tl.corpus import Windows
+from posgen_tl.io.corpus import Windows
 
 __all__ = [
     "Dist",
@@ -324,14 +324,14 @@ def key_means_distributed(
     model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | None = None, *, sink: int = 1,
     batch_size: int = 4, shard: bool = True,
 ) -> dict[int, Float[Tensor, "kv_head d_head"]]:  # fmt: skip
-    """The D3 ``k̄`` (:func:`posgen_tl.analysis.decomposition.reference_key_means`) over ``tokens``,
+    """The D3 ``k̄`` (:func:`posgen_tl.experiments.decomposition.reference_key_means`) over ``tokens``,
     rows split across ranks (a mean does not care about documents), merged by token count.
 
     Returns ``{layer: [kv_head, d_head]}`` float64 on CPU, equal on every rank (and, to float64
     rounding, to the single-process value). ``shard=False``: every rank uses all rows.
     """
-    from posgen_tl.analysis.decomposition import reference_key_means  # noqa: PLC0415
-    from posgen_tl.capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
 
     spec, _ = probe_hooks(model)
     d = current()
@@ -353,16 +353,16 @@ def decompose_distributed(
     layers: Sequence[int] | None = None, sink: int = 1, batch_size: int = 4, bound_rows: int = 32,
     twin_label: str = "trained", model_label: str | None = None, extra_hooks: Sequence = (),
 ) -> pd.DataFrame:  # fmt: skip
-    """:func:`posgen_tl.analysis.decomposition.decompose_model` over ``windows``, documents sharded.
+    """:func:`posgen_tl.experiments.decomposition.decompose_model` over ``windows``, documents sharded.
 
     The ``global`` k̄ comes from ``reference`` (other documents; rows split across ranks, merged by
     token count); ``per_sequence`` k̄ is each sequence's own. Returns, on every rank, the frame a
     single process returns for ``decompose_model(model, windows, reference=reference, k_mean=k_mean)``
-    — same columns (:data:`~posgen_tl.analysis.decomposition.COLUMNS`), rows and order (``seq`` =
+    — same columns (:data:`~posgen_tl.experiments.decomposition.COLUMNS`), rows and order (``seq`` =
     index into ``windows``, ``doc`` its document). Raises :class:`ShardError` (more ranks than
     documents) before any work, and :class:`DistributedRunError` on every rank if any rank fails.
     """
-    from posgen_tl.analysis.decomposition import COLUMNS, _k_mean_kinds, _run  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import COLUMNS, _k_mean_kinds, _run  # noqa: PLC0415
 
     kinds, given = _k_mean_kinds(k_mean)
     loc, idx = _local(windows)
@@ -385,16 +385,16 @@ def pattern_distributed(
     model: Any, windows: Windows, reference: Windows | Tensor | None = None, *, layers: Sequence[int] | None = None,
     sink: int = 1, batch_size: int = 8, model_label: str | None = None, twin_label: str = "trained", n_splits: int = 16,
 ):  # fmt: skip
-    """:func:`posgen_tl.analysis.pattern.feature_pattern` over ``windows``, documents sharded: each rank
+    """:func:`posgen_tl.experiments.pattern.feature_pattern` over ``windows``, documents sharded: each rank
     streams its documents, the raw states (``BandStats`` sums, per-sequence band sums with their
     document ids, logit spread) are gathered and merged with
-    :meth:`~posgen_tl.analysis.pattern.PatternResult.merge`; the global k̄ (for the predicted D3
+    :meth:`~posgen_tl.experiments.pattern.PatternResult.merge`; the global k̄ (for the predicted D3
     error) comes from ``reference``, merged across ranks.
 
-    Returns a :class:`~posgen_tl.analysis.pattern.PatternResult` equal (to float rounding) to
+    Returns a :class:`~posgen_tl.experiments.pattern.PatternResult` equal (to float rounding) to
     ``feature_pattern(model, windows, reference=reference)`` in one process, on every rank.
     """
-    from posgen_tl.analysis.pattern import feature_pattern  # noqa: PLC0415
+    from posgen_tl.experiments.pattern import feature_pattern  # noqa: PLC0415
 
     loc, _ = _local(windows)
     label = model_label or str(getattr(getattr(model, "cfg", None), "model_name", None) or type(model).__name__)
@@ -420,7 +420,7 @@ def tolerance_distributed(
     mode: str = "T1", batch_size: int = 4, sink: int = 1, base_seed: int = 0,
 ) -> pd.DataFrame:  # fmt: skip
     """Per-sequence T1/T2 rows of the unmodified model (``none``) and of each intervention, documents
-    sharded: :func:`posgen_tl.analysis.causal.condition_rows` on each rank's windows in batches
+    sharded: :func:`posgen_tl.experiments.causal.condition_rows` on each rank's windows in batches
     (swaps seeded per document and window start, so they do not depend on the sharding).
 
     ``k_means`` (needed by interventions) defaults to the mean key of the analysed windows' context
@@ -428,8 +428,8 @@ def tolerance_distributed(
     Returns ``condition, kind, alpha, seq, doc, frac, seed, clean_nll, nll, delta`` (``seq`` =
     index into ``windows``), on every rank, ordered by condition, frac, seed, seq.
     """
-    from posgen_tl.analysis.causal import Condition, condition_rows  # noqa: PLC0415
-    from posgen_tl.interventions import key_means  # noqa: PLC0415
+    from posgen_tl.experiments.causal import Condition, condition_rows  # noqa: PLC0415
+    from posgen_tl.hooks.edits import key_means  # noqa: PLC0415
 
     loc, idx = _local(windows)
     n = windows.tokens.shape[1]
@@ -517,8 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for nm in names:
             (out / nm).unlink(missing_ok=True)  # never leave old, complete-looking tables beside a new run
     try:
-        from posgen_tl.corpus import reference_windows  # noqa: PLC0415
-        from posgen_tl.models import load_model  # noqa: PLC0415
+        from posgen_tl.io.corpus import reference_windows  # noqa: PLC0415
+        from posgen_tl.io.models import load_model  # noqa: PLC0415
 
         t0 = time.perf_counter()
         model = guarded(lambda: load_model(args.model, device=args.device), what="model load")

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .report.context import Context, OutFolder, ReportConfig, _atomic_write, _jsonable
-from .report.findings import stage_findings
-from .report.html import Finding, Section, sig3
-from .report.stages import STAGES
+from posgen_tl.report.context import Context, OutFolder, ReportConfig, _atomic_write, _jsonable
+from posgen_tl.report.findings import stage_findings
+from posgen_tl.report.html import Finding, Section, sig3
+from posgen_tl.report.stages import STAGES
 
 __all__ = ["Study", "STUDIES", "register", "run_study", "study_names"]
 
@@ -143,17 +143,17 @@ def run_study(name: str, cfg: ReportConfig, *, model: Any = None, command: str |
         ValueError: a study parameter (``cfg.params``) this study does not declare, or one that
             does not parse (:mod:`posgen_tl.report.params`).
     """
-    from .capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
 
     if name not in STUDIES:
         raise KeyError(f"unknown study {name!r}; registered: {', '.join(study_names())}")
     study = STUDIES[name]
-    from .report.params import check_params  # noqa: PLC0415
+    from posgen_tl.report.params import check_params  # noqa: PLC0415
 
     check_params(cfg.params, [name, *study.needs])  # ValueError naming an unknown or malformed parameter
     t0 = time.time()
     if model is None:
-        from .models import load_model  # noqa: PLC0415
+        from posgen_tl.io.models import load_model  # noqa: PLC0415
 
         model = load_model(cfg.model, verbose=True)
     out = Path(cfg.out)
@@ -188,9 +188,9 @@ def gap_attention_compute(ctx: Context) -> None:
     """Per head, the attention change under the gap G, by head class (METHOD §7 item 4)."""
     import pandas as pd  # noqa: PLC0415
 
-    from .analysis import length as L  # noqa: PLC0415
-    from .analysis.decomposition import analysis_windows, reference_key_means  # noqa: PLC0415
-    from .report.params import stage_params  # noqa: PLC0415
+    from posgen_tl.experiments import length as L  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import analysis_windows, reference_key_means  # noqa: PLC0415
+    from posgen_tl.report.params import stage_params  # noqa: PLC0415
 
     P = stage_params(ctx.cfg.params, "gap_attention")
     half = max(16, ctx.cfg.seq_len // 2)

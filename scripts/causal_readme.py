@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from posgen_tl.analysis import causal as ca
+from posgen_tl.experiments import causal as ca
 
 FIRST_LANDING = ("destroy fast-band offset (α = 0.5, layers 10–19) vs its damage-matched random-band control: slope "
                  "difference +0.33 [0.11, 0.55] over 8 sequences (percentile bootstrap), printed as \"depends\"")

@@ -6,7 +6,7 @@
     python scripts/causal_study.py ... --print            # only print the posgen-tl command
 
 Each run is exactly ``posgen-tl study tolerance --model M --n-seq N --out OUT/TAG --param …`` (the
-recipe :func:`posgen_tl.analysis.causal.causal_study` / :func:`t1_t2_study`, the report's
+recipe :func:`posgen_tl.experiments.causal.causal_study` / :func:`t1_t2_study`, the report's
 tolerance stage); this file only translates the README's sizes into study parameters (printed
 first, so the command can be copied) and runs the studies of a queue in one process (the model
 is loaded once). Partial tables (``causal_partial_*``) appear in ``OUT/TAG`` while the causal
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
-    from posgen_tl.models import load_model  # noqa: PLC0415
+    from posgen_tl.io.models import load_model  # noqa: PLC0415
     from posgen_tl.report.context import ReportConfig  # noqa: PLC0415
     from posgen_tl.report.params import parse_param_args  # noqa: PLC0415
     from posgen_tl.studies import run_study  # noqa: PLC0415

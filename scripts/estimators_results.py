@@ -7,7 +7,7 @@
 One run is exactly one ``posgen-tl study pattern --model M --n-seq N --seq-len L --seed S --out
 OUT/pattern_<model>[_tag] --param n_ref=… --param …`` command (printed first). The pattern study needs
 the decomposition, so it runs the report's decomposition stage first and then its pattern stage, on
-the same windows (:func:`posgen_tl.corpus.reference_windows`: the pydoc-topic DOCUMENTS split, seeded,
+the same windows (:func:`posgen_tl.io.corpus.reference_windows`: the pydoc-topic DOCUMENTS split, seeded,
 into ``--n-ref`` reference windows — the global k̄ — and ``--n-seq`` analysed windows, one per
 document first), trained beside its random twin (seed ``--seed``). The folder gets
 ``decomposition.csv`` (per layer/head/sequence/estimator/k̄ rows), ``pattern_bands.csv``,

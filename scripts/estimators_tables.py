@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from posgen_tl.analysis.pattern import link_to_decomposition
+from posgen_tl.experiments.pattern import link_to_decomposition
 
 
 def f3(x: float) -> str:

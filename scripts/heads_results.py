@@ -5,7 +5,7 @@
 
 Each run is exactly one ``posgen-tl study heads --model M --seq-len L --seed S --out OUT/heads_<model>[_tag]
 --param n_prompts=… --param …`` command (printed first): the report's taxonomy stage
-(:func:`posgen_tl.analysis.taxonomy.head_taxonomy_with_twin`, trained model and its random twin on the
+(:func:`posgen_tl.experiments.taxonomy.head_taxonomy_with_twin`, trained model and its random twin on the
 same windows of distinct documents, the same region permutations and the same global k̄ from disjoint
 documents). The folder gets ``heads.csv`` (one row per head), ``heads_bands.csv`` (per head and band),
 ``heads_link.csv``, ``heads_band_counts.csv``, the four figures and ``heads.md`` (command, commit, wall

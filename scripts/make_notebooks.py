@@ -76,7 +76,7 @@ With each sequence's own k̄ the random twin fits D3 well too: random keys carry
 constant. One **global** k̄ from *other* documents separates them: the trained head has one
 text-independent positional kernel. `reference_windows` draws the reference from documents disjoint
 from the analysed ones."""),
-        code('''pool, ref = pg.corpus.reference_windows(model, seq_len=tokens.shape[1], n_seq=2)
+        code('''pool, ref = pg.io.corpus.reference_windows(model, seq_len=tokens.shape[1], n_seq=2)
 analysed = pool.tokens[:2]
 rows = []
 for label, m in (("trained", model), ("random", twin)):
@@ -90,7 +90,7 @@ pd.concat(rows).query("estimator == 'D3'").groupby(["twin", "k_mean"])[["r", "r_
 algebra: that it holds proves the code consistent, not a fact about the model."""),
         code('''cap = pg.capture_qk(model, tokens[:1], layers=[15])[15]
 k_bar = cap.k[0, 1:].mean(dim=0)                      # the per-sequence k̄ decompose_head used
-bound = pg.decompose.d3_bound(cap.q, cap.k, k_bar, cap.positions, cap.rope)[0, 3]
+bound = pg.maths.decompose.d3_bound(cap.q, cap.k, k_bar, cap.positions, cap.rope)[0, 3]
 err = res.remainder.abs()
 print("bound holds on every visible entry:", bool((err <= bound + 1e-9)[res.mask].all()),
       "| mean error", float(err[res.mask].mean()), "| mean bound", float(bound[res.mask].mean()))'''),

@@ -28,16 +28,16 @@ constant within a text but that constant changes from text to text; the trained 
         code('''pg.plot.band_heatmaps(pat.bands, which="k", stat="energy_share")'''),
         md("## Does the pattern explain the decomposition, head by head?"),
         code('''dec = pg.decompose_with_twin(model, None, seed=0, layers=layers, n_seq=n_seq, seq_len=seq_len, n_ref=2)
-merged, summary = pg.analysis.pattern.link_to_decomposition(pat.heads, dec, on=("twin", "layer", "head"))
+merged, summary = pg.experiments.pattern.link_to_decomposition(pat.heads, dec, on=("twin", "layer", "head"))
 summary  # Spearman across heads, each twin and k̄ kind apart (never pooled)'''),
         code('''pg.plot.pattern_vs_d3(merged, k_mean="global")'''),
         md("""**Read it honestly:** D1 (the free additive fit) scores about as well on the random twin as on the
 trained model. D3 with each sequence's own k̄ ALSO fits the twin; only with one global k̄ (from other
 documents) does the twin fall behind. Compare the rows:"""),
-        code('''pg.analysis.decomposition.summarize_decomposition(dec, by=("twin", "k_mean", "estimator")).round(3)'''),
+        code('''pg.experiments.decomposition.summarize_decomposition(dec, by=("twin", "k_mean", "estimator")).round(3)'''),
         md("## Phases of one band"),
         code('''tokens = pg.corpus_tokens(model, None, seq_len=seq_len, n_seq=1)
-phases = pg.analysis.head.phase_angles_with_twin(model, tokens, layer=10, head=0, band=0, which="k")
+phases = pg.experiments.head_maps.phase_angles_with_twin(model, tokens, layer=10, head=0, band=0, which="k")
 pg.plot.phase_histogram(phases)'''),
     ]
 
@@ -63,16 +63,16 @@ fracs = (0.0, 0.1, 0.2) if SMALL else (0.0, 0.05, 0.1, 0.2)'''),
 T1 swaps a fraction *p* of adjacent token pairs in the context (never the last `target` tokens) and
 reads the NLL of the untouched target span. T2 applies the same swaps to the **position ids only**."""),
         code('''curves = pg.transposition_curve(model, tokens, fracs=fracs, seeds=(0,), target_len=target, modes=("T1", "T2"))
-summary = pg.analysis.tolerance.curve_summary(curves, by=("mode",))
+summary = pg.experiments.tolerance.curve_summary(curves, by=("mode",))
 summary'''),
         code('''pg.plot.tolerance_curves(summary, title="SmolLM2: ΔNLL vs swap fraction")'''),
         md("""**✎ Exercise 1.** Is T1 ≈ T2? "The CI contains 0" is not an answer: only an equivalence test
-(TOST) with a margin stated in advance can say "alike". `pg.analysis.causal.t1_t2_study` runs both curves on windows of
+(TOST) with a margin stated in advance can say "alike". `pg.experiments.causal.t1_t2_study` runs both curves on windows of
 many documents, with the random twin, and tests T1 − T2 slopes by TOST.
 
 *Answer:* read `equivalent` and the margin below, and the equivariance note: T1 and T2 differ only in
 the causal order among context tokens, so T1 − T2 is a causal-order effect, not "tokens vs ids"."""),
-        code('''t12 = pg.analysis.causal.t1_t2_study(model, n_seq=max(n_seq, 4), seq_len=seq_len, target_len=target, fracs=fracs, seeds=(0,),
+        code('''t12 = pg.experiments.causal.t1_t2_study(model, n_seq=max(n_seq, 4), seq_len=seq_len, target_len=target, fracs=fracs, seeds=(0,),
                      twin=not SMALL, progress=False)
 print(t12.config["note"])
 t12.equivalence[["twin", "t1_slope", "t2_slope", "mean", "lo", "hi", "margin", "p", "equivalent"]]'''),
@@ -88,13 +88,13 @@ with model.hooks(fwd_hooks=hooks):                 # plain TransformerLens usage
     nll = pg.nll_on_target(model, tokens, target_len=target)
 base = pg.nll_on_target(model, tokens, target_len=target)
 print("clean NLL", float(base.mean()), "→ with intervention", float(nll.mean()))'''),
-        md("""**✎ Exercise 2.** A no-op patch must change nothing. Check that `pg.interventions.noop_hooks(model)` leaves the
+        md("""**✎ Exercise 2.** A no-op patch must change nothing. Check that `pg.hooks.edits.noop_hooks(model)` leaves the
 logits bit-identical.
 
 *Answer:*"""),
         code('''with torch.no_grad():
     clean = model(tokens[:1])
-    with model.hooks(fwd_hooks=pg.interventions.noop_hooks(model)):
+    with model.hooks(fwd_hooks=pg.hooks.edits.noop_hooks(model)):
         same = model(tokens[:1])
 assert torch.equal(clean, same)
 torch.equal(clean, same)'''),
@@ -140,11 +140,11 @@ Two fixes from LM-Infinite are hooks on the attention scores: **LM-Infinite** cl
 `> C` to `C` (first key kept at its true distance); **disentangled** replaces far logits by
 `f(q_i, C) + g_Δ0(q_i, k_j)` — the decomposition of notebook 1 with a global mean key `k̄`."""),
         code(SETUP),
-        code('''length, sufficiency = pg.analysis.length, pg.analysis.sufficiency
-analysis_windows = pg.analysis.decomposition.analysis_windows
-reference_key_means = pg.analysis.decomposition.reference_key_means
-lm_infinite_hooks = pg.interventions.lm_infinite_hooks
-gap_position_ids = pg.perturb.gap_position_ids
+        code('''length, sufficiency = pg.experiments.length, pg.experiments.sufficiency
+analysis_windows = pg.experiments.decomposition.analysis_windows
+reference_key_means = pg.experiments.decomposition.reference_key_means
+lm_infinite_hooks = pg.hooks.edits.lm_infinite_hooks
+gap_position_ids = pg.maths.perturb.gap_position_ids
 plot_gap_heads, plot_gap_probe, plot_sufficiency = pg.plot.gap_heads, pg.plot.gap_probe, pg.plot.sufficiency
 
 model = pg.load_model("smollm2-135m")

@@ -33,6 +33,6 @@ def gemma3():
 
 @pytest.fixture(scope="session")
 def smollm2_tokens(smollm2):
-    from posgen_tl.corpus import corpus_tokens
+    from posgen_tl.io.corpus import corpus_tokens
 
     return corpus_tokens(smollm2, None, seq_len=64, n_seq=2)

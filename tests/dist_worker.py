@@ -29,7 +29,7 @@ def build():
     """The tiny model and the token windows, identical in every process (seeded)."""
     import tiny_models as tm
 
-    from posgen_tl.corpus import Windows
+    from posgen_tl.io.corpus import Windows
 
     torch.manual_seed(0)
     model = tm.hf_llama(n_layers=2)[0]
@@ -44,7 +44,7 @@ def build():
 
 
 def intervention():
-    from posgen_tl.interventions import Intervention
+    from posgen_tl.hooks.edits import Intervention
 
     return Intervention("destroy", bands=[0, 1], layers=[1], alpha=0.5, label="destroy fast")
 

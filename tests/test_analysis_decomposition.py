@@ -1,4 +1,4 @@
-"""METHOD §2 runner: every number against the reference functions of posgen_tl.decompose,
+"""METHOD §2 runner: every number against the reference functions of posgen_tl.maths.decompose,
 the D3 bound, a constant-key model (D3 exact), the random twin, determinism, figures."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tiny_models as tm  # noqa: E402
-from posgen_tl.analysis.decomposition import (  # noqa: E402
+from posgen_tl.experiments.decomposition import (  # noqa: E402
     analysis_windows,
     decompose_model,
     decompose_with_twin,
@@ -22,9 +22,9 @@ from posgen_tl.analysis.decomposition import (  # noqa: E402
     split_tokens,
     summarize_decomposition,
 )
-from posgen_tl.capture import capture_qk, probe_hooks  # noqa: E402
-from posgen_tl.corpus import Windows  # noqa: E402
-from posgen_tl.decompose import causal_mask, d3_bound, d3_split, fit_additive, score_maps, sequence_key_mean  # noqa: E402
+from posgen_tl.hooks.capture import capture_qk, probe_hooks  # noqa: E402
+from posgen_tl.io.corpus import Windows  # noqa: E402
+from posgen_tl.maths.decompose import causal_mask, d3_bound, d3_split, fit_additive, score_maps, sequence_key_mean  # noqa: E402
 
 COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
            "sink_excluded", "r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds"]
@@ -177,7 +177,7 @@ def test_figures():
     assert len(axes) == 2
     assert len(axes[0].get_lines()) == 8  # (D1, D2, D3 global, D3 per_sequence) × 2 twins
     assert {ln.get_linestyle() for ln in axes[0].get_lines()} == {"-", "--"}
-    from posgen_tl.analysis.head import decompose_head
+    from posgen_tl.experiments.head_maps import decompose_head
 
     fig = plot_head_maps(decompose_head(model, _tokens()[:1], layer=1, head=2))
     assert len([a for a in fig.get_axes() if a.get_images()]) == 4
@@ -187,7 +187,7 @@ def test_figures():
 
 @pytest.mark.real
 def test_real_smollm2(smollm2):
-    from posgen_tl.corpus import corpus_tokens
+    from posgen_tl.io.corpus import corpus_tokens
 
     toks = corpus_tokens(smollm2, None, seq_len=64, n_seq=3)
     df = decompose_with_twin(smollm2, toks, n_ref=1, layers=[0, 7, 14], batch_size=2, bound_rows=16, progress=False)

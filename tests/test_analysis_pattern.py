@@ -1,4 +1,4 @@
-"""Tests for the METHOD §3 runner (posgen_tl.analysis.pattern) and its figures."""
+"""Tests for the METHOD §3 runner (posgen_tl.experiments.pattern) and its figures."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tiny_models as tm  # noqa: E402
-from posgen_tl.analysis.pattern import (  # noqa: E402
+from posgen_tl.experiments.pattern import (  # noqa: E402
     BAND_COLUMNS,
     HEAD_COLUMNS,
     PatternResult,
@@ -42,7 +42,7 @@ def test_frames_columns_and_sizes(which_model, request):
     vocab = 50 if which_model == "native" else 100
     tok = _tokens(4, 20, vocab)
     res = feature_pattern(model, tok, sink=2, batch_size=3, progress=False)
-    from posgen_tl.capture import probe_hooks
+    from posgen_tl.hooks.capture import probe_hooks
 
     spec, _ = probe_hooks(model)
     nb = spec.layer(0).rotary_dim // 2
@@ -69,7 +69,7 @@ def test_frames_columns_and_sizes(which_model, request):
 def test_k_mean_is_mean_key_without_sink(native):
     tok = _tokens(3, 16)
     res = feature_pattern(native, tok, layers=[1], sink=1, progress=False)
-    from posgen_tl.capture import capture_qk
+    from posgen_tl.hooks.capture import capture_qk
 
     k = capture_qk(native, tok, [1])[1].k[:, 1:].double()
     torch.testing.assert_close(res.k_means[1].double(), k.mean((0, 1)), rtol=1e-5, atol=1e-6)
@@ -86,7 +86,7 @@ def test_batch_size_does_not_change_statistics(llama):
 
 
 def test_merge_equals_one_pass(native):
-    from posgen_tl.corpus import Windows
+    from posgen_tl.io.corpus import Windows
 
     tok = _tokens(6, 20, seed=5)
     win = Windows(tok, torch.tensor([0, 1, 1, 2, 3, 4]), torch.zeros(6, dtype=torch.long), [f"d{i}" for i in range(5)])
@@ -207,12 +207,12 @@ def test_link_to_decomposition_correlations():
 def test_pred_error_global_matches_direct_computation(llama):
     """pred_d3_err_global from the reference k̄, q energies, the logit spread and entry-weighted
     rotation factors, recomputed by hand from captured q/k; ρ forms from the per-sequence sums."""
-    from posgen_tl.analysis.decomposition import reference_key_means
-    from posgen_tl.capture import capture_qk
-    from posgen_tl.decompose import causal_mask
-    from posgen_tl.features import distance_weights
-    from posgen_tl.rho import rho_forms
-    from posgen_tl.rope import expand_kv, to_bands
+    from posgen_tl.experiments.decomposition import reference_key_means
+    from posgen_tl.hooks.capture import capture_qk
+    from posgen_tl.maths.decompose import causal_mask
+    from posgen_tl.maths.band_stats import distance_weights
+    from posgen_tl.maths.rho import rho_forms
+    from posgen_tl.maths.rope import expand_kv, to_bands
 
     tok, ref = _tokens(4, 20, 100, seed=7), _tokens(2, 20, 100, seed=8)
     res = feature_pattern(llama, tok, reference=ref, sink=1, progress=False)
@@ -262,7 +262,7 @@ def test_figures(native):
     merged, _ = link_to_decomposition(heads, dec)
     fig = plot_pattern_vs_d3(merged)
     assert len(fig.axes[0].collections) == 2
-    from posgen_tl.analysis.head import phase_angles_with_twin
+    from posgen_tl.experiments.head_maps import phase_angles_with_twin
 
     fig = plot_phase_histogram(phase_angles_with_twin(native, tok[:2], layer=0, head=0, band=0, twin=tm.native(seed=1)))
     assert len(fig.axes) == 2 and all(len(ax.patches) == 36 for ax in fig.axes)

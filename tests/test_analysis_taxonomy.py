@@ -1,4 +1,4 @@
-"""Tests of posgen_tl.analysis.taxonomy (METHOD §6 runner) and its figures, on tiny models + SmolLM2."""
+"""Tests of posgen_tl.experiments.taxonomy (METHOD §6 runner) and its figures, on tiny models + SmolLM2."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl.analysis.taxonomy import (
+from posgen_tl.experiments.taxonomy import (
     HEAD_COLUMNS,
     head_table,
     head_taxonomy,
@@ -18,8 +18,8 @@ from posgen_tl.analysis.taxonomy import (
     share_by_class,
     taxonomy_agreement,
 )
-from posgen_tl.capture import capture_qk
-from posgen_tl.heads import LABELS, band_logits, causal_mask, region_logit_scores, region_permutations
+from posgen_tl.hooks.capture import capture_qk
+from posgen_tl.maths.taxonomy import LABELS, band_logits, causal_mask, region_logit_scores, region_permutations
 
 N_POS, REGION, N_Q = 32, 8, 8
 KW = dict(region_len=REGION, n_query=N_Q, n_perm=8, batch_size=2, progress=False)
@@ -164,7 +164,7 @@ def test_gemma3_sliding_window_rows_must_see_the_region():
 def test_figures(llama):
     import matplotlib.pyplot as plt
 
-    from posgen_tl.plot.heads import (
+    from posgen_tl.plot.taxonomy import (
         plot_frequency_usage,
         plot_label_counts,
         plot_positional_symbolic_plane,
@@ -184,8 +184,8 @@ def test_figures(llama):
 def test_smollm2_random_twin_is_not_both(smollm2):
     """The degenerate first metric put the random twin on 'both' (≈ 1 on both axes); the logit
     metric must not. Layers 0 (keys ≈ token embeddings), 3 (transition) and 6."""
-    from posgen_tl.analysis.taxonomy import taxonomy_windows
-    from posgen_tl.models import random_twin
+    from posgen_tl.experiments.taxonomy import taxonomy_windows
+    from posgen_tl.io.models import random_twin
 
     tokens, ref = taxonomy_windows(smollm2, None, n_prompts=2, seq_len=96, n_ref=1)
     twin = random_twin(smollm2, 0)

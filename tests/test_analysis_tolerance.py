@@ -1,4 +1,4 @@
-"""T1/T2/T3 runners and the causal-test summaries (posgen_tl.analysis.tolerance)."""
+"""T1/T2/T3 runners and the causal-test summaries (posgen_tl.experiments.tolerance)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl.interventions import Intervention, distance_cap_hooks, key_means, reposition_hooks
-from posgen_tl.analysis import tolerance as tol
-from posgen_tl.capture import CaptureError
-from posgen_tl.perturb import adjacent_swap_permutation, nll_from_logits, position_ids_for_permutation
+from posgen_tl.hooks.edits import Intervention, distance_cap_hooks, key_means, reposition_hooks
+from posgen_tl.experiments import tolerance as tol
+from posgen_tl.hooks.capture import CaptureError
+from posgen_tl.maths.perturb import adjacent_swap_permutation, nll_from_logits, position_ids_for_permutation
 
 MAKERS = {"native": lambda: tm.native(), "llama": lambda: tm.hf_llama()[0], "gemma3": lambda: tm.hf_gemma3()[0]}
 
@@ -116,7 +116,7 @@ def test_superseded_verdict_code_is_gone():
 def test_figures_return_figures(llama):
     from matplotlib.figure import Figure
 
-    from posgen_tl.analysis.causal import summarize_conditions
+    from posgen_tl.experiments.causal import summarize_conditions
     from posgen_tl.plot.tolerance import plot_causal_conditions, plot_length, plot_tolerance_curves
 
     df = pd.concat([_rows("none", "none", 1.0, 0.0), _rows("iv @0.5", "destroy", 0.5, 0.2)], ignore_index=True)

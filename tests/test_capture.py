@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl.capture import CaptureError, capture_qk, probe_hooks, stream_qk
-from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.rope import causal_mask
-from posgen_tl.rope import RopeError, expand_kv, rotate, scores_from_prerotation
+from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
+from posgen_tl.maths.rope import causal_mask
+from posgen_tl.maths.rope import RopeError, expand_kv, rotate, scores_from_prerotation
 
 TINY = {
     "native_adjacent_gqa_partial": lambda: tm.native(rotary_dim=6, n_heads=4, n_kv=2, d_head=8),
@@ -117,7 +117,7 @@ def test_stream_returns_freed_heap_after_each_batch(monkeypatch):
     """Memory independent of the number of batches: the freed heap goes back to the OS per batch (glibc)."""
     import platform  # noqa: PLC0415
 
-    import posgen_tl.capture as cap  # noqa: PLC0415
+    import posgen_tl.hooks.capture as cap  # noqa: PLC0415
 
     real, calls = cap.release_freed_memory, []
     monkeypatch.setattr(cap, "release_freed_memory", lambda: calls.append(1) or real())
@@ -173,7 +173,7 @@ def test_scores_requested_but_absent_is_refused(monkeypatch):
     spec, info = probe_hooks(model)
     from dataclasses import replace
 
-    import posgen_tl.capture as cap
+    import posgen_tl.hooks.capture as cap
 
     monkeypatch.setitem(cap._PROBES, model, (spec, replace(info, scores_kind="absent")))
     with pytest.raises(CaptureError, match="hook_attn_scores"):

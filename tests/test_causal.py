@@ -1,4 +1,4 @@
-"""The causal study of METHOD §5 and the T1/T2 study of §4 (posgen_tl.analysis.causal)."""
+"""The causal study of METHOD §5 and the T1/T2 study of §4 (posgen_tl.experiments.causal)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl.analysis import causal as ca
-from posgen_tl.analysis.tolerance import nll_on_target
-from posgen_tl.capture import capture_qk, probe_hooks
-from posgen_tl.interventions import Intervention, change_vectors, key_means
-from posgen_tl.perturb import position_ids_for_permutation
-from posgen_tl.rope import to_bands
+from posgen_tl.experiments import causal as ca
+from posgen_tl.experiments.tolerance import nll_on_target
+from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.hooks.edits import Intervention, change_vectors, key_means
+from posgen_tl.maths.perturb import position_ids_for_permutation
+from posgen_tl.maths.rope import to_bands
 
 
 # ----------------------------------------------------------------------------- fixtures

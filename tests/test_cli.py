@@ -29,7 +29,7 @@ def test_check_unknown_model_is_one_line_error(capsys):
 def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
     import pandas as pd
 
-    import posgen_tl.exactness as ex
+    import posgen_tl.experiments.exactness as ex
 
     real = ex.exactness_table
 
@@ -88,7 +88,7 @@ def test_fuzz_corpus_loader(text, seq_len, n_seq, bos):
     """The corpus loader either returns a valid [n, seq_len] int64 tensor or raises CorpusError — nothing else."""
     import tiny_models as tm
 
-    from posgen_tl.corpus import CorpusError, tokenize_corpus
+    from posgen_tl.io.corpus import CorpusError, tokenize_corpus
 
     tok = _TOK.setdefault("tok", tm.tiny_tokenizer())
     try:

@@ -1,4 +1,4 @@
-"""Tests of posgen_tl.decompose: additive fits (D1/D2), the D3 split and bound, scores."""
+"""Tests of posgen_tl.maths.decompose: additive fits (D1/D2), the D3 split and bound, scores."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from posgen_tl.decompose import (
+from posgen_tl.maths.decompose import (
     ESTIMATORS,
     causal_mask,
     d3_bound,
@@ -24,7 +24,7 @@ from posgen_tl.decompose import (
     score_maps,
     within_row_r,
 )
-from posgen_tl.rope import (
+from posgen_tl.maths.rope import (
     LayerRope,
     expand_kv,
     relative_rotation_matrix,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl.models import ModelLoadError, _boot, load_model, random_twin
+from posgen_tl.io.models import ModelLoadError, _boot, load_model, random_twin
 
 needs_accelerate = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                                       reason="needs HF accelerate (pip install 'posgen_tl[multigpu]')")
@@ -91,8 +91,8 @@ def from_pretrained_calls(monkeypatch):
 def test_device_map_reaches_accelerate_and_analyses_run(tiny_folder, from_pretrained_calls):
     """``device_map='cpu'`` + bfloat16 goes to ``from_pretrained(..., device_map=..., dtype=...)``
     (accelerate places the weights; the bridge leaves them there) and the analyses run on it."""
-    from posgen_tl.analysis.decomposition import decompose_model
-    from posgen_tl.analysis.pattern import feature_pattern
+    from posgen_tl.experiments.decomposition import decompose_model
+    from posgen_tl.experiments.pattern import feature_pattern
 
     model = load_model(str(tiny_folder), device_map="cpu", dtype=torch.bfloat16)
     assert from_pretrained_calls and from_pretrained_calls[-1]["device_map"] == "cpu"
@@ -110,7 +110,7 @@ def test_device_map_reaches_accelerate_and_analyses_run(tiny_folder, from_pretra
 def test_zoo_model_with_device_map(from_pretrained_calls):
     model = load_model("smollm2-135m", device_map="cpu")
     assert from_pretrained_calls[-1]["device_map"] == "cpu"
-    from posgen_tl.capture import capture_qk
+    from posgen_tl.hooks.capture import capture_qk
 
     caps = capture_qk(model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), layers=[0, 29])
     assert set(caps) == {0, 29}
@@ -120,10 +120,10 @@ def test_zoo_model_with_device_map(from_pretrained_calls):
 
 
 def _analyses(model, toks):
-    from posgen_tl.analysis.causal import Condition, condition_rows
-    from posgen_tl.analysis.decomposition import _tensor_windows, decompose_model
-    from posgen_tl.analysis.pattern import feature_pattern
-    from posgen_tl.interventions import Intervention, key_means
+    from posgen_tl.experiments.causal import Condition, condition_rows
+    from posgen_tl.experiments.decomposition import _tensor_windows, decompose_model
+    from posgen_tl.experiments.pattern import feature_pattern
+    from posgen_tl.hooks.edits import Intervention, key_means
 
     dec = decompose_model(model, toks, n_ref=1, batch_size=2, progress=False)
     pat = feature_pattern(model, toks[:-1], progress=False)
@@ -154,7 +154,7 @@ def test_every_analysis_on_cuda_matches_cpu():
 @needs_gpu
 @needs_accelerate
 def test_device_map_auto_on_gpu(tiny_folder):
-    from posgen_tl.analysis.pattern import feature_pattern
+    from posgen_tl.experiments.pattern import feature_pattern
 
     model = load_model(str(tiny_folder), device_map="auto", dtype=torch.bfloat16)
     toks = torch.randint(3, 90, (2, 16))

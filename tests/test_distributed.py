@@ -79,10 +79,10 @@ def test_single_process_helpers_are_identity():
 @pytest.fixture(scope="module")
 def reference():
     """Single-process tables from the recipes themselves (not the distributed wrappers)."""
-    from posgen_tl.analysis.causal import Condition, condition_rows
-    from posgen_tl.analysis.decomposition import decompose_model
-    from posgen_tl.analysis.pattern import feature_pattern
-    from posgen_tl.interventions import key_means
+    from posgen_tl.experiments.causal import Condition, condition_rows
+    from posgen_tl.experiments.decomposition import decompose_model
+    from posgen_tl.experiments.pattern import feature_pattern
+    from posgen_tl.hooks.edits import key_means
 
     model, win, ref = W.build()
     dec = decompose_model(model, win, reference=ref, n_seq=len(win), batch_size=4, progress=False)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl import models as zoo
-from posgen_tl.capture import check_tokens, probe_hooks
-from posgen_tl.corpus import CorpusError, corpus_tokens, load_texts, tokenize_corpus
-from posgen_tl.models import ModelLoadError, load_model
-from posgen_tl.rope import RopeError
-from posgen_tl.rope_spec import rope_spec
+from posgen_tl.io import models as zoo
+from posgen_tl.hooks.capture import check_tokens, probe_hooks
+from posgen_tl.io.corpus import CorpusError, corpus_tokens, load_texts, tokenize_corpus
+from posgen_tl.io.models import ModelLoadError, load_model
+from posgen_tl.maths.rope import RopeError
+from posgen_tl.io.spec import rope_spec
 
 
 def test_absolute_position_model_refused():

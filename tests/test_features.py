@@ -1,4 +1,4 @@
-"""Tests for posgen_tl.features: per-band streaming statistics and the pattern score."""
+"""Tests for posgen_tl.maths.band_stats: per-band streaming statistics and the pattern score."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posgen_tl.features import (
+from posgen_tl.maths.band_stats import (
     BandStats,
     band_stats,
     distance_weights,
@@ -21,7 +21,7 @@ from posgen_tl.features import (
     within_row_spread,
     within_row_spread_qk,
 )
-from posgen_tl.rope import LayerRope, band_indices
+from posgen_tl.maths.rope import LayerRope, band_indices
 
 STATE = ("n", "sum_x", "sum_abs2", "sum_unit", "pass_abs2", "n_nonzero")
 STATS = ("mean", "energy", "energy_share", "pass_energy_share", "offset_ratio",
@@ -381,7 +381,7 @@ def test_within_row_spread():
 def test_within_row_spread_qk_equals_the_map_version(b, n, kv, g, d, sink, win, block, shift, seed):
     """The block-Gram spread equals within_row_spread on the explicit maps for any mask, block size
     and GQA grouping — including keys with a large common offset (big row means, small spreads)."""
-    from posgen_tl.rope import causal_mask, scores_from_rotated
+    from posgen_tl.maths.rope import causal_mask, scores_from_rotated
 
     gen = _gen(seed)
     q = torch.randn(b, n, kv * g, d, generator=gen, dtype=torch.float64)
@@ -413,7 +413,7 @@ def _head_maps(fast: bool, seed: int):
 
 
 def test_predicted_error_ranks_fast_band_key_noise_worse_and_d3_agrees():
-    from posgen_tl.decompose import causal_mask, d3_split, within_row_r
+    from posgen_tl.maths.decompose import causal_mask, d3_split, within_row_r
 
     out = {}
     for fast in (True, False):

@@ -1,4 +1,4 @@
-"""One head up close (posgen_tl.analysis.head) and the figure contract of posgen_tl.plot:
+"""One head up close (posgen_tl.experiments.head_maps) and the figure contract of posgen_tl.plot:
 data in, a closed pyplot Figure out, nothing left open for Jupyter to show a second time."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 
 import tiny_models as tm
 from posgen_tl import plot
-from posgen_tl.analysis.head import decompose_head, phase_angles, phase_angles_with_twin
-from posgen_tl.capture import capture_qk, probe_hooks
-from posgen_tl.decompose import d3_split, fit_additive, score_maps
-from posgen_tl.rope import causal_mask, expand_kv
+from posgen_tl.experiments.head_maps import decompose_head, phase_angles, phase_angles_with_twin
+from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.maths.decompose import d3_split, fit_additive, score_maps
+from posgen_tl.maths.rope import causal_mask, expand_kv
 
 N_POS = 20
 
@@ -67,7 +67,7 @@ def test_decompose_head_k_mean_kinds(llama):
         decompose_head(llama, toks, layer=0, head=0, k_mean="global")
     glob = decompose_head(llama, toks, layer=0, head=0, k_mean="global", reference=ref)
     assert glob.k_mean_kind == "global" and set(glob.scores.k_mean) == {"global"}
-    from posgen_tl.interventions import key_means
+    from posgen_tl.hooks.edits import key_means
 
     given = decompose_head(llama, toks, layer=0, head=0, k_mean=key_means(llama, ref, [0])[0])
     torch.testing.assert_close(given.f, glob.f)
@@ -107,7 +107,7 @@ def test_phase_angles_frame(llama):
 
 
 def _frames(llama):
-    from posgen_tl.analysis.decomposition import decompose_with_twin
+    from posgen_tl.experiments.decomposition import decompose_with_twin
 
     toks = _tokens(4)
     dec = decompose_with_twin(llama, toks, n_ref=1, batch_size=2, bound_rows=4, progress=False,
@@ -140,7 +140,7 @@ def test_plot_modules_pick_no_backend():
     import sys
 
     code = ("import matplotlib; matplotlib.use('module://matplotlib_inline.backend_inline'); "
-            "import posgen_tl, posgen_tl.plot, posgen_tl.analysis.head; print(matplotlib.get_backend())")
+            "import posgen_tl, posgen_tl.plot, posgen_tl.experiments.head_maps; print(matplotlib.get_backend())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-800:]
     assert "inline" in out.stdout

@@ -1,4 +1,4 @@
-"""Tests of posgen_tl.heads: region permutations, positional/symbolic logit scores and their
+"""Tests of posgen_tl.maths.taxonomy: region permutations, positional/symbolic logit scores and their
 null, labels, band logits, frequency use."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posgen_tl.heads import (
+from posgen_tl.maths.taxonomy import (
     LABELS,
     band_logits,
     band_patterns,
@@ -24,7 +24,7 @@ from posgen_tl.heads import (
     row_spread_threshold,
     taxonomy_label,
 )
-from posgen_tl.rope import LayerRope, expand_kv, rotate, scores_from_rotated
+from posgen_tl.maths.rope import LayerRope, expand_kv, rotate, scores_from_rotated
 
 
 def make_rope(layout="half", rotary_dim=8, score_scale=0.25) -> LayerRope:

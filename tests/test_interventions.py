@@ -1,4 +1,4 @@
-"""Interventions on pre-rotation keys as TransformerLens hooks (posgen_tl.interventions)."""
+"""Interventions on pre-rotation keys as TransformerLens hooks (posgen_tl.hooks.edits)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from posgen_tl.interventions import (
+from posgen_tl.hooks.edits import (
     Intervention,
     change_vectors,
     destroy_hooks,
@@ -16,8 +16,8 @@ from posgen_tl.interventions import (
     noop_hooks,
     reposition_hooks,
 )
-from posgen_tl.capture import capture_qk, probe_hooks
-from posgen_tl.rope import to_bands
+from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.maths.rope import to_bands
 
 MAKERS = {"native": lambda: tm.native(), "llama": lambda: tm.hf_llama()[0], "gemma3": lambda: tm.hf_gemma3()[0]}
 
@@ -130,7 +130,7 @@ def test_hooks_context_and_run_with_hooks_agree(tiny):
 
 
 def test_hooks_removed_after_exception(tiny):
-    from posgen_tl.analysis.tolerance import nll_on_target
+    from posgen_tl.experiments.tolerance import nll_on_target
 
     model, toks, km = tiny
     hooks = destroy_hooks(model, km, bands=[0])

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from posgen_tl.approx import (
+from posgen_tl.maths.approx_logits import (
     causal_visible,
     d3_approx_logits,
     disentangled_logits,
@@ -15,9 +15,9 @@ from posgen_tl.approx import (
     lm_infinite_logits,
     quantile_mask,
 )
-from posgen_tl.capture import CaptureError, capture_qk, probe_hooks
-from posgen_tl.decompose import d3_logits, d3_split
-from posgen_tl.interventions import (
+from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks
+from posgen_tl.maths.decompose import d3_logits, d3_split
+from posgen_tl.hooks.edits import (
     disentangled_hooks,
     enforce_hooks,
     key_means,
@@ -27,8 +27,8 @@ from posgen_tl.interventions import (
     sufficiency_hooks,
     window_removal_hooks,
 )
-from posgen_tl.perturb import capped_scores, gap_position_ids
-from posgen_tl.rope import LayerRope
+from posgen_tl.maths.perturb import capped_scores, gap_position_ids
+from posgen_tl.maths.rope import LayerRope
 
 from tiny_models import hf_gemma3, hf_llama, native
 
@@ -302,7 +302,7 @@ def _corpus(n_docs=14, n_words=70, seed=0):
 
 
 def test_span_nll_gap_zero_bit_identical(llama):
-    from posgen_tl.analysis.length import span_nll
+    from posgen_tl.experiments.length import span_nll
 
     toks = _toks(16)
     a = span_nll(llama, toks, 9)
@@ -316,7 +316,7 @@ def test_span_nll_gap_zero_bit_identical(llama):
 
 
 def test_gap_probe_rows_summary_and_errors(llama):
-    from posgen_tl.analysis.length import gap_probe
+    from posgen_tl.experiments.length import gap_probe
 
     res = gap_probe(llama, _corpus(), prefix_len=12, suffix_len=12, gaps=(0, 1.0), n_seq=6, n_ref=2, skip=3,
                     batch_size=4, progress=False)
@@ -336,7 +336,7 @@ def test_gap_probe_rows_summary_and_errors(llama):
         gap_probe(llama, _corpus(), prefix_len=12, suffix_len=12, cap=-1, n_seq=2, n_ref=2, progress=False)
     with pytest.raises(ValueError, match="skip"):
         gap_probe(llama, _corpus(), prefix_len=12, suffix_len=4, skip=4, n_seq=2, n_ref=2, progress=False)
-    from posgen_tl.corpus import document_windows
+    from posgen_tl.io.corpus import document_windows
 
     short = document_windows(llama, _corpus(), seq_len=10, n_seq=4)
     with pytest.raises(ValueError, match="prefix"):
@@ -344,7 +344,7 @@ def test_gap_probe_rows_summary_and_errors(llama):
 
 
 def test_window_removal_recipe(gemma):
-    from posgen_tl.analysis.length import window_removal
+    from posgen_tl.experiments.length import window_removal
 
     docs = _corpus(n_docs=10, n_words=40) + [" ".join(["t5"] * 5)] * 3  # 3 short docs → the k̄ reference
     res = window_removal(gemma, docs, seq_len=16, n_seq=5, bucket=4, n_ref=2, progress=False)
@@ -354,7 +354,7 @@ def test_window_removal_recipe(gemma):
     first = w.xs(1, level="bucket_start")  # tokens 1..4: every distance < window 4 → identical
     assert np.allclose(first["window"], first["no_window"])
     # the recipe reuses those tokens' NLL; check the claim it rests on: tokens 1..window are identical
-    from posgen_tl.analysis.length import span_nll
+    from posgen_tl.experiments.length import span_nll
 
     toks = _toks(16)
     for h in (window_removal_hooks(gemma), lm_infinite_hooks(gemma, 3, layers=[0, 1], remove_window=True)):
@@ -367,8 +367,8 @@ def test_window_removal_recipe(gemma):
 
 
 def test_gap_attention_and_head_class_test(llama):
-    from posgen_tl.analysis.length import classes_from_taxonomy, gap_attention, head_class_test
-    from posgen_tl.corpus import document_windows
+    from posgen_tl.experiments.length import classes_from_taxonomy, gap_attention, head_class_test
+    from posgen_tl.io.corpus import document_windows
 
     win = document_windows(llama, _corpus(), seq_len=24, n_seq=6)
     km = key_means(llama, win.tokens)
@@ -402,7 +402,7 @@ def test_gap_attention_and_head_class_test(llama):
 
 
 def test_sufficiency_recipe(llama):
-    from posgen_tl.analysis.sufficiency import layer_groups, sufficiency
+    from posgen_tl.experiments.sufficiency import layer_groups, sufficiency
 
     assert layer_groups(30)["10–19"] == list(range(10, 20)) and layer_groups(30)["all"] == list(range(30))
     res = sufficiency(llama, _corpus(), n_seq=6, seq_len=24, target_len=8, n_ref=2, groups={"0": [0], "all": [0, 1]},
@@ -430,7 +430,7 @@ def test_report_stages_length_and_sufficiency(tmp_path, monkeypatch, which, llam
     ctx = Context(cfg, Work(tmp_path / "r", cfg), m, which)
     stages = {name: (c, r) for name, c, r in STAGES}
     if which == "gemma":  # window removal needs ≥ 768-token documents, longer than the tiny corpus: skip it
-        import posgen_tl.interventions as iv
+        import posgen_tl.hooks.edits as iv
 
         monkeypatch.setattr(iv, "local_layers", lambda model: [])
     for name in ("length", "sufficiency"):

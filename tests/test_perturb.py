@@ -1,4 +1,4 @@
-"""Tests of posgen_tl.perturb: T1/T2/T3 perturbations and the read-out statistics."""
+"""Tests of posgen_tl.maths.perturb: T1/T2/T3 perturbations and the read-out statistics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posgen_tl.perturb import (
+from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
     apply_permutation,
     capped_scores,
@@ -19,8 +19,8 @@ from posgen_tl.perturb import (
     span_mean,
     word_units,
 )
-from posgen_tl.stats import bootstrap_ci, slope_ci
-from posgen_tl.rope import LayerRope, relative_rotation_matrix, rotate, scores_from_rotated
+from posgen_tl.stats.inference import bootstrap_ci, slope_ci
+from posgen_tl.maths.rope import LayerRope, relative_rotation_matrix, rotate, scores_from_rotated
 
 
 def make_rope(layout="half", rotary_dim=8, base=100.0, scaling=1.0, score_scale=0.3) -> LayerRope:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posgen_tl.capture import capture_qk, probe_hooks
-from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.rope import causal_mask
-from posgen_tl.rope import rotate
+from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
+from posgen_tl.maths.rope import causal_mask
+from posgen_tl.maths.rope import rotate
 
 pytestmark = pytest.mark.real
 
@@ -57,7 +57,7 @@ def test_gemma3_local_and_global_exact(gemma3):
     assert float(spec.layers[0].inv_freq[1]) == pytest.approx(1e4 ** (-2 / 256), rel=1e-6)
     assert float(spec.layers[5].inv_freq[1]) == pytest.approx(1e6 ** (-2 / 256), rel=1e-6)
     assert base_local is not None
-    from posgen_tl.corpus import corpus_tokens
+    from posgen_tl.io.corpus import corpus_tokens
 
     toks = corpus_tokens(gemma3, None, seq_len=48, n_seq=1)
     assert int(toks[0, 0]) == gemma3.tokenizer.bos_token_id  # Gemma's own policy: BOS first
@@ -70,7 +70,7 @@ def test_gemma3_local_and_global_exact(gemma3):
 @pytest.mark.gemma
 def test_gemma3_window_respected_beyond_512(gemma3):
     """A 600-token sequence: local layer masks keys ≥ 512 back, global does not; both exact."""
-    from posgen_tl.corpus import corpus_tokens
+    from posgen_tl.io.corpus import corpus_tokens
 
     toks = corpus_tokens(gemma3, None, seq_len=600, n_seq=1)
     caps = capture_qk(gemma3, toks, layers=[0, 5], with_scores=True)

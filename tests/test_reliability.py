@@ -7,9 +7,9 @@ import torch
 
 import tiny_models as tm
 from posgen_tl import decompose_model, feature_pattern, random_twin
-from posgen_tl.capture import CaptureError, capture_qk, probe_hooks, stream_qk
-from posgen_tl.exactness import exactness_table
-from posgen_tl.rope import LayerRope, RopeError, RopeSpec
+from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+from posgen_tl.experiments.exactness import exactness_table
+from posgen_tl.maths.rope import LayerRope, RopeError, RopeSpec
 
 
 def _no_hooks(model) -> bool:
@@ -95,7 +95,7 @@ def test_native_twin_reproducible():
 
 
 def test_hooks_removed_after_failure_inside_analysis_and_user_hooks_kept(monkeypatch):
-    from posgen_tl.features import BandStats
+    from posgen_tl.maths.band_stats import BandStats
 
     model, _ = tm.hf_llama()
     seen = []

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posgen_tl.rho import SequenceBandSums, band_group, rho_forms
-from posgen_tl.rope import from_bands, to_bands
+from posgen_tl.maths.rho import SequenceBandSums, band_group, rho_forms
+from posgen_tl.maths.rope import from_bands, to_bands
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posgen_tl.rope import (
+from posgen_tl.maths.rope import (
     LayerRope,
     RopeError,
     band_indices,

@@ -1,4 +1,4 @@
-"""Tests of posgen_tl.stats: the METHOD §8 statistics and verdict rule (pure, no model)."""
+"""Tests of posgen_tl.stats.inference: the METHOD §8 statistics and verdict rule (pure, no model)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
-from posgen_tl.stats import (
+from posgen_tl.stats.inference import (
     EQUIVARIANCE_NOTE,
     Contrast,
     bootstrap_ci,

@@ -263,7 +263,7 @@ def test_heads_and_estimator_scripts_are_thin_wrappers(capsys, tmp_path, script,
 def test_heads_study_parameters_and_layer_third_table(tiny, corpus, tmp_path):
     """The heads study honours region_len / n_query / n_perm, records them, and its markdown carries the
     tables the old script printed (labels by layer third, Spearman agreement), counts adding up."""
-    from posgen_tl.analysis.taxonomy import labels_by_layer_group
+    from posgen_tl.experiments.taxonomy import labels_by_layer_group
 
     params = {"n_prompts": "3", "n_ref": "2", "region_len": "8", "n_query": "6", "n_perm": "2", "min_score": "0.1",
               "layers": "0-2"}

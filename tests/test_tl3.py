@@ -15,10 +15,10 @@ import torch
 
 import tiny_models as tm
 from posgen_tl import compat
-from posgen_tl.capture import CaptureError, capture_qk, probe_hooks, stream_qk
-from posgen_tl.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.rope import causal_mask
-from posgen_tl.interventions import (
+from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
+from posgen_tl.maths.rope import causal_mask
+from posgen_tl.hooks.edits import (
     Intervention,
     destroy_hooks,
     distance_cap_hooks,
@@ -28,9 +28,9 @@ from posgen_tl.interventions import (
     noop_hooks,
     reposition_hooks,
 )
-from posgen_tl.models import ModelLoadError, load_model, random_twin
-from posgen_tl.rope import LayerRope, RopeError, rotate
-from posgen_tl.rope_spec import rope_spec
+from posgen_tl.io.models import ModelLoadError, load_model, random_twin
+from posgen_tl.maths.rope import LayerRope, RopeError, rotate
+from posgen_tl.io.spec import rope_spec
 
 needs_hooked = pytest.mark.skipif(
     not compat.has_hooked_transformer(),
@@ -273,7 +273,7 @@ def test_hooked_interventions(cfg):
     # destroy only changes the chosen bands (others bit for bit), in the captured pre-rotation keys
     with model.hooks(fwd_hooks=destroy_hooks(model, km, bands=[1], layers=[0])):
         d = capture_qk(model, toks, [0])[0]
-    from posgen_tl.rope import to_bands
+    from posgen_tl.maths.rope import to_bands
 
     zb, zc = to_bands(d.k, r, spec.layer(0).layout), to_bands(clean[0].k, r, spec.layer(0).layout)
     keep = [b for b in range(nb) if b != 1]
@@ -412,7 +412,7 @@ def test_hooked_left_padding_is_refused_not_misread():
 def test_hooked_decomposition_with_twin():
     """METHOD §2 on a HookedTransformer (Gemma3-style local/global, QK-norm): trained vs random twin,
     same tokens, the D3 bound holds on every entry."""
-    from posgen_tl.analysis.decomposition import decompose_with_twin
+    from posgen_tl.experiments.decomposition import decompose_with_twin
 
     model = tm.hooked(**HOOKED["local_global_qknorm_softcap"])
     toks = torch.randint(1, 50, (5, 16), generator=torch.Generator().manual_seed(0))

@@ -10,33 +10,33 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 ``r_by_layer(df)``         :func:`posgen_tl.decompose_model` / ``decompose_with_twin``
 ``band_heatmaps(bands)``   ``feature_pattern_with_twin(...).bands``
 ``pattern_distribution``   ``feature_pattern_with_twin(...).heads``
-``pattern_vs_d3(merged)``  :func:`posgen_tl.analysis.pattern.link_to_decomposition`
-``phase_histogram(df)``    :func:`posgen_tl.analysis.head.phase_angles_with_twin`
-``tolerance_curves(df)``   :func:`posgen_tl.analysis.tolerance.curve_summary`
+``pattern_vs_d3(merged)``  :func:`posgen_tl.experiments.pattern.link_to_decomposition`
+``phase_histogram(df)``    :func:`posgen_tl.experiments.head_maps.phase_angles_with_twin`
+``tolerance_curves(df)``   :func:`posgen_tl.experiments.tolerance.curve_summary`
 ``causal_conditions(df)``  :func:`posgen_tl.causal_study` ``.conditions``
-``length_buckets(df)``     :func:`posgen_tl.analysis.tolerance.length_summary`
-``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.analysis.length`, :mod:`posgen_tl.analysis.sufficiency`
+``length_buckets(df)``     :func:`posgen_tl.experiments.tolerance.length_summary`
+``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.experiments.length`, :mod:`posgen_tl.experiments.sufficiency`
 ``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``, ``label_counts``: :func:`posgen_tl.head_taxonomy`
 =========================  ===========================================================
 """
 
-from .decomposition import plot_head_maps as head_maps
-from .decomposition import plot_r_by_layer as r_by_layer
-from .heads import plot_frequency_usage as frequency_usage
-from .heads import plot_label_counts as label_counts
-from .heads import plot_positional_symbolic_plane as positional_symbolic_plane
-from .heads import plot_taxonomy_vs_share as taxonomy_vs_share
-from .pattern import plot_band_heatmaps as band_heatmaps
-from .pattern import plot_pattern_distribution as pattern_distribution
-from .pattern import plot_pattern_vs_d3 as pattern_vs_d3
-from .pattern import plot_phase_histogram as phase_histogram
-from .tolerance import plot_causal_conditions as causal_conditions
-from .length import plot_gap_heads as gap_heads
-from .length import plot_gap_probe as gap_probe
-from .length import plot_sufficiency as sufficiency
-from .length import plot_window_removal as window_removal
-from .tolerance import plot_length as length_buckets
-from .tolerance import plot_tolerance_curves as tolerance_curves
+from posgen_tl.plot.decomposition import plot_head_maps as head_maps
+from posgen_tl.plot.decomposition import plot_r_by_layer as r_by_layer
+from posgen_tl.plot.taxonomy import plot_frequency_usage as frequency_usage
+from posgen_tl.plot.taxonomy import plot_label_counts as label_counts
+from posgen_tl.plot.taxonomy import plot_positional_symbolic_plane as positional_symbolic_plane
+from posgen_tl.plot.taxonomy import plot_taxonomy_vs_share as taxonomy_vs_share
+from posgen_tl.plot.pattern import plot_band_heatmaps as band_heatmaps
+from posgen_tl.plot.pattern import plot_pattern_distribution as pattern_distribution
+from posgen_tl.plot.pattern import plot_pattern_vs_d3 as pattern_vs_d3
+from posgen_tl.plot.pattern import plot_phase_histogram as phase_histogram
+from posgen_tl.plot.tolerance import plot_causal_conditions as causal_conditions
+from posgen_tl.plot.length import plot_gap_heads as gap_heads
+from posgen_tl.plot.length import plot_gap_probe as gap_probe
+from posgen_tl.plot.length import plot_sufficiency as sufficiency
+from posgen_tl.plot.length import plot_window_removal as window_removal
+from posgen_tl.plot.tolerance import plot_length as length_buckets
+from posgen_tl.plot.tolerance import plot_tolerance_curves as tolerance_curves
 
 __all__ = [
     "band_heatmaps",

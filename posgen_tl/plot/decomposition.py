@@ -1,8 +1,8 @@
 """Figures for METHOD.md §2: decomposition scores by layer (trained vs random twin) and the
 Figure-1 view of one head (logit map W, positional f, semantic g, remainder W − f − g).
 
-Functions take the tidy frame of :func:`posgen_tl.analysis.decomposition.decompose_model` or
-the :class:`~posgen_tl.analysis.head.HeadDecomposition` of :func:`posgen_tl.decompose_head`
+Functions take the tidy frame of :func:`posgen_tl.experiments.decomposition.decompose_model` or
+the :class:`~posgen_tl.experiments.head_maps.HeadDecomposition` of :func:`posgen_tl.decompose_head`
 and return a matplotlib ``Figure`` (built with pyplot, closed before it is returned, so
 Jupyter shows it exactly once as the cell's value); nothing is computed, shown or saved.
 """
@@ -17,7 +17,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 if TYPE_CHECKING:
-    from posgen_tl.analysis.head import HeadDecomposition
+    from posgen_tl.experiments.head_maps import HeadDecomposition
 
 __all__ = ["plot_r_by_layer", "plot_head_maps"]
 

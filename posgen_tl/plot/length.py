@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ._common import ci_lines
+from posgen_tl.plot._common import ci_lines
 
 __all__ = ["plot_gap_probe", "plot_window_removal", "plot_sufficiency", "plot_gap_heads"]
 
@@ -29,7 +29,7 @@ def _nll_by(summary: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str)
 def plot_gap_probe(summary: pd.DataFrame, *, title: str = "") -> Figure:
     """Suffix NLL vs gap G (units of n_ctx) per condition, 95 % document-bootstrap CIs.
 
-    ``summary``: :func:`posgen_tl.analysis.length.gap_summary` (rows ``estimator == 'nll'``).
+    ``summary``: :func:`posgen_tl.experiments.length.gap_summary` (rows ``estimator == 'nll'``).
     """
     return _nll_by(summary, "gap_frac", "gap G (units of the trained context n_ctx)", "suffix NLL (nats)",
                    title or "Gap probe: the suffix sees its prefix at unseen distances")
@@ -38,7 +38,7 @@ def plot_gap_probe(summary: pd.DataFrame, *, title: str = "") -> Figure:
 def plot_window_removal(summary: pd.DataFrame, *, title: str = "") -> Figure:
     """NLL by position bucket per condition (Gemma3 window removal), 95 % CIs.
 
-    ``summary``: :func:`posgen_tl.analysis.length.window_summary` (rows ``estimator == 'nll'``).
+    ``summary``: :func:`posgen_tl.experiments.length.window_summary` (rows ``estimator == 'nll'``).
     """
     return _nll_by(summary, "bucket_start", "position of the predicted token (bucket start)", "NLL (nats)",
                    title or "Local layers with / without their sliding window")
@@ -47,7 +47,7 @@ def plot_window_removal(summary: pd.DataFrame, *, title: str = "") -> Figure:
 def plot_sufficiency(summary: pd.DataFrame, *, title: str = "") -> Figure:
     """ΔNLL (substituted − clean) per layer group and source, 95 % CIs, log-free bars.
 
-    ``summary``: :func:`posgen_tl.analysis.sufficiency.sufficiency_summary` (``estimator == 'dnll'``).
+    ``summary``: :func:`posgen_tl.experiments.sufficiency.sufficiency_summary` (``estimator == 'dnll'``).
     """
     d = summary[summary["estimator"] == "dnll"]
     groups = list(dict.fromkeys(d["group"]))
@@ -73,7 +73,7 @@ def plot_sufficiency(summary: pd.DataFrame, *, title: str = "") -> Figure:
 def plot_gap_heads(rows: pd.DataFrame, *, title: str = "") -> Figure:
     """Per head: attention change under the gap (mean KL over sequences) vs D3's positional share.
 
-    ``rows``: :func:`posgen_tl.analysis.length.gap_attention` output.
+    ``rows``: :func:`posgen_tl.experiments.length.gap_attention` output.
     """
     h = rows.groupby(["layer", "head"])[["kl", "f_share"]].mean().reset_index()
     fig, ax = plt.subplots(figsize=(5.5, 4))

@@ -110,7 +110,7 @@ def plot_pattern_vs_d3(merged: pd.DataFrame, x: str = "pred_d3_err", y: str = "r
     """Scatter of the per-head pattern score vs D3 within-row r, coloured by twin (log x for
     ``pred_d3_err``).
 
-    ``merged`` is the first output of :func:`posgen_tl.analysis.pattern.link_to_decomposition`;
+    ``merged`` is the first output of :func:`posgen_tl.experiments.pattern.link_to_decomposition`;
     ``k_mean`` picks its rows of one k̄ kind (``None`` = all rows). The legend gives each twin's
     Spearman rank correlation across heads (each twin apart — never pooled).
     """
@@ -136,8 +136,8 @@ def plot_pattern_vs_d3(merged: pd.DataFrame, x: str = "pred_d3_err", y: str = "r
 def plot_phase_histogram(phases: pd.DataFrame, *, bins: int = 36) -> Figure:
     """Polar histogram of one band's phase angle, one panel per twin (trained beside random).
 
-    ``phases``: :func:`posgen_tl.analysis.head.phase_angles_with_twin` (or
-    :func:`~posgen_tl.analysis.head.phase_angles`) output — columns ``twin, layer, which,
+    ``phases``: :func:`posgen_tl.experiments.head_maps.phase_angles_with_twin` (or
+    :func:`~posgen_tl.experiments.head_maps.phase_angles`) output — columns ``twin, layer, which,
     head, band, phase``. Each panel's title gives the mean resultant length ``R`` (1 = all
     tokens share one phase, ≈ 0 = uniform).
     """

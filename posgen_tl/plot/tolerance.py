@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ._common import ci_lines
+from posgen_tl.plot._common import ci_lines
 
 __all__ = ["plot_tolerance_curves", "plot_causal_conditions", "plot_length"]
 
@@ -15,7 +15,7 @@ __all__ = ["plot_tolerance_curves", "plot_causal_conditions", "plot_length"]
 def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: str = "") -> Figure:
     """ΔNLL (target span) vs swap fraction p with 95 % CI bands.
 
-    ``df``: :func:`posgen_tl.analysis.tolerance.curve_summary` output (rows with
+    ``df``: :func:`posgen_tl.experiments.tolerance.curve_summary` output (rows with
     ``estimator == 'dnll'``, columns ``frac, value, ci_low, ci_high`` and ``mode``; an optional
     ``twin`` ('trained'|'random') or ``intervention`` column, or ``hue``, splits the lines).
     """
@@ -37,7 +37,7 @@ def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: st
 def plot_causal_conditions(df: pd.DataFrame, *, title: str = "") -> Figure:
     """Left: tolerance slope vs clean-NLL damage per condition; right: attention change per condition.
 
-    ``df``: the ``conditions`` table of :func:`posgen_tl.analysis.causal.causal_study`
+    ``df``: the ``conditions`` table of :func:`posgen_tl.experiments.causal.causal_study`
     (columns ``condition, damage[_lo,_hi], slope[_lo,_hi]`` and, if present, ``attn_kl[_lo,_hi]``).
     Conditions at equal damage are the comparisons that mean something (matched controls).
     """
@@ -65,7 +65,7 @@ def plot_causal_conditions(df: pd.DataFrame, *, title: str = "") -> Figure:
 def plot_length(df: pd.DataFrame, *, title: str = "") -> Figure:
     """T3: mean NLL per position bucket with CI, one line per distance cap (None = uncapped).
 
-    ``df``: :func:`posgen_tl.analysis.tolerance.length_summary` output
+    ``df``: :func:`posgen_tl.experiments.tolerance.length_summary` output
     (``cap, bucket_start, value, ci_low, ci_high``; optional ``twin``).
     """
     fig, ax = plt.subplots(figsize=(5.5, 4))

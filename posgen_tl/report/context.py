@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from .html import figure_to_png
+from posgen_tl.report.html import figure_to_png
 
 __all__ = ["ReportConfig", "Work", "OutFolder", "Context", "layers_for"]
 
@@ -39,7 +39,7 @@ class ReportConfig:
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "ReportConfig":
-        from .params import parse_param_args  # noqa: PLC0415
+        from posgen_tl.report.params import parse_param_args  # noqa: PLC0415
 
         quick = bool(a.quick)
         return cls(
@@ -137,13 +137,13 @@ class Context:
     def twin(self):
         """``random_twin(model, cfg.seed)``, built once per report run and shared by every stage."""
         if self._twin is None:
-            from ..models import random_twin  # noqa: PLC0415
+            from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
             self._twin = random_twin(self.model, self.cfg.seed)
         return self._twin
 
     def tokens(self, n_seq: int | None = None, seq_len: int | None = None):
-        from ..corpus import corpus_tokens  # noqa: PLC0415
+        from posgen_tl.io.corpus import corpus_tokens  # noqa: PLC0415
 
         return corpus_tokens(self.model, self.cfg.corpus, seq_len=seq_len or self.cfg.seq_len,
                              n_seq=n_seq or self.cfg.n_seq)
@@ -151,7 +151,7 @@ class Context:
 
 def layers_for(ctx: Context) -> list[int] | None:
     """All layers; in --quick mode every 5th layer (plus the last) to stay within ~2 minutes."""
-    from ..capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
 
     n = probe_hooks(ctx.model)[0].n_layers
     if not ctx.cfg.quick:

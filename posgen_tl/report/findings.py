@@ -1,9 +1,9 @@
 """The headline of each stage, as a :class:`~posgen_tl.report.html.Finding` for the summary box.
 
 Each function reads the tables a stage (or a study) wrote and returns ``list[Finding]``;
-nothing here runs a model. p-values and intervals come from :mod:`posgen_tl.stats` (exact
+nothing here runs a model. p-values and intervals come from :mod:`posgen_tl.stats.inference` (exact
 sign-flip test, bootstrap over sequences — documents where a ``doc`` column exists), causal
-verdicts from :func:`posgen_tl.stats.verdict_table` (the only place "depends" is decided).
+verdicts from :func:`posgen_tl.stats.inference.verdict_table` (the only place "depends" is decided).
 
 A new stage either sets ``Section.findings`` in its render function, or adds one line to
 :data:`DERIVE` (``stage name → function(ctx) -> list[Finding]``).
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from .html import Finding, Section, sig3
+from posgen_tl.report.html import Finding, Section, sig3
 
 __all__ = ["stage_findings", "DERIVE", "decomposition_findings", "pattern_findings", "tolerance_findings",
            "causal_findings", "heads_findings", "length_findings", "sufficiency_findings", "rank_correlation"]
@@ -33,7 +33,7 @@ def _clusters(df: pd.DataFrame, seqs: np.ndarray) -> np.ndarray | None:
 
 
 def _paired(d: np.ndarray, clusters: np.ndarray | None) -> tuple[float, tuple[float, float], float]:
-    from ..stats import bootstrap_ci, sign_flip_test  # noqa: PLC0415
+    from posgen_tl.stats.inference import bootstrap_ci, sign_flip_test  # noqa: PLC0415
 
     mean, lo, hi = bootstrap_ci(d, clusters=clusters)
     return mean, (lo, hi), sign_flip_test(d, clusters=clusters)
@@ -88,7 +88,7 @@ def pattern_findings(ctx: Any) -> list[Finding]:
 
 def tolerance_findings(ctx: Any) -> list[Finding]:
     """T1 tolerance slope of the trained model (ΔNLL per unit swap fraction), per sequence."""
-    from ..stats import per_sequence_slopes  # noqa: PLC0415
+    from posgen_tl.stats.inference import per_sequence_slopes  # noqa: PLC0415
 
     c = ctx.work.load_df("tolerance_curves.csv")
     t1 = c[(c["mode"] == "T1") & (c.get("twin", "trained") == "trained")]
@@ -100,8 +100,8 @@ def tolerance_findings(ctx: Any) -> list[Finding]:
 
 def causal_findings(ctx: Any) -> list[Finding]:
     """The PRIMARY contrast of the causal table (its first row unless one is marked primary),
-    judged by :func:`posgen_tl.stats.verdict_table` over the whole family of the table."""
-    from ..stats import contrast_from_rows, verdict_table  # noqa: PLC0415
+    judged by :func:`posgen_tl.stats.inference.verdict_table` over the whole family of the table."""
+    from posgen_tl.stats.inference import contrast_from_rows, verdict_table  # noqa: PLC0415
 
     table = ctx.work.load_df("causal_table.csv")
     if not {"p_holm", "verdict", "mean_diff"} <= set(table.columns):  # a table without §8 statistics
@@ -117,7 +117,7 @@ def causal_findings(ctx: Any) -> list[Finding]:
             return [Finding("causal", "not testable", n=n, note=str(e))]
     prim = table[table["primary"].astype(bool)] if "primary" in table.columns else table
     r = (prim if len(prim) else table).iloc[0]
-    from ..analysis.causal import causal_reading  # noqa: PLC0415
+    from posgen_tl.experiments.causal import causal_reading  # noqa: PLC0415
 
     reading = causal_reading(table.assign(contrast=[f"{a} vs {b}" for a, b in zip(table["intervention"],
                                                                                      table["control"])]))
@@ -131,7 +131,7 @@ def causal_findings(ctx: Any) -> list[Finding]:
 
 def heads_findings(ctx: Any) -> list[Finding]:
     """D3 positional share of positional vs symbolic heads (trained model): the difference of the
-    class medians and the Mann–Whitney p of :func:`posgen_tl.analysis.taxonomy.share_by_class`
+    class medians and the Mann–Whitney p of :func:`posgen_tl.experiments.taxonomy.share_by_class`
     (``heads_link.csv``); heads are the unit (descriptive, they are not independent)."""
     link = ctx.work.load_df("heads_link.csv")
     t = link[link["twin"] == "trained"]
@@ -249,6 +249,6 @@ def stage_findings(name: str, ctx: Any, section: Section) -> list[Finding]:
         return fn(ctx)
     except (KeyError, ValueError, FileNotFoundError) as e:
         q = {"tolerance": "tolerance"}.get(name, name)
-        from .html import QUESTIONS  # noqa: PLC0415
+        from posgen_tl.report.html import QUESTIONS  # noqa: PLC0415
 
         return [Finding(q, "not testable", note=f"{type(e).__name__}: {e}")] if q in QUESTIONS else []

@@ -81,7 +81,7 @@ class Finding:
     Attributes:
         question: a key of :data:`QUESTIONS` (e.g. ``"causal"``).
         verdict: the verdict word (``"depends"`` / ``"no evidence"`` for causal contrasts, as
-            :func:`posgen_tl.stats.verdict_table` decides; the stage's own word elsewhere).
+            :func:`posgen_tl.stats.inference.verdict_table` decides; the stage's own word elsewhere).
         effect: the effect's value; ``what``: what it measures (with its unit).
         ci: ``(low, high)`` 95 % interval of the effect; ``p``: its p-value; ``n``: the unit count.
         exploratory: ``n < 32`` (METHOD §8) unless given.

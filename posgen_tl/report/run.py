@@ -17,10 +17,10 @@ import shutil
 import time
 from pathlib import Path
 
-from .context import Context, ReportConfig, Work, _atomic_write, _jsonable, layers_for
-from .findings import stage_findings
-from .html import render_html
-from .stages import STAGES
+from posgen_tl.report.context import Context, ReportConfig, Work, _atomic_write, _jsonable, layers_for
+from posgen_tl.report.findings import stage_findings
+from posgen_tl.report.html import render_html
+from posgen_tl.report.stages import STAGES
 
 __all__ = ["run_report", "ReportConfig", "STAGES"]
 
@@ -29,10 +29,10 @@ _layers = layers_for  # kept: code written against report.run._layers
 
 def run_report(args: argparse.Namespace | ReportConfig) -> int:
     """Run every stage (resuming finished ones) and write the report; returns an exit code."""
-    from ..capture import probe_hooks  # noqa: PLC0415
-    from ..models import load_model  # noqa: PLC0415
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.io.models import load_model  # noqa: PLC0415
 
-    from .params import check_params  # noqa: PLC0415
+    from posgen_tl.report.params import check_params  # noqa: PLC0415
 
     cfg = args if isinstance(args, ReportConfig) else ReportConfig.from_args(args)
     check_params(cfg.params, [name for name, _, _ in STAGES])  # an unknown or malformed --param: a clear error

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .context import layers_for as _layers
-from .params import stage_params
-from .html import Section
+from posgen_tl.report.context import layers_for as _layers
+from posgen_tl.report.params import stage_params
+from posgen_tl.report.html import Section
 
 __all__ = ["STAGES"]
 
@@ -30,7 +30,7 @@ def _fmt(x: float, d: int = 3) -> str:
 
 
 def exactness_compute(ctx) -> None:
-    from ..exactness import exactness_table  # noqa: PLC0415
+    from posgen_tl.experiments.exactness import exactness_table  # noqa: PLC0415
 
     tokens = ctx.tokens(n_seq=2, seq_len=min(64, ctx.cfg.seq_len))
     ctx.work.save_df("exactness.csv", exactness_table(ctx.model, tokens, progress=True))
@@ -77,15 +77,15 @@ def _windows(ctx):
     """``(analysed, reference, note)``: the decomposition/pattern windows, shared by both stages.
 
     Reference windows (the global k̄) come from OTHER documents of the corpus
-    (:func:`~posgen_tl.analysis.decomposition.analysis_windows`). A corpus that cannot be split
+    (:func:`~posgen_tl.experiments.decomposition.analysis_windows`). A corpus that cannot be split
     by document (one text file) falls back to consecutive chunks, the last ``n_ref`` of them the
     reference — disjoint in position, not in document — and ``note`` says so.
     """
     cached = getattr(ctx, "_est_windows", None)
     if cached is not None:
         return cached
-    from ..analysis.decomposition import _tensor_windows, analysis_windows  # noqa: PLC0415
-    from ..corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import _tensor_windows, analysis_windows  # noqa: PLC0415
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
 
     n_ref = _n_ref(ctx)
     try:
@@ -103,9 +103,9 @@ def _windows(ctx):
 
 
 def decomposition_compute(ctx) -> None:
-    from ..analysis.decomposition import decompose_with_twin, summarize_decomposition  # noqa: PLC0415
-    from ..analysis.head import decompose_head  # noqa: PLC0415
-    from ..plot.decomposition import plot_head_maps, plot_r_by_layer  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import decompose_with_twin, summarize_decomposition  # noqa: PLC0415
+    from posgen_tl.experiments.head_maps import decompose_head  # noqa: PLC0415
+    from posgen_tl.plot.decomposition import plot_head_maps, plot_r_by_layer  # noqa: PLC0415
 
     windows, ref, note = _windows(ctx)
     df = decompose_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(),
@@ -209,8 +209,8 @@ def _compact_decomposition(summ: pd.DataFrame) -> pd.DataFrame:
 
 
 def pattern_compute(ctx) -> None:
-    from ..analysis.pattern import feature_pattern_with_twin, link_to_decomposition  # noqa: PLC0415
-    from ..plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3  # noqa: PLC0415
+    from posgen_tl.experiments.pattern import feature_pattern_with_twin, link_to_decomposition  # noqa: PLC0415
+    from posgen_tl.plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3  # noqa: PLC0415
 
     windows, ref, _ = _windows(ctx)
     tw = feature_pattern_with_twin(ctx.model, windows, reference=ref, seed=ctx.cfg.seed, twin=ctx.twin(),
@@ -312,11 +312,11 @@ def pattern_render(ctx) -> tuple[Section, dict]:
 
 def tolerance_compute(ctx) -> None:
     """T1/T2 (trained + twin, TOST) and the causal test with controls C1–C4 — both from
-    :mod:`posgen_tl.analysis.causal` (the same recipe as the study command); verdicts only from
-    :func:`posgen_tl.stats.verdict_table`."""
-    from ..analysis import causal as ca  # noqa: PLC0415
-    from ..corpus import CorpusError  # noqa: PLC0415
-    from ..plot.tolerance import plot_causal_conditions, plot_tolerance_curves  # noqa: PLC0415
+    :mod:`posgen_tl.experiments.causal` (the same recipe as the study command); verdicts only from
+    :func:`posgen_tl.stats.inference.verdict_table`."""
+    from posgen_tl.experiments import causal as ca  # noqa: PLC0415
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.plot.tolerance import plot_causal_conditions, plot_tolerance_curves  # noqa: PLC0415
 
     cfg = ctx.cfg
     P = _params(ctx, "tolerance")
@@ -376,7 +376,7 @@ def _save_partial(ctx, res) -> None:
 
 
 def tolerance_render(ctx) -> tuple[Section, dict]:
-    from ..analysis import causal as ca  # noqa: PLC0415
+    from posgen_tl.experiments import causal as ca  # noqa: PLC0415
 
     meta = ctx.work.load_json("causal_meta.json")
     if "skipped" in meta:
@@ -437,8 +437,8 @@ def tolerance_render(ctx) -> tuple[Section, dict]:
 def _taxonomy_inputs(ctx, n: int, n_ref: int):
     """Analysed windows from distinct documents + reference windows from disjoint documents;
     a corpus with too few documents falls back to disjoint WINDOWS of the same text (said so)."""
-    from ..analysis.taxonomy import taxonomy_windows  # noqa: PLC0415
-    from ..corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.experiments.taxonomy import taxonomy_windows  # noqa: PLC0415
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
 
     try:
         tokens, ref = taxonomy_windows(ctx.model, ctx.cfg.corpus, n_prompts=n, seq_len=ctx.cfg.seq_len, n_ref=n_ref,
@@ -451,8 +451,8 @@ def _taxonomy_inputs(ctx, n: int, n_ref: int):
 
 
 def heads_compute(ctx) -> None:
-    from ..analysis.taxonomy import head_table, head_taxonomy_with_twin, label_counts, share_by_class  # noqa: PLC0415
-    from ..plot.heads import (  # noqa: PLC0415
+    from posgen_tl.experiments.taxonomy import head_table, head_taxonomy_with_twin, label_counts, share_by_class  # noqa: PLC0415
+    from posgen_tl.plot.taxonomy import (  # noqa: PLC0415
         plot_frequency_usage,
         plot_label_counts,
         plot_positional_symbolic_plane,
@@ -484,8 +484,8 @@ def heads_compute(ctx) -> None:
 
 
 def heads_render(ctx) -> tuple[Section, dict]:
-    from ..analysis.taxonomy import agreement_table, label_counts, labels_by_layer_group  # noqa: PLC0415
-    from ..heads import LABELS  # noqa: PLC0415
+    from posgen_tl.experiments.taxonomy import agreement_table, label_counts, labels_by_layer_group  # noqa: PLC0415
+    from posgen_tl.maths.taxonomy import LABELS  # noqa: PLC0415
 
     heads = ctx.work.load_df("heads.csv").assign(band=-1)
     link = ctx.work.load_df("heads_link.csv")
@@ -537,11 +537,11 @@ def heads_render(ctx) -> tuple[Section, dict]:
 
 
 def length_compute(ctx) -> None:
-    from ..analysis.length import gap_probe, window_removal  # noqa: PLC0415
-    from ..interventions import local_layers  # noqa: PLC0415
-    from ..plot.length import plot_gap_probe, plot_window_removal  # noqa: PLC0415
+    from posgen_tl.experiments.length import gap_probe, window_removal  # noqa: PLC0415
+    from posgen_tl.hooks.edits import local_layers  # noqa: PLC0415
+    from posgen_tl.plot.length import plot_gap_probe, plot_window_removal  # noqa: PLC0415
 
-    from ..corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
 
     cfg = ctx.cfg
     P = _params(ctx, "length")
@@ -632,10 +632,10 @@ def length_render(ctx) -> tuple[Section, dict]:
 
 
 def sufficiency_compute(ctx) -> None:
-    from ..analysis.sufficiency import sufficiency  # noqa: PLC0415
-    from ..plot.length import plot_sufficiency  # noqa: PLC0415
+    from posgen_tl.experiments.sufficiency import sufficiency  # noqa: PLC0415
+    from posgen_tl.plot.length import plot_sufficiency  # noqa: PLC0415
 
-    from ..corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
 
     cfg = ctx.cfg
     P = _params(ctx, "sufficiency")

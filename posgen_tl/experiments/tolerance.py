@@ -3,11 +3,11 @@
 T1 swaps adjacent tokens in the context, T2 applies the same swaps to position ids only, T3
 reads NLL by position with/without an LM-Infinite distance cap. ``p`` counts swapped disjoint
 adjacent PAIRS, so ≈ 2p of the context tokens move; the swaps are drawn independently per
-(sequence, seed) (:func:`posgen_tl.perturb.swap_seed`).
+(sequence, seed) (:func:`posgen_tl.maths.perturb.swap_seed`).
 
 The studies with verdicts — the causal test of §5 with its controls and the T1/T2 study with
-its TOST — live in :mod:`posgen_tl.analysis.causal` and decide verdicts only through
-:mod:`posgen_tl.stats`. The summaries here are descriptive (mean, percentile bootstrap CI).
+its TOST — live in :mod:`posgen_tl.experiments.causal` and decide verdicts only through
+:mod:`posgen_tl.stats.inference`. The summaries here are descriptive (mean, percentile bootstrap CI).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..interventions import StopForward, distance_cap_hooks, final_residual_hook
-from ..capture import check_tokens, probe_hooks
-from ..perturb import (
+from posgen_tl.hooks.edits import StopForward, distance_cap_hooks, final_residual_hook
+from posgen_tl.hooks.capture import check_tokens, probe_hooks
+from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
     nll_from_logits,
     position_ids_for_permutation,
     swap_seed,
     word_units,
 )
-from ..stats import bootstrap_ci, slope_ci
+from posgen_tl.stats.inference import bootstrap_ci, slope_ci
 
 __all__ = [
     "nll_on_target",
@@ -191,7 +191,7 @@ def length_curve(
 ) -> pd.DataFrame:  # fmt: skip
     """T3: mean NLL per position bucket, one row per (sequence, bucket): ``cap`` (None or
     int), ``bucket_start``, ``nll``. With ``cap`` the attention logits are recomputed with
-    distance ``min(i − j, cap)`` (:func:`posgen_tl.interventions.distance_cap_hooks`)."""
+    distance ``min(i − j, cap)`` (:func:`posgen_tl.hooks.edits.distance_cap_hooks`)."""
     tokens = check_tokens(model, tokens, probe_hooks(model)[0])
     hooks = list(fwd_hooks) + (distance_cap_hooks(model, cap) if cap is not None else [])
     rows = []

@@ -14,8 +14,8 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from .capture import QKCapture, probe_hooks, stream_qk
-from .rope import causal_mask, rotate
+from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.maths.rope import causal_mask, rotate
 
 __all__ = ["exactness_table", "ROT_RTOL", "SCORE_RTOL"]
 

@@ -25,13 +25,13 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from .. import stats
-from ..capture import probe_hooks
-from ..corpus import CorpusLike, Windows
-from ..interventions import sufficiency_hooks
-from .decomposition import analysis_windows, reference_key_means
-from .length import LengthResult, _ci_rows, _contrast, _finish
-from .tolerance import nll_on_target, transposition_curve
+from posgen_tl import stats
+from posgen_tl.hooks.capture import probe_hooks
+from posgen_tl.io.corpus import CorpusLike, Windows
+from posgen_tl.hooks.edits import sufficiency_hooks
+from posgen_tl.experiments.decomposition import analysis_windows, reference_key_means
+from posgen_tl.experiments.length import LengthResult, _ci_rows, _contrast, _finish
+from posgen_tl.experiments.tolerance import nll_on_target, transposition_curve
 
 __all__ = ["SOURCES", "layer_groups", "sufficiency_hooks_for", "sufficiency", "sufficiency_summary"]
 
@@ -84,7 +84,7 @@ def sufficiency(
         k_means: global k̄ per layer (default: ``n_ref`` windows of disjoint documents).
 
     Returns:
-        :class:`~posgen_tl.analysis.length.LengthResult` with ``rows`` (``source, group, layers, seq,
+        :class:`~posgen_tl.experiments.length.LengthResult` with ``rows`` (``source, group, layers, seq,
         doc, doc_name, clean_nll, nll, dnll`` and, for measured pairs, ``slope, dslope``) and
         ``summary`` (:func:`sufficiency_summary`).
     """

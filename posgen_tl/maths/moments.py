@@ -1,5 +1,5 @@
 """Score moments for the decomposition runner: every r, R² and within-row r of D1/D2/D3 from
-per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.analysis.decomposition`).
+per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.experiments.decomposition`).
 
 * :class:`_Geometry` — a mask (causal, sink, window) with its cached D1/D2 least-squares operators
   (``fit_additive``'s ridge solve plus refinement folded into one matrix per mask);
@@ -7,7 +7,7 @@ per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.analysi
 * ``_fit_*`` / ``_d3_moments`` — moments (Σx, Σy, Σx², Σy², Σxy per row) of each approximation;
 * :func:`_scores` — Pearson r, R² and within-row r from those moments.
 
-Private: the public entry points are in :mod:`posgen_tl.analysis.decomposition`.
+Private: the public entry points are in :mod:`posgen_tl.experiments.decomposition`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.decompose import causal_mask, normal_system
+from posgen_tl.maths.decompose import causal_mask, normal_system
 
 _RIDGE, _REFINE = 1e-6, 3  # fit_additive's defaults
 
@@ -92,7 +92,7 @@ class _Moments:
 
 
 def _scores(m: _Moments, g: _Geometry) -> dict[str, Tensor]:
-    """r, R², within-row r from moments, with :mod:`posgen_tl.decompose`'s NaN rules."""
+    """r, R², within-row r from moments, with :mod:`posgen_tl.maths.decompose`'s NaN rules."""
     n = g.cnt.sum()
     sx, sy = m.sx.sum(-1), m.sy.sum(-1)
     vx = m.sxx.sum(-1) - sx * sx / n

@@ -1,8 +1,8 @@
 """Approximated attention logits for length generalisation and faithfulness (METHOD §2, §5, §7).
 
 Pure tensor functions of PRE-rotation ``q``/``k`` (``[batch, pos, head_index, d_head]``; ``k``
-may hold kv-groups, expanded to query heads), position ids and a :class:`~posgen_tl.rope.LayerRope`.
-They never see a model; :mod:`posgen_tl.interventions` turns them into hooks.
+may hold kv-groups, expanded to query heads), position ids and a :class:`~posgen_tl.maths.rope.LayerRope`.
+They never see a model; :mod:`posgen_tl.hooks.edits` turns them into hooks.
 
 Notation (§1): ``W[i, j] = s·a²·q_iᵀ R_{p_j − p_i} k_j`` with ``d = p_i − p_j`` the distance in
 position ids (not sequence indices). In the band picture ``W = s·a²·Re Σ_m q_m e^{i d θ_m} conj(k_m)``
@@ -37,7 +37,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .rope import LayerRope, expand_kv, rotate
+from posgen_tl.maths.rope import LayerRope, expand_kv, rotate
 
 __all__ = [
     "distances",
@@ -78,7 +78,7 @@ def causal_visible(n: int, device=None) -> Bool[Tensor, "query_pos key_pos"]:
 class _Bands:
     """q, k (expanded to query heads) in ``dtype`` and the position ids; logits by real matmuls.
 
-    Rotations use :func:`posgen_tl.rope.rotate` (float32 angles, HF op order, attention scaling
+    Rotations use :func:`posgen_tl.maths.rope.rotate` (float32 angles, HF op order, attention scaling
     ``a`` on the rotary dims, pass-through dims untouched), so ``(R_x q)·(R_y k) = a²·q_rotᵀR_{y−x}k_rot
     + q_pass·k_pass`` exactly as the model computes it; one ``[b h i d]×[b h d j]`` matmul per map.
     """

@@ -1,7 +1,7 @@
 """Per-band statistics of pre-rotation queries and keys (METHOD.md §3), streamed.
 
 For one layer's ``q`` (or ``k``), per head and per RoPE band ``m`` — the complex
-coordinate ``z_m = x[first_m] + i·x[second_m]`` of :func:`posgen_tl.rope.to_bands` —
+coordinate ``z_m = x[first_m] + i·x[second_m]`` of :func:`posgen_tl.maths.rope.to_bands` —
 :class:`BandStats` keeps mergeable running sums (memory independent of the corpus) and
 derives:
 
@@ -48,7 +48,7 @@ from einops import rearrange
 from jaxtyping import Bool, Complex, Float
 from torch import Tensor
 
-from posgen_tl.rope import LayerRope, Layout, to_bands
+from posgen_tl.maths.rope import LayerRope, Layout, to_bands
 
 __all__ = [
     "BandStats",

@@ -40,7 +40,7 @@ __all__ = [
     "reference_windows",
 ]
 
-#: the tokenizer's own BOS policy, recorded by :func:`posgen_tl.models.load_model` before
+#: the tokenizer's own BOS policy, recorded by :func:`posgen_tl.io.models.load_model` before
 #: TransformerLens wraps the tokenizer (the bridge's tokenizer prepends a BOS that e.g.
 #: SmolLM2's own tokenizer does not add). Lives here so ``models`` imports ``corpus``, never back.
 NATIVE_BOS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()

@@ -3,7 +3,7 @@
 T1 (transposition) :func:`adjacent_swap_permutation` + :func:`apply_permutation`; T2 (index
 perturbation) :func:`position_ids_for_permutation`; T3 (distance cap) :func:`capped_scores`;
 read-out :func:`nll_from_logits`, :func:`span_mean`. Statistics (bootstrap, slopes, tests) live
-in :mod:`posgen_tl.stats`.
+in :mod:`posgen_tl.stats.inference`.
 
 Permutation convention: ``new_sequence = old_sequence[perm]`` (``perm[n]`` is the OLD index of
 the token at NEW index ``n``); the token at old index ``t`` sits at new index ``perm_inv[t]``.
@@ -21,7 +21,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .rope import LayerRope, expand_kv, rotate, scores_from_rotated
+from posgen_tl.maths.rope import LayerRope, expand_kv, rotate, scores_from_rotated
 
 __all__ = [
     "adjacent_swap_permutation", "word_units", "apply_permutation", "inverse_permutation",

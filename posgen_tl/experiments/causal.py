@@ -12,17 +12,17 @@ One recipe, called by the report, the ``study`` command and notebooks:
   - C3 ``rephase``: the fast-band offset turned by a fixed random angle per band (keeps |k̄|, ρ);
   - C4 ``noise``: same-norm random-phase noise in the same fast bands.
 
-  Verdicts come from :func:`posgen_tl.stats.verdict_table` only (METHOD §8): one family
+  Verdicts come from :func:`posgen_tl.stats.inference.verdict_table` only (METHOD §8): one family
   (destroy vs C1 — the PRIMARY contrast, declared in the config before the run — vs C2, C3,
   C4 and vs none), Holm-adjusted exact sign-flip tests over per-sequence slope differences,
   document bootstrap, split-half sign, damage matching.
 * :func:`t1_t2_study` — T1 (tokens swapped) and T2 (the same swaps on position ids) for the
   trained model and its random twin, with a TOST equivalence test at a stated margin and the
-  equivariance statement (:data:`posgen_tl.stats.EQUIVARIANCE_NOTE`).
+  equivariance statement (:data:`posgen_tl.stats.inference.EQUIVARIANCE_NOTE`).
 
-Sampling (METHOD §4): sequences are :func:`posgen_tl.corpus.document_windows` of the ANALYSED
+Sampling (METHOD §4): sequences are :func:`posgen_tl.io.corpus.document_windows` of the ANALYSED
 documents (one window per document first, seeded offsets); the global ``k̄`` comes from windows
-of the DISJOINT reference documents (:func:`posgen_tl.corpus.split_documents`), context part
+of the DISJOINT reference documents (:func:`posgen_tl.io.corpus.split_documents`), context part
 only. Swaps: ``p`` counts swapped disjoint adjacent PAIRS of the context, so ≈ 2p of the context
 tokens move; each sequence's permutation is seeded by (base seed, its document id, its window
 start, the seed index) — the same sequence gets the same swaps under every condition and in
@@ -53,11 +53,11 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..capture import pattern_hooks, probe_hooks
-from ..corpus import CorpusLike, Windows, _named_docs, document_windows, split_documents
-from ..interventions import Intervention, intervention_hooks, key_means
-from ..perturb import adjacent_swap_permutation, position_ids_for_permutation, swap_seed
-from .tolerance import nll_on_target
+from posgen_tl.hooks.capture import pattern_hooks, probe_hooks
+from posgen_tl.io.corpus import CorpusLike, Windows, _named_docs, document_windows, split_documents
+from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
+from posgen_tl.maths.perturb import adjacent_swap_permutation, position_ids_for_permutation, swap_seed
+from posgen_tl.experiments.tolerance import nll_on_target
 
 __all__ = [
     "CONTROLS",
@@ -107,9 +107,9 @@ def study_windows(
 ) -> tuple[Windows, Windows]:  # fmt: skip
     """``(analysed, reference)`` windows from DISJOINT document sets (METHOD §2, §4).
 
-    The documents are split by :func:`~posgen_tl.corpus.split_documents` (seeded); ``analysed``
+    The documents are split by :func:`~posgen_tl.io.corpus.split_documents` (seeded); ``analysed``
     holds ``n_seq`` windows of the analysed documents, one per document first
-    (:func:`~posgen_tl.corpus.document_windows`); ``reference`` holds ``n_ref`` windows of the
+    (:func:`~posgen_tl.io.corpus.document_windows`); ``reference`` holds ``n_ref`` windows of the
     reference documents (for the global k̄).
 
     Raises:
@@ -355,7 +355,7 @@ def per_sequence_slopes(rows: pd.DataFrame, value: str = "delta") -> pd.Series:
 
     Raises:
         ValueError: fewer than two distinct fracs, a sequence missing a frac, NaN values."""
-    from .. import stats  # noqa: PLC0415
+    from posgen_tl import stats  # noqa: PLC0415
 
     w = rows.groupby(["seq", "frac"])[value].mean().unstack("frac").sort_index(axis=1)
     if w.shape[1] < 2:
@@ -367,7 +367,7 @@ def per_sequence_slopes(rows: pd.DataFrame, value: str = "delta") -> pd.Series:
 
 
 def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], primary: str | None) -> list:
-    """:class:`posgen_tl.stats.Contrast` per ``(intervention, control)`` pair, named
+    """:class:`posgen_tl.stats.inference.Contrast` per ``(intervention, control)`` pair, named
     ``"<intervention> vs <control>"``; the one named ``primary`` is flagged primary.
 
     Per sequence: ``d`` = slope(intervention) − slope(control) (paired by ``seq``), damages =
@@ -375,7 +375,7 @@ def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], pr
 
     Raises:
         ValueError: a label without rows, mismatched sequence sets, NaN slopes, no ``doc``."""
-    from .. import stats  # noqa: PLC0415
+    from posgen_tl import stats  # noqa: PLC0415
 
     if "doc" not in rows.columns:
         raise ValueError("rows have no 'doc' column: every rows frame must carry the document id")
@@ -406,7 +406,7 @@ def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], pr
 def summarize_conditions(rows: pd.DataFrame, kl: pd.DataFrame | None = None, *, n_boot: int = 10_000) -> pd.DataFrame:
     """One row per condition: ``condition, kind, alpha, n_seq, n_docs, clean_nll, damage
     (+ _lo/_hi: document bootstrap), attn_kl (+ CI), slope (+ CI), dnll@p`` (mean ΔNLL per p)."""
-    from .. import stats  # noqa: PLC0415
+    from posgen_tl import stats  # noqa: PLC0415
 
     out = []
     for key, g in rows.groupby("intervention", sort=False):
@@ -444,7 +444,7 @@ class CausalResult:
             the edited layers, nats).
         conditions: per condition: description, kind, alpha, bands, matching, damage, attention
             KL and slope with document-bootstrap CIs, ``n_seq``, ``n_docs``.
-        contrasts: :func:`posgen_tl.stats.verdict_table` of the family (empty if < 2 conditions).
+        contrasts: :func:`posgen_tl.stats.inference.verdict_table` of the family (empty if < 2 conditions).
         config: sizes, layers, bands, seeds, primary contrast, corpus, commit, wall times,
             ``partial`` (True while conditions are missing).
     """
@@ -478,7 +478,7 @@ def _bands(spec, layers, fast, slow):
 def _result(rows, kl, conds, match, config, pairs, primary, partial: bool = False) -> CausalResult:
     """Tables from rows. ``partial``: each contrast uses the sequences both of its conditions have
     finished (the ``n_seq`` column says how many); a complete run never drops a sequence."""
-    from .. import stats  # noqa: PLC0415
+    from posgen_tl import stats  # noqa: PLC0415
 
     summ = summarize_conditions(rows, kl)
     meta = pd.DataFrame([dict(condition=c.key, description=CONTROL_TEXT[c.key],
@@ -564,7 +564,7 @@ def causal_study(
     (:func:`match_alpha`, ≤ ``match_steps`` evaluations; unmatched controls are kept and
     flagged); (4) per condition and batch: the clean pass (with the attention change in the
     edited layers) and one pass per (frac > 0, seed); (5) the family of contrasts
-    ``destroy vs <control>`` and ``destroy vs none`` through :func:`posgen_tl.stats.verdict_table`.
+    ``destroy vs <control>`` and ``destroy vs none`` through :func:`posgen_tl.stats.inference.verdict_table`.
 
     Conditions run in two phases — ``none, destroy`` and the primary control first, the other
     controls after — and ``on_partial(result)`` is called after every batch until the run is
@@ -737,20 +737,20 @@ def t1_t2_study(
     """T1/T2 tolerance curves (METHOD §4) of the trained model and its random twin.
 
     Same windows and the same per-(sequence, seed) swaps for T1 and T2 and for the twin.
-    Equivalence of T1 and T2 slopes: TOST (:func:`posgen_tl.stats.t1_t2_equivalence`) at
+    Equivalence of T1 and T2 slopes: TOST (:func:`posgen_tl.stats.inference.t1_t2_equivalence`) at
     ``margin`` (ΔNLL per unit p) — when ``None``, ``margin_rel`` × |mean T1 slope of the
     TRAINED model| (stated in the output). Read with the equivariance note: T1 − T2 is the
     causal-order effect.
 
     Args:
-        twin: ``True`` (build :func:`posgen_tl.models.random_twin` with ``seed``), a prebuilt
+        twin: ``True`` (build :func:`posgen_tl.io.models.random_twin` with ``seed``), a prebuilt
             twin, or ``False``/``None``. ``twin_seeds``: swap seeds for the twin (default ``seeds``).
 
     Returns:
         :class:`T12Result`.
     """
-    from .. import stats  # noqa: PLC0415
-    from ..models import random_twin  # noqa: PLC0415
+    from posgen_tl import stats  # noqa: PLC0415
+    from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
     t_start = time.time()
     ana = windows if windows is not None else study_windows(model, corpus, n_seq=n_seq, seq_len=seq_len, seed=seed)[0]
@@ -829,7 +829,7 @@ def forward_costs(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, *, t
     ``stop_at_layer=layer``, and the rest from the cached residual (``start_at_layer=layer``),
     plus ``max_abs_diff`` between the full and the resumed target NLL.
 
-    Uses :func:`posgen_tl.analysis.tolerance.nll_on_target` (``start_at_layer`` passes through
+    Uses :func:`posgen_tl.experiments.tolerance.nll_on_target` (``start_at_layer`` passes through
     its ``forward_kwargs``)."""
     n = tokens.shape[0]
     out: dict[str, float] = {}
@@ -927,7 +927,7 @@ def causal_markdown(result: CausalResult, title: str = "Causal test") -> str:
              "in the edited layers; slope = ΔNLL per unit p; CIs: 95 % document bootstrap)", "",
              _md(result.conditions, COND_COLS)]  # fmt: skip
     if len(result.contrasts):
-        lines += ["", "### Contrasts (one family, Holm-adjusted; verdicts from `posgen_tl.stats.verdict_table`)", "",
+        lines += ["", "### Contrasts (one family, Holm-adjusted; verdicts from `posgen_tl.stats.inference.verdict_table`)", "",
                   _md(result.contrasts, CONTRAST_COLS), ""]
         lines += [f"- `{r.contrast}`: {r.verdict} — {r.reason}" for r in result.contrasts.itertuples()]
         reading = causal_reading(result.contrasts)

@@ -1,34 +1,34 @@
 """METHOD.md §3 runner: the intermediate-feature pattern of RoPE planes, per layer/head/band.
 
-One streaming pass over the analysed windows (:func:`posgen_tl.capture.stream_qk`; the
+One streaming pass over the analysed windows (:func:`posgen_tl.hooks.capture.stream_qk`; the
 forward stops after the last requested layer) feeds, per layer:
 
-* a :class:`~posgen_tl.features.BandStats` for the pre-rotation queries (query heads) and one
+* a :class:`~posgen_tl.maths.band_stats.BandStats` for the pre-rotation queries (query heads) and one
   for the keys (kv-groups): energy share, phase concentration, …;
-* a :class:`~posgen_tl.rho.SequenceBandSums` for each (per-sequence sums with document ids):
+* a :class:`~posgen_tl.maths.rho.SequenceBandSums` for each (per-sequence sums with document ids):
   ρ in three forms — ``rho_within``, cross-fitted ``rho_cross`` over document halves and
   ``stability = rho_cross / rho_within`` (the plug-in ``offset_ratio`` is kept, labelled legacy);
-* the within-row logit spread ``σ(W)`` per head (:func:`~posgen_tl.features.within_row_spread`, or the same
-  sums without the ``n × n`` map, :func:`~posgen_tl.features.within_row_spread_qk`, for rows longer than 5·d_head).
+* the within-row logit spread ``σ(W)`` per head (:func:`~posgen_tl.maths.band_stats.within_row_spread`, or the same
+  sums without the ``n × n`` map, :func:`~posgen_tl.maths.band_stats.within_row_spread_qk`, for rows longer than 5·d_head).
 
 The first ``sink`` positions of every sequence are excluded from every statistic. Memory is
 the accumulators (``O(layers · heads · d_head)`` plus ``O(n_seq · layers · heads · bands)``)
 and one layer of one batch. A reference pass over windows of OTHER documents gives the
-global k̄ (as in :mod:`posgen_tl.analysis.decomposition`).
+global k̄ (as in :mod:`posgen_tl.experiments.decomposition`).
 
 From the accumulated statistics:
 
 * ``bands`` — one row per (layer, q|k, head, band): energy share, the ρ forms, phase
   concentration, residual rms, energy, the band's period ``2π/θ_m`` and its band group;
 * ``heads`` — one row per (layer, query head): the rotation-aware pattern score
-  ``pred_d3_err_<k̄ kind>`` (predicted relative D3 error, :func:`~posgen_tl.features.predicted_d3_error`,
+  ``pred_d3_err_<k̄ kind>`` (predicted relative D3 error, :func:`~posgen_tl.maths.band_stats.predicted_d3_error`,
   entry-weighted rotation factors with ``max_distance = seq_len − 1`` and the sink excluded)
   for the global and the per-sequence k̄, the logit spread, a rotation-BLIND control
   ``blind_d3_err_<kind>`` (every band given the mean rotation weight), the legacy score, and
   the key ρ forms of the fastest third of the bands.
 
 :func:`link_to_decomposition` joins ``heads`` with per-sequence D3 scores
-(``posgen_tl.analysis.decomposition``) and reports Spearman's rank correlation of each score
+(``posgen_tl.experiments.decomposition``) and reports Spearman's rank correlation of each score
 with D3's within-row r across heads, trained and random-init twin apart (never pooled), per k̄.
 """
 
@@ -44,10 +44,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.capture import QKCapture, probe_hooks, stream_qk
-from posgen_tl.corpus import Windows
-from posgen_tl.decompose import causal_mask
-from posgen_tl.features import (
+from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.io.corpus import Windows
+from posgen_tl.maths.decompose import causal_mask
+from posgen_tl.maths.band_stats import (
     BandStats,
     distance_weights,
     pattern_scores,
@@ -56,9 +56,9 @@ from posgen_tl.features import (
     within_row_spread,
     within_row_spread_qk,
 )
-from posgen_tl.heads import frequency_centroid
-from posgen_tl.rho import SequenceBandSums, band_group
-from posgen_tl.rope import LayerRope, to_bands
+from posgen_tl.maths.taxonomy import frequency_centroid
+from posgen_tl.maths.rho import SequenceBandSums, band_group
+from posgen_tl.maths.rope import LayerRope, to_bands
 
 __all__ = [
     "PatternResult",
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 #: rows longer than this many × d_head get the spread from block-Gram sums (O(n·d²), no n × n map;
-#: :func:`~posgen_tl.features.within_row_spread_qk`); shorter ones from the explicit map (cheaper there).
+#: :func:`~posgen_tl.maths.band_stats.within_row_spread_qk`); shorter ones from the explicit map (cheaper there).
 _GRAM_FROM = 5
 
 BAND_COLUMNS = [
@@ -279,7 +279,7 @@ def _model_label(model: Any) -> str:
 def _windows(model: Any, corpus: Any, reference: Any, n_seq: int, seq_len: int, n_ref: int,
              seed: int) -> tuple[Windows, Windows | None]:
     """Analysed windows (token tensors: all rows, each its own document) and reference windows."""
-    from posgen_tl.analysis.decomposition import _check_disjoint, _tensor_windows, analysis_windows  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import _check_disjoint, _tensor_windows, analysis_windows  # noqa: PLC0415
 
     if isinstance(corpus, Tensor) and not corpus.is_floating_point():
         t = corpus[None] if corpus.ndim == 1 else corpus
@@ -314,11 +314,11 @@ def feature_pattern(
 
     Args:
         model: a TransformerLens(-bridge) RoPE model.
-        corpus: :class:`~posgen_tl.corpus.Windows` (analysed as given), token ids
+        corpus: :class:`~posgen_tl.io.corpus.Windows` (analysed as given), token ids
             ``[batch, pos]`` (all rows analysed, each row its own document), or a text source
             (``None`` = pydoc topics): then ``n_seq`` windows of ``seq_len`` tokens from the
             analysed documents and ``n_ref`` reference windows from OTHER documents
-            (:func:`posgen_tl.analysis.decomposition.analysis_windows`, split by ``corpus_seed``).
+            (:func:`posgen_tl.experiments.decomposition.analysis_windows`, split by ``corpus_seed``).
         reference: reference windows for the global k̄ (disjoint documents); ``k_means``: a
             given global k̄ ``{layer: [kv_head, d_head]}`` instead. Without either,
             ``pred_d3_err_global`` is NaN.
@@ -331,7 +331,7 @@ def feature_pattern(
     Returns:
         :class:`PatternResult`; rotation weights use ``max_distance = seq_len − 1``.
     """
-    from posgen_tl.analysis.decomposition import reference_key_means  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
 
     windows, ref = _windows(model, corpus, reference, n_seq, seq_len, n_ref, corpus_seed)
     tokens = windows.tokens
@@ -393,7 +393,7 @@ def feature_pattern_with_twin(model: Any, corpus: Any = None, seed: int = 0, *, 
     ``"trained"`` / ``"random"``. ``kw`` go to :func:`feature_pattern`. ``twin``: an
     already-built ``random_twin(model, seed)`` to reuse (built here if None).
     """
-    from posgen_tl.models import random_twin  # noqa: PLC0415
+    from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
     kw = dict(kw)
     kw.pop("k_means", None)
@@ -442,7 +442,7 @@ def link_to_decomposition(
 
     Args:
         pattern_heads: ``heads`` frame of :func:`feature_pattern` (or a :class:`TwinPattern`).
-        decomposition: per-sequence rows of :func:`posgen_tl.analysis.decomposition.decompose_model`;
+        decomposition: per-sequence rows of :func:`posgen_tl.experiments.decomposition.decompose_model`;
             only ``estimator == "D3"`` rows with ``sink_excluded`` are used, averaged over ``seq``.
         on: join keys (drop ``"model"`` if the two frames label models differently).
 

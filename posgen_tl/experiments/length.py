@@ -1,16 +1,16 @@
 """Longer texts (METHOD §7): the gap probe, Gemma3 window removal, and the attention change by head class.
 
-Conditions (all as TransformerLens hooks from :mod:`posgen_tl.interventions`):
+Conditions (all as TransformerLens hooks from :mod:`posgen_tl.hooks.edits`):
 
 * ``vanilla`` — the model as it is (its own RoPE at the given position ids);
 * ``lm_infinite`` — distances ``> cap`` clamped to ``cap``, the first ``n_sink`` keys visible at
-  their true distance (:func:`~posgen_tl.interventions.lm_infinite_hooks`);
+  their true distance (:func:`~posgen_tl.hooks.edits.lm_infinite_hooks`);
 * ``disentangled`` — distances ``> cap`` replaced by ``f(q_i, cap) + g_Δ0(q_i, k_j)`` with a
   GLOBAL ``k̄`` from reference documents disjoint from the analysed ones
-  (:func:`~posgen_tl.interventions.disentangled_hooks`).
+  (:func:`~posgen_tl.hooks.edits.disentangled_hooks`).
 
 Units and statistics (METHOD §8): the unit is a sequence (one window), clustered by its
-document; every CI is a document-level bootstrap (:func:`posgen_tl.stats.bootstrap_ci`, 10 000
+document; every CI is a document-level bootstrap (:func:`posgen_tl.stats.inference.bootstrap_ci`, 10 000
 draws) beside a t-interval on document means, every p-value an exact/Monte-Carlo sign-flip test
 over documents, Holm-adjusted within one printed table. Fewer than 32 sequences → "exploratory".
 """
@@ -27,20 +27,20 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .. import stats
-from ..capture import QKCapture, StopForward, check_tokens, probe_hooks, stream_qk
-from ..corpus import CorpusLike, Windows, document_windows, split_documents
-from ..approx import d3_approx_logits, exact_logits
-from ..decompose import causal_mask, within_row_r
-from ..interventions import (
+from posgen_tl import stats
+from posgen_tl.hooks.capture import QKCapture, StopForward, check_tokens, probe_hooks, stream_qk
+from posgen_tl.io.corpus import CorpusLike, Windows, document_windows, split_documents
+from posgen_tl.maths.approx_logits import d3_approx_logits, exact_logits
+from posgen_tl.maths.decompose import causal_mask, within_row_r
+from posgen_tl.hooks.edits import (
     disentangled_hooks,
     final_residual_hook,
     lm_infinite_hooks,
     local_layers,
     window_removal_hooks,
 )
-from ..perturb import gap_position_ids, nll_from_logits
-from .decomposition import analysis_windows, reference_key_means
+from posgen_tl.maths.perturb import gap_position_ids, nll_from_logits
+from posgen_tl.experiments.decomposition import analysis_windows, reference_key_means
 
 __all__ = [
     "LengthResult",
@@ -169,7 +169,7 @@ def gap_probe(
 
     Each sequence is one window of ``prefix_len + suffix_len`` consecutive tokens of a document
     (BOS first where the model's policy adds one); prefix ids ``0..|P|−1``, suffix ids
-    ``|P| + G ..`` (:func:`posgen_tl.perturb.gap_position_ids`). ``gaps`` are fractions of the
+    ``|P| + G ..`` (:func:`posgen_tl.maths.perturb.gap_position_ids`). ``gaps`` are fractions of the
     model's trained context ``n_ctx`` (G = round(frac·n_ctx)).
 
     Why G shifts only prefix→suffix distances: with RoPE the logit of query i and key j
@@ -279,7 +279,7 @@ def gap_summary(rows: pd.DataFrame, value: str = "nll") -> pd.DataFrame:
 def _long_windows(model, corpus, seq_len, n_seq, n_ref, seed, max_per_doc) -> tuple[Windows, Windows]:
     """Analysed windows of ``seq_len`` (several per long document allowed) and reference windows of
     ``min(256, seq_len // 4)`` tokens from DISJOINT documents — preferring documents too short for an analysed window."""
-    from ..corpus import _named_docs  # noqa: PLC0415
+    from posgen_tl.io.corpus import _named_docs  # noqa: PLC0415
 
     texts, _ = _named_docs(corpus)
     tok = model.tokenizer
@@ -484,7 +484,7 @@ def gap_attention(
 
 def classes_from_taxonomy(heads: pd.DataFrame, *, twin: str = "trained") -> pd.DataFrame:
     """Head classes ``layer, head, head_class`` from a METHOD §6 taxonomy table (one row per head,
-    e.g. :func:`posgen_tl.analysis.taxonomy.head_table` or ``heads_<model>.csv``): heads labelled
+    e.g. :func:`posgen_tl.experiments.taxonomy.head_table` or ``heads_<model>.csv``): heads labelled
     ``positional`` or ``symbolic`` keep their label; ``both``/``neither``/excluded heads are left
     out (they belong to neither side of the contrast). Rows of ``twin`` only when the table has a
     ``twin`` column.

@@ -5,22 +5,22 @@ Which k̄ (METHOD §2 — it decides what a D3 score means; both kinds by defaul
 
 * ``"global"`` — one ``k̄`` per layer and kv-group from a reference pass
   (:func:`reference_key_means`) over windows of DOCUMENTS DISJOINT from the analysed ones
-  (:func:`posgen_tl.corpus.reference_windows`; sink positions excluded). A good fit means the
+  (:func:`posgen_tl.io.corpus.reference_windows`; sink positions excluded). A good fit means the
   head has one text-independent positional kernel.
 * ``"per_sequence"`` — each analysed sequence's own mean key (sink excluded,
-  :func:`posgen_tl.decompose.sequence_key_mean`), computed inside the same capture pass.
+  :func:`posgen_tl.maths.decompose.sequence_key_mean`), computed inside the same capture pass.
   Random-init keys carry a large per-sequence constant, so this fits the random twin too.
 
-One streaming pass (:func:`posgen_tl.capture.stream_qk`) then scores, for each (batch,
+One streaming pass (:func:`posgen_tl.hooks.capture.stream_qk`) then scores, for each (batch,
 layer), each k̄ kind and all heads at once, the model's logits ``W = s·rot_q·rot_k`` against
 
-* D1 / D2 — the least-squares additive fits of :func:`posgen_tl.decompose.fit_additive`
+* D1 / D2 — the least-squares additive fits of :func:`posgen_tl.maths.decompose.fit_additive`
   (same ridge and refinement), refitted on each mask (sink kept / sink excluded);
-* D3 — ``f + g`` of :func:`posgen_tl.decompose.d3_split` (``k̄`` expanded to query heads),
+* D3 — ``f + g`` of :func:`posgen_tl.maths.decompose.d3_split` (``k̄`` expanded to query heads),
 
 and checks the D3 bound ``|W − f − g| ≤ bound`` in float64 on ``bound_rows`` evenly
-spaced query rows (same numbers as :func:`posgen_tl.decompose.d3_split` /
-:func:`posgen_tl.decompose.d3_bound`, computed with real matmuls and only on ``j ≤ i``; a
+spaced query rows (same numbers as :func:`posgen_tl.maths.decompose.d3_split` /
+:func:`posgen_tl.maths.decompose.d3_bound`, computed with real matmuls and only on ``j ≤ i``; a
 theorem, so the reported fraction must be 1 — up to a float64 rounding allowance of
 ``1e-10·(|W| + |f| + |g|)``). It holding is an algebraic identity (a check of the code),
 not a finding about the model.
@@ -34,7 +34,7 @@ solve of ``fit_additive`` is one cached linear operator ``P`` per mask, and the 
 ``mean + a[i−j] + b[i] + c[j]`` come from prefix sums, one matrix-vector product with the
 map (``Σ_j x_ij c_j``), one with its diagonal view (``Σ_d x[i,i−d] a_d``) and an FFT
 convolution (``Σ_j a_{i−j} c_j``). ``f + g`` is one float32 matmul of width ``2·d_head``.
-Tests check every number against the reference functions of :mod:`posgen_tl.decompose`.
+Tests check every number against the reference functions of :mod:`posgen_tl.maths.decompose`.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from posgen_tl.analysis._moments import _all_fit_moments, _d3_moments, _geometry, _Geometry, _scores, _Target
-from posgen_tl.capture import QKCapture, probe_hooks, stream_qk
-from posgen_tl.corpus import CorpusLike, Windows, corpus_tokens, reference_windows
-from posgen_tl.decompose import _kbar_batched, sequence_key_mean
-from posgen_tl.interventions import feature_means
-from posgen_tl.rope import angles, expand_kv, rotate, to_bands
+from posgen_tl.maths.moments import _all_fit_moments, _d3_moments, _geometry, _Geometry, _scores, _Target
+from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.io.corpus import CorpusLike, Windows, corpus_tokens, reference_windows
+from posgen_tl.maths.decompose import _kbar_batched, sequence_key_mean
+from posgen_tl.hooks.edits import feature_means
+from posgen_tl.maths.rope import angles, expand_kv, rotate, to_bands
 
 __all__ = [
     "ESTIMATORS",
@@ -116,10 +116,10 @@ def analysis_windows(
 ) -> tuple[Windows, Windows | None]:
     """``(analysed, reference)`` windows whose DOCUMENTS are disjoint (the global k̄'s reference).
 
-    * ``corpus`` a :class:`~posgen_tl.corpus.Windows`: analysed as given (first ``n_seq``);
+    * ``corpus`` a :class:`~posgen_tl.io.corpus.Windows`: analysed as given (first ``n_seq``);
       ``reference`` (Windows) is checked for shared documents — a :class:`ValueError` if any;
     * ``corpus`` text (``None`` = pydoc topics, a file, a folder, strings):
-      :func:`~posgen_tl.corpus.reference_windows` splits the DOCUMENTS (seeded) into a
+      :func:`~posgen_tl.io.corpus.reference_windows` splits the DOCUMENTS (seeded) into a
       reference set (``n_ref`` windows) and an analysed pool, of which the first ``n_seq``
       windows are taken (round-robin over documents: as many documents as possible);
     * ``corpus`` a token tensor: each row is treated as its own document; its last ``n_ref``
@@ -180,8 +180,8 @@ def reference_key_means(
     extra_hooks: Sequence = (),
 ) -> dict[int, Float[Tensor, "kv_head d_head"]]:
     """Mean PRE-rotation key ``k̄`` per layer and kv-group over ``tokens`` (positions ``< sink``
-    excluded): :func:`posgen_tl.interventions.feature_means` in float64 (``tokens`` may be
-    :class:`~posgen_tl.corpus.Windows`). Returns ``{layer: Float[Tensor, "kv_head d_head"]}`` float64."""
+    excluded): :func:`posgen_tl.hooks.edits.feature_means` in float64 (``tokens`` may be
+    :class:`~posgen_tl.io.corpus.Windows`). Returns ``{layer: Float[Tensor, "kv_head d_head"]}`` float64."""
     if isinstance(tokens, Windows):
         tokens = tokens.tokens
     return feature_means(model, tokens, layers, sink=sink, target="k", batch_size=batch_size,
@@ -463,7 +463,7 @@ def decompose_with_twin(model: Any, corpus: CorpusLike | Windows = None, *, seed
     (twin ``'random'``) on the SAME windows (and the same reference windows, each model
     computing its own global ``k̄``); both frames concatenated, ``model`` label shared.
     ``twin``: an already-built ``random_twin(model, seed)`` to reuse (built here if None)."""
-    from posgen_tl.models import random_twin  # noqa: PLC0415
+    from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
     kw = dict(kw)
     kw.pop("twin_label", None)

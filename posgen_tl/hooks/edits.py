@@ -8,7 +8,7 @@ and small ``functools.partial`` specialisations (:func:`enforce_hooks`, :func:`d
         model(tokens)
     model.run_with_hooks(tokens, fwd_hooks=intervention_hooks(model, iv, k_means))
 
-With :mod:`posgen_tl.capture`, this is the only module that knows hook names.
+With :mod:`posgen_tl.hooks.capture`, this is the only module that knows hook names.
 
 Band picture (METHOD.md §1, §5): each band ``m`` of a pre-rotation key is a complex number
 ``k^(m)``; ``k̄^(m)`` is the band of the mean key of that kv-group (:func:`key_means`).
@@ -52,13 +52,13 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
-from .capture import CaptureError, StopForward, pre_rotation, probe_hooks, stream_qk
-from .features import BandStats
-from .approx import causal_visible, d3_approx_logits, disentangled_logits, distances, exact_logits
-from .approx import lm_infinite_logits, quantile_mask
-from .decompose import fit_additive
-from .perturb import capped_scores
-from .rope import LayerRope, from_bands, rotate, to_bands, unrotate
+from posgen_tl.hooks.capture import CaptureError, StopForward, pre_rotation, probe_hooks, stream_qk
+from posgen_tl.maths.band_stats import BandStats
+from posgen_tl.maths.approx_logits import causal_visible, d3_approx_logits, disentangled_logits, distances, exact_logits
+from posgen_tl.maths.approx_logits import lm_infinite_logits, quantile_mask
+from posgen_tl.maths.decompose import fit_additive
+from posgen_tl.maths.perturb import capped_scores
+from posgen_tl.maths.rope import LayerRope, from_bands, rotate, to_bands, unrotate
 
 __all__ = [
     "Intervention",
@@ -163,9 +163,9 @@ def feature_means(
     """Mean pre-rotation key (or query) per layer and head, first ``sink`` positions excluded —
     the ``k̄`` of METHOD.md §2 and §5 (the package's one implementation of it).
 
-    Streamed with :class:`posgen_tl.features.BandStats` (float64 accumulation), so memory does
+    Streamed with :class:`posgen_tl.maths.band_stats.BandStats` (float64 accumulation), so memory does
     not grow with ``tokens``. For the *global* k̄ pass tokens from documents disjoint from the
-    analysed ones (:func:`posgen_tl.corpus.reference_windows`). ``extra_hooks`` are attached
+    analysed ones (:func:`posgen_tl.io.corpus.reference_windows`). ``extra_hooks`` are attached
     during the pass (the means then see their edit).
 
     Returns:
@@ -459,7 +459,7 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
     """T3, LM-Infinite style: replace ``hook_attn_scores`` by logits with distance ``min(i−j, cap)``.
 
     Pre-rotation q/k of the layer are stashed by hooks on the q/k hooks, then the scores
-    hook returns :func:`posgen_tl.perturb.capped_scores` (``-inf`` on masked keys, the
+    hook returns :func:`posgen_tl.maths.perturb.capped_scores` (``-inf`` on masked keys, the
     layer's sliding window kept; Gemma-style logit soft-capping applied if the model has it).
 
     Raises:
@@ -525,7 +525,7 @@ class LogitContext:
         q: pre-rotation queries ``[batch, pos, head_index, d_head]`` float32 (Gemma3: after QK-norm).
         k: pre-rotation keys ``[batch, pos, kv_head, d_head]`` float32.
         positions: position ids the model's RoPE used ``[batch, pos]``.
-        rope: this layer's :class:`~posgen_tl.rope.LayerRope`.
+        rope: this layer's :class:`~posgen_tl.maths.rope.LayerRope`.
         scores: the model's own ``hook_attn_scores`` ``[batch, head_index, query_pos, key_pos]``
             (masked, soft-capped where the model soft-caps).
     """
@@ -666,7 +666,7 @@ def lm_infinite_hooks(
 ) -> HookList:  # fmt: skip
     """LM-Infinite as hooks: distances ``> cap`` (position ids) clamped to ``cap``; the first
     ``n_sink`` keys keep their true distance (``sink_capped`` clamps them too, as the repository's
-    Λ-attention does); optional Λ window (:func:`posgen_tl.approx.lm_infinite_logits`).
+    Λ-attention does); optional Λ window (:func:`posgen_tl.maths.approx_logits.lm_infinite_logits`).
 
     Only far entries (and Λ-hidden ones) are replaced: with ``cap`` ≥ every distance and no Λ
     window the hooks return the model's scores unchanged (bit for bit).
@@ -704,7 +704,7 @@ def disentangled_hooks(
 ) -> HookList:  # fmt: skip
     """The "disentangled" approximation as hooks: entries with distance ``> cap`` (non-sink keys)
     get ``f(q_i, cap) + g_Δ0(q_i, k_j)`` with the GLOBAL ``k_means[layer]``
-    (:func:`posgen_tl.approx.disentangled_logits`); nearer entries keep the model's scores bit
+    (:func:`posgen_tl.maths.approx_logits.disentangled_logits`); nearer entries keep the model's scores bit
     for bit (so ``cap`` ≥ every distance is an exact no-op).
     """
     if int(cap) != cap or cap < 0:

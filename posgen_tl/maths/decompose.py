@@ -27,7 +27,7 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from posgen_tl.rope import LayerRope, angles, causal_mask, expand_kv, to_bands
+from posgen_tl.maths.rope import LayerRope, angles, causal_mask, expand_kv, to_bands
 
 __all__ = [
     "ESTIMATORS",

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from .corpus import NATIVE_BOS, tokenizer_adds_bos
+from posgen_tl.io.corpus import NATIVE_BOS, tokenizer_adds_bos
 
 __all__ = [
     "ZOO",
@@ -303,7 +303,7 @@ def _drop_gguf_marker(hf, name: str) -> None:
 
 
 def _require_hooked() -> None:
-    from . import compat  # noqa: PLC0415
+    from posgen_tl import compat  # noqa: PLC0415
 
     if not compat.has_hooked_transformer():
         raise ModelLoadError(
@@ -356,7 +356,7 @@ def _check_hooked_against_hf(model, hf, name: str, n_tokens: int = 8) -> None:
     """Refuse a HookedTransformer that is not the HF model: per layer the RoPE frequencies,
     score scale and window (read from the HF modules vs from the HookedTransformer, each
     checked against its own rotary tables), and the logits of a few tokens."""
-    from .rope_spec import _from_hf, rope_spec  # noqa: PLC0415
+    from posgen_tl.io.spec import _from_hf, rope_spec  # noqa: PLC0415
 
     ours, ref = rope_spec(model), _from_hf(model, hf, name)
     if ours.n_layers != ref.n_layers or (ours.n_heads, ours.n_kv_heads, ours.d_head) != (ref.n_heads, ref.n_kv_heads, ref.d_head):
@@ -503,7 +503,7 @@ def random_twin(model: Any, seed: int = 0):
     tok = getattr(model, "tokenizer", None)
     name = str(getattr(getattr(model, "cfg", None), "model_name", "model"))
     device = str(getattr(getattr(model, "cfg", None), "device", None) or "cpu")
-    from . import compat  # noqa: PLC0415
+    from posgen_tl import compat  # noqa: PLC0415
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -3,16 +3,16 @@
 Layout per prompt (``n`` tokens): a context region ``R = [r0, r1)`` of ``region_len``
 tokens ends ``n_query`` tokens before the end; the query rows are ``[r1, n)``. The tokens
 of ``R`` are permuted by ``n_perm`` independent random permutations (seeded per prompt,
-:func:`posgen_tl.heads.region_permutations`; single tokens by default — the positional and
+:func:`posgen_tl.maths.taxonomy.region_permutations`; single tokens by default — the positional and
 symbolic alignments then share only ~1 of ``region_len`` entries, the cleanest
 separation; ``block > 1`` permutes word-sized chunks instead). The clean prompt and its
 permutations run in ONE forward batch, so one streamed capture holds them all and memory
 stays one layer of one batch.
 
 For each layer and head (and each RoPE band taken alone as a 2-D head, via
-:func:`posgen_tl.heads.band_logits`) the EXACT pre-softmax logits ``s·rot_q·rot_k`` of the
+:func:`posgen_tl.maths.taxonomy.band_logits`) the EXACT pre-softmax logits ``s·rot_q·rot_k`` of the
 query rows over ``R`` are compared before/after each permutation by
-:func:`posgen_tl.heads.region_logit_scores`: row-centred correlation at the same positions
+:func:`posgen_tl.maths.taxonomy.region_logit_scores`: row-centred correlation at the same positions
 (positional) and following the moved tokens (symbolic), rows weighted by their clean
 attention mass on ``R`` (softmax over the causal mask, sliding window included), near-
 constant rows excluded (within-row std below ``rel_tol ×`` the layer's median within-row
@@ -21,13 +21,13 @@ whose logits hardly vary compared with its head's is excluded, not scored), and 
 null sd, 95 % quantile). On sliding-window layers only rows that see ALL of ``R`` are
 scored (``i − r0 < window``); a layer where no row does gives NaN scores ('undefined').
 
-Labels (:func:`posgen_tl.heads.taxonomy_label`): an axis is present when its score exceeds
+Labels (:func:`posgen_tl.maths.taxonomy.taxonomy_label`): an axis is present when its score exceeds
 the null quantile and ``min_score``; positional / symbolic / both / neither / undefined.
 
 Per head also: frequency usage (energy share of pre-rotation q and k per band,
-:class:`posgen_tl.features.BandStats`, and :func:`frequency_centroid`; 0 = fastest band),
+:class:`posgen_tl.maths.band_stats.BandStats`, and :func:`frequency_centroid`; 0 = fastest band),
 and the D3 **positional share** ``V(f)/(V(f)+V(g))`` of the clean prompts' within-row logit
-variance (:func:`posgen_tl.decompose.d3_split`) with a GLOBAL ``k̄`` per kv-head from
+variance (:func:`posgen_tl.maths.decompose.d3_split`) with a GLOBAL ``k̄`` per kv-head from
 reference windows of documents disjoint from the analysed ones (sink excluded); the same
 share with each prompt's own mean key is reported beside it (``positional_share_seq``).
 :func:`share_by_class` tests whether positional heads carry more positional share than
@@ -46,13 +46,13 @@ from jaxtyping import Float, Int
 from scipy.stats import mannwhitneyu, spearmanr
 from torch import Tensor
 
-from posgen_tl.analysis.decomposition import layer_group
-from posgen_tl.capture import QKCapture, probe_hooks, stream_qk
-from posgen_tl.corpus import CorpusError, Windows, reference_windows
-from posgen_tl.decompose import causal_mask as fit_mask
-from posgen_tl.decompose import d3_split
-from posgen_tl.features import BandStats
-from posgen_tl.heads import (
+from posgen_tl.experiments.decomposition import layer_group
+from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.io.corpus import CorpusError, Windows, reference_windows
+from posgen_tl.maths.decompose import causal_mask as fit_mask
+from posgen_tl.maths.decompose import d3_split
+from posgen_tl.maths.band_stats import BandStats
+from posgen_tl.maths.taxonomy import (
     LABELS,
     LogitScoreSums,
     band_logits,
@@ -65,8 +65,8 @@ from posgen_tl.heads import (
     row_spread_threshold,
     taxonomy_label,
 )
-from posgen_tl.models import random_twin
-from posgen_tl.rope import scores_from_rotated
+from posgen_tl.io.models import random_twin
+from posgen_tl.maths.rope import scores_from_rotated
 
 __all__ = [
     "region_layout",
@@ -111,7 +111,7 @@ def taxonomy_windows(
 ) -> tuple[Windows, Windows]:
     """``(analysed, reference)``: ``n_prompts`` windows from DISTINCT documents, and ``n_ref``
     reference windows (for the global ``k̄``) from a disjoint document set
-    (:func:`posgen_tl.corpus.reference_windows`, one window per document).
+    (:func:`posgen_tl.io.corpus.reference_windows`, one window per document).
 
     Raises:
         CorpusError: fewer than ``n_prompts`` analysed documents hold ``seq_len`` tokens.
@@ -266,7 +266,7 @@ def head_taxonomy(
     r0, r1 = region_layout(n, region_len, n_query, sink)
 
     # pass 1: global k̄ per layer and kv-head from the reference windows (sink excluded)
-    from posgen_tl.analysis.decomposition import reference_key_means  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
 
     k_means = {l: m.float() for l, m in reference_key_means(model, ref, layers, sink=sink, batch_size=4,
                                                              progress=progress).items()}
@@ -379,7 +379,7 @@ def label_counts(df: pd.DataFrame, *, by_band: bool = False) -> pd.DataFrame:
 
     Returns:
         tidy DataFrame ``model, twin, [band,] label, n`` with every label of
-        :data:`posgen_tl.heads.LABELS` present (zeros included).
+        :data:`posgen_tl.maths.taxonomy.LABELS` present (zeros included).
     """
     sub = df[df["band"] >= 0] if by_band else _heads(df)
     keys = ["model", "twin"] + (["band"] if by_band else [])
@@ -437,12 +437,12 @@ def taxonomy_agreement(head_df: pd.DataFrame) -> dict[str, dict[str, float]]:
 
 def labels_by_layer_group(head_df: pd.DataFrame, n_layers: int | None = None) -> pd.DataFrame:
     """Head label counts per twin and layer third (early / middle / late of ``n_layers`` as
-    :func:`posgen_tl.analysis.decomposition.layer_group`, default
+    :func:`posgen_tl.experiments.decomposition.layer_group`, default
     the largest layer + 1).
 
     Returns:
         tidy-wide DataFrame ``twin, group`` plus one count column per label of
-        :data:`posgen_tl.heads.LABELS` (zeros included), groups in layer order.
+        :data:`posgen_tl.maths.taxonomy.LABELS` (zeros included), groups in layer order.
     """
     df = _heads(head_df)
     n = int(n_layers if n_layers is not None else df["layer"].max() + 1)

@@ -1,7 +1,7 @@
 """RoPE, exactly: the spec of a model's rotary embedding and pure rotation maths.
 
 Everything here is a pure tensor function of a :class:`LayerRope` / :class:`RopeSpec`;
-reading the spec *from* a model lives in :mod:`posgen_tl.rope_spec`.
+reading the spec *from* a model lives in :mod:`posgen_tl.io.spec`.
 
 Conventions (METHOD.md §1)
 --------------------------
@@ -415,7 +415,7 @@ def causal_mask(
 
     The one mask of the package: ``sink=0`` gives the model's own attention mask (causal, plus
     the layer's sliding window); ``sink > 0`` also drops the first ``sink`` keys, as the fits
-    and scores of :mod:`posgen_tl.decompose` do (rows ``i < sink`` are then all False).
+    and scores of :mod:`posgen_tl.maths.decompose` do (rows ``i < sink`` are then all False).
     Everything after ``n_pos`` is keyword-only, so a positional ``sink``/``window`` mix-up
     fails loudly instead of giving a wrong mask.
 

@@ -25,7 +25,7 @@ Band view. A RoPE band (plane) ``m`` is a 2-D attention head of its own: its log
 :func:`band_logits` splits the logit map into per-band terms (plus the unrotated
 pass-through dims, :func:`pass_logits`), so every score here can be computed per band too.
 
-Permutation convention (as in :mod:`posgen_tl.perturb`): ``new = old[perm]``; the token at
+Permutation convention (as in :mod:`posgen_tl.maths.perturb`): ``new = old[perm]``; the token at
 old index ``j`` sits at new index ``perm_inv[j]``.
 """
 
@@ -41,7 +41,7 @@ from einops import einsum
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .rope import LayerRope, causal_mask, expand_kv, to_bands
+from posgen_tl.maths.rope import LayerRope, causal_mask, expand_kv, to_bands
 
 __all__ = [
     "region_permutations",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .rope import LayerRope, RopeError, RopeSpec
+from posgen_tl.maths.rope import LayerRope, RopeError, RopeSpec
 
 __all__ = ["rope_spec", "SUPPORTED_ROPE_TYPES"]
 
@@ -280,7 +280,7 @@ def _verify_tl_table(attn: Any, lr: LayerRope, name: str, layer: int, n_check: i
     if cos_t is None or sin_t is None:
         raise RopeError(f"model {name!r} layer {layer}: no rotary_cos/rotary_sin tables on the attention module")
     n = min(int(cos_t.shape[0]), n_check)
-    from .rope import angles  # noqa: PLC0415
+    from posgen_tl.maths.rope import angles  # noqa: PLC0415
 
     ang = angles(torch.arange(n, device=cos_t.device), lr)
     rep = (lambda t: t.repeat_interleave(2, dim=-1)) if lr.layout == "adjacent" else (lambda t: torch.cat([t, t], -1))

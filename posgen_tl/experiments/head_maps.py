@@ -20,9 +20,9 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from posgen_tl.capture import QKCapture, capture_from_cache, capture_qk, probe_hooks
-from posgen_tl.decompose import d3_split, fit_additive, score_maps
-from posgen_tl.rope import causal_mask, to_bands
+from posgen_tl.hooks.capture import QKCapture, capture_from_cache, capture_qk, probe_hooks
+from posgen_tl.maths.decompose import d3_split, fit_additive, score_maps
+from posgen_tl.maths.rope import causal_mask, to_bands
 
 __all__ = ["HeadDecomposition", "decompose_head", "phase_angles", "phase_angles_with_twin"]
 
@@ -104,7 +104,7 @@ def _k_means(model: Any, cap: QKCapture, k_mean: KMean, reference: Tensor | None
             raise ValueError("k_mean='global' needs reference=tokens from OTHER documents than the analysed ones "
                              "(e.g. pg.reference_windows(model, seq_len=...)[1].tokens); "
                              "or use k_mean='per_sequence'")
-        from posgen_tl.interventions import key_means  # noqa: PLC0415
+        from posgen_tl.hooks.edits import key_means  # noqa: PLC0415
 
         km = key_means(model, reference, [cap.layer], sink=sink)[cap.layer].to(cap.k.device)
         return km[None].expand(b, -1, -1), "global"
@@ -213,7 +213,7 @@ def phase_angles_with_twin(
 ) -> pd.DataFrame:
     """:func:`phase_angles` of ``model`` (twin ``"trained"``) and of ``random_twin(model, seed)``
     (twin ``"random"``, or the prebuilt ``twin``) on the same tokens, concatenated."""
-    from posgen_tl.models import random_twin  # noqa: PLC0415
+    from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
     twin = random_twin(model, seed) if twin is None else twin
     name = probe_hooks(model)[0].model_name

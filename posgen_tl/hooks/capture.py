@@ -1,5 +1,5 @@
 """Hook-based, streaming capture of pre- and post-rotation q/k — the only module that
-walks TransformerLens hook names (with :mod:`posgen_tl.interventions` for writing hooks).
+walks TransformerLens hook names (with :mod:`posgen_tl.hooks.edits` for writing hooks).
 
 Which tensor is "pre-rotation"? The one that enters RoPE: ``hook_q``/``hook_k`` on
 plain models, ``hook_q_normed``/``hook_k_normed`` on bridges with QK-norm (Gemma3),
@@ -31,9 +31,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from . import compat
-from .rope import LayerRope, RopeError, RopeSpec, expand_kv, rotate, scores_from_rotated
-from .rope_spec import rope_spec
+from posgen_tl import compat
+from posgen_tl.maths.rope import LayerRope, RopeError, RopeSpec, expand_kv, rotate, scores_from_rotated
+from posgen_tl.io.spec import rope_spec
 
 __all__ = [
     "QKCapture",
@@ -352,7 +352,7 @@ def stream_qk(
     ``fn`` runs inside the forward pass, right after the layer's q/k (and scores) are
     available; the capture is dropped afterwards, so memory is one layer of one batch.
     The pass stops after the last requested layer. ``extra_hooks`` (e.g. an
-    intervention from :mod:`posgen_tl.interventions`) are attached for the same passes;
+    intervention from :mod:`posgen_tl.hooks.edits`) are attached for the same passes;
     captured q/k then show their effect.
 
     Hooks are removed when this returns or raises (KeyboardInterrupt included).
@@ -367,7 +367,7 @@ def stream_qk(
     if position_ids is not None and not info.position_ids:
         raise CaptureError(
             f"{spec.model_name}: a {info.backend} model's forward takes no position_ids (TransformerLens 3.x "
-            "HookedTransformer); run with posgen_tl.interventions.reposition_hooks(model, position_ids) "
+            "HookedTransformer); run with posgen_tl.hooks.edits.reposition_hooks(model, position_ids) "
             "as extra_hooks instead"
         )
     need = [info.q_hook, info.k_hook]

@@ -1,4 +1,4 @@
-"""Figures of the head taxonomy (METHOD.md §6), from :mod:`posgen_tl.analysis.taxonomy` frames.
+"""Figures of the head taxonomy (METHOD.md §6), from :mod:`posgen_tl.experiments.taxonomy` frames.
 
 Each function takes the tidy frame of :func:`head_taxonomy` / :func:`head_taxonomy_with_twin`
 (or :func:`head_table` where only full-head rows are needed) and returns a matplotlib
@@ -110,8 +110,8 @@ def plot_frequency_usage(bands_or_head_df: pd.DataFrame, *, which: str = "k") ->
 def plot_taxonomy_vs_share(head_df: pd.DataFrame) -> Figure:
     """D3 positional share ``V(f)/(V(f)+V(g))`` (global k̄) per head, grouped by label (strip
     plot with medians); one panel per twin. The Mann–Whitney test of positional vs symbolic
-    heads (:func:`posgen_tl.analysis.taxonomy.share_by_class`) is in each title."""
-    from posgen_tl.analysis.taxonomy import share_by_class  # noqa: PLC0415
+    heads (:func:`posgen_tl.experiments.taxonomy.share_by_class`) is in each title."""
+    from posgen_tl.experiments.taxonomy import share_by_class  # noqa: PLC0415
 
     df = _heads(head_df)
     link = share_by_class(df)

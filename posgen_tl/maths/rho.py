@@ -1,7 +1,7 @@
 """The offset ratio ρ of a RoPE band in three honest forms (METHOD.md §3), streamed per sequence.
 
 For one layer's pre-rotation ``q`` (or ``k``), head ``h`` and band ``m`` (complex coordinate
-``z = x^(m)`` of :func:`posgen_tl.rope.to_bands`), with sequences ``s`` from documents ``d``:
+``z = x^(m)`` of :func:`posgen_tl.maths.rope.to_bands`), with sequences ``s`` from documents ``d``:
 
 * ``rho_within``  mean over sequences of ``|mean_s z|² / mean_s |z|²`` — token-invariance
   INSIDE a text (how much of the band is one constant vector per sequence);
@@ -27,7 +27,7 @@ import torch
 from jaxtyping import Bool, Complex, Float, Int
 from torch import Tensor
 
-from posgen_tl.rope import Layout, to_bands
+from posgen_tl.maths.rope import Layout, to_bands
 
 __all__ = ["SequenceBandSums", "rho_forms", "RHO_FORMS", "band_group"]
 
