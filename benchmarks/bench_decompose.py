@@ -91,9 +91,9 @@ def main() -> None:
     kms, t_ref, m_ref = measure(lambda: dec.reference_key_means(model, ref, sink=1, batch_size=args.batch_size, progress=False))
     moments._GEOMS.clear()
     windows = {spec.layer(i).sliding_window for i in range(spec.n_layers)}
-    _, t_geo, m_geo = measure(lambda: [moments._geometry(args.seq_len, s, w) for s in (0, 1) for w in windows])
+    _, t_geo, m_geo = measure(lambda: [moments.geometry(args.seq_len, s, w) for s in (0, 1) for w in windows])
     df, t_dec, m_dec = measure(lambda: dec.decompose_model(
-        model, torch.cat([tokens, ref]), n_ref=args.n_ref, k_means=kms, batch_size=args.batch_size, progress=False))
+        model, tokens, reference=ref, k_mean=kms, batch_size=args.batch_size, progress=False))
     _, t_fwd2, _ = measure(forward)
     t_f = min(t_fwd, t_fwd2)
     print(json.dumps({

@@ -46,10 +46,10 @@ def main() -> None:
 
         setattr(mod, name, g)
 
-    for name in ("_q2", "_w_map", "_y_map", "_bound_check", "_all_fit_moments", "_d3_moments", "_scores"):
+    for name in ("_q2", "_w_map", "_y_map", "_bound_check", "all_fit_moments", "d3_moments", "scores"):
         timed(D, name)
-    timed(M, "_Target")
-    D._Target = M._Target
+    timed(M, "Target")
+    D.Target = M.Target
     b = Bench(a.model, a.n_seq, a.seq_len)
     b.kbar()
     b.decomposition()  # warm-up: geometry, allocator

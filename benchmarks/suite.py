@@ -147,9 +147,11 @@ class Bench:
     def intervention(self):
         from posgen_tl.hooks.edits import Intervention
 
+        from posgen_tl.maths.groups import layer_groups
+
         nb, n = self.spec.layer(0).n_bands, self.spec.n_layers
         q = max(1, nb // 4)
-        return Intervention("destroy", bands=list(range(q)), layers=list(range(n // 3, (2 * n) // 3)), alpha=0.5,
+        return Intervention("destroy", bands=list(range(q)), layers=layer_groups(n)["middle"], alpha=0.5,
                             label="destroy fast-band key offset")
 
     def geometry(self) -> None:
@@ -159,7 +161,7 @@ class Bench:
         windows = {self.spec.layer(i).sliding_window for i in range(self.spec.n_layers)}
         for s in (0, 1):
             for w in windows:
-                _moments._geometry(self.seq_len, s, w)
+                _moments.geometry(self.seq_len, s, w)
 
     # ------------------------------------------------------------ steps
 
@@ -182,8 +184,8 @@ class Bench:
     def decomposition(self) -> None:
         from posgen_tl.experiments.decomposition import decompose_model
 
-        decompose_model(self.model, self.torch.cat([self.tokens, self.ref]), n_seq=self.n_seq, n_ref=self.n_ref,
-                        k_means=self.kbar(), batch_size=self.bs, progress=False)
+        decompose_model(self.model, self.tokens, reference=self.ref, k_mean=self.kbar(), batch_size=self.bs,
+                        progress=False)
 
     def pattern(self) -> None:
         from posgen_tl.experiments.pattern import feature_pattern
@@ -200,7 +202,7 @@ class Bench:
         """One condition of the causal study (:func:`posgen_tl.experiments.causal.condition_rows`): the clean
         pass under the intervention and one pass per swap fraction > 0."""
         from posgen_tl.experiments.causal import Condition, condition_rows
-        from posgen_tl.io.corpus import Windows
+        from posgen_tl.io.sampling import Windows
 
         km, _ = self.causal_inputs()
         n = self.n_seq
@@ -258,8 +260,8 @@ class Bench:
 
         km = self.kbar()
         with self._replay(dec):
-            dec.decompose_model(self.model, self.torch.cat([self.tokens, self.ref]), n_seq=self.n_seq,
-                                n_ref=self.n_ref, k_means=km, batch_size=self.n_seq, progress=False)
+            dec.decompose_model(self.model, self.tokens, reference=self.ref, k_mean=km, batch_size=self.n_seq,
+                                progress=False)
 
     def naive_pattern(self) -> None:
         from posgen_tl.experiments import pattern as pat
@@ -386,12 +388,12 @@ def _run_report(spec: dict) -> dict:
 
     from posgen_tl.io.corpus import corpus_tokens
     from posgen_tl.io.models import load_model
-    from posgen_tl.report.run import ReportConfig, run_report
+    from posgen_tl.report.run import ReportSettings, run_report
 
     torch.set_num_threads(spec["threads"])
     model = load_model(spec["model"])
-    cfg = ReportConfig(model=spec["model"], quick=True, seq_len=96, n_seq=2)
-    toks = corpus_tokens(model, None, seq_len=cfg.seq_len, n_seq=cfg.n_seq)
+    seq_len, n_seq = 96, 2
+    toks = corpus_tokens(model, None, seq_len=seq_len, n_seq=n_seq)
     with torch.no_grad():
         model(toks[:1, :16])
     fwd, rep = [], []
@@ -401,13 +403,12 @@ def _run_report(spec: dict) -> dict:
             model(toks)
         fwd.append(time.perf_counter() - t)
         with tempfile.TemporaryDirectory() as out:
-            cfg.out = out
             t = time.perf_counter()
             with contextlib.redirect_stdout(sys.stderr):
-                run_report(cfg)
+                run_report(ReportSettings(model=model, out=out, preset="quick", sizes=dict(seq_len=seq_len, n_seq=n_seq)))
             rep.append(time.perf_counter() - t)
     r = [a / b for a, b in zip(rep, fwd)]
-    return {"seconds": {"forward": fwd, "report_quick": rep}, "tokens": [cfg.n_seq, cfg.seq_len],
+    return {"seconds": {"forward": fwd, "report_quick": rep}, "tokens": [n_seq, seq_len],
             "ratio": {"min": min(r), "median": statistics.median(r)}}
 
 

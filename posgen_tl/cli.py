@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "study_config"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,10 +35,10 @@ def _positive_int(text: str) -> int:
 
 
 def _layers(text: str) -> list[int]:
-    from posgen_tl.report.params import PARSERS  # noqa: PLC0415 — one parser of "0,3,5-7" lists (also --param layers=)
+    from posgen_tl.experiments.base import PARSERS  # noqa: PLC0415 — one parser of "0,3,5-7" lists (also --layers)
 
     try:
-        return PARSERS["ints"](text)
+        return list(PARSERS["ints"](text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"layers must look like '0,3,5-7', got {text!r}") from None
 
@@ -53,31 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layers", type=_layers, default=None, help="e.g. 0,5,10-12 (default: all)")
     c.add_argument("--backend", choices=("bridge", "hooked"), default="bridge",
                    help="TransformerBridge (default) or HookedTransformer (TransformerLens 3.x only)")
-    r = sub.add_parser("report", help="run the whole analysis and write an HTML report")
+    r = sub.add_parser("report", help="run every experiment and write an HTML report",
+                       description="Run every experiment into one HTML page (resumable).")
     r.add_argument("--model", default="smollm2-135m")
-    r.add_argument("--corpus", default=None, help="UTF-8 text file (default: the stdlib's pydoc topics)")
-    r.add_argument("--seq-len", type=_positive_int, default=None)
-    r.add_argument("--n-seq", type=_positive_int, default=None)
     r.add_argument("--out", default="posgen_report")
-    r.add_argument("--quick", action="store_true", help="a ≤ 2 minute smoke run with small sizes")
-    r.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a study parameter of any stage, e.g. layers=10-19 (repeatable; 'posgen-tl study list' names them)")
-    s = sub.add_parser("study", help="run one experiment (the report stage of that name) into --out",
-                       description="Run one registered study; 'posgen-tl study list' names them.")
-    s.add_argument("name", help="study name, or 'list'")
-    s.add_argument("--model", default="smollm2-135m")
-    s.add_argument("--corpus", default=None, help="UTF-8 text file or folder (default: the stdlib's pydoc topics)")
-    s.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default 256; 96 with --quick)")
-    s.add_argument("--n-seq", type=_positive_int, default=None, help="sequences (default 8; 2 with --quick)")
-    s.add_argument("--out", default=None, help="output folder (default: study_<name>)")
-    s.add_argument("--quick", action="store_true", help="small sizes and every 5th layer (a smoke run)")
-    s.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a parameter of this study, e.g. --param layers=10-19 --param n_ref=8 (repeatable; "
-                        "'posgen-tl study list' names each study's parameters)")
+    _add_run_flags(r)
+    r.add_argument("--param", action="append", default=[], metavar="[EXPERIMENT.]KEY=VALUE",
+                   help="an option of one experiment (causal.layers=10-19) or of every experiment that has it "
+                        "(n_ref=8); repeatable — 'posgen-tl study list' names them")
+    s = sub.add_parser("study", help="run one experiment into --out ('posgen-tl study list' names them)",
+                       description="Run one experiment; its options are generated from its Config.")
+    ss = s.add_subparsers(dest="name", required=True, parser_class=_Parser, metavar="NAME")
+    ss.add_parser("list", help="every experiment with its options, defaults and presets")
+    from posgen_tl.experiments import registry  # noqa: PLC0415 — light: no model, no torch
+
+    for name in registry.names():
+        mod = registry.experiment(name)
+        e = ss.add_parser(name, help=mod.ABOUT, description=f"{mod.ABOUT}. Options (defaults; presets):\n"
+                          + mod.Config.describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        e.add_argument("--model", default="smollm2-135m")
+        e.add_argument("--out", default=None, help=f"output folder (default: study_{name})")
+        e.add_argument("--preset", choices=registry.presets(), default=None)
+        e.add_argument("--quick", action="store_true", help="the 'quick' preset (a smoke run)")
+        e.add_argument("--full", action="store_true", help="the 'full' preset (the powered sizes)")
+        for o in mod.Config.options():
+            e.add_argument(f"--{o.name.replace('_', '-')}", dest=f"opt_{o.name}", default=None, metavar=o.kind.upper(),
+                           help=f"{o.help} (default {o.default!r})")
     return p
 
 
@@ -123,53 +124,80 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The report's size flags (each sets that option of every experiment) and its preset."""
+    p.add_argument("--preset", choices=("default", "quick", "full"), default=None)
+    p.add_argument("--quick", action="store_true", help="the 'quick' preset: a smoke run with small sizes")
+    p.add_argument("--full", action="store_true", help="the 'full' preset: the powered sizes of the docs' results")
+    p.add_argument("--corpus", default=None, help="UTF-8 text file or folder (default: the stdlib's pydoc topics)")
+    p.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (every experiment)")
+    p.add_argument("--n-seq", type=_positive_int, default=None, help="sequences (every experiment)")
+    p.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _preset(args: argparse.Namespace) -> str:
+    chosen = [p for p, on in (("quick", args.quick), ("full", args.full)) if on]
+    if args.preset:
+        chosen.append(args.preset)
+    if len(set(chosen)) > 1:
+        raise ValueError(f"choose one preset, not {' and '.join(sorted(set(chosen)))}")
+    return chosen[0] if chosen else "default"
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")  # the report writes PNGs; only the CLI picks a backend, never an import
-    from posgen_tl.report.params import check_params  # noqa: PLC0415
-    from posgen_tl.report.run import ReportConfig, run_report  # noqa: PLC0415
-    from posgen_tl.report.stages import STAGES  # noqa: PLC0415
+    from posgen_tl.experiments.base import parse_assignments  # noqa: PLC0415
+    from posgen_tl.report.run import ReportSettings, run_report  # noqa: PLC0415
 
     try:
-        cfg = ReportConfig.from_args(args)
-        check_params(cfg.params, [name for name, _, _ in STAGES])
+        settings = ReportSettings(
+            model=args.model, out=args.out, preset=_preset(args), params=parse_assignments(args.param),
+            sizes=dict(n_seq=args.n_seq, seq_len=args.seq_len, seed=args.seed, corpus=args.corpus,
+                       twin=False if args.no_twin else None))
+        settings.configs()  # a bad option is a one-line error before anything loads
     except ValueError as e:
         print(f"posgen-tl: error: {e}", file=sys.stderr)
         return 2
-    return run_report(cfg)
+    return run_report(settings)
+
+
+def study_config(args: argparse.Namespace) -> tuple[Any, str, dict[str, str]]:
+    """``(Config, preset, option text)`` of a parsed ``posgen-tl study NAME …`` command line — what
+    the study runs (:func:`posgen_tl.experiments.registry.make_config`).
+
+    Raises:
+        ValueError: two presets, an unparsable option value (naming it)."""
+    from posgen_tl.experiments import registry  # noqa: PLC0415
+
+    params = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    preset = _preset(args)
+    return registry.make_config(args.name, preset, params), preset, params
 
 
 def _cmd_study(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    from posgen_tl.studies import STUDIES, run_study  # noqa: PLC0415
+    from posgen_tl.experiments import registry  # noqa: PLC0415
 
     if args.name == "list":
-        from posgen_tl.report.params import describe_params  # noqa: PLC0415
-
-        for name, st in STUDIES.items():
-            needs = f" (runs {', '.join(st.needs)} first)" if st.needs else ""
-            print(f"{name:15s} {st.about}{needs}")
-            print(describe_params(name))
+        for name in registry.names():
+            mod = registry.experiment(name)
+            needs = f" (runs {', '.join(mod.NEEDS)} first)" if mod.NEEDS else ""
+            print(f"{name:15s} {mod.ABOUT}{needs}")
+            print(mod.Config.describe())
         return 0
-    if args.name not in STUDIES:
-        print(f"posgen-tl: error: unknown study {args.name!r}; one of: {', '.join(STUDIES)} (or 'list')", file=sys.stderr)
-        return 2
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")  # a study writes PNGs; only the CLI picks a backend
-    from posgen_tl.report.context import ReportConfig  # noqa: PLC0415
-
-    from posgen_tl.report.params import check_params  # noqa: PLC0415
-
-    args.out = args.out or f"study_{args.name}"
     try:
-        cfg = ReportConfig.from_args(args)
-        check_params(cfg.params, [args.name, *STUDIES[args.name].needs])
+        cfg, preset, params = study_config(args)
     except ValueError as e:
         print(f"posgen-tl: error: {e}", file=sys.stderr)
         return 2
     cmd = "posgen-tl " + " ".join(argv if argv is not None else sys.argv[1:])
-    run_study(args.name, cfg, command=cmd)
+    registry.run_study(args.name, cfg, args.out or f"study_{args.name}", model=args.model, preset=preset,
+                       params=params, command=cmd)
     return 0
 
 

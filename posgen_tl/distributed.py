@@ -45,7 +45,7 @@ import torch.distributed as tdist
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from posgen_tl.io.corpus import Windows
+from posgen_tl.io.sampling import Windows
 
 __all__ = [
     "Dist",
@@ -362,9 +362,9 @@ def decompose_distributed(
     index into ``windows``, ``doc`` its document). Raises :class:`ShardError` (more ranks than
     documents) before any work, and :class:`DistributedRunError` on every rank if any rank fails.
     """
-    from posgen_tl.experiments.decomposition import COLUMNS, _k_mean_kinds, _run  # noqa: PLC0415
+    from posgen_tl.experiments.decomposition import COLUMNS, k_mean_kinds, score_windows  # noqa: PLC0415
 
-    kinds, given = _k_mean_kinds(k_mean)
+    kinds, given = k_mean_kinds(k_mean)
     loc, idx = _local(windows)
     if "global" in kinds:
         if reference is None:
@@ -373,7 +373,7 @@ def decompose_distributed(
         given = key_means_distributed(model, ref, layers, sink=sink, batch_size=batch_size)
 
     def local() -> pd.DataFrame:
-        return _run(model, loc, kinds, given, layers, sink=sink, batch_size=batch_size, bound_rows=bound_rows,
+        return score_windows(model, loc, kinds, given, layers, sink=sink, batch_size=batch_size, bound_rows=bound_rows,
                     twin_label=twin_label, model_label=model_label, progress=False, extra_hooks=extra_hooks)
 
     df = gather_frame(guarded(local, what="decomposition"), idx, what="decomposition rows")
@@ -402,8 +402,9 @@ def pattern_distributed(
     if reference is not None:
         ref = reference.tokens if isinstance(reference, Windows) else reference
         km = key_means_distributed(model, ref, layers, sink=sink, batch_size=batch_size)
-    res = guarded(lambda: feature_pattern(model, loc, k_means=km, layers=layers, sink=sink, batch_size=batch_size,
-                                          model_label=label, twin_label=twin_label, n_splits=n_splits, progress=False),
+    res = guarded(lambda: feature_pattern(model, loc, k_means=km, layers="all" if layers is None else layers, sink=sink,
+                                          batch_size=batch_size, model_label=label, twin_label=twin_label,
+                                          n_splits=n_splits, progress=False, n_seq=len(loc)),
                   what="feature pattern")
     if not current().active:
         return res
@@ -517,15 +518,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for nm in names:
             (out / nm).unlink(missing_ok=True)  # never leave old, complete-looking tables beside a new run
     try:
-        from posgen_tl.io.corpus import reference_windows  # noqa: PLC0415
+        from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
         from posgen_tl.io.models import load_model  # noqa: PLC0415
+        from posgen_tl.io.sampling import sample_windows  # noqa: PLC0415
 
         t0 = time.perf_counter()
         model = guarded(lambda: load_model(args.model, device=args.device), what="model load")
-        pool, ref = reference_windows(model, args.corpus, seq_len=args.seq_len, n_seq=args.n_ref, seed=args.seed)
-        if len(pool) < args.n_seq:
-            raise ShardError(f"the analysed documents give {len(pool)} windows; --n-seq {args.n_seq} asked")
-        win = pool.subset(range(args.n_seq))
+        try:
+            win, ref = sample_windows(model, args.corpus, n_seq=args.n_seq, seq_len=args.seq_len, n_ref=args.n_ref,
+                                      seed=args.seed)
+        except CorpusError as e:
+            raise ShardError(str(e)) from e
         layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
         shard_documents(win.doc_ids, d.world_size, d.rank)  # ShardError on every rank before any work
         tables: dict[str, pd.DataFrame] = {}

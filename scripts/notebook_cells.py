@@ -143,7 +143,7 @@ Two fixes from LM-Infinite are hooks on the attention scores: **LM-Infinite** cl
         code('''length, sufficiency = pg.experiments.length, pg.experiments.sufficiency
 analysis_windows = pg.experiments.decomposition.analysis_windows
 reference_key_means = pg.experiments.decomposition.reference_key_means
-lm_infinite_hooks = pg.hooks.edits.lm_infinite_hooks
+lm_infinite_hooks = pg.hooks.logits.lm_infinite_hooks
 gap_position_ids = pg.maths.perturb.gap_position_ids
 plot_gap_heads, plot_gap_probe, plot_sufficiency = pg.plot.gap_heads, pg.plot.gap_probe, pg.plot.sufficiency
 

@@ -29,7 +29,7 @@ def build():
     """The tiny model and the token windows, identical in every process (seeded)."""
     import tiny_models as tm
 
-    from posgen_tl.io.corpus import Windows
+    from posgen_tl.io.sampling import Windows
 
     torch.manual_seed(0)
     model = tm.hf_llama(n_layers=2)[0]

@@ -1,6 +1,6 @@
-"""The causal test of METHOD §5 with the factorial controls C1–C4, and the T1/T2 study of §4.
+"""The causal test of METHOD §5 with the factorial controls C1–C4.
 
-One recipe, called by the report, the ``study`` command and notebooks:
+One recipe (its options: :class:`Config`), called by the report, the ``study`` command and notebooks:
 
 * :func:`causal_study` — does position tolerance depend on the fast-band key offset? The
   intervention ``destroy`` (remove ``k̄^(m)`` from the pre-rotation keys in the fast bands of a
@@ -16,14 +16,12 @@ One recipe, called by the report, the ``study`` command and notebooks:
   (destroy vs C1 — the PRIMARY contrast, declared in the config before the run — vs C2, C3,
   C4 and vs none), Holm-adjusted exact sign-flip tests over per-sequence slope differences,
   document bootstrap, split-half sign, damage matching.
-* :func:`t1_t2_study` — T1 (tokens swapped) and T2 (the same swaps on position ids) for the
-  trained model and its random twin, with a TOST equivalence test at a stated margin and the
-  equivariance statement (:data:`posgen_tl.stats.inference.EQUIVARIANCE_NOTE`).
+The T1/T2 study of §4 (same swap design: :class:`posgen_tl.experiments.tolerance.SwapOptions`)
+lives in :mod:`posgen_tl.experiments.tolerance`.
 
-Sampling (METHOD §4): sequences are :func:`posgen_tl.io.corpus.document_windows` of the ANALYSED
+Sampling (METHOD §4): :func:`posgen_tl.io.sampling.sample_windows` — windows of the ANALYSED
 documents (one window per document first, seeded offsets); the global ``k̄`` comes from windows
-of the DISJOINT reference documents (:func:`posgen_tl.io.corpus.split_documents`), context part
-only. Swaps: ``p`` counts swapped disjoint adjacent PAIRS of the context, so ≈ 2p of the context
+of the DISJOINT reference documents, context part only. Swaps: ``p`` counts swapped disjoint adjacent PAIRS of the context, so ≈ 2p of the context
 tokens move; each sequence's permutation is seeded by (base seed, its document id, its window
 start, the seed index) — the same sequence gets the same swaps under every condition and in
 T1 and T2 (pairing), different sequences get different swaps.
@@ -40,11 +38,10 @@ sequences and unembeds only the target span.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 import pandas as pd
@@ -54,36 +51,37 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl.hooks.capture import pattern_hooks, probe_hooks
-from posgen_tl.io.corpus import CorpusLike, Windows, _named_docs, document_windows, split_documents
+from posgen_tl import stats
+from posgen_tl.experiments import base
+from posgen_tl.experiments.tolerance import (
+    SwapOptions,
+    T12Result,
+    curve_rows,
+    nll_on_target,
+    windows_fingerprint,
+)
 from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
-from posgen_tl.maths.perturb import adjacent_swap_permutation, position_ids_for_permutation, swap_seed
-from posgen_tl.experiments.tolerance import nll_on_target
+from posgen_tl.io.corpus import CorpusLike
+from posgen_tl.io.provenance import git_commit
+from posgen_tl.io.sampling import Windows, sample_windows
+from posgen_tl.report.text import md_table
 
 __all__ = [
+    "Config",
     "CONTROLS",
     "CausalResult",
-    "T12Result",
-    "study_windows",
-    "swap_seed",
-    "sequence_perms",
-    "perturbed_inputs",
     "build_conditions",
     "match_alpha",
     "attention_kl",
     "condition_rows",
-    "curve_rows",
-    "per_sequence_slopes",
     "contrasts_from_rows",
     "summarize_conditions",
     "causal_study",
-    "t1_t2_study",
     "forward_costs",
     "write_causal_outputs",
     "load_causal_outputs",
     "causal_markdown",
     "causal_reading",
-    "write_t12_outputs",
-    "t12_markdown",
 ]
 
 CONTROLS = ("C1", "C2", "C3", "C4")
@@ -95,68 +93,25 @@ CONTROL_TEXT = {
     "C3": "C3: rephase the fast-band offset (k̄ turned by α·φ_m; keeps |k̄|, ρ)",
     "C4": "C4: same-norm random-phase noise in the fast bands",
 }
-DEFAULT_FRACS = (0.0, 0.02, 0.05, 0.10, 0.20)
+
+
+@dataclass(frozen=True)
+class Config(SwapOptions):
+    """Options of the causal test (METHOD §5)."""
+
+    NAME: ClassVar[str] = "causal"
+    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
+    layers: Any = base.option("middle", "layers whose keys are edited", "layers")
+    controls: tuple[str, ...] = base.option(CONTROLS, "controls of METHOD §5 to run, from C1,C2,C3,C4", "names",
+                                            quick=("C1",))
+    alpha: float = base.option(0.5, "strength of 'destroy' (each control's own α is matched to its damage)", "float")
+    primary: str = base.option("destroy vs C1", "the pre-declared primary contrast", "text")
+    match_subset: int = base.option(16, "sequences used to match each control's damage", "int")
+    match_steps: int = base.option(3, "damage evaluations per control when matching", "int", quick=2, full=5)
+    batch_size: int = base.option(4, "sequences per forward batch", "int")
 
 
 # ----------------------------------------------------------------------------- sampling
-
-
-def study_windows(
-    model: Any, corpus: CorpusLike = None, *, n_seq: int, seq_len: int = 256, n_ref: int = 8,
-    reference: int | float = 0.25, seed: int = 0, max_per_doc: int | None = None,
-) -> tuple[Windows, Windows]:  # fmt: skip
-    """``(analysed, reference)`` windows from DISJOINT document sets (METHOD §2, §4).
-
-    The documents are split by :func:`~posgen_tl.io.corpus.split_documents` (seeded); ``analysed``
-    holds ``n_seq`` windows of the analysed documents, one per document first
-    (:func:`~posgen_tl.io.corpus.document_windows`); ``reference`` holds ``n_ref`` windows of the
-    reference documents (for the global k̄).
-
-    Raises:
-        ValueError: the two sets share a document (never expected; checked).
-        CorpusError: too few windows.
-    """
-    texts, _ = _named_docs(corpus)
-    analysed_docs, ref_docs = split_documents(len(texts), reference=reference, seed=seed)
-    ana = document_windows(model, corpus, seq_len=seq_len, n_seq=n_seq, docs=analysed_docs, seed=seed,
-                           max_per_doc=max_per_doc)
-    ref = document_windows(model, corpus, seq_len=seq_len, n_seq=n_ref, docs=ref_docs, seed=seed + 1)
-    shared = set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist())
-    if shared:
-        raise ValueError(f"reference and analysed windows share documents {sorted(shared)}")
-    return ana, ref
-
-
-def sequence_perms(
-    windows: Windows, frac: float, seed: int, *, start: int, stop: int, base_seed: int = 0
-) -> Int[Tensor, "batch pos"]:
-    """One adjacent-swap permutation per window (``new = old[perm]``), drawn independently per
-    (sequence, seed) with :func:`swap_seed`: ``round(frac·(L−1))`` disjoint adjacent pairs of
-    the window ``[start, stop)`` swap, so ≈ ``2·frac`` of its tokens move. ``frac = 0`` gives the
-    identity. Returns ``[batch, pos]`` int64."""
-    n = windows.tokens.shape[1]
-    rows = [
-        adjacent_swap_permutation(n, frac, start=start, stop=stop, seed=swap_seed(base_seed, d, s, seed))
-        for d, s in zip(windows.doc_ids.tolist(), windows.starts.tolist())
-    ]
-    return torch.stack(rows)
-
-
-def perturbed_inputs(
-    windows: Windows, frac: float, seed: int, mode: str, *, target_len: int, base_seed: int = 0
-) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"] | None]:
-    """``(tokens, position_ids)`` for T1 (tokens permuted, ids natural: ``None``) or T2 (tokens
-    natural, ids permuted); swaps in ``[1, N − target_len)`` (token 0 and the target never move)."""
-    if mode not in ("T1", "T2"):
-        raise ValueError(f"mode must be 'T1' or 'T2', got {mode!r}")
-    toks = windows.tokens
-    n = toks.shape[1]
-    if frac == 0:
-        return toks, None
-    perm = sequence_perms(windows, frac, seed, start=1, stop=n - target_len, base_seed=base_seed)
-    if mode == "T1":
-        return torch.gather(toks, 1, perm), None
-    return toks, torch.stack([position_ids_for_permutation(p) for p in perm])
 
 
 # ----------------------------------------------------------------------------- conditions
@@ -323,47 +278,7 @@ def condition_rows(
     return pd.DataFrame(rows), clean, kl_vals
 
 
-def curve_rows(
-    model: Any, windows: Windows, clean: Float[Tensor, "batch"], *, fracs: Sequence[float], seeds: Sequence[int],
-    mode: str, target_len: int, base_seed: int = 0, fwd_hooks: Sequence = (),
-) -> list[dict]:  # fmt: skip
-    """The tolerance curve of one batch: one pass per (frac > 0, seed) of :func:`perturbed_inputs`
-    (``frac = 0`` reuses ``clean``), with ``fwd_hooks`` attached. Returns one dict per (frac, seed,
-    sequence): ``seq`` (position in ``windows``), ``frac, seed, clean_nll, nll, delta``."""
-    bs = windows.tokens.shape[0]
-    rows = []
-    for frac in fracs:
-        for seed in seeds:
-            if frac == 0:
-                nll = clean
-            else:
-                toks, pid = perturbed_inputs(windows, frac, seed, mode, target_len=target_len, base_seed=base_seed)
-                nll = nll_on_target(model, toks, target_len=target_len, position_ids=pid, fwd_hooks=list(fwd_hooks),
-                                    batch_size=bs)
-            for i in range(bs):
-                rows.append(dict(seq=i, frac=float(frac), seed=int(seed), clean_nll=float(clean[i]),
-                                 nll=float(nll[i]), delta=float(nll[i] - clean[i])))
-    return rows
-
-
 # ----------------------------------------------------------------------------- statistics glue
-
-
-def per_sequence_slopes(rows: pd.DataFrame, value: str = "delta") -> pd.Series:
-    """Least-squares slope of ``value`` over ``frac`` per sequence, seeds averaged INSIDE the
-    sequence first (METHOD §8). Returns a Series indexed by ``seq``.
-
-    Raises:
-        ValueError: fewer than two distinct fracs, a sequence missing a frac, NaN values."""
-    from posgen_tl import stats  # noqa: PLC0415
-
-    w = rows.groupby(["seq", "frac"])[value].mean().unstack("frac").sort_index(axis=1)
-    if w.shape[1] < 2:
-        raise ValueError(f"a slope needs at least two distinct fracs, got {list(w.columns)}")
-    if w.isna().any().any():
-        bad = w.index[w.isna().any(axis=1)].tolist()
-        raise ValueError(f"sequences {bad[:10]} lack a value at some frac (or have NaN): cannot fit slopes")
-    return pd.Series(stats.unit_slopes(w.columns.to_numpy(float), w.to_numpy(float)), index=w.index, name="slope")
 
 
 def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], primary: str | None) -> list:
@@ -375,7 +290,6 @@ def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], pr
 
     Raises:
         ValueError: a label without rows, mismatched sequence sets, NaN slopes, no ``doc``."""
-    from posgen_tl import stats  # noqa: PLC0415
 
     if "doc" not in rows.columns:
         raise ValueError("rows have no 'doc' column: every rows frame must carry the document id")
@@ -391,7 +305,7 @@ def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], pr
             if g.empty:
                 raise ValueError(f"no rows for {role} {label!r}; present: {sorted(rows['intervention'].unique())}")
             dmg = (g["clean_nll"] - g["base_clean_nll"]).groupby(g["seq"]).mean()
-            parts[role] = (per_sequence_slopes(g), dmg)
+            parts[role] = (stats.per_sequence_slopes(g), dmg)
         d, seq = stats.paired_differences(parts["intervention"][0], parts["control"][0])
         name = f"{iv} vs {ctrl}"
         if len(seq) < 3:
@@ -406,13 +320,12 @@ def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], pr
 def summarize_conditions(rows: pd.DataFrame, kl: pd.DataFrame | None = None, *, n_boot: int = 10_000) -> pd.DataFrame:
     """One row per condition: ``condition, kind, alpha, n_seq, n_docs, clean_nll, damage
     (+ _lo/_hi: document bootstrap), attn_kl (+ CI), slope (+ CI), dnll@p`` (mean ΔNLL per p)."""
-    from posgen_tl import stats  # noqa: PLC0415
 
     out = []
     for key, g in rows.groupby("intervention", sort=False):
         doc = g.groupby("seq")["doc"].first()
         dmg = (g["clean_nll"] - g["base_clean_nll"]).groupby(g["seq"]).mean().loc[doc.index]
-        sl = per_sequence_slopes(g).loc[doc.index]
+        sl = stats.per_sequence_slopes(g).loc[doc.index]
         row = dict(condition=key, kind=g["kind"].iloc[0], alpha=float(g["alpha"].iloc[0]), n_seq=len(doc),
                    n_docs=int(doc.nunique()), clean_nll=float(g.groupby("seq")["clean_nll"].first().mean()))
         for nm, v in (("damage", dmg), ("slope", sl)):
@@ -456,14 +369,6 @@ class CausalResult:
     config: dict = field(default_factory=dict)
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).parent).stdout.strip() or None  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _bands(spec, layers, fast, slow):
     nb = spec.layer(layers[0]).n_bands
     q = max(1, nb // 4)
@@ -478,7 +383,6 @@ def _bands(spec, layers, fast, slow):
 def _result(rows, kl, conds, match, config, pairs, primary, partial: bool = False) -> CausalResult:
     """Tables from rows. ``partial``: each contrast uses the sequences both of its conditions have
     finished (the ``n_seq`` column says how many); a complete run never drops a sequence."""
-    from posgen_tl import stats  # noqa: PLC0415
 
     summ = summarize_conditions(rows, kl)
     meta = pd.DataFrame([dict(condition=c.key, description=CONTROL_TEXT[c.key],
@@ -501,14 +405,6 @@ def _result(rows, kl, conds, match, config, pairs, primary, partial: bool = Fals
                 cs += contrasts_from_rows(sub, [(a, b)], prim if f"{a} vs {b}" == prim else None)
         table = stats.verdict_table(cs) if cs else table
     return CausalResult(rows, kl, summ, table, config)
-
-
-@torch.no_grad()
-def windows_fingerprint(w: Windows) -> str:
-    """SHA-1 of the windows' token ids (a run's record of exactly which tokens it analysed)."""
-    import hashlib  # noqa: PLC0415
-
-    return hashlib.sha1(w.tokens.cpu().to(torch.int64).numpy().tobytes()).hexdigest()
 
 
 def _t1_reuse(t12: "T12Result", ana: Windows, *, fracs, seeds, target_len: int, seed: int, mode: str) -> pd.Series:
@@ -547,18 +443,15 @@ def _with_reused(df: pd.DataFrame, reuse: pd.Series, b: Sequence[int], clean: Te
 
 
 def causal_study(
-    model: Any, corpus: CorpusLike = None, *, n_seq: int, seq_len: int = 256, target_len: int = 64,
-    fracs: Sequence[float] = DEFAULT_FRACS, seeds: Sequence[int] = (0, 1), layers: Sequence[int] | None = None,
-    fast: Sequence[int] | None = None, slow: Sequence[int] | None = None, alpha: float = 0.5,
-    controls: Sequence[str] = CONTROLS, primary: str = "destroy vs C1", match_subset: int = 16,
-    match_steps: int = 5, seed: int = 0, n_ref: int = 8, batch_size: int = 8, mode: str = "T1",
-    windows: tuple[Windows, Windows] | None = None, on_partial: Callable[[CausalResult], None] | None = None,
-    progress: bool = True, t12: "T12Result | None" = None,
+    model: Any, corpus: CorpusLike = None, cfg: Config | None = None, *, fast: Sequence[int] | None = None,
+    slow: Sequence[int] | None = None, mode: str = "T1", windows: tuple[Windows, Windows] | None = None,
+    on_partial: Callable[[CausalResult], None] | None = None, progress: bool = True,
+    t12: T12Result | None = None, **options: Any,
 ) -> CausalResult:  # fmt: skip
     """The causal test of METHOD §5 with controls C1–C4 and verdicts by METHOD §8.
 
     Steps: (1) windows of the analysed documents and a disjoint reference set
-    (:func:`study_windows`); k̄ per edited layer from the reference windows' context part;
+    (:func:`posgen_tl.io.sampling.sample_windows`); k̄ per edited layer from the reference windows' context part;
     (2) clean NLL (``none``) on all sequences; (3) the destroy damage on the first
     ``match_subset`` sequences and, per control, its own alpha matched to it
     (:func:`match_alpha`, ≤ ``match_steps`` evaluations; unmatched controls are kept and
@@ -572,10 +465,12 @@ def causal_study(
     sequences the primary phase has finished), so a long study writes its results as they come.
 
     Args:
-        layers: edited layers (default: the middle third). ``fast``/``slow``: band indices
-            (default: the first / last quarter of the bands; band 0 = fastest).
-        alpha: strength of ``destroy``. ``primary``: the pre-declared primary contrast.
-        windows: pre-built ``(analysed, reference)`` windows (default :func:`study_windows`).
+        cfg: :class:`Config` (default ``Config()``) with ``options`` applied: sizes, edited layers
+            (default the middle group of :func:`posgen_tl.maths.groups.layer_groups`), controls, α of
+            ``destroy``, the pre-declared primary contrast, damage matching.
+        fast/slow: band indices (default: the first / last quarter of the bands; band 0 = fastest).
+        windows: pre-built ``(analysed, reference)`` windows (default
+            :func:`posgen_tl.io.sampling.sample_windows`).
         t12: a :func:`t1_t2_study` result of the same model on the same analysed windows, seeds,
             fracs, target and ``seed`` (``mode="T1"``): the ``none`` condition then runs only its
             clean pass (the attention reference) and takes its swapped-pass NLLs from the
@@ -589,9 +484,13 @@ def causal_study(
         ValueError: bad bands/controls, a primary contrast outside the family, fewer than 3
             sequences (from the verdict code), overlapping reference/analysed documents.
     """
+    cfg = base.config_of(Config, cfg, options)
+    n_seq, seq_len, target_len, fracs, seeds = cfg.n_seq, cfg.seq_len, cfg.target(), cfg.fracs, cfg.seeds
+    alpha, controls, primary, match_subset = cfg.alpha, cfg.controls, cfg.primary, cfg.match_subset
+    match_steps, seed, n_ref, batch_size = cfg.match_steps, cfg.seed, cfg.n_ref, cfg.batch_size
     t_start = time.time()
     spec, _ = probe_hooks(model)
-    layers = list(range(spec.n_layers // 3, 2 * spec.n_layers // 3)) if layers is None else sorted({int(x) for x in layers})
+    layers = base.resolve_layers(cfg.layers, spec.n_layers)
     nb, fast, slow = _bands(spec, layers, fast, slow)
     if n_seq < 3:
         raise ValueError(f"n_seq={n_seq}: a contrast needs at least 3 sequences")
@@ -603,8 +502,8 @@ def causal_study(
     pairs = [("destroy", c) for c in controls] + [("destroy", "none")]
     if primary not in {f"{a} vs {b}" for a, b in pairs}:
         raise ValueError(f"primary contrast {primary!r} is not in the family {[f'{a} vs {b}' for a, b in pairs]}")
-    ana, ref = windows if windows is not None else study_windows(model, corpus, n_seq=n_seq, seq_len=seq_len,
-                                                                 n_ref=n_ref, seed=seed)
+    ana, ref = windows if windows is not None else sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=n_seq, seq_len=seq_len,
+                                                                  n_ref=n_ref, seed=seed)
     if set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist()):
         raise ValueError("reference and analysed windows share documents")
     reuse = None if t12 is None else _t1_reuse(t12, ana, fracs=fracs, seeds=seeds, target_len=target_len, seed=seed,
@@ -618,7 +517,7 @@ def causal_study(
 
     # (2) clean NLL without intervention (the baseline of every damage)
     t0 = time.time()
-    base = torch.cat([nll_on_target(model, ana.tokens[b], target_len=target_len, batch_size=len(b)) for b in batches])
+    base_nll = torch.cat([nll_on_target(model, ana.tokens[b], target_len=target_len, batch_size=len(b)) for b in batches])
     times["base_s"] = time.time() - t0
 
     # (3) matched strengths on a subset
@@ -629,7 +528,7 @@ def causal_study(
     def damage_on_subset(cond: Condition) -> float:
         nll = nll_on_target(model, sub_toks, target_len=target_len, fwd_hooks=_hooks(model, cond, km),
                             batch_size=batch_size)
-        return float((nll - base[sub]).mean())
+        return float((nll - base_nll[sub]).mean())
 
     match: dict[str, dict] = {}
     target = damage_on_subset(conds[1])
@@ -653,7 +552,7 @@ def causal_study(
                   seq_len=int(ana.tokens.shape[1]), target_len=target_len, fracs=list(map(float, fracs)),
                   seeds=list(map(int, seeds)), layers=layers, n_bands=nb, fast=fast, slow=slow, alpha=alpha,
                   controls=list(controls), primary=primary, family=[f"{a} vs {b}" for a, b in pairs], mode=mode,
-                  match_subset=len(sub), seed=seed, commit=_commit(), batch_size=batch_size,
+                  match_subset=len(sub), seed=seed, commit=git_commit(short=True), batch_size=batch_size,
                   swaps="p = fraction of disjoint adjacent pairs of the context swapped: ≈ 2p of the tokens move; "
                         "per-(sequence, seed) permutations")  # fmt: skip
 
@@ -667,7 +566,7 @@ def causal_study(
 
     def assemble(running: list[Condition], *, partial: bool, n_done: int, ph: int) -> CausalResult:
         rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
-        rows["base_clean_nll"] = base.numpy()[rows["seq"].to_numpy()]
+        rows["base_clean_nll"] = base_nll.numpy()[rows["seq"].to_numpy()]
         rows = rows[["intervention", "kind", "alpha", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll",
                      "delta", "base_clean_nll"]]
         keys = [c.key for c in done + running]
@@ -710,115 +609,6 @@ def causal_study(
     return res
 
 
-# ----------------------------------------------------------------------------- T1 / T2
-
-
-@dataclass
-class T12Result:
-    """Output of :func:`t1_t2_study`: ``rows`` (twin, mode, seq, doc, doc_name, frac, seed,
-    clean_nll, nll, delta), ``slopes`` (per twin, mode, seq), ``summary`` (per twin, mode: mean
-    ΔNLL per p and slope with document-bootstrap CIs), ``equivalence`` (per twin: TOST of T1 − T2
-    slopes at the stated margin, with the equivariance note), ``config``."""
-
-    rows: pd.DataFrame
-    slopes: pd.DataFrame
-    summary: pd.DataFrame
-    equivalence: pd.DataFrame
-    config: dict = field(default_factory=dict)
-
-
-@torch.no_grad()
-def t1_t2_study(
-    model: Any, corpus: CorpusLike = None, *, n_seq: int, seq_len: int = 256, target_len: int = 64,
-    fracs: Sequence[float] = DEFAULT_FRACS, seeds: Sequence[int] = (0, 1), twin: Any = True,
-    twin_seeds: Sequence[int] | None = None, margin: float | None = None, margin_rel: float = 0.2, seed: int = 0,
-    batch_size: int = 8, windows: Windows | None = None, progress: bool = True,
-) -> T12Result:  # fmt: skip
-    """T1/T2 tolerance curves (METHOD §4) of the trained model and its random twin.
-
-    Same windows and the same per-(sequence, seed) swaps for T1 and T2 and for the twin.
-    Equivalence of T1 and T2 slopes: TOST (:func:`posgen_tl.stats.inference.t1_t2_equivalence`) at
-    ``margin`` (ΔNLL per unit p) — when ``None``, ``margin_rel`` × |mean T1 slope of the
-    TRAINED model| (stated in the output). Read with the equivariance note: T1 − T2 is the
-    causal-order effect.
-
-    Args:
-        twin: ``True`` (build :func:`posgen_tl.io.models.random_twin` with ``seed``), a prebuilt
-            twin, or ``False``/``None``. ``twin_seeds``: swap seeds for the twin (default ``seeds``).
-
-    Returns:
-        :class:`T12Result`.
-    """
-    from posgen_tl import stats  # noqa: PLC0415
-    from posgen_tl.io.models import random_twin  # noqa: PLC0415
-
-    t_start = time.time()
-    ana = windows if windows is not None else study_windows(model, corpus, n_seq=n_seq, seq_len=seq_len, seed=seed)[0]
-    models = [("trained", model, tuple(seeds))]
-    if twin is True:
-        twin = random_twin(model, seed)
-    if twin is not None and twin is not False:
-        models.append(("random", twin, tuple(twin_seeds or seeds)))
-    n = len(ana)
-    batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
-    info = ana.frame()
-    frames, times = [], {}
-    for name, m, sds in models:
-        t0 = time.time()
-        jobs = [(b, mode) for b in batches for mode in ("T1", "T2")]
-        bar = tqdm(total=len(jobs), desc=f"T1/T2 {name}", disable=not progress)
-        for b in batches:
-            w = ana.subset(b)
-            clean = nll_on_target(m, w.tokens, target_len=target_len, batch_size=len(b))
-            for mode in ("T1", "T2"):
-                df = pd.DataFrame(curve_rows(m, w, clean, fracs=fracs, seeds=sds, mode=mode, target_len=target_len,
-                                             base_seed=seed))
-                df["seq"] = [b[i] for i in df["seq"]]
-                frames.append(df.assign(twin=name, mode=mode))
-                bar.update(1)
-        bar.close()
-        times[f"{name}_s"] = time.time() - t0
-    rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
-    rows = rows[["twin", "mode", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta"]]
-    slopes = pd.concat([per_sequence_slopes(g).rename("slope").reset_index().assign(twin=t, mode=md)
-                        for (t, md), g in rows.groupby(["twin", "mode"], sort=False)], ignore_index=True)  # fmt: skip
-    slopes = slopes.merge(info[["seq", "doc"]], on="seq")[["twin", "mode", "seq", "doc", "slope"]]
-    summ = []
-    for (t, md), g in rows.groupby(["twin", "mode"], sort=False):
-        doc = g.groupby("seq")["doc"].first()
-        for f, gf in g.groupby("frac"):
-            v = gf.groupby("seq")["delta"].mean().loc[doc.index]
-            mval, lo, hi = stats.bootstrap_ci(v.to_numpy(), clusters=doc.to_numpy())
-            summ.append(dict(twin=t, mode=md, estimator="dnll", frac=f, value=mval, ci_low=lo, ci_high=hi,
-                             n_seq=len(doc), n_docs=doc.nunique()))
-        s = slopes[(slopes["twin"] == t) & (slopes["mode"] == md)]
-        mval, lo, hi = stats.bootstrap_ci(s["slope"].to_numpy(), clusters=s["doc"].to_numpy())
-        summ.append(dict(twin=t, mode=md, estimator="slope", frac=np.nan, value=mval, ci_low=lo, ci_high=hi,
-                         n_seq=len(s), n_docs=s["doc"].nunique()))
-    summ = pd.DataFrame(summ)
-    tr1 = slopes[(slopes["twin"] == "trained") & (slopes["mode"] == "T1")]
-    if margin is None:
-        margin = margin_rel * abs(float(tr1["slope"].mean()))
-        margin_rule = f"{margin_rel:g} × |mean T1 slope of the trained model| = {margin:.4g} ΔNLL per unit p"
-    else:
-        margin_rule = f"stated margin {margin:.4g} ΔNLL per unit p"
-    eq = []
-    for t in [x for x, _, _ in models]:
-        a = slopes[(slopes["twin"] == t) & (slopes["mode"] == "T1")].set_index("seq")
-        b = slopes[(slopes["twin"] == t) & (slopes["mode"] == "T2")].set_index("seq")
-        d, seq = stats.paired_differences(a["slope"], b["slope"])
-        r = stats.t1_t2_equivalence(a["slope"].loc[seq].to_numpy(), b["slope"].loc[seq].to_numpy(),
-                                    a["doc"].loc[seq].to_numpy(), margin)
-        eq.append(dict(twin=t, t1_slope=float(a["slope"].mean()), t2_slope=float(b["slope"].mean()),
-                       **{k: v for k, v in r.items() if k != "note"}, margin_rule=margin_rule))
-    config = dict(n_seq=n, n_docs=ana.n_docs, seq_len=int(ana.tokens.shape[1]), target_len=target_len,
-                  fracs=list(map(float, fracs)), seeds=list(map(int, seeds)),
-                  twin_seeds=[list(s) for nm, _, s in models if nm == "random"], margin=margin, margin_rule=margin_rule,
-                  note=stats.EQUIVARIANCE_NOTE, commit=_commit(), seed=seed, windows_sha1=windows_fingerprint(ana),
-                  wall_s={**times, "total_s": time.time() - t_start})  # fmt: skip
-    return T12Result(rows, slopes, summ, pd.DataFrame(eq), config)
-
-
 # ----------------------------------------------------------------------------- cost per forward
 
 
@@ -852,21 +642,6 @@ def forward_costs(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, *, t
 
 
 # ----------------------------------------------------------------------------- outputs
-
-
-def _md(df: pd.DataFrame, cols: Sequence[str] | None = None, digits: int = 4) -> str:
-    d = df if cols is None else df[[c for c in cols if c in df.columns]]
-
-    def fmt(v) -> str:
-        if isinstance(v, (float, np.floating)):
-            if v != v:
-                return ""
-            return f"{v:.{digits}g}" if abs(v) < 1e-3 and v != 0 else f"{v:.{digits}f}"
-        return str(v)
-
-    head = "| " + " | ".join(map(str, d.columns)) + " |"
-    sep = "|" + "|".join("---" for _ in d.columns) + "|"
-    return "\n".join([head, sep, *("| " + " | ".join(fmt(v) for v in r) + " |" for r in d.itertuples(index=False))])
 
 
 COND_COLS = ["condition", "description", "kind", "alpha", "bands", "match_matched", "n_seq", "n_docs", "clean_nll",
@@ -925,16 +700,16 @@ def causal_markdown(result: CausalResult, title: str = "Causal test") -> str:
              f"first {c.get('match_subset')} sequences. PRIMARY contrast (declared before the run): `{c.get('primary')}`.",
              "", "### Per condition (damage = clean-NLL increase; attn KL = mean KL(clean ‖ edited) of attention rows "
              "in the edited layers; slope = ΔNLL per unit p; CIs: 95 % document bootstrap)", "",
-             _md(result.conditions, COND_COLS)]  # fmt: skip
+             md_table(result.conditions, COND_COLS)]  # fmt: skip
     if len(result.contrasts):
         lines += ["", "### Contrasts (one family, Holm-adjusted; verdicts from `posgen_tl.stats.inference.verdict_table`)", "",
-                  _md(result.contrasts, CONTRAST_COLS), ""]
+                  md_table(result.contrasts, CONTRAST_COLS), ""]
         lines += [f"- `{r.contrast}`: {r.verdict} — {r.reason}" for r in result.contrasts.itertuples()]
         reading = causal_reading(result.contrasts)
         if reading:
             lines += ["", f"**Reading.** {reading}"]
     w = c.get("wall_s", {})
-    lines += ["", f"Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in w.items()) + f"; commit {c.get('commit')}.", ""]
+    lines += ["", "Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in w.items()) + f"; commit {c.get('commit')}.", ""]
     return "\n".join(lines)
 
 
@@ -975,37 +750,111 @@ def load_causal_outputs(out_dir: str | Path, tag: str = "causal") -> CausalResul
                         json.loads((out / f"{tag}_config.json").read_text()))
 
 
-def t12_markdown(result: T12Result, title: str = "T1 / T2") -> str:
-    """Markdown: slopes and ΔNLL per p (trained and twin), the TOST table and the equivariance note."""
-    c = result.config
-    s = result.summary
-    lines = [f"## {title}", "",
-             f"{c['n_seq']} sequences from {c['n_docs']} documents × {c['seq_len']} tokens, target {c['target_len']}; "
-             f"p ∈ {c['fracs']} = fraction of disjoint adjacent pairs swapped (≈ 2p of the context tokens move), "
-             f"independent per (sequence, seed); seeds {c['seeds']} (twin {c['twin_seeds']}). CIs: document bootstrap.", "",
-             _md(s[s["estimator"] == "slope"], ["twin", "mode", "value", "ci_low", "ci_high", "n_seq", "n_docs"]), "",
-             _md(s[s["estimator"] == "dnll"], ["twin", "mode", "frac", "value", "ci_low", "ci_high"]), "",
-             f"T1 − T2 slope, TOST equivalence at margin: {c['margin_rule']}:", "",
-             _md(result.equivalence, ["twin", "t1_slope", "t2_slope", "mean", "lo", "hi", "p", "equivalent", "p_diff",
-                                      "n_seq", "n_docs"]), "",
-             "> " + c["note"], "",
-             f"Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in c["wall_s"].items()) + f"; commit {c['commit']}.", ""]  # fmt: skip
-    return "\n".join(lines)
 
 
-def write_t12_outputs(result: T12Result, out_dir: str | Path, tag: str = "t12") -> dict[str, Path]:
-    """Write ``{tag}_rows.csv``, ``{tag}_slopes.csv``, ``{tag}_summary.csv``, ``{tag}_tost.csv``,
-    ``{tag}_config.json`` and ``{tag}.md``; returns the paths."""
-    import json  # noqa: PLC0415
+# ----------------------------------------------------------------------------- report / study
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"rows": out / f"{tag}_rows.csv", "slopes": out / f"{tag}_slopes.csv", "summary": out / f"{tag}_summary.csv",
-             "tost": out / f"{tag}_tost.csv", "config": out / f"{tag}_config.json", "md": out / f"{tag}.md"}
-    result.rows.to_csv(paths["rows"], index=False)
-    result.slopes.to_csv(paths["slopes"], index=False)
-    result.summary.to_csv(paths["summary"], index=False)
-    result.equivalence.to_csv(paths["tost"], index=False)
-    paths["config"].write_text(json.dumps(result.config, indent=1, default=str))
-    paths["md"].write_text(t12_markdown(result, f"T1 / T2 ({tag})"))
-    return paths
+
+NAME = "causal"
+ABOUT = "does T1 tolerance depend on the fast-band key offset? destroy vs matched controls C1–C4 (METHOD §5)"
+NEEDS: tuple[str, ...] = ()
+
+
+def _reusable_t12(ctx: Any, cfg: Config) -> T12Result | None:
+    """The T1/T2 result of this run's tolerance study, when its swapped passes are exactly the ones
+    the ``none`` condition would run (same windows, fractions, seeds, target); else None."""
+    t12 = ctx.shared.get("t12")
+    if t12 is None:
+        return None
+    c = t12.config
+    same = (c.get("n_seq") == cfg.n_seq and c.get("seq_len") == cfg.seq_len and c.get("seed") == cfg.seed
+            and c.get("target_len") == cfg.target() and set(cfg.fracs) <= set(c.get("fracs", []))
+            and set(cfg.seeds) <= set(c.get("seeds", [])))
+    return t12 if same else None
+
+
+def compute(ctx: Any, cfg: Config) -> None:
+    """The causal test with its controls; writes rows, KL, conditions, the contrast table, its
+    configuration and a figure (partial tables while it runs, removed when it completes)."""
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.plot.causal import plot_causal_conditions  # noqa: PLC0415
+
+    try:
+        ana, ref = sample_windows(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref,
+                                  seed=cfg.seed)
+    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
+        ctx.work.save_json("causal_meta.json", {"skipped": f"causal test skipped: {e}"})
+        return
+
+    def partial(r: CausalResult) -> None:  # a long run writes its tables as they come
+        ctx.work.save_df("causal_partial_conditions.csv", r.conditions)
+        ctx.work.save_df("causal_partial_table.csv", r.contrasts)
+        ctx.work.save_json("causal_partial_config.json", r.config)
+
+    res = causal_study(ctx.model, cfg.corpus, cfg, windows=(ana, ref), on_partial=partial, t12=_reusable_t12(ctx, cfg))
+    for f in ("causal_partial_conditions.csv", "causal_partial_table.csv", "causal_partial_config.json"):
+        ctx.work.path(f).unlink(missing_ok=True)  # complete now: no partial tables beside the final ones
+    ctx.work.save_df("causal_rows.csv", res.rows)
+    ctx.work.save_df("causal_kl.csv", res.kl)
+    ctx.work.save_df("causal_conditions.csv", res.conditions)
+    ctx.work.save_df("causal_table.csv", res.contrasts)
+    ctx.work.save_json("causal_config.json", res.config)
+    ctx.work.save_fig("fig_causal.png", plot_causal_conditions(res.conditions, title=ctx.model_name))
+    ctx.work.save_json("causal_meta.json", {"n_seq": len(ana), "n_docs": ana.n_docs, "controls": list(cfg.controls),
+                                            **{k: res.config[k] for k in ("layers", "fast", "slow", "alpha", "primary",
+                                                                           "match_subset", "target_len", "fracs")}})
+
+
+def render(ctx: Any, cfg: Config) -> Any:
+    """The report section: conditions (damage, attention KL, slope), the contrast family, the figure."""
+    from posgen_tl.report.html import Section  # noqa: PLC0415
+
+    meta = ctx.work.load_json("causal_meta.json")
+    title = "5 · Does tolerance depend on the pattern? The causal test (METHOD §5)"
+    if "skipped" in meta:
+        return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
+                       paragraphs=["Give a corpus of several documents: k̄ must come from documents disjoint from the "
+                                   "analysed ones."])
+    table = ctx.work.load_df("causal_table.csv")
+    conds = ctx.work.load_df("causal_conditions.csv")
+    prim = table[table["primary"].astype(bool)]
+    pv = (f"primary contrast `{prim['contrast'].iloc[0]}`: {prim['verdict'].iloc[0]}" if len(prim) else "no primary")
+    verdicts = [f"Causal test, {pv} (verdicts from the METHOD §8 rule: Holm-adjusted exact sign-flip p, matched "
+                "damage, split-half sign)"]
+    reading = causal_reading(table)
+    if reading:
+        verdicts.append("Reading: " + reading.rstrip("."))
+    expl = meta["n_seq"] < 32
+    return Section(
+        title + (" — EXPLORATORY (n < 32 sequences)" if expl else ""),
+        verdict=". ".join(verdicts) + ".",
+        paragraphs=[f"{meta['n_seq']} sequences from {meta['n_docs']} documents; keys edited in layers {meta['layers']}; "
+                    f"destroy = remove the fast-band key offset (bands {meta['fast']}) at α = {meta['alpha']}; controls "
+                    f"{meta['controls']} each matched to its clean-NLL damage on {meta['match_subset']} sequences by its own "
+                    "α (C1 random bands, C2 slow bands, C3 rephase, C4 same-norm noise). k̄ from reference documents "
+                    "disjoint from the analysed ones. 'no evidence' is not evidence of no effect: the MDE column says "
+                    "what this n could detect."],
+        tables=[("Per condition: damage, attention KL, slope", conds[[c for c in ["condition", "kind", "alpha", "n_seq",
+                 "n_docs", "damage", "damage_lo", "damage_hi", "attn_kl", "slope", "slope_lo", "slope_hi"] if c in conds]]),
+                ("Contrasts (one family; Holm)", table[[c for c in ["contrast", "primary", "n_seq", "n_docs", "mean_diff",
+                 "boot_lo", "boot_hi", "t_lo", "t_hi", "p_exact", "p_holm", "damage_matched", "split_half_agree", "mde",
+                 "verdict"] if c in table]])],
+        figures=[(ctx.work.path("fig_causal.png").read_bytes(), "Conditions: slope vs damage, and attention change")],
+        findings=_findings(table),
+        results={"exploratory": expl, "causal": table.to_dict("records")},
+    )
+
+
+def _findings(table: pd.DataFrame) -> list:
+    """The PRIMARY contrast of the causal table, as judged by :func:`posgen_tl.stats.inference.verdict_table`
+    over the whole family of the table; a caveat when only the control carries the difference."""
+    from posgen_tl.report.html import Finding  # noqa: PLC0415
+
+    prim = table[table["primary"].astype(bool)] if "primary" in table.columns else table
+    r = (prim if len(prim) else table).iloc[0]
+    note = f"{r['intervention']} vs {r['control']}; Holm p"
+    if causal_reading(table) and str(r["verdict"]).startswith("depends"):
+        note += f"; CAUTION: {r['intervention']} vs none is not significant — the control carries the difference"
+    return [Finding("causal", str(r["verdict"]).replace(" (exploratory)", ""), float(r["mean_diff"]),
+                    "slope(intervention) − slope(control)", (float(r["boot_lo"]), float(r["boot_hi"])),
+                    float(r["p_holm"]), int(r["n_seq"]), note=note)]

@@ -4,10 +4,10 @@ Conditions (all as TransformerLens hooks from :mod:`posgen_tl.hooks.edits`):
 
 * ``vanilla`` — the model as it is (its own RoPE at the given position ids);
 * ``lm_infinite`` — distances ``> cap`` clamped to ``cap``, the first ``n_sink`` keys visible at
-  their true distance (:func:`~posgen_tl.hooks.edits.lm_infinite_hooks`);
+  their true distance (:func:`~posgen_tl.hooks.logits.lm_infinite_hooks`);
 * ``disentangled`` — distances ``> cap`` replaced by ``f(q_i, cap) + g_Δ0(q_i, k_j)`` with a
   GLOBAL ``k̄`` from reference documents disjoint from the analysed ones
-  (:func:`~posgen_tl.hooks.edits.disentangled_hooks`).
+  (:func:`~posgen_tl.hooks.logits.disentangled_hooks`).
 
 Units and statistics (METHOD §8): the unit is a sequence (one window), clustered by its
 document; every CI is a document-level bootstrap (:func:`posgen_tl.stats.inference.bootstrap_ci`, 10 000
@@ -18,7 +18,7 @@ over documents, Holm-adjusted within one printed table. Fewer than 32 sequences 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import pandas as pd
@@ -27,22 +27,20 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl import stats
+from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 from posgen_tl.hooks.capture import QKCapture, StopForward, check_tokens, probe_hooks, stream_qk
-from posgen_tl.io.corpus import CorpusLike, Windows, document_windows, split_documents
+from posgen_tl.experiments import base
+from posgen_tl.io.corpus import CorpusLike
+from posgen_tl.io.sampling import Windows, resolve_windows, sample_windows
 from posgen_tl.maths.approx_logits import d3_approx_logits, exact_logits
 from posgen_tl.maths.decompose import causal_mask, within_row_r
-from posgen_tl.hooks.edits import (
-    disentangled_hooks,
-    final_residual_hook,
-    lm_infinite_hooks,
-    local_layers,
-    window_removal_hooks,
-)
+from posgen_tl.hooks.positions import final_residual_hook
+from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, window_removal_hooks
 from posgen_tl.maths.perturb import gap_position_ids, nll_from_logits
-from posgen_tl.experiments.decomposition import analysis_windows, reference_key_means
+from posgen_tl.experiments.decomposition import reference_key_means
 
 __all__ = [
+    "Config",
     "LengthResult",
     "span_nll",
     "gap_probe",
@@ -111,40 +109,38 @@ def span_nll(
     return torch.cat(out, 1)
 
 
-# ----------------------------------------------------------------------------- summaries
-
-
-def _ci_rows(values: np.ndarray, docs: np.ndarray) -> dict:
-    m, lo, hi = stats.bootstrap_ci(values, clusters=docs, n_boot=10_000)
-    out = dict(value=m, ci_low=lo, ci_high=hi, n_seq=len(values), n_docs=len(np.unique(docs)))
-    if out["n_docs"] >= 2:
-        _, tlo, thi = stats.t_interval(values, clusters=docs)
-        out.update(t_low=tlo, t_high=thi)
-    return out
-
-
-def _contrast(d: np.ndarray, docs: np.ndarray) -> dict:
-    """CI row of paired differences plus the sign-flip p; identically-zero differences (identical by
-    construction, e.g. tokens that see no changed entry) get no p and do not enter the Holm family."""
-    out = _ci_rows(d, docs)
-    out["p"] = stats.sign_flip_test(d, clusters=docs) if out["n_docs"] >= 2 and np.any(d != 0) else np.nan
-    return out
-
-
-def _finish(df: pd.DataFrame) -> pd.DataFrame:
-    if "p" in df and df["p"].notna().any():
-        df["p_holm"] = stats.holm(df["p"].to_numpy(float))
-    df["label"] = np.where(df["n_seq"] < 32, "exploratory", "")
-    return df
-
-
 # ----------------------------------------------------------------------------- windows, k̄
 
 
-def _windows(model, corpus, seq_len, n_seq, n_ref, seed, reference=None) -> tuple[Windows, Windows | None]:
-    if isinstance(corpus, Windows) and corpus.tokens.shape[1] < seq_len:
-        raise ValueError(f"the windows hold {corpus.tokens.shape[1]} tokens; prefix + suffix need {seq_len}")
-    return analysis_windows(model, corpus, reference, n_seq=n_seq, seq_len=seq_len, n_ref=n_ref, seed=seed)
+@dataclass(frozen=True)
+class Config(base.Config):
+    """Options of the longer-texts experiment (METHOD §7): the gap probe and, on sliding-window
+    models, window removal."""
+
+    NAME: ClassVar[str] = "length"
+    n_seq: int = base.option(8, "analysed sequences of the gap probe (windows of distinct documents first)", "int",
+                             quick=2, full=32)
+    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
+    gap: bool = base.option(True, "run the gap probe", "bool")
+    gaps: tuple[float, ...] = base.option(DEFAULT_GAPS, "gaps G in units of the model's n_ctx", "floats",
+                                          quick=(0.0, 1.0, 2.0))
+    prefix_len: int = base.option(0, "prefix tokens; 0 = max(16, seq_len / 2)", "count")
+    suffix_len: int = base.option(0, "suffix tokens; 0 = max(16, seq_len / 2)", "count")
+    skip: int = base.option(0, "first suffix tokens left out of the NLL; 0 = min(16, suffix / 4)", "count")
+    delta0: int = base.option(0, "reference offset Δ0 of the disentangled logits f(q, C) + g_Δ0", "count")
+    batch_size: int = base.option(2, "sequences per forward batch of the gap probe", "int")
+    window: bool = base.option(True, "run window removal on sliding-window models", "bool")
+    window_seq_len: int = base.option(2048, "tokens per sequence of the window-removal run", "int", quick=768)
+    window_n_seq: int = base.option(4, "sequences of the window-removal run", "int", quick=2, full=16)
+    bucket: int = base.option(256, "position bucket of the window-removal NLL", "int")
+    max_per_doc: int = base.option(0, "window removal: most windows taken from one long document (0 = no limit)",
+                                   "count")
+
+    def gap_layout(self) -> tuple[int, int, int]:
+        """``(prefix_len, suffix_len, skip)`` with the automatic defaults resolved."""
+        half = max(16, self.seq_len // 2)
+        pre, suf = self.prefix_len or half, self.suffix_len or half
+        return pre, suf, self.skip or min(16, suf // 4)
 
 
 def _global_kbar(model, ref: Windows | None, k_means, layers=None) -> dict:
@@ -159,11 +155,9 @@ def _global_kbar(model, ref: Windows | None, k_means, layers=None) -> dict:
 
 
 def gap_probe(
-    model: Any, corpus: CorpusLike | Windows = None, *, prefix_len: int = 256, suffix_len: int = 256,
-    gaps: Sequence[float] = DEFAULT_GAPS, conditions: Sequence[str] = CONDITIONS, cap: int | None = None,
-    n_sink: int = 1, delta0: int = 0, skip: int = 16, n_seq: int = 32, n_ref: int = 8,
-    k_means: dict | None = None, reference: Windows | None = None, seed: int = 0, batch_size: int = 2,
-    progress: bool = True,
+    model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, *,
+    conditions: Sequence[str] = CONDITIONS, cap: int | None = None, n_sink: int = 1, k_means: dict | None = None,
+    reference: Windows | None = None, progress: bool = True, **options: Any,
 ) -> LengthResult:  # fmt: skip
     """Gap probe: NLL of a suffix whose position ids are moved ``G`` past its prefix.
 
@@ -187,8 +181,10 @@ def gap_probe(
     exact no-ops (tested), so those rows reuse the vanilla numbers (``reused=True``).
 
     Args:
+        cfg: :class:`Config` (with ``options`` applied): ``gaps``, the prefix/suffix/skip layout
+            (:meth:`Config.gap_layout`), ``n_seq``, ``n_ref``, ``delta0`` (Δ0 of ``g_Δ0``; 0 = D3), ``seed``.
         cap: ``C`` of both approximations (default ``n_ctx``: only unseen distances are touched).
-        n_sink: keys kept at their true distance. delta0: Δ0 of ``g_Δ0`` (0 = D3).
+        n_sink: keys kept at their true distance.
         k_means: global k̄ per layer (default: from ``n_ref`` windows of disjoint documents).
 
     Returns:
@@ -200,6 +196,9 @@ def gap_probe(
         ValueError: negative gap or cap, ``skip ≥ suffix_len``, windows shorter than
         ``prefix_len + suffix_len``, unknown condition. CaptureError: scores not pre-softmax.
     """
+    cfg = base.config_of(Config, cfg, options)
+    prefix_len, suffix_len, skip = cfg.gap_layout()
+    gaps, delta0, batch_size = cfg.gaps, cfg.delta0, cfg.batch_size
     spec, info = probe_hooks(model)
     n_ctx = spec.n_ctx
     cap = n_ctx if cap is None else cap
@@ -215,7 +214,10 @@ def gap_probe(
     if "vanilla" not in conditions:
         conditions = ("vanilla", *conditions)
     n = prefix_len + suffix_len
-    win, ref = _windows(model, corpus, n, n_seq, n_ref, seed, reference)
+    if isinstance(corpus, Windows) and corpus.tokens.shape[1] < n:
+        raise ValueError(f"the windows hold {corpus.tokens.shape[1]} tokens; prefix + suffix need {n}")
+    win, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=n,
+                               n_ref=cfg.n_ref if "disentangled" in conditions and k_means is None else 0, seed=cfg.seed)
     tokens = check_tokens(model, win.tokens[:, :n], spec)
     if "disentangled" in conditions:
         k_means = _global_kbar(model, ref, k_means)
@@ -228,8 +230,8 @@ def gap_probe(
         max_d = int(pos[-1] - pos[0])
         reused = cond != "vanilla" and max_d <= cap
         if reused:
-            base = [r for r in rows if r["condition"] == "vanilla" and r["gap"] == gap]
-            rows += [{**r, "condition": cond, "reused": True} for r in base]
+            vanilla = [r for r in rows if r["condition"] == "vanilla" and r["gap"] == gap]
+            rows += [{**r, "condition": cond, "reused": True} for r in vanilla]
             continue
         hooks = []
         if cond == "lm_infinite":
@@ -259,51 +261,28 @@ def gap_summary(rows: pd.DataFrame, value: str = "nll") -> pd.DataFrame:
     for (cond, gap), g in rows.groupby(["condition", "gap"], sort=True):
         g = g.sort_values("seq")
         base = dict(condition=cond, gap=gap, gap_frac=g["gap_frac"].iloc[0])
-        out.append({**base, "estimator": "nll", **_ci_rows(g[value].to_numpy(), g["doc"].to_numpy()), "p": np.nan})
+        out.append({**base, "estimator": "nll", **ci_row(g[value].to_numpy(), g["doc"].to_numpy()), "p": np.nan})
         ref0 = rows[(rows["condition"] == cond) & (rows["gap"] == rows["gap"].min())].sort_values("seq")
         if gap != rows["gap"].min():
             m = g.merge(ref0, on=key, suffixes=("", "_0"))
             out.append({**base, "estimator": "d_vs_gap0",
-                        **_contrast((m[value] - m[f"{value}_0"]).to_numpy(), m["doc"].to_numpy())})
+                        **contrast_row((m[value] - m[f"{value}_0"]).to_numpy(), m["doc"].to_numpy())})
         if cond != "vanilla" and not g["reused"].all():
             van = rows[(rows["condition"] == "vanilla") & (rows["gap"] == gap)]
             m = g.merge(van, on=key, suffixes=("", "_v"))
             out.append({**base, "estimator": "d_vs_vanilla",
-                        **_contrast((m[value] - m[f"{value}_v"]).to_numpy(), m["doc"].to_numpy())})
-    return _finish(pd.DataFrame(out))
+                        **contrast_row((m[value] - m[f"{value}_v"]).to_numpy(), m["doc"].to_numpy())})
+    return finish_table(pd.DataFrame(out))
 
 
 # ----------------------------------------------------------------------------- Gemma3 window removal
 
 
-def _long_windows(model, corpus, seq_len, n_seq, n_ref, seed, max_per_doc) -> tuple[Windows, Windows]:
-    """Analysed windows of ``seq_len`` (several per long document allowed) and reference windows of
-    ``min(256, seq_len // 4)`` tokens from DISJOINT documents — preferring documents too short for an analysed window."""
-    from posgen_tl.io.corpus import _named_docs  # noqa: PLC0415
-
-    texts, _ = _named_docs(corpus)
-    tok = model.tokenizer
-    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    short = [i for i, L in enumerate(lengths) if L < seq_len]
-    if len(short) >= 2:
-        ref_docs = short
-        ana_docs = [i for i in range(len(texts)) if i not in set(short)]
-    else:
-        ana_docs, ref_docs = split_documents(len(texts), seed=seed)
-    if not ana_docs:
-        raise ValueError(f"no document of the corpus has {seq_len} tokens: window removal needs longer texts")
-    ana = document_windows(model, corpus, seq_len=seq_len, n_seq=None, docs=ana_docs, max_per_doc=max_per_doc, seed=seed)
-    ana = ana.subset(range(min(n_seq, len(ana))))
-    ref = document_windows(model, corpus, seq_len=min(256, max(2, seq_len // 4)), n_seq=n_ref, docs=ref_docs, seed=seed)
-    assert not set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist())
-    return ana, ref
-
-
 def window_removal(
-    model: Any, corpus: CorpusLike | Windows = None, *, seq_len: int = 2048, n_seq: int = 16, bucket: int = 256,
+    model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, *,
     conditions: Sequence[str] = ("window", "no_window", "lm_infinite", "disentangled"), cap: int | None = None,
-    n_sink: int = 1, delta0: int = 0, n_ref: int = 8, k_means: dict | None = None, reference: Windows | None = None,
-    max_per_doc: int | None = None, seed: int = 0, progress: bool = True,
+    n_sink: int = 1, k_means: dict | None = None, reference: Windows | None = None, progress: bool = True,
+    **options: Any,
 ) -> LengthResult:  # fmt: skip
     """Gemma3 local layers without their sliding window, NLL by position bucket.
 
@@ -314,9 +293,13 @@ def window_removal(
     ``window − 1``), ``disentangled`` (no window, local distances ``> cap`` replaced by
     ``f(q_i, cap) + g_Δ0`` with a global k̄ from disjoint documents).
 
-    Windows: documents are short, so a long document may give several (disjoint) windows
-    (``max_per_doc``); the unit stays the window, clustered by document. The k̄ reference uses
-    ``min(256, seq_len // 4)``-token windows of documents too short to give a ``seq_len`` window (disjoint by construction).
+    Sizes from ``cfg`` (:class:`Config`, with ``options`` applied): ``window_seq_len``,
+    ``window_n_seq``, ``bucket``, ``max_per_doc``, ``n_ref``, ``delta0``. Windows
+    (:func:`posgen_tl.io.sampling.sample_windows` with ``reference_docs="short"``): documents are
+    short, so a long document may give several (disjoint) windows (``max_per_doc``); the unit stays
+    the window, clustered by document. The k̄ reference uses ``min(256, seq_len // 4)``-token windows
+    of documents too short to give a ``seq_len`` window (disjoint by construction); fewer analysed
+    windows than ``window_n_seq`` are used as they are.
 
     Returns:
         :class:`LengthResult`: rows ``condition, seq, doc, doc_name, bucket_start, nll`` (mean NLL
@@ -326,6 +309,8 @@ def window_removal(
     Raises:
         ValueError: a model without sliding-window layers; no document long enough.
     """
+    cfg = base.config_of(Config, cfg, options)
+    seq_len, n_seq, bucket, delta0 = cfg.window_seq_len, cfg.window_n_seq, cfg.bucket, cfg.delta0
     spec, _ = probe_hooks(model)
     local = local_layers(model)
     if not local:
@@ -337,7 +322,10 @@ def window_removal(
     if isinstance(corpus, Windows):
         win, ref = corpus.subset(range(min(n_seq, len(corpus)))), reference
     else:
-        win, ref = _long_windows(model, corpus, seq_len, n_seq, n_ref, seed, max_per_doc)
+        win, ref = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=None, seq_len=seq_len, n_ref=cfg.n_ref, seed=cfg.seed,
+                                  ref_seq_len=min(256, max(2, seq_len // 4)), max_per_doc=cfg.max_per_doc or None,
+                                  reference_docs="short")
+        win = win.subset(range(min(n_seq, len(win))))
     tokens = check_tokens(model, win.tokens, spec)
     if "disentangled" in conditions:
         k_means = _global_kbar(model, ref, k_means, local)
@@ -382,13 +370,13 @@ def window_summary(rows: pd.DataFrame) -> pd.DataFrame:
     out = []
     for (cond, b0), g in rows.groupby(["condition", "bucket_start"], sort=True):
         base = dict(condition=cond, bucket_start=b0)
-        out.append({**base, "estimator": "nll", **_ci_rows(g["nll"].to_numpy(), g["doc"].to_numpy()), "p": np.nan})
+        out.append({**base, "estimator": "nll", **ci_row(g["nll"].to_numpy(), g["doc"].to_numpy()), "p": np.nan})
         if cond != "window" and "window" in set(rows["condition"]):
             ref = rows[(rows["condition"] == "window") & (rows["bucket_start"] == b0)]
             m = g.merge(ref, on=["seq", "doc"], suffixes=("", "_w"))
             out.append({**base, "estimator": "d_vs_window",
-                        **_contrast((m["nll"] - m["nll_w"]).to_numpy(), m["doc"].to_numpy())})
-    return _finish(pd.DataFrame(out))
+                        **contrast_row((m["nll"] - m["nll_w"]).to_numpy(), m["doc"].to_numpy())})
+    return finish_table(pd.DataFrame(out))
 
 
 # ----------------------------------------------------------------------------- mechanism link
@@ -539,14 +527,130 @@ def head_class_test(rows: pd.DataFrame, classes: pd.DataFrame | None = None, *, 
         docs = per.index.get_level_values("doc").to_numpy()
         for col in ("kl", "d_mass"):
             d = (per[(col, "positional")] - per[(col, "symbolic")]).to_numpy()
-            out.append(dict(estimator=f"{col}: positional − symbolic", **_contrast(d, docs)))
+            out.append(dict(estimator=f"{col}: positional − symbolic", **contrast_row(d, docs)))
         for c in ("positional", "symbolic"):
             d = (per[("r_far", c)] - per[("r_far_0", c)]).to_numpy()
             ok = np.isfinite(d)
             if ok.sum() >= 2:
-                out.append(dict(estimator=f"D3 r_far − r_far(G=0): {c}", **_contrast(d[ok], docs[ok])))
-    res = _finish(pd.DataFrame(out)) if out else pd.DataFrame(out)
+                out.append(dict(estimator=f"D3 r_far − r_far(G=0): {c}", **contrast_row(d[ok], docs[ok])))
+    res = finish_table(pd.DataFrame(out)) if out else pd.DataFrame(out)
     res["n_heads_positional"] = int(n_cls.get("positional", 0))
     res["n_heads_symbolic"] = int(n_cls.get("symbolic", 0))
     res["classes"] = source
     return res
+
+
+# ----------------------------------------------------------------------------- report / study
+
+
+NAME = "length"
+ABOUT = ("longer texts: gap probe and (sliding-window models) window removal, vanilla / LM-Infinite / "
+         "disentangled (METHOD §7)")
+NEEDS: tuple[str, ...] = ()
+
+
+def compute(ctx: Any, cfg: Config) -> None:
+    """The gap probe and, on a model with sliding-window layers, window removal; writes rows,
+    summaries, configurations and figures."""
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.plot.length import plot_gap_probe, plot_window_removal  # noqa: PLC0415
+
+    meta: dict[str, Any] = {}
+    if cfg.gap:
+        try:
+            res = gap_probe(ctx.model, cfg.corpus, cfg)
+        except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
+            ctx.work.save_json("length_gap_meta.json", {"skipped": f"longer-texts stage skipped: {e}"})
+            return
+        ctx.work.save_df("length_gap_rows.csv", res.rows)
+        ctx.work.save_df("length_gap_summary.csv", res.summary)
+        meta = res.config
+        ctx.work.save_fig("fig_length_gap.png", plot_gap_probe(res.summary, title=f"Gap probe — {ctx.model_name}"))
+    ctx.work.save_json("length_gap_meta.json", meta if meta else {"gap": False})
+    if local_layers(ctx.model) and cfg.window:
+        wr = window_removal(ctx.model, cfg.corpus, cfg)
+        ctx.work.save_df("length_window_rows.csv", wr.rows)
+        ctx.work.save_df("length_window_summary.csv", wr.summary)
+        ctx.work.save_json("length_window_meta.json", wr.config)
+        ctx.work.save_fig("fig_length_window.png", plot_window_removal(wr.summary,
+                                                                       title=f"Window removal — {ctx.model_name}"))
+
+
+def _verdict_gap(summ: pd.DataFrame) -> str:
+    d = summ[(summ["estimator"] == "d_vs_gap0") & (summ["condition"] == "vanilla")]
+    if not len(d):
+        return "no gap beyond 0 was run"
+    top = d.sort_values("gap").iloc[-1]
+    word = "degrades" if top["ci_low"] > 0 else "does NOT clearly degrade (tolerance rather than failure)"
+    return (f"Vanilla suffix NLL at G = {top['gap_frac']:g}·n_ctx vs G = 0: {top['value']:+.3f} nats "
+            f"[{top['ci_low']:+.3f}, {top['ci_high']:+.3f}] — the model {word} at that gap.")
+
+
+def render(ctx: Any, cfg: Config) -> Any:
+    """The report section: suffix NLL per gap and condition, window removal by position bucket, figures."""
+    from posgen_tl.report.html import Finding, Section  # noqa: PLC0415
+
+    title = "8 · Longer texts: unseen distances (METHOD §7)"
+    meta = ctx.work.load_json("length_gap_meta.json")
+    if "skipped" in meta:
+        return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
+                       findings=[Finding("length", "not testable", note=str(meta["skipped"]))],
+                       paragraphs=["Give a corpus of several documents (a folder of text files, or the default pydoc "
+                                   "topics): the global k̄ must come from documents disjoint from the analysed ones."])
+    tables, figures, paras, verdict = [], [], [], "The gap probe was not run (option gap=false)."
+    res: dict[str, Any] = {"meta": meta}
+    findings = [Finding("length", "not run", note="gap probe not run (option gap=false)")]
+    if meta.get("gap", True) is not False:
+        summ = ctx.work.load_df("length_gap_summary.csv")
+        cols = ["condition", "gap_frac", "gap", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs",
+                "label"]
+        tables.append(("Suffix NLL per gap and condition; d_vs_gap0 / d_vs_vanilla are paired changes "
+                       "(document-bootstrap CI, sign-flip p, Holm)", summ[[c for c in cols if c in summ.columns]]))
+        figures.append((ctx.work.path("fig_length_gap.png").read_bytes(), "Suffix NLL vs gap G, vanilla / LM-Infinite / "
+                        "disentangled"))
+        res["gap"] = summ.to_dict("records")
+        verdict = _verdict_gap(summ)
+        findings = _findings(summ)
+        paras.append(
+            f"Sequence = prefix ({meta['prefix_len']} tokens) ‖ suffix ({meta['suffix_len']}); suffix ids shifted by G. "
+            "RoPE logits depend on ids only through i − j, so G changes only the suffix→prefix distances (a constant "
+            "shift of all ids changes nothing); at G ≥ n_ctx the suffix sees its prefix at distances never trained on. "
+            f"NLL of suffix tokens after the first {meta['skip']}. Conditions: LM-Infinite clamps distances > C = "
+            f"{meta['cap']} (first {meta['n_sink']} key at its true distance); 'disentangled' replaces them by "
+            f"f(q, C) + g_Δ0 (Δ0 = {meta['delta0']}, global k̄ from disjoint documents). Where no distance exceeds C "
+            "both are exact no-ops. The random twin is not shown: its NLL is near log|V| at every gap, so a gap "
+            "effect there means nothing.")
+    if ctx.work.path("length_window_summary.csv").exists():
+        wsum = ctx.work.load_df("length_window_summary.csv")
+        wmeta = ctx.work.load_json("length_window_meta.json")
+        tables.append((f"Window removal ({wmeta['seq_len']} tokens, local layers {wmeta['local_layers']}): NLL by "
+                       "position bucket; d_vs_window = paired change vs the trained window", wsum))
+        figures.append((ctx.work.path("fig_length_window.png").read_bytes(), "NLL by position, local layers with / "
+                        "without the window"))
+        res["window"] = wsum.to_dict("records")
+    return Section(title, verdict=verdict, paragraphs=paras, tables=tables, figures=figures, findings=findings,
+                   results=res)
+
+
+def _findings(summ: pd.DataFrame) -> list:
+    """Gap probe: vanilla suffix NLL at the LARGEST gap minus at G = 0 (paired per sequence,
+    document-bootstrap CI, Holm-adjusted sign-flip p of the table); the note gives the disentangled −
+    vanilla change at that gap. "degrades" / "improves" (p < .05) or "no evidence"."""
+    from posgen_tl.report.html import Finding  # noqa: PLC0415
+    from posgen_tl.report.text import sig3  # noqa: PLC0415
+
+    d = summ[(summ["estimator"] == "d_vs_gap0") & (summ["condition"] == "vanilla")]
+    if d.empty:
+        return [Finding("length", "not testable", note="no gap beyond 0 in this run")]
+    r = d.sort_values("gap").iloc[-1]
+    p = float(r["p_holm"]) if r["p_holm"] == r["p_holm"] else float(r["p"])
+    note = f"G = {r['gap_frac']:g}·n_ctx vs G = 0"
+    dis = summ[(summ["estimator"] == "d_vs_vanilla") & (summ["condition"] == "disentangled") & (summ["gap"] == r["gap"])]
+    if len(dis):
+        q = dis.iloc[0]
+        pq = float(q["p_holm"]) if q["p_holm"] == q["p_holm"] else float(q["p"])
+        note += (f"; disentangled − vanilla there {sig3(float(q['value']))} [{sig3(float(q['ci_low']))}, "
+                 f"{sig3(float(q['ci_high']))}], p = {sig3(pq)}")
+    word = ("degrades" if r["value"] > 0 else "improves") if p == p and p < 0.05 else "no evidence"
+    return [Finding("length", word, float(r["value"]), "vanilla suffix ΔNLL (nats)",
+                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_seq"]), note=note)]

@@ -19,29 +19,35 @@ Statistics (METHOD §8): unit = sequence, clustered by document; document bootst
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
 from posgen_tl import stats
+from posgen_tl.experiments import base
+from posgen_tl.maths import groups as layer_grouping
+from posgen_tl.maths.groups import group_label
 from posgen_tl.hooks.capture import probe_hooks
-from posgen_tl.io.corpus import CorpusLike, Windows
-from posgen_tl.hooks.edits import sufficiency_hooks
-from posgen_tl.experiments.decomposition import analysis_windows, reference_key_means
-from posgen_tl.experiments.length import LengthResult, _ci_rows, _contrast, _finish
+from posgen_tl.io.corpus import CorpusLike
+from posgen_tl.io.sampling import Windows, resolve_windows
+from posgen_tl.hooks.logits import sufficiency_hooks
+from posgen_tl.experiments.decomposition import reference_key_means
+from posgen_tl.experiments.length import LengthResult
+from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 from posgen_tl.experiments.tolerance import nll_on_target, transposition_curve
 
-__all__ = ["SOURCES", "layer_groups", "sufficiency_hooks_for", "sufficiency", "sufficiency_summary"]
+__all__ = ["Config", "SOURCES", "layer_groups", "sufficiency_hooks_for", "sufficiency", "sufficiency_summary"]
 
 SOURCES = ("d3", "d3_quantile", "d1", "wrong_kbar")
 
 
-def layer_groups(n_layers: int, n_groups: int = 3) -> dict[str, list[int]]:
-    """``{"0–9": [0..9], "10–19": [...], "20–29": [...], "all": [...]}``: contiguous thirds + all."""
-    edges = np.linspace(0, n_layers, n_groups + 1).round().astype(int)
-    out = {f"{a}–{b - 1}": list(range(a, b)) for a, b in zip(edges[:-1], edges[1:]) if b > a}
+def layer_groups(n_layers: int) -> dict[str, list[int]]:
+    """``{"0–9": [0..9], "10–19": [...], "20–29": [...], "all": [...]}``: the layer thirds of
+    :func:`posgen_tl.maths.groups.layer_groups`, labelled by their range, and all layers."""
+    out = {group_label(ls): ls for ls in layer_grouping.layer_groups(n_layers).values() if ls}
     out["all"] = list(range(n_layers))
     return out
 
@@ -65,22 +71,44 @@ def sufficiency_hooks_for(
     raise ValueError(f"unknown source {source!r}; choose from {SOURCES}")
 
 
+@dataclass(frozen=True)
+class Config(base.Config):
+    """Options of the sufficiency test (METHOD §5, substitution)."""
+
+    NAME: ClassVar[str] = "sufficiency"
+    n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
+    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
+    target_len: int = base.option(0, "tokens at the end whose NLL is measured; 0 = min(64, seq_len / 4)", "count")
+    sources: tuple[str, ...] = base.option(SOURCES, "substituted logits: d3 (f + g_Δ0), d3_quantile, and the d1 and "
+                                           "wrong_kbar controls", "names")
+    tolerance: tuple[tuple[str, str], ...] = base.option((("d3", "all"),), "source:group pairs whose T1 tolerance "
+                                                         "slope is measured, e.g. d3:all", "pairs", quick=())
+    fracs: tuple[float, ...] = base.option((0.0, 0.1, 0.2), "swap fractions of the tolerance slopes (must include 0)",
+                                           "floats")
+    seeds: tuple[int, ...] = base.option((0,), "swap seeds of the tolerance slopes", "ints")
+    gamma: float = base.option(0.9, "per-row quantile of the d3_quantile source (entries below it are replaced)", "float")
+    delta0: int = base.option(0, "reference offset Δ0 of g_Δ0", "count")
+    keep_sink: int = base.option(1, "first keys kept exact", "count")
+    batch_size: int = base.option(4, "sequences per forward batch", "int")
+
+    def target(self) -> int:
+        """The target length (``target_len``, or ``min(64, seq_len // 4)`` when it is 0)."""
+        return self.target_len or min(64, self.seq_len // 4)
+
+
 def sufficiency(
-    model: Any, corpus: CorpusLike | Windows = None, *, n_seq: int = 32, seq_len: int = 256, target_len: int = 64,
-    groups: dict[str, Sequence[int]] | None = None, sources: Sequence[str] = SOURCES, gamma: float = 0.9,
-    delta0: int = 0, keep_sink: int = 1, n_ref: int = 8, k_means: dict | None = None,
-    reference: Windows | None = None, tolerance: Sequence[tuple[str, str]] = (),
-    fracs: Sequence[float] = (0.0, 0.05, 0.1, 0.2), seeds: Sequence[int] = (0,), seed: int = 0,
-    batch_size: int = 4, progress: bool = True,
+    model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, *,
+    groups: dict[str, Sequence[int]] | None = None, k_means: dict | None = None, reference: Windows | None = None,
+    progress: bool = True, **options: Any,
 ) -> LengthResult:  # fmt: skip
     """Substitute ``W ← f + g_Δ0`` (and the controls) in layer groups; clean NLL and tolerance.
 
     Args:
-        groups: ``{label: layers}`` (default :func:`layer_groups`: thirds + all).
-        sources: conditions, subset of :data:`SOURCES`.
-        gamma: the per-row quantile of ``d3_quantile`` (entries below it are replaced).
-        tolerance: ``(source, group)`` pairs whose T1 tolerance slope is measured (plus the
-            unmodified model) — each costs ``len(fracs)·len(seeds)`` forward passes.
+        cfg: :class:`Config` (with ``options`` applied): sizes, ``sources`` (a subset of
+            :data:`SOURCES`), ``gamma`` (the per-row quantile of ``d3_quantile``), ``tolerance``
+            (``(source, group)`` pairs whose T1 tolerance slope is measured, plus the unmodified
+            model — each costs ``len(fracs)·len(seeds)`` forward passes), ``delta0``, ``keep_sink``.
+        groups: ``{label: layers}`` (default :func:`layer_groups`: the layer thirds + all).
         k_means: global k̄ per layer (default: ``n_ref`` windows of disjoint documents).
 
     Returns:
@@ -88,12 +116,16 @@ def sufficiency(
         doc, doc_name, clean_nll, nll, dnll`` and, for measured pairs, ``slope, dslope``) and
         ``summary`` (:func:`sufficiency_summary`).
     """
+    cfg = base.config_of(Config, cfg, options)
+    sources, gamma, delta0, keep_sink, tolerance = cfg.sources, cfg.gamma, cfg.delta0, cfg.keep_sink, cfg.tolerance
+    fracs, seeds, batch_size, target_len = cfg.fracs, cfg.seeds, cfg.batch_size, cfg.target()
     spec, _ = probe_hooks(model)
     groups = layer_groups(spec.n_layers) if groups is None else groups
     bad = set(sources) - set(SOURCES)
     if bad:
         raise ValueError(f"unknown source(s) {sorted(bad)}; choose from {SOURCES}")
-    win, ref = analysis_windows(model, corpus, reference, n_seq=n_seq, seq_len=seq_len, n_ref=n_ref, seed=seed)
+    win, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
+                               n_ref=cfg.n_ref if k_means is None else 0, seed=cfg.seed)
     if k_means is None:
         if ref is None:
             raise ValueError("pass k_means or reference windows (the global k̄ needs disjoint documents)")
@@ -138,8 +170,88 @@ def sufficiency_summary(rows: pd.DataFrame) -> pd.DataFrame:
     for (source, group), g in rows.groupby(["source", "group"], sort=False):
         docs = g["doc"].to_numpy()
         base = dict(source=source, group=group, layers=g["layers"].iloc[0])
-        out.append({**base, "estimator": "clean_nll", **_ci_rows(g["clean_nll"].to_numpy(), docs), "p": np.nan})
-        out.append({**base, "estimator": "dnll", **_contrast(g["dnll"].to_numpy(), docs)})
+        out.append({**base, "estimator": "clean_nll", **ci_row(g["clean_nll"].to_numpy(), docs), "p": np.nan})
+        out.append({**base, "estimator": "dnll", **contrast_row(g["dnll"].to_numpy(), docs)})
         if "dslope" in g and g["dslope"].notna().all():
-            out.append({**base, "estimator": "dslope", **_contrast(g["dslope"].to_numpy(), docs)})
-    return _finish(pd.DataFrame(out))
+            out.append({**base, "estimator": "dslope", **contrast_row(g["dslope"].to_numpy(), docs)})
+    return finish_table(pd.DataFrame(out))
+
+
+# ----------------------------------------------------------------------------- report / study
+
+
+NAME = "sufficiency"
+ABOUT = "substitute the logits by f + g (D3, global k̄) per layer group, with D1 and wrong-k̄ controls (METHOD §5)"
+NEEDS: tuple[str, ...] = ()
+
+
+def compute(ctx: Any, cfg: Config) -> None:
+    """Substitution per layer group and source; writes rows, the summary, the configuration and a figure."""
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.plot.sufficiency import plot_sufficiency  # noqa: PLC0415
+
+    try:
+        res = sufficiency(ctx.model, cfg.corpus, cfg)
+    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
+        ctx.work.save_json("sufficiency_meta.json", {"skipped": f"sufficiency stage skipped: {e}"})
+        return
+    ctx.work.save_df("sufficiency_rows.csv", res.rows)
+    ctx.work.save_df("sufficiency_summary.csv", res.summary)
+    ctx.work.save_json("sufficiency_meta.json", res.config)
+    ctx.work.save_fig("fig_sufficiency.png", plot_sufficiency(res.summary, title=f"Sufficiency — {ctx.model_name}"))
+
+
+def render(ctx: Any, cfg: Config) -> Any:
+    """The report section: ΔNLL per source and layer group, beside the controls, and the figure."""
+    from posgen_tl.report.html import Finding, Section  # noqa: PLC0415
+
+    title = "6 · Sufficiency: does f + g carry what the model uses? (METHOD §5)"
+    meta = ctx.work.load_json("sufficiency_meta.json")
+    if "skipped" in meta:
+        return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
+                       findings=[Finding("sufficiency", "not testable", note=str(meta["skipped"]))],
+                       paragraphs=["Give a corpus of several documents: the global k̄ must come from documents "
+                                   "disjoint from the analysed ones."])
+    summ = ctx.work.load_df("sufficiency_summary.csv")
+    d = summ[summ["estimator"] == "dnll"]
+    line = "; ".join(f"{r.source} @ {r.group}: {r.value:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+                     for r in d.itertuples() if r.source == "d3")
+    cols = ["source", "group", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs", "label"]
+    return Section(
+        title,
+        verdict=f"ΔNLL (last {meta['target_len']} tokens) when the logits are replaced by f + g_Δ0: {line}.",
+        paragraphs=[f"W ← f + g_Δ0 (Δ0 = {meta['delta0']}, global k̄ from documents disjoint from the analysed ones) in "
+                    f"each layer group, sink key kept exact; 'd3_quantile' replaces only entries below the row's "
+                    f"{meta['gamma']:g}-quantile (LM-Infinite keeps the top ones). Controls: 'd1' substitutes the "
+                    "in-sample D1 least-squares fit a[i−j] + b[i] + c[j] of the same map; 'wrong_kbar' builds D3 from "
+                    "another layer's k̄. Small ΔNLL for d3 but large for the controls = f + g carries what the model "
+                    "uses. The random twin is not shown: its NLL is near log|V| whatever its logits are."],
+        tables=[("ΔNLL and clean NLL per source and layer group (document-bootstrap CI, sign-flip p, Holm)",
+                 summ[[c for c in cols if c in summ.columns]])],
+        figures=[(ctx.work.path("fig_sufficiency.png").read_bytes(), "ΔNLL by layer group: D3 substitution vs the D1 and "
+                  "wrong-k̄ controls")],
+        findings=_findings(summ),
+        results={"sufficiency": summ.to_dict("records"), "meta": meta},
+    )
+
+
+def _findings(summ: pd.DataFrame) -> list:
+    """Substitution W ← f + g_Δ0 in ALL layers (the pre-declared group "all"): ΔNLL vs the unmodified
+    model (document-bootstrap CI, Holm p of the table); the note compares it with the D1 control of
+    the same group. "costs NLL" when p < .05 and ΔNLL > 0, else "no evidence of a cost" (never
+    "sufficient": that needs an equivalence test with a declared margin)."""
+    from posgen_tl.report.html import Finding  # noqa: PLC0415
+    from posgen_tl.report.text import sig3  # noqa: PLC0415
+
+    g = summ[(summ["source"] == "d3") & (summ["group"] == "all") & (summ["estimator"] == "dnll")]
+    if g.empty:
+        return [Finding("sufficiency", "not testable", note="no d3 substitution of all layers in this run")]
+    r = g.iloc[0]
+    p = float(r["p_holm"]) if r["p_holm"] == r["p_holm"] else float(r["p"])
+    note = "layers: all; global k̄"
+    ctrl = summ[(summ["source"] == "d1") & (summ["group"] == "all") & (summ["estimator"] == "dnll")]
+    if len(ctrl):
+        note += f"; D1 control ΔNLL {sig3(float(ctrl.iloc[0]['value']))}"
+    word = "costs NLL" if p == p and p < 0.05 and r["value"] > 0 else "no evidence of a cost"
+    return [Finding("sufficiency", word, float(r["value"]), "ΔNLL of f + g substitution (nats)",
+                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_seq"]), note=note)]

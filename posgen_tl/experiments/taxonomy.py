@@ -37,18 +37,19 @@ symbolic heads (Mann–Whitney U).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float, Int
 from scipy.stats import mannwhitneyu, spearmanr
 from torch import Tensor
 
-from posgen_tl.experiments.decomposition import layer_group
+from posgen_tl.maths.groups import layer_group
 from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
-from posgen_tl.io.corpus import CorpusError, Windows, reference_windows
+from posgen_tl.experiments import base
+from posgen_tl.io.sampling import Windows, sample_windows
 from posgen_tl.maths.decompose import causal_mask as fit_mask
 from posgen_tl.maths.decompose import d3_split
 from posgen_tl.maths.band_stats import BandStats
@@ -56,7 +57,6 @@ from posgen_tl.maths.taxonomy import (
     LABELS,
     LogitScoreSums,
     band_logits,
-    causal_mask,
     frequency_centroid,
     pass_logits,
     positional_share,
@@ -66,11 +66,11 @@ from posgen_tl.maths.taxonomy import (
     taxonomy_label,
 )
 from posgen_tl.io.models import random_twin
-from posgen_tl.maths.rope import scores_from_rotated
+from posgen_tl.maths.rope import causal_mask, scores_from_rotated
 
 __all__ = [
     "region_layout",
-    "taxonomy_windows",
+    "Config",
     "head_taxonomy",
     "head_table",
     "head_taxonomy_with_twin",
@@ -104,22 +104,6 @@ def region_layout(n_pos: int, region_len: int, n_query: int, sink: int = 1) -> t
             "(need region_len >= 3, n_query >= 1, n_pos - n_query - region_len >= sink)"
         )
     return r0, r1
-
-
-def taxonomy_windows(
-    model: Any, corpus: Any = None, *, n_prompts: int = 16, seq_len: int = 256, n_ref: int = 4, seed: int = 0
-) -> tuple[Windows, Windows]:
-    """``(analysed, reference)``: ``n_prompts`` windows from DISTINCT documents, and ``n_ref``
-    reference windows (for the global ``k̄``) from a disjoint document set
-    (:func:`posgen_tl.io.corpus.reference_windows`, one window per document).
-
-    Raises:
-        CorpusError: fewer than ``n_prompts`` analysed documents hold ``seq_len`` tokens.
-    """
-    pool, ref = reference_windows(model, corpus, seq_len=seq_len, n_seq=n_ref, seed=seed, max_per_doc=1)
-    if len(pool) < n_prompts:
-        raise CorpusError(f"only {len(pool)} analysed documents hold {seq_len} tokens; {n_prompts} prompts asked for")
-    return pool.subset(range(n_prompts)), ref
 
 
 def _as_tokens(x: Windows | Tensor) -> tuple[Tensor, int]:
@@ -202,28 +186,41 @@ def _nanmean(x: np.ndarray) -> np.ndarray:
         return np.nanmean(x, 0)
 
 
+@dataclass(frozen=True)
+class Config(base.Config):
+    """Options of the head taxonomy (METHOD §6); ``n_seq`` is the number of prompts."""
+
+    NAME: ClassVar[str] = "taxonomy"
+    n_seq: int = base.option(8, "prompts (windows of distinct documents)", "int", quick=2, full=32)
+    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
+    layers: Any = base.option("all", "layers classified", "layers", quick="every5")
+    n_perm: int = base.option(8, "region permutations per prompt", "int")
+    region_len: int = base.option(0, "tokens of the permuted region; 0 = max(4, min(64, seq_len / 4))", "count")
+    n_query: int = base.option(0, "query rows after the region; 0 = the region length", "count")
+    block: int = base.option(1, "permute blocks of this many tokens (1 = single tokens)", "int")
+    sink: int = base.option(1, "first positions excluded (attention sinks)", "count")
+    min_score: float = base.option(0.2, "a score must also exceed this to count", "float")
+    quantile: float = base.option(0.95, "quantile of the permutation null a score must exceed", "float")
+    rel_tol: float = base.option(1e-3, "rows whose logit spread is below this fraction of the head's are excluded", "float")
+    batch_size: int = base.option(1, "prompts (each with its permutations) per forward batch", "int")
+
+    def region(self) -> tuple[int, int]:
+        """``(region_len, n_query)`` with the automatic defaults resolved."""
+        span = max(4, min(64, self.seq_len // 4))
+        region = self.region_len or span
+        return region, self.n_query or span
+
+
 def head_taxonomy(
     model: Any,
     tokens: Windows | Tensor | Any = None,
     reference: Windows | Tensor | None = None,
+    cfg: Config | None = None,
     *,
-    layers: Sequence[int] | None = None,
-    n_prompts: int = 16,
-    seq_len: int = 256,
-    n_ref: int = 4,
-    n_perm: int = 8,
-    region_len: int = 64,
-    n_query: int = 64,
-    block: int = 1,
-    sink: int = 1,
-    seed: int = 0,
-    rel_tol: float = 1e-3,
-    min_score: float = 0.2,
-    quantile: float = 0.95,
-    batch_size: int = 1,
     model_label: str | None = None,
     twin_label: str = "trained",
     progress: bool = True,
+    **options: Any,
 ) -> pd.DataFrame:
     """Positional/symbolic scores per head and per band with their null, labels, frequency usage
     and the D3 positional share (global ``k̄``).
@@ -231,9 +228,10 @@ def head_taxonomy(
     ``tokens``: analysed windows (:class:`Windows` or a ``[batch, pos]`` tensor, all rows used)
     and ``reference``: the windows for the global ``k̄`` (disjoint documents). If ``tokens`` is
     anything else (a text corpus, ``None`` = default prose), both come from
-    :func:`taxonomy_windows` (``n_prompts`` distinct documents, ``n_ref`` reference ones).
-    Region/rows from :func:`region_layout`; ``n_perm`` permutations per prompt, drawn with
-    seed ``(seed, prompt index)``; ``batch_size`` prompts (each with its permutations) per forward.
+    :func:`posgen_tl.io.sampling.sample_windows` (``cfg.n_seq`` prompts, ``cfg.n_ref`` reference windows).
+    ``cfg`` (:class:`Config`, with ``options`` applied): region/rows from :func:`region_layout`;
+    ``n_perm`` permutations per prompt, drawn with seed ``(seed, prompt index)``; ``batch_size``
+    prompts (each with its permutations) per forward.
 
     Returns:
         Tidy DataFrame, one row per ``(layer, head, band)``, ``band = −1`` for the full head:
@@ -250,19 +248,21 @@ def head_taxonomy(
     Raises:
         ValueError: a reference set is missing for a token tensor, or the layout does not fit.
     """
-    if n_perm < 1:
-        raise ValueError(f"n_perm must be >= 1, got {n_perm}")
+    cfg = base.config_of(Config, cfg, options)
+    n_perm, block, sink, seed, rel_tol = cfg.n_perm, cfg.block, cfg.sink, cfg.seed, cfg.rel_tol
+    batch_size = cfg.batch_size
+    region_len, n_query = cfg.region()
     if isinstance(tokens, (Windows, Tensor)):
         if reference is None:
             raise ValueError("a token tensor/Windows needs `reference` windows from other documents (global k̄)")
     else:
-        tokens, reference = taxonomy_windows(model, tokens, n_prompts=n_prompts, seq_len=seq_len, n_ref=n_ref,
-                                             seed=seed)
+        tokens, reference = sample_windows(model, cfg.corpus if tokens is None else tokens, n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref,
+                                           seed=seed)
     toks, n_docs = _as_tokens(tokens)
     ref, _ = _as_tokens(reference)
     spec, _ = probe_hooks(model)
     n_p, n = toks.shape
-    layers = list(range(spec.n_layers)) if layers is None else sorted({int(x) % spec.n_layers for x in layers})
+    layers = base.resolve_layers(cfg.layers, spec.n_layers)
     r0, r1 = region_layout(n, region_len, n_query, sink)
 
     # pass 1: global k̄ per layer and kv-head from the reference windows (sink excluded)
@@ -271,18 +271,7 @@ def head_taxonomy(
     k_means = {l: m.float() for l, m in reference_key_means(model, ref, layers, sink=sink, batch_size=4,
                                                              progress=progress).items()}
     # pass 2: clean + permuted prompts, interleaved per prompt
-    perms, nulls, seqs = [], [], []
-    for p in range(n_p):
-        g = torch.Generator().manual_seed(1_000_003 * int(seed) + p)
-        pm = region_permutations(region_len, n_perm, block=block, generator=g)
-        perms.append(pm)
-        nulls.append(torch.stack([torch.randperm(region_len, generator=g) for _ in range(n_perm)]))
-        seqs.append(toks[p])
-        for k in range(n_perm):
-            t = toks[p].clone()
-            t[r0:r1] = toks[p, r0:r1][pm[k]]
-            seqs.append(t)
-    paired = torch.stack(seqs)
+    paired, perms, nulls = _permuted_prompts(toks, r0, r1, n_perm, block, seed)
     accs = {l: _LayerAcc(n_p, spec.n_heads, spec.layer(l).n_bands) for l in layers}
     per = n_perm + 1
 
@@ -296,50 +285,74 @@ def head_taxonomy(
               progress="taxonomy" if progress else False)
 
     label = model_label or str(getattr(getattr(model, "cfg", None), "model_name", "model"))
-    frames = []
-    for l in layers:
-        rope, acc = spec.layer(l), accs[l]
-        n_h, n_b = spec.n_heads, rope.n_bands
-        if acc.sums is None:
-            nan = torch.full((n_h, 1 + n_b), float("nan"), dtype=torch.float64)
-            zero = torch.zeros_like(nan)
-            res = dict(positional=nan, symbolic=nan, null_mc=nan, null_sd=nan, null_q=nan, n_used=zero,
-                       n_excluded=zero, weight=zero)
-        else:
-            res = acc.sums.finalize(quantile)
-        res = {k: v.cpu().numpy() for k, v in res.items()}
-        group = n_h // acc.k_stats.n_heads
-        q_e = acc.q_stats.energy_share().cpu().double()
-        k_e = acc.k_stats.energy_share().cpu().double().repeat_interleave(group, 0)  # → query heads
-        q_c, k_c = frequency_centroid(q_e).numpy(), frequency_centroid(k_e).numpy()
-        sh, sh_sd = _nanmean(acc.share), _nanstd(acc.share)
-        head = np.repeat(np.arange(n_h), 1 + n_b)
-        band = np.tile(np.arange(-1, n_b), n_h)
-        is_full = band < 0
-        bi = np.clip(band, 0, None)
-        nan = np.full(head.shape, np.nan)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mass = np.where(res["n_used"] > 0, res["weight"] / res["n_used"], np.nan)
-        frames.append(pd.DataFrame(dict(
-            model=label, twin=twin_label, layer=l, kind=rope.kind, head=head, band=band,
-            theta=np.where(is_full, np.nan, rope.theta.cpu().numpy()[bi]),
-            positional=res["positional"].ravel(), symbolic=res["symbolic"].ravel(),
-            null_mc=res["null_mc"].ravel(), null_sd=res["null_sd"].ravel(), null_q=res["null_q"].ravel(),
-            label=taxonomy_label(res["positional"].ravel(), res["symbolic"].ravel(), res["null_q"].ravel(),
-                                 min_score=min_score),
-            positional_std=_nanstd(acc.pos).ravel(), symbolic_std=_nanstd(acc.sym).ravel(),
-            n_rows_used=res["n_used"].ravel().astype(int), n_rows_excluded=res["n_excluded"].ravel().astype(int),
-            region_mass=mass.ravel(), n_prompts=n_p, n_docs=n_docs,
-            q_energy_share=np.where(is_full, nan, q_e.numpy()[head, bi]),
-            k_energy_share=np.where(is_full, nan, k_e.numpy()[head, bi]),
-            q_centroid=np.where(is_full, q_c[head], nan), k_centroid=np.where(is_full, k_c[head], nan),
-            positional_share=np.where(is_full, sh[head], nan),
-            positional_share_std=np.where(is_full, sh_sd[head], nan),
-            positional_share_seq=np.where(is_full, _nanmean(acc.share_seq)[head], nan),
-            n_perm=n_perm, region_len=region_len, n_query=n_query, block=block, min_score=min_score,
-            rel_tol=rel_tol,
-        )))
+    frames = [_layer_frame(accs[l], spec.layer(l), l, cfg, label=label, twin_label=twin_label, n_prompts=n_p,
+                           n_docs=n_docs) for l in layers]
     return pd.concat(frames, ignore_index=True)
+
+
+def _permuted_prompts(toks: Tensor, r0: int, r1: int, n_perm: int, block: int,
+                      seed: int) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Every prompt followed by its ``n_perm`` region-permuted copies (``[n_prompts·(n_perm+1), pos]``),
+    with the permutations and the independent null permutations of each prompt (seed ``(seed, prompt)``)."""
+    region_len = r1 - r0
+    perms, nulls, seqs = [], [], []
+    for p in range(toks.shape[0]):
+        g = torch.Generator().manual_seed(1_000_003 * int(seed) + p)
+        pm = region_permutations(region_len, n_perm, block=block, generator=g)
+        perms.append(pm)
+        nulls.append(torch.stack([torch.randperm(region_len, generator=g) for _ in range(n_perm)]))
+        seqs.append(toks[p])
+        for k in range(n_perm):
+            t = toks[p].clone()
+            t[r0:r1] = toks[p, r0:r1][pm[k]]
+            seqs.append(t)
+    return torch.stack(seqs), perms, nulls
+
+
+def _layer_frame(acc: "_LayerAcc", rope: Any, layer: int, cfg: Config, *, label: str, twin_label: str,
+                 n_prompts: int, n_docs: int) -> pd.DataFrame:
+    """The rows of one layer (full heads at ``band = −1``, then every band) from its accumulators."""
+    region_len, n_query = cfg.region()
+    n_h, n_b = acc.pos.shape[1], rope.n_bands
+    if acc.sums is None:
+        nan = torch.full((n_h, 1 + n_b), float("nan"), dtype=torch.float64)
+        zero = torch.zeros_like(nan)
+        res = dict(positional=nan, symbolic=nan, null_mc=nan, null_sd=nan, null_q=nan, n_used=zero,
+                   n_excluded=zero, weight=zero)
+    else:
+        res = acc.sums.finalize(cfg.quantile)
+    res = {k: v.cpu().numpy() for k, v in res.items()}
+    group = n_h // acc.k_stats.n_heads
+    q_e = acc.q_stats.energy_share().cpu().double()
+    k_e = acc.k_stats.energy_share().cpu().double().repeat_interleave(group, 0)  # → query heads
+    q_c, k_c = frequency_centroid(q_e).numpy(), frequency_centroid(k_e).numpy()
+    sh, sh_sd = _nanmean(acc.share), _nanstd(acc.share)
+    head = np.repeat(np.arange(n_h), 1 + n_b)
+    band = np.tile(np.arange(-1, n_b), n_h)
+    is_full = band < 0
+    bi = np.clip(band, 0, None)
+    nan = np.full(head.shape, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mass = np.where(res["n_used"] > 0, res["weight"] / res["n_used"], np.nan)
+    return pd.DataFrame(dict(
+        model=label, twin=twin_label, layer=layer, kind=rope.kind, head=head, band=band,
+        theta=np.where(is_full, np.nan, rope.theta.cpu().numpy()[bi]),
+        positional=res["positional"].ravel(), symbolic=res["symbolic"].ravel(),
+        null_mc=res["null_mc"].ravel(), null_sd=res["null_sd"].ravel(), null_q=res["null_q"].ravel(),
+        label=taxonomy_label(res["positional"].ravel(), res["symbolic"].ravel(), res["null_q"].ravel(),
+                             min_score=cfg.min_score),
+        positional_std=_nanstd(acc.pos).ravel(), symbolic_std=_nanstd(acc.sym).ravel(),
+        n_rows_used=res["n_used"].ravel().astype(int), n_rows_excluded=res["n_excluded"].ravel().astype(int),
+        region_mass=mass.ravel(), n_prompts=n_prompts, n_docs=n_docs,
+        q_energy_share=np.where(is_full, nan, q_e.numpy()[head, bi]),
+        k_energy_share=np.where(is_full, nan, k_e.numpy()[head, bi]),
+        q_centroid=np.where(is_full, q_c[head], nan), k_centroid=np.where(is_full, k_c[head], nan),
+        positional_share=np.where(is_full, sh[head], nan),
+        positional_share_std=np.where(is_full, sh_sd[head], nan),
+        positional_share_seq=np.where(is_full, _nanmean(acc.share_seq)[head], nan),
+        n_perm=cfg.n_perm, region_len=region_len, n_query=n_query, block=cfg.block, min_score=cfg.min_score,
+        rel_tol=cfg.rel_tol,
+    ))
 
 
 def head_table(model_or_df: Any, tokens: Any = None, reference: Any = None, **kw: Any) -> pd.DataFrame:
@@ -355,18 +368,19 @@ def head_table(model_or_df: Any, tokens: Any = None, reference: Any = None, **kw
     return df[df["band"] == -1][HEAD_COLUMNS].reset_index(drop=True)
 
 
-def head_taxonomy_with_twin(model: Any, tokens: Any = None, reference: Any = None, seed: int = 0, *,
-                            twin: Any = None, **kw: Any) -> pd.DataFrame:
-    """:func:`head_taxonomy` of the trained model and of ``random_twin(model, seed)`` on the
+def head_taxonomy_with_twin(model: Any, tokens: Any = None, reference: Any = None, cfg: Config | None = None, *,
+                            twin: Any = None, progress: bool = True, **options: Any) -> pd.DataFrame:
+    """:func:`head_taxonomy` of the trained model and of ``random_twin(model, cfg.seed)`` on the
     SAME windows, reference and permutations (``twin`` column ``'trained'`` / ``'random'``),
-    concatenated. ``twin``: an already-built ``random_twin(model, seed)`` to reuse."""
+    concatenated. ``twin``: an already-built random twin to reuse."""
+    cfg = base.config_of(Config, cfg, options)
     if not isinstance(tokens, (Windows, Tensor)):
-        tokens, reference = taxonomy_windows(model, tokens, n_prompts=kw.pop("n_prompts", 16),
-                                             seq_len=kw.pop("seq_len", 256), n_ref=kw.pop("n_ref", 4), seed=seed)
-    label = kw.pop("model_label", None) or str(getattr(getattr(model, "cfg", None), "model_name", "model"))
-    trained = head_taxonomy(model, tokens, reference, seed=seed, model_label=label, twin_label="trained", **kw)
-    twin = random_twin(model, seed) if twin is None else twin
-    rand = head_taxonomy(twin, tokens, reference, seed=seed, model_label=label, twin_label="random", **kw)
+        tokens, reference = sample_windows(model, cfg.corpus if tokens is None else tokens, n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref,
+                                           seed=cfg.seed)
+    label = str(getattr(getattr(model, "cfg", None), "model_name", "model"))
+    trained = head_taxonomy(model, tokens, reference, cfg, model_label=label, twin_label="trained", progress=progress)
+    twin = random_twin(model, cfg.seed) if twin is None else twin
+    rand = head_taxonomy(twin, tokens, reference, cfg, model_label=label, twin_label="random", progress=progress)
     return pd.concat([trained, rand], ignore_index=True)
 
 
@@ -437,7 +451,7 @@ def taxonomy_agreement(head_df: pd.DataFrame) -> dict[str, dict[str, float]]:
 
 def labels_by_layer_group(head_df: pd.DataFrame, n_layers: int | None = None) -> pd.DataFrame:
     """Head label counts per twin and layer third (early / middle / late of ``n_layers`` as
-    :func:`posgen_tl.experiments.decomposition.layer_group`, default
+    :func:`posgen_tl.maths.groups.layer_group`, default
     the largest layer + 1).
 
     Returns:
@@ -458,3 +472,117 @@ def agreement_table(head_df: pd.DataFrame) -> pd.DataFrame:
     """:func:`taxonomy_agreement` as a tidy table ``twin, n_heads, spearman, p``."""
     return pd.DataFrame([{"twin": t, "n_heads": a["n"], "spearman": a["rho"], "p": a["p"]}
                          for t, a in taxonomy_agreement(head_df).items()])
+
+
+# ----------------------------------------------------------------------------- report / study
+
+
+NAME = "taxonomy"
+ABOUT = "positional vs symbolic head taxonomy, trained beside the random twin (METHOD §6)"
+NEEDS: tuple[str, ...] = ()
+
+
+def compute(ctx: Any, cfg: Config) -> None:
+    """Classify every head (and every band as a 2-D head) of the trained model and its twin; writes
+    the head, band and link tables, the label counts and four figures."""
+    from posgen_tl.io.sampling import sample_or_chunks  # noqa: PLC0415
+    from posgen_tl.plot.taxonomy import (  # noqa: PLC0415
+        plot_frequency_usage,
+        plot_label_counts,
+        plot_positional_symbolic_plane,
+        plot_taxonomy_vs_share,
+    )
+
+    tokens, ref, source = sample_or_chunks(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
+                                           n_ref=cfg.n_ref, seed=cfg.seed)
+    if cfg.twin:
+        df = head_taxonomy_with_twin(ctx.model, tokens, ref, cfg, twin=ctx.twin())
+    else:
+        df = head_taxonomy(ctx.model, tokens, ref, cfg, model_label=ctx.model_name)
+    heads = head_table(df)
+    region, n_query = cfg.region()
+    ctx.work.save_df("heads.csv", heads)
+    ctx.work.save_df("heads_bands.csv", df[df["band"] >= 0])
+    ctx.work.save_df("heads_link.csv", share_by_class(df))
+    ctx.work.save_json("heads_meta.json", {"source": source, "region_len": region, "n_query": n_query,
+                                           "n_perm": cfg.n_perm, "block": cfg.block, "n_prompts": len(tokens),
+                                           "n_docs": int(df["n_docs"].iloc[0]), "n_layers": int(ctx.model.cfg.n_layers),
+                                           "min_score": float(df["min_score"].iloc[0])})
+    ctx.work.save_fig("fig_heads_plane.png", plot_positional_symbolic_plane(heads))
+    ctx.work.save_fig("fig_heads_bands.png", plot_label_counts(df))
+    ctx.work.save_fig("fig_heads_freq.png", plot_frequency_usage(df))  # band rows: head × band heat map
+    ctx.work.save_fig("fig_heads_share.png", plot_taxonomy_vs_share(heads))
+    ctx.work.save_df("heads_band_counts.csv", label_counts(df, by_band=True))
+
+
+def render(ctx: Any, cfg: Config) -> Any:
+    """The report section: label counts beside the twin, scores, the link to D3's positional share, figures."""
+    from posgen_tl.report.html import Section  # noqa: PLC0415
+
+    heads = ctx.work.load_df("heads.csv").assign(band=-1)
+    link = ctx.work.load_df("heads_link.csv")
+    meta = ctx.work.load_json("heads_meta.json")
+    counts = label_counts(heads).pivot(index="twin", columns="label", values="n")
+    counts = counts[[c for c in LABELS if c in counts]].astype(int).reset_index()
+    scores = heads.groupby("twin", sort=False).agg(
+        positional=("positional", "mean"), symbolic=("symbolic", "mean"), null_q=("null_q", "mean"),
+        null_mc=("null_mc", "mean"), rows_used=("n_rows_used", "sum"), rows_excluded=("n_rows_excluded", "sum"),
+        k_centroid=("k_centroid", "mean"), positional_share=("positional_share", "mean")).reset_index()
+    by_class = heads.groupby(["twin", "label"], sort=False).agg(
+        n=("head", "size"), positional_share=("positional_share", "median"),
+        k_centroid=("k_centroid", "median"), region_mass=("region_mass", "median")).reset_index()
+    tr = counts[counts["twin"] == "random"]
+    both_twin = int(tr["both"].iloc[0]) if len(tr) and "both" in tr else 0
+    band_counts = (ctx.work.load_df("heads_band_counts.csv").groupby(["twin", "label"], sort=False)["n"].sum()
+                   .unstack(fill_value=0).reindex(columns=list(LABELS), fill_value=0).reset_index())
+    png = ctx.work.path
+    return Section(
+        "7 · Head taxonomy: positional vs symbolic heads (METHOD §6)",
+        verdict=("Label counts (trained vs random twin): " + "; ".join(
+            f"{r['twin']}: " + ", ".join(f"{k} {int(r[k])}" for k in counts.columns if k != "twin")
+            for _, r in counts.iterrows()) + f". Random-twin heads on 'both': {both_twin}."),
+        paragraphs=[
+            f"{meta['source']}. In every prompt the tokens of a {meta['region_len']}-token region are permuted "
+            f"{meta['n_perm']} times (independent random permutations); for the {meta['n_query']} query rows after it, "
+            "the row-centred pre-softmax logits over the region are correlated before/after at the same positions "
+            "(positional) and following the moved tokens (symbolic). Rows with near-constant logits are excluded; rows "
+            "are weighted by their attention mass on the region; the null is the same correlation under an "
+            "independent permutation (mean 0, exact sd). An axis counts when its score exceeds the null's 95 % "
+            f"quantile and {meta['min_score']}.",
+            "Link to D3: positional share = V(f)/(V(f)+V(g)) of the within-row logit variance, global k̄ from the "
+            "reference windows; Mann–Whitney U between positional and symbolic heads (heads of one model are not "
+            "independent units: read p as descriptive)."],
+        tables=[("Head labels", counts), ("Mean scores and row counts", scores),
+                ("Per label: medians of D3 positional share, key frequency centroid (band, 0 = fastest), attention "
+                 "mass on the region", by_class),
+                ("D3 positional share, positional vs symbolic heads", link)],
+        details=[("Head labels by layer third", labels_by_layer_group(heads, meta.get("n_layers"))),
+                 ("Band labels: each RoPE band alone as a 2-D head, counts over layer × head × band", band_counts),
+                 ("Spearman ρ of (positional − symbolic) with the D3 positional share, across heads", agreement_table(heads))],
+        figures=[(png("fig_heads_plane.png").read_bytes(), "Positional vs symbolic score per head, coloured by label, "
+                  "trained vs twin"),
+                 (png("fig_heads_bands.png").read_bytes(), "Labels of each RoPE band taken alone as a 2-D head, trained vs twin"),
+                 (png("fig_heads_freq.png").read_bytes(), "RoPE frequency usage: key energy share per (layer, head) × "
+                  "band (log scale), trained vs twin"),
+                 (png("fig_heads_share.png").read_bytes(), "D3 positional share by head label, trained vs twin")],
+        findings=_findings(link, cfg),
+        results={"counts": counts.to_dict("records"), "link": link.to_dict("records"), "meta": meta},
+    )
+
+
+def _findings(link: pd.DataFrame, cfg: Config) -> list:
+    """D3 positional share of positional vs symbolic heads (trained model): the difference of the class
+    medians and the Mann–Whitney p of :func:`share_by_class`; heads are the unit — descriptive."""
+    from posgen_tl.report.html import Finding  # noqa: PLC0415
+
+    t = link[link["twin"] == "trained"]
+    if t.empty:
+        return [Finding("taxonomy", "not testable", note="no trained-model row in heads_link.csv")]
+    r = t.iloc[0]
+    n = int(r["n_a"]) + int(r["n_b"])
+    p = float(r["p"])
+    word = "shares differ" if p == p and p < 0.05 else "no evidence"
+    return [Finding("taxonomy", word, float(r["median_a"]) - float(r["median_b"]),
+                    f"median share {r['class_a']} − {r['class_b']}", None, p, n, exploratory=cfg.n_seq < 32,
+                    note=f"n = heads ({int(r['n_a'])} {r['class_a']}, {int(r['n_b'])} {r['class_b']}); Mann–Whitney, "
+                         "descriptive")]

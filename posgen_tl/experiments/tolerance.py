@@ -12,7 +12,10 @@ its TOST — live in :mod:`posgen_tl.experiments.causal` and decide verdicts onl
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 import pandas as pd
@@ -21,7 +24,12 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.hooks.edits import StopForward, distance_cap_hooks, final_residual_hook
+from posgen_tl.experiments import base
+from posgen_tl.io.corpus import CorpusLike
+from posgen_tl.io.provenance import git_commit
+from posgen_tl.io.sampling import Windows, sample_windows
+from posgen_tl.report.text import md_table
+from posgen_tl.hooks.positions import StopForward, distance_cap_hooks, final_residual_hook
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
 from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
@@ -33,6 +41,14 @@ from posgen_tl.maths.perturb import (
 from posgen_tl.stats.inference import bootstrap_ci, slope_ci
 
 __all__ = [
+    "Config",
+    "SwapOptions",
+    "T12Result",
+    "t1_t2_study",
+    "curve_rows",
+    "perturbed_inputs",
+    "sequence_perms",
+    "windows_fingerprint",
     "nll_on_target",
     "transposition_curve",
     "curve_summary",
@@ -42,6 +58,39 @@ __all__ = [
 
 DEFAULT_FRACS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
 Hooks = Sequence[tuple[str, Callable]]
+
+
+# ----------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True)
+class SwapOptions(base.Config):
+    """The swap design shared by the T1/T2 study and the causal test (one declaration for both)."""
+
+    n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first; at least 4)", "int",
+                             quick=4, full=64)
+    target_len: int = base.option(0, "tokens at the end whose NLL is measured (never perturbed); 0 = min(64, "
+                                     "seq_len / 4)", "count")
+    fracs: tuple[float, ...] = base.option((0.0, 0.05, 0.1, 0.2), "swap fractions p (fraction of disjoint adjacent "
+                                           "pairs swapped; must include 0)", "floats", quick=(0.0, 0.1, 0.2),
+                                           full=(0.0, 0.02, 0.05, 0.1, 0.2))
+    seeds: tuple[int, ...] = base.option((0, 1), "swap seeds, averaged inside each sequence", "ints", quick=(0,))
+
+    def target(self) -> int:
+        """The target length in tokens (``target_len``, or ``min(64, seq_len // 4)`` when it is 0)."""
+        return self.target_len or min(64, self.seq_len // 4)
+
+
+@dataclass(frozen=True)
+class Config(SwapOptions):
+    """Options of the T1/T2 tolerance study (METHOD §4)."""
+
+    NAME: ClassVar[str] = "tolerance"
+    twin_seeds: tuple[int, ...] = base.option((0,), "swap seeds for the random twin's T1/T2 curves", "ints")
+    batch_size: int = base.option(8, "sequences per forward batch", "int")
+    margin: float = base.option(0.0, "TOST margin of T1 − T2 slopes (ΔNLL per unit p); 0 = margin_rel × |trained T1 "
+                                     "slope|", "float")
+    margin_rel: float = base.option(0.2, "relative TOST margin used when margin is 0", "float")
 
 
 # ----------------------------------------------------------------------------- NLL
@@ -191,7 +240,7 @@ def length_curve(
 ) -> pd.DataFrame:  # fmt: skip
     """T3: mean NLL per position bucket, one row per (sequence, bucket): ``cap`` (None or
     int), ``bucket_start``, ``nll``. With ``cap`` the attention logits are recomputed with
-    distance ``min(i − j, cap)`` (:func:`posgen_tl.hooks.edits.distance_cap_hooks`)."""
+    distance ``min(i − j, cap)`` (:func:`posgen_tl.hooks.positions.distance_cap_hooks`)."""
     tokens = check_tokens(model, tokens, probe_hooks(model)[0])
     hooks = list(fwd_hooks) + (distance_cap_hooks(model, cap) if cap is not None else [])
     rows = []
@@ -212,3 +261,287 @@ def length_summary(df: pd.DataFrame) -> pd.DataFrame:
         m, lo, hi = bootstrap_ci(g.sort_values("seq")["nll"].to_numpy())
         rows.append(dict(cap=None if cap == -1 else int(cap), bucket_start=b0, value=m, ci_low=lo, ci_high=hi, n_seq=len(g)))
     return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------- swaps of windows
+
+
+def sequence_perms(
+    windows: Windows, frac: float, seed: int, *, start: int, stop: int, base_seed: int = 0
+) -> Int[Tensor, "batch pos"]:
+    """One adjacent-swap permutation per window (``new = old[perm]``), drawn independently per
+    (sequence, seed) with :func:`swap_seed`: ``round(frac·(L−1))`` disjoint adjacent pairs of
+    the window ``[start, stop)`` swap, so ≈ ``2·frac`` of its tokens move. ``frac = 0`` gives the
+    identity. Returns ``[batch, pos]`` int64."""
+    n = windows.tokens.shape[1]
+    rows = [
+        adjacent_swap_permutation(n, frac, start=start, stop=stop, seed=swap_seed(base_seed, d, s, seed))
+        for d, s in zip(windows.doc_ids.tolist(), windows.starts.tolist())
+    ]
+    return torch.stack(rows)
+
+
+def perturbed_inputs(
+    windows: Windows, frac: float, seed: int, mode: str, *, target_len: int, base_seed: int = 0
+) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"] | None]:
+    """``(tokens, position_ids)`` for T1 (tokens permuted, ids natural: ``None``) or T2 (tokens
+    natural, ids permuted); swaps in ``[1, N − target_len)`` (token 0 and the target never move)."""
+    if mode not in ("T1", "T2"):
+        raise ValueError(f"mode must be 'T1' or 'T2', got {mode!r}")
+    toks = windows.tokens
+    n = toks.shape[1]
+    if frac == 0:
+        return toks, None
+    perm = sequence_perms(windows, frac, seed, start=1, stop=n - target_len, base_seed=base_seed)
+    if mode == "T1":
+        return torch.gather(toks, 1, perm), None
+    return toks, torch.stack([position_ids_for_permutation(p) for p in perm])
+
+def curve_rows(
+    model: Any, windows: Windows, clean: Float[Tensor, "batch"], *, fracs: Sequence[float], seeds: Sequence[int],
+    mode: str, target_len: int, base_seed: int = 0, fwd_hooks: Sequence = (),
+) -> list[dict]:  # fmt: skip
+    """The tolerance curve of one batch: one pass per (frac > 0, seed) of :func:`perturbed_inputs`
+    (``frac = 0`` reuses ``clean``), with ``fwd_hooks`` attached. Returns one dict per (frac, seed,
+    sequence): ``seq`` (position in ``windows``), ``frac, seed, clean_nll, nll, delta``."""
+    bs = windows.tokens.shape[0]
+    rows = []
+    for frac in fracs:
+        for seed in seeds:
+            if frac == 0:
+                nll = clean
+            else:
+                toks, pid = perturbed_inputs(windows, frac, seed, mode, target_len=target_len, base_seed=base_seed)
+                nll = nll_on_target(model, toks, target_len=target_len, position_ids=pid, fwd_hooks=list(fwd_hooks),
+                                    batch_size=bs)
+            for i in range(bs):
+                rows.append(dict(seq=i, frac=float(frac), seed=int(seed), clean_nll=float(clean[i]),
+                                 nll=float(nll[i]), delta=float(nll[i] - clean[i])))
+    return rows
+
+@torch.no_grad()
+def windows_fingerprint(w: Windows) -> str:
+    """SHA-1 of the windows' token ids (a run's record of exactly which tokens it analysed)."""
+    import hashlib  # noqa: PLC0415
+
+    return hashlib.sha1(w.tokens.cpu().to(torch.int64).numpy().tobytes()).hexdigest()
+
+# ----------------------------------------------------------------------------- T1 / T2
+
+
+@dataclass
+class T12Result:
+    """Output of :func:`t1_t2_study`: ``rows`` (twin, mode, seq, doc, doc_name, frac, seed,
+    clean_nll, nll, delta), ``slopes`` (per twin, mode, seq), ``summary`` (per twin, mode: mean
+    ΔNLL per p and slope with document-bootstrap CIs), ``equivalence`` (per twin: TOST of T1 − T2
+    slopes at the stated margin, with the equivariance note), ``config``."""
+
+    rows: pd.DataFrame
+    slopes: pd.DataFrame
+    summary: pd.DataFrame
+    equivalence: pd.DataFrame
+    config: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def t1_t2_study(
+    model: Any, corpus: CorpusLike = None, cfg: "Config | None" = None, *, twin: Any = True,
+    windows: Windows | None = None, progress: bool = True, **options: Any,
+) -> T12Result:  # fmt: skip
+    """T1/T2 tolerance curves (METHOD §4) of the trained model and its random twin.
+
+    ``cfg`` (:class:`Config`, with ``options`` applied) sets the sizes, fractions and seeds. Same
+    windows and the same per-(sequence, seed) swaps for T1 and T2 and for the twin. Equivalence of T1
+    and T2 slopes: TOST (:func:`posgen_tl.stats.inference.t1_t2_equivalence`) at ``cfg.margin`` (ΔNLL
+    per unit p) — when 0, ``cfg.margin_rel`` × |mean T1 slope of the TRAINED model| (stated in the
+    output). Read with the equivariance note: T1 − T2 is the causal-order effect.
+
+    Args:
+        twin: ``True`` (build :func:`posgen_tl.io.models.random_twin` with ``cfg.seed``), a prebuilt
+            twin, or ``False``/``None``. ``windows``: analysed windows (default: sampled by ``cfg``).
+
+    Returns:
+        :class:`T12Result`.
+    """
+    from posgen_tl import stats  # noqa: PLC0415
+    from posgen_tl.io.models import random_twin  # noqa: PLC0415
+
+    cfg = base.config_of(Config, cfg, options)
+    seq_len, seed, batch_size, fracs, seeds = cfg.seq_len, cfg.seed, cfg.batch_size, cfg.fracs, cfg.seeds
+    target_len, margin, margin_rel, twin_seeds = cfg.target(), cfg.margin or None, cfg.margin_rel, cfg.twin_seeds
+    t_start = time.time()
+    ana = windows if windows is not None else sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=seq_len,
+                                                             seed=seed)[0]
+    models = [("trained", model, tuple(seeds))]
+    if twin is True:
+        twin = random_twin(model, seed)
+    if twin is not None and twin is not False:
+        models.append(("random", twin, tuple(twin_seeds or seeds)))
+    n = len(ana)
+    batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+    info = ana.frame()
+    frames, times = [], {}
+    for name, m, sds in models:
+        t0 = time.time()
+        jobs = [(b, mode) for b in batches for mode in ("T1", "T2")]
+        bar = tqdm(total=len(jobs), desc=f"T1/T2 {name}", disable=not progress)
+        for b in batches:
+            w = ana.subset(b)
+            clean = nll_on_target(m, w.tokens, target_len=target_len, batch_size=len(b))
+            for mode in ("T1", "T2"):
+                df = pd.DataFrame(curve_rows(m, w, clean, fracs=fracs, seeds=sds, mode=mode, target_len=target_len,
+                                             base_seed=seed))
+                df["seq"] = [b[i] for i in df["seq"]]
+                frames.append(df.assign(twin=name, mode=mode))
+                bar.update(1)
+        bar.close()
+        times[f"{name}_s"] = time.time() - t0
+    rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
+    rows = rows[["twin", "mode", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta"]]
+    slopes = pd.concat([stats.per_sequence_slopes(g).rename("slope").reset_index().assign(twin=t, mode=md)
+                        for (t, md), g in rows.groupby(["twin", "mode"], sort=False)], ignore_index=True)  # fmt: skip
+    slopes = slopes.merge(info[["seq", "doc"]], on="seq")[["twin", "mode", "seq", "doc", "slope"]]
+    summ = []
+    for (t, md), g in rows.groupby(["twin", "mode"], sort=False):
+        doc = g.groupby("seq")["doc"].first()
+        for f, gf in g.groupby("frac"):
+            v = gf.groupby("seq")["delta"].mean().loc[doc.index]
+            mval, lo, hi = stats.bootstrap_ci(v.to_numpy(), clusters=doc.to_numpy())
+            summ.append(dict(twin=t, mode=md, estimator="dnll", frac=f, value=mval, ci_low=lo, ci_high=hi,
+                             n_seq=len(doc), n_docs=doc.nunique()))
+        s = slopes[(slopes["twin"] == t) & (slopes["mode"] == md)]
+        mval, lo, hi = stats.bootstrap_ci(s["slope"].to_numpy(), clusters=s["doc"].to_numpy())
+        summ.append(dict(twin=t, mode=md, estimator="slope", frac=np.nan, value=mval, ci_low=lo, ci_high=hi,
+                         n_seq=len(s), n_docs=s["doc"].nunique()))
+    summ = pd.DataFrame(summ)
+    tr1 = slopes[(slopes["twin"] == "trained") & (slopes["mode"] == "T1")]
+    if margin is None:
+        margin = margin_rel * abs(float(tr1["slope"].mean()))
+        margin_rule = f"{margin_rel:g} × |mean T1 slope of the trained model| = {margin:.4g} ΔNLL per unit p"
+    else:
+        margin_rule = f"stated margin {margin:.4g} ΔNLL per unit p"
+    eq = []
+    for t in [x for x, _, _ in models]:
+        a = slopes[(slopes["twin"] == t) & (slopes["mode"] == "T1")].set_index("seq")
+        b = slopes[(slopes["twin"] == t) & (slopes["mode"] == "T2")].set_index("seq")
+        d, seq = stats.paired_differences(a["slope"], b["slope"])
+        r = stats.t1_t2_equivalence(a["slope"].loc[seq].to_numpy(), b["slope"].loc[seq].to_numpy(),
+                                    a["doc"].loc[seq].to_numpy(), margin)
+        eq.append(dict(twin=t, t1_slope=float(a["slope"].mean()), t2_slope=float(b["slope"].mean()),
+                       **{k: v for k, v in r.items() if k != "note"}, margin_rule=margin_rule))
+    config = dict(n_seq=n, n_docs=ana.n_docs, seq_len=int(ana.tokens.shape[1]), target_len=target_len,
+                  fracs=list(map(float, fracs)), seeds=list(map(int, seeds)),
+                  twin_seeds=[list(s) for nm, _, s in models if nm == "random"], margin=margin, margin_rule=margin_rule,
+                  note=stats.EQUIVARIANCE_NOTE, commit=git_commit(short=True), seed=seed, windows_sha1=windows_fingerprint(ana),
+                  wall_s={**times, "total_s": time.time() - t_start})  # fmt: skip
+    return T12Result(rows, slopes, summ, pd.DataFrame(eq), config)
+
+# ----------------------------------------------------------------------------- T1 / T2 outputs
+
+
+def t12_markdown(result: T12Result, title: str = "T1 / T2") -> str:
+    """Markdown: slopes and ΔNLL per p (trained and twin), the TOST table and the equivariance note."""
+    c = result.config
+    s = result.summary
+    lines = [f"## {title}", "",
+             f"{c['n_seq']} sequences from {c['n_docs']} documents × {c['seq_len']} tokens, target {c['target_len']}; "
+             f"p ∈ {c['fracs']} = fraction of disjoint adjacent pairs swapped (≈ 2p of the context tokens move), "
+             f"independent per (sequence, seed); seeds {c['seeds']} (twin {c['twin_seeds']}). CIs: document bootstrap.", "",
+             md_table(s[s["estimator"] == "slope"], ["twin", "mode", "value", "ci_low", "ci_high", "n_seq", "n_docs"]), "",
+             md_table(s[s["estimator"] == "dnll"], ["twin", "mode", "frac", "value", "ci_low", "ci_high"]), "",
+             f"T1 − T2 slope, TOST equivalence at margin: {c['margin_rule']}:", "",
+             md_table(result.equivalence, ["twin", "t1_slope", "t2_slope", "mean", "lo", "hi", "p", "equivalent", "p_diff",
+                                      "n_seq", "n_docs"]), "",
+             "> " + c["note"], "",
+             "Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in c["wall_s"].items()) + f"; commit {c['commit']}.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_t12_outputs(result: T12Result, out_dir: str | Path, tag: str = "t12") -> dict[str, Path]:
+    """Write ``{tag}_rows.csv``, ``{tag}_slopes.csv``, ``{tag}_summary.csv``, ``{tag}_tost.csv``,
+    ``{tag}_config.json`` and ``{tag}.md``; returns the paths."""
+    import json  # noqa: PLC0415
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"rows": out / f"{tag}_rows.csv", "slopes": out / f"{tag}_slopes.csv", "summary": out / f"{tag}_summary.csv",
+             "tost": out / f"{tag}_tost.csv", "config": out / f"{tag}_config.json", "md": out / f"{tag}.md"}
+    result.rows.to_csv(paths["rows"], index=False)
+    result.slopes.to_csv(paths["slopes"], index=False)
+    result.summary.to_csv(paths["summary"], index=False)
+    result.equivalence.to_csv(paths["tost"], index=False)
+    paths["config"].write_text(json.dumps(result.config, indent=1, default=str))
+    paths["md"].write_text(t12_markdown(result, f"T1 / T2 ({tag})"))
+    return paths
+
+
+# ----------------------------------------------------------------------------- report / study
+
+
+NAME = "tolerance"
+ABOUT = "T1/T2 position tolerance of the trained model beside its random twin, with TOST (METHOD §4)"
+NEEDS: tuple[str, ...] = ()
+
+
+def compute(ctx: Any, cfg: Config) -> None:
+    """T1/T2 curves (trained + twin, TOST); writes the rows, the summary, the TOST table and a figure,
+    and hands the result to a causal test of the same run (``ctx.shared["t12"]``)."""
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.plot.tolerance import plot_tolerance_curves  # noqa: PLC0415
+
+    try:
+        ana, _ = sample_windows(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, seed=cfg.seed)
+    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
+        ctx.work.save_json("tolerance_meta.json", {"skipped": f"tolerance study skipped: {e}"})
+        return
+    t12 = t1_t2_study(ctx.model, cfg.corpus, cfg, twin=ctx.twin() if cfg.twin else None, windows=ana)
+    ctx.shared["t12"] = t12
+    ctx.work.save_df("tolerance_curves.csv", t12.rows)
+    ctx.work.save_df("tolerance_summary.csv", t12.summary)
+    ctx.work.save_df("t1_t2_tost.csv", t12.equivalence)
+    ctx.work.save_fig("fig_tolerance.png", plot_tolerance_curves(t12.summary, hue="twin", title=ctx.model_name))
+    ctx.work.save_json("tolerance_meta.json", {"n_seq": len(ana), "n_docs": ana.n_docs, "target_len": cfg.target(),
+                                               "fracs": cfg.fracs, "seeds": cfg.seeds, **{k: t12.config[k] for k in (
+                                                   "margin_rule", "note")}})
+
+
+def render(ctx: Any, cfg: Config) -> Any:
+    """The report section: T1/T2 slopes and ΔNLL beside the twin, the TOST of T1 − T2, the figure."""
+    from posgen_tl.report.html import Section  # noqa: PLC0415
+
+    meta = ctx.work.load_json("tolerance_meta.json")
+    title = "4 · Position tolerance: T1 / T2 (METHOD §4)"
+    if "skipped" in meta:
+        return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
+                       paragraphs=["Give a corpus of several documents (a folder of text files, or the default pydoc "
+                                   "topics): the unit of every verdict is a sequence clustered by document."])
+    summ = ctx.work.load_df("tolerance_summary.csv")
+    tost = ctx.work.load_df("t1_t2_tost.csv")
+    tr = tost[tost["twin"] == "trained"].iloc[0]
+    word = "equivalent" if tr["equivalent"] else "NOT shown equivalent"
+    expl = meta["n_seq"] < 32
+    return Section(
+        title + (" — EXPLORATORY (n < 32 sequences)" if expl else ""),
+        verdict=f"T1 and T2 slopes are {word} within ±{tr['margin']:.3g} (TOST p = {tr['p']:.3g}).",
+        paragraphs=[f"{meta['n_seq']} sequences from {meta['n_docs']} documents (one window per document first), target "
+                    f"span {meta['target_len']} tokens, p ∈ {list(meta['fracs'])} = fraction of disjoint adjacent pairs "
+                    f"swapped (≈ 2p of the context tokens move), independent per (sequence, seed), seeds "
+                    f"{list(meta['seeds'])}.", f"TOST margin: {meta['margin_rule']}.", meta["note"]],
+        tables=[("T1 / T2 slopes and ΔNLL (document bootstrap CIs), trained vs random twin", summ),
+                ("T1 − T2 slope: TOST equivalence", tost.drop(columns=["margin_rule"], errors="ignore"))],
+        figures=[(ctx.work.path("fig_tolerance.png").read_bytes(), "ΔNLL vs swap fraction: T1 and T2, trained vs random twin")],
+        findings=_findings(ctx.work.load_df("tolerance_curves.csv")),
+        results={"exploratory": expl, "t1_t2": tost.to_dict("records")},
+    )
+
+
+def _findings(curves: pd.DataFrame) -> list:
+    """T1 tolerance slope of the trained model (ΔNLL per unit swap fraction), per sequence, clustered by document."""
+    from posgen_tl.report.html import Finding  # noqa: PLC0415
+    from posgen_tl.stats.inference import paired_finding, per_sequence_slopes  # noqa: PLC0415
+
+    t1 = curves[(curves["mode"] == "T1") & (curves["twin"] == "trained")]
+    s = per_sequence_slopes(t1, "delta")
+    mean, ci, p = paired_finding(s.to_numpy(float), t1.groupby("seq")["doc"].first().loc[s.index].to_numpy())
+    word = ("NLL rises with swaps" if mean > 0 else "NLL falls with swaps") if p < 0.05 else "no evidence"
+    return [Finding("tolerance", word, mean, "T1 slope dΔNLL/dp", ci, p, len(s))]

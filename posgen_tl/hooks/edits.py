@@ -1,4 +1,4 @@
-"""Interventions on pre-rotation keys/queries and on positions, as plain TransformerLens hooks.
+"""Interventions on pre-rotation keys/queries (METHOD §5), as plain TransformerLens hooks.
 
 Like TransformerLens' ``patching.py``: one generic hook builder (:func:`intervention_hooks`)
 and small ``functools.partial`` specialisations (:func:`enforce_hooks`, :func:`destroy_hooks`,
@@ -8,7 +8,9 @@ and small ``functools.partial`` specialisations (:func:`enforce_hooks`, :func:`d
         model(tokens)
     model.run_with_hooks(tokens, fwd_hooks=intervention_hooks(model, iv, k_means))
 
-With :mod:`posgen_tl.hooks.capture`, this is the only module that knows hook names.
+Position hooks (T2 by re-rotation, distance caps) live in :mod:`posgen_tl.hooks.positions`, logit
+substitution (LM-Infinite, disentangled, sufficiency) in :mod:`posgen_tl.hooks.logits`; only the
+modules of :mod:`posgen_tl.hooks` know hook names.
 
 Band picture (METHOD.md §1, §5): each band ``m`` of a pre-rotation key is a complex number
 ``k^(m)``; ``k̄^(m)`` is the band of the mean key of that kv-group (:func:`key_means`).
@@ -52,13 +54,10 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import CaptureError, StopForward, pre_rotation, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import CaptureError, pre_rotation, probe_hooks, stream_qk
+from posgen_tl.hooks.positions import stash_shape
 from posgen_tl.maths.band_stats import BandStats
-from posgen_tl.maths.approx_logits import causal_visible, d3_approx_logits, disentangled_logits, distances, exact_logits
-from posgen_tl.maths.approx_logits import lm_infinite_logits, quantile_mask
-from posgen_tl.maths.decompose import fit_additive
-from posgen_tl.maths.perturb import capped_scores
-from posgen_tl.maths.rope import LayerRope, from_bands, rotate, to_bands, unrotate
+from posgen_tl.maths.rope import LayerRope, from_bands, to_bands
 
 __all__ = [
     "Intervention",
@@ -73,17 +72,6 @@ __all__ = [
     "noop_hooks",
     "KINDS",
     "change_vectors",
-    "reposition_hooks",
-    "distance_cap_hooks",
-    "final_residual_hook",
-    "StopForward",
-    "LogitContext",
-    "logit_substitution_hooks",
-    "lm_infinite_hooks",
-    "disentangled_hooks",
-    "sufficiency_hooks",
-    "window_removal_hooks",
-    "local_layers",
 ]
 
 Kind = Literal["enforce", "destroy", "rephase", "random_bands", "noise", "noop"]
@@ -283,11 +271,6 @@ def _edit(
     return out.transpose(1, 2) if bhsd else out
 
 
-def _stash_shape(x: Tensor, hook: Any, *, stash: dict) -> None:
-    """On ``hook_q``/``hook_k`` (``[batch, pos, head, d]``): remember ``(batch, pos)`` for a flattened norm hook."""
-    stash["shape"] = (x.shape[0], x.shape[1])
-
-
 def _edit_prescale(
     x: Tensor, hook: Any, *, iv: Intervention, mean: Tensor, rope: LayerRope, layer: int,
     model: Any, info: Any, d_head: int, stash: dict,
@@ -348,7 +331,7 @@ def intervention_hooks(
             raise ValueError(f"{intervention.label}: no mean {intervention.target} for layer {layer} (pass key_means(...))")
         if prescale:
             stash: dict = {}
-            out.append((info.name(layer, f"hook_{intervention.target}"), functools.partial(_stash_shape, stash=stash)))
+            out.append((info.name(layer, f"hook_{intervention.target}"), functools.partial(stash_shape, stash=stash)))
             out.append((name, functools.partial(
                 _edit_prescale, iv=intervention, mean=k_means[layer], rope=spec.layer(layer), layer=layer,
                 model=model, info=info, d_head=spec.d_head, stash=stash)))
@@ -406,358 +389,3 @@ noise_hooks = _make(
 def noop_hooks(model: Any, layers: Sequence[int] | None = None) -> HookList:
     """Hooks on the pre-rotation key hooks that return ``None`` (tensor untouched)."""
     return intervention_hooks(model, Intervention(kind="noop", layers=layers, label="noop"))
-
-
-# ----------------------------------------------------------------------------- positions
-
-
-def _pos_for(position_ids: Tensor, batch: int, device) -> Tensor:
-    p = position_ids.to(device)
-    return p.expand(batch, -1) if p.ndim == 1 else p
-
-
-def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"]) -> HookList:
-    """T2 by re-rotation: the model runs with positions ``arange``; these hooks make every
-    layer's RoPE use ``position_ids`` instead.
-
-    Where ``hook_rot_q``/``hook_rot_k`` fire: ``x ← rotate(unrotate(x, arange), position_ids)``.
-    Otherwise (rotation inside the model without hooks) at the pre-rotation hooks:
-    ``x ← unrotate(rotate(x, position_ids), arange) = R_{ids − arange} x``, which the model's own
-    rotation then turns into ``R_ids x``. Equal to passing ``position_ids`` to the forward up to
-    float rounding.
-    """
-    spec, info = probe_hooks(model)
-    out: HookList = []
-
-    def at_rot(x: Tensor, hook: Any, rope: LayerRope) -> Tensor:
-        ar = torch.arange(x.shape[1], device=x.device)
-        new = _pos_for(position_ids, x.shape[0], x.device)
-        return rotate(unrotate(x.float(), ar, rope), new, rope).to(x.dtype)
-
-    def at_pre(x: Tensor, hook: Any, rope: LayerRope, bhsd: bool) -> Tensor:
-        xs = x.transpose(1, 2) if bhsd else x
-        ar = torch.arange(xs.shape[1], device=x.device)
-        new = _pos_for(position_ids, xs.shape[0], x.device)
-        y = unrotate(rotate(xs.float(), new, rope), ar, rope).to(x.dtype)
-        return y.transpose(1, 2) if bhsd else y
-
-    for layer in range(spec.n_layers):
-        rope = spec.layer(layer)
-        if not info.rot_fires and info.normed_layout == "flat_prescale":  # pragma: no cover - TL guarantees it
-            raise CaptureError(f"{spec.model_name}: QK-norm without firing hook_rot_q/k: cannot re-position")
-        if info.rot_fires:
-            for h in ("hook_rot_q", "hook_rot_k"):
-                out.append((info.name(layer, h), functools.partial(at_rot, rope=rope)))
-        else:
-            for h in (info.q_hook, info.k_hook):
-                bhsd = h.endswith("_normed") and info.normed_layout == "bhsd"
-                out.append((info.name(layer, h), functools.partial(at_pre, rope=rope, bhsd=bhsd)))
-    return out
-
-
-def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None) -> HookList:
-    """T3, LM-Infinite style: replace ``hook_attn_scores`` by logits with distance ``min(i−j, cap)``.
-
-    Pre-rotation q/k of the layer are stashed by hooks on the q/k hooks, then the scores
-    hook returns :func:`posgen_tl.maths.perturb.capped_scores` (``-inf`` on masked keys, the
-    layer's sliding window kept; Gemma-style logit soft-capping applied if the model has it).
-
-    Raises:
-        CaptureError: the model's ``hook_attn_scores`` are not pre-softmax logits.
-    """
-    spec, info = probe_hooks(model)
-    if info.scores_kind != "pre_softmax":
-        raise CaptureError(
-            f"{spec.model_name}: hook_attn_scores holds {info.scores_kind!r} values; cannot recompute capped logits"
-        )
-    softcap = spec.extra.get("attn_logit_softcapping")
-    layers = range(spec.n_layers) if layers is None else layers
-    out: HookList = []
-    for layer in sorted({int(x) % spec.n_layers for x in layers}):
-        rope, stash = spec.layer(layer), {}
-
-        def keep(x: Tensor, hook: Any, stash=stash, key="q", layer=layer) -> None:
-            b, s = stash.get("shape", (x.shape[0], x.shape[1]))  # (batch, pos) from hook_q on a flattened norm hook
-            stash[key] = pre_rotation(model, info, layer, key, x, b, s, spec.d_head).float()
-
-        def scores(w: Tensor, hook: Any, stash=stash, rope=rope) -> Tensor:
-            new = capped_scores(stash["q"], stash["k"], rope, cap)
-            if softcap:
-                new = torch.tanh(new / softcap) * softcap
-            stash.clear()
-            return new.to(w.dtype)
-
-        if info.normed_layout == "flat_prescale":
-            out.append((info.name(layer, "hook_q"), functools.partial(_stash_shape, stash=stash)))
-        for key, h in (("q", info.q_hook), ("k", info.k_hook)):
-            out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key)))
-        out.append((info.name(layer, "hook_attn_scores"), scores))
-    return out
-
-
-def final_residual_hook(model: Any, store: dict, start: int, stop: int) -> tuple[str, Callable] | None:
-    """``(name, fn)`` on the final norm's output: stores ``x[:, start:stop]`` in ``store['resid']``
-    and raises :class:`StopForward` (so no full-vocabulary logits are computed).
-
-    Returns ``None`` when the model has no ``ln_final.hook_out`` or no ``unembed`` (then
-    compute full logits instead).
-    """
-    name = "ln_final.hook_out"
-    if name not in getattr(model, "hook_dict", {}) or not hasattr(model, "unembed"):
-        return None
-
-    def fn(x: Tensor, hook: Any) -> None:
-        store["resid"] = x[:, start:stop]
-        raise StopForward
-
-    return name, fn
-
-
-# ----------------------------------------------------------------------------- logit substitution
-
-
-@dataclass
-class LogitContext:
-    """What a logit-substitution function receives, per layer and forward pass.
-
-    Attributes:
-        layer: layer index.
-        q: pre-rotation queries ``[batch, pos, head_index, d_head]`` float32 (Gemma3: after QK-norm).
-        k: pre-rotation keys ``[batch, pos, kv_head, d_head]`` float32.
-        positions: position ids the model's RoPE used ``[batch, pos]``.
-        rope: this layer's :class:`~posgen_tl.maths.rope.LayerRope`.
-        scores: the model's own ``hook_attn_scores`` ``[batch, head_index, query_pos, key_pos]``
-            (masked, soft-capped where the model soft-caps).
-    """
-
-    layer: int
-    q: Tensor
-    k: Tensor
-    positions: Tensor
-    rope: LayerRope
-    scores: Tensor
-
-
-SubstFn = Callable[[LogitContext], tuple[Tensor, Tensor]]
-
-
-def local_layers(model: Any) -> list[int]:
-    """Layers with a sliding window (Gemma3 'local' layers); ``[]`` for full-attention models."""
-    spec, _ = probe_hooks(model)
-    return [layer for layer in range(spec.n_layers) if spec.layer(layer).sliding_window is not None]
-
-
-def _softcap(x: Tensor, cap: float | None) -> Tensor:
-    if not cap:
-        return x
-    return torch.where(torch.isfinite(x), torch.tanh(x / cap) * cap, x)
-
-
-def logit_substitution_hooks(
-    model: Any, fn: SubstFn | None, layers: Sequence[int] | None = None, *,
-    position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"] | None = None, remove_window: bool = False,
-) -> HookList:  # fmt: skip
-    """The generic substitution: rewrite the pre-softmax scores of ``layers`` from captured q/k.
-
-    Hooks on the layer's pre-rotation q/k hooks (``hook_q``/``hook_k``, or ``hook_q_normed``/
-    ``hook_k_normed`` on QK-norm models) stash the tensors; the ``hook_attn_scores`` hook calls
-    ``fn(LogitContext)`` → ``(values, replace)``: ``values`` are PRE-soft-cap logits
-    ``[batch, head_index, query_pos, key_pos]`` (``-inf`` = hide the key; ``None`` when ``replace``
-    is all False), ``replace`` a bool mask broadcastable to them. The returned scores are ``where(replace, softcap(values), scores)``
-    restricted to the entries the model may see: causal by sequence index and, unless
-    ``remove_window``, inside the layer's sliding window. Entries not replaced keep the model's
-    own value bit for bit (so a substitution that replaces nothing is an exact no-op).
-
-    ``remove_window=True``: on layers with a sliding window the entries outside it are
-    recomputed (``fn``'s values there, or the exact logits when ``fn`` is None) — local layers
-    then attend over the whole causal context. Layers without a window are untouched by it.
-
-    ``position_ids``: the ids passed to the model's forward (a gap probe); ``None`` = ``arange``.
-
-    Returns:
-        ``[(hook_name, fn), ...]`` for ``model.hooks(fwd_hooks=...)`` / ``run_with_hooks``.
-
-    Raises:
-        CaptureError: the model's ``hook_attn_scores`` are not pre-softmax logits.
-    """
-    spec, info = probe_hooks(model)
-    if info.scores_kind != "pre_softmax":
-        raise CaptureError(
-            f"{spec.model_name}: hook_attn_scores holds {info.scores_kind!r} values, not pre-softmax logits; "
-            "logit substitution is impossible on this model"
-        )
-    softcap = spec.extra.get("attn_logit_softcapping")
-    layers = range(spec.n_layers) if layers is None else layers
-    out: HookList = []
-    for layer in sorted({int(x) % spec.n_layers for x in layers}):
-        rope, stash = spec.layer(layer), {}
-        if fn is None and not (remove_window and rope.sliding_window is not None):
-            continue  # nothing to do on this layer
-
-        def keep(x: Tensor, hook: Any, stash=stash, key="q", bhsd=False) -> None:
-            stash[key] = (x.transpose(1, 2) if bhsd else x).float()
-
-        def scores(w: Tensor, hook: Any, stash=stash, rope=rope, layer=layer) -> Tensor:
-            q, k = stash.pop("q"), stash.pop("k")
-            b, n = q.shape[0], q.shape[1]
-            pos = torch.arange(n, device=q.device) if position_ids is None else position_ids.to(q.device)
-            if pos.shape[-1] != n:
-                raise ValueError(f"position_ids have {pos.shape[-1]} entries but the sequence has {n}")
-            pos = pos.expand(b, n) if pos.ndim == 1 else pos
-            vis = causal_visible(n, q.device)
-            unwin = torch.zeros_like(vis)
-            if rope.sliding_window is not None:
-                idx = torch.arange(n, device=q.device)
-                inside = idx[:, None] - idx[None, :] < rope.sliding_window
-                if remove_window:
-                    unwin = vis & ~inside
-                else:
-                    vis = vis & inside
-            if fn is None:
-                if not bool(unwin.any()):
-                    return w
-                values, replace = exact_logits(q, k, rope, pos, dtype=torch.float32), unwin
-            else:
-                values, replace = fn(LogitContext(layer, q, k, pos, rope, w))
-                replace = (replace & vis) | unwin
-                if values is None:  # fn replaces nothing; only the window's entries may need values
-                    if not bool(unwin.any()):
-                        return w
-                    values = exact_logits(q, k, rope, pos, dtype=torch.float32)
-            if not bool(replace.any()):
-                return w
-            return torch.where(replace, _softcap(values, softcap).to(w.dtype), w)
-
-        for key, h in (("q", info.q_hook), ("k", info.k_hook)):
-            bhsd = h.endswith("_normed") and info.normed_layout == "bhsd"
-            out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key, bhsd=bhsd)))
-        out.append((info.name(layer, "hook_attn_scores"), scores))
-    return out
-
-
-def window_removal_hooks(model: Any, layers: Sequence[int] | None = None) -> HookList:
-    """Gemma3: local (sliding-window) layers attend over the whole causal context.
-
-    Entries outside the window get their exact RoPE logits ``s·q_iᵀR_{j−i}k_j``; every entry the
-    model already sees keeps its value bit for bit; layers without a window get no hook at all.
-    ``layers``: restrict to these (default: all local layers).
-    """
-    local = local_layers(model)
-    layers = local if layers is None else [x for x in layers if x in local]
-    return logit_substitution_hooks(model, None, layers, remove_window=True) if layers else []
-
-
-def _lm_infinite(ctx: LogitContext, *, cap: int, n_sink: int, lambda_window: int | None, sink_capped: bool):
-    d = distances(ctx.positions)[:, None]
-    n = ctx.q.shape[1]
-    if not bool((d > cap).any()) and lambda_window is None:  # nothing is far: exact no-op
-        return None, torch.zeros((), dtype=torch.bool, device=ctx.q.device)
-    values = lm_infinite_logits(ctx.q, ctx.k, ctx.rope, cap, n_sink=n_sink, positions=ctx.positions,
-                                lambda_window=lambda_window, sink_capped=sink_capped, dtype=torch.float32)
-    sink = torch.arange(n, device=ctx.q.device) < n_sink
-    replace = (d > cap) if sink_capped else (d > cap) & ~sink
-    return values, replace | torch.isneginf(values)
-
-
-def lm_infinite_hooks(
-    model: Any, cap: int, *, n_sink: int = 1, layers: Sequence[int] | None = None,
-    position_ids: Tensor | None = None, lambda_window: int | None = None, sink_capped: bool = False,
-    remove_window: bool = False,
-) -> HookList:  # fmt: skip
-    """LM-Infinite as hooks: distances ``> cap`` (position ids) clamped to ``cap``; the first
-    ``n_sink`` keys keep their true distance (``sink_capped`` clamps them too, as the repository's
-    Λ-attention does); optional Λ window (:func:`posgen_tl.maths.approx_logits.lm_infinite_logits`).
-
-    Only far entries (and Λ-hidden ones) are replaced: with ``cap`` ≥ every distance and no Λ
-    window the hooks return the model's scores unchanged (bit for bit).
-
-    Raises:
-        ValueError: ``cap < 0`` or ``n_sink < 0``. CaptureError: scores not pre-softmax.
-    """
-    for name, v in (("cap", cap), ("n_sink", n_sink)):
-        if int(v) != v or v < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-    fn = functools.partial(_lm_infinite, cap=int(cap), n_sink=int(n_sink), lambda_window=lambda_window,
-                           sink_capped=sink_capped)
-    return logit_substitution_hooks(model, fn, layers, position_ids=position_ids, remove_window=remove_window)
-
-
-def _disentangled(ctx: LogitContext, *, k_means: dict, cap: int, delta0: int, n_sink: int):
-    d = distances(ctx.positions)[:, None]
-    far = (d > cap) & (torch.arange(ctx.q.shape[1], device=ctx.q.device) >= n_sink)
-    if not bool(far.any()):
-        return None, far
-    values = disentangled_logits(ctx.q, ctx.k, _mean_for(k_means, ctx.layer), ctx.rope, cap, delta0=delta0,
-                                 n_sink=n_sink, positions=ctx.positions, dtype=torch.float32)
-    return values, far
-
-
-def _mean_for(k_means: dict, layer: int) -> Tensor:
-    if layer not in k_means:
-        raise ValueError(f"no k̄ for layer {layer}: pass key means for every substituted layer")
-    return k_means[layer]
-
-
-def disentangled_hooks(
-    model: Any, k_means: dict[int, Tensor], cap: int, *, delta0: int = 0, n_sink: int = 1,
-    layers: Sequence[int] | None = None, position_ids: Tensor | None = None, remove_window: bool = False,
-) -> HookList:  # fmt: skip
-    """The "disentangled" approximation as hooks: entries with distance ``> cap`` (non-sink keys)
-    get ``f(q_i, cap) + g_Δ0(q_i, k_j)`` with the GLOBAL ``k_means[layer]``
-    (:func:`posgen_tl.maths.approx_logits.disentangled_logits`); nearer entries keep the model's scores bit
-    for bit (so ``cap`` ≥ every distance is an exact no-op).
-    """
-    if int(cap) != cap or cap < 0:
-        raise ValueError(f"cap must be a non-negative integer, got {cap!r}")
-    fn = functools.partial(_disentangled, k_means=k_means, cap=int(cap), delta0=int(delta0), n_sink=int(n_sink))
-    return logit_substitution_hooks(model, fn, layers, position_ids=position_ids, remove_window=remove_window)
-
-
-def _sufficiency(ctx: LogitContext, *, source: str, k_means: dict | None, delta0: int, gamma: float | None,
-                 keep_sink: int, mean_layer: dict | None):
-    n = ctx.q.shape[1]
-    vis = causal_visible(n, ctx.q.device)
-    if ctx.rope.sliding_window is not None:
-        idx = torch.arange(n, device=ctx.q.device)
-        vis = vis & (idx[:, None] - idx[None, :] < ctx.rope.sliding_window)
-    fit_mask = vis & (torch.arange(n, device=ctx.q.device) >= keep_sink)
-    if source == "d3":
-        src = ctx.layer if mean_layer is None else mean_layer[ctx.layer]
-        values = d3_approx_logits(ctx.q, ctx.k, _mean_for(k_means, src), ctx.rope, delta0=delta0,
-                                  positions=ctx.positions, dtype=torch.float32)
-    else:  # D1: the least-squares a[i−j] + b[i] + c[j] fit of this very map
-        w = exact_logits(ctx.q, ctx.k, ctx.rope, ctx.positions)
-        values = fit_additive(torch.where(fit_mask, w, 0.0), fit_mask).fitted
-    replace = fit_mask
-    if gamma is not None:
-        replace = replace & quantile_mask(ctx.scores.float(), gamma, vis)
-    return values, replace
-
-
-def sufficiency_hooks(
-    model: Any, *, source: Literal["d3", "d1"] = "d3", k_means: dict[int, Tensor] | None = None,
-    layers: Sequence[int] | None = None, delta0: int = 0, gamma: float | None = None, keep_sink: int = 1,
-    mean_layer: dict[int, int] | None = None, position_ids: Tensor | None = None,
-) -> HookList:  # fmt: skip
-    """Faithfulness test (METHOD §5): SUBSTITUTE the logits of ``layers`` by a decomposition.
-
-    ``source="d3"``: ``W ← f + g_Δ0`` with ``k_means[layer]`` (a GLOBAL k̄ from disjoint reference
-    documents; ``mean_layer={layer: other}`` builds it from another layer's k̄ — the wrong-k̄
-    control). ``source="d1"``: ``W ← `` the D1 least-squares fit ``a[i−j] + b[i] + c[j]`` of the
-    map itself (in-sample, the additive-fit control). All visible entries with key index
-    ``≥ keep_sink`` are replaced (the sink column stays exact), or with ``gamma`` only those below
-    the row's ``gamma``-quantile of the model's scores (LM-Infinite keeps the top ones).
-
-    Raises:
-        ValueError: unknown ``source``, ``gamma`` outside [0, 1], missing k̄.
-        CaptureError: scores not pre-softmax.
-    """
-    if source not in ("d3", "d1"):
-        raise ValueError(f"source must be 'd3' or 'd1', got {source!r}")
-    if gamma is not None and not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    if source == "d3" and k_means is None:
-        raise ValueError("source='d3' needs k_means (e.g. reference_key_means on disjoint documents)")
-    fn = functools.partial(_sufficiency, source=source, k_means=k_means, delta0=int(delta0), gamma=gamma,
-                           keep_sink=int(keep_sink), mean_layer=mean_layer)
-    return logit_substitution_hooks(model, fn, layers, position_ids=position_ids)

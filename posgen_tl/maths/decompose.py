@@ -232,7 +232,7 @@ def sequence_key_mean(
     return k[:, sink:].double().mean(1)
 
 
-def _kbar_batched(k_mean: Tensor, batch: int, n_heads: int) -> Tensor:
+def kbar_batched(k_mean: Tensor, batch: int, n_heads: int) -> Tensor:
     """``k̄`` as ``[batch, head_index, d_head]`` from ``[head, d]`` or ``[batch, head, d]`` (kv heads expanded)."""
     if k_mean.ndim == 2:
         k_mean = k_mean[None].expand(batch, *k_mean.shape)
@@ -253,7 +253,7 @@ def _d3_inputs(q: Tensor, k: Tensor, k_mean: Tensor, positions: Tensor, rope: La
         k = expand_kv(k, n_heads)
     if q.shape[-1] < rope.rotary_dim:
         raise ValueError(f"d_head={q.shape[-1]} is smaller than rotary_dim={rope.rotary_dim}")
-    k_mean = _kbar_batched(k_mean.to(q.device), q.shape[0], n_heads)
+    k_mean = kbar_batched(k_mean.to(q.device), q.shape[0], n_heads)
     q, k, k_mean = q.double(), k.double(), k_mean.double()
     r = rope.rotary_dim
     zq, zk, zkbar = (to_bands(x, r, rope.layout) for x in (q, k, k_mean))

@@ -1,13 +1,13 @@
 """Score moments for the decomposition runner: every r, R² and within-row r of D1/D2/D3 from
 per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.experiments.decomposition`).
 
-* :class:`_Geometry` — a mask (causal, sink, window) with its cached D1/D2 least-squares operators
+* :class:`Geometry` — a mask (causal, sink, window) with its cached D1/D2 least-squares operators
   (``fit_additive``'s ridge solve plus refinement folded into one matrix per mask);
-* :class:`_Target` — one batch of logit maps, centred and masked in place, with its row/column/diagonal sums;
-* ``_fit_*`` / ``_d3_moments`` — moments (Σx, Σy, Σx², Σy², Σxy per row) of each approximation;
-* :func:`_scores` — Pearson r, R² and within-row r from those moments.
+* :class:`Target` — one batch of logit maps, centred and masked in place, with its row/column/diagonal sums;
+* ``_fit_*`` / ``d3_moments`` — moments (Σx, Σy, Σx², Σy², Σxy per row) of each approximation;
+* :func:`scores` — Pearson r, R² and within-row r from those moments.
 
-Private: the public entry points are in :mod:`posgen_tl.experiments.decomposition`.
+Pure tensor maths (no model); the experiment that uses it is :mod:`posgen_tl.experiments.decomposition`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _RIDGE, _REFINE = 1e-6, 3  # fit_additive's defaults
 
 
 @dataclass
-class _Geometry:
+class Geometry:
     """One scoring mask (``j ∈ [max(sink, i−w+1), i]``) and everything derived from it."""
 
     n: int
@@ -43,10 +43,10 @@ class _Geometry:
     ops: dict  # three_axis -> P [p, p] float64
 
 
-_GEOMS: dict[tuple, _Geometry] = {}
+_GEOMS: dict[tuple, Geometry] = {}
 
 
-def _geometry(n: int, sink: int, window: int | None, device: torch.device | str = "cpu") -> _Geometry:
+def geometry(n: int, sink: int, window: int | None, device: torch.device | str = "cpu") -> Geometry:
     """Mask ``j ∈ [max(sink, i−w+1), i]`` with its counts and fit operators (LRU-cached, on ``device``)."""
     key = (n, sink, window, str(device))
     if key in _GEOMS:
@@ -65,7 +65,7 @@ def _geometry(n: int, sink: int, window: int | None, device: torch.device | str 
         for _ in range(_REFINE):  # β_{t+1} = β_t + M(r − Aβ_t)  ⇒  β = Σ_t E^t M r
             p = m_inv + e @ p
         ops[three] = p
-    g = _Geometry(n, sink, window, mask, md.sum(-1), dmask, md, md.sum(-2), dmask.sum(-2), (dmask.sum(-2) > 0).double(), ops)
+    g = Geometry(n, sink, window, mask, md.sum(-1), dmask, md, md.sum(-2), dmask.sum(-2), (dmask.sum(-2) > 0).double(), ops)
     for name in ("mask", "cnt", "dmask", "maskd", "ncol", "ndiag", "amask"):
         setattr(g, name, getattr(g, name).to(device))
     g.ops = {k: v.to(device) for k, v in ops.items()}
@@ -91,7 +91,7 @@ class _Moments:
     ymax: Tensor
 
 
-def _scores(m: _Moments, g: _Geometry) -> dict[str, Tensor]:
+def scores(m: _Moments, g: Geometry) -> dict[str, Tensor]:
     """r, R², within-row r from moments, with :mod:`posgen_tl.maths.decompose`'s NaN rules."""
     n = g.cnt.sum()
     sx, sy = m.sx.sum(-1), m.sy.sum(-1)
@@ -126,7 +126,7 @@ def _scale(sq: Tensor, mu: Tensor) -> Tensor:
     return sq.amax(-1).sqrt() + mu.double().abs()
 
 
-def _mask_(x: Tensor, g: _Geometry) -> Tensor:
+def _mask_(x: Tensor, g: Geometry) -> Tensor:
     """Zero the off-mask entries of ``x [maps, i, j]`` in place (``g.sink`` must be 0)."""
     x.tril_()
     if g.window is not None:
@@ -134,7 +134,7 @@ def _mask_(x: Tensor, g: _Geometry) -> Tensor:
     return x
 
 
-class _Target:
+class Target:
     """The shifted, masked logit maps of one (batch, layer) and their sink-kept row sums.
 
     ``x = (W − μ)·mask₀`` (``μ`` a per-map shift, the masked mean of the bound rows; any
@@ -144,7 +144,7 @@ class _Target:
     one run (its left half stays zero).
     """
 
-    def __init__(self, W: Float[Tensor, "maps query_pos key_pos"], g0: _Geometry, mu: Tensor, cache: dict) -> None:
+    def __init__(self, W: Float[Tensor, "maps query_pos key_pos"], g0: Geometry, mu: Tensor, cache: dict) -> None:
         nm, n = W.shape[0], W.shape[-1]
         buf = cache.get("buf")
         if buf is None or buf.shape != (nm, n, 2 * n) or buf.device != W.device:
@@ -170,7 +170,7 @@ class _Target:
         return self.sx - s.sum(-1), self.sxx - (s * s).sum(-1)
 
 
-def _fit_solve(t: _Target, g: _Geometry, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fit_solve(t: Target, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(mean, a, b, c)`` of ``fit_additive(x, g.mask, three_axis)`` (float64; ``b = 0`` for D2)."""
     n, s = t.n, g.sink
     sx, _ = t.moments_x(s)
@@ -189,7 +189,7 @@ def _fit_solve(t: _Target, g: _Geometry, three_axis: bool) -> tuple[Tensor, Tens
     return mean, a, b, c_
 
 
-def _fit_moments(t: _Target, g: _Geometry, fit: tuple, xc: Tensor, xa: Tensor) -> _Moments:
+def _fit_moments(t: Target, g: Geometry, fit: tuple, xc: Tensor, xa: Tensor) -> _Moments:
     """Moments of x and of the fitted map ``mean + a[i−j] + b[i] + c[j]`` on mask ``g``.
 
     ``xc = Σ_j x_ij c_j`` and ``xa = Σ_d x[i, i−d] a_d`` over the sink-KEPT mask (``[maps, i]``).
@@ -216,7 +216,7 @@ def _fit_moments(t: _Target, g: _Geometry, fit: tuple, xc: Tensor, xa: Tensor) -
     return _Moments(sx, sy, sxx, syy, sxy, t.xmax, ymax)
 
 
-def _all_fit_moments(t: _Target, geoms: dict[int, _Geometry]) -> dict[tuple[int, str], _Moments]:
+def all_fit_moments(t: Target, geoms: dict[int, Geometry]) -> dict[tuple[int, str], _Moments]:
     """D1 and D2 on every mask; the two map-sized products for all fits in one pass each."""
     fits = {(s, est): _fit_solve(t, g, est == "D1") for s, g in geoms.items() for est in ("D1", "D2")}
     keys = list(fits)
@@ -227,7 +227,7 @@ def _all_fit_moments(t: _Target, geoms: dict[int, _Geometry]) -> dict[tuple[int,
     return {k: _fit_moments(t, geoms[k[0]], fits[k], xc[:, i], xa[:, i]) for i, k in enumerate(keys)}
 
 
-def _d3_moments(t: _Target, y: Tensor, g0: _Geometry, sinks: Sequence[int]) -> dict[int, _Moments]:
+def d3_moments(t: Target, y: Tensor, g0: Geometry, sinks: Sequence[int]) -> dict[int, _Moments]:
     """Moments of x and the D3 approximation ``y = f + g`` (float32 ``[maps, i, j]``; OVERWRITTEN: it
     ends holding ``x·(y − μ)``, so ``Σxy`` needs no map-sized temporary)."""
     _mask_(y.sub_(t.mu[:, None, None]), g0)

@@ -29,16 +29,10 @@ from torch import Tensor
 
 from posgen_tl.maths.rope import Layout, to_bands
 
-__all__ = ["SequenceBandSums", "rho_forms", "RHO_FORMS", "band_group"]
+__all__ = ["SequenceBandSums", "rho_forms", "RHO_FORMS"]
 
 RHO_FORMS = ("rho_within", "rho_cross", "stability", "rho_plugin")
 _STATE_KEYS = ("doc", "n", "sum_z", "sum_abs2")
-
-
-def band_group(band: int, n_bands: int) -> str:
-    """``"fast"`` / ``"middle"`` / ``"slow"``: thirds of the bands (band 0 is the fastest)."""
-    third = 3 * band // max(n_bands, 1)
-    return ("fast", "middle", "slow")[min(third, 2)]
 
 
 def _nan_div(num: Tensor, den: Tensor) -> Tensor:

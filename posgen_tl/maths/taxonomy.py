@@ -41,7 +41,7 @@ from einops import einsum
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from posgen_tl.maths.rope import LayerRope, causal_mask, expand_kv, to_bands
+from posgen_tl.maths.rope import LayerRope, expand_kv, to_bands
 
 __all__ = [
     "region_permutations",

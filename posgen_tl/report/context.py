@@ -1,5 +1,5 @@
-"""What every report stage and every study gets: the configuration, the model (and its random
-twin, built once), token sets, and a folder to write tables and figures into.
+"""What every experiment's ``compute``/``render`` gets in a report or study run: the model (and its
+random twin, built once) and a folder to write tables and figures into.
 
 ``report`` and ``study`` share these classes; only the folder differs (``Work``: the report's
 resumable ``.work`` folder; ``OutFolder``: a study's ``--out`` folder, written directly).
@@ -7,7 +7,6 @@ resumable ``.work`` folder; ``OutFolder``: a study's ``--out`` folder, written d
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -20,61 +19,34 @@ import pandas as pd
 
 from posgen_tl.report.html import figure_to_png
 
-__all__ = ["ReportConfig", "Work", "OutFolder", "Context", "layers_for"]
-
-
-@dataclass
-class ReportConfig:
-    model: str = "smollm2-135m"
-    corpus: str | None = None
-    seq_len: int = 256
-    n_seq: int = 8
-    out: str = "posgen_report"
-    quick: bool = False
-    twin: bool = True
-    seed: int = 0
-    #: study parameters ``KEY → text`` (``--param KEY=VALUE``; parsed per stage by
-    #: :func:`posgen_tl.report.params.stage_params`)
-    params: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_args(cls, a: argparse.Namespace) -> "ReportConfig":
-        from posgen_tl.report.params import parse_param_args  # noqa: PLC0415
-
-        quick = bool(a.quick)
-        return cls(
-            model=a.model, corpus=a.corpus, out=a.out, quick=quick, twin=not a.no_twin, seed=a.seed,
-            seq_len=a.seq_len or (96 if quick else 256), n_seq=a.n_seq or (2 if quick else 8),
-            params=parse_param_args(getattr(a, "param", None)),
-        )
-
-    def key(self) -> str:
-        d = {k: v for k, v in self.__dict__.items() if k != "out" and not (k == "params" and not v)}
-        return hashlib.sha1(json.dumps(d, sort_keys=True, default=_jsonable).encode()).hexdigest()[:12]
+__all__ = ["Work", "OutFolder", "Context", "atomic_write", "jsonable"]
 
 
 class Work:
     """The ``.work`` folder: stage outputs written atomically, a ``done`` marker per stage."""
 
-    def __init__(self, out: Path, cfg: ReportConfig):
+    def __init__(self, out: Path, config: dict[str, Any]):
+        """``config``: the run's whole configuration (model, preset, every experiment's options); a
+        folder written under another configuration is discarded, so a resume never mixes runs."""
         self.dir = out / ".work"
         stamp = self.dir / "config.json"
+        key = hashlib.sha1(json.dumps(config, sort_keys=True, default=jsonable).encode()).hexdigest()[:12]
         if self.dir.exists():
             try:
-                same = json.loads(stamp.read_text()).get("key") == cfg.key()
+                same = json.loads(stamp.read_text()).get("key") == key
             except (OSError, json.JSONDecodeError):
                 same = False
             if not same:
                 shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         if not stamp.exists():
-            _atomic_write(stamp, json.dumps({"key": cfg.key(), "config": cfg.__dict__}, indent=1).encode())
+            atomic_write(stamp, json.dumps({"key": key, "config": config}, indent=1, default=jsonable).encode())
 
     def done(self, stage: str) -> bool:
         return (self.dir / f"{stage}.done").exists()
 
     def mark(self, stage: str) -> None:
-        _atomic_write(self.dir / f"{stage}.done", b"ok")
+        atomic_write(self.dir / f"{stage}.done", b"ok")
 
     def path(self, name: str) -> Path:
         return self.dir / name
@@ -88,23 +60,23 @@ class Work:
         return pd.read_csv(self.dir / name)
 
     def save_fig(self, name: str, fig: Any) -> None:
-        _atomic_write(self.dir / name, figure_to_png(fig))
+        atomic_write(self.dir / name, figure_to_png(fig))
 
     def save_json(self, name: str, obj: Any) -> None:
-        _atomic_write(self.dir / name, json.dumps(obj, indent=1, default=_jsonable).encode())
+        atomic_write(self.dir / name, json.dumps(obj, indent=1, default=jsonable).encode())
 
     def load_json(self, name: str) -> Any:
         return json.loads((self.dir / name).read_text())
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     try:
         return float(x)
     except (TypeError, ValueError):
         return str(x)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
@@ -127,38 +99,21 @@ class OutFolder(Work):
 
 @dataclass
 class Context:
-    cfg: ReportConfig
-    work: Work
-    model: Any
-    model_name: str
-    _twin: Any = None
-    _est_windows: Any = None  # (analysed, reference, note) shared by the decomposition and pattern stages
+    """What an experiment's ``compute`` / ``render`` get in a report or a study run: the model, its
+    random twin (built once, seeded), the folder to write into, and ``shared`` — results one
+    experiment hands to a later one in the same run (e.g. the T1 curve the causal test reuses)."""
 
-    def twin(self):
-        """``random_twin(model, cfg.seed)``, built once per report run and shared by every stage."""
+    model: Any
+    work: "Work"
+    model_name: str
+    seed: int = 0
+    shared: dict = field(default_factory=dict)
+    _twin: Any = None
+
+    def twin(self) -> Any:
+        """``random_twin(model, seed)``, built once per run and shared by every experiment."""
         if self._twin is None:
             from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
-            self._twin = random_twin(self.model, self.cfg.seed)
+            self._twin = random_twin(self.model, self.seed)
         return self._twin
-
-    def tokens(self, n_seq: int | None = None, seq_len: int | None = None):
-        from posgen_tl.io.corpus import corpus_tokens  # noqa: PLC0415
-
-        return corpus_tokens(self.model, self.cfg.corpus, seq_len=seq_len or self.cfg.seq_len,
-                             n_seq=n_seq or self.cfg.n_seq)
-
-
-def layers_for(ctx: Context) -> list[int] | None:
-    """All layers; in --quick mode every 5th layer (plus the last) to stay within ~2 minutes."""
-    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
-
-    n = probe_hooks(ctx.model)[0].n_layers
-    if not ctx.cfg.quick:
-        return None
-    return sorted(set(range(0, n, 5)) | {n - 1})
-
-
-
-
-_layers = layers_for  # the name stages used before the split (kept for code written against it)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import base64
 import html
 import io
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pandas as pd
+
+from posgen_tl.report.text import sig3
 
 __all__ = ["Section", "Finding", "QUESTIONS", "figure_to_png", "render_html", "sig3", "FOLD_ROWS"]
 
@@ -26,7 +27,7 @@ QUESTIONS: dict[str, str] = {
     "pattern": "Does the feature pattern explain the decomposition across heads? (§3)",
     "tolerance": "Does NLL rise when context tokens are swapped? (§4)",
     "causal": "Does tolerance depend on the pattern? (§5, primary contrast)",
-    "heads": "Do positional/symbolic heads line up with D3's positional share? (§6)",
+    "taxonomy": "Do positional/symbolic heads line up with D3's positional share? (§6)",
     "length": "Do unseen distances hurt, and does the split help? (§7)",
 }
 
@@ -57,21 +58,6 @@ details{margin:.6em 0}summary{cursor:pointer;color:#2a5d9f}
 .meta{font-size:.85em;color:#555}
 code{background:#f4f4f4;padding:0 .2em}
 """
-
-
-def sig3(x: Any) -> str:
-    """A number to 3 significant digits (``–`` for None/NaN; ints and text unchanged)."""
-    if x is None:
-        return "–"
-    if isinstance(x, bool):
-        return str(x)
-    if isinstance(x, int):
-        return str(x)
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    return "–" if math.isnan(v) else f"{v:.3g}"
 
 
 @dataclass
@@ -127,8 +113,8 @@ class Section:
     """One report section: a title, paragraphs (plain text), tables, figures (PNG bytes + caption).
 
     ``details``: tables always folded in ``<details>`` (e.g. an all-PASS check); ``findings``:
-    headlines this section contributes to the summary box (stages may set them; the report also
-    derives them with :func:`posgen_tl.report.findings.stage_findings`).
+    headlines this section contributes to the summary box; ``results``: the section's numbers as
+    JSON-friendly data (``results.json`` of a report, ``<name>.json`` of a study).
     """
 
     title: str
@@ -138,6 +124,7 @@ class Section:
     verdict: str | None = None
     details: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    results: dict = field(default_factory=dict)
 
 
 def figure_to_png(fig: Any, dpi: int = 100) -> bytes:

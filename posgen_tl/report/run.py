@@ -1,77 +1,100 @@
-"""``posgen-tl report``: the whole analysis → one self-contained HTML page + results.json + CSVs.
+"""``posgen-tl report``: every experiment of :data:`posgen_tl.experiments.registry.REPORT` → one
+self-contained HTML page + results.json + CSVs. It defines no experiment: each one's options,
+computation and section come from its module (:mod:`posgen_tl.experiments`).
 
-Interruption-safe: every stage writes its outputs into ``<out>/.work/`` and marks itself
+Interruption-safe: every experiment writes its outputs into ``<out>/.work/`` and marks itself
 done only after all of them are written (atomic renames). The final ``report.html``,
-``results.json`` and CSVs appear in ``<out>/`` only when every stage is done; a rerun with
-the same arguments resumes from the finished stages (different arguments start afresh).
+``results.json`` and CSVs appear in ``<out>/`` only when every experiment is done; a rerun with
+the same arguments resumes from the finished ones (different arguments start afresh).
 
-The page opens with a summary box — one line per question of METHOD.md, each with its verdict
-word, effect, CI, p and n (:mod:`posgen_tl.report.findings`) — before any section.
+The page opens with a summary box — one line per question, each with its verdict word, effect,
+CI, p and n — before any section.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from posgen_tl.report.context import Context, ReportConfig, Work, _atomic_write, _jsonable, layers_for
-from posgen_tl.report.findings import stage_findings
+from posgen_tl.experiments import registry
+from posgen_tl.report.context import Context, Work, atomic_write, jsonable
 from posgen_tl.report.html import render_html
-from posgen_tl.report.stages import STAGES
 
-__all__ = ["run_report", "ReportConfig", "STAGES"]
-
-_layers = layers_for  # kept: code written against report.run._layers
+__all__ = ["ReportSettings", "run_report"]
 
 
-def run_report(args: argparse.Namespace | ReportConfig) -> int:
-    """Run every stage (resuming finished ones) and write the report; returns an exit code."""
+@dataclass
+class ReportSettings:
+    """What ``posgen-tl report`` was asked for: the model, the output folder, a preset, the size flags
+    given (``None`` = each experiment's own default) and ``--param`` text (``[experiment.]key → value``)."""
+
+    model: Any = "smollm2-135m"
+    out: str = "posgen_report"
+    preset: str = "default"
+    sizes: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+    experiments: tuple[str, ...] = registry.REPORT
+
+    def configs(self) -> dict[str, Any]:
+        """``{experiment: Config}`` — each built by :func:`posgen_tl.experiments.registry.make_config`.
+
+        Raises:
+            ValueError: an unknown experiment, preset, option or unparsable value (naming it)."""
+        routed = registry.split_params(self.params, list(self.experiments))
+        return {n: registry.make_config(n, self.preset, routed[n], self.sizes) for n in self.experiments}
+
+
+def run_report(settings: ReportSettings) -> int:
+    """Run every experiment (resuming finished ones) and write the report; returns an exit code."""
     from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
     from posgen_tl.io.models import load_model  # noqa: PLC0415
 
-    from posgen_tl.report.params import check_params  # noqa: PLC0415
-
-    cfg = args if isinstance(args, ReportConfig) else ReportConfig.from_args(args)
-    check_params(cfg.params, [name for name, _, _ in STAGES])  # an unknown or malformed --param: a clear error
-    out = Path(cfg.out)
+    configs = settings.configs()  # an unknown or malformed option fails here, before the model loads
+    out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("report.html", "results.json"):
         (out / stale).unlink(missing_ok=True)  # never leave an old, complete-looking report beside a new run
-    work = Work(out, cfg)
+    model_name = settings.model if isinstance(settings.model, str) else type(settings.model).__name__
+    stamp = {"model": model_name, "preset": settings.preset, "configs": {n: c.as_dict() for n, c in configs.items()}}
+    work = Work(out, stamp)
     t0 = time.time()
-    model = load_model(cfg.model, verbose=True)
+    model = load_model(settings.model, verbose=True) if isinstance(settings.model, str) else settings.model
     spec, _ = probe_hooks(model)
-    ctx = Context(cfg, work, model, spec.model_name)
+    seed = next(iter(configs.values())).seed
+    ctx = Context(model, work, spec.model_name, seed=seed)
     timings: dict[str, float] = {}
-    for name, fn, _ in STAGES:
-        if work.done(name):
-            print(f"[posgen-tl] {name}: already done (resuming)")
-            continue
-        ts = time.time()
-        print(f"[posgen-tl] {name} ...", flush=True)
-        fn(ctx)
-        work.mark(name)
-        timings[name] = time.time() - ts
-        print(f"[posgen-tl] {name}: {timings[name]:.0f} s", flush=True)
     sections, findings = [], []
-    results = {"config": cfg.__dict__, "model": spec.model_name, "stage_seconds": timings}
-    for name, _, render in STAGES:
-        sec, res = render(ctx)
+    results: dict[str, Any] = {"model": spec.model_name, "preset": settings.preset, "configs": stamp["configs"],
+                               "stage_seconds": timings}
+    mods = {n: registry.experiment(n) for n in configs}
+    for name, cfg in configs.items():
+        if not work.done(name):
+            print(f"[posgen-tl] {name} ...", flush=True)
+            ts = time.time()
+            mods[name].compute(ctx, cfg)
+            work.mark(name)
+            timings[name] = time.time() - ts
+            print(f"[posgen-tl] {name}: {timings[name]:.0f} s", flush=True)
+        else:
+            print(f"[posgen-tl] {name}: already done (resuming)")
+    for name, cfg in configs.items():
+        sec = mods[name].render(ctx, cfg)
         sections.append(sec)
-        results[name] = res
-        findings += stage_findings(name, ctx, sec)
+        results[name] = sec.results
+        findings += sec.findings
     results["findings"] = [f.as_dict() for f in findings]
     results["total_seconds"] = time.time() - t0
-    meta = {"model": spec.model_name, "corpus": cfg.corpus or "pydoc_data.topics (stdlib)",
-            "seq_len": cfg.seq_len, "n_seq": cfg.n_seq, "quick": cfg.quick, "seed": cfg.seed,
-            "generated": time.strftime("%Y-%m-%d %H:%M:%S")}
+    first = next(iter(configs.values()))
+    meta = {"model": spec.model_name, "corpus": first.corpus or "pydoc_data.topics (stdlib)",
+            "preset": settings.preset, "seed": seed, "generated": time.strftime("%Y-%m-%d %H:%M:%S")}
     for f in sorted(work.dir.glob("*.csv")):
         shutil.copyfile(f, out / f.name)
-    _atomic_write(out / "results.json", json.dumps(results, indent=1, default=_jsonable).encode())
+    atomic_write(out / "results.json", json.dumps(results, indent=1, default=jsonable).encode())
     page = render_html(f"posgen_tl report — {spec.model_name}", meta, sections, findings=findings)
-    _atomic_write(out / "report.html", page.encode())
+    atomic_write(out / "report.html", page.encode())
     print(f"[posgen-tl] wrote {out / 'report.html'} ({time.time() - t0:.0f} s)")
     return 0

@@ -37,6 +37,8 @@ __all__ = [
     "holm",
     "mde",
     "paired_differences",
+    "paired_finding",
+    "rank_correlation",
     "per_sequence_slopes",
     "sign_flip_test",
     "slope_ci",
@@ -736,3 +738,25 @@ def t1_t2_equivalence(
     res.update(alike=res["equivalent"], n_seq=int(a.size), n_docs=int(np.unique(doc).size),
                p_diff=sign_flip_test(a - b, clusters=doc), note=EQUIVARIANCE_NOTE)  # fmt: skip
     return res
+
+
+def paired_finding(d: Any, clusters: Any = None) -> tuple[float, tuple[float, float], float]:
+    """The headline numbers of a paired effect: ``(mean, (ci_low, ci_high), p)`` — the mean of the
+    unit means, the 95 % bootstrap interval resampling ``clusters`` (documents; each value its own
+    unit when None) and the sign-flip p over the same units."""
+    mean, lo, hi = bootstrap_ci(d, clusters=clusters)
+    return mean, (lo, hi), sign_flip_test(d, clusters=clusters)
+
+
+def rank_correlation(x: np.ndarray, y: np.ndarray) -> tuple[float, tuple[float, float], float, int]:
+    """Spearman ρ across units with a Fisher-z 95 % interval (se = √(1.06/(n−3))) and its p-value."""
+    from scipy.stats import spearmanr  # noqa: PLC0415
+
+    ok = np.isfinite(x) & np.isfinite(y)
+    n = int(ok.sum())
+    if n < 4:
+        return float("nan"), (float("nan"), float("nan")), float("nan"), n
+    res = spearmanr(x[ok], y[ok])
+    rho = float(res.statistic)
+    z, se = math.atanh(max(min(rho, 0.999999), -0.999999)), math.sqrt(1.06 / (n - 3))
+    return rho, (math.tanh(z - 1.96 * se), math.tanh(z + 1.96 * se)), float(res.pvalue), n

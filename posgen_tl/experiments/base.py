@@ -1,0 +1,286 @@
+"""What every experiment shares: its ``Config`` (options written once), the run context, and the
+parsing of option values from the command line.
+
+An experiment's configuration is ONE frozen dataclass that subclasses :class:`Config`. Each
+field is declared with :func:`option` — its default, its kind (how text parses into it), its help
+text and its named preset values — and nothing else anywhere restates them: the library call
+(``run(model, cfg)``), ``posgen-tl study NAME --key value``, the report stage and the notebooks
+all build the same dataclass (:meth:`Config.preset`, :meth:`Config.from_text`)::
+
+    @dataclass(frozen=True)
+    class Config(base.Config):
+        n_ref: int = option(4, "windows of the disjoint reference documents for the global k̄", "int",
+                            quick=2, full=8)
+
+Option kinds (text on the command line → value):
+
+* ``int`` (positive) / ``count`` (any integer) / ``float`` / ``bool`` (true/false/yes/no/1/0) / ``text``;
+* ``ints`` — ``10-19`` or ``0,5,10-12``; ``floats`` — ``0,0.02,0.05``; ``names`` — ``C1,C2``;
+* ``layers`` — ``all``, ``every5`` (every 5th layer and the last), a layer group (``early``,
+  ``middle``, ``late``: :mod:`posgen_tl.maths.groups`) or a list as for ``ints``;
+* ``pairs`` — ``d3:all,d3:20-29`` (``source:group`` pairs).
+
+An unknown key, or a value that does not parse, is an error naming the key, the experiment and
+what it accepts — never a silently ignored option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
+
+__all__ = ["Config", "Option", "option", "config_of", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments"]
+
+PRESETS = ("default", "quick", "full")
+_UNSET: Any = object()
+C = TypeVar("C", bound="Config")
+
+
+# ----------------------------------------------------------------------------- parsing option values
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in s.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        a, sep, b = part.replace("–", "-").partition("-")
+        if sep and a and b:
+            lo, hi = int(a), int(b)
+            if hi < lo:
+                raise ValueError(f"range {part!r} runs backwards")
+            out += list(range(lo, hi + 1))
+        else:
+            out.append(int(part))
+    if not out:
+        raise ValueError("empty list")
+    return tuple(out)
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    out = tuple(float(x) for x in s.split(",") if x.strip())
+    if not out:
+        raise ValueError("empty list")
+    return out
+
+
+def _names(s: str) -> tuple[str, ...]:
+    out = tuple(x.strip() for x in s.split(",") if x.strip())
+    if not out:
+        raise ValueError("empty list")
+    return out
+
+
+def _bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{s!r} is not a boolean (true/false)")
+
+
+def _pairs(s: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for part in _names(s):
+        a, sep, b = part.partition(":")
+        if not (sep and a and b):
+            raise ValueError(f"{part!r} is not 'source:group'")
+        out.append((a, b.replace("-", "–")))
+    return tuple(out)
+
+
+def _pos_int(s: str) -> int:
+    v = int(s)
+    if v <= 0:
+        raise ValueError(f"{v} is not positive")
+    return v
+
+
+_LAYER_WORDS = ("all", "every5", "early", "middle", "late")
+
+
+def _layers(s: str) -> str | tuple[int, ...]:
+    v = s.strip().lower()
+    return v if v in _LAYER_WORDS else _ints(s)
+
+
+def _text_or_none(s: str) -> str | None:
+    return None if s.strip().lower() in ("", "none", "default") else s
+
+
+PARSERS: dict[str, Callable[[str], Any]] = {
+    "ints": _ints, "floats": _floats, "names": _names, "int": _pos_int, "float": float, "bool": _bool,
+    "pairs": _pairs, "text": _text_or_none, "count": int, "layers": _layers,
+}
+
+
+def parse_value(kind: str, text: str) -> Any:
+    """``text`` parsed as an option of ``kind`` (a key of :data:`PARSERS`)."""
+    return PARSERS[kind](text)
+
+
+def resolve_layers(value: str | Sequence[int] | None, n_layers: int) -> list[int]:
+    """The layer indices a ``layers`` option means for an ``n_layers`` model: ``"all"``/``None`` →
+    all, ``"every5"`` → every 5th and the last, ``"early"``/``"middle"``/``"late"`` → that group of
+    :func:`posgen_tl.maths.groups.layer_groups`, a list → itself (checked against ``n_layers``)."""
+    from posgen_tl.maths.groups import layer_groups  # noqa: PLC0415
+
+    if value is None or value == "all":
+        return list(range(n_layers))
+    if value == "every5":
+        return sorted(set(range(0, n_layers, 5)) | {n_layers - 1})
+    if isinstance(value, str):
+        groups = layer_groups(n_layers)
+        if value not in groups:
+            raise ValueError(f"layers={value!r}: expected all, every5, early, middle, late or a list like 10-19")
+        return groups[value]
+    out = sorted({int(x) for x in value})
+    bad = [x for x in out if not 0 <= x < n_layers]
+    if bad:
+        raise ValueError(f"layers {bad} do not exist in a {n_layers}-layer model")
+    return out
+
+
+def parse_assignments(items: Sequence[str] | None) -> dict[str, str]:
+    """``["layers=10-19", "n_ref=8"]`` → ``{"layers": "10-19", "n_ref": "8"}`` (text, parsed per experiment).
+
+    Raises:
+        ValueError: an item without ``=`` or a key given twice."""
+    out: dict[str, str] = {}
+    for it in items or ():
+        key, sep, val = it.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key or not val.strip():
+            raise ValueError(f"--param {it!r}: expected KEY=VALUE")
+        if key in out:
+            raise ValueError(f"--param {key} given twice")
+        out[key] = val.strip()
+    return dict(sorted(out.items()))
+
+
+# ----------------------------------------------------------------------------- options and configs
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of an experiment's Config: its name, kind, default, help and preset values."""
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    presets: Mapping[str, Any]
+
+    def value_in(self, preset: str) -> Any:
+        """The value under ``preset`` (the default where the preset does not set it)."""
+        return self.presets.get(preset, self.default)
+
+
+def option(default: Any, help: str, kind: str, *, quick: Any = _UNSET, full: Any = _UNSET) -> Any:
+    """A Config field: ``default`` and the values of the ``quick`` and ``full`` presets, the
+    ``kind`` its command-line text parses as (a key of :data:`PARSERS`) and its ``help``."""
+    if kind not in PARSERS:
+        raise ValueError(f"unknown option kind {kind!r}; one of {', '.join(PARSERS)}")
+    presets = {k: v for k, v in (("quick", quick), ("full", full)) if v is not _UNSET}
+    return field(default=default, metadata={"kind": kind, "help": help, "presets": presets})
+
+
+@dataclass(frozen=True)
+class Config:
+    """The sizes every experiment shares; an experiment's own Config adds its options.
+
+    Build one with ``Config()`` (defaults), :meth:`preset` (``"quick"``, ``"full"``),
+    :meth:`from_text` (command-line text) or :meth:`replace` (checked keyword changes).
+    """
+
+    n_seq: int = option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
+    seq_len: int = option(256, "tokens per sequence", "int", quick=96)
+    seed: int = option(0, "seed of the document split, the windows, the swaps and the random twin", "count")
+    corpus: str | None = option(None, "UTF-8 text file or folder of .txt/.md files (default: the stdlib's pydoc "
+                                      "topics, 79 documents)", "text")
+    twin: bool = option(True, "run the random-init twin beside the trained model where the experiment has one", "bool")
+
+    #: the experiment's name (``posgen-tl study NAME``); set by each subclass
+    NAME: ClassVar[str] = ""
+
+    @classmethod
+    def options(cls) -> list[Option]:
+        """Every option of this Config, in declaration order."""
+        return [Option(f.name, f.metadata["kind"], f.default, f.metadata["help"], f.metadata["presets"])
+                for f in dataclasses.fields(cls) if "kind" in f.metadata]
+
+    @classmethod
+    def preset(cls: type[C], name: str = "default", **overrides: Any) -> C:
+        """The Config of preset ``name`` (``default``, ``quick``, ``full``) with ``overrides`` applied."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; one of {', '.join(PRESETS)}")
+        base = cls(**{o.name: o.value_in(name) for o in cls.options()})
+        return base.replace(**overrides) if overrides else base
+
+    @classmethod
+    def from_text(cls: type[C], params: Mapping[str, str], preset: str = "default", *, strict: bool = True,
+                  **values: Any) -> C:
+        """A Config from command-line text ``params`` (``{"layers": "10-19"}``), on top of ``preset``
+        and of already-typed ``values`` (``None`` values are ignored).
+
+        Raises:
+            ValueError: with ``strict``, a key this experiment does not declare (the message lists the
+                accepted keys); a value that does not parse (the message names key, experiment and kind).
+        """
+        opts = {o.name: o for o in cls.options()}
+        typed = {k: v for k, v in values.items() if v is not None}
+        for key, text in params.items():
+            if key not in opts:
+                if strict:
+                    raise ValueError(f"unknown parameter {key!r} for {cls.NAME or cls.__name__}; accepted: "
+                                     f"{', '.join(opts)}")
+                continue
+            try:
+                typed[key] = parse_value(opts[key].kind, text)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"parameter {key}={text!r} ({cls.NAME}): {e}; expected {opts[key].kind}") from e
+        return cls.preset(preset, **typed)
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with ``changes``; an unknown key is a ValueError naming it and the accepted keys."""
+        names = {f.name for f in dataclasses.fields(self)}
+        bad = sorted(set(changes) - names)
+        if bad:
+            raise ValueError(f"{type(self).NAME or type(self).__name__} has no option {', '.join(bad)}; accepted: "
+                             f"{', '.join(sorted(names))}")
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{option: value}`` (JSON-friendly: tuples become lists)."""
+        def plain(v: Any) -> Any:
+            return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def describe(cls) -> str:
+        """One line per option: ``--key VALUE (kind; default …; quick …; full …) help``."""
+        lines = []
+        for o in cls.options():
+            pre = "".join(f"; {k} {_show(v)}" for k, v in o.presets.items())
+            lines.append(f"  --{o.name.replace('_', '-')} ({o.kind}; default {_show(o.default)}{pre})  {o.help}")
+        return "\n".join(lines)
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, tuple):
+        return ",".join(_show(x) if not isinstance(x, tuple) else ":".join(map(str, x)) for x in v) or "()"
+    return str(v)
+
+
+def config_of(cls: type[C], cfg: C | None, overrides: Mapping[str, Any]) -> C:
+    """``cfg`` (default ``cls()``) with keyword ``overrides`` — the one way a library call turns
+    ``run(model, cfg, **overrides)`` into a Config. Raises TypeError for a Config of another experiment."""
+    if cfg is None:
+        cfg = cls()
+    elif not isinstance(cfg, cls):
+        raise TypeError(f"expected a {cls.__module__}.{cls.__qualname__}, got {type(cfg).__module__}.{type(cfg).__qualname__}")
+    return cfg.replace(**overrides) if overrides else cfg

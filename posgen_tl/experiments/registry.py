@@ -1,0 +1,163 @@
+"""Every experiment, by name — what ``posgen-tl study NAME``, ``posgen-tl report`` and the docs derive
+from. Nothing here defines an experiment: each module of :mod:`posgen_tl.experiments` does (its
+``Config``, ``compute``, ``render``, ``NAME``, ``ABOUT``, ``NEEDS``), and this module only lists them
+in report order, builds their configs from command-line text, and runs one or all of them.
+
+Adding an experiment: a module ``posgen_tl/experiments/<name>.py`` with those six names, its name
+in :data:`ORDER` (and in :data:`REPORT` if the report runs it), a plot module of the same name and
+a test module of the same name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping, Sequence
+
+from posgen_tl.experiments.base import PRESETS, Config
+
+__all__ = ["ORDER", "REPORT", "SIZES", "experiment", "names", "make_config", "split_params", "run_study",
+           "run_experiment"]
+
+#: every experiment, in the order the report runs and numbers them
+ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "sufficiency", "taxonomy", "length",
+         "gap_attention")
+#: the experiments ``posgen-tl report`` runs (``gap_attention`` needs a taxonomy table: a study of its own)
+REPORT = ORDER[:-1]
+#: the options every Config has (``base.Config``): the report's size flags set them for every experiment
+SIZES = ("n_seq", "seq_len", "seed", "corpus", "twin")
+#: size flags an experiment does not take from the report (it keeps its own default); e.g. the exactness
+#: check always compares 2 × 64 tokens
+_OWN_SIZES: dict[str, tuple[str, ...]] = {"exactness": ("n_seq", "seq_len")}
+
+
+def experiment(name: str) -> ModuleType:
+    """The module of experiment ``name``.
+
+    Raises:
+        KeyError: an unknown name (the message lists the known ones)."""
+    if name not in ORDER:
+        raise KeyError(f"unknown experiment {name!r}; one of: {', '.join(ORDER)}")
+    return importlib.import_module(f"posgen_tl.experiments.{name}")
+
+
+def names() -> list[str]:
+    """Experiment names, report order."""
+    return list(ORDER)
+
+
+def split_params(params: Mapping[str, str], experiments: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Route report-level ``--param`` text to experiments: ``causal.layers=10-19`` goes to ``causal``;
+    a bare ``n_ref=8`` goes to every experiment in ``experiments`` that declares ``n_ref``.
+
+    Raises:
+        ValueError: a key no experiment declares, or a qualified key naming an unknown experiment."""
+    out: dict[str, dict[str, str]] = {n: {} for n in experiments}
+    for key, text in params.items():
+        exp, dot, opt = key.rpartition(".")
+        if dot:
+            if exp not in out:
+                raise ValueError(f"--param {key}: unknown experiment {exp!r}; one of {', '.join(experiments)}")
+            out[exp][opt] = text
+            continue
+        takers = [n for n in experiments if key in {o.name for o in experiment(n).Config.options()}]
+        if not takers:
+            raise ValueError(f"--param {key}: no experiment of this run has an option {key!r}")
+        for n in takers:
+            out[n][key] = text
+    return out
+
+
+def make_config(name: str, preset: str = "default", params: Mapping[str, str] | None = None,
+                sizes: Mapping[str, Any] | None = None) -> Config:
+    """The Config of experiment ``name``: ``preset``, then the report/study ``sizes`` (typed; ``None``
+    values ignored; sizes the experiment keeps to itself skipped), then ``params`` (command-line text).
+
+    Raises:
+        ValueError: an unknown preset, option or unparsable value (naming it)."""
+    cls = experiment(name).Config
+    own = _OWN_SIZES.get(name, ())
+    typed = {k: v for k, v in (sizes or {}).items() if v is not None and k not in own}
+    return cls.from_text(dict(params or {}), preset, **typed)
+
+
+def run_experiment(name: str, ctx: Any, cfg: Config) -> tuple[Any, float]:
+    """``compute`` then ``render`` of one experiment in ``ctx``; returns ``(Section, seconds of compute)``."""
+    mod = experiment(name)
+    t0 = time.time()
+    mod.compute(ctx, cfg)
+    seconds = time.time() - t0
+    return mod.render(ctx, cfg), seconds
+
+
+def _markdown(name: str, meta: dict[str, Any], sec: Any, files: list[str]) -> str:
+    from posgen_tl.report.text import md_table  # noqa: PLC0415
+
+    out = [f"# posgen-tl study {name} — {meta['model']}", "",
+           f"- command: `{meta['command']}`", f"- git commit: {meta['git_commit']}",
+           f"- wall time: {meta['wall_seconds']:.1f} s", f"- configuration: `{json.dumps(meta['config'])}`", ""]
+    if sec.findings:
+        out += ["## Findings", ""] + [f"- {f.line()}" + (f" — {f.note}" if f.note else "") for f in sec.findings] + [""]
+    out += [f"## {sec.title}", ""]
+    if sec.verdict:
+        out += [f"> {sec.verdict}", ""]
+    out += [p + "\n" for p in sec.paragraphs]
+    for cap, df in [*sec.tables, *sec.details]:
+        out += [f"### {cap}", "", md_table(df), ""]
+    figs = [f for f in files if f.endswith(".png")]
+    if figs:
+        out += ["## Figures", ""] + [f"![{f}]({f})" for f in figs] + [""]
+    out += ["## Files", ""] + [f"- `{f}`" for f in files] + [""]
+    return "\n".join(out)
+
+
+def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-135m", preset: str = "default",
+              params: Mapping[str, str] | None = None, command: str | None = None) -> Path:
+    """Run experiment ``name`` (after the experiments it needs, built from the same preset, sizes and
+    params) into the folder ``out``; writes its tables and figures and beside them ``<name>.md`` /
+    ``<name>.json`` (command, git commit, configuration, wall time, findings, results). Returns the
+    markdown's path.
+
+    ``model``: a loaded model or a name for :func:`posgen_tl.io.models.load_model`."""
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.io.provenance import git_commit  # noqa: PLC0415
+    from posgen_tl.report.context import Context, OutFolder, atomic_write, jsonable  # noqa: PLC0415
+
+    mod = experiment(name)
+    t0 = time.time()
+    if isinstance(model, (str, Path)):
+        from posgen_tl.io.models import load_model  # noqa: PLC0415
+
+        model = load_model(str(model), verbose=True)
+    out = Path(out)
+    folder = OutFolder(out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    ctx = Context(model, folder, probe_hooks(model)[0].model_name, seed=cfg.seed)
+    sizes = {k: getattr(cfg, k) for k in SIZES}
+    for dep in mod.NEEDS:
+        print(f"[posgen-tl] {name} needs {dep}: running it first", flush=True)
+        run_experiment(dep, ctx, make_config(dep, preset, split_params(params or {}, [dep, name])[dep], sizes))
+    print(f"[posgen-tl] {name} ...", flush=True)
+    sec, _ = run_experiment(name, ctx, cfg)
+    wall = time.time() - t0
+    files = sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
+                   and before.get(p.name) != p.stat().st_mtime_ns and p.suffix in (".csv", ".png", ".json"))
+    files = [f for f in files if f != f"{name}.json"]
+    meta = {"study": name, "model": ctx.model_name, "preset": preset,
+            "command": command or shlex.join(["posgen-tl", *sys.argv[1:]]), "git_commit": git_commit(),
+            "config": cfg.as_dict(), "wall_seconds": wall}
+    atomic_write(out / f"{name}.md", _markdown(name, meta, sec, files).encode())
+    payload = {**meta, "findings": [f.as_dict() for f in sec.findings], "results": sec.results, "files": files}
+    atomic_write(out / f"{name}.json", json.dumps(payload, indent=1, default=jsonable).encode())
+    print(f"[posgen-tl] wrote {out / (name + '.md')} ({wall:.0f} s)")
+    return out / f"{name}.md"
+
+
+def presets() -> tuple[str, ...]:
+    """The named presets every Config has."""
+    return PRESETS

@@ -1,0 +1,131 @@
+"""Position hooks: run a model as if its RoPE saw other position ids, or capped distances, and stop
+the forward pass early once the target residual is read (METHOD §4, §7).
+
+Each builder returns ``list[(hook_name, fn)]`` for ``model.hooks(fwd_hooks=...)`` /
+``model.run_with_hooks``; with :mod:`posgen_tl.hooks.capture`, :mod:`posgen_tl.hooks.edits` and
+:mod:`posgen_tl.hooks.logits`, the only code that knows hook names.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from posgen_tl.hooks.capture import CaptureError, StopForward, pre_rotation, probe_hooks
+from posgen_tl.maths.perturb import capped_scores
+from posgen_tl.maths.rope import LayerRope, rotate, unrotate
+
+__all__ = ["reposition_hooks", "distance_cap_hooks", "final_residual_hook", "StopForward", "stash_shape", "HookList"]
+
+HookList = list[tuple[str, Callable]]
+
+
+def stash_shape(x: Tensor, hook: Any, *, stash: dict) -> None:
+    """On ``hook_q``/``hook_k`` (``[batch, pos, head, d]``): remember ``(batch, pos)`` for a flattened norm hook."""
+    stash["shape"] = (x.shape[0], x.shape[1])
+
+
+def _pos_for(position_ids: Tensor, batch: int, device) -> Tensor:
+    p = position_ids.to(device)
+    return p.expand(batch, -1) if p.ndim == 1 else p
+
+
+def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"]) -> HookList:
+    """T2 by re-rotation: the model runs with positions ``arange``; these hooks make every
+    layer's RoPE use ``position_ids`` instead.
+
+    Where ``hook_rot_q``/``hook_rot_k`` fire: ``x ← rotate(unrotate(x, arange), position_ids)``.
+    Otherwise (rotation inside the model without hooks) at the pre-rotation hooks:
+    ``x ← unrotate(rotate(x, position_ids), arange) = R_{ids − arange} x``, which the model's own
+    rotation then turns into ``R_ids x``. Equal to passing ``position_ids`` to the forward up to
+    float rounding.
+    """
+    spec, info = probe_hooks(model)
+    out: HookList = []
+
+    def at_rot(x: Tensor, hook: Any, rope: LayerRope) -> Tensor:
+        ar = torch.arange(x.shape[1], device=x.device)
+        new = _pos_for(position_ids, x.shape[0], x.device)
+        return rotate(unrotate(x.float(), ar, rope), new, rope).to(x.dtype)
+
+    def at_pre(x: Tensor, hook: Any, rope: LayerRope, bhsd: bool) -> Tensor:
+        xs = x.transpose(1, 2) if bhsd else x
+        ar = torch.arange(xs.shape[1], device=x.device)
+        new = _pos_for(position_ids, xs.shape[0], x.device)
+        y = unrotate(rotate(xs.float(), new, rope), ar, rope).to(x.dtype)
+        return y.transpose(1, 2) if bhsd else y
+
+    for layer in range(spec.n_layers):
+        rope = spec.layer(layer)
+        if not info.rot_fires and info.normed_layout == "flat_prescale":  # pragma: no cover - TL guarantees it
+            raise CaptureError(f"{spec.model_name}: QK-norm without firing hook_rot_q/k: cannot re-position")
+        if info.rot_fires:
+            for h in ("hook_rot_q", "hook_rot_k"):
+                out.append((info.name(layer, h), functools.partial(at_rot, rope=rope)))
+        else:
+            for h in (info.q_hook, info.k_hook):
+                bhsd = h.endswith("_normed") and info.normed_layout == "bhsd"
+                out.append((info.name(layer, h), functools.partial(at_pre, rope=rope, bhsd=bhsd)))
+    return out
+
+
+def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None) -> HookList:
+    """T3, LM-Infinite style: replace ``hook_attn_scores`` by logits with distance ``min(i−j, cap)``.
+
+    Pre-rotation q/k of the layer are stashed by hooks on the q/k hooks, then the scores
+    hook returns :func:`posgen_tl.maths.perturb.capped_scores` (``-inf`` on masked keys, the
+    layer's sliding window kept; Gemma-style logit soft-capping applied if the model has it).
+
+    Raises:
+        CaptureError: the model's ``hook_attn_scores`` are not pre-softmax logits.
+    """
+    spec, info = probe_hooks(model)
+    if info.scores_kind != "pre_softmax":
+        raise CaptureError(
+            f"{spec.model_name}: hook_attn_scores holds {info.scores_kind!r} values; cannot recompute capped logits"
+        )
+    softcap = spec.extra.get("attn_logit_softcapping")
+    layers = range(spec.n_layers) if layers is None else layers
+    out: HookList = []
+    for layer in sorted({int(x) % spec.n_layers for x in layers}):
+        rope, stash = spec.layer(layer), {}
+
+        def keep(x: Tensor, hook: Any, stash=stash, key="q", layer=layer) -> None:
+            b, s = stash.get("shape", (x.shape[0], x.shape[1]))  # (batch, pos) from hook_q on a flattened norm hook
+            stash[key] = pre_rotation(model, info, layer, key, x, b, s, spec.d_head).float()
+
+        def scores(w: Tensor, hook: Any, stash=stash, rope=rope) -> Tensor:
+            new = capped_scores(stash["q"], stash["k"], rope, cap)
+            if softcap:
+                new = torch.tanh(new / softcap) * softcap
+            stash.clear()
+            return new.to(w.dtype)
+
+        if info.normed_layout == "flat_prescale":
+            out.append((info.name(layer, "hook_q"), functools.partial(stash_shape, stash=stash)))
+        for key, h in (("q", info.q_hook), ("k", info.k_hook)):
+            out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key)))
+        out.append((info.name(layer, "hook_attn_scores"), scores))
+    return out
+
+
+def final_residual_hook(model: Any, store: dict, start: int, stop: int) -> tuple[str, Callable] | None:
+    """``(name, fn)`` on the final norm's output: stores ``x[:, start:stop]`` in ``store['resid']``
+    and raises :class:`StopForward` (so no full-vocabulary logits are computed).
+
+    Returns ``None`` when the model has no ``ln_final.hook_out`` or no ``unembed`` (then
+    compute full logits instead).
+    """
+    name = "ln_final.hook_out"
+    if name not in getattr(model, "hook_dict", {}) or not hasattr(model, "unembed"):
+        return None
+
+    def fn(x: Tensor, hook: Any) -> None:
+        store["resid"] = x[:, start:stop]
+        raise StopForward
+
+    return name, fn

@@ -1,0 +1,48 @@
+"""Numbers and tables as text — the one formatter every report section, study page and docs page uses."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import pandas as pd
+
+__all__ = ["sig3", "fmt", "md_table"]
+
+
+def sig3(x: Any) -> str:
+    """A number to 3 significant digits (``–`` for None, NaN and empty text; ints, bools and text unchanged)."""
+    if x is None or (isinstance(x, str) and not x.strip()):
+        return "–"
+    if isinstance(x, (bool, int)):
+        return str(x)
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return "–" if math.isnan(v) else f"{v:.3g}"
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    """A number with ``digits`` decimals (``nan`` for None/NaN); tiny non-zero values in ``g`` form
+    so that they do not print as ``0.000``."""
+    if x is None:
+        return "nan"
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if math.isnan(v):
+        return "nan"
+    if v != 0 and abs(v) < 10 ** (-digits):
+        return f"{v:.{digits}g}"
+    return f"{v:.{digits}f}"
+
+
+def md_table(df: pd.DataFrame, cols: Sequence[str] | None = None, cell=sig3) -> str:
+    """A GitHub-markdown table of ``df`` (``cols`` only, where given), each cell through ``cell``."""
+    d = df if cols is None else df[[c for c in cols if c in df.columns]]
+    lines = ["| " + " | ".join(map(str, d.columns)) + " |", "|" + "|".join("---" for _ in d.columns) + "|"]
+    for row in d.itertuples(index=False):
+        lines.append("| " + " | ".join(cell(v) for v in row) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""CLI: check on tiny + real model, and a fuzz pass over bad arguments (no traceback reaches the user)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posgen_tl.cli import build_parser, main
+
+
+def test_check_default_model_passes(capsys, smollm2):
+    rc = main(["check", "--model", "smollm2-135m", "--seq-len", "32", "--n-seq", "1", "--layers", "0,14-15,29"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "PASS" in out and "hook_rot_q/k fire" in out and "pre_softmax" in out
+    assert "heads=9  kv_heads=3" in out
+
+
+def test_check_unknown_model_is_one_line_error(capsys):
+    rc = main(["check", "--model", "definitely-not-a-model"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown model 'definitely-not-a-model'" in err and "Traceback" not in err
+
+
+def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
+    import pandas as pd
+
+    import posgen_tl.experiments.exactness as ex
+
+    real = ex.exactness_table
+
+    def broken(*a, **k):
+        df = real(*a, **k)
+        df.loc[0, "passed"] = False
+        return df
+
+    monkeypatch.setattr(ex, "exactness_table", broken)
+    rc = main(["check", "--seq-len", "16", "--n-seq", "1", "--layers", "0"])
+    assert rc == 1 and "FAIL" in capsys.readouterr().out
+    assert isinstance(broken(smollm2, __import__("torch").zeros(1, 4, dtype=__import__("torch").long), [0]), pd.DataFrame)
+
+
+_words = st.sampled_from(["check", "report", "study", "list", "decomposition", "--model", "--seq-len", "--n-seq", "--layers", "--out", "--quick", "-x",
+                          "0", "-3", "abc", "1,2", "5-", "--corpus", "", "--seed", "1e9", "x" * 50])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_words, max_size=6))
+def test_fuzz_arguments_never_traceback(argv):
+    """Bad argument vectors exit 2 with a usage line (argparse) — parsing only, no model loads."""
+    parser = build_parser()
+    try:
+        parser.parse_args(argv)
+    except SystemExit as e:
+        assert e.code in (0, 2)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["check", "--seq-len", "0"], "positive integer"),
+        (["check", "--layers", "a,b"], "layers must look like"),
+        (["report", "--n-seq", "-2"], "positive integer"),
+        (["frobnicate"], "invalid choice"),
+        (["study", "decomposition", "--n-seq", "0"], "n_seq='0' (decomposition): 0 is not positive"),
+        (["study"], "required: NAME"),
+        (["study", "nope"], "invalid choice: 'nope'"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments_say_what_to_change(argv, needle):
+    r = subprocess.run([sys.executable, "-m", "posgen_tl.cli", *argv], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+_texts = st.one_of(st.text(max_size=200), st.lists(st.text(max_size=50), max_size=5),
+                   st.sampled_from(["", "   ", "\n\n", "t3 t4 t5 t6 t7 t8 t9 t10 t11 t12", "nonexistent.txt", "a.md"]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(_texts, st.integers(-3, 12), st.one_of(st.none(), st.integers(-2, 4)), st.sampled_from([True, False, "auto"]))
+def test_fuzz_corpus_loader(text, seq_len, n_seq, bos):
+    """The corpus loader either returns a valid [n, seq_len] int64 tensor or raises CorpusError — nothing else."""
+    import tiny_models as tm
+
+    from posgen_tl.io.corpus import CorpusError, tokenize_corpus
+
+    tok = _TOK.setdefault("tok", tm.tiny_tokenizer())
+    try:
+        out = tokenize_corpus(tok, text, seq_len=seq_len, n_seq=n_seq, bos=bos)
+    except CorpusError as e:
+        assert str(e)
+        return
+    assert out.dtype.is_floating_point is False and out.ndim == 2 and out.shape[1] == seq_len
+    assert n_seq is None or out.shape[0] == n_seq
+
+
+_TOK: dict = {}

@@ -1,0 +1,67 @@
+"""The Config machinery every experiment shares (posgen_tl.experiments.base)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+
+from posgen_tl.experiments import base
+
+
+@dataclass(frozen=True)
+class Demo(base.Config):
+    NAME: ClassVar[str] = "demo"
+    n_ref: int = base.option(4, "reference windows", "int", quick=2, full=8)
+    layers: Any = base.option("all", "layers", "layers", quick="every5")
+    fracs: tuple[float, ...] = base.option((0.0, 0.1), "fractions", "floats")
+    pairs: tuple[tuple[str, str], ...] = base.option((), "pairs", "pairs")
+
+
+def test_presets_and_text():
+    assert Demo.preset("quick").n_ref == 2 and Demo.preset("quick").n_seq == 2 and Demo.preset("full").n_ref == 8
+    c = Demo.from_text({"layers": "10-12,20", "fracs": "0,0.5", "pairs": "d3:all,d3:20-29"}, "full", seed=3)
+    assert c.layers == (10, 11, 12, 20) and c.fracs == (0.0, 0.5) and c.seed == 3 and c.n_ref == 8
+    assert c.pairs == (("d3", "all"), ("d3", "20–29"))
+    assert Demo.from_text({"layers": "middle"}).layers == "middle"
+    assert Demo.from_text({"corpus": "none"}).corpus is None
+
+
+@pytest.mark.parametrize("params,match", [({"n_ref": "0"}, "not positive"), ({"layers": "ten"}, "layers='ten'"),
+                                          ({"layers": "19-10"}, "backwards"), ({"twin": "maybe"}, "boolean"),
+                                          ({"pairs": "d3"}, "source:group"), ({"nope": "1"}, "unknown parameter 'nope' for demo"),
+                                          ({"fracs": ","}, "empty list")])
+def test_bad_text_names_key_and_kind(params, match):
+    with pytest.raises(ValueError, match=match):
+        Demo.from_text(params)
+
+
+def test_replace_checks_names_and_preset_names():
+    with pytest.raises(ValueError, match="demo has no option nref; accepted: .*n_ref"):
+        Demo().replace(nref=3)
+    with pytest.raises(ValueError, match="unknown preset 'fast'"):
+        Demo.preset("fast")
+    with pytest.raises(TypeError, match="expected a"):
+        base.config_of(Demo, base.Config(), {})
+    assert base.config_of(Demo, None, {"n_ref": 6}).n_ref == 6
+
+
+def test_resolve_layers():
+    assert base.resolve_layers("all", 4) == [0, 1, 2, 3] and base.resolve_layers(None, 2) == [0, 1]
+    assert base.resolve_layers("every5", 12) == [0, 5, 10, 11]
+    assert base.resolve_layers("middle", 30) == list(range(10, 20))
+    assert base.resolve_layers((3, 1, 3), 4) == [1, 3]
+    with pytest.raises(ValueError, match=r"layers \[7\] do not exist in a 4-layer model"):
+        base.resolve_layers((7,), 4)
+
+
+def test_describe_lists_every_option_with_presets():
+    text = Demo.describe()
+    assert "--n-ref (int; default 4; quick 2; full 8)  reference windows" in text
+    assert "--fracs (floats; default 0.0,0.1)" in text and "--seed (count; default 0)" in text
+    assert base.parse_assignments(["n-ref=8", "layers=10-12"]) == {"layers": "10-12", "n_ref": "8"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        base.parse_assignments(["layers"])
+    with pytest.raises(ValueError, match="twice"):
+        base.parse_assignments(["a=1", "a=2"])

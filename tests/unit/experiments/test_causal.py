@@ -1,0 +1,286 @@
+"""The causal study of METHOD §5 (posgen_tl.experiments.causal) and the T1/T2 study of §4 (…tolerance)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import tiny_models as tm
+from posgen_tl.experiments import causal as ca
+from posgen_tl.experiments import tolerance as tol
+from posgen_tl.io.sampling import sample_windows
+from posgen_tl.experiments.tolerance import nll_on_target
+from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.hooks.edits import Intervention, change_vectors, key_means
+from posgen_tl.maths.perturb import position_ids_for_permutation
+from posgen_tl.maths.rope import to_bands
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def _corpus(n_docs=14, seed=0):
+    g = np.random.default_rng(seed)
+    return [" ".join(f"t{int(x)}" for x in g.integers(3, 99, int(g.integers(40, 90)))) for _ in range(n_docs)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return tm.hf_llama(n_layers=3)[0]
+
+
+def _windows(model, n_seq=6, seq_len=24, n_ref=3):
+    return sample_windows(model, _corpus(), n_seq=n_seq, seq_len=seq_len, n_ref=n_ref, seed=0)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_reference_disjoint_by_document(llama):
+    ana, ref = _windows(llama, n_seq=8)
+    assert not set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist())
+    assert ana.n_docs == 8  # one window per document first
+    ref_rows = {tuple(r) for r in ref.tokens.tolist()}
+    assert not any(tuple(r) in ref_rows for r in ana.tokens.tolist())
+    # a run given overlapping windows refuses (the old token-offset bug shared documents)
+    bad_ref = ana.subset([0, 1])
+    with pytest.raises(ValueError, match="share documents"):
+        ca.causal_study(llama, n_seq=6, seq_len=24, target_len=6, windows=(ana, bad_ref), progress=False)
+
+
+def test_perms_independent_per_sequence_and_seed(llama):
+    ana, _ = _windows(llama)
+    n = ana.tokens.shape[1]
+    p0 = tol.sequence_perms(ana, 0.2, 0, start=1, stop=n - 6)
+    assert len({tuple(r) for r in p0.tolist()}) == len(ana)  # different sequences, different swaps
+    assert torch.equal(p0, tol.sequence_perms(ana, 0.2, 0, start=1, stop=n - 6))  # same seed: same swaps
+    assert not torch.equal(p0, tol.sequence_perms(ana, 0.2, 1, start=1, stop=n - 6))
+    # one sequence alone (another batch composition) gets the same swaps
+    assert torch.equal(tol.sequence_perms(ana.subset([3]), 0.2, 0, start=1, stop=n - 6)[0], p0[3])
+    # T1 and T2 use the same permutation; p counts pairs, so ≈ 2p of the window moves
+    t1, _ = tol.perturbed_inputs(ana, 0.2, 0, "T1", target_len=6)
+    t2, pid = tol.perturbed_inputs(ana, 0.2, 0, "T2", target_len=6)
+    assert torch.equal(t1, torch.gather(ana.tokens, 1, p0)) and torch.equal(t2, ana.tokens)
+    assert torch.equal(pid, torch.stack([position_ids_for_permutation(p) for p in p0]))
+    moved = (p0 != torch.arange(n)).sum(1).float()
+    assert torch.allclose(moved, torch.full_like(moved, 2 * round(0.2 * (n - 6 - 1 - 1))))
+
+
+# ----------------------------------------------------------------------------- controls
+
+
+def test_control_norms_and_rephase(llama):
+    toks = torch.randint(3, 90, (3, 20), generator=torch.Generator().manual_seed(0))
+    km = key_means(llama, toks)
+    lr = probe_hooks(llama)[0].layer(0)
+    k = capture_qk(llama, toks, [0])[0].k
+    fast = [0, 1]
+    iv = Intervention("destroy", fast, alpha=0.7)
+    norm = lambda c: c.abs().pow(2).sum(-1)  # noqa: E731  per (token, head)
+    for ctrl in (Intervention("random_bands", fast, alpha=0.7, base="destroy"), Intervention("noise", fast, alpha=0.7)):
+        torch.testing.assert_close(norm(change_vectors(k, km[0], ctrl, lr, 0)), norm(change_vectors(k, km[0], iv, lr, 0)),
+                                   rtol=1e-5, atol=1e-7)
+    dn = change_vectors(k, km[0], Intervention("noise", fast, alpha=0.7), lr, 0)
+    assert (dn[..., 2:] == 0).all() and dn[..., :2].abs().std() >= 0  # only the fast bands
+    assert not torch.allclose(dn[:, 0], dn[:, 1])  # phases differ per position
+    # C3 keeps |k̄^(m)| at any strength (the angle is scaled, not the vector)
+    zbar = to_bands(km[0], lr.rotary_dim, lr.layout)
+    for a in (0.37, 1.0):
+        d = change_vectors(k, km[0], Intervention("rephase", fast, alpha=a), lr, 0)
+        new_offset = zbar[:, fast] + d[0, 0][:, fast]
+        torch.testing.assert_close(new_offset.abs(), zbar[:, fast].abs(), rtol=1e-5, atol=1e-6)
+
+
+def test_match_alpha():
+    f = lambda a: 0.3 * a**1.5  # noqa: E731
+    m = ca.match_alpha(f, 0.2, start=1.0, alpha_max=8.0, max_steps=5)
+    assert m["reached"] and m["n_evals"] <= 5 and abs(m["damage"] - 0.2) <= 0.05 * 0.2
+    m = ca.match_alpha(f, 0.8, start=1.0, alpha_max=8.0, max_steps=5)  # needs alpha > 1
+    assert m["alpha"] > 1 and abs(m["damage"] - 0.8) <= 0.1 * 0.8
+    m = ca.match_alpha(lambda a: 0.01 * min(a, 1.0), 0.5, alpha_max=4.0)
+    assert not m["reached"]  # unreachable: reported, never hidden
+
+
+# ----------------------------------------------------------------------------- passes
+
+
+def test_noop_bit_identical_and_kl_zero(llama):
+    ana, ref = _windows(llama)
+    km = key_means(llama, ref.tokens[:, :-6])
+    kl = ca._KL([1, 2])
+    none = ca.Condition("none", None)
+    noop = ca.Condition("noop", Intervention("noop", layers=[1, 2]))
+    a, ca_clean, _ = ca.condition_rows(llama, ana, none, k_means=km, target_len=6, fracs=(0, 0.2), seeds=(0, 1), kl=kl)
+    b, cb_clean, kv = ca.condition_rows(llama, ana, noop, k_means=km, target_len=6, fracs=(0, 0.2), seeds=(0, 1), kl=kl)
+    pd.testing.assert_frame_equal(a, b)  # same swaps, bit-identical NLL
+    assert torch.equal(kv, torch.zeros_like(kv))
+    destroy = ca.Condition("destroy", Intervention("destroy", [0, 1], layers=[1, 2], alpha=1.0))
+    _, _, kd = ca.condition_rows(llama, ana, destroy, k_means=km, target_len=6, fracs=(0,), seeds=(0,), kl=kl)
+    assert (kd > 0).all()
+
+
+def test_prefix_residual_reproduces_full_forward(llama):
+    ana, _ = _windows(llama, n_seq=4)
+    toks = ana.tokens
+    pid = torch.stack([position_ids_for_permutation(p) for p in tol.sequence_perms(ana, 0.3, 0, start=1, stop=18)])
+    with torch.no_grad():
+        resid = llama(toks, stop_at_layer=1, position_ids=pid)
+        full = nll_on_target(llama, toks, target_len=6, position_ids=pid, batch_size=4)
+        resumed = nll_on_target(llama, toks, target_len=6, position_ids=pid, batch_size=4, resid_at=(1, resid))
+    torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+def test_causal_study_end_to_end(llama, tmp_path):
+    partial = []
+    res = ca.causal_study(llama, _corpus(), n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1),
+                          layers=[1, 2], alpha=0.5, match_subset=4, n_ref=3, batch_size=4, progress=False,
+                          on_partial=partial.append)
+    # partial results after every batch: first the primary phase on 4 then 6 sequences, then the rest
+    assert len(partial) == 3 and all(p.config["partial"] for p in partial)
+    assert set(partial[0].rows["intervention"]) == {"none", "destroy", "C1"} and partial[0].rows["seq"].nunique() == 4
+    assert list(partial[0].contrasts["n_seq"]) == [4, 4]
+    assert set(partial[2].rows["intervention"]) == set(ca.CONTROLS) | {"none", "destroy"}
+    assert partial[2].contrasts.set_index("contrast").loc["destroy vs C2", "n_seq"] == 4  # finished sequences only
+    assert not res.config["partial"] and res.config["primary"] == "destroy vs C1"
+    r = res.rows
+    assert {"intervention", "kind", "alpha", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta",
+            "base_clean_nll"} <= set(r.columns)
+    assert set(r["intervention"]) == {"none", "destroy", "C1", "C2", "C3", "C4"}
+    assert len(r) == 6 * 6 * 3 * 2 and r["doc"].notna().all()
+    none = r[r["intervention"] == "none"]
+    assert np.allclose(none["clean_nll"], none["base_clean_nll"])
+    # every condition sees the same perturbed inputs: same (seq, frac, seed) grid
+    grids = {k: set(map(tuple, g[["seq", "frac", "seed"]].to_numpy())) for k, g in r.groupby("intervention")}
+    assert len({frozenset(v) for v in grids.values()}) == 1
+    c = res.contrasts
+    assert list(c["contrast"]) == ["destroy vs C1", "destroy vs C2", "destroy vs C3", "destroy vs C4", "destroy vs none"]
+    assert c["primary"].tolist() == [True, False, False, False, False]
+    assert c["verdict"].str.contains("exploratory").all()  # n < 32
+    cond = res.conditions.set_index("condition")
+    assert cond.loc["none", "attn_kl"] == 0 and (cond.drop("none")["attn_kl"] > 0).all()
+    assert {"match_alpha", "match_matched", "damage_lo", "slope_hi"} <= set(res.conditions.columns)
+    paths = ca.write_causal_outputs(res, tmp_path, "tiny")
+    assert "destroy vs C1" in paths["md"].read_text() and paths["rows"].exists()
+    back = ca.load_causal_outputs(tmp_path, "tiny")
+    assert ca.causal_markdown(back, "Causal test (tiny)") == paths["md"].read_text()
+    assert "PARTIAL — phase 1: 4 of 6 sequences done for none, destroy, C1" in ca.causal_markdown(partial[0])
+
+
+def test_t1_t2_study(llama, tmp_path):
+    ana, _ = _windows(llama)
+    twin = tm.hf_llama(n_layers=3, seed=1)[0]
+    res = tol.t1_t2_study(llama, n_seq=6, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0,), twin=twin, windows=ana,
+                         progress=False)
+    assert set(res.rows["twin"]) == {"trained", "random"} and set(res.rows["mode"]) == {"T1", "T2"}
+    assert res.rows["doc"].notna().all() and len(res.equivalence) == 2
+    assert res.config["margin"] > 0 and "Equivariance" in res.config["note"]
+    assert "Equivariance" in tol.write_t12_outputs(res, tmp_path)["md"].read_text()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _rows(n_seq=5, nan=False):
+    out = []
+    for iv in ("destroy", "C1"):
+        for s in range(n_seq):
+            for f in (0.0, 0.1, 0.2):
+                v = (0.5 if iv == "destroy" else 0.3) * f + 0.01 * s
+                out.append(dict(intervention=iv, seq=s, doc=s // 2, frac=f, seed=0, clean_nll=3.2, base_clean_nll=3.0,
+                                delta=float("nan") if nan and s == 1 and f == 0.1 else v))
+    return pd.DataFrame(out)
+
+
+def test_bad_input_raises_never_a_verdict():
+    with pytest.raises(ValueError, match="at least 3"):
+        ca.contrasts_from_rows(_rows(2), [("destroy", "C1")], "destroy vs C1")
+    r = _rows()
+    with pytest.raises(ValueError, match="differ"):
+        ca.contrasts_from_rows(r[~((r["intervention"] == "C1") & (r["seq"] == 4))], [("destroy", "C1")], None)
+    with pytest.raises(ValueError, match="NaN"):
+        ca.contrasts_from_rows(_rows(nan=True), [("destroy", "C1")], None)
+    with pytest.raises(ValueError, match="primary"):
+        ca.contrasts_from_rows(r, [("destroy", "C1")], "destroy vs C9")
+    with pytest.raises(ValueError, match="doc"):
+        ca.contrasts_from_rows(r.drop(columns="doc"), [("destroy", "C1")], None)
+    c = ca.contrasts_from_rows(r, [("destroy", "C1")], "destroy vs C1")[0]
+    assert c.primary and np.allclose(c.d, 0.2) and len(c.seq) == 5
+
+
+# ----------------------------------------------------------------------------- real model
+
+
+@pytest.mark.real
+def test_smollm2_prefix_exact_and_windows_disjoint(smollm2):
+    ana, ref = sample_windows(smollm2, None, n_seq=2, seq_len=64, n_ref=2, seed=0)
+    assert not set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist())
+    pid = torch.stack([position_ids_for_permutation(p) for p in tol.sequence_perms(ana, 0.1, 0, start=1, stop=48)])
+    with torch.no_grad():
+        resid = smollm2(ana.tokens, stop_at_layer=10, position_ids=pid)
+        full = nll_on_target(smollm2, ana.tokens, target_len=16, position_ids=pid, batch_size=2)
+        resumed = nll_on_target(smollm2, ana.tokens, target_len=16, position_ids=pid, batch_size=2, resid_at=(10, resid))
+    torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
+
+
+def test_causal_reading_says_when_the_control_carries_a_depends():
+    def table(p_none, verdict_c1="depends"):
+        return pd.DataFrame([
+            dict(contrast="destroy vs C1", mean_diff=0.36, boot_lo=0.26, boot_hi=0.45, p_holm=0.0003, verdict=verdict_c1),
+            dict(contrast="destroy vs none", mean_diff=-0.02, boot_lo=-0.16, boot_hi=0.12, p_holm=p_none,
+                 verdict="no evidence")])
+
+    text = ca.causal_reading(table(0.98))
+    assert "`destroy` itself does not measurably change" in text and "`destroy vs C1` (+0.36)" in text
+    assert "Holm p = 0.98" in text and "not evidence" in text
+    assert ca.causal_reading(table(0.001)) is None  # the intervention moves tolerance itself: no caveat
+    assert ca.causal_reading(table(0.98, "no evidence")) is None  # nothing reads "depends"
+    assert ca.causal_reading(table(0.98).iloc[:1]) is None  # no "vs none" contrast in the family
+    assert ca.causal_reading(pd.DataFrame()) is None
+
+
+def test_causal_none_reuses_the_t1_curve(llama):
+    """Given the T1/T2 result on the same windows, the `none` condition runs only its clean pass and
+    takes the swapped passes from the trained T1 rows: same rows as recomputing them, fewer forwards;
+    a T1/T2 result from other windows, seeds or target is refused."""
+    ana, ref = _windows(llama, n_seq=6, seq_len=24)
+    kw = dict(n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), layers=[1], controls=("C1",),
+              match_subset=4, match_steps=1, batch_size=4, windows=(ana, ref), progress=False)
+    t12 = tol.t1_t2_study(llama, n_seq=6, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), twin=None, windows=ana,
+                         batch_size=4, progress=False)
+    calls = {"n": 0}
+
+    def count(module, args, kwargs):
+        calls["n"] += 1
+
+    h = llama.embed.register_forward_pre_hook(count, with_kwargs=True)  # one call per forward pass
+    try:
+        plain = ca.causal_study(llama, **kw)
+        n_plain = calls["n"]
+        calls["n"] = 0
+        shared = ca.causal_study(llama, **kw, t12=t12)
+        n_shared = calls["n"]
+    finally:
+        h.remove()
+    key = ["intervention", "seq", "frac", "seed"]
+    a = plain.rows.sort_values(key).reset_index(drop=True)
+    b = shared.rows.sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b, check_exact=False, atol=1e-6, rtol=0)
+    pd.testing.assert_frame_equal(plain.contrasts.drop(columns=["boot_lo", "boot_hi"]),
+                                  shared.contrasts.drop(columns=["boot_lo", "boot_hi"]), check_exact=False, atol=1e-6)
+    assert shared.config["none_swaps_from_t12"] and not plain.config["none_swaps_from_t12"]
+    assert n_plain - n_shared == 2 * 4  # 2 batches × 4 swapped passes (2 fracs × 2 seeds) of `none` saved
+    with pytest.raises(ValueError, match="seed"):
+        ca.causal_study(llama, **{**kw, "seeds": (0, 2)}, t12=t12)
+    with pytest.raises(ValueError, match="target_len"):
+        ca.causal_study(llama, **{**kw, "target_len": 5}, t12=t12)
+    other, _ = sample_windows(llama, _corpus(seed=1), n_seq=6, seq_len=24, n_ref=3, seed=0)
+    t12_other = tol.t1_t2_study(llama, n_seq=6, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), twin=None,
+                               windows=other, batch_size=4, progress=False)
+    with pytest.raises(ValueError, match="other windows"):
+        ca.causal_study(llama, **kw, t12=t12_other)

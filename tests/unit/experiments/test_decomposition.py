@@ -1,0 +1,245 @@
+"""METHOD §2 runner: every number against the reference functions of posgen_tl.maths.decompose,
+the D3 bound, a constant-key model (D3 exact), the random twin, determinism, figures."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tiny_models as tm  # noqa: E402
+from posgen_tl.experiments.decomposition import (  # noqa: E402
+    decompose_model,
+    decompose_with_twin,
+    reference_key_means,
+    summarize_decomposition,
+)
+from posgen_tl.hooks.capture import capture_qk, probe_hooks  # noqa: E402
+from posgen_tl.io.sampling import Windows, sample_windows  # noqa: E402
+from posgen_tl.maths.groups import layer_group  # noqa: E402
+from posgen_tl.maths.decompose import causal_mask, d3_bound, d3_split, fit_additive, score_maps, sequence_key_mean  # noqa: E402
+
+COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
+           "sink_excluded", "r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds"]
+N_POS, N_SEQ, N_REF = 24, 3, 2
+
+
+def _tokens(seed: int = 0, vocab: int = 50) -> torch.Tensor:
+    return torch.randint(1, vocab, (N_SEQ + N_REF, N_POS), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=["native", "hf_llama", "hf_gemma3"])
+def tiny(request):
+    if request.param == "native":
+        return tm.native(n_ctx=64)
+    return getattr(tm, request.param)()[0]
+
+
+def _run(model, **kw):
+    """The analysed rows of _tokens() with the last N_REF rows as the (explicit) reference."""
+    kw = {"sink": 1, "batch_size": 2, "bound_rows": 8, "progress": False, **kw}
+    toks = _tokens()
+    return decompose_model(model, toks[:N_SEQ], reference=toks[N_SEQ:], **kw)
+
+
+def test_columns_shape_and_layer_groups(tiny):
+    spec, _ = probe_hooks(tiny)
+    df = _run(tiny)
+    assert list(df.columns) == COLUMNS
+    assert len(df) == spec.n_layers * spec.n_heads * N_SEQ * 4 * 2  # D1, D2, D3 × 2 k̄ kinds
+    assert set(df.estimator) == {"D1", "D2", "D3"} and set(df.sink_excluded) == {False, True}
+    assert set(df[df.estimator == "D3"].k_mean) == {"global", "per_sequence"}
+    assert set(df[df.estimator != "D3"].k_mean) == {"none"}
+    assert (df.doc == df.seq).all()  # token-tensor rows: each row its own document
+    assert set(df.seq) == set(range(N_SEQ)) and set(df.twin) == {"trained"}
+    assert df[df.estimator != "D3"][["d3_err_mean", "d3_bound_mean", "d3_bound_holds"]].isna().all().all()
+    assert df[df.estimator == "D3"]["d3_bound_mean"].notna().all()
+    assert all(g == layer_group(l, spec.n_layers) for l, g in zip(df.layer, df.layer_group))
+    assert set(_run(tiny, sink=0).sink_excluded) == {False}
+
+
+def test_scores_match_reference_functions(tiny):
+    """r, R², within-row r of D1/D2/D3 equal score_maps(W, fit_additive(W).fitted / d3_split f+g),
+    D3 with the global k̄ (reference rows) and with each sequence's own sink-excluded mean key."""
+    df = _run(tiny)
+    toks = _tokens()
+    kms = reference_key_means(tiny, toks[-N_REF:], sink=1, progress=False)
+    for layer, c in capture_qk(tiny, toks[:N_SEQ]).items():
+        W = c.logits()
+        d3 = d3_split(c.q, c.k, kms[layer].float(), c.positions, c.rope)
+        own = c.k[:, 1:].double().mean(1)  # [batch, kv, d]: each sequence's own mean key
+        d3s = d3_split(c.q, c.k, own, c.positions, c.rope)
+        for sink in (0, 1):
+            m = causal_mask(N_POS, sink=sink, sliding_window=c.rope.sliding_window)
+            approx = {("D1", "none"): fit_additive(W, m, True).fitted, ("D2", "none"): fit_additive(W, m, False).fitted,
+                      ("D3", "global"): d3.f + d3.g, ("D3", "per_sequence"): d3s.f + d3s.g}
+            for (est, km), y in approx.items():
+                want = score_maps(W, y, m)
+                sub = df[(df.layer == layer) & (df.estimator == est) & (df.sink_excluded == bool(sink)) & (df.k_mean == km)]
+                sub = sub.sort_values(["seq", "head"])
+                for key, v in want.items():
+                    np.testing.assert_allclose(sub[key].to_numpy(), v.numpy().reshape(-1), atol=2e-5,
+                                               err_msg=f"{est}/{km} sink={sink} layer={layer} {key}")
+        # the two k̄ kinds really differ (the test can tell them apart)
+        assert not torch.allclose(d3.f, d3s.f)
+
+
+def test_d3_bound_holds_and_matches_library(tiny):
+    df = _run(tiny)
+    d3 = df[df.estimator == "D3"]
+    assert (d3.d3_bound_holds == 1.0).all()
+    assert (d3.d3_err_mean <= d3.d3_bound_mean + 1e-12).all()
+    assert (d3.d3_err_mean > 0).any()  # not trivially exact
+    toks = _tokens()
+    kms = reference_key_means(tiny, toks[-N_REF:], sink=1, progress=False)
+    rows = torch.linspace(0, N_POS - 1, 8).round().long()
+    for layer, c in capture_qk(tiny, toks[:N_SEQ]).items():
+        for km, kbar in (("global", kms[layer]), ("per_sequence", sequence_key_mean(c.k, 1))):
+            s = d3_split(c.q, c.k, kbar, c.positions, c.rope)
+            err = (s.W - s.f - s.g)[:, :, rows].abs()
+            bound = d3_bound(c.q, c.k, kbar, c.positions, c.rope, rows=rows)
+            m = causal_mask(N_POS, sink=1, sliding_window=c.rope.sliding_window)[rows].double()
+            sub = d3[(d3.layer == layer) & d3.sink_excluded & (d3.k_mean == km)].sort_values(["seq", "head"])
+            np.testing.assert_allclose(sub.d3_err_mean, ((err * m).sum((-1, -2)) / m.sum()).reshape(-1), rtol=1e-10)
+            np.testing.assert_allclose(sub.d3_bound_mean, ((bound * m).sum((-1, -2)) / m.sum()).reshape(-1), rtol=1e-10)
+
+
+@pytest.mark.parametrize("which", ["native", "hf_llama"])
+def test_constant_keys_make_d3_exact(which):
+    model = tm.native(n_ctx=64) if which == "native" else tm.hf_llama()[0]
+    spec, info = probe_hooks(model)
+    const = torch.randn(spec.n_kv_heads, spec.d_head, generator=torch.Generator().manual_seed(3))
+
+    def set_k(t, hook):
+        return const.to(t.dtype).expand_as(t).clone()
+
+    hooks = [(info.name(layer, info.k_hook), set_k) for layer in range(spec.n_layers)]
+    df = _run(model, extra_hooks=hooks)
+    d3 = df[df.estimator == "D3"]
+    np.testing.assert_allclose(d3.r, 1.0, atol=1e-5)
+    np.testing.assert_allclose(d3.r_within, 1.0, atol=1e-5)
+    assert (d3.d3_err_mean < 1e-10).all() and (d3.d3_bound_mean < 1e-10).all()
+    # the clean model is not exact: the test can fail
+    clean = _run(model)
+    assert (clean[clean.estimator == "D3"].r < 1 - 1e-4).any()
+
+
+def test_twin_same_tokens_and_different_scores():
+    model = tm.native(n_ctx=64)
+    toks = _tokens()
+    df = decompose_with_twin(model, toks[:N_SEQ], reference=toks[N_SEQ:], seed=1, batch_size=2, bound_rows=8,
+                             progress=False)
+    assert set(df.twin) == {"trained", "random"}
+    key = ["layer", "head", "seq", "estimator", "k_mean", "sink_excluded"]
+    tr = df[df.twin == "trained"].set_index(key).sort_index()
+    rd = df[df.twin == "random"].set_index(key).sort_index()
+    assert tr.index.equals(rd.index)
+    assert df.model.nunique() == 1
+    assert not np.allclose(tr.r.to_numpy(), rd.r.to_numpy())
+    assert (df[df.estimator == "D3"].d3_bound_holds == 1.0).all()
+
+
+def test_deterministic():
+    model = tm.hf_llama()[0]
+    pd.testing.assert_frame_equal(_run(model), _run(model))
+
+
+def test_a_token_tensor_is_analysed_as_given():
+    """Every row of a user's tensor is analysed (each its own document); a per-sequence k̄ needs no
+    reference, a global one asks for it by name — the tensor is never split behind the user's back."""
+    model = tm.hf_llama()[0]
+    toks = _tokens()[:4]
+    df = decompose_model(model, toks, k_mean="per_sequence", layers=[0], bound_rows=4, progress=False)
+    assert sorted(df.seq.unique()) == [0, 1, 2, 3] and (df.doc == df.seq).all()
+    with pytest.raises(ValueError, match="reference="):
+        decompose_model(model, toks, k_mean="global", layers=[0], progress=False)
+
+
+def test_summary_groups():
+    df = _run(tm.native(n_ctx=64, n_layers=3))
+    s = summarize_decomposition(df)
+    assert {"r_mean", "r_std", "r_within_mean", "r2_mean", "n", "d3_bound_holds_min"} <= set(s.columns)
+    assert list(s.layer_group.unique()) == ["early", "middle", "late"]
+    assert s.n.sum() == len(df)
+    one = s[(s.estimator == "D1") & ~s.sink_excluded & (s.layer_group == "early")]
+    assert set(s.k_mean) == {"none", "global", "per_sequence"}
+    want = df[(df.estimator == "D1") & ~df.sink_excluded & (df.layer == 0)].r
+    assert one.r_mean.item() == pytest.approx(want.mean()) and one.r_std.item() == pytest.approx(want.std())
+
+
+def test_figures():
+    from posgen_tl.plot.decomposition import plot_head_maps, plot_r_by_layer
+
+    model = tm.hf_llama()[0]
+    toks = _tokens()
+    df = decompose_with_twin(model, toks[:N_SEQ], reference=toks[N_SEQ:], batch_size=2, bound_rows=8, progress=False)
+    fig = plot_r_by_layer(df)
+    axes = fig.get_axes()
+    assert len(axes) == 2
+    assert len(axes[0].get_lines()) == 8  # (D1, D2, D3 global, D3 per_sequence) × 2 twins
+    assert {ln.get_linestyle() for ln in axes[0].get_lines()} == {"-", "--"}
+    from posgen_tl.experiments.head_maps import decompose_head
+
+    fig = plot_head_maps(decompose_head(model, _tokens()[:1], layer=1, head=2))
+    assert len([a for a in fig.get_axes() if a.get_images()]) == 4
+    img = fig.get_axes()[0].get_images()[0].get_array()
+    assert np.isnan(np.asarray(img.filled(np.nan) if hasattr(img, "filled") else img)[0, 1])  # j > i blank
+
+
+@pytest.mark.real
+def test_real_smollm2(smollm2):
+    from posgen_tl.io.corpus import corpus_tokens
+
+    toks = corpus_tokens(smollm2, None, seq_len=64, n_seq=3)
+    df = decompose_with_twin(smollm2, toks[:2], reference=toks[2:], layers=[0, 7, 14], batch_size=2, bound_rows=16,
+                             progress=False)
+    assert set(df.twin) == {"trained", "random"} and set(df.layer) == {0, 7, 14}
+    assert len(df) == 2 * 3 * 9 * 2 * 4 * 2
+    d3 = df[df.estimator == "D3"]
+    assert d3.r.between(-1, 1).all() and d3.r_within.between(-1, 1).all()
+    assert (d3.d3_bound_holds == 1.0).all()
+    tr, rd = (d3[d3.twin == t].r.mean() for t in ("trained", "random"))
+    assert tr != rd
+
+
+def _docs(n_docs: int = 12, words: int = 80, seed: int = 0) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(f"t{int(t)}" for t in torch.randint(3, 100, (words,), generator=g)) for _ in range(n_docs)]
+
+
+def test_global_k_mean_reference_documents_are_disjoint():
+    """Text corpus: the reference windows (global k̄) come from documents no analysed window uses;
+    overlapping windows are refused; the global k̄ equals the mean over the reference windows."""
+    model = tm.hf_llama()[0]
+    docs = _docs()
+    df = decompose_model(model, docs, n_seq=6, seq_len=16, n_ref=3, layers=[0], batch_size=3, bound_rows=4,
+                         progress=False)
+    ana, ref = set(df.attrs["analysed_docs"]), set(df.attrs["reference_docs"])
+    assert ana and ref and not (ana & ref)
+    assert df.doc.nunique() == 6  # one window per document first (round-robin)
+    windows, refw = sample_windows(model, docs, n_seq=6, seq_len=16, n_ref=3)
+    assert isinstance(windows, Windows) and set(windows.doc_ids.tolist()).isdisjoint(refw.doc_ids.tolist())
+    assert {windows.doc_names[i] for i in df.doc.unique()} == ana
+    # the global k̄ really is the reference windows' mean key (sink excluded): recompute D3 with it
+    kms = reference_key_means(model, refw.tokens, [0], sink=1, progress=False)
+    c = capture_qk(model, windows.tokens, layers=[0])[0]
+    s = d3_split(c.q, c.k, kms[0], c.positions, c.rope)
+    m = causal_mask(16, sink=1)
+    want = score_maps(c.logits(), s.f + s.g, m)["r"].numpy().reshape(-1)
+    sub = df[(df.estimator == "D3") & (df.k_mean == "global") & df.sink_excluded].sort_values(["seq", "head"])
+    np.testing.assert_allclose(sub.r, want, atol=2e-5)
+    # a reference set that shares a document with the analysed windows is refused
+    with pytest.raises(ValueError, match="share documents"):
+        decompose_model(model, windows, reference=windows.subset([0]), n_seq=6, layers=[0], progress=False)
+    with pytest.raises(ValueError, match="reference"):
+        decompose_model(model, windows, k_mean="global", n_seq=6, layers=[0], progress=False)
+    # per-sequence only needs no reference
+    only = decompose_model(model, windows, k_mean="per_sequence", n_seq=6, layers=[0], bound_rows=4, progress=False)
+    assert set(only[only.estimator == "D3"].k_mean) == {"per_sequence"}
+    with pytest.raises(ValueError, match="k_mean"):
+        decompose_model(model, windows, k_mean="sequence", layers=[0], progress=False)

@@ -1,0 +1,175 @@
+"""Interventions on pre-rotation keys as TransformerLens hooks (posgen_tl.hooks.edits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as tm
+from posgen_tl.hooks.edits import Intervention, change_vectors, destroy_hooks, enforce_hooks, intervention_hooks, key_means, noop_hooks
+from posgen_tl.hooks.positions import reposition_hooks
+from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.maths.rope import to_bands
+
+MAKERS = {"native": lambda: tm.native(), "llama": lambda: tm.hf_llama()[0], "gemma3": lambda: tm.hf_gemma3()[0]}
+
+
+@pytest.fixture(scope="module", params=list(MAKERS))
+def tiny(request):
+    torch.manual_seed(0)
+    model = MAKERS[request.param]()
+    toks = torch.randint(3, 40, (3, 20))
+    return model, toks, key_means(model, toks)
+
+
+def _logits(model, toks, hooks=()):
+    with torch.no_grad():
+        return model.run_with_hooks(toks, fwd_hooks=list(hooks))
+
+
+def test_noop_is_bit_identical(tiny):
+    model, toks, _ = tiny
+    hooks = noop_hooks(model)
+    assert len(hooks) == probe_hooks(model)[0].n_layers
+    assert torch.equal(_logits(model, toks, hooks), _logits(model, toks))
+
+
+@pytest.mark.parametrize("kind", ["enforce", "destroy", "rephase", "random_bands"])
+def test_alpha_zero_is_noop_and_alpha_one_is_not(tiny, kind):
+    model, toks, km = tiny
+    ref = _logits(model, toks)
+    iv = Intervention(kind, bands=[0, 1], layers=[0])
+    assert torch.equal(_logits(model, toks, intervention_hooks(model, iv.with_alpha(0.0), km)), ref)
+    assert not torch.allclose(_logits(model, toks, intervention_hooks(model, iv, km)), ref, atol=1e-6)
+
+
+def test_enforce_all_bands_makes_keys_equal_mean(tiny):
+    model, toks, km = tiny
+    spec, _ = probe_hooks(model)
+    nb = spec.layer(0).n_bands
+    hooks = enforce_hooks(model, km, bands=range(nb), layers=[0])
+    clean = capture_qk(model, toks, [0, spec.n_layers - 1])
+    with model.hooks(fwd_hooks=hooks):
+        got = capture_qk(model, toks, [0, spec.n_layers - 1])
+    r = spec.layer(0).rotary_dim
+    k0 = got[0].k
+    assert torch.equal(k0[..., :r], km[0][..., :r].expand_as(k0[..., :r]))
+    assert torch.equal(k0[..., r:], clean[0].k[..., r:])  # pass-through dims untouched
+    assert torch.equal(got[0].q, clean[0].q)  # queries untouched
+    assert not torch.allclose(got[spec.n_layers - 1].k, clean[spec.n_layers - 1].k)  # downstream changed
+
+
+def test_destroy_removes_offset_only_in_bands(tiny):
+    model, toks, km = tiny
+    spec, _ = probe_hooks(model)
+    lr = spec.layer(0)
+    clean = capture_qk(model, toks, [0])[0]
+    with model.hooks(fwd_hooks=destroy_hooks(model, km, bands=[0], layers=[0])):
+        got = capture_qk(model, toks, [0])[0]
+    z0, z1 = to_bands(clean.k, lr.rotary_dim, lr.layout), to_bands(got.k, lr.rotary_dim, lr.layout)
+    zbar = to_bands(km[0], lr.rotary_dim, lr.layout)
+    torch.testing.assert_close(z1[..., 0], z0[..., 0] - zbar[:, 0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(z1[..., 1:], z0[..., 1:])
+
+
+def test_rephase_keeps_residual_and_offset_norm(tiny):
+    model, toks, km = tiny
+    lr = probe_hooks(model)[0].layer(0)
+    clean = capture_qk(model, toks, [0])[0]
+    with model.hooks(fwd_hooks=intervention_hooks(model, Intervention("rephase", bands=[0, 1], layers=[0]), km)):
+        got = capture_qk(model, toks, [0])[0]
+    z0, z1 = (to_bands(x, lr.rotary_dim, lr.layout)[..., :2] for x in (clean.k, got.k))
+    zbar = to_bands(km[0], lr.rotary_dim, lr.layout)[:, :2]
+    new_offset = z1 - (z0 - zbar)
+    torch.testing.assert_close(new_offset.abs(), zbar.abs().expand_as(new_offset), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(new_offset, zbar.expand_as(new_offset), atol=1e-4)
+
+
+@pytest.mark.parametrize("scramble", [True, False])
+def test_random_bands_control_has_same_change_norm(tiny, scramble):
+    model, toks, km = tiny
+    lr = probe_hooks(model)[0].layer(0)
+    k = capture_qk(model, toks, [0])[0].k
+    nb = lr.n_bands
+    bands = [0] if nb < 4 else [0, 1]
+    iv = Intervention("destroy", bands=bands, alpha=0.7)
+    ctrl = Intervention("random_bands", bands=bands, alpha=0.7, base="destroy", scramble=scramble)
+    d_iv, d_c = change_vectors(k, km[0], iv, lr, 0), change_vectors(k, km[0], ctrl, lr, 0)
+    torch.testing.assert_close(d_c.abs().pow(2).sum(-1), d_iv.abs().pow(2).sum(-1), rtol=1e-5, atol=1e-7)
+    moved = (d_c.abs() > 0).any(0).any(0).any(0)
+    assert moved.sum() == len(bands) and not moved[bands].all()  # lands in other bands
+    # through the hooks: the key change per token has the intervention's norm
+    clean = capture_qk(model, toks, [0])[0].k
+    outs = []
+    for x in (iv, ctrl):
+        with model.hooks(fwd_hooks=intervention_hooks(model, Intervention(**{**x.__dict__, "layers": [0]}), km)):
+            outs.append(capture_qk(model, toks, [0])[0].k - clean)
+    torch.testing.assert_close(outs[0].norm(dim=-1), outs[1].norm(dim=-1), rtol=1e-4, atol=1e-5)
+
+
+def test_key_means_matches_capture(tiny):
+    model, toks, km = tiny
+    k = capture_qk(model, toks, [1])[1].k
+    torch.testing.assert_close(km[1], k[:, 1:].mean((0, 1)), atol=1e-5, rtol=1e-5)
+
+
+def test_hooks_context_and_run_with_hooks_agree(tiny):
+    model, toks, km = tiny
+    hooks = destroy_hooks(model, km, bands=[0], layers=[1])
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        a = model(toks)
+    assert torch.equal(a, _logits(model, toks, hooks))
+
+
+def test_hooks_removed_after_exception(tiny):
+    from posgen_tl.experiments.tolerance import nll_on_target
+
+    model, toks, km = tiny
+    hooks = destroy_hooks(model, km, bands=[0])
+
+    def boom(x, hook):
+        raise RuntimeError("boom")
+
+    last = probe_hooks(model)[1].name(probe_hooks(model)[0].n_layers - 1, "hook_k")
+    with pytest.raises(RuntimeError, match="boom"):
+        nll_on_target(model, toks, target_len=4, fwd_hooks=hooks + [(last, boom)])
+    for name, _ in hooks + [(last, None), ("ln_final.hook_out", None)]:
+        assert len(model.hook_dict[name]._forward_hooks) == 0, name
+    nll_on_target(model, toks, target_len=4, fwd_hooks=hooks)  # normal exit (StopForward path) too
+    assert all(len(model.hook_dict[n]._forward_hooks) == 0 for n, _ in hooks + [("ln_final.hook_out", None)])
+
+
+def test_reposition_hooks_equal_position_ids(tiny):
+    model, toks, _ = tiny
+    pid = torch.randperm(toks.shape[1], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = model(toks, position_ids=pid.expand(toks.shape[0], -1))
+    b = _logits(model, toks, reposition_hooks(model, pid))
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(a, _logits(model, toks), atol=1e-4)
+
+
+def test_intervention_validation():
+    with pytest.raises(ValueError):
+        Intervention("enforce", bands=[0], alpha=1.5)
+    with pytest.raises(ValueError):
+        Intervention("destroy", bands=[0], alpha=-0.1)
+    assert Intervention("destroy", bands=[0], alpha=1.5).alpha == 1.5  # over-driven control (C2)
+    with pytest.raises(ValueError):
+        Intervention("smash", bands=[0])
+    with pytest.raises(ValueError):
+        Intervention("enforce", bands=[])
+    assert Intervention("random_bands", bands=[0], alpha=3.0).alpha == 3.0  # controls may exceed 1
+    assert Intervention("destroy", bands=range(0, 8)).label == "destroy k bands 0–7"
+
+
+@pytest.mark.real
+def test_smollm2_reposition_and_noop(smollm2, smollm2_tokens):
+    toks = smollm2_tokens[:1, :32]
+    pid = torch.arange(32)
+    pid[5], pid[6] = 6, 5
+    with torch.no_grad():
+        ref = smollm2(toks)
+        a = smollm2(toks, position_ids=pid[None])
+    assert torch.equal(_logits(smollm2, toks, noop_hooks(smollm2)), ref)
+    torch.testing.assert_close(a, _logits(smollm2, toks, reposition_hooks(smollm2, pid)), atol=2e-3, rtol=1e-3)

@@ -1,0 +1,314 @@
+"""Tests of posgen_tl.maths.taxonomy: region permutations, positional/symbolic logit scores and their
+null, labels, band logits, frequency use."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posgen_tl.maths.rope import causal_mask
+from posgen_tl.maths.taxonomy import (
+    LABELS,
+    band_logits,
+    band_patterns,
+    frequency_centroid,
+    frequency_usage_frame,
+    null_variance,
+    pass_logits,
+    positional_share,
+    region_logit_scores,
+    region_permutations,
+    row_spread_threshold,
+    taxonomy_label,
+)
+from posgen_tl.maths.rope import LayerRope, expand_kv, rotate, scores_from_rotated
+
+
+def make_rope(layout="half", rotary_dim=8, score_scale=0.25) -> LayerRope:
+    inv = 1.0 / 100.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    return LayerRope(inv_freq=inv, rotary_dim=rotary_dim, layout=layout, score_scale=score_scale)
+
+
+# ----------------------------------------------------------------------------- region permutations
+
+
+@pytest.mark.parametrize("block", [1, 3, 7])
+def test_region_permutations(block):
+    g = torch.Generator().manual_seed(0)
+    p = region_permutations(20, 12, block=block, generator=g)
+    assert p.shape == (12, 20) and p.dtype == torch.int64
+    assert (p.sort(-1).values == torch.arange(20)).all()
+    assert not (p == torch.arange(20)).all(-1).any()  # never the identity
+    assert len({tuple(r) for r in p.tolist()}) > 1  # independent draws
+    for r in p:  # each block lands as one consecutive run, in its internal order
+        inv = torch.argsort(r)  # new index of old token j
+        for s in range(0, 20, block):
+            run = inv[s : min(s + block, 20)]
+            assert torch.equal(run, torch.arange(int(run[0]), int(run[0]) + len(run)))
+    again = region_permutations(20, 12, block=block, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(p, again)  # seeded
+    with pytest.raises(ValueError):
+        region_permutations(20, 2, block=20)
+    with pytest.raises(ValueError):
+        region_permutations(1, 2)
+
+
+# ----------------------------------------------------------------------------- constructed heads
+
+N, R0, R1 = 48, 12, 36  # region [12, 36), query rows [36, 48)
+ROWS = torch.arange(R1, N)
+KEYS = torch.arange(R0, R1)
+
+
+def _tokens(seed=1):
+    return torch.randperm(200, generator=torch.Generator().manual_seed(seed))[:N]
+
+
+def _permuted(tokens, perm):
+    t = tokens.clone()
+    t[R0:R1] = tokens[R0:R1][perm]
+    return t
+
+
+def _scores(head_fn, n_perm=8, seed=0, min_std=1e-6, weights=None):
+    """Run a constructed head ``head_fn(tokens) -> [n_q, n_region]`` through the metric."""
+    g = torch.Generator().manual_seed(seed)
+    toks = _tokens(seed + 1)
+    perms = region_permutations(R1 - R0, n_perm, generator=g)
+    w0 = head_fn(toks)
+    wp = torch.stack([head_fn(_permuted(toks, p)) for p in perms])
+    w = torch.ones(len(ROWS)) if weights is None else weights
+    return region_logit_scores(w0, wp, perms, w, min_std=min_std, generator=g).finalize()
+
+
+def _offset_head(delta_profile):
+    """Logit depends only on the relative offset i − j (a fixed kernel), never on the token."""
+    def fn(tokens):
+        return delta_profile[ROWS[:, None] - KEYS[None, :]]
+    return fn
+
+
+def _token_head(content):
+    """Logit depends only on the key's token identity."""
+    def fn(tokens):
+        return content[tokens[R0:R1]][None, :].expand(len(ROWS), -1)
+    return fn
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 100.0))
+def test_constructed_positional_head(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    prof = torch.randn(N, generator=g, dtype=torch.float64) * scale
+    s = _scores(_offset_head(prof), seed=seed)
+    assert s["positional"] == pytest.approx(1.0, abs=1e-9)
+    assert abs(float(s["symbolic"])) < 0.35 and s["symbolic"] < s["null_q"] * 4
+    assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).item() == "positional"
+    assert s["n_excluded"] == 0 and s["n_used"] == 8 * len(ROWS)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 100.0))
+def test_constructed_symbolic_head(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    content = torch.randn(200, generator=g, dtype=torch.float64) * scale
+    s = _scores(_token_head(content), seed=seed)
+    assert s["symbolic"] == pytest.approx(1.0, abs=1e-9)
+    assert abs(float(s["positional"])) < 0.35
+    assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).item() == "symbolic"
+
+
+def test_constructed_mixed_head_is_both_and_noise_is_neither():
+    g = torch.Generator().manual_seed(3)
+    prof, content = torch.randn(N, generator=g), torch.randn(200, generator=g)
+    both = _scores(lambda t: _offset_head(prof)(t) + _token_head(content)(t))
+    assert both["positional"] > 0.25 and both["symbolic"] > 0.25
+    assert taxonomy_label(both["positional"], both["symbolic"], both["null_q"]).item() == "both"
+    # fresh noise before and after: no alignment on either axis
+    noise = _scores(lambda t: torch.randn(len(ROWS), R1 - R0, generator=g))
+    assert abs(float(noise["positional"])) < 3 * float(noise["null_sd"]) + 0.05
+    assert taxonomy_label(noise["positional"], noise["symbolic"], noise["null_q"]).item() == "neither"
+
+
+@pytest.mark.parametrize("const", [0.0, 5.0])
+def test_constant_logits_are_excluded_never_both(const):
+    s = _scores(lambda t: torch.full((len(ROWS), R1 - R0), const, dtype=torch.float64))
+    assert s["n_used"] == 0 and s["n_excluded"] == 8 * len(ROWS)
+    assert torch.isnan(s["positional"]) and torch.isnan(s["symbolic"])
+    assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).item() == "undefined"
+    # near-constant (noise far below the threshold) is excluded too; above it, it is scored
+    g = torch.Generator().manual_seed(0)
+    tiny = _scores(lambda t: const + 1e-9 * torch.randn(len(ROWS), R1 - R0, generator=g), min_std=1e-6)
+    assert tiny["n_used"] == 0
+    kept = _scores(lambda t: const + 1e-3 * torch.randn(len(ROWS), R1 - R0, generator=g), min_std=1e-6)
+    assert kept["n_used"] == 8 * len(ROWS)
+
+
+def test_rows_weighted_by_mass_and_excluded_rows_do_not_count():
+    """Half the rows positional, half symbolic: the weights decide the mix."""
+    g = torch.Generator().manual_seed(4)
+    prof, content = torch.randn(N, generator=g), torch.randn(200, generator=g)
+    half = len(ROWS) // 2
+
+    def fn(t):
+        w = _offset_head(prof)(t).clone()
+        w[half:] = _token_head(content)(t)[half:]
+        return w
+
+    w = torch.ones(len(ROWS))
+    w[half:] = 0.0  # only the positional rows count
+    s = _scores(fn, weights=w)
+    assert s["positional"] == pytest.approx(1.0, abs=1e-9)
+    w2 = 1.0 - w
+    s2 = _scores(fn, weights=w2)
+    assert s2["symbolic"] == pytest.approx(1.0, abs=1e-9)
+    # a constant row with weight 1 is excluded, not scored as agreeing
+    def fn_c(t):
+        x = fn(t).clone()
+        x[:half] = 2.0
+        return x
+    s3 = _scores(fn_c)
+    assert s3["n_excluded"] == 8 * half and s3["symbolic"] == pytest.approx(1.0, abs=1e-9)
+
+
+def test_scores_invariant_to_row_constants_and_scale():
+    g = torch.Generator().manual_seed(5)
+    prof, content = torch.randn(N, generator=g), torch.randn(200, generator=g)
+    base = lambda t: _offset_head(prof)(t) + 0.7 * _token_head(content)(t)  # noqa: E731
+    shift = torch.randn(len(ROWS), 1, generator=g) * 10
+    a = _scores(base)
+    b = _scores(lambda t: 3.0 * base(t) + shift)
+    for k in ("positional", "symbolic", "null_mc", "null_sd"):
+        torch.testing.assert_close(a[k], b[k])
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(4, 12), n_q=st.integers(1, 4))
+def test_null_variance_matches_monte_carlo(seed, n, n_q):
+    """Exact permutation variance vs brute force over random σ (rows share σ)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_q, n, generator=g, dtype=torch.float64)
+    y = torch.randn(n_q, n, generator=g, dtype=torch.float64) + torch.randn(n_q, 1, generator=g, dtype=torch.float64)
+    x = x - x.mean(-1, keepdim=True)
+    y = y - y.mean(-1, keepdim=True)
+    w = torch.rand(n_q, generator=g, dtype=torch.float64)
+    draws = torch.stack([(w * (x * y[:, torch.randperm(n, generator=g)]).sum(-1)).sum() for _ in range(20_000)])
+    exact = null_variance(x, y, w)
+    assert abs(float(draws.mean())) < 5 * float(exact.sqrt()) / np.sqrt(20_000) + 1e-12
+    assert float(draws.var()) == pytest.approx(float(exact), rel=0.08)
+
+
+def test_region_scores_batched_heads_and_errors():
+    g = torch.Generator().manual_seed(6)
+    prof, content = torch.randn(N, generator=g), torch.randn(200, generator=g)
+    toks = _tokens()
+    perms = region_permutations(R1 - R0, 8, generator=g)
+    fns = [_offset_head(prof), _token_head(content)]
+    w0 = torch.stack([f(toks) for f in fns])  # [head_index=2, n_q, n_region]
+    wp = torch.stack([torch.stack([f(_permuted(toks, p)) for f in fns]) for p in perms])
+    s = region_logit_scores(w0, wp, perms, torch.ones(2, len(ROWS)), min_std=1e-6, generator=g).finalize()
+    assert s["positional"].shape == (2,)
+    assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).tolist() == ["positional", "symbolic"]
+    with pytest.raises(ValueError, match="w_perm"):
+        region_logit_scores(w0, wp[:, :1], perms, torch.ones(2, len(ROWS)), min_std=1e-6)
+    bad = perms.clone()
+    bad[0, 0] = bad[0, 1]
+    with pytest.raises(ValueError, match="permutation"):
+        region_logit_scores(w0, wp, bad, torch.ones(2, len(ROWS)), min_std=1e-6)
+    with pytest.raises(ValueError, match="weights"):
+        region_logit_scores(w0, wp, perms, torch.ones(2, 3), min_std=1e-6)
+
+
+def test_row_spread_threshold():
+    x = torch.zeros(3, 5, 10)
+    assert row_spread_threshold(x) == 1e-6  # all constant: the floor
+    x[0] = torch.randn(5, 10) * 4.0
+    x[1] = torch.randn(5, 10) * 4.0
+    t = row_spread_threshold(x, rel=1e-3)
+    assert 1e-3 < t < 1e-2
+    with pytest.raises(ValueError):
+        row_spread_threshold(x, rel=-1)
+
+
+def test_taxonomy_label_rules():
+    pos = np.array([0.9, 0.05, 0.5, 0.5, 0.15, np.nan])
+    sym = np.array([0.0, 0.9, 0.5, 0.01, 0.15, 0.3])
+    q = np.array([0.1, 0.1, 0.1, 0.1, 0.05, 0.05])
+    got = taxonomy_label(pos, sym, q, min_score=0.2).tolist()
+    assert got == ["positional", "symbolic", "both", "positional", "neither", "undefined"]
+    # a score under its null quantile is absent even if large
+    assert taxonomy_label(0.6, 0.0, 0.7).item() == "neither"
+    assert set(got) <= set(LABELS)
+    with pytest.raises(ValueError):
+        taxonomy_label(0.5, 0.5, 0.1, min_score=-1)
+
+
+# ----------------------------------------------------------------------------- band view
+
+
+@pytest.mark.parametrize("layout", ["half", "adjacent"])
+@pytest.mark.parametrize("d_head,rotary_dim", [(8, 8), (12, 8)])
+def test_band_logits_sum_identity(layout, d_head, rotary_dim):
+    torch.manual_seed(0)
+    rope = make_rope(layout, rotary_dim)
+    b, n, h, g = 2, 11, 4, 2
+    ar = torch.arange(n)
+    rot_q = rotate(torch.randn(b, n, h, d_head, dtype=torch.float64), ar, rope)
+    rot_k_grouped = rotate(torch.randn(b, n, g, d_head, dtype=torch.float64), ar, rope)
+    ref = scores_from_rotated(rot_q, rot_k_grouped, rope.score_scale)
+    bl = band_logits(rot_q, rot_k_grouped, rope)
+    pl = pass_logits(rot_q, rot_k_grouped, rope)
+    assert bl.shape == (b, h, rotary_dim // 2, n, n) and pl.shape == (b, h, n, n)
+    torch.testing.assert_close(bl.sum(2) + pl, ref, rtol=0, atol=1e-10)
+    # pre-expanded keys give the same; pass term vanishes iff no pass-through dims
+    torch.testing.assert_close(band_logits(rot_q, expand_kv(rot_k_grouped, h), rope), bl)
+    assert (pl.abs().max() == 0) == (d_head == rotary_dim)
+    # each band is its own 2-D head: band m only sees coordinates of band m
+    z = rot_q.clone()
+    z[..., 1] += 1.0  # perturb one coordinate: band 1 (half) or band 0 (adjacent)
+    changed = (band_logits(z, rot_k_grouped, rope) - bl).abs().amax((0, 1, 3, 4)) > 0
+    assert changed.tolist() == [i == (1 if layout == "half" else 0) for i in range(rotary_dim // 2)]
+
+
+def test_band_patterns():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 3, 4, 6, 6)
+    mask = causal_mask(6, sliding_window=3)
+    p = band_patterns(logits, mask)
+    torch.testing.assert_close(p.sum(-1), torch.ones(2, 3, 4, 6))
+    assert (p[..., ~mask] == 0).all()
+    ref = torch.softmax(logits[0, 0, 0, 4, 2:5], -1)
+    torch.testing.assert_close(p[0, 0, 0, 4, 2:5], ref)
+    none = band_patterns(logits, torch.zeros(6, 6, dtype=torch.bool))
+    assert (none == 0).all()
+
+
+def test_positional_share():
+    torch.manual_seed(2)
+    n = 10
+    mask = causal_mask(n)
+    i = torch.arange(n)
+    f = torch.randn(n)[(i[:, None] - i[None, :]).clamp_min(0)][None].expand(3, n, n).clone()
+    g = torch.randn(3, n, n)
+    row_const = torch.randn(3, n, 1)
+    share = positional_share(f, g, mask)
+    assert share.shape == (3,) and ((share > 0) & (share < 1)).all()
+    torch.testing.assert_close(positional_share(f + row_const, g - row_const, mask), share)  # row constants ignored
+    g_masked = g.masked_fill(~mask, float("-inf"))  # masked entries ignored (even -inf)
+    torch.testing.assert_close(positional_share(f, g_masked, mask), share)
+    torch.testing.assert_close(positional_share(f, torch.zeros_like(g), mask), torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(positional_share(2 * g, g, mask), torch.full((3,), 0.8, dtype=torch.float64))
+
+
+def test_frequency_centroid_and_frame():
+    e = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 1.0], [0.25, 0.25, 0.25, 0.25]])
+    torch.testing.assert_close(frequency_centroid(e), torch.tensor([0.0, 3.0, 1.5], dtype=torch.float64))
+    df = frequency_usage_frame(e, layer=3, which="k", model="m", twin="random")
+    assert len(df) == 12
+    assert set(df.columns) >= {"model", "twin", "layer", "which", "head", "band", "energy_share", "centroid"}
+    row = df[(df["head"] == 2) & (df["band"] == 1)].iloc[0]
+    assert row.energy_share == 0.25 and row.centroid == 1.5 and row.layer == 3 and row.twin == "random"
+    assert df.groupby("head").energy_share.sum().tolist() == [1.0, 1.0, 1.0]

@@ -1,0 +1,91 @@
+"""The public surface: a small top level, namespaces that resolve, no import cycles."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import posgen_tl as pg
+
+PKG = Path(pg.__file__).parent
+MODULES = sorted(  # every module file of the package, subpackages included
+    ".".join(("posgen_tl", *f.relative_to(PKG).with_suffix("").parts)).removesuffix(".__init__")
+    for f in PKG.rglob("*.py")
+)
+
+
+def test_top_level_is_small_and_resolves():
+    assert len(pg.__all__) <= 30, pg.__all__
+    assert len(set(pg.__all__)) == len(pg.__all__)
+    for name in pg.__all__:
+        assert getattr(pg, name) is not None, name
+    for ns in ("io", "hooks", "maths", "stats", "experiments", "plot", "report", "compat"):
+        assert getattr(pg, ns).__name__ == f"posgen_tl.{ns}"
+    assert pg.plot.head_maps.__module__ == "posgen_tl.plot.decomposition"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        pg.nope  # noqa: B018
+
+
+def test_recipes_resolve_lazily():
+    for name in ("causal_study", "sufficiency", "gap_probe"):
+        assert callable(getattr(pg, name))
+
+
+def test_import_is_light():
+    code = "import sys, posgen_tl; print(sorted(m for m in ('torch', 'transformer_lens', 'matplotlib', 'pandas') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG.parent)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_rope_spec_is_the_function_after_its_module_is_imported():
+    code = ("import posgen_tl as pg, posgen_tl.hooks.capture; from posgen_tl.io.spec import rope_spec; "
+            "assert callable(pg.rope_spec) and pg.rope_spec is rope_spec; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PKG.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-800:]
+
+
+def test_nested_namespaces_resolve_in_a_fresh_interpreter():
+    code = ("import posgen_tl as pg; pg.experiments.head_maps.decompose_head; pg.experiments.pattern.link_to_decomposition; "
+            "pg.experiments.tolerance.curve_summary; pg.io.sampling.sample_windows; pg.stats.verdict_table; "
+            "pg.hooks.edits.noop_hooks; pg.maths.decompose.d3_bound; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PKG.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-800:]
+
+
+def test_one_mask_and_one_key_mean():
+    from posgen_tl.experiments import decomposition, exactness
+    from posgen_tl.hooks import edits
+    from posgen_tl.maths import decompose, rope, taxonomy
+
+    assert decompose.causal_mask is rope.causal_mask
+    assert getattr(taxonomy, "causal_mask", rope.causal_mask) is rope.causal_mask  # no mask of its own
+    assert not hasattr(exactness, "valid_mask")
+    assert edits.key_means.func is edits.feature_means
+    assert "feature_means(" in Path(decomposition.__file__).read_text()  # reference_key_means delegates
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_imports_alone(module):
+    """A fresh interpreter importing just this module: an import cycle or a hidden order dependence fails here."""
+    out = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300,
+                         cwd=PKG.parent)
+    assert out.returncode == 0, f"{module}: {out.stderr[-800:]}"
+
+
+def test_report_modules_have_no_cycle():
+    import ast
+
+    def deps(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        return {m.removeprefix("posgen_tl.report.") for m in mods if m.startswith("posgen_tl.report.")}
+
+    rep = PKG / "report"
+    graph = {p.stem: deps(p) for p in rep.glob("*.py")}
+    for a, bs in graph.items():
+        for b in bs:
+            assert a not in graph.get(b, set()), f"report.{a} ↔ report.{b}"
