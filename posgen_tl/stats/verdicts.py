@@ -55,6 +55,8 @@ __all__ = [
     "equivalence",
     "family_adjust",
     "interaction_contrast",
+    "legacy_family",
+    "default_pairs",
     "layers_label",
     "reanalyse_committed",
     "tolerance_contrasts",
@@ -177,35 +179,38 @@ class Family:
     def conditions(self, e: FamilyEntry) -> list[str]:
         return [self.intervention, self.baseline, *e.controls]
 
-    def check(self, units: pd.DataFrame, keys: Sequence[str] = KEYS) -> None:
+    def check(self, units: pd.DataFrame, keys: Sequence[str] = KEYS) -> dict[str, pd.DataFrame]:
         """Raise ``ValueError`` unless ``units`` hold exactly the declared family: every entry, every
         condition of its contrasts (AUC and damage), the same documents in every condition, and the
-        declared number of documents; no undeclared entry."""
-        miss = {*keys, "condition", "doc", "estimator", "value"} - set(units.columns)
+        declared number of documents; no undeclared entry. Returns ``{entry key: its units}``."""
+        miss = {*keys, "condition", "doc", "estimator", "value", "n_seqs"} - set(units.columns)
         if miss:
             raise ValueError(f"units lack column(s) {sorted(miss)}")
-        present = {" ".join(map(str, k)) for k in units[list(keys)].drop_duplicates().itertuples(index=False)}
-        extra = present - {e.key for e in self.entries}
+        subs = {" ".join(map(str, k if isinstance(k, tuple) else (k,))): g
+                for k, g in units.groupby(list(keys), sort=False)}  # fmt: skip
+        extra = set(subs) - {e.key for e in self.entries}
         if extra:
             raise ValueError(f"units hold entries not declared in the family: {sorted(extra)} (no extension after a look)")
         for e in self.entries:
-            sub = _entry_units(units, e, keys)
-            if sub.empty:
+            if e.key not in subs:
                 raise ValueError(f"family entry {e.key!r} has no rows: every declared entry must be tested")
+            sub = subs[e.key]
+            docs = {k: frozenset(g) for k, g in sub.groupby(["estimator", "condition"], sort=False)["doc"]}
+            ref = None
             for est in ("auc", "damage"):
-                docs = None
                 for c in self.conditions(e):
-                    d = set(sub.loc[(sub["condition"] == c) & (sub["estimator"] == est), "doc"])
+                    d = docs.get((est, c))
                     if not d:
                         raise ValueError(f"family entry {e.key!r}: contrast {self.intervention} − {c} cannot be formed: "
                                          f"no {est} rows for condition {c!r}")  # fmt: skip
-                    if docs is not None and d != docs:
+                    if ref is not None and d != ref:
                         raise ValueError(f"family entry {e.key!r}: condition {c!r} covers other documents "
-                                         f"(differ: {sorted(d ^ docs)[:10]})")  # fmt: skip
-                    docs = d
-            if len(docs) != e.n_docs:
+                                         f"(differ: {sorted(d ^ ref)[:10]})")  # fmt: skip
+                    ref = d
+            if len(ref) != e.n_docs:
                 raise ValueError(f"family entry {e.key!r}: declared n_docs = {e.n_docs} before the run, the data "
-                                 f"have {len(docs)} documents (n is fixed in advance)")  # fmt: skip
+                                 f"have {len(ref)} documents (n is fixed in advance)")  # fmt: skip
+        return subs
 
 
 def _entry_units(units: pd.DataFrame, e: FamilyEntry, keys: Sequence[str]) -> pd.DataFrame:
@@ -221,28 +226,49 @@ def _stat(estimator: str, frac: float) -> str:
     return estimator if estimator != "dnll" else f"dnll@{frac:g}"
 
 
-def _wide(sub: pd.DataFrame) -> tuple[dict[tuple[str, float], pd.DataFrame], pd.DataFrame]:
-    """``{(estimator, frac): [doc × condition] values}`` and ``n_seqs [doc × condition]`` of one entry."""
-    out = {}
-    for (est, fr), g in sub.groupby(["estimator", sub["frac"].fillna(-1.0)], sort=False):
-        w = g.pivot(index="doc", columns="condition", values="value")
-        out[(est, np.nan if fr == -1.0 else float(fr))] = w
-    n = sub[sub["estimator"] == sub["estimator"].iloc[0]].pivot_table(index="doc", columns="condition",
-                                                                      values="n_seqs", aggfunc="first")  # fmt: skip
-    return out, n
+class _Wide(NamedTuple):
+    """One entry's units as arrays: ``docs`` (sorted ids), ``vals[(estimator, frac)][condition]``
+    (``float64 [n_docs]``, NaN where a condition lacks a document) and ``nseq[condition]``."""
+
+    docs: np.ndarray
+    vals: dict
+    nseq: dict
 
 
-def _paired(wide: dict, nseq: pd.DataFrame, a: str, b: str, stat: tuple[str, float], where: str) -> tuple[np.ndarray, int]:
+def _wide(sub: pd.DataFrame) -> _Wide:
+    fr = sub["frac"].to_numpy(np.float64)
+    est = sub["estimator"].to_numpy().astype(str)
+    s_codes, s_keys = pd.factorize(pd.Series(est) + "@" + pd.Series(np.where(np.isnan(fr), -1.0, fr)).astype(str))
+    docs, d_i = np.unique(sub["doc"].to_numpy(), return_inverse=True)
+    conds, c_i = np.unique(sub["condition"].to_numpy().astype(str), return_inverse=True)
+    flat = (s_codes * docs.size + d_i) * conds.size + c_i
+    if np.unique(flat).size != flat.size:
+        raise ValueError("units have several values for one (estimator, frac, document, condition)")
+    v = np.full(len(s_keys) * docs.size * conds.size, np.nan)
+    v[flat] = sub["value"].to_numpy(np.float64)
+    v = v.reshape(len(s_keys), docs.size, conds.size)
+    n = np.zeros(docs.size * conds.size, dtype=np.int64)
+    n[d_i * conds.size + c_i] = sub["n_seqs"].to_numpy()
+    n = n.reshape(docs.size, conds.size)
+    vals = {}
+    for k, key in enumerate(s_keys):
+        e, f = key.split("@")
+        vals[(e, np.nan if float(f) == -1.0 else float(f))] = {c: v[k, :, j] for j, c in enumerate(conds)}
+    return _Wide(docs, vals, {c: n[:, j] for j, c in enumerate(conds)})
+
+
+def _paired(wide: _Wide, a: str, b: str, stat: tuple[str, float], where: str) -> tuple[np.ndarray, int]:
     """Per-document ``a − b`` of one statistic (documents must match) and the number of sequences."""
-    w = wide.get(stat)
+    w = wide.vals.get(stat)
     if w is None or a not in w or b not in w:
         raise ValueError(f"{where}: contrast {a} − {b} cannot be formed for {_stat(*stat)} (condition missing)")
-    d = (w[a] - w[b]).to_numpy(np.float64)
+    d = w[a] - w[b]
     if np.isnan(d).any():
         raise ValueError(f"{where}: {a} and {b} cover different documents for {_stat(*stat)}")
-    if (nseq[a] != nseq[b]).any():
+    na, nb = wide.nseq[a], wide.nseq[b]
+    if (na != nb).any():
         raise ValueError(f"{where}: {a} and {b} cover different sequences of some documents")
-    return d, int(nseq[a].sum())
+    return d, int(na.sum())
 
 
 def _contrast_block(x: np.ndarray, *, n_boot: int, ci_level: float, seed: int) -> list[dict]:
@@ -262,6 +288,19 @@ def default_pairs(conditions: Sequence[str], intervention: str = "destroy", base
     """``(destroy, none)``, ``(destroy, Ck)`` for every other condition, then ``(Ck, none)``."""
     ctrls = [c for c in conditions if c not in (intervention, baseline)]
     return [(intervention, baseline), *((intervention, c) for c in ctrls), *((c, baseline) for c in ctrls)]
+
+
+def _pair_rows(kv: dict, wide: _Wide, pairs: Sequence[tuple[str, str]], stats: list, where: str, *,
+               n_boot: int, ci_level: float, seed: int) -> list[dict]:  # fmt: skip
+    """Contrast rows (without Holm / MDE) of each pair × statistic of one entry."""
+    rows = []
+    for a, b in pairs:
+        cols = [_paired(wide, a, b, s, where) for s in stats]
+        x = np.column_stack([c[0] for c in cols])
+        for s, r in zip(stats, _contrast_block(x, n_boot=n_boot, ci_level=ci_level, seed=seed)):
+            rows.append(dict(kv, contrast=f"{a} − {b}", a=a, b=b, estimator=s[0], frac=s[1], units=UNITS[s[0]], **r,
+                             n_docs=x.shape[0], n_seqs=cols[0][1]))  # fmt: skip
+    return rows
 
 
 def _entry_groups(units: pd.DataFrame, keys: Sequence[str]):
@@ -333,17 +372,13 @@ def tolerance_contrasts(
     rows = []
     for kv, sub in _entry_groups(units, keys):
         where = " ".join(map(str, kv.values())) or "units"
-        wide, nseq = _wide(sub)
-        stats = sorted((s for s in wide if s[0] in estimators), key=lambda s: (order[s[0]], np.nan_to_num(s[1])))
+        wide = _wide(sub)
+        stats = sorted((s for s in wide.vals if s[0] in estimators), key=lambda s: (order[s[0]], np.nan_to_num(s[1])))
         if not stats:
             raise ValueError(f"{where}: none of the estimators {list(estimators)} in the units")
         conds = list(dict.fromkeys(sub["condition"]))
-        for a, b in pairs or default_pairs(conds, intervention, baseline):
-            cols = [_paired(wide, nseq, a, b, s, where) for s in stats]
-            x = np.column_stack([c[0] for c in cols])
-            for s, r in zip(stats, _contrast_block(x, n_boot=n_boot, ci_level=ci_level, seed=seed)):
-                rows.append(dict(kv, contrast=f"{a} − {b}", a=a, b=b, estimator=s[0], frac=s[1], units=UNITS[s[0]], **r,
-                                 n_docs=x.shape[0], n_seqs=cols[0][1]))  # fmt: skip
+        rows += _pair_rows(kv, wide, pairs or default_pairs(conds, intervention, baseline), stats, where,
+                           n_boot=n_boot, ci_level=ci_level, seed=seed)  # fmt: skip
     df = _holm_and_mde(pd.DataFrame(rows), list(keys), alpha, family_size, intervention, baseline)
     role = {"auc": "primary (AUC)", "dnll": "per fraction", "damage": "damage difference",
             "slope": "secondary (slope: negative weights at small p, can hide or invert an effect)"}
@@ -388,6 +423,28 @@ def _tost_ratio(x: np.ndarray, y: np.ndarray, margin_rel: float) -> float:
     return max(ps)
 
 
+def _damage_row(kv: dict, wide: _Wide, c: str, intervention: str, margin_rel: float, alpha: float,
+                where: str) -> dict:  # fmt: skip
+    """One row of :func:`damage_equivalence`: control ``c`` against ``intervention`` in one entry."""
+    gap, n_seqs = _paired(wide, c, intervention, ("damage", np.nan), where)
+    y = wide.vals[("damage", np.nan)][intervention]
+    x = y + gap
+    n = x.size
+    if n < 3:
+        raise ValueError(f"{where}: damage equivalence needs at least 3 documents, got {n}")
+    lo, hi = _fieller(x, y, float(sps.t.ppf(1 - alpha, n - 1)))
+    p = _tost_ratio(x, y, margin_rel) if y.mean() > 0 else 1.0
+    return dict(kv, control=c, estimator="damage ratio − 1", estimate=float(x.mean() / y.mean() - 1),
+                ci_low=lo - 1, ci_high=hi - 1, ci_level=1 - 2 * alpha,
+                ci_method="Fieller interval of mean(control)/mean(destroy) damage, minus 1 (t, n − 1 df)",
+                p=p, p_kind=f"TOST: two one-sided paired t-tests on document damages, margin ±{margin_rel:g} × destroy's",
+                margin_rel=float(margin_rel), damage=float(y.mean()), control_damage=float(x.mean()),
+                matched=bool(p < alpha), n_docs=n, n_seqs=n_seqs,
+                label=_join("matched" if p < alpha else "NOT matched (TOST)",
+                            "" if y.mean() > 0 else "destroy's damage is not positive: no relative margin",
+                            _exploratory(n)))  # fmt: skip
+
+
 def damage_equivalence(
     units: pd.DataFrame, *, margin_rel: float, keys: Sequence[str] = KEYS, controls: Sequence[str] | None = None,
     intervention: str = "destroy", baseline: str = "none", alpha: float = 0.05,
@@ -418,27 +475,9 @@ def damage_equivalence(
     rows = []
     for kv, sub in _entry_groups(units, keys):
         where = " ".join(map(str, kv.values())) or "units"
-        wide, nseq = _wide(sub)
+        wide = _wide(sub)
         ctrls = controls or [c for c in dict.fromkeys(sub["condition"]) if c not in (intervention, baseline)]
-        for c in ctrls:
-            gap, n_seqs = _paired(wide, nseq, c, intervention, ("damage", np.nan), where)
-            y = wide[("damage", np.nan)][intervention].to_numpy(np.float64)
-            x = y + gap
-            n = x.size
-            if n < 3:
-                raise ValueError(f"{where}: damage equivalence needs at least 3 documents, got {n}")
-            t = float(sps.t.ppf(1 - alpha, n - 1))
-            lo, hi = _fieller(x, y, t)
-            p = _tost_ratio(x, y, margin_rel) if y.mean() > 0 else 1.0
-            rows.append(dict(kv, control=c, estimator="damage ratio − 1", estimate=float(x.mean() / y.mean() - 1),
-                             ci_low=lo - 1, ci_high=hi - 1, ci_level=1 - 2 * alpha,
-                             ci_method="Fieller interval of mean(control)/mean(destroy) damage, minus 1 (t, n − 1 df)",
-                             p=p, p_kind=f"TOST: two one-sided paired t-tests on document damages, margin ±{margin_rel:g} × destroy's",
-                             margin_rel=float(margin_rel), damage=float(y.mean()), control_damage=float(x.mean()),
-                             matched=bool(p < alpha), n_docs=n, n_seqs=n_seqs,
-                             label=_join("matched" if p < alpha else "NOT matched (TOST)",
-                                         "" if y.mean() > 0 else "destroy's damage is not positive: no relative margin",
-                                         _exploratory(n))))  # fmt: skip
+        rows += [_damage_row(kv, wide, c, intervention, margin_rel, alpha, where) for c in ctrls]
     return pd.DataFrame(rows)
 
 
@@ -473,6 +512,23 @@ def _boot_intercepts(y: np.ndarray, g: np.ndarray, *, n_boot: int, seed: int) ->
     return ym[ok] - b1 * gm[ok]
 
 
+def _adjusted_row(kv: dict, wide: _Wide, c: str, intervention: str, estimator: str, where: str, *,
+                  n_boot: int, ci_level: float, seed: int) -> dict:  # fmt: skip
+    """One row of :func:`damage_adjusted_contrast`: ``intervention − c`` at equal damage in one entry."""
+    y, n_seqs = _paired(wide, intervention, c, (estimator, np.nan), where)
+    g, _ = _paired(wide, intervention, c, ("damage", np.nan), where)
+    fit = _ols_intercept(y, g, ci_level)
+    lo, hi = np.quantile(_boot_intercepts(y, g, n_boot=n_boot, seed=seed), [(1 - ci_level) / 2, (1 + ci_level) / 2])
+    return dict(kv, contrast=f"{intervention} − {c} at equal damage", control=c, estimator=estimator,
+                estimate=fit["b0"], ci_low=float(lo), ci_high=float(hi), ci_level=ci_level,
+                ci_method=f"percentile bootstrap over documents ({n_boot} draws, pairs refitted); "
+                          "t_low/t_high: OLS t-interval (n − 2 df)",
+                t_low=fit["t_low"], t_high=fit["t_high"], p=fit["p"],
+                p_kind="OLS t-test of the intercept (n − 2 df; parametric)", gap_mean=float(g.mean()),
+                gap_slope=fit["b1"], n_docs=y.size, n_seqs=n_seqs,
+                label=_join("damage-adjusted (regression on the per-document damage gap)", _exploratory(y.size)))  # fmt: skip
+
+
 def damage_adjusted_contrast(
     units: pd.DataFrame, *, keys: Sequence[str] = KEYS, controls: Sequence[str] | None = None,
     intervention: str = "destroy", baseline: str = "none", estimator: str = "auc", n_boot: int = 10_000,
@@ -499,22 +555,10 @@ def damage_adjusted_contrast(
     rows = []
     for kv, sub in _entry_groups(units, keys):
         where = " ".join(map(str, kv.values())) or "units"
-        wide, nseq = _wide(sub)
+        wide = _wide(sub)
         ctrls = controls or [c for c in dict.fromkeys(sub["condition"]) if c not in (intervention, baseline)]
-        for c in ctrls:
-            y, n_seqs = _paired(wide, nseq, intervention, c, (estimator, np.nan), where)
-            g, _ = _paired(wide, nseq, intervention, c, ("damage", np.nan), where)
-            fit = _ols_intercept(y, g, ci_level)
-            lo, hi = np.quantile(_boot_intercepts(y, g, n_boot=n_boot, seed=seed), [(1 - ci_level) / 2, (1 + ci_level) / 2])
-            rows.append(dict(kv, contrast=f"{intervention} − {c} at equal damage", control=c, estimator=estimator,
-                             estimate=fit["b0"], ci_low=float(lo), ci_high=float(hi), ci_level=ci_level,
-                             ci_method=f"percentile bootstrap over documents ({n_boot} draws, pairs refitted); "
-                                       "t_low/t_high: OLS t-interval (n − 2 df)",
-                             t_low=fit["t_low"], t_high=fit["t_high"], p=fit["p"],
-                             p_kind="OLS t-test of the intercept (n − 2 df; parametric)", gap_mean=float(g.mean()),
-                             gap_slope=fit["b1"], n_docs=y.size, n_seqs=n_seqs,
-                             label=_join("damage-adjusted (regression on the per-document damage gap)",
-                                         _exploratory(y.size))))  # fmt: skip
+        rows += [_adjusted_row(kv, wide, c, intervention, estimator, where, n_boot=n_boot, ci_level=ci_level,
+                               seed=seed) for c in ctrls]  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -606,30 +650,31 @@ def _entry_verdict(sub: pd.DataFrame, e: FamilyEntry, family: Family, keys: Sequ
     component rows, damage table, adjusted-contrast table)."""
     iv, base, a = family.intervention, family.baseline, family.alpha
     kv = dict(zip(keys, (e.model, e.layers)))
-    con = tolerance_contrasts(sub, keys=keys, pairs=default_pairs(family.conditions(e), iv, base), estimators=("auc",),
-                              intervention=iv, baseline=base, alpha=a, family_size=m, n_boot=n_boot,
-                              ci_level=ci_level, seed=seed).set_index("contrast")  # fmt: skip
-    dmg = damage_equivalence(sub, margin_rel=family.damage_margin_rel, keys=keys, controls=e.controls,
-                             intervention=iv, baseline=base, alpha=a).set_index("control")  # fmt: skip
+    wide = _wide(sub)
+    dmg = {c: _damage_row(kv, wide, c, iv, family.damage_margin_rel, a, e.key) for c in e.controls}
     rule = family.damage_rule
-    need_adj = [c for c in e.controls if rule == "adjust" or (rule == "tost_or_adjust" and not dmg.loc[c, "matched"])]
-    adj = (damage_adjusted_contrast(sub, keys=keys, controls=need_adj, intervention=iv, baseline=base, n_boot=n_boot,
-                                    ci_level=ci_level, seed=seed) if need_adj else pd.DataFrame())  # fmt: skip
-    adj_i = adj.set_index("control") if len(adj) else adj
-    r0 = con.loc[f"{iv} − {base}"]
+    need_adj = [c for c in e.controls if rule == "adjust" or (rule == "tost_or_adjust" and not dmg[c]["matched"])]
+    adj_i = {c: _adjusted_row(kv, wide, c, iv, "auc", e.key, n_boot=n_boot, ci_level=ci_level, seed=seed)
+             for c in need_adj}  # fmt: skip
+    pairs = [(iv, base), *((c, base) for c in e.controls), *((iv, c) for c in e.controls if c not in need_adj)]
+    con = {r["contrast"]: r for r in _pair_rows(kv, wide, pairs, [("auc", np.nan)], e.key, n_boot=n_boot,
+                                                  ci_level=ci_level, seed=seed)}  # fmt: skip
+    for c, ph in zip(e.controls, holm([con[f"{c} − {base}"]["p"] for c in e.controls])):
+        con[f"{c} − {base}"]["p_holm"] = ph  # Holm over the entry's controls − none
+    r0 = con[f"{iv} − {base}"]
     s0 = float(np.sign(r0["estimate"]))
     comps = [_component(kv, f"{iv} − {base}", "", "required: destroy moves tolerance", "", r0, s0, True)]
     counted, notes = [], []
     for c in e.controls:
-        self_row = con.loc[f"{c} − {base}"].copy()
+        self_row = dict(con[f"{c} − {base}"])
         self_row["moves"] = bool(self_row["p_holm"] < a)
         opposite = bool(self_row["moves"] and np.sign(self_row["estimate"]) != s0)
-        tost = f"TOST p = {dmg.loc[c, 'p']:.3g}, margin ±{family.damage_margin_rel:g}"
+        tost = f"TOST p = {dmg[c]['p']:.3g}, margin ±{family.damage_margin_rel:g}"
         if c in need_adj:
-            r, status = adj_i.loc[c], f"adjusted ({'rule adjust' if rule == 'adjust' else 'not matched'}: {tost})"
+            r, status = adj_i[c], f"adjusted ({'rule adjust' if rule == 'adjust' else 'not matched'}: {tost})"
         else:
-            r = con.loc[f"{iv} − {c}"]
-            status = f"matched ({tost})" if dmg.loc[c, "matched"] else f"unmatched, blocks under rule 'tost' ({tost})"
+            r = con[f"{iv} − {c}"]
+            status = f"matched ({tost})" if dmg[c]["matched"] else f"unmatched, blocks under rule 'tost' ({tost})"
         role = ("not counted: control moves tolerance by itself, opposite to destroy" if opposite else "required")
         name = f"{iv} − {c}" + (" at equal damage" if c in need_adj else "")
         comps.append(_component(kv, name, c, role, status, r, s0, not opposite, self_row))
@@ -651,7 +696,7 @@ def _entry_verdict(sub: pd.DataFrame, e: FamilyEntry, family: Family, keys: Sequ
                counted_controls=",".join(counted), excluded_controls=",".join(c for c in e.controls if c not in counted),
                sd=r0["sd"], n_docs=int(r0["n_docs"]), n_seqs=int(r0["n_seqs"]), fails="; ".join(fails),
                notes="; ".join(notes))  # fmt: skip
-    return row, comps, dmg.reset_index()[[*keys, "control", *[k for k in dmg.columns if k not in keys]]], adj
+    return row, comps, pd.DataFrame(list(dmg.values())), pd.DataFrame(list(adj_i.values()))
 
 
 def causal_verdict(
@@ -684,12 +729,12 @@ def causal_verdict(
         ValueError: units not matching the declared family (:meth:`Family.check`), draws not
             matching ``controls_redrawn_per_document``, degenerate damage data.
     """
-    family.check(units, keys)
+    subs = family.check(units, keys)
     drawn = _draws_label(draws, family, keys)
     m, a = len(family.entries), family.alpha
     rows, comps, dmgs, adjs = [], [], [], []
     for e in family.entries:
-        r, c, d, j = _entry_verdict(_entry_units(units, e, keys), e, family, keys, m, n_boot=n_boot,
+        r, c, d, j = _entry_verdict(subs[e.key], e, family, keys, m, n_boot=n_boot,
                                     ci_level=ci_level, seed=seed)  # fmt: skip
         rows.append(r)
         comps += c
@@ -717,3 +762,182 @@ def causal_verdict(
     comp["label"] = [_join(r, _exploratory(n)) for r, n in zip(comp["role"], comp["n_docs"])]
     return CausalVerdict(out[cols], comp, pd.concat(dmgs, ignore_index=True),
                          pd.concat([j for j in adjs if len(j)], ignore_index=True) if any(len(j) for j in adjs) else pd.DataFrame())  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- interaction, equivalence
+
+
+def _select(units: pd.DataFrame, where: dict, keys: Sequence[str]) -> pd.DataFrame:
+    bad = set(where) - set(keys)
+    if bad or not where:
+        raise ValueError(f"select an entry by its keys {list(keys)}, got {where}")
+    mask = np.logical_and.reduce([units[k].astype(str) == str(v) for k, v in where.items()])
+    if not mask.any():
+        raise ValueError(f"no units for {where}")
+    return units[mask]
+
+
+def interaction_contrast(
+    units: pd.DataFrame, first: dict, second: dict, *, a: str = "destroy", b: str = "none",
+    estimators: Sequence[str] = ("auc", "dnll"), keys: Sequence[str] = KEYS, n_boot: int = 10_000,
+    ci_level: float = 0.95, seed: int = 0,
+) -> pd.DataFrame:  # fmt: skip
+    """Difference of differences between two entries on the SAME documents (paired interaction).
+
+    Per document: ``(a − b)`` in ``first`` (e.g. ``{"model": "smollm2-135m", "layers": "L10-19"}``)
+    minus ``(a − b)`` in ``second``; the documents (and their sequence counts) must be identical.
+    "Middle vs late layers" is this test, never two separate tests read side by side.
+
+    Returns:
+        ``pd.DataFrame``: ``contrast, first, second, estimator, frac, units, estimate, ci_low,
+        ci_high, ci_level, ci_method, t_low, t_high, p, p_kind, p_holm`` (Holm over the fractions
+        for dnll rows; the AUC row's own p — it is one pre-declared test), ``holm_scope, n_docs,
+        n_seqs, label``.
+
+    Raises:
+        ValueError: an entry without units, different documents in the two entries, a missing
+            condition.
+    """
+    names = [" ".join(str(w[k]) for k in keys if k in w) for w in (first, second)]
+    w1, w2 = (_wide(_select(units, w, keys)) for w in (first, second))
+    stats = sorted((s for s in w1.vals if s[0] in estimators and s in w2.vals),
+                   key=lambda s: (s[0] != "auc", np.nan_to_num(s[1])))  # fmt: skip
+    if not stats:
+        raise ValueError(f"none of the estimators {list(estimators)} in both entries")
+    if not np.array_equal(w1.docs, w2.docs) or not np.array_equal(w1.nseq.get(a), w2.nseq.get(a)):
+        raise ValueError(f"{names[0]} and {names[1]} are not on the same documents/sequences "
+                         f"(differ: {sorted(set(w1.docs) ^ set(w2.docs))[:10]}): a paired interaction needs them")  # fmt: skip
+    d1 = [_paired(w1, a, b, s, names[0]) for s in stats]
+    x = np.column_stack([u[0] for u in d1]) - np.column_stack([_paired(w2, a, b, s, names[1])[0] for s in stats])
+    rows = [dict(contrast=f"({a} − {b})[{names[0]}] − ({a} − {b})[{names[1]}]", first=names[0], second=names[1],
+                 estimator=s[0], frac=s[1], units=UNITS[s[0]], **r, n_docs=x.shape[0], n_seqs=d1[0][1])
+            for s, r in zip(stats, _contrast_block(x, n_boot=n_boot, ci_level=ci_level, seed=seed))]  # fmt: skip
+    df = pd.DataFrame(rows).drop(columns="sd")
+    dn = df["estimator"] == "dnll"
+    df["p_holm"] = df["p"]
+    df.loc[dn, "p_holm"] = holm(df.loc[dn, "p"].to_numpy()) if dn.any() else np.nan
+    df["holm_scope"] = np.where(dn, f"Holm over the {int(dn.sum())} fractions", "none: one pre-declared test")
+    df["label"] = [_join("paired interaction on the same documents", _exploratory(n)) for n in df["n_docs"]]
+    return df
+
+
+def equivalence(
+    values: Any, *, doc: Any, margin: float | None, margin_source: str | None, alpha: float = 0.05,
+    what: str = "difference",
+) -> pd.DataFrame:  # fmt: skip
+    """TOST equivalence of a mean difference to 0 within ``±margin`` — the ONLY way to say "alike"
+    or "barely moves" (T1 vs T2, sufficiency). The margin must be declared before the data.
+
+    ``values`` are per-sequence (or per-document) differences, ``doc`` their document ids; the
+    test runs on document means (:func:`~posgen_tl.stats.inference.tost`).
+
+    Returns:
+        One-row ``pd.DataFrame``: ``what, estimate, ci_low, ci_high`` (the 1 − 2α = 90 %
+        t-interval), ``ci_level, ci_method, p`` (TOST: max of the two one-sided p), ``p_kind,
+        margin, margin_source, equivalent, n_docs, n_seqs, verdict`` ("equivalent within ±m" /
+        "not shown equivalent (±m)"), ``label``.
+
+    Raises:
+        ValueError: margin not declared (None) or not positive, no ``margin_source``, fewer than 2
+            documents, length mismatch, non-finite values.
+    """
+    from posgen_tl.stats.inference import _as_1d, _labels, cluster_means, tost  # noqa: PLC0415
+
+    if margin is None:
+        raise ValueError("equivalence margin not declared: state it before the data (never derive it from them)")
+    if not margin_source:
+        raise ValueError("margin_source must say where the margin was declared before the data (e.g. the run's config)")
+    x = _as_1d(values, "values")
+    units, _ = cluster_means(x, _labels(doc, x.size, "doc"))
+    r = tost(units, float(margin), alpha=alpha)
+    n = int(units.size)
+    ok = bool(r["equivalent"])
+    return pd.DataFrame([dict(
+        what=what, estimate=r["mean"], ci_low=r["lo"], ci_high=r["hi"], ci_level=r["ci_level"],
+        ci_method=f"t-interval on document means at {1 - 2 * alpha:.0%} (the TOST interval)", p=r["p"],
+        p_kind="TOST (two one-sided t-tests on document means, n − 1 df)", margin=float(margin),
+        margin_source=margin_source, equivalent=ok, n_docs=n, n_seqs=int(x.size),
+        verdict=(f"equivalent within ±{margin:g}" if ok else f"not shown equivalent (±{margin:g})"),
+        label=_join("equivalence (TOST)", _exploratory(n)))])  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- committed outputs
+
+
+def _read_run(rows_csv: str | Path, config_json: str | Path) -> tuple[pd.DataFrame, dict]:
+    """Rows with ``model, layers, condition`` columns (legacy ``intervention`` renamed) and the config."""
+    cfg = json.loads(Path(config_json).read_text())
+    rows = pd.read_csv(rows_csv)
+    if "condition" not in rows.columns:
+        if "intervention" not in rows.columns:
+            raise ValueError(f"{rows_csv}: rows have neither 'condition' nor 'intervention'")
+        rows = rows.rename(columns={"intervention": "condition"})
+    for k in ("model", "layers"):
+        if k not in cfg:
+            raise ValueError(f"{config_json}: config lacks {k!r}")
+    return rows.assign(model=str(cfg["model"]), layers=layers_label(cfg["layers"])), cfg
+
+
+def legacy_family(configs: Sequence[dict], *, damage_margin_rel: float, order: str | Sequence[str] = "holm") -> tuple[Family, str]:
+    """The family of runs whose configs declared none (every run before METHOD §8 v2): one entry per
+    (model, layers) with the run's controls and recorded ``n_docs``; ``controls_redrawn_per_document``
+    from the config, else False (those runs seeded each random control once). Returns ``(family,
+    note)``; the note says that family, order and margin were stated AFTER the data."""
+    entries = tuple(FamilyEntry(str(c["model"]), layers_label(c["layers"]), tuple(c["controls"]), int(c["n_docs"]))
+                    for c in configs)  # fmt: skip
+    redrawn = {bool(c.get("controls_redrawn_per_document", False)) for c in configs}
+    if len(redrawn) != 1:
+        raise ValueError("the runs disagree on controls_redrawn_per_document: one family needs one design")
+    fam = Family(entries, damage_margin_rel, redrawn.pop(), order=order if isinstance(order, str) else tuple(order))
+    subsets = sorted({str(c.get("match_subset", "?")) for c in configs})
+    note = (f"LEGACY re-analysis: family ({len(entries)} entries), order ({order if isinstance(order, str) else 'sequence'}) "
+            f"and damage margin (±{damage_margin_rel:g}) stated after the data, not in the runs' configs; controls' "
+            f"strengths were tuned on the first {'/'.join(subsets)} analysed windows (in sample)")  # fmt: skip
+    return fam, note
+
+
+def reanalyse_committed(
+    runs: Sequence[tuple[str | Path, str | Path]], *, damage_margin_rel: float = DEFAULT_DAMAGE_MARGIN_REL,
+    order: str | Sequence[str] = "holm", n_boot: int = 10_000, seed: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """Committed causal runs (``(rows_csv, config_json)`` per model × layer group) through the v2 rule.
+
+    The runs form ONE family. A config with ``claim_family`` supplies it (:meth:`Family.from_config`,
+    the same for every run); otherwise :func:`legacy_family` builds it and every verdict's label
+    says so (margin default: METHOD §8's ±10 %).
+
+    Returns:
+        dict with ``family`` (:class:`Family`), ``note`` (legacy note or ""), ``units``
+        (:func:`~posgen_tl.stats.curves.document_units`), ``summary`` (per condition, descriptive),
+        ``per_fraction`` (:func:`tolerance_contrasts`, every contrast × AUC / per-fraction ΔNLL /
+        slope), ``verdicts``, ``components``, ``damage``, ``adjusted`` (:func:`causal_verdict`) and
+        ``interactions`` (:func:`interaction_contrast` of destroy − none between the layer groups
+        of one model, where they share their documents).
+    """
+    read = [_read_run(r, c) for r, c in runs]
+    rows = pd.concat([r for r, _ in read], ignore_index=True)
+    cfgs = [c for _, c in read]
+    declared = [c.get("claim_family") for c in cfgs]
+    if any(d is not None for d in declared):
+        if any(d != declared[0] for d in declared):
+            raise ValueError("the runs declare different claim families: one family per claim")
+        family, note = Family.from_config(declared[0]), ""
+    else:
+        family, note = legacy_family(cfgs, damage_margin_rel=damage_margin_rel, order=order)
+    units = document_units(rows, by=("model", "layers", "condition"))
+    verdict = causal_verdict(units, family, draws=control_draws(rows), n_boot=n_boot, seed=seed, note=note)
+    inter = []
+    ent = list(family.entries)
+    for i, e1 in enumerate(ent):
+        for e2 in ent[i + 1:]:
+            if e1.model == e2.model:
+                try:
+                    inter.append(interaction_contrast(units, {"model": e1.model, "layers": e1.layers},
+                                                      {"model": e2.model, "layers": e2.layers}, n_boot=n_boot, seed=seed))
+                except ValueError as err:  # not on the same documents: no paired interaction exists
+                    inter.append(pd.DataFrame([dict(first=e1.key, second=e2.key, label=f"not testable: {err}")]))
+    return dict(family=family, note=note, units=units,
+                summary=unit_summary(units, by=("model", "layers", "condition"), n_boot=n_boot, seed=seed),
+                per_fraction=tolerance_contrasts(units, family_size=len(ent), alpha=family.alpha, n_boot=n_boot, seed=seed),
+                verdicts=verdict.verdicts, components=verdict.components, damage=verdict.damage,
+                adjusted=verdict.adjusted, interactions=pd.concat(inter, ignore_index=True) if inter else pd.DataFrame())  # fmt: skip
