@@ -482,12 +482,21 @@ def damage_equivalence(
 
 
 def _ols_intercept(y: np.ndarray, g: np.ndarray, ci_level: float) -> dict[str, float]:
-    """OLS ``y = b0 + b1·g``: intercept, its t-interval and two-sided t p (n − 2 df), and b1."""
+    """OLS ``y = b0 + b1·g``: intercept, its t-interval and two-sided t p (n − 2 df), and b1 (a gap
+    that is 0 in every document needs no adjustment: then the one-sample t on ``y``, n − 1 df)."""
     n = y.size
     gc = g - g.mean()
     sgg = float(gc @ gc)
-    if n < 4 or sgg <= 1e-300:
-        raise ValueError(f"damage-adjusted contrast needs ≥ 4 documents with a spread of the damage gap (n = {n})")
+    if n < 4:
+        raise ValueError(f"damage-adjusted contrast needs ≥ 4 documents, got {n}")
+    if sgg <= 1e-300:
+        if np.any(g != 0):
+            raise ValueError("the damage gap is the same non-zero value in every document: the contrast at equal "
+                             "damage is not identified")  # fmt: skip
+        se = float(y.std(ddof=1)) / math.sqrt(n)  # gap ≡ 0: already at equal damage, the plain t-test (n − 1 df)
+        tc = float(sps.t.ppf((1 + ci_level) / 2, n - 1))
+        p = 1.0 if se == 0 and y.mean() == 0 else (0.0 if se == 0 else float(2 * sps.t.sf(abs(y.mean()) / se, n - 1)))
+        return dict(b0=float(y.mean()), b1=0.0, t_low=float(y.mean()) - tc * se, t_high=float(y.mean()) + tc * se, p=p)
     b1 = float(gc @ (y - y.mean())) / sgg
     b0 = float(y.mean() - b1 * g.mean())
     res = y - b0 - b1 * g
@@ -505,6 +514,8 @@ def _boot_intercepts(y: np.ndarray, g: np.ndarray, *, n_boot: int, seed: int) ->
     idx = rng.integers(0, n, size=(n_boot, n)) + n * np.arange(n_boot)[:, None]
     w = np.bincount(idx.ravel(), minlength=n_boot * n).reshape(n_boot, n) / n
     gm, ym = w @ g, w @ y
+    if not np.any(g != 0):  # already at equal damage: the bootstrap of the mean
+        return ym
     sgg = w @ (g * g) - gm**2
     sgy = w @ (g * y) - gm * ym
     ok = sgg > 1e-12 * max(float(np.var(g)), 1e-300)

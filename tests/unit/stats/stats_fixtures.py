@@ -22,7 +22,7 @@ def clustered_rows(seed=0, n_docs=16, per_doc=4, conditions=("none", "destroy", 
     difference (16 documents × 4 sequences by default): a bootstrap over sequences is much too
     narrow here. ΔNLL(p) = p·(1 + effect_c) + doc effect·p + sequence noise; ``delta`` = 0 at p = 0."""
     rng = np.random.default_rng(seed)
-    effect = {"none": 0.0, "destroy": 0.3, "C1": 0.1, **(effect or {})}
+    effect = {"none": 0.0, "destroy": 0.3, "C1": 0.1, "C2": 0.0, **(effect or {})}
     damage = {"none": 0.0, "destroy": 0.5, "C1": 0.45, **(damage or {})}
     doc = np.repeat(np.arange(n_docs), per_doc)
     seq = np.arange(doc.size)
