@@ -323,13 +323,16 @@ def _holm_and_mde(
         df.loc[idx, "holm_scope"] = f"Holm over the {len(idx)} fractions of this contrast"
         df.loc[idx, "mde_alpha"] = alpha / len(idx)
     self_move = (df["estimator"] == "auc") & (df["b"] == baseline) & (df["a"] != intervention)
-    for _, idx in df[self_move].groupby(list(keys), sort=False).groups.items() if keys else [(None, df[self_move].index)]:
+    groups = df[self_move].groupby(list(keys), sort=False).groups.items() if keys else [(None, df[self_move].index)]
+    for _, idx in (g for g in groups if len(g[1])):
         df.loc[idx, "p_holm"] = holm(df.loc[idx, "p"].to_numpy())
         df.loc[idx, "holm_scope"] = f"Holm over the {len(idx)} controls − {baseline} of this entry ('moves tolerance by itself')"
         df.loc[idx, "mde_alpha"] = alpha / len(idx)
-    prim = (df["estimator"] == "auc") & ~self_move
+    prim = (df["estimator"] == "auc") & ~self_move & (df["a"] == intervention)
     df.loc[prim, "holm_scope"] = "none here: primary, judged by causal_verdict (intersection–union, family order)"
     df.loc[prim, "mde_alpha"] = alpha / family_size
+    other = (df["estimator"] == "auc") & ~self_move & ~prim
+    df.loc[other, "holm_scope"] = "none: one AUC test per contrast (declare its family before adjusting)"
     df.loc[df["estimator"] == "slope", "holm_scope"] = "none: secondary statistic, not a verdict"
     df["mde"] = [mde(s, n, alpha=a) if n >= 2 else np.nan for s, n, a in zip(df["sd"], df["n_docs"], df["mde_alpha"])]
     return df
@@ -434,7 +437,7 @@ def _damage_row(kv: dict, wide: _Wide, c: str, intervention: str, margin_rel: fl
         raise ValueError(f"{where}: damage equivalence needs at least 3 documents, got {n}")
     lo, hi = _fieller(x, y, float(sps.t.ppf(1 - alpha, n - 1)))
     p = _tost_ratio(x, y, margin_rel) if y.mean() > 0 else 1.0
-    return dict(kv, control=c, estimator="damage ratio − 1", estimate=float(x.mean() / y.mean() - 1),
+    return dict(kv, control=c, estimator="damage ratio − 1", estimate=float(x.mean() / y.mean() - 1) if y.mean() else np.nan,
                 ci_low=lo - 1, ci_high=hi - 1, ci_level=1 - 2 * alpha,
                 ci_method="Fieller interval of mean(control)/mean(destroy) damage, minus 1 (t, n − 1 df)",
                 p=p, p_kind=f"TOST: two one-sided paired t-tests on document damages, margin ±{margin_rel:g} × destroy's",

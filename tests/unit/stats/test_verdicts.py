@@ -88,6 +88,17 @@ def test_controls_minus_none_are_holm_adjusted_over_controls():
     assert set(t["contrast"]) == {"destroy − none", "destroy − C1", "destroy − C2", "C1 − none", "C2 − none"}
 
 
+def test_contrasts_without_entry_keys():
+    """Tolerance rows of one model (e.g. T1 vs T2): no model/layers columns, any pair of conditions."""
+    rows, _ = fixture_units(conditions=("none", "destroy"))
+    units = document_units(rows.rename(columns={"condition": "mode"}).replace({"mode": {"none": "T2", "destroy": "T1"}})
+                           .rename(columns={"mode": "condition"}), by=("condition",))  # fmt: skip
+    t = tolerance_contrasts(units, keys=(), pairs=[("T1", "T2")], n_boot=300).set_index(["estimator", "frac"])
+    assert t.loc[("auc", np.nan), "holm_scope"].startswith("none: one AUC test per contrast")
+    assert t.loc[("dnll", 0.1), "holm_scope"] == "Holm over the 4 fractions of this contrast"
+    assert t.loc[("auc", np.nan), "mde_alpha"] == 0.05
+
+
 def test_damage_equivalence_against_independent_tost_and_fieller():
     """TOST p from scipy's one-sided t-tests; the 90 % interval = the set of ratios r that a paired
     t-test of x − r·y does not reject at 5 % one-sided on either side (grid scan); damages are on
