@@ -7,7 +7,8 @@ The unit is the SEQUENCE, clustered by DOCUMENT: wherever ``clusters`` is given,
 grouped by document and the document is the unit that is resampled (bootstrap) or flipped
 (sign-flip test), so correlated sequences of one document never count as independent.
 
-- tests and intervals: :func:`sign_flip_test` (exact paired permutation test), :func:`bootstrap_ci`
+- tests and intervals: :func:`sign_flip` / :func:`sign_flip_test` (paired permutation test, exact up
+  to 40 units, else Monte Carlo; :func:`sign_flip` also returns the LABEL of its p), :func:`bootstrap_ci`
   (document-level percentile bootstrap), :func:`t_interval`, :func:`holm`, :func:`tost`,
   :func:`mde`; slopes: :func:`unit_slopes`, :func:`slope_ci`;
 - the verdict rule: :class:`Contrast`, :func:`paired_differences`, :func:`contrast_from_rows`,
@@ -40,6 +41,9 @@ __all__ = [
     "paired_finding",
     "rank_correlation",
     "per_sequence_slopes",
+    "P_KIND_EXACT",
+    "P_KIND_MC",
+    "sign_flip",
     "sign_flip_test",
     "slope_ci",
     "t1_t2_equivalence",
@@ -62,7 +66,7 @@ EQUIVARIANCE_NOTE = (
 #: relative tolerance for ties in the sign-flip test: |T*| counts as ≥ |T| when
 #: |T*| ≥ |T| − _TIE_RTOL · Σ|x| (absorbs float rounding of sums of the same numbers).
 _TIE_RTOL = 1e-9
-_EXACT_LIMIT = 40  # 2 · 2^20 partial sums at most
+_EXACT_LIMIT = 40  # 2 · 2^20 partial sums at most (≈ 0.1 s)
 _CHUNK = 2**22  # entries per block of random indices / signs (≈ 32 MiB of int64)
 
 
@@ -135,18 +139,27 @@ def _units(values: Any, clusters: Any, name: str) -> np.ndarray:
 # ----------------------------------------------------------------------------- sign-flip test
 
 
-def _subset_sums(x: np.ndarray) -> np.ndarray:
-    """``Σ s_i x_i`` for all ``2^m`` sign patterns ``s ∈ {±1}^m`` (``[2^m]``)."""
+def _sorted_subset_sums(x: np.ndarray) -> np.ndarray:
+    """``Σ s_i x_i`` for all ``2^m`` sign patterns ``s ∈ {±1}^m``, SORTED ascending (``[2^m]``).
+
+    Built by doubling: the sorted sums of ``x[:k]`` shifted by ``∓|x_k|`` are two sorted runs, merged
+    by a stable (run-detecting) sort, so each step is linear; memory ``2^m`` floats."""
     sums = np.zeros(1)
-    for v in x:  # doubling: memory 2^m floats, no [2^m, m] sign matrix
-        sums = np.concatenate([sums + v, sums - v])
+    for v in np.abs(x):  # {Σ s_i x_i} = {Σ s_i |x_i|} as multisets
+        sums = np.sort(np.concatenate([sums - v, sums + v]), kind="stable")
     return sums
 
 
-def sign_flip_test(
-    d: Any, *, clusters: Any = None, n_mc: int = 20_000, seed: int = 0, exact_max_n: int = 20
-) -> float:
-    """Two-sided paired sign-flip (permutation) test of ``mean(d) = 0``.
+#: ``p_kind`` label of an exact sign-flip p (``{n}``: the number of flipped units).
+P_KIND_EXACT = "exact sign-flip (all 2^{n} sign patterns of {n} documents)"
+#: ``p_kind`` label of a Monte Carlo sign-flip p.
+P_KIND_MC = "Monte Carlo sign-flip ({draws} draws; floor 1/({draws}+1) = {floor:.1e}) over {n} documents"
+
+
+def sign_flip(
+    d: Any, *, clusters: Any = None, n_mc: int = 20_000, seed: int = 0, exact_max_n: int = _EXACT_LIMIT
+) -> tuple[float, str]:
+    """Two-sided paired sign-flip (permutation) test of ``mean(d) = 0``, with the KIND of its p.
 
     Under the null each unit's difference is symmetric about 0, so its sign is arbitrary. The
     statistic is ``T = Σ_u x_u`` over units (equivalently their mean), ``x_u`` = ``d`` itself, or
@@ -154,47 +167,54 @@ def sign_flip_test(
     that flip. The p-value is the fraction of sign patterns with ``|T*| ≥ |T|`` (ties count,
     within 1e-9·Σ_u |x_u|; the identity pattern is included, so p > 0).
 
-    - ``n_units ≤ exact_max_n``: EXACT over all ``2^n`` patterns (vectorised: the sums of the
-      two halves' ``2^(n/2)`` patterns are combined by sorting, ``O(2^(n/2) log)`` time and
-      memory, so ``exact_max_n`` up to 40 is cheap; METHOD §8 fixes the default at 20);
+    - ``n_units ≤ exact_max_n`` (default 40): EXACT over all ``2^n`` patterns by meet in the middle
+      (sorted sums of the two halves' ``2^(n/2)`` patterns, counted with one ``searchsorted``;
+      the null distribution is symmetric, so ``#{|T*| ≥ t} = 2·#{T* ≥ t}``): ≈ 0.1 s at n = 40;
     - otherwise ``n_mc`` seeded Monte Carlo patterns (``numpy.random.default_rng(seed)``), and
-      ``p = (1 + #{|T*| ≥ |T|}) / (1 + n_mc)`` (a valid p-value, never 0).
-
-    Args:
-        d: ``[n]`` paired differences (e.g. per-sequence slope differences).
-        clusters: ``[n]`` document id per value, or ``None`` (each value its own unit).
+      ``p = (1 + #{|T*| ≥ |T|}) / (1 + n_mc)`` (a valid p-value, never below the floor ``1/(1+n_mc)``).
 
     Returns:
-        The two-sided p-value as a float in ``(0, 1]``. All-zero ``d`` gives 1.
+        ``(p, p_kind)``: the two-sided p in ``(0, 1]`` (all-zero ``d`` gives 1) and its label,
+        :data:`P_KIND_EXACT` or :data:`P_KIND_MC` filled in (e.g. ``"exact sign-flip (all 2^39
+        sign patterns of 39 documents)"``).
 
     Raises:
         ValueError: empty or non-finite ``d``, ``clusters`` of the wrong length, ``n_mc < 1``,
-            exact enumeration of more than 40 units.
+            ``exact_max_n`` above 40.
     """
+    if exact_max_n > _EXACT_LIMIT:
+        raise ValueError(f"exact enumeration is limited to {_EXACT_LIMIT} units, got exact_max_n={exact_max_n}")
     x = _units(d, clusters, "d")
     n = x.size
+    exact = n <= exact_max_n
+    if not exact and n_mc < 1:
+        raise ValueError(f"n_mc must be >= 1, got {n_mc}")
+    kind = P_KIND_EXACT.format(n=n) if exact else P_KIND_MC.format(draws=n_mc, floor=1 / (n_mc + 1), n=n)
     scale = float(np.abs(x).sum())
     thr = abs(float(x.sum())) - _TIE_RTOL * scale
     if thr <= 0.0:  # T = 0 (or all zero): every pattern is at least as extreme
-        return 1.0
-    if n <= exact_max_n:
-        if n > _EXACT_LIMIT:
-            raise ValueError(f"exact enumeration is limited to {_EXACT_LIMIT} units, got {n} (lower exact_max_n)")
+        return 1.0, kind
+    if exact:
         h = n // 2
-        a, b = _subset_sums(x[:h]), np.sort(_subset_sums(x[h:]))
-        # |a + b| ≥ thr  ⇔  b ≥ thr − a  or  b ≤ −thr − a   (disjoint since thr > 0)
-        hi = b.size - np.searchsorted(b, thr - a, side="left")
-        lo = np.searchsorted(b, -thr - a, side="right")
-        return float((hi.sum() + lo.sum()) / 2.0**n)
-    if n_mc < 1:
-        raise ValueError(f"n_mc must be >= 1, got {n_mc}")
+        a, b = _sorted_subset_sums(x[:h]), _sorted_subset_sums(x[h:])
+        # #{a + b ≥ thr}: queries thr − a come out descending; reversed they are sorted (fast search)
+        count = b.size * a.size - int(np.searchsorted(b, (thr - a)[::-1], side="left").sum())
+        return float(2.0 * count / 2.0**n), kind
     rng = np.random.default_rng(seed)
     rows = max(1, _CHUNK // n)
     count = 0
     for done in range(0, n_mc, rows):
         signs = 1.0 - 2.0 * rng.integers(0, 2, size=(min(rows, n_mc - done), n))
         count += int(np.count_nonzero(np.abs(signs @ x) >= thr))
-    return (1.0 + count) / (1.0 + n_mc)
+    return (1.0 + count) / (1.0 + n_mc), kind
+
+
+def sign_flip_test(
+    d: Any, *, clusters: Any = None, n_mc: int = 20_000, seed: int = 0, exact_max_n: int = _EXACT_LIMIT
+) -> float:
+    """The p-value of :func:`sign_flip` alone (a float in ``(0, 1]``): exact up to ``exact_max_n``
+    (default 40) units, else Monte Carlo. Tables must print the kind too: use :func:`sign_flip`."""
+    return sign_flip(d, clusters=clusters, n_mc=n_mc, seed=seed, exact_max_n=exact_max_n)[0]
 
 
 # ----------------------------------------------------------------------------- intervals
@@ -319,8 +339,8 @@ def tost(d: Any, margin: float, *, clusters: Any = None, alpha: float = 0.05) ->
     Equivalent iff ``p < alpha`` ⇔ the ``1 − 2α`` t-interval lies inside ``(−margin, margin)``.
 
     Returns:
-        dict with ``mean, lo, hi`` (the ``1 − 2α`` t-interval), ``p`` (float), ``equivalent``
-        (bool), ``margin``, ``n`` (units).
+        dict with ``mean, lo, hi`` (the ``1 − 2α`` t-interval: 90 % at the default α), ``ci_level``
+        (``1 − 2α``), ``p`` (float), ``equivalent`` (bool), ``margin``, ``n`` (units).
 
     Raises:
         ValueError: ``margin ≤ 0`` or non-finite, fewer than 2 units, non-finite values.
@@ -342,7 +362,7 @@ def tost(d: Any, margin: float, *, clusters: Any = None, alpha: float = 0.05) ->
         p = max(p_low, p_high)
         h = float(sps.t.ppf(1 - alpha, n - 1)) * se
         lo, hi = m - h, m + h
-    return dict(mean=m, lo=lo, hi=hi, p=p, equivalent=bool(p < alpha), margin=float(margin), n=n)
+    return dict(mean=m, lo=lo, hi=hi, ci_level=1 - 2 * alpha, p=p, equivalent=bool(p < alpha), margin=float(margin), n=n)
 
 
 def _power(delta: float, sd: float, n: int, alpha: float) -> float:
@@ -609,16 +629,23 @@ def verdict_table(
     contrasts: list[Contrast], *, alpha: float = 0.05, min_n: int = 32, match_rel: float = 0.10,
     split_seed: int = 0, n_boot: int = 10_000, seed: int = 0,
 ) -> pd.DataFrame:  # fmt: skip
-    """METHOD §8: the verdict for each contrast of ONE family (the only place a verdict is decided).
+    """METHOD §8 version 1 rule (slope contrasts, CI-overlap damage matching), kept for its callers.
 
-    Per contrast (``d`` per sequence, clustered by document):
+    Superseded by :func:`posgen_tl.stats.verdicts.causal_verdict` (METHOD §8 version 2: AUC primary,
+    intersection–union over the controls, TOST damage matching, a pre-declared family).
 
-    - ``p_exact``: :func:`sign_flip_test` with documents as the flipped units (exact up to 20
-      documents, else 20 000 Monte Carlo draws seeded by ``seed``); ``p_holm``: :func:`holm`
-      over all contrasts of the call;
-    - ``mean_diff`` (pooled mean of ``d``) with ``boot_lo/boot_hi`` (document bootstrap,
-      ``n_boot`` draws) and ``t_lo/t_hi`` (t-interval on document means);
-    - ``damage``/``control_damage`` (mean clean-NLL damage) with document-bootstrap CIs;
+    Per contrast (``d`` per sequence, averaged within each document first: every statistic of a
+    row is on DOCUMENT means, the unit that is resampled and flipped):
+
+    - ``p_exact`` — despite its (legacy) name, exact only up to 40 documents: :func:`sign_flip`
+      over document means (exact enumeration up to 40 documents, else 20 000 Monte Carlo draws
+      seeded by ``seed``); ``p_kind`` says which; ``p_holm``: :func:`holm` over all contrasts of
+      the call;
+    - ``mean_diff`` (mean of document means of ``d``) with ``boot_lo/boot_hi`` (percentile
+      bootstrap over documents, ``n_boot`` draws, level ``1 − alpha``) and ``t_lo/t_hi``
+      (t-interval on document means, same level);
+    - ``damage``/``control_damage`` (mean of document means of clean-NLL damage) with
+      document-bootstrap CIs;
       ``damage_matched``: ``|damage − control_damage| ≤ match_rel·|damage|`` OR the two CIs overlap;
     - ``half_a``/``half_b``: mean ``d`` on two disjoint halves of the documents (seeded by
       ``split_seed``); ``split_half_agree``: both non-zero with the sign of ``mean_diff``;
@@ -633,7 +660,7 @@ def verdict_table(
     Returns:
         ``pd.DataFrame`` (settings and the rule in ``.attrs``), one row per contrast in input
         order, columns ``contrast, intervention, control, primary, n_seq, n_docs, mean_diff,
-        boot_lo, boot_hi, t_lo, t_hi, p_exact, p_holm, damage, damage_lo, damage_hi,
+        boot_lo, boot_hi, t_lo, t_hi, p_exact, p_kind, p_holm, damage, damage_lo, damage_hi,
         control_damage, control_damage_lo, control_damage_hi, damage_matched, half_a, half_b,
         split_half_agree, sd, mde, exploratory, verdict, reason``.
 
@@ -656,30 +683,32 @@ def verdict_table(
     for c in contrasts:
         d = _as_1d(c.d, "d")
         doc = np.asarray(c.doc)
-        dm, dlo, dhi = bootstrap_ci(c.damage, clusters=doc, n_boot=n_boot, alpha=alpha, seed=seed)
-        cm, clo, chi = bootstrap_ci(c.control_damage, clusters=doc, n_boot=n_boot, alpha=alpha, seed=seed)
-        mean, blo, bhi = bootstrap_ci(d, clusters=doc, n_boot=n_boot, alpha=alpha, seed=seed)
-        _, tlo, thi = t_interval(d, clusters=doc, alpha=alpha)
+        # one estimator per row: every statistic is on DOCUMENT means (resampled / flipped as units)
         units = cluster_means(d, doc)[0]
+        dm, dlo, dhi = bootstrap_ci(cluster_means(c.damage, doc)[0], n_boot=n_boot, alpha=alpha, seed=seed)
+        cm, clo, chi = bootstrap_ci(cluster_means(c.control_damage, doc)[0], n_boot=n_boot, alpha=alpha, seed=seed)
+        mean, blo, bhi = bootstrap_ci(units, n_boot=n_boot, alpha=alpha, seed=seed)
+        _, tlo, thi = t_interval(units, alpha=alpha)
         sd = float(units.std(ddof=1))
         ha, hb = _split_halves(d, doc, split_seed)
         sgn = np.sign(mean)
+        p, p_kind = sign_flip(units, seed=seed)
         rows.append(dict(
             contrast=c.name, intervention=c.intervention, control=c.control, primary=bool(c.primary),
             n_seq=int(d.size), n_docs=int(units.size), mean_diff=mean, boot_lo=blo, boot_hi=bhi, t_lo=tlo,
-            t_hi=thi, p_exact=sign_flip_test(d, clusters=doc, seed=seed), damage=dm, damage_lo=dlo,
+            t_hi=thi, p_exact=p, p_kind=p_kind, damage=dm, damage_lo=dlo,
             damage_hi=dhi, control_damage=cm, control_damage_lo=clo, control_damage_hi=chi,
             damage_matched=bool(abs(dm - cm) <= match_rel * abs(dm) or (dlo <= chi and clo <= dhi)),
             half_a=ha, half_b=hb, split_half_agree=bool(sgn != 0 and np.sign(ha) == sgn and np.sign(hb) == sgn),
             sd=sd, mde=mde(sd, units.size, alpha=alpha), exploratory=bool(d.size < min_n),
         ))  # fmt: skip
     out = pd.DataFrame(rows)
-    out.insert(out.columns.get_loc("p_exact") + 1, "p_holm", holm(out["p_exact"].to_numpy()))
+    out.insert(out.columns.get_loc("p_kind") + 1, "p_holm", holm(out["p_exact"].to_numpy()))
     verdicts, reasons = [], []
     for r in out.itertuples(index=False):
         fails = []
         if not r.p_holm < alpha:
-            fails.append(f"Holm p = {r.p_holm:.3g} ≥ {alpha:g} (exact p = {r.p_exact:.3g})")
+            fails.append(f"Holm p = {r.p_holm:.3g} ≥ {alpha:g} (p = {r.p_exact:.3g}, {r.p_kind})")
         if not r.damage_matched:
             fails.append(
                 f"damage not matched ({_fmt(r.damage)} [{_fmt(r.damage_lo)}, {_fmt(r.damage_hi)}] vs "
@@ -719,8 +748,9 @@ def t1_t2_equivalence(
     T1 − T2 is the causal-order effect, not "tokens vs ids".
 
     Returns:
-        The :func:`tost` dict plus ``alike`` (= ``equivalent``), ``n_seq``, ``n_docs``,
-        ``p_diff`` (exact sign-flip p of a non-zero difference) and ``note``
+        The :func:`tost` dict (``lo, hi``: the 90 % interval at the default α) plus ``alike``
+        (= ``equivalent``), ``n_seq``, ``n_docs``, ``p_diff`` (sign-flip p of a non-zero difference,
+        over documents) with ``p_diff_kind`` (exact or Monte Carlo, :func:`sign_flip`) and ``note``
         (:data:`EQUIVARIANCE_NOTE`).
 
     Raises:
@@ -735,8 +765,9 @@ def t1_t2_equivalence(
     _check_finite(b, "t2_slopes")
     doc = _labels(doc, a.size, "doc")
     res = tost(a - b, margin, clusters=doc, alpha=alpha)
+    p_diff, p_diff_kind = sign_flip(a - b, clusters=doc)
     res.update(alike=res["equivalent"], n_seq=int(a.size), n_docs=int(np.unique(doc).size),
-               p_diff=sign_flip_test(a - b, clusters=doc), note=EQUIVARIANCE_NOTE)  # fmt: skip
+               p_diff=p_diff, p_diff_kind=p_diff_kind, note=EQUIVARIANCE_NOTE)  # fmt: skip
     return res
 
 

@@ -98,13 +98,16 @@ def test_sign_flip_monte_carlo_matches_exact():
     assert 0.02 < exact < 0.5  # a non-trivial p, so the check is informative
     assert abs(mc - exact) < 4 * math.sqrt(exact * (1 - exact) / n_mc) + 2 / n_mc
     assert mc == sign_flip_test(x, exact_max_n=0, n_mc=n_mc, seed=1)  # seeded
-    # n = 22 > 20 takes the Monte Carlo path by default; exact enumeration (2^11 · 2^11) agrees
+    # n = 22 is exact by default (METHOD §8 v2: exact up to 40 units); with exact_max_n = 20 it takes
+    # the Monte Carlo path, which agrees with the exact enumeration (2^11 · 2^11)
     y = rng.normal(0.3, 1.0, size=22)
-    exact22 = sign_flip_test(y, exact_max_n=22)
-    mc22 = sign_flip_test(y)
+    exact22 = sign_flip_test(y)
+    assert exact22 == sign_flip_test(y, exact_max_n=22) and (exact22 * 2**22) == pytest.approx(round(exact22 * 2**22))
+    mc22 = sign_flip_test(y, exact_max_n=20)
     assert abs(mc22 - exact22) < 4 * math.sqrt(exact22 * (1 - exact22) / 20_000) + 2 / 20_000
     assert (mc22 * 20_001) == pytest.approx(round(mc22 * 20_001))  # (1 + count) / (1 + n_mc)
-    assert sign_flip_test(np.abs(y) + 1, n_mc=999) == pytest.approx(1 / 1000)  # never 0
+    assert sign_flip_test(np.abs(y) + 1, n_mc=999, exact_max_n=20) == pytest.approx(1 / 1000)  # never 0
+    assert sign_flip_test(np.abs(y) + 1) == pytest.approx(2 / 2**22)  # exact: identity and all-flip
 
 
 # ----------------------------------------------------------------------------- intervals
@@ -290,7 +293,7 @@ def test_verdict_columns_and_depends():
     table = verdict_table([strong, make_contrast(rng.normal(0, 1, 40), doc, name="null")])
     assert list(table.columns) == [
         "contrast", "intervention", "control", "primary", "n_seq", "n_docs", "mean_diff", "boot_lo", "boot_hi",
-        "t_lo", "t_hi", "p_exact", "p_holm", "damage", "damage_lo", "damage_hi", "control_damage",
+        "t_lo", "t_hi", "p_exact", "p_kind", "p_holm", "damage", "damage_lo", "damage_hi", "control_damage",
         "control_damage_lo", "control_damage_hi", "damage_matched", "half_a", "half_b", "split_half_agree", "sd",
         "mde", "exploratory", "verdict", "reason",
     ]  # fmt: skip
