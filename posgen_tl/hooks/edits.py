@@ -64,6 +64,7 @@ __all__ = [
     "key_means",
     "feature_means",
     "intervention_hooks",
+    "kind_hooks",
     "enforce_hooks",
     "destroy_hooks",
     "rephase_hooks",
@@ -72,6 +73,11 @@ __all__ = [
     "noop_hooks",
     "KINDS",
     "change_vectors",
+    "CHANGES",
+    "enforce_change",
+    "destroy_change",
+    "rephase_change",
+    "noise_change",
 ]
 
 Kind = Literal["enforce", "destroy", "rephase", "random_bands", "noise", "noop"]
@@ -100,6 +106,9 @@ class Intervention:
             exactly). Without it a constant change (``destroy``'s ``−k̄``) moved into slow bands
             is a near row-constant logit shift that softmax ignores, and no strength reaches
             the intervention's damage.
+        row_seeds: one seed per batch row replacing ``seed`` for that row's random draws (the
+            causal test draws its random controls afresh per document: the seed of the row's
+            document). ``None``: every row uses ``seed``.
     """
 
     kind: Kind
@@ -112,6 +121,7 @@ class Intervention:
     label: str = ""
     base: Literal["enforce", "destroy", "rephase"] = "destroy"
     scramble: bool = True
+    row_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -131,6 +141,10 @@ class Intervention:
     def with_alpha(self, alpha: float) -> "Intervention":
         """A copy at strength ``alpha``."""
         return dataclasses.replace(self, alpha=float(alpha))
+
+    def with_row_seeds(self, seeds: Sequence[int] | None) -> "Intervention":
+        """A copy whose random draws use ``seeds[i]`` for batch row ``i`` (``None``: ``seed`` for all)."""
+        return dataclasses.replace(self, row_seeds=None if seeds is None else tuple(int(s) for s in seeds))
 
 
 def _span(b: Sequence[int]) -> str:
@@ -189,9 +203,10 @@ def _phases(seed: int, layer: int, n_heads: int, n_bands: int) -> Float[Tensor, 
     return torch.rand(n_heads, n_bands, generator=g, dtype=torch.float64).float() * (2 * math.pi)
 
 
-def _control_choice(iv: Intervention, layer: int, n_heads: int, n_bands: int) -> tuple[list[int], list[int] | None]:
-    """Random target bands (and heads) of the random_bands control, seeded per layer."""
-    g = torch.Generator().manual_seed(7_919 * int(iv.seed) + 31 * layer + 1)
+def _control_choice(iv: Intervention, layer: int, n_heads: int, n_bands: int,
+                    seed: int | None = None) -> tuple[list[int], list[int] | None]:
+    """Random target bands (and heads) of the random_bands control, seeded per layer (and row)."""
+    g = torch.Generator().manual_seed(7_919 * int(iv.seed if seed is None else seed) + 31 * layer + 1)
     bands = [int(b) for b in iv.bands]
     others = [b for b in range(n_bands) if b not in bands]
     pool = others if len(others) >= len(bands) else list(range(n_bands))
@@ -205,53 +220,90 @@ def _control_choice(iv: Intervention, layer: int, n_heads: int, n_bands: int) ->
     return new_bands, new_heads
 
 
-def change_vectors(
-    x: Float[Tensor, "batch pos head d_head"], mean: Float[Tensor, "head d_head"], iv: Intervention,
-    rope: LayerRope, layer: int,
-) -> Complex[Tensor, "batch pos head band"]:  # fmt: skip
-    """The complex change ``alpha·(z_intervened − z)`` per token, head and band (zero elsewhere).
+# One small pure function per edit kind: the complex change of the selected bands ``zs``
+# ``[batch, pos, head, band]`` given the offset ``zb`` ``[head, band]`` of the same selection, at
+# strength ``alpha``. ``heads``/``bands`` index the selection (for per-band random draws).
 
-    Pure function (no hooks): used by the hooks and by tests of the control's norm.
-    """
-    r, lay = rope.rotary_dim, rope.layout
-    z = to_bands(x.float(), r, lay)
-    zbar = to_bands(mean.float().to(x.device), r, lay)  # head band
+
+def enforce_change(zs: Tensor, zb: Tensor, alpha: float, **_: Any) -> Tensor:
+    """``enforce``: ``α·(k̄^(m) − k^(m))`` — the token's band moved towards the mean key (D3 exact at α = 1)."""
+    return (zb.expand_as(zs) - zs) * alpha
+
+
+def destroy_change(zs: Tensor, zb: Tensor, alpha: float, **_: Any) -> Tensor:
+    """``destroy``: ``−α·k̄^(m)`` — the offset removed, the token's own variation kept."""
+    return (-zb).expand_as(zs) * alpha
+
+
+def rephase_change(zs: Tensor, zb: Tensor, alpha: float, *, seed: int, layer: int, heads: Tensor, bands: Tensor,
+                   n_heads: int, n_bands: int, **_: Any) -> Tensor:
+    """``rephase`` (control C3): ``k̄^(m)·(e^{iαφ_m} − 1)`` with a fixed random phase ``φ_m`` per
+    (layer, head, band) from ``seed`` — the offset turns; its norm ``|k̄^(m)|`` (and ρ) is kept at every α."""
+    ph = _phases(seed, layer, n_heads, n_bands)[heads][:, bands].to(zs.device) * alpha
+    return (zb * (torch.polar(torch.ones_like(ph), ph) - 1)).expand_as(zs)
+
+
+def noise_change(zs: Tensor, zb: Tensor, alpha: float, *, seed: int, layer: int, heads: Tensor, bands: Tensor,
+                 n_heads: int, n_bands: int, **_: Any) -> Tensor:
+    """``noise`` (control C4): ``α·|k̄^(m)|·e^{iψ}`` with a random phase ``ψ`` per (position, head, band)
+    from ``seed`` and the layer — per token exactly ``destroy``'s norm, no constant direction."""
+    g = torch.Generator().manual_seed(15_485_863 * int(seed) + 13 * layer + 5)
+    psi = torch.rand((zs.shape[1], n_heads, n_bands), generator=g, dtype=torch.float64).float()
+    psi = psi[:, heads][..., bands].to(zs.device) * (2 * math.pi)
+    return ((zb.abs() * alpha)[None, None] * torch.polar(torch.ones_like(psi), psi)[None]).expand_as(zs)
+
+
+#: kind → its change function (``random_bands`` transplants the change of its ``base`` kind)
+CHANGES: dict[str, Callable[..., Tensor]] = {"enforce": enforce_change, "destroy": destroy_change,
+                                             "rephase": rephase_change, "noise": noise_change}
+
+
+def _row_change(z: Tensor, zbar: Tensor, iv: Intervention, layer: int, seed: int) -> Complex[Tensor, "batch pos head band"]:
+    """:func:`change_vectors` for rows that share one random draw (``seed``)."""
     n_heads, n_bands = z.shape[-2], z.shape[-1]
     delta = torch.zeros_like(z)
-    kind = iv.base if iv.kind == "random_bands" else iv.kind
     bands = torch.as_tensor([int(b) for b in iv.bands], dtype=torch.long)
     if bands.numel() and (bands.min() < 0 or bands.max() >= n_bands):
         raise ValueError(f"bands {list(iv.bands)} out of range for {n_bands} bands (layer {layer})")
     heads = torch.arange(n_heads) if iv.heads is None else torch.as_tensor([int(h) for h in iv.heads])
     if heads.numel() and (heads.min() < 0 or heads.max() >= n_heads):
         raise ValueError(f"heads {list(iv.heads)} out of range for {n_heads} heads (layer {layer})")
-    zs = z[:, :, heads][..., bands]
-    zb = zbar[heads][:, bands]
-    if kind == "enforce":
-        d = (zb.expand_as(zs) - zs) * float(iv.alpha)
-    elif kind == "destroy":
-        d = (-zb).expand_as(zs) * float(iv.alpha)
-    elif kind == "rephase":  # the offset turns by alpha·φ_m: |k̄^(m)| kept at every alpha
-        ph = _phases(iv.seed, layer, n_heads, n_bands)[heads][:, bands].to(x.device) * float(iv.alpha)
-        d = (zb * (torch.polar(torch.ones_like(ph), ph) - 1)).expand_as(zs)
-    else:  # noise: |change| = alpha·|k̄^(m)| per token, random phase per (position, head, band)
-        g = torch.Generator().manual_seed(15_485_863 * int(iv.seed) + 13 * layer + 5)
-        psi = torch.rand((zs.shape[1], n_heads, n_bands), generator=g, dtype=torch.float64).float()
-        psi = psi[:, heads][..., bands].to(x.device) * (2 * math.pi)
-        d = (zb.abs() * float(iv.alpha))[None, None] * torch.polar(torch.ones_like(psi), psi)[None]
-        d = d.expand_as(zs)
-    if iv.kind == "random_bands":
-        nb, nh = _control_choice(iv, layer, n_heads, n_bands)
+    kind = iv.base if iv.kind == "random_bands" else iv.kind
+    d = CHANGES[kind](z[:, :, heads][..., bands], zbar[heads][:, bands], float(iv.alpha), seed=seed, layer=layer,
+                      heads=heads, bands=bands, n_heads=n_heads, n_bands=n_bands)
+    if iv.kind == "random_bands":  # transplant into random other bands (and heads), random phase per entry
+        nb, nh = _control_choice(iv, layer, n_heads, n_bands, seed)
         bands = torch.as_tensor(nb, dtype=torch.long)
         heads = heads if nh is None else torch.as_tensor(nh, dtype=torch.long)
         if iv.scramble:
-            g = torch.Generator().manual_seed(104_729 * int(iv.seed) + 17 * layer + 3)
+            g = torch.Generator().manual_seed(104_729 * int(seed) + 17 * layer + 3)
             psi = torch.rand(d.shape[1:], generator=g, dtype=torch.float64).float().to(d.device) * (2 * math.pi)
             d = d * torch.polar(torch.ones_like(psi), psi)
-    idx_h = heads[:, None].expand(-1, bands.numel())
-    idx_b = bands[None, :].expand(heads.numel(), -1)
-    delta[:, :, idx_h, idx_b] = d
+    delta[:, :, heads[:, None].expand(-1, bands.numel()), bands[None, :].expand(heads.numel(), -1)] = d
     return delta
+
+
+def change_vectors(
+    x: Float[Tensor, "batch pos head d_head"], mean: Float[Tensor, "head d_head"], iv: Intervention,
+    rope: LayerRope, layer: int,
+) -> Complex[Tensor, "batch pos head band"]:  # fmt: skip
+    """The complex change ``alpha·(z_intervened − z)`` per token, head and band (zero elsewhere).
+
+    Pure function (no hooks): the change function of ``iv.kind`` (:data:`CHANGES`) on the selected
+    bands/heads, transplanted for ``random_bands``. Random draws (C1 bands and phases, C3 phases,
+    C4 noise) use ``iv.seed``, or ``iv.row_seeds[i]`` for batch row ``i`` when given (a control
+    drawn afresh per document: METHOD §8).
+
+    Raises:
+        ValueError: bands/heads out of range; ``row_seeds`` not one per batch row.
+    """
+    z = to_bands(x.float(), rope.rotary_dim, rope.layout)
+    zbar = to_bands(mean.float().to(x.device), rope.rotary_dim, rope.layout)  # head band
+    if iv.row_seeds is None:
+        return _row_change(z, zbar, iv, layer, iv.seed)
+    if len(iv.row_seeds) != z.shape[0]:
+        raise ValueError(f"{iv.label}: {len(iv.row_seeds)} row seeds for a batch of {z.shape[0]} rows")
+    return torch.cat([_row_change(z[i : i + 1], zbar, iv, layer, s) for i, s in enumerate(iv.row_seeds)])
 
 
 def _edit(
@@ -343,47 +395,41 @@ def intervention_hooks(
     return out
 
 
-_SPECIALISATION_DOC = """
-
-    ``{name}(model, k_means, bands, **kw)`` is ``intervention_hooks(model,
-    Intervention("{kind}", bands=bands, **kw), k_means)``: the generic builder with the kind fixed.
-
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge).
-        k_means: ``{{layer: Float[Tensor, "kv_head d_head"]}}`` from :func:`key_means` (for
-            ``target="q"`` the query means of :func:`feature_means`), every touched layer present.
-        bands: band indices, band 0 = fastest.
-        **kw: the other :class:`Intervention` fields — ``layers``, ``heads``, ``alpha``,
-            ``target``, ``seed``, ``label`` (and ``base``/``scramble`` for controls).
-
-    Returns:
-        ``[(hook_name, fn), ...]`` on the pre-rotation ``hook_k`` (or ``hook_q``) of each layer,
-        for ``model.run_with_hooks(tokens, fwd_hooks=...)`` or ``with model.hooks(fwd_hooks=...):``.
-
-    Example:
-        >>> km = key_means(model, reference_tokens)
-        >>> logits = model.run_with_hooks(tokens, fwd_hooks={name}(model, km, bands=range(8), alpha=0.5))
-    """
+def kind_hooks(model: Any, k_means: dict[int, Tensor] | None, bands: Sequence[int] = (), *, kind: Kind,
+               **kw: Any) -> HookList:
+    """``intervention_hooks(model, Intervention(kind, bands=bands, **kw), k_means)`` — the generic
+    builder with the kind as an argument; the ``*_hooks`` partials below fix it."""
+    return intervention_hooks(model, Intervention(kind=kind, bands=bands, **kw), k_means)
 
 
-def _make(kind: str, doc: str):
-    def hooks(model: Any, k_means: dict[int, Tensor] | None, bands: Sequence[int] = (), **kw) -> HookList:
-        return intervention_hooks(model, Intervention(kind=kind, bands=bands, **kw), k_means)
+enforce_hooks = functools.partial(kind_hooks, kind="enforce")
+enforce_hooks.__doc__ = """``enforce_hooks(model, k_means, bands, **kw)``: hooks that set each token's pre-rotation key
+band to the mean key, ``k^(m) ← k^(m) + α·(k̄^(m) − k^(m))`` in ``bands`` (band 0 = fastest) — at
+α = 1 every key is k̄ there and D3 is exact in those bands. ``k_means`` from :func:`key_means`;
+``kw``: the :class:`Intervention` fields (``layers``, ``heads``, ``alpha`` ∈ [0, 1], ``target``).
+Returns ``[(hook_name, fn), ...]`` for ``model.hooks(fwd_hooks=...)``."""
 
-    hooks.__name__ = hooks.__qualname__ = f"{kind}_hooks"
-    hooks.__doc__ = doc + _SPECIALISATION_DOC.format(name=f"{kind}_hooks", kind=kind)
-    return hooks
+destroy_hooks = functools.partial(kind_hooks, kind="destroy")
+destroy_hooks.__doc__ = """``destroy_hooks(model, k_means, bands, **kw)``: hooks that remove the key offset,
+``k^(m) ← k^(m) − α·k̄^(m)`` in ``bands`` — exactly the positional term f of those bands goes, g and the
+remainder stay (METHOD §5's intervention). ``alpha > 1`` over-drives it. ``kw`` as :class:`Intervention`.
+Example: ``model.run_with_hooks(tokens, fwd_hooks=destroy_hooks(model, key_means(model, ref), range(8), alpha=0.5))``."""
 
+rephase_hooks = functools.partial(kind_hooks, kind="rephase")
+rephase_hooks.__doc__ = """``rephase_hooks(model, k_means, bands, seed=…, **kw)``: control C3 — the fast-band offset
+turned by ``α·φ_m`` (a fixed random phase per layer, head and band from ``seed``), its norm |k̄^(m)| and
+ρ kept at every strength: the kernel's shape changes, its size does not."""
 
-enforce_hooks = _make("enforce", "Hooks setting ``k^(m) ← k̄^(m)`` in ``bands`` (kwargs as :class:`Intervention`).")
-destroy_hooks = _make("destroy", "Hooks removing the key offset ``k^(m) ← k^(m) − k̄^(m)`` in ``bands``.")
-rephase_hooks = _make("rephase", "Hooks re-phasing the key offset by a fixed random phase per band.")
-random_bands_hooks = _make(
-    "random_bands", "Control hooks: the ``base`` change transplanted into random other bands (same norm)."
-)
-noise_hooks = _make(
-    "noise", "Control hooks: per token a change of norm ``alpha·|k̄^(m)|`` with a random phase, in ``bands``."
-)
+random_bands_hooks = functools.partial(kind_hooks, kind="random_bands")
+random_bands_hooks.__doc__ = """``random_bands_hooks(model, k_means, bands, base="destroy", seed=…, **kw)``: control C1 —
+the change ``base`` would make in ``bands``, transplanted entry by entry into as many randomly chosen
+OTHER bands (and heads, when ``heads`` is given), each entry with a random unit phase: per token the
+same norm as the intervention, where the intervention does not act."""
+
+noise_hooks = functools.partial(kind_hooks, kind="noise")
+noise_hooks.__doc__ = """``noise_hooks(model, k_means, bands, seed=…, **kw)``: control C4 — per token and band a change
+``α·|k̄^(m)|·e^{iψ}`` with a random phase ψ per (position, head, band): destroy's norm in the same bands,
+no constant direction."""
 
 
 def noop_hooks(model: Any, layers: Sequence[int] | None = None) -> HookList:

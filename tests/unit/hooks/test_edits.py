@@ -173,3 +173,25 @@ def test_smollm2_reposition_and_noop(smollm2, smollm2_tokens):
         a = smollm2(toks, position_ids=pid[None])
     assert torch.equal(_logits(smollm2, toks, noop_hooks(smollm2)), ref)
     torch.testing.assert_close(a, _logits(smollm2, toks, reposition_hooks(smollm2, pid)), atol=2e-3, rtol=1e-3)
+
+
+def test_row_seeds_draw_each_row_afresh():
+    """A control drawn per document: row i of a batch with row_seeds gets exactly the change of seed
+    row_seeds[i] alone; rows with different seeds get different draws; destroy ignores seeds."""
+    from posgen_tl.maths.rope import LayerRope
+
+    g = torch.Generator().manual_seed(0)
+    rope = LayerRope(inv_freq=1.0 / (100.0 ** (torch.arange(0, 8, 2).float() / 8)), rotary_dim=8, layout="half")
+    x, mean = torch.randn(3, 5, 2, 8, generator=g), torch.randn(2, 8, generator=g)
+    for kind in ("random_bands", "rephase", "noise"):
+        iv = Intervention(kind, bands=[0, 1], alpha=0.7, seed=0).with_row_seeds([11, 12, 11])
+        d = change_vectors(x, mean, iv, rope, layer=2)
+        for i, s in enumerate((11, 12, 11)):
+            alone = change_vectors(x[i : i + 1], mean, Intervention(kind, bands=[0, 1], alpha=0.7, seed=s), rope, 2)
+            assert torch.equal(d[i : i + 1], alone), (kind, i)
+        assert not torch.allclose(d[0], d[1])
+    fixed = Intervention("destroy", bands=[0, 1], alpha=0.7)
+    assert torch.equal(change_vectors(x, mean, fixed.with_row_seeds([1, 2, 3]), rope, 0),
+                       change_vectors(x, mean, fixed, rope, 0))
+    with pytest.raises(ValueError, match="2 row seeds for a batch of 3"):
+        change_vectors(x, mean, Intervention("noise", bands=[0], row_seeds=(1, 2)), rope, 0)
