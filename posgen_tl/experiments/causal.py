@@ -1,38 +1,37 @@
-"""The causal test of METHOD §5 with the factorial controls C1–C4.
+"""The causal test of METHOD §5, judged by the version-2 rule of METHOD §8.
 
-One recipe (its options: :class:`Config`), called by the report, the ``study`` command and notebooks:
+Does position tolerance depend on the fast-band key offset beyond what damage explains? In each
+declared layer group (each one ENTRY of the claim), the intervention ``destroy`` (remove ``k̄^(m)``
+from the pre-rotation keys in the fast bands, strength ``alpha``) is compared with the unedited
+model and with four controls, each brought to destroy's clean-NLL damage by its own strength:
 
-* :func:`causal_study` — does position tolerance depend on the fast-band key offset? The
-  intervention ``destroy`` (remove ``k̄^(m)`` from the pre-rotation keys in the fast bands of a
-  layer subset, strength ``alpha``) against the no-intervention baseline and four controls, each
-  matched to the intervention's clean-NLL damage by searching its own strength:
+- C1 ``random_bands``: the same per-token change moved to random other bands, random phases;
+- C2 ``destroy`` in the slow bands;
+- C3 ``rephase``: the fast-band offset turned by a random angle per band (keeps |k̄|, ρ);
+- C4 ``noise``: same-norm random-phase noise in the same fast bands.
 
-  - C1 ``random_bands``: the same per-token change moved to random other bands, random phases;
-  - C2 ``destroy`` in the slow bands;
-  - C3 ``rephase``: the fast-band offset turned by a fixed random angle per band (keeps |k̄|, ρ);
-  - C4 ``noise``: same-norm random-phase noise in the same fast bands.
+What makes it version 2 (the options are :class:`Config`):
 
-  Verdicts come from :func:`posgen_tl.stats.inference.verdict_table` only (METHOD §8): one family
-  (destroy vs C1 — the PRIMARY contrast, declared in the config before the run — vs C2, C3,
-  C4 and vs none), Holm-adjusted exact sign-flip tests over per-sequence slope differences,
-  document bootstrap, split-half sign, damage matching.
-The T1/T2 study of §4 (same swap design: :class:`posgen_tl.experiments.tolerance.SwapOptions`)
-lives in :mod:`posgen_tl.experiments.tolerance`.
+- tolerance is summarised per swap fraction and by the AREA under the ΔNLL-over-p curve (primary;
+  a slope that weighs small p negatively is reported, secondary only): :mod:`posgen_tl.stats.curves`;
+- each control's strength is tuned on the REFERENCE documents (out of sample), and its damage is
+  then tested for equivalence on the analysed documents (TOST, margin declared in the config),
+  else the contrast is damage-adjusted;
+- the random controls (C1, C3, C4) are drawn afresh for every document (``redraw_controls``);
+- "depends" is an intersection–union test — destroy ≠ none AND destroy beyond every counted
+  control in the same direction, p = the largest required p — adjusted over the run's entries and
+  bounded over the declared claim (:func:`posgen_tl.stats.verdicts.causal_verdict`); a control that
+  moves tolerance by itself against destroy is reported, never counted as evidence.
 
-Sampling (METHOD §4): :func:`posgen_tl.io.sampling.sample_windows` — windows of the ANALYSED
-documents (one window per document first, seeded offsets); the global ``k̄`` comes from windows
-of the DISJOINT reference documents, context part only. Swaps: ``p`` counts swapped disjoint adjacent PAIRS of the context, so ≈ 2p of the context
-tokens move; each sequence's permutation is seeded by (base seed, its document id, its window
-start, the seed index) — the same sequence gets the same swaps under every condition and in
-T1 and T2 (pairing), different sequences get different swaps.
+Sampling (METHOD §4): :func:`posgen_tl.io.sampling.sample_windows`; the global ``k̄`` and the
+damage matching use the reference documents (context part for k̄). Swaps: ``p`` counts swapped
+disjoint adjacent PAIRS of the context (≈ 2p of its tokens move); each sequence's permutation is
+seeded by (base seed, document, window start, seed index) — the same under every condition.
 
-Prefix sharing: every condition edits only layers ≥ L0, so the residual entering L0 is the
-same for all conditions. TransformerLens 4.3's ``TransformerBridge.forward(start_at_layer=)``
-reproduces the target NLL exactly from a cached residual (tested), but per its own docstring
-"blocks 0..k-1 still execute internally (their output is discarded)", so it saves no compute
-(measured: :func:`forward_costs`). The recipe therefore does not use it; it shares the clean
-passes (the ``none`` condition is computed once and is every damage's baseline), batches
-sequences and unembeds only the target span.
+Prefix sharing: ``TransformerBridge.forward(start_at_layer=)`` reproduces the target NLL from a
+cached residual but still runs the earlier blocks (TransformerLens 4.3), so it saves nothing
+(:func:`forward_costs`); the recipe shares the clean ``none`` passes instead (reused from the T1
+curve of a tolerance study on the same windows when one is given).
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
@@ -50,41 +48,36 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.hooks.capture import pattern_hooks, probe_hooks
-from posgen_tl import stats
 from posgen_tl.experiments import base
-from posgen_tl.experiments.tolerance import (
-    SwapOptions,
-    T12Result,
-    curve_rows,
-    nll_on_target,
-    windows_fingerprint,
-)
+from posgen_tl.experiments.tolerance import SwapOptions, T12Result, curve_rows, nll_on_target, windows_fingerprint
+from posgen_tl.hooks.capture import pattern_hooks, probe_hooks
 from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.provenance import git_commit
 from posgen_tl.io.sampling import Windows, sample_windows
-from posgen_tl.report.text import md_table
+from posgen_tl.stats import curves, verdicts
 
 __all__ = [
     "Config",
     "CONTROLS",
+    "RANDOM_CONTROLS",
+    "Condition",
     "CausalResult",
     "build_conditions",
+    "resolve_groups",
+    "draw_seed",
     "match_alpha",
     "attention_kl",
     "condition_rows",
-    "contrasts_from_rows",
-    "summarize_conditions",
     "causal_study",
+    "causal_tables",
+    "claim_family",
     "forward_costs",
-    "write_causal_outputs",
-    "load_causal_outputs",
-    "causal_markdown",
-    "causal_reading",
 ]
 
 CONTROLS = ("C1", "C2", "C3", "C4")
+#: the controls whose edit is a random draw (bands and phases, phases, noise)
+RANDOM_CONTROLS = ("C1", "C3", "C4")
 CONTROL_TEXT = {
     "none": "no intervention",
     "destroy": "destroy the fast-band key offset (k ← k − α·k̄)",
@@ -97,21 +90,31 @@ CONTROL_TEXT = {
 
 @dataclass(frozen=True)
 class Config(SwapOptions):
-    """Options of the causal test (METHOD §5)."""
+    """Options of the causal test (METHOD §5, judged by §8 v2). Everything the verdict depends on —
+    the groups (entries), the controls, the damage margin, the claim's family — is declared here,
+    before the run."""
 
     NAME: ClassVar[str] = "causal"
-    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
-    layers: Any = base.option("middle", "layers whose keys are edited", "layers")
-    controls: tuple[str, ...] = base.option(CONTROLS, "controls of METHOD §5 to run, from C1,C2,C3,C4", "names",
-                                            quick=("C1",))
-    alpha: float = base.option(0.5, "strength of 'destroy' (each control's own α is matched to its damage)", "float")
-    primary: str = base.option("destroy vs C1", "the pre-declared primary contrast", "text")
-    match_subset: int = base.option(16, "sequences used to match each control's damage", "int")
-    match_steps: int = base.option(3, "damage evaluations per control when matching", "int", quick=2, full=5)
+    n_ref: int = base.option(8, "windows of the disjoint reference documents: the global k̄ (their context part) and "
+                                "each control's damage matching (out of sample)", "int", quick=4)
+    groups: tuple[str, ...] = base.option(("middle", "late"), "layer groups whose keys are edited, one claim entry each: "
+                                          "early, middle, late or a range such as 10-19", "names", quick=("middle",))
+    controls: tuple[str, ...] = base.option(CONTROLS, "controls of METHOD §5, from C1,C2,C3,C4 (each is required)",
+                                            "names", quick=("C1",))
+    alpha: float = base.option(0.5, "strength of 'destroy' (each control's own α is tuned to its damage)", "float")
+    match_steps: int = base.option(3, "damage evaluations per control when tuning its α on the reference windows",
+                                   "int", quick=2, full=5)
+    redraw_controls: bool = base.option(True, "draw the random controls (C1 bands, C3 phases, C4 noise) afresh for "
+                                              "every document", "bool")
+    damage_margin: float = base.option(0.10, "TOST margin on clean-NLL damage, relative to destroy's (±)", "float")
+    damage_rule: str = base.option("tost_or_adjust", "an unmatched control is analysed by the damage-adjusted "
+                                   "contrast (tost_or_adjust), blocks 'depends' (tost), or every control is "
+                                   "adjusted (adjust)", "text")
+    claim: tuple[str, ...] = base.option((), "the claim's declared family as model:group entries (e.g. "
+                                         "smollm2-135m:middle,gemma3-270m:middle); default: this run's groups. "
+                                         "Entries of other runs bound the adjustment (Bonferroni) until all are run",
+                                         "names")
     batch_size: int = base.option(4, "sequences per forward batch", "int")
-
-
-# ----------------------------------------------------------------------------- sampling
 
 
 # ----------------------------------------------------------------------------- conditions
@@ -120,10 +123,12 @@ class Config(SwapOptions):
 @dataclass(frozen=True)
 class Condition:
     """One condition of the factorial design: ``key`` (``none``, ``destroy``, ``C1``…), the edit
-    (``None`` for ``none``), and how its strength was found."""
+    (``None`` for ``none``), the entry (layer group label, ``""`` for ``none``) it belongs to, and
+    the largest strength its matching may try."""
 
     key: str
     intervention: Intervention | None
+    group: str = ""
     alpha_max: float = 8.0
 
     @property
@@ -134,35 +139,92 @@ class Condition:
     def alpha(self) -> float:
         return 0.0 if self.intervention is None else float(self.intervention.alpha)
 
+    @property
+    def random(self) -> bool:
+        """Its edit is a random draw (C1, C3, C4)."""
+        return self.key in RANDOM_CONTROLS
+
     def with_alpha(self, a: float) -> "Condition":
         return dataclasses.replace(self, intervention=self.intervention.with_alpha(a))
+
+    def draws(self, docs: Sequence[int], seed: int, redraw: bool) -> list[int | None]:
+        """The draw id (the seed of its random edit) of each document; ``None`` for a fixed edit."""
+        if not self.random:
+            return [None] * len(docs)
+        return [draw_seed(seed, self.key, d) if redraw else int(self.intervention.seed) for d in docs]
+
+    def for_documents(self, docs: Sequence[int], seed: int, redraw: bool) -> "Condition":
+        """This condition with one random draw per document of a batch (``redraw``), else itself."""
+        if not (self.random and redraw):
+            return self
+        return dataclasses.replace(self, intervention=self.intervention.with_row_seeds(self.draws(docs, seed, redraw)))
+
+
+def draw_seed(seed: int, control: str, doc: int) -> int:
+    """The seed of control ``control``'s random draw for document ``doc`` (base ``seed``): a fresh draw
+    per document and control, the same in every pass over that document."""
+    return 1_000_003 * (int(seed) + 1) + 7_919 * (CONTROLS.index(control) + 1) + int(doc)
 
 
 def build_conditions(
     layers: Sequence[int], fast: Sequence[int], slow: Sequence[int], *, alpha: float = 0.5,
-    controls: Sequence[str] = CONTROLS, seed: int = 0,
+    controls: Sequence[str] = CONTROLS, seed: int = 0, group: str = "",
 ) -> list[Condition]:  # fmt: skip
-    """``none``, ``destroy`` (fast bands, strength ``alpha``) and the requested controls at a
-    starting strength (their final alpha is matched later, :func:`match_alpha`)."""
+    """``destroy`` (fast bands, strength ``alpha``) and the requested controls at a starting strength
+    (each control's α is tuned later, :func:`match_alpha`), all editing ``layers``; the unedited
+    ``none`` is shared by every group and built by the recipe."""
     bad = [c for c in controls if c not in CONTROLS]
     if bad:
         raise ValueError(f"unknown controls {bad}; choose from {CONTROLS}")
     lay = list(layers)
-    out = [Condition("none", None), Condition("destroy", Intervention("destroy", fast, layers=lay, alpha=alpha,
-                                                                      label="destroy"))]
     make = {
         "C1": lambda: Intervention("random_bands", fast, layers=lay, alpha=alpha, base="destroy", seed=seed + 1, label="C1"),
         "C2": lambda: Intervention("destroy", slow, layers=lay, alpha=1.0, label="C2"),
         "C3": lambda: Intervention("rephase", fast, layers=lay, alpha=1.0, seed=seed + 2, label="C3"),
         "C4": lambda: Intervention("noise", fast, layers=lay, alpha=alpha, seed=seed + 3, label="C4"),
     }
-    for c in controls:
-        out.append(Condition(c, make[c](), alpha_max=1.0 if c == "C3" else 8.0))
+    out = [Condition("destroy", Intervention("destroy", fast, layers=lay, alpha=alpha, label="destroy"), group)]
+    return out + [Condition(c, make[c](), group, alpha_max=1.0 if c == "C3" else 8.0) for c in controls]
+
+
+def resolve_groups(groups: Sequence[str], n_layers: int) -> dict[str, list[int]]:
+    """``{entry label: layers}`` of the declared groups (``"middle"`` → ``"L10-19"`` on a 30-layer model).
+
+    Raises:
+        ValueError: no group, an unknown group name, two groups with the same layers."""
+    out: dict[str, list[int]] = {}
+    for g in groups:
+        text = str(g).strip()
+        text = text[1:] if text[:1] in ("L", "l") and text[1:2].isdigit() else text  # "L10-19" as the tables print it
+        try:
+            layers = base.resolve_layers(base.parse_value("layers", text), n_layers)
+        except ValueError as e:
+            raise ValueError(f"layer group {g!r}: expected early, middle, late or layers like 10-19 ({e})") from None
+        label = verdicts.layers_label(layers)
+        if label in out:
+            raise ValueError(f"groups {list(groups)} name the layers {label} twice")
+        out[label] = layers
+    if not out:
+        raise ValueError("no layer group to edit (option groups)")
     return out
 
 
-def _hooks(model, cond: Condition, km) -> list:
+def _bands(spec: Any, layers: Sequence[int], fast: Sequence[int] | None, slow: Sequence[int] | None):
+    nb = spec.layer(layers[0]).n_bands
+    q = max(1, nb // 4)
+    fast = list(range(q)) if fast is None else [int(b) for b in fast]
+    slow = list(range(nb - q, nb)) if slow is None else [int(b) for b in slow]
+    for nm, b in (("fast", fast), ("slow", slow)):
+        if not b or min(b) < 0 or max(b) >= nb:
+            raise ValueError(f"{nm} bands {b} out of range for {nb} bands")
+    return nb, fast, slow
+
+
+def _hooks(model: Any, cond: Condition, km: dict) -> list:
     return [] if cond.intervention is None else intervention_hooks(model, cond.intervention, km)
+
+
+# ----------------------------------------------------------------------------- matching and passes
 
 
 def match_alpha(
@@ -211,9 +273,6 @@ def match_alpha(
     best = min(trace, key=lambda ad: abs(ad[1] - target))
     return dict(alpha=best[0], damage=best[1], target=float(target), n_evals=len(trace), reached=bool(reached),
                 trace=trace)
-
-
-# ----------------------------------------------------------------------------- passes
 
 
 class _KL:
@@ -278,135 +337,6 @@ def condition_rows(
     return pd.DataFrame(rows), clean, kl_vals
 
 
-# ----------------------------------------------------------------------------- statistics glue
-
-
-def contrasts_from_rows(rows: pd.DataFrame, pairs: Sequence[tuple[str, str]], primary: str | None) -> list:
-    """:class:`posgen_tl.stats.inference.Contrast` per ``(intervention, control)`` pair, named
-    ``"<intervention> vs <control>"``; the one named ``primary`` is flagged primary.
-
-    Per sequence: ``d`` = slope(intervention) − slope(control) (paired by ``seq``), damages =
-    mean ``clean_nll − base_clean_nll``; document ids from the ``doc`` column.
-
-    Raises:
-        ValueError: a label without rows, mismatched sequence sets, NaN slopes, no ``doc``."""
-
-    if "doc" not in rows.columns:
-        raise ValueError("rows have no 'doc' column: every rows frame must carry the document id")
-    names = [f"{a} vs {b}" for a, b in pairs]
-    if primary is not None and primary not in names:
-        raise ValueError(f"the declared primary contrast {primary!r} is not in the family {names}")
-    doc = rows.groupby("seq")["doc"].first()
-    out = []
-    for iv, ctrl in pairs:
-        parts = {}
-        for role, label in (("intervention", iv), ("control", ctrl)):
-            g = rows[rows["intervention"] == label]
-            if g.empty:
-                raise ValueError(f"no rows for {role} {label!r}; present: {sorted(rows['intervention'].unique())}")
-            dmg = (g["clean_nll"] - g["base_clean_nll"]).groupby(g["seq"]).mean()
-            parts[role] = (stats.per_sequence_slopes(g), dmg)
-        d, seq = stats.paired_differences(parts["intervention"][0], parts["control"][0])
-        name = f"{iv} vs {ctrl}"
-        if len(seq) < 3:
-            raise ValueError(f"contrast {name!r}: needs at least 3 sequences, got {len(seq)}")
-        out.append(stats.Contrast(name=name, intervention=iv, control=ctrl, d=d, seq=seq, doc=doc.loc[seq].to_numpy(),
-                                  damage=parts["intervention"][1].loc[seq].to_numpy(float),
-                                  control_damage=parts["control"][1].loc[seq].to_numpy(float),
-                                  primary=name == primary))
-    return out
-
-
-def summarize_conditions(rows: pd.DataFrame, kl: pd.DataFrame | None = None, *, n_boot: int = 10_000) -> pd.DataFrame:
-    """One row per condition: ``condition, kind, alpha, n_seq, n_docs, clean_nll, damage
-    (+ _lo/_hi: document bootstrap), attn_kl (+ CI), slope (+ CI), dnll@p`` (mean ΔNLL per p)."""
-
-    out = []
-    for key, g in rows.groupby("intervention", sort=False):
-        doc = g.groupby("seq")["doc"].first()
-        dmg = (g["clean_nll"] - g["base_clean_nll"]).groupby(g["seq"]).mean().loc[doc.index]
-        sl = stats.per_sequence_slopes(g).loc[doc.index]
-        row = dict(condition=key, kind=g["kind"].iloc[0], alpha=float(g["alpha"].iloc[0]), n_seq=len(doc),
-                   n_docs=int(doc.nunique()), clean_nll=float(g.groupby("seq")["clean_nll"].first().mean()))
-        for nm, v in (("damage", dmg), ("slope", sl)):
-            m, lo, hi = stats.bootstrap_ci(v.to_numpy(), clusters=doc.to_numpy(), n_boot=n_boot)
-            row.update({nm: m, f"{nm}_lo": lo, f"{nm}_hi": hi})
-        if kl is not None and key in set(kl["intervention"]):
-            k = kl[kl["intervention"] == key].set_index("seq")["attn_kl"].loc[doc.index]
-            m, lo, hi = stats.bootstrap_ci(k.to_numpy(), clusters=doc.to_numpy(), n_boot=n_boot)
-            row.update(attn_kl=m, attn_kl_lo=lo, attn_kl_hi=hi)
-        for f, v in g.groupby("frac")["delta"].mean().items():
-            if f > 0:
-                row[f"dnll@{f:g}"] = float(v)
-        out.append(row)
-    return pd.DataFrame(out)
-
-
-# ----------------------------------------------------------------------------- the recipe
-
-
-@dataclass
-class CausalResult:
-    """Output of :func:`causal_study`.
-
-    Attributes:
-        rows: per (condition, sequence, frac, seed): ``intervention`` (condition key), ``kind``,
-            ``alpha``, ``seq``, ``doc``, ``doc_name``, ``frac``, ``seed``, ``clean_nll``, ``nll``,
-            ``delta``, ``base_clean_nll`` (the ``none`` clean NLL of that sequence).
-        kl: per (condition, sequence): ``attn_kl`` (mean KL(clean ‖ edited) of attention rows in
-            the edited layers, nats).
-        conditions: per condition: description, kind, alpha, bands, matching, damage, attention
-            KL and slope with document-bootstrap CIs, ``n_seq``, ``n_docs``.
-        contrasts: :func:`posgen_tl.stats.inference.verdict_table` of the family (empty if < 2 conditions).
-        config: sizes, layers, bands, seeds, primary contrast, corpus, commit, wall times,
-            ``partial`` (True while conditions are missing).
-    """
-
-    rows: pd.DataFrame
-    kl: pd.DataFrame
-    conditions: pd.DataFrame
-    contrasts: pd.DataFrame
-    config: dict = field(default_factory=dict)
-
-
-def _bands(spec, layers, fast, slow):
-    nb = spec.layer(layers[0]).n_bands
-    q = max(1, nb // 4)
-    fast = list(range(q)) if fast is None else [int(b) for b in fast]
-    slow = list(range(nb - q, nb)) if slow is None else [int(b) for b in slow]
-    for nm, b in (("fast", fast), ("slow", slow)):
-        if not b or min(b) < 0 or max(b) >= nb:
-            raise ValueError(f"{nm} bands {b} out of range for {nb} bands")
-    return nb, fast, slow
-
-
-def _result(rows, kl, conds, match, config, pairs, primary, partial: bool = False) -> CausalResult:
-    """Tables from rows. ``partial``: each contrast uses the sequences both of its conditions have
-    finished (the ``n_seq`` column says how many); a complete run never drops a sequence."""
-
-    summ = summarize_conditions(rows, kl)
-    meta = pd.DataFrame([dict(condition=c.key, description=CONTROL_TEXT[c.key],
-                              bands=",".join(map(str, c.intervention.bands)) if c.intervention else "",
-                              **{f"match_{k}": v for k, v in match.get(c.key, {}).items() if k != "trace"})
-                         for c in conds])  # fmt: skip
-    summ = meta.merge(summ, on="condition", how="right")
-    present = set(rows["intervention"])
-    fam = [(a, b) for a, b in pairs if a in present and b in present]
-    table = pd.DataFrame()
-    prim = primary if any(f"{a} vs {b}" == primary for a, b in fam) else None
-    if fam and not partial:
-        table = stats.verdict_table(contrasts_from_rows(rows, fam, prim))
-    elif fam:
-        cs = []
-        for a, b in fam:
-            common = set(rows.loc[rows["intervention"] == a, "seq"]) & set(rows.loc[rows["intervention"] == b, "seq"])
-            sub = rows[rows["intervention"].isin([a, b]) & rows["seq"].isin(common)]
-            if len(common) >= 3:
-                cs += contrasts_from_rows(sub, [(a, b)], prim if f"{a} vs {b}" == prim else None)
-        table = stats.verdict_table(cs) if cs else table
-    return CausalResult(rows, kl, summ, table, config)
-
-
 def _t1_reuse(t12: "T12Result", ana: Windows, *, fracs, seeds, target_len: int, seed: int, mode: str) -> pd.Series:
     """The trained model's T1 NLL per ``(seq, frac, seed)`` of ``t12``, after checking that those
     passes are exactly the ones the ``none`` condition would run. Raises ``ValueError`` naming the
@@ -442,176 +372,6 @@ def _with_reused(df: pd.DataFrame, reuse: pd.Series, b: Sequence[int], clean: Te
     return pd.concat(rows, ignore_index=True)
 
 
-def causal_study(
-    model: Any, corpus: CorpusLike = None, cfg: Config | None = None, *, fast: Sequence[int] | None = None,
-    slow: Sequence[int] | None = None, mode: str = "T1", windows: tuple[Windows, Windows] | None = None,
-    on_partial: Callable[[CausalResult], None] | None = None, progress: bool = True,
-    t12: T12Result | None = None, **options: Any,
-) -> CausalResult:  # fmt: skip
-    """The causal test of METHOD §5 with controls C1–C4 and verdicts by METHOD §8.
-
-    Steps: (1) windows of the analysed documents and a disjoint reference set
-    (:func:`posgen_tl.io.sampling.sample_windows`); k̄ per edited layer from the reference windows' context part;
-    (2) clean NLL (``none``) on all sequences; (3) the destroy damage on the first
-    ``match_subset`` sequences and, per control, its own alpha matched to it
-    (:func:`match_alpha`, ≤ ``match_steps`` evaluations; unmatched controls are kept and
-    flagged); (4) per condition and batch: the clean pass (with the attention change in the
-    edited layers) and one pass per (frac > 0, seed); (5) the family of contrasts
-    ``destroy vs <control>`` and ``destroy vs none`` through :func:`posgen_tl.stats.inference.verdict_table`.
-
-    Conditions run in two phases — ``none, destroy`` and the primary control first, the other
-    controls after — and ``on_partial(result)`` is called after every batch until the run is
-    complete (``config['partial']`` is True there; ``config['n_seq_done']`` says how many
-    sequences the primary phase has finished), so a long study writes its results as they come.
-
-    Args:
-        cfg: :class:`Config` (default ``Config()``) with ``options`` applied: sizes, edited layers
-            (default the middle group of :func:`posgen_tl.maths.groups.layer_groups`), controls, α of
-            ``destroy``, the pre-declared primary contrast, damage matching.
-        fast/slow: band indices (default: the first / last quarter of the bands; band 0 = fastest).
-        windows: pre-built ``(analysed, reference)`` windows (default
-            :func:`posgen_tl.io.sampling.sample_windows`).
-        t12: a :func:`t1_t2_study` result of the same model on the same analysed windows, seeds,
-            fracs, target and ``seed`` (``mode="T1"``): the ``none`` condition then runs only its
-            clean pass (the attention reference) and takes its swapped-pass NLLs from the
-            trained T1 rows instead of recomputing the identical passes (the report runs both;
-            ΔNLL is taken against this run's clean pass). A mismatch raises ``ValueError``.
-
-    Returns:
-        :class:`CausalResult`.
-
-    Raises:
-        ValueError: bad bands/controls, a primary contrast outside the family, fewer than 3
-            sequences (from the verdict code), overlapping reference/analysed documents.
-    """
-    cfg = base.config_of(Config, cfg, options)
-    n_seq, seq_len, target_len, fracs, seeds = cfg.n_seq, cfg.seq_len, cfg.target(), cfg.fracs, cfg.seeds
-    alpha, controls, primary, match_subset = cfg.alpha, cfg.controls, cfg.primary, cfg.match_subset
-    match_steps, seed, n_ref, batch_size = cfg.match_steps, cfg.seed, cfg.n_ref, cfg.batch_size
-    t_start = time.time()
-    spec, _ = probe_hooks(model)
-    layers = base.resolve_layers(cfg.layers, spec.n_layers)
-    nb, fast, slow = _bands(spec, layers, fast, slow)
-    if n_seq < 3:
-        raise ValueError(f"n_seq={n_seq}: a contrast needs at least 3 sequences")
-    if not 0 < target_len < seq_len - 2:
-        raise ValueError(f"target_len={target_len} must be in (0, {seq_len - 2})")
-    if sum(1 for f in fracs if f > 0) < 1 or 0 not in fracs:
-        raise ValueError(f"fracs must include 0 and at least one p > 0, got {fracs}")
-    conds = build_conditions(layers, fast, slow, alpha=alpha, controls=controls, seed=seed)
-    pairs = [("destroy", c) for c in controls] + [("destroy", "none")]
-    if primary not in {f"{a} vs {b}" for a, b in pairs}:
-        raise ValueError(f"primary contrast {primary!r} is not in the family {[f'{a} vs {b}' for a, b in pairs]}")
-    ana, ref = windows if windows is not None else sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=n_seq, seq_len=seq_len,
-                                                                  n_ref=n_ref, seed=seed)
-    if set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist()):
-        raise ValueError("reference and analysed windows share documents")
-    reuse = None if t12 is None else _t1_reuse(t12, ana, fracs=fracs, seeds=seeds, target_len=target_len, seed=seed,
-                                                mode=mode)
-    times: dict[str, float] = {}
-    t0 = time.time()
-    km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - target_len], layers, batch_size=batch_size)
-    times["k_means_s"] = time.time() - t0
-    n = len(ana)
-    batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
-
-    # (2) clean NLL without intervention (the baseline of every damage)
-    t0 = time.time()
-    base_nll = torch.cat([nll_on_target(model, ana.tokens[b], target_len=target_len, batch_size=len(b)) for b in batches])
-    times["base_s"] = time.time() - t0
-
-    # (3) matched strengths on a subset
-    t0 = time.time()
-    sub = list(range(min(max(match_subset, 1), n)))
-    sub_toks = ana.tokens[sub]
-
-    def damage_on_subset(cond: Condition) -> float:
-        nll = nll_on_target(model, sub_toks, target_len=target_len, fwd_hooks=_hooks(model, cond, km),
-                            batch_size=batch_size)
-        return float((nll - base_nll[sub]).mean())
-
-    match: dict[str, dict] = {}
-    target = damage_on_subset(conds[1])
-    match["destroy"] = dict(alpha=alpha, damage=target, target=target, n_evals=1, reached=True, matched=True)
-    for i, c in enumerate(conds):
-        if c.key in ("none", "destroy"):
-            continue
-        m = match_alpha(lambda a, c=c: damage_on_subset(c.with_alpha(a)), target, start=c.alpha,
-                        alpha_max=c.alpha_max, max_steps=match_steps)
-        m["matched"] = bool(m["reached"] and abs(m["damage"] - target) <= 0.10 * abs(target))
-        match[c.key] = m
-        conds[i] = c.with_alpha(m["alpha"])
-        if progress:
-            tqdm.write(f"[causal] {c.key}: alpha={m['alpha']:.4g} damage={m['damage']:.4f} (target {target:.4f}, "
-                       f"{m['n_evals']} evals, {'matched' if m['matched'] else 'UNMATCHED'})")
-    times["match_s"] = time.time() - t0
-
-    config = dict(model=getattr(spec, "model_name", None), corpus="pydoc topics" if corpus is None else str(corpus)[:80],
-                  none_swaps_from_t12=reuse is not None,
-                  n_seq=n, n_docs=ana.n_docs, n_ref=len(ref), ref_docs=sorted(set(ref.doc_ids.tolist())),
-                  seq_len=int(ana.tokens.shape[1]), target_len=target_len, fracs=list(map(float, fracs)),
-                  seeds=list(map(int, seeds)), layers=layers, n_bands=nb, fast=fast, slow=slow, alpha=alpha,
-                  controls=list(controls), primary=primary, family=[f"{a} vs {b}" for a, b in pairs], mode=mode,
-                  match_subset=len(sub), seed=seed, commit=git_commit(short=True), batch_size=batch_size,
-                  swaps="p = fraction of disjoint adjacent pairs of the context swapped: ≈ 2p of the tokens move; "
-                        "per-(sequence, seed) permutations")  # fmt: skip
-
-    # (4) the passes, in two phases
-    first = ["none", "destroy"] + ([primary.split(" vs ")[1]] if primary.split(" vs ")[1] in controls else [])
-    phases = [[c for c in conds if c.key in first], [c for c in conds if c.key not in first]]
-    frames, kls = [], []
-    info = ana.frame()
-    kl = _KL(layers)
-    done: list[Condition] = []
-
-    def assemble(running: list[Condition], *, partial: bool, n_done: int, ph: int) -> CausalResult:
-        rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
-        rows["base_clean_nll"] = base_nll.numpy()[rows["seq"].to_numpy()]
-        rows = rows[["intervention", "kind", "alpha", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll",
-                     "delta", "base_clean_nll"]]
-        keys = [c.key for c in done + running]
-        cfg = dict(config, partial=partial, conditions_done=[c.key for c in done], conditions_running=[c.key for c in running],
-                   n_seq_done={"phase": ph + 1, "sequences": n_done}, wall_s={**times, "total_s": time.time() - t_start})
-        return _result(rows, pd.concat(kls, ignore_index=True), [c for c in conds if c.key in keys], match, cfg, pairs,
-                       primary, partial=partial)
-    last_phase = max(i for i, p in enumerate(phases) if p)
-    for ph, phase in enumerate(phases):
-        if not phase:
-            continue
-        t0 = time.time()
-        jobs = [(b, c) for b in batches for c in phase]
-        bar = tqdm(total=len(jobs), desc=f"causal phase {ph + 1}", disable=not progress)
-        for b in batches:
-            w = ana.subset(b)
-            if phase[0].key != "none":  # attention reference for this batch (clean, no edit)
-                condition_rows(model, w, conds[0], k_means=km, target_len=target_len, fracs=(0.0,), seeds=(0,),
-                               kl=kl)  # fmt: skip
-            for c in phase:
-                shared = reuse is not None and c.key == "none"
-                df, clean, kv = condition_rows(model, w, c, k_means=km, target_len=target_len,
-                                               fracs=(0.0,) if shared else fracs, seeds=seeds, mode=mode, base_seed=seed,
-                                               kl=kl)  # fmt: skip
-                if shared:  # the swapped passes of `none` are the trained T1 curve: reuse them
-                    df = _with_reused(df, reuse, b, clean, fracs, seeds)
-                df["seq"] = [b[i] for i in df["seq"]]
-                df.insert(0, "intervention", c.key)
-                df.insert(1, "kind", c.kind)
-                df.insert(2, "alpha", c.alpha)
-                frames.append(df)
-                kls.append(pd.DataFrame(dict(intervention=c.key, seq=b, attn_kl=kv.numpy())))
-                bar.update(1)
-            if on_partial is not None and not (ph == last_phase and b is batches[-1]):
-                on_partial(assemble(phase, partial=True, n_done=b[-1] + 1, ph=ph))
-        bar.close()
-        times[f"phase{ph + 1}_s"] = time.time() - t0
-        done += phase
-        res = assemble([], partial=len(done) < len(conds), n_done=n, ph=ph)
-    return res
-
-
-# ----------------------------------------------------------------------------- cost per forward
-
-
 @torch.no_grad()
 def forward_costs(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, *, target_len: int = 64,
                   repeats: int = 1) -> dict[str, float]:  # fmt: skip
@@ -641,123 +401,271 @@ def forward_costs(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, *, t
     return out
 
 
-# ----------------------------------------------------------------------------- outputs
+# ----------------------------------------------------------------------------- the recipe
 
 
-COND_COLS = ["condition", "description", "kind", "alpha", "bands", "match_matched", "n_seq", "n_docs", "clean_nll",
-             "damage", "damage_lo", "damage_hi", "attn_kl", "attn_kl_lo", "attn_kl_hi", "slope", "slope_lo", "slope_hi"]
-CONTRAST_COLS = ["contrast", "primary", "n_seq", "n_docs", "mean_diff", "boot_lo", "boot_hi", "t_lo", "t_hi", "p_exact",
-                 "p_holm", "damage", "control_damage", "damage_matched", "half_a", "half_b", "split_half_agree", "mde",
-                 "verdict"]
+@dataclass
+class CausalResult:
+    """Output of :func:`causal_study`.
+
+    Attributes:
+        rows: per (condition, sequence, frac, seed): ``model, layers`` (the entry; ``""`` for the
+            shared ``none``), ``condition, kind, alpha, draw`` (the seed of a random control's draw
+            for that document, else NaN), ``seq, doc, doc_name, frac, seed, clean_nll, nll, delta,
+            base_clean_nll`` (the unedited clean NLL of that sequence).
+        kl: per (condition, sequence): ``attn_kl`` — mean KL(clean ‖ edited) of attention rows in the
+            edited layers (nats).
+        matching: per control: the α tuned on the reference windows, its damage there, destroy's.
+        tables: :func:`causal_tables` — ``verdicts, components, damage, adjusted, contrasts,
+            summary, interaction``.
+        config: sizes, groups, bands, seeds, controls, margin, the claim, corpus, commit, wall times.
+    """
+
+    rows: pd.DataFrame
+    kl: pd.DataFrame
+    matching: pd.DataFrame
+    tables: dict[str, pd.DataFrame]
+    config: dict = field(default_factory=dict)
 
 
-def causal_reading(contrasts: pd.DataFrame, alpha: float = 0.05) -> str | None:
-    """Which side carries a "depends"? A contrast ``intervention vs control`` can pass the METHOD §8
-    rule because the CONTROL changes tolerance while the intervention does not. When the family
-    holds ``<intervention> vs none`` and that contrast is not significant (Holm p ≥ ``alpha``)
-    while some ``<intervention> vs <control>`` reads "depends", return the sentence that says so
-    (with both effects); else ``None``. Returns text for tables and reports, never a verdict."""
-    if contrasts is None or not len(contrasts) or "contrast" not in contrasts:
-        return None
-    c = contrasts.set_index("contrast")
-    out = []
-    for iv in dict.fromkeys(str(x).split(" vs ")[0] for x in c.index):
-        key = f"{iv} vs none"
-        if key not in c.index or not c.loc[key, "p_holm"] >= alpha:
-            continue
-        dep = [k for k in c.index if k.startswith(f"{iv} vs ") and k != key and str(c.loc[k, "verdict"]).startswith("depends")]
-        if dep:
-            r = c.loc[key]
-            out.append(f"`{iv}` itself does not measurably change the tolerance slope ({key}: {r['mean_diff']:+.3g} "
-                       f"[{r['boot_lo']:+.3g}, {r['boot_hi']:+.3g}], Holm p = {r['p_holm']:.3g}); the \"depends\" of "
-                       + ", ".join(f"`{k}` ({c.loc[k, 'mean_diff']:+.3g})" for k in dep)
-                       + " is carried by the control's own change of the slope. This is not evidence that tolerance "
-                       "depends on what the intervention removes.")
-    return " ".join(out) or None
+def _check(cfg: Config) -> None:
+    if cfg.n_seq < 3:
+        raise ValueError(f"n_seq={cfg.n_seq}: a contrast needs at least 3 sequences")
+    if not 0 < cfg.target() < cfg.seq_len - 2:
+        raise ValueError(f"target_len={cfg.target()} must be in (0, {cfg.seq_len - 2})")
+    if sum(1 for f in cfg.fracs if f > 0) < 1 or 0 not in cfg.fracs:
+        raise ValueError(f"fracs must include 0 and at least one p > 0, got {list(cfg.fracs)}")
+    if not 0 < cfg.damage_margin < 1:
+        raise ValueError(f"damage_margin must be declared in (0, 1), got {cfg.damage_margin}")
+    if cfg.damage_rule not in verdicts.DAMAGE_RULES:
+        raise ValueError(f"damage_rule must be one of {verdicts.DAMAGE_RULES}, got {cfg.damage_rule!r}")
 
 
-def causal_markdown(result: CausalResult, title: str = "Causal test") -> str:
-    """Markdown: the per-condition table, the verdict table (from ``verdict_table`` only),
-    each contrast's reason, and the configuration."""
-    c = result.config
-    if c.get("partial"):
-        nd = c.get("n_seq_done") or {}
-        running = c.get("conditions_running", [])
-        todo = [k for k in ["none", "destroy", *c.get("controls", [])] if k not in c.get("conditions_done", []) + running]
-        status = (f"PARTIAL — phase {nd.get('phase')}: {nd.get('sequences')} of {c.get('n_seq')} sequences done for "
-                  f"{', '.join(running) or '—'}; finished on all sequences: {', '.join(c.get('conditions_done', [])) or '—'}; "
-                  f"not started: {', '.join(todo) or '—'}")
-    else:
-        status = "complete"
-    n_now = int(result.contrasts["n_seq"].max()) if len(result.contrasts) else 0
-    expl = f" — EXPLORATORY (n = {n_now} < 32 sequences)" if n_now < 32 else ""
-    lines = [f"## {title}{expl}", "", f"Status: {status}.", "",
-             f"{c.get('model')}: {c.get('n_seq')} sequences from {c.get('n_docs')} documents × {c.get('seq_len')} tokens; "
-             f"target = last {c.get('target_len')} tokens; T1 swaps at p ∈ {c.get('fracs')} ({c.get('swaps')}); seeds "
-             f"{c.get('seeds')}; keys edited in layers {c.get('layers')}; fast bands {c.get('fast')}, slow bands "
-             f"{c.get('slow')} of {c.get('n_bands')}; destroy α = {c.get('alpha')}; k̄ from {c.get('n_ref')} windows of "
-             f"{len(c.get('ref_docs', []))} reference documents disjoint from the analysed ones. Controls matched on the "
-             f"first {c.get('match_subset')} sequences. PRIMARY contrast (declared before the run): `{c.get('primary')}`.",
-             "", "### Per condition (damage = clean-NLL increase; attn KL = mean KL(clean ‖ edited) of attention rows "
-             "in the edited layers; slope = ΔNLL per unit p; CIs: 95 % document bootstrap)", "",
-             md_table(result.conditions, COND_COLS)]  # fmt: skip
-    if len(result.contrasts):
-        lines += ["", "### Contrasts (one family, Holm-adjusted; verdicts from `posgen_tl.stats.inference.verdict_table`)", "",
-                  md_table(result.contrasts, CONTRAST_COLS), ""]
-        lines += [f"- `{r.contrast}`: {r.verdict} — {r.reason}" for r in result.contrasts.itertuples()]
-        reading = causal_reading(result.contrasts)
-        if reading:
-            lines += ["", f"**Reading.** {reading}"]
-    w = c.get("wall_s", {})
-    lines += ["", "Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in w.items()) + f"; commit {c.get('commit')}.", ""]
-    return "\n".join(lines)
+def _match_on_reference(model: Any, conds: list[Condition], ref: Windows, ref_base: Tensor, km: dict, cfg: Config,
+                        progress: bool) -> tuple[list[Condition], list[dict]]:
+    """Tune every control's α so that its mean clean-NLL damage on the REFERENCE windows equals
+    destroy's there (:func:`match_alpha`); the analysed documents are never looked at."""
+    docs = ref.doc_ids.tolist()
+
+    def damage(cond: Condition) -> float:
+        c = cond.for_documents(docs, cfg.seed, cfg.redraw_controls)
+        nll = nll_on_target(model, ref.tokens, target_len=cfg.target(), fwd_hooks=_hooks(model, c, km),
+                            batch_size=cfg.batch_size)
+        return float((nll - ref_base).mean())
+
+    target = damage(conds[0])
+    out = [conds[0]]
+    rows = [dict(layers=conds[0].group, condition="destroy", alpha=conds[0].alpha, reference_damage=target,
+                 destroy_reference_damage=target, n_evals=1, reached=True)]
+    for c in conds[1:]:
+        m = match_alpha(lambda a, c=c: damage(c.with_alpha(a)), target, start=c.alpha, alpha_max=c.alpha_max,
+                        max_steps=cfg.match_steps)
+        out.append(c.with_alpha(m["alpha"]))
+        rows.append(dict(layers=c.group, condition=c.key, alpha=m["alpha"], reference_damage=m["damage"],
+                         destroy_reference_damage=target, n_evals=m["n_evals"], reached=m["reached"]))
+        if progress:
+            tqdm.write(f"[causal] {c.group} {c.key}: alpha={m['alpha']:.4g} reference damage={m['damage']:.4f} "
+                       f"(destroy {target:.4f}, {m['n_evals']} evals{'' if m['reached'] else ', NOT REACHED'})")
+    return out, rows
 
 
-def write_causal_outputs(result: CausalResult, out_dir: str | Path, tag: str = "causal") -> dict[str, Path]:
-    """Write ``{tag}_rows.csv``, ``{tag}_kl.csv``, ``{tag}_conditions.csv``, ``{tag}_contrasts.csv``,
-    ``{tag}_config.json`` and ``{tag}.md`` (the markdown table) under ``out_dir``; returns the paths."""
-    import json  # noqa: PLC0415
+def _passes(model: Any, ana: Windows, conds: list[Condition], km: dict, base_nll: Tensor, cfg: Config,
+            reuse: pd.Series | None, on_partial: Callable[[pd.DataFrame], None] | None,
+            progress: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every condition on every batch: its clean pass (attention KL against ``none`` in its edited
+    layers) and one pass per (frac > 0, seed). Returns ``(rows, kl)`` (see :class:`CausalResult`)."""
+    n, target = len(ana), cfg.target()
+    batches = [list(range(s, min(s + cfg.batch_size, n))) for s in range(0, n, cfg.batch_size)]
+    union = sorted({x for c in conds if c.intervention is not None for x in c.intervention.layers})
+    kl = _KL(union)
+    frames, kls = [], []
+    bar = tqdm(total=len(batches) * len(conds), desc="causal", disable=not progress)
+    for b in batches:
+        w = ana.subset(b)
+        docs = w.doc_ids.tolist()
+        for c in conds:
+            kl.layers = union if c.key == "none" else list(c.intervention.layers)
+            shared = reuse is not None and c.key == "none"
+            cd = c.for_documents(docs, cfg.seed, cfg.redraw_controls)
+            df, clean, kv = condition_rows(model, w, cd, k_means=km, target_len=target, fracs=(0.0,) if shared else
+                                           cfg.fracs, seeds=cfg.seeds, base_seed=cfg.seed, kl=kl)  # fmt: skip
+            if shared:  # the swapped passes of `none` are the trained T1 curve of this run's tolerance study
+                df = _with_reused(df, reuse, b, clean, cfg.fracs, cfg.seeds)
+            draws = dict(zip(range(len(b)), c.draws(docs, cfg.seed, cfg.redraw_controls)))
+            df = df.assign(layers=c.group, condition=c.key, kind=c.kind, alpha=c.alpha,
+                           draw=[draws[i] for i in df["seq"]], seq=[b[i] for i in df["seq"]])
+            frames.append(df)
+            kls.append(pd.DataFrame(dict(layers=c.group, condition=c.key, seq=b, attn_kl=kv.numpy())))
+            bar.update(1)
+        if on_partial is not None and b is not batches[-1]:
+            on_partial(pd.concat(frames, ignore_index=True))
+    bar.close()
+    info = ana.frame()
+    rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
+    rows["base_clean_nll"] = base_nll.numpy()[rows["seq"].to_numpy()]
+    cols = ["layers", "condition", "kind", "alpha", "draw", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll",
+            "delta", "base_clean_nll"]
+    kl_df = pd.concat(kls, ignore_index=True).merge(info[["seq", "doc"]], on="seq", how="left")
+    return rows[cols], kl_df
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {k: out / f"{tag}_{k}.csv" for k in ("rows", "kl", "conditions", "contrasts")}
-    result.rows.to_csv(paths["rows"], index=False)
-    result.kl.to_csv(paths["kl"], index=False)
-    result.conditions.to_csv(paths["conditions"], index=False)
-    result.contrasts.to_csv(paths["contrasts"], index=False)
-    paths["config"] = out / f"{tag}_config.json"
-    paths["config"].write_text(json.dumps(result.config, indent=1, default=str))
-    paths["md"] = out / f"{tag}.md"
-    paths["md"].write_text(causal_markdown(result, f"Causal test ({tag})"))
-    return paths
+
+def causal_study(
+    model: Any, corpus: CorpusLike = None, cfg: Config | None = None, *, fast: Sequence[int] | None = None,
+    slow: Sequence[int] | None = None, windows: tuple[Windows, Windows] | None = None,
+    on_partial: Callable[[pd.DataFrame], None] | None = None, progress: bool = True, t12: T12Result | None = None,
+    **options: Any,
+) -> CausalResult:  # fmt: skip
+    """The causal test of METHOD §5 with controls C1–C4, judged by METHOD §8 v2.
+
+    Steps: (1) analysed windows and disjoint reference windows (:func:`posgen_tl.io.sampling.sample_windows`);
+    k̄ of every edited layer from the reference windows' context part; (2) the unedited clean NLL of
+    both; (3) per layer group, each control's α tuned to destroy's damage on the REFERENCE windows
+    (:func:`match_alpha`, ≤ ``match_steps`` evaluations; random controls drawn per reference
+    document); (4) every condition on the analysed windows: its clean pass (attention KL in its
+    layers) and one pass per (frac > 0, seed), random controls drawn afresh per document; (5) the
+    verdict tables (:func:`causal_tables`). ``on_partial(rows)`` receives the rows so far after every
+    batch but the last (a long run writes them as they come).
+
+    Args:
+        cfg: :class:`Config` (default ``Config()``) with ``options`` applied.
+        fast/slow: band indices (default: the first / last quarter of the bands; band 0 = fastest).
+        windows: pre-built ``(analysed, reference)`` windows (default: sampled by ``cfg``).
+        t12: a T1/T2 result (:func:`posgen_tl.experiments.tolerance.t1_t2_study`) of the same model
+            on the same analysed windows, fractions, seeds and target: ``none`` then runs only its
+            clean pass and takes its swapped NLLs from the trained T1 rows (a mismatch raises).
+
+    Returns:
+        :class:`CausalResult`.
+
+    Raises:
+        ValueError: bad options (named), overlapping reference/analysed documents, a ``t12`` that
+            does not match.
+    """
+    cfg = base.config_of(Config, cfg, options)
+    _check(cfg)
+    t_start = time.time()
+    spec, _ = probe_hooks(model)
+    groups = resolve_groups(cfg.groups, spec.n_layers)
+    ana, ref = windows if windows is not None else sample_windows(
+        model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref,
+        seed=cfg.seed)
+    if set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist()):
+        raise ValueError("reference and analysed windows share documents")
+    reuse = None if t12 is None else _t1_reuse(t12, ana, fracs=cfg.fracs, seeds=cfg.seeds, target_len=cfg.target(),
+                                               seed=cfg.seed, mode="T1")
+    target, times = cfg.target(), {}
+    km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - target], sorted({x for g in groups.values() for x in g}),
+                   batch_size=cfg.batch_size)
+    base_nll = nll_on_target(model, ana.tokens, target_len=target, batch_size=cfg.batch_size)
+    ref_base = nll_on_target(model, ref.tokens, target_len=target, batch_size=cfg.batch_size)
+    t0 = time.time()
+    conds, matching, bands = [Condition("none", None)], [], {}
+    for label, layers in groups.items():
+        nb, fast_b, slow_b = _bands(spec, layers, fast, slow)
+        bands[label] = dict(layers=layers, n_bands=nb, fast=fast_b, slow=slow_b)
+        cs, m = _match_on_reference(model, build_conditions(layers, fast_b, slow_b, alpha=cfg.alpha,
+                                                            controls=cfg.controls, seed=cfg.seed, group=label),
+                                    ref, ref_base, km, cfg, progress)
+        conds += cs
+        matching += m
+    times["match_s"] = time.time() - t0
+    t0 = time.time()
+    rows, kl = _passes(model, ana, conds, km, base_nll, cfg, reuse, on_partial, progress)
+    times["passes_s"] = time.time() - t0
+    config = dict(cfg.as_dict(), model=spec.model_name, target_len=target, n_seq=len(ana), n_docs=ana.n_docs,
+                  n_ref=len(ref), ref_docs=sorted(set(ref.doc_ids.tolist())), entries=bands,
+                  none_swaps_from_t12=reuse is not None, commit=git_commit(short=True),
+                  windows_sha1=windows_fingerprint(ana), claim_family=claim_family(cfg, spec.model_name, groups,
+                                                                                   ana.n_docs),
+                  swaps="p = fraction of disjoint adjacent pairs of the context swapped: ≈ 2p of the tokens move; "
+                        "per-(sequence, seed) permutations")  # fmt: skip
+    tables = causal_tables(rows, kl, config)
+    config["wall_s"] = {**times, "total_s": time.time() - t_start}
+    return CausalResult(rows, kl, pd.DataFrame(matching), tables, config)
 
 
-def load_causal_outputs(out_dir: str | Path, tag: str = "causal") -> CausalResult:
-    """Read back what :func:`write_causal_outputs` wrote (``{tag}_*.csv`` and ``{tag}_config.json``)
-    — or the tolerance study's folder (``posgen-tl study tolerance``, ``tag="causal"``) — as a
-    :class:`CausalResult` (tables as written; nothing is recomputed)."""
-    import json  # noqa: PLC0415
-
-    out = Path(out_dir)
-
-    def read(k: str) -> pd.DataFrame:
-        p = out / f"{tag}_{k}.csv"
-        if k == "contrasts" and not p.exists():  # a study/report folder names the contrasts table ``causal_table.csv``
-            p = out / f"{tag}_table.csv"
-        return pd.read_csv(p) if p.stat().st_size > 1 else pd.DataFrame()
-
-    return CausalResult(read("rows"), read("kl"), read("conditions"), read("contrasts"),
-                        json.loads((out / f"{tag}_config.json").read_text()))
+# ----------------------------------------------------------------------------- verdict tables
 
 
+def claim_family(cfg: Config, model_name: str, groups: dict[str, list[int]], n_docs: int) -> dict:
+    """The claim's family as declared by ``cfg`` before the run (the ``claim_family`` of the run's
+    config): this run's entries (``model`` × each group) with their controls and document count, the
+    damage margin, whether random controls are redrawn per document, and the declared size of the
+    whole claim (``cfg.claim``: entries of other runs included)."""
+    mine = [f"{model_name}:{label}" for label in groups]
+    claim = [str(c) for c in cfg.claim] or mine
+    return dict(entries=[dict(model=model_name, layers=label, controls=list(cfg.controls), n_docs=int(n_docs))
+                         for label in groups],
+                damage_margin_rel=float(cfg.damage_margin), controls_redrawn_per_document=bool(cfg.redraw_controls),
+                damage_rule=cfg.damage_rule, order="holm", claim=claim, claim_size=max(len(claim), len(mine)))
+
+
+def _units_rows(rows: pd.DataFrame, model: str) -> pd.DataFrame:
+    """The rows each entry's units are built from: its conditions plus the shared ``none``."""
+    edited = rows[rows["condition"] != "none"]
+    none = rows[rows["condition"] == "none"]
+    parts = [edited] + [none.assign(layers=g) for g in edited["layers"].unique()]
+    return pd.concat(parts, ignore_index=True).assign(model=model)
+
+
+def causal_tables(rows: pd.DataFrame, kl: pd.DataFrame, config: dict) -> dict[str, pd.DataFrame]:
+    """Every table of the causal test from its rows (pure; also what a re-analysis calls):
+
+    * ``verdicts`` — one row per entry: destroy − none AUC (estimate, 95 % CIs), the
+      intersection–union ``p``, ``p_holm`` over this run's entries, ``p_claim`` (Bonferroni bound over
+      the declared claim until its other entries are run; equal to ``p_holm`` when the run covers
+      the claim), counted / excluded controls, MDE, verdict, label;
+    * ``components`` / ``damage`` / ``adjusted`` — what the rule looked at (:func:`posgen_tl.stats.verdicts.causal_verdict`);
+    * ``contrasts`` — per fraction, AUC and slope: destroy − none, destroy − Ck, Ck − none
+      (:func:`posgen_tl.stats.verdicts.tolerance_contrasts`);
+    * ``summary`` — per entry and condition: damage, attention KL, ΔNLL per fraction, AUC, slope
+      (document means with bootstrap and t intervals; descriptive);
+    * ``interaction`` — with two or more entries, first vs each later one: (destroy − none) per
+      document compared on the same documents.
+    """
+    model = config["model"]
+    fam_cfg = config["claim_family"]
+    family = verdicts.Family.from_config(fam_cfg)
+    urows = _units_rows(rows, model)
+    units = curves.document_units(urows, by=("model", "layers", "condition"))
+    draws = urows.assign(draw=urows["draw"].astype("Int64").astype(str).where(urows["draw"].notna(), "fixed"))
+    res = verdicts.causal_verdict(units, family, draws=verdicts.control_draws(draws[draws["condition"].isin(RANDOM_CONTROLS)]))
+    v = res.verdicts.copy()
+    m = int(fam_cfg["claim_size"])
+    v["claim_size"] = m
+    v["p_claim"] = np.minimum(1.0, v["p"] * m) if m > len(v) else v["p_holm"]
+    v["p_claim_method"] = (f"Bonferroni bound over the declared claim of {m} entries (its other entries are other runs)"
+                           if m > len(v) else v["p_adj_method"])
+    contrasts = verdicts.tolerance_contrasts(units, family_size=m)
+    kl_units = _kl_units(kl, model)
+    summary = curves.unit_summary(pd.concat([units, kl_units], ignore_index=True), by=("model", "layers", "condition"))
+    labels = list(units["layers"].unique())
+    inter = [verdicts.interaction_contrast(units, {"model": model, "layers": labels[0]}, {"model": model, "layers": g})
+             for g in labels[1:]]
+    return dict(verdicts=v, components=res.components, damage=res.damage, adjusted=res.adjusted, contrasts=contrasts,
+                summary=summary, interaction=pd.concat(inter, ignore_index=True) if inter else pd.DataFrame())
+
+
+def _kl_units(kl: pd.DataFrame, model: str) -> pd.DataFrame:
+    """Attention KL per (entry, condition, document) as units (estimator ``attn_kl``, nats); ``none``'s
+    KL is 0 by definition and is repeated for every entry."""
+    edited = kl[kl["condition"] != "none"]
+    none = kl[kl["condition"] == "none"]
+    k = pd.concat([edited] + [none.assign(layers=g) for g in edited["layers"].unique()], ignore_index=True)
+    g = k.groupby(["layers", "condition", "doc"], sort=False)["attn_kl"]
+    out = g.mean().reset_index().rename(columns={"attn_kl": "value"})
+    out["n_seqs"] = g.size().to_numpy()
+    return out.assign(model=model, estimator="attn_kl", frac=np.nan)
 
 
 # ----------------------------------------------------------------------------- report / study
 
 
 NAME = "causal"
-ABOUT = "does T1 tolerance depend on the fast-band key offset? destroy vs matched controls C1–C4 (METHOD §5)"
+ABOUT = ("does T1 tolerance depend on the fast-band key offset beyond damage? destroy vs damage-matched controls "
+         "C1–C4, per-fraction and AUC contrasts, intersection–union verdict (METHOD §5, §8)")
 NEEDS: tuple[str, ...] = ()
+TABLES = ("verdicts", "components", "damage", "adjusted", "contrasts", "summary", "interaction")
 
 
 def _reusable_t12(ctx: Any, cfg: Config) -> T12Result | None:
@@ -774,8 +682,8 @@ def _reusable_t12(ctx: Any, cfg: Config) -> T12Result | None:
 
 
 def compute(ctx: Any, cfg: Config) -> None:
-    """The causal test with its controls; writes rows, KL, conditions, the contrast table, its
-    configuration and a figure (partial tables while it runs, removed when it completes)."""
+    """The causal test; writes its rows, KL, matching, every verdict table, its configuration and a
+    figure (partial rows while it runs, removed when it completes)."""
     from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
     from posgen_tl.plot.causal import plot_causal_conditions  # noqa: PLC0415
 
@@ -783,78 +691,106 @@ def compute(ctx: Any, cfg: Config) -> None:
         ana, ref = sample_windows(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref,
                                   seed=cfg.seed)
     except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
-        ctx.work.save_json("causal_meta.json", {"skipped": f"causal test skipped: {e}"})
+        ctx.work.save_json("causal_config.json", {"skipped": f"causal test skipped: {e}"})
         return
-
-    def partial(r: CausalResult) -> None:  # a long run writes its tables as they come
-        ctx.work.save_df("causal_partial_conditions.csv", r.conditions)
-        ctx.work.save_df("causal_partial_table.csv", r.contrasts)
-        ctx.work.save_json("causal_partial_config.json", r.config)
-
-    res = causal_study(ctx.model, cfg.corpus, cfg, windows=(ana, ref), on_partial=partial, t12=_reusable_t12(ctx, cfg))
-    for f in ("causal_partial_conditions.csv", "causal_partial_table.csv", "causal_partial_config.json"):
-        ctx.work.path(f).unlink(missing_ok=True)  # complete now: no partial tables beside the final ones
+    res = causal_study(ctx.model, cfg.corpus, cfg, windows=(ana, ref), t12=_reusable_t12(ctx, cfg),
+                       on_partial=lambda rows: ctx.work.save_df("causal_partial_rows.csv", rows))
+    ctx.work.path("causal_partial_rows.csv").unlink(missing_ok=True)  # complete now: no partial table beside
     ctx.work.save_df("causal_rows.csv", res.rows)
     ctx.work.save_df("causal_kl.csv", res.kl)
-    ctx.work.save_df("causal_conditions.csv", res.conditions)
-    ctx.work.save_df("causal_table.csv", res.contrasts)
+    ctx.work.save_df("causal_matching.csv", res.matching)
+    for name in TABLES:
+        ctx.work.save_df(f"causal_{name}.csv", res.tables[name])
     ctx.work.save_json("causal_config.json", res.config)
-    ctx.work.save_fig("fig_causal.png", plot_causal_conditions(res.conditions, title=ctx.model_name))
-    ctx.work.save_json("causal_meta.json", {"n_seq": len(ana), "n_docs": ana.n_docs, "controls": list(cfg.controls),
-                                            **{k: res.config[k] for k in ("layers", "fast", "slow", "alpha", "primary",
-                                                                           "match_subset", "target_len", "fracs")}})
+    ctx.work.save_fig("fig_causal.png", plot_causal_conditions(res.tables["summary"], res.tables["contrasts"],
+                                                               title=ctx.model_name))
+
+
+def _load(ctx: Any, name: str) -> pd.DataFrame:
+    try:
+        return ctx.work.load_df(f"causal_{name}.csv")
+    except pd.errors.EmptyDataError:  # an empty table (e.g. no interaction with one entry) is written headerless
+        return pd.DataFrame()
+
+
+def _condition_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Per entry and condition: damage, attention KL, ΔNLL per fraction, AUC and slope as
+    'estimate [ci_low, ci_high]' (95 % document bootstrap)."""
+    s = summary.copy()
+    s["what"] = np.where(s["estimator"] == "dnll", "ΔNLL@" + s["frac"].map(lambda f: f"{f:g}"), s["estimator"])
+    s["cell"] = [f"{e:.4g} [{lo:.3g}, {hi:.3g}]" for e, lo, hi in zip(s["estimate"], s["ci_low"], s["ci_high"])]
+    order = ["damage", "attn_kl", *sorted({w for w in s["what"] if w.startswith("ΔNLL")}, key=lambda w: float(w[5:])),
+             "auc", "slope"]
+    t = s.pivot_table(index=["layers", "condition"], columns="what", values="cell", aggfunc="first", sort=False)
+    t = t[[c for c in order if c in t.columns]].reset_index()
+    n = s.groupby(["layers", "condition"], sort=False)["n_docs"].first().reset_index()
+    return t.merge(n, on=["layers", "condition"])
 
 
 def render(ctx: Any, cfg: Config) -> Any:
-    """The report section: conditions (damage, attention KL, slope), the contrast family, the figure."""
+    """The report section: the verdict per entry, the conditions, damage equivalence, the per-fraction
+    and AUC contrasts, the interaction between entries, and the figure."""
     from posgen_tl.report.html import Section  # noqa: PLC0415
 
-    meta = ctx.work.load_json("causal_meta.json")
-    title = "5 · Does tolerance depend on the pattern? The causal test (METHOD §5)"
-    if "skipped" in meta:
-        return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
-                       paragraphs=["Give a corpus of several documents: k̄ must come from documents disjoint from the "
-                                   "analysed ones."])
-    table = ctx.work.load_df("causal_table.csv")
-    conds = ctx.work.load_df("causal_conditions.csv")
-    prim = table[table["primary"].astype(bool)]
-    pv = (f"primary contrast `{prim['contrast'].iloc[0]}`: {prim['verdict'].iloc[0]}" if len(prim) else "no primary")
-    verdicts = [f"Causal test, {pv} (verdicts from the METHOD §8 rule: Holm-adjusted exact sign-flip p, matched "
-                "damage, split-half sign)"]
-    reading = causal_reading(table)
-    if reading:
-        verdicts.append("Reading: " + reading.rstrip("."))
-    expl = meta["n_seq"] < 32
-    return Section(
-        title + (" — EXPLORATORY (n < 32 sequences)" if expl else ""),
-        verdict=". ".join(verdicts) + ".",
-        paragraphs=[f"{meta['n_seq']} sequences from {meta['n_docs']} documents; keys edited in layers {meta['layers']}; "
-                    f"destroy = remove the fast-band key offset (bands {meta['fast']}) at α = {meta['alpha']}; controls "
-                    f"{meta['controls']} each matched to its clean-NLL damage on {meta['match_subset']} sequences by its own "
-                    "α (C1 random bands, C2 slow bands, C3 rephase, C4 same-norm noise). k̄ from reference documents "
-                    "disjoint from the analysed ones. 'no evidence' is not evidence of no effect: the MDE column says "
-                    "what this n could detect."],
-        tables=[("Per condition: damage, attention KL, slope", conds[[c for c in ["condition", "kind", "alpha", "n_seq",
-                 "n_docs", "damage", "damage_lo", "damage_hi", "attn_kl", "slope", "slope_lo", "slope_hi"] if c in conds]]),
-                ("Contrasts (one family; Holm)", table[[c for c in ["contrast", "primary", "n_seq", "n_docs", "mean_diff",
-                 "boot_lo", "boot_hi", "t_lo", "t_hi", "p_exact", "p_holm", "damage_matched", "split_half_agree", "mde",
-                 "verdict"] if c in table]])],
-        figures=[(ctx.work.path("fig_causal.png").read_bytes(), "Conditions: slope vs damage, and attention change")],
-        findings=_findings(table),
-        results={"exploratory": expl, "causal": table.to_dict("records")},
-    )
+    config = ctx.work.load_json("causal_config.json")
+    title = "5 · Does tolerance depend on the pattern? The causal test (METHOD §5, §8)"
+    if "skipped" in config:
+        return Section(title, verdict=config["skipped"], results={"skipped": config["skipped"]},
+                       paragraphs=["Give a corpus of several documents: k̄ and the controls' strengths come from "
+                                   "documents disjoint from the analysed ones."])
+    v, dmg, con = _load(ctx, "verdicts"), _load(ctx, "damage"), _load(ctx, "contrasts")
+    inter, summary = _load(ctx, "interaction"), _load(ctx, "summary")
+    fam = config["claim_family"]
+    verdict = "; ".join(f"{r.layers}: {r.verdict} (destroy − none AUC {r.estimate:+.3g} nats × p "
+                        f"[{r.ci_low:+.3g}, {r.ci_high:+.3g}], intersection–union p = {r.p:.3g}, p over the claim "
+                        f"= {r.p_claim:.3g})" for r in v.itertuples())  # fmt: skip
+    vcols = ["layers", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind", "p_holm", "p_claim", "p_claim_method",
+             "counted_controls", "excluded_controls", "mde", "n_docs", "n_seqs", "verdict", "label"]
+    ccols = ["layers", "contrast", "estimator", "frac", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind",
+             "p_holm", "holm_scope", "mde", "n_docs", "label"]
+    dcols = ["layers", "control", "estimate", "ci_low", "ci_high", "ci_level", "p", "damage", "control_damage",
+             "margin_rel", "matched", "n_docs"]
+    paras = [
+        f"{config['n_seq']} sequences from {config['n_docs']} documents; keys edited per entry: "
+        + "; ".join(f"{k} (fast bands {e['fast']}, slow bands {e['slow']})" for k, e in config["entries"].items())
+        + f". destroy = remove the fast-band key offset at α = {config['alpha']}; controls {config['controls']} each tuned "
+        f"to destroy's damage on {config['n_ref']} windows of the reference documents (never the analysed ones); "
+        f"random controls drawn {'afresh per document' if config['redraw_controls'] else 'once'}. Swap fractions "
+        f"p ∈ {config['fracs']} (≈ 2p of the context tokens move), seeds {config['seeds']}, target {config['target_len']} "
+        "tokens.",
+        f"Rule (declared before the run): 'depends' only if destroy ≠ none on the AUC AND destroy differs from EVERY "
+        f"counted control in the same direction — each control's damage matched by TOST at ±{fam['damage_margin_rel']:g} "
+        "of destroy's, else the contrast is damage-adjusted (per-document regression on the damage gap); p = the "
+        "largest required p (intersection–union); Holm over this run's entries; the claim declares "
+        f"{fam['claim_size']} entries ({', '.join(fam['claim'])}). A control that moves tolerance by itself against "
+        "destroy is reported and not counted. The AUC (area under ΔNLL over p from p = 0) is the primary summary; "
+        "the slope, which weighs small p negatively, is secondary. 'no evidence' is not evidence of no effect: the MDE "
+        "column says what this n could detect.",
+    ]
+    tables = [("Verdict per entry (intersection–union; p_claim over the declared claim)", v[[c for c in vcols if c in v]]),
+              ("Per entry and condition: damage, attention KL, ΔNLL per fraction, AUC, slope (mean [95 % document "
+               "bootstrap])", _condition_table(summary)),
+              ("Damage: each control vs destroy, TOST on the ratio (90 % Fieller interval of ratio − 1)",
+               dmg[[c for c in dcols if c in dmg]]),
+              ("Contrasts per fraction (Holm over the fractions), AUC and slope", con[[c for c in ccols if c in con]])]
+    if len(inter):
+        tables.append(("Interaction between entries on the same documents: (destroy − none) first − later", inter))
+    expl = config["n_docs"] < curves.EXPLORATORY_MIN_DOCS
+    return Section(title + (" — EXPLORATORY (fewer than 32 documents)" if expl else ""), verdict=verdict,
+                   paragraphs=paras, tables=tables,
+                   details=[("Components of each verdict", _load(ctx, "components")),
+                            ("Controls' strengths tuned on the reference windows", _load(ctx, "matching"))],
+                   figures=[(ctx.work.path("fig_causal.png").read_bytes(), "ΔNLL over the swap fraction per condition "
+                             "(document means, 95 % bootstrap), and each contrast's AUC with its interval")],
+                   findings=_findings(v), results={"exploratory": bool(expl), "verdicts": v.to_dict("records")})
 
 
-def _findings(table: pd.DataFrame) -> list:
-    """The PRIMARY contrast of the causal table, as judged by :func:`posgen_tl.stats.inference.verdict_table`
-    over the whole family of the table; a caveat when only the control carries the difference."""
+def _findings(v: pd.DataFrame) -> list:
+    """One headline per entry: the verdict, destroy − none AUC with its 95 % interval, the p over the
+    declared claim, n = documents."""
     from posgen_tl.report.html import Finding  # noqa: PLC0415
 
-    prim = table[table["primary"].astype(bool)] if "primary" in table.columns else table
-    r = (prim if len(prim) else table).iloc[0]
-    note = f"{r['intervention']} vs {r['control']}; Holm p"
-    if causal_reading(table) and str(r["verdict"]).startswith("depends"):
-        note += f"; CAUTION: {r['intervention']} vs none is not significant — the control carries the difference"
-    return [Finding("causal", str(r["verdict"]).replace(" (exploratory)", ""), float(r["mean_diff"]),
-                    "slope(intervention) − slope(control)", (float(r["boot_lo"]), float(r["boot_hi"])),
-                    float(r["p_holm"]), int(r["n_seq"]), note=note)]
+    return [Finding("causal", str(r.verdict).replace(" (exploratory)", ""), float(r.estimate),
+                    f"destroy − none AUC {r.layers} (nats × p)", (float(r.ci_low), float(r.ci_high)), float(r.p_claim),
+                    int(r.n_docs), note=f"{r.layers}; intersection–union p {r.p:.3g}; {r.p_claim_method}")
+            for r in v.itertuples()]

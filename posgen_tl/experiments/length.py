@@ -582,7 +582,7 @@ def _verdict_gap(summ: pd.DataFrame) -> str:
         return "no gap beyond 0 was run"
     top = d.sort_values("gap").iloc[-1]
     word = "degrades" if top["ci_low"] > 0 else "does NOT clearly degrade (tolerance rather than failure)"
-    return (f"Vanilla suffix NLL at G = {top['gap_frac']:g}·n_ctx vs G = 0: {top['value']:+.3f} nats "
+    return (f"Vanilla suffix NLL at G = {top['gap_frac']:g}·n_ctx vs G = 0: {top['estimate']:+.3f} nats "
             f"[{top['ci_low']:+.3f}, {top['ci_high']:+.3f}] — the model {word} at that gap.")
 
 
@@ -602,8 +602,8 @@ def render(ctx: Any, cfg: Config) -> Any:
     findings = [Finding("length", "not run", note="gap probe not run (option gap=false)")]
     if meta.get("gap", True) is not False:
         summ = ctx.work.load_df("length_gap_summary.csv")
-        cols = ["condition", "gap_frac", "gap", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs",
-                "label"]
+        cols = ["condition", "gap_frac", "gap", "estimator", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind",
+                "p_holm", "n_docs", "n_seqs", "label"]
         tables.append(("Suffix NLL per gap and condition; d_vs_gap0 / d_vs_vanilla are paired changes "
                        "(document-bootstrap CI, sign-flip p, Holm)", summ[[c for c in cols if c in summ.columns]]))
         figures.append((ctx.work.path("fig_length_gap.png").read_bytes(), "Suffix NLL vs gap G, vanilla / LM-Infinite / "
@@ -649,8 +649,8 @@ def _findings(summ: pd.DataFrame) -> list:
     if len(dis):
         q = dis.iloc[0]
         pq = float(q["p_holm"]) if q["p_holm"] == q["p_holm"] else float(q["p"])
-        note += (f"; disentangled − vanilla there {sig3(float(q['value']))} [{sig3(float(q['ci_low']))}, "
+        note += (f"; disentangled − vanilla there {sig3(float(q['estimate']))} [{sig3(float(q['ci_low']))}, "
                  f"{sig3(float(q['ci_high']))}], p = {sig3(pq)}")
-    word = ("degrades" if r["value"] > 0 else "improves") if p == p and p < 0.05 else "no evidence"
-    return [Finding("length", word, float(r["value"]), "vanilla suffix ΔNLL (nats)",
-                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_seq"]), note=note)]
+    word = ("degrades" if r["estimate"] > 0 else "improves") if p == p and p < 0.05 else "no evidence"
+    return [Finding("length", word, float(r["estimate"]), "vanilla suffix ΔNLL (nats)",
+                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_docs"]), note=note)]

@@ -39,7 +39,7 @@ from posgen_tl.experiments.length import LengthResult
 from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 from posgen_tl.experiments.tolerance import nll_on_target, transposition_curve
 
-__all__ = ["Config", "SOURCES", "layer_groups", "sufficiency_hooks_for", "sufficiency", "sufficiency_summary"]
+__all__ = ["Config", "sufficiency_equivalence", "SOURCES", "layer_groups", "sufficiency_hooks_for", "sufficiency", "sufficiency_summary"]
 
 SOURCES = ("d3", "d3_quantile", "d1", "wrong_kbar")
 
@@ -89,6 +89,8 @@ class Config(base.Config):
     gamma: float = base.option(0.9, "per-row quantile of the d3_quantile source (entries below it are replaced)", "float")
     delta0: int = base.option(0, "reference offset Δ0 of g_Δ0", "count")
     keep_sink: int = base.option(1, "first keys kept exact", "count")
+    margin: float = base.option(0.05, "equivalence margin (nats of ΔNLL) for 'the substitution barely moves the NLL': "
+                                      "TOST, declared before the run", "float")
     batch_size: int = base.option(4, "sequences per forward batch", "int")
 
     def target(self) -> int:
@@ -162,10 +164,23 @@ def sufficiency(
     return LengthResult(df, sufficiency_summary(df), cfg)
 
 
+def sufficiency_equivalence(rows: pd.DataFrame, margin: float) -> pd.DataFrame:
+    """Per (source, group): is the ΔNLL of the substitution within ``±margin`` nats? TOST on document
+    means (:func:`posgen_tl.stats.verdicts.equivalence`; 90 % interval) — the only way this package
+    says a substitution "barely moves" the NLL. Columns as that function's, plus ``source, group``."""
+    from posgen_tl.stats.verdicts import equivalence  # noqa: PLC0415
+
+    out = [equivalence(g["dnll"].to_numpy(), doc=g["doc"].to_numpy(), margin=margin,
+                       margin_source="declared in the sufficiency Config (margin) before the run",
+                       what="ΔNLL of the substitution (nats)").assign(source=source, group=group)
+           for (source, group), g in rows.groupby(["source", "group"], sort=False)]
+    return pd.concat(out, ignore_index=True)
+
+
 def sufficiency_summary(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per (source, group): ``dnll`` (ΔNLL of the target span vs the unmodified model) and, where
-    measured, ``dslope`` (change of the T1 tolerance slope): mean, document-bootstrap CI,
-    t-interval, sign-flip p, Holm over the whole table, n."""
+    """Per (source, group): ``clean_nll``; ``dnll`` (ΔNLL of the target span vs the unmodified model)
+    and, where measured, ``dslope`` (change of the T1 tolerance slope): mean of document means,
+    document-bootstrap CI, t-interval, sign-flip p over documents, Holm over the whole table, n."""
     out = []
     for (source, group), g in rows.groupby(["source", "group"], sort=False):
         docs = g["doc"].to_numpy()
@@ -197,6 +212,7 @@ def compute(ctx: Any, cfg: Config) -> None:
         return
     ctx.work.save_df("sufficiency_rows.csv", res.rows)
     ctx.work.save_df("sufficiency_summary.csv", res.summary)
+    ctx.work.save_df("sufficiency_equivalence.csv", sufficiency_equivalence(res.rows, cfg.margin))
     ctx.work.save_json("sufficiency_meta.json", res.config)
     ctx.work.save_fig("fig_sufficiency.png", plot_sufficiency(res.summary, title=f"Sufficiency — {ctx.model_name}"))
 
@@ -214,9 +230,10 @@ def render(ctx: Any, cfg: Config) -> Any:
                                    "disjoint from the analysed ones."])
     summ = ctx.work.load_df("sufficiency_summary.csv")
     d = summ[summ["estimator"] == "dnll"]
-    line = "; ".join(f"{r.source} @ {r.group}: {r.value:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+    line = "; ".join(f"{r.source} @ {r.group}: {r.estimate:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
                      for r in d.itertuples() if r.source == "d3")
-    cols = ["source", "group", "estimator", "value", "ci_low", "ci_high", "p_holm", "n_seq", "n_docs", "label"]
+    cols = ["source", "group", "estimator", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind", "p_holm",
+            "n_docs", "n_seqs", "label"]
     return Section(
         title,
         verdict=f"ΔNLL (last {meta['target_len']} tokens) when the logits are replaced by f + g_Δ0: {line}.",
@@ -227,7 +244,10 @@ def render(ctx: Any, cfg: Config) -> Any:
                     "another layer's k̄. Small ΔNLL for d3 but large for the controls = f + g carries what the model "
                     "uses. The random twin is not shown: its NLL is near log|V| whatever its logits are."],
         tables=[("ΔNLL and clean NLL per source and layer group (document-bootstrap CI, sign-flip p, Holm)",
-                 summ[[c for c in cols if c in summ.columns]])],
+                 summ[[c for c in cols if c in summ.columns]]),
+                ("Does the substitution barely move the NLL? TOST within the declared margin (90 % interval)",
+                 ctx.work.load_df("sufficiency_equivalence.csv")[["source", "group", "estimate", "ci_low", "ci_high",
+                                                                  "ci_level", "p", "margin", "verdict", "n_docs"]])],
         figures=[(ctx.work.path("fig_sufficiency.png").read_bytes(), "ΔNLL by layer group: D3 substitution vs the D1 and "
                   "wrong-k̄ controls")],
         findings=_findings(summ),
@@ -251,7 +271,7 @@ def _findings(summ: pd.DataFrame) -> list:
     note = "layers: all; global k̄"
     ctrl = summ[(summ["source"] == "d1") & (summ["group"] == "all") & (summ["estimator"] == "dnll")]
     if len(ctrl):
-        note += f"; D1 control ΔNLL {sig3(float(ctrl.iloc[0]['value']))}"
-    word = "costs NLL" if p == p and p < 0.05 and r["value"] > 0 else "no evidence of a cost"
-    return [Finding("sufficiency", word, float(r["value"]), "ΔNLL of f + g substitution (nats)",
-                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_seq"]), note=note)]
+        note += f"; D1 control ΔNLL {sig3(float(ctrl.iloc[0]['estimate']))}"
+    word = "costs NLL" if p == p and p < 0.05 and r["estimate"] > 0 else "no evidence of a cost"
+    return [Finding("sufficiency", word, float(r["estimate"]), "ΔNLL of f + g substitution (nats)",
+                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_docs"]), note=note)]

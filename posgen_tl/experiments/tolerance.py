@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Float, Int
@@ -38,7 +37,7 @@ from posgen_tl.maths.perturb import (
     swap_seed,
     word_units,
 )
-from posgen_tl.stats.inference import bootstrap_ci, slope_ci
+from posgen_tl.stats.inference import bootstrap_ci
 
 __all__ = [
     "Config",
@@ -51,7 +50,6 @@ __all__ = [
     "windows_fingerprint",
     "nll_on_target",
     "transposition_curve",
-    "curve_summary",
     "length_curve",
     "length_summary",
 ]
@@ -88,9 +86,9 @@ class Config(SwapOptions):
     NAME: ClassVar[str] = "tolerance"
     twin_seeds: tuple[int, ...] = base.option((0,), "swap seeds for the random twin's T1/T2 curves", "ints")
     batch_size: int = base.option(8, "sequences per forward batch", "int")
-    margin: float = base.option(0.0, "TOST margin of T1 − T2 slopes (ΔNLL per unit p); 0 = margin_rel × |trained T1 "
-                                     "slope|", "float")
-    margin_rel: float = base.option(0.2, "relative TOST margin used when margin is 0", "float")
+    t12_margin: float = base.option(0.01, "TOST margin of the T1 − T2 AUC (nats × p) for 'alike', declared before the "
+                                          "run (about a quarter of SmolLM2's T1 AUC over p ≤ 0.2 in the first landing)",
+                                    "float")
 
 
 # ----------------------------------------------------------------------------- NLL
@@ -208,28 +206,6 @@ def transposition_curve(
     return pd.DataFrame(rows)
 
 
-def _per_seq(df: pd.DataFrame, value: str = "delta") -> tuple[np.ndarray, np.ndarray]:
-    """``(p [n_p], y [n_seq, n_p])``: seeds averaged within each sequence."""
-    w = df.groupby(["seq", "frac"])[value].mean().unstack("frac").sort_index(axis=1)
-    return w.columns.to_numpy(float), w.to_numpy(float)
-
-
-def curve_summary(df: pd.DataFrame, by: Sequence[str] = ("mode",)) -> pd.DataFrame:
-    """Tidy summary per group and ``frac``: estimator ``'dnll'`` (mean ΔNLL) and ``'slope'``
-    (ΔNLL per unit p, frac = NaN) with ``value, ci_low, ci_high, n_seq``."""
-    rows = []
-    for key, g in df.groupby(list(by), sort=False):
-        key = key if isinstance(key, tuple) else (key,)
-        base = dict(zip(by, key))
-        p, y = _per_seq(g)
-        for j, f in enumerate(p):
-            m, lo, hi = bootstrap_ci(y[:, j])
-            rows.append({**base, "estimator": "dnll", "frac": f, "value": m, "ci_low": lo, "ci_high": hi, "n_seq": len(y)})
-        s, lo, hi = slope_ci(p, y)
-        rows.append({**base, "estimator": "slope", "frac": np.nan, "value": s, "ci_low": lo, "ci_high": hi, "n_seq": len(y)})
-    return pd.DataFrame(rows)
-
-
 # ----------------------------------------------------------------------------- T3
 
 
@@ -331,14 +307,24 @@ def windows_fingerprint(w: Windows) -> str:
 
 @dataclass
 class T12Result:
-    """Output of :func:`t1_t2_study`: ``rows`` (twin, mode, seq, doc, doc_name, frac, seed,
-    clean_nll, nll, delta), ``slopes`` (per twin, mode, seq), ``summary`` (per twin, mode: mean
-    ΔNLL per p and slope with document-bootstrap CIs), ``equivalence`` (per twin: TOST of T1 − T2
-    slopes at the stated margin, with the equivariance note), ``config``."""
+    """Output of :func:`t1_t2_study`.
+
+    Attributes:
+        rows: per (twin, mode, sequence, frac, seed): ``twin, mode, seq, doc, doc_name, frac, seed,
+            clean_nll, nll, delta``.
+        units: per document (:func:`posgen_tl.stats.curves.document_units`, ``condition`` = the mode):
+            ΔNLL per fraction, AUC (primary), slope (secondary).
+        summary: per twin and mode, the document-level summary of those (95 % bootstrap, t-interval).
+        contrasts: per twin, T1 − T2 per fraction (Holm over the fractions), AUC and slope, with
+            sign-flip p over documents.
+        equivalence: per twin, TOST of the T1 − T2 AUC within the margin declared in the config.
+        config: sizes, fractions, seeds, margin (and where it was declared), equivariance note, commit.
+    """
 
     rows: pd.DataFrame
-    slopes: pd.DataFrame
+    units: pd.DataFrame
     summary: pd.DataFrame
+    contrasts: pd.DataFrame
     equivalence: pd.DataFrame
     config: dict = field(default_factory=dict)
 
@@ -351,10 +337,11 @@ def t1_t2_study(
     """T1/T2 tolerance curves (METHOD §4) of the trained model and its random twin.
 
     ``cfg`` (:class:`Config`, with ``options`` applied) sets the sizes, fractions and seeds. Same
-    windows and the same per-(sequence, seed) swaps for T1 and T2 and for the twin. Equivalence of T1
-    and T2 slopes: TOST (:func:`posgen_tl.stats.inference.t1_t2_equivalence`) at ``cfg.margin`` (ΔNLL
-    per unit p) — when 0, ``cfg.margin_rel`` × |mean T1 slope of the TRAINED model| (stated in the
-    output). Read with the equivariance note: T1 − T2 is the causal-order effect.
+    windows and the same per-(sequence, seed) swaps for T1 and T2 and for the twin. Per document:
+    ΔNLL per fraction, AUC (primary) and slope (:mod:`posgen_tl.stats.curves`); T1 − T2 contrasts
+    with sign-flip p over documents; "alike" only through TOST of the T1 − T2 AUC within
+    ``cfg.t12_margin`` (declared before the run, :func:`posgen_tl.stats.verdicts.equivalence`). Read
+    with the equivariance note: T1 − T2 is the causal-order effect.
 
     Args:
         twin: ``True`` (build :func:`posgen_tl.io.models.random_twin` with ``cfg.seed``), a prebuilt
@@ -368,7 +355,7 @@ def t1_t2_study(
 
     cfg = base.config_of(Config, cfg, options)
     seq_len, seed, batch_size, fracs, seeds = cfg.seq_len, cfg.seed, cfg.batch_size, cfg.fracs, cfg.seeds
-    target_len, margin, margin_rel, twin_seeds = cfg.target(), cfg.margin or None, cfg.margin_rel, cfg.twin_seeds
+    target_len, twin_seeds = cfg.target(), cfg.twin_seeds
     t_start = time.time()
     ana = windows if windows is not None else sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=seq_len,
                                                              seed=seed)[0]
@@ -398,77 +385,61 @@ def t1_t2_study(
         times[f"{name}_s"] = time.time() - t0
     rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
     rows = rows[["twin", "mode", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta"]]
-    slopes = pd.concat([stats.per_sequence_slopes(g).rename("slope").reset_index().assign(twin=t, mode=md)
-                        for (t, md), g in rows.groupby(["twin", "mode"], sort=False)], ignore_index=True)  # fmt: skip
-    slopes = slopes.merge(info[["seq", "doc"]], on="seq")[["twin", "mode", "seq", "doc", "slope"]]
-    summ = []
-    for (t, md), g in rows.groupby(["twin", "mode"], sort=False):
-        doc = g.groupby("seq")["doc"].first()
-        for f, gf in g.groupby("frac"):
-            v = gf.groupby("seq")["delta"].mean().loc[doc.index]
-            mval, lo, hi = stats.bootstrap_ci(v.to_numpy(), clusters=doc.to_numpy())
-            summ.append(dict(twin=t, mode=md, estimator="dnll", frac=f, value=mval, ci_low=lo, ci_high=hi,
-                             n_seq=len(doc), n_docs=doc.nunique()))
-        s = slopes[(slopes["twin"] == t) & (slopes["mode"] == md)]
-        mval, lo, hi = stats.bootstrap_ci(s["slope"].to_numpy(), clusters=s["doc"].to_numpy())
-        summ.append(dict(twin=t, mode=md, estimator="slope", frac=np.nan, value=mval, ci_low=lo, ci_high=hi,
-                         n_seq=len(s), n_docs=s["doc"].nunique()))
-    summ = pd.DataFrame(summ)
-    tr1 = slopes[(slopes["twin"] == "trained") & (slopes["mode"] == "T1")]
-    if margin is None:
-        margin = margin_rel * abs(float(tr1["slope"].mean()))
-        margin_rule = f"{margin_rel:g} × |mean T1 slope of the trained model| = {margin:.4g} ΔNLL per unit p"
-    else:
-        margin_rule = f"stated margin {margin:.4g} ΔNLL per unit p"
+    units = stats.document_units(rows.rename(columns={"mode": "condition"}), by=("twin", "condition"))
+    summary = stats.unit_summary(units, by=("twin", "condition"))
+    contrasts = stats.tolerance_contrasts(units, keys=("twin",), pairs=[("T1", "T2")])
     eq = []
-    for t in [x for x, _, _ in models]:
-        a = slopes[(slopes["twin"] == t) & (slopes["mode"] == "T1")].set_index("seq")
-        b = slopes[(slopes["twin"] == t) & (slopes["mode"] == "T2")].set_index("seq")
-        d, seq = stats.paired_differences(a["slope"], b["slope"])
-        r = stats.t1_t2_equivalence(a["slope"].loc[seq].to_numpy(), b["slope"].loc[seq].to_numpy(),
-                                    a["doc"].loc[seq].to_numpy(), margin)
-        eq.append(dict(twin=t, t1_slope=float(a["slope"].mean()), t2_slope=float(b["slope"].mean()),
-                       **{k: v for k, v in r.items() if k != "note"}, margin_rule=margin_rule))
+    for t_name, g in units[units["estimator"] == "auc"].groupby("twin", sort=False):
+        w = g.pivot(index="doc", columns="condition", values="value")
+        e = stats.equivalence((w["T1"] - w["T2"]).to_numpy(), doc=w.index.to_numpy(), margin=cfg.t12_margin,
+                              margin_source="declared in the tolerance Config (t12_margin) before the run",
+                              what="T1 − T2 AUC (nats × p)")
+        eq.append(e.assign(twin=t_name, t1_auc=float(w["T1"].mean()), t2_auc=float(w["T2"].mean())))
+    margin_rule = f"±{cfg.t12_margin:g} nats × p on the T1 − T2 AUC, declared in the config before the run"
     config = dict(n_seq=n, n_docs=ana.n_docs, seq_len=int(ana.tokens.shape[1]), target_len=target_len,
                   fracs=list(map(float, fracs)), seeds=list(map(int, seeds)),
-                  twin_seeds=[list(s) for nm, _, s in models if nm == "random"], margin=margin, margin_rule=margin_rule,
+                  twin_seeds=[list(s) for nm, _, s in models if nm == "random"], margin=cfg.t12_margin,
+                  margin_rule=margin_rule,
                   note=stats.EQUIVARIANCE_NOTE, commit=git_commit(short=True), seed=seed, windows_sha1=windows_fingerprint(ana),
                   wall_s={**times, "total_s": time.time() - t_start})  # fmt: skip
-    return T12Result(rows, slopes, summ, pd.DataFrame(eq), config)
+    return T12Result(rows, units, summary, contrasts, pd.concat(eq, ignore_index=True), config)
 
 # ----------------------------------------------------------------------------- T1 / T2 outputs
 
 
 def t12_markdown(result: T12Result, title: str = "T1 / T2") -> str:
-    """Markdown: slopes and ΔNLL per p (trained and twin), the TOST table and the equivariance note."""
+    """Markdown: AUC, slope and ΔNLL per p (trained and twin), the T1 − T2 contrasts, the TOST table
+    and the equivariance note."""
     c = result.config
-    s = result.summary
+    s, k = result.summary, result.contrasts
+    cols = ["twin", "condition", "estimator", "frac", "estimate", "ci_low", "ci_high", "ci_level", "n_docs", "n_seqs"]
     lines = [f"## {title}", "",
              f"{c['n_seq']} sequences from {c['n_docs']} documents × {c['seq_len']} tokens, target {c['target_len']}; "
              f"p ∈ {c['fracs']} = fraction of disjoint adjacent pairs swapped (≈ 2p of the context tokens move), "
-             f"independent per (sequence, seed); seeds {c['seeds']} (twin {c['twin_seeds']}). CIs: document bootstrap.", "",
-             md_table(s[s["estimator"] == "slope"], ["twin", "mode", "value", "ci_low", "ci_high", "n_seq", "n_docs"]), "",
-             md_table(s[s["estimator"] == "dnll"], ["twin", "mode", "frac", "value", "ci_low", "ci_high"]), "",
-             f"T1 − T2 slope, TOST equivalence at margin: {c['margin_rule']}:", "",
-             md_table(result.equivalence, ["twin", "t1_slope", "t2_slope", "mean", "lo", "hi", "p", "equivalent", "p_diff",
-                                      "n_seq", "n_docs"]), "",
+             f"independent per (sequence, seed); seeds {c['seeds']} (twin {c['twin_seeds']}). Intervals: 95 % document "
+             "bootstrap.", "",
+             md_table(s, cols), "",
+             md_table(k, ["twin", "contrast", "estimator", "frac", "estimate", "ci_low", "ci_high", "p", "p_kind", "p_holm"]),
+             "", f"T1 − T2 AUC, TOST equivalence at {c['margin_rule']}:", "",
+             md_table(result.equivalence, ["twin", "t1_auc", "t2_auc", "estimate", "ci_low", "ci_high", "ci_level", "p",
+                                           "verdict", "n_docs"]), "",
              "> " + c["note"], "",
              "Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in c["wall_s"].items()) + f"; commit {c['commit']}.", ""]  # fmt: skip
     return "\n".join(lines)
 
 
 def write_t12_outputs(result: T12Result, out_dir: str | Path, tag: str = "t12") -> dict[str, Path]:
-    """Write ``{tag}_rows.csv``, ``{tag}_slopes.csv``, ``{tag}_summary.csv``, ``{tag}_tost.csv``,
+    """Write ``{tag}_rows.csv``, ``{tag}_summary.csv``, ``{tag}_contrasts.csv``, ``{tag}_tost.csv``,
     ``{tag}_config.json`` and ``{tag}.md``; returns the paths."""
     import json  # noqa: PLC0415
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"rows": out / f"{tag}_rows.csv", "slopes": out / f"{tag}_slopes.csv", "summary": out / f"{tag}_summary.csv",
-             "tost": out / f"{tag}_tost.csv", "config": out / f"{tag}_config.json", "md": out / f"{tag}.md"}
+    paths = {n: out / f"{tag}_{n}.csv" for n in ("rows", "summary", "contrasts", "tost")}
+    paths.update(config=out / f"{tag}_config.json", md=out / f"{tag}.md")
     result.rows.to_csv(paths["rows"], index=False)
-    result.slopes.to_csv(paths["slopes"], index=False)
     result.summary.to_csv(paths["summary"], index=False)
+    result.contrasts.to_csv(paths["contrasts"], index=False)
     result.equivalence.to_csv(paths["tost"], index=False)
     paths["config"].write_text(json.dumps(result.config, indent=1, default=str))
     paths["md"].write_text(t12_markdown(result, f"T1 / T2 ({tag})"))
@@ -498,6 +469,7 @@ def compute(ctx: Any, cfg: Config) -> None:
     ctx.shared["t12"] = t12
     ctx.work.save_df("tolerance_curves.csv", t12.rows)
     ctx.work.save_df("tolerance_summary.csv", t12.summary)
+    ctx.work.save_df("t1_t2_contrasts.csv", t12.contrasts)
     ctx.work.save_df("t1_t2_tost.csv", t12.equivalence)
     ctx.work.save_fig("fig_tolerance.png", plot_tolerance_curves(t12.summary, hue="twin", title=ctx.model_name))
     ctx.work.save_json("tolerance_meta.json", {"n_seq": len(ana), "n_docs": ana.n_docs, "target_len": cfg.target(),
@@ -506,7 +478,8 @@ def compute(ctx: Any, cfg: Config) -> None:
 
 
 def render(ctx: Any, cfg: Config) -> Any:
-    """The report section: T1/T2 slopes and ΔNLL beside the twin, the TOST of T1 − T2, the figure."""
+    """The report section: T1/T2 ΔNLL per fraction, AUC and slope beside the twin, T1 − T2 contrasts,
+    the TOST of T1 − T2 at the declared margin, the figure."""
     from posgen_tl.report.html import Section  # noqa: PLC0415
 
     meta = ctx.work.load_json("tolerance_meta.json")
@@ -514,34 +487,45 @@ def render(ctx: Any, cfg: Config) -> Any:
     if "skipped" in meta:
         return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
                        paragraphs=["Give a corpus of several documents (a folder of text files, or the default pydoc "
-                                   "topics): the unit of every verdict is a sequence clustered by document."])
+                                   "topics): the unit of every verdict is a document."])
     summ = ctx.work.load_df("tolerance_summary.csv")
+    con = ctx.work.load_df("t1_t2_contrasts.csv")
     tost = ctx.work.load_df("t1_t2_tost.csv")
     tr = tost[tost["twin"] == "trained"].iloc[0]
-    word = "equivalent" if tr["equivalent"] else "NOT shown equivalent"
-    expl = meta["n_seq"] < 32
+    expl = meta["n_docs"] < 32
+    cols = ["twin", "condition", "estimator", "frac", "units", "estimate", "ci_low", "ci_high", "ci_level", "t_low",
+            "t_high", "n_docs", "n_seqs"]
+    ccols = ["twin", "contrast", "estimator", "frac", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind", "p_holm",
+             "holm_scope", "n_docs"]
     return Section(
-        title + (" — EXPLORATORY (n < 32 sequences)" if expl else ""),
-        verdict=f"T1 and T2 slopes are {word} within ±{tr['margin']:.3g} (TOST p = {tr['p']:.3g}).",
+        title + (" — EXPLORATORY (fewer than 32 documents)" if expl else ""),
+        verdict=(f"Trained model: T1 AUC {tr['t1_auc']:.3g} vs T2 AUC {tr['t2_auc']:.3g} nats × p; T1 − T2 "
+                 f"{tr['verdict']} (TOST p = {tr['p']:.3g}, 90 % interval [{tr['ci_low']:.3g}, {tr['ci_high']:.3g}])."),
         paragraphs=[f"{meta['n_seq']} sequences from {meta['n_docs']} documents (one window per document first), target "
                     f"span {meta['target_len']} tokens, p ∈ {list(meta['fracs'])} = fraction of disjoint adjacent pairs "
                     f"swapped (≈ 2p of the context tokens move), independent per (sequence, seed), seeds "
-                    f"{list(meta['seeds'])}.", f"TOST margin: {meta['margin_rule']}.", meta["note"]],
-        tables=[("T1 / T2 slopes and ΔNLL (document bootstrap CIs), trained vs random twin", summ),
-                ("T1 − T2 slope: TOST equivalence", tost.drop(columns=["margin_rule"], errors="ignore"))],
-        figures=[(ctx.work.path("fig_tolerance.png").read_bytes(), "ΔNLL vs swap fraction: T1 and T2, trained vs random twin")],
+                    f"{list(meta['seeds'])}. The AUC (area under ΔNLL over p from p = 0) is the primary summary; the "
+                    "slope is secondary.", f"TOST margin: {meta['margin_rule']}.", meta["note"]],
+        tables=[("T1 / T2 per fraction, AUC and slope (document means; 95 % document bootstrap and t-interval), trained "
+                 "vs random twin", summ[[c for c in cols if c in summ]]),
+                ("T1 − T2 on the same documents (sign-flip p; Holm over the fractions)", con[[c for c in ccols if c in con]]),
+                ("T1 − T2 AUC: TOST equivalence at the declared margin", tost)],
+        figures=[(ctx.work.path("fig_tolerance.png").read_bytes(), "ΔNLL vs swap fraction: T1 and T2, trained vs random "
+                  "twin (document means, 95 % bootstrap)")],
         findings=_findings(ctx.work.load_df("tolerance_curves.csv")),
         results={"exploratory": expl, "t1_t2": tost.to_dict("records")},
     )
 
 
 def _findings(curves: pd.DataFrame) -> list:
-    """T1 tolerance slope of the trained model (ΔNLL per unit swap fraction), per sequence, clustered by document."""
+    """T1 tolerance of the trained model: its AUC (nats × p) per document, sign-flip p over documents."""
     from posgen_tl.report.html import Finding  # noqa: PLC0415
-    from posgen_tl.stats.inference import paired_finding, per_sequence_slopes  # noqa: PLC0415
+    from posgen_tl.stats import curves as sc  # noqa: PLC0415
+    from posgen_tl.stats.inference import paired_finding  # noqa: PLC0415
 
-    t1 = curves[(curves["mode"] == "T1") & (curves["twin"] == "trained")]
-    s = per_sequence_slopes(t1, "delta")
-    mean, ci, p = paired_finding(s.to_numpy(float), t1.groupby("seq")["doc"].first().loc[s.index].to_numpy())
+    t1 = curves[(curves["mode"] == "T1") & (curves["twin"] == "trained")].rename(columns={"mode": "condition"})
+    u = sc.document_units(t1, by=("condition",))
+    a = u[u["estimator"] == "auc"]
+    mean, ci, p = paired_finding(a["value"].to_numpy(float), a["doc"].to_numpy())
     word = ("NLL rises with swaps" if mean > 0 else "NLL falls with swaps") if p < 0.05 else "no evidence"
-    return [Finding("tolerance", word, mean, "T1 slope dΔNLL/dp", ci, p, len(s))]
+    return [Finding("tolerance", word, mean, "T1 AUC of ΔNLL over p (nats × p)", ci, p, int(a["doc"].nunique()))]

@@ -23,8 +23,8 @@ def plot_sufficiency(summary: pd.DataFrame, *, title: str = "") -> Figure:
     for k, s in enumerate(sources):
         g = d[d["source"] == s].set_index("group").reindex(groups)
         x = np.arange(len(groups)) + (k - (len(sources) - 1) / 2) * w
-        err = np.vstack([g["value"] - g["ci_low"], g["ci_high"] - g["value"]])
-        ax.bar(x, g["value"], w, yerr=err, capsize=2, label=s)
+        err = np.vstack([g["estimate"] - g["ci_low"], g["ci_high"] - g["estimate"]])
+        ax.bar(x, g["estimate"], w, yerr=err, capsize=2, label=s)
     ax.set_xticks(np.arange(len(groups)), groups)
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xlabel("layers whose logits are substituted")

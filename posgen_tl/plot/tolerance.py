@@ -14,12 +14,13 @@ __all__ = ["plot_tolerance_curves", "plot_length"]
 def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: str = "") -> Figure:
     """ΔNLL (target span) vs swap fraction p with 95 % CI bands.
 
-    ``df``: :func:`posgen_tl.experiments.tolerance.curve_summary` output (rows with
-    ``estimator == 'dnll'``, columns ``frac, value, ci_low, ci_high`` and ``mode``; an optional
-    ``twin`` ('trained'|'random') or ``intervention`` column, or ``hue``, splits the lines).
+    ``df``: a document-level curve summary (:func:`posgen_tl.stats.curves.curve_summary` /
+    ``unit_summary``: rows with ``estimator == 'dnll'``, columns ``frac, estimate, ci_low, ci_high``
+    and ``condition`` or ``mode``; an optional ``twin`` ('trained'|'random') column, or ``hue``, splits
+    the lines). The p = 0 point is ΔNLL = 0 by construction and is drawn at 0.
     """
     d = df[df["estimator"] == "dnll"] if "estimator" in df.columns else df
-    keys = [c for c in ([hue] if hue else []) + ["twin", "intervention", "mode"] if c and c in d.columns]
+    keys = [c for c in ([hue] if hue else []) + ["twin", "intervention", "condition", "mode"] if c and c in d.columns]
     keys = list(dict.fromkeys(keys))
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ci_lines(ax, d, "frac", keys, xscale=100, linestyle=lambda key: "--" if "random" in map(str, key) else "-")

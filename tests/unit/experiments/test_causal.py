@@ -48,7 +48,7 @@ def test_reference_disjoint_by_document(llama):
     # a run given overlapping windows refuses (the old token-offset bug shared documents)
     bad_ref = ana.subset([0, 1])
     with pytest.raises(ValueError, match="share documents"):
-        ca.causal_study(llama, n_seq=6, seq_len=24, target_len=6, windows=(ana, bad_ref), progress=False)
+        ca.causal_study(llama, n_seq=6, seq_len=24, target_len=6, groups=("1",), windows=(ana, bad_ref), progress=False)
 
 
 def test_perms_independent_per_sequence_and_seed(llama):
@@ -136,81 +136,117 @@ def test_prefix_residual_reproduces_full_forward(llama):
 # ----------------------------------------------------------------------------- the recipe
 
 
-def test_causal_study_end_to_end(llama, tmp_path):
+def _run(llama, **kw):
+    opts = dict(n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0,), groups=("1", "2"), alpha=0.5,
+                n_ref=3, batch_size=4, progress=False)
+    return ca.causal_study(llama, _corpus(), **{**opts, **kw})
+
+
+@pytest.fixture(scope="module")
+def study(llama):
+    torch.manual_seed(0)
     partial = []
-    res = ca.causal_study(llama, _corpus(), n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1),
-                          layers=[1, 2], alpha=0.5, match_subset=4, n_ref=3, batch_size=4, progress=False,
-                          on_partial=partial.append)
-    # partial results after every batch: first the primary phase on 4 then 6 sequences, then the rest
-    assert len(partial) == 3 and all(p.config["partial"] for p in partial)
-    assert set(partial[0].rows["intervention"]) == {"none", "destroy", "C1"} and partial[0].rows["seq"].nunique() == 4
-    assert list(partial[0].contrasts["n_seq"]) == [4, 4]
-    assert set(partial[2].rows["intervention"]) == set(ca.CONTROLS) | {"none", "destroy"}
-    assert partial[2].contrasts.set_index("contrast").loc["destroy vs C2", "n_seq"] == 4  # finished sequences only
-    assert not res.config["partial"] and res.config["primary"] == "destroy vs C1"
+    return _run(llama, on_partial=partial.append), partial
+
+
+def test_causal_study_rows_and_draws(study):
+    res, partial = study
     r = res.rows
-    assert {"intervention", "kind", "alpha", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta",
-            "base_clean_nll"} <= set(r.columns)
-    assert set(r["intervention"]) == {"none", "destroy", "C1", "C2", "C3", "C4"}
-    assert len(r) == 6 * 6 * 3 * 2 and r["doc"].notna().all()
-    none = r[r["intervention"] == "none"]
-    assert np.allclose(none["clean_nll"], none["base_clean_nll"])
-    # every condition sees the same perturbed inputs: same (seq, frac, seed) grid
-    grids = {k: set(map(tuple, g[["seq", "frac", "seed"]].to_numpy())) for k, g in r.groupby("intervention")}
+    assert {"layers", "condition", "kind", "alpha", "draw", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll",
+            "delta", "base_clean_nll"} <= set(r.columns)
+    assert set(r["condition"]) == {"none", "destroy", *ca.CONTROLS} and set(r["layers"]) == {"", "L1", "L2"}
+    assert len(r) == (1 + 2 * 5) * 6 * 3 and r["doc"].notna().all()
+    none = r[r["condition"] == "none"]
+    assert np.allclose(none["clean_nll"], none["base_clean_nll"]) and (none["layers"] == "").all()
+    # every condition sees the same perturbed inputs: the same (seq, frac, seed) grid
+    grids = {k: set(map(tuple, g[["seq", "frac", "seed"]].to_numpy())) for k, g in r.groupby(["layers", "condition"])}
     assert len({frozenset(v) for v in grids.values()}) == 1
-    c = res.contrasts
-    assert list(c["contrast"]) == ["destroy vs C1", "destroy vs C2", "destroy vs C3", "destroy vs C4", "destroy vs none"]
-    assert c["primary"].tolist() == [True, False, False, False, False]
-    assert c["verdict"].str.contains("exploratory").all()  # n < 32
-    cond = res.conditions.set_index("condition")
-    assert cond.loc["none", "attn_kl"] == 0 and (cond.drop("none")["attn_kl"] > 0).all()
-    assert {"match_alpha", "match_matched", "damage_lo", "slope_hi"} <= set(res.conditions.columns)
-    paths = ca.write_causal_outputs(res, tmp_path, "tiny")
-    assert "destroy vs C1" in paths["md"].read_text() and paths["rows"].exists()
-    back = ca.load_causal_outputs(tmp_path, "tiny")
-    assert ca.causal_markdown(back, "Causal test (tiny)") == paths["md"].read_text()
-    assert "PARTIAL — phase 1: 4 of 6 sequences done for none, destroy, C1" in ca.causal_markdown(partial[0])
+    # random controls: one fresh draw per document, the same in every pass; fixed edits have none
+    for c in ("C1", "C3", "C4"):
+        g = r[(r["condition"] == c) & (r["layers"] == "L1")]
+        per_doc = g.groupby("doc")["draw"].nunique()
+        assert (per_doc == 1).all() and g["draw"].nunique() == g["doc"].nunique()
+    assert r[r["condition"].isin(["destroy", "C2", "none"])]["draw"].isna().all()
+    # partial rows after every batch but the last (6 sequences, batches of 4: one partial)
+    assert len(partial) == 1 and set(partial[0]["seq"]) == {0, 1, 2, 3}
+
+
+def test_causal_study_tables(study):
+    res, _ = study
+    t = res.tables
+    assert set(t) == {"verdicts", "components", "damage", "adjusted", "contrasts", "summary", "interaction"}
+    v = t["verdicts"]
+    assert list(v["layers"]) == ["L1", "L2"] and v["verdict"].str.contains("exploratory").all()  # 6 documents < 32
+    assert {"estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind", "p_holm", "p_claim", "mde", "n_docs"} <= set(v)
+    assert (v["p_claim"] == v["p_holm"]).all() and (v["claim_size"] == 2).all()  # the run covers its own claim
+    c = t["contrasts"]
+    assert {"destroy − none", "destroy − C1", "C1 − none"} <= set(c["contrast"])
+    assert set(c["estimator"]) == {"auc", "dnll", "slope"} and set(c["frac"].dropna()) == {0.1, 0.3}
+    s = t["summary"]
+    assert {"damage", "attn_kl", "dnll", "auc", "slope"} <= set(s["estimator"])
+    kl = s[(s["estimator"] == "attn_kl")].set_index(["layers", "condition"])["estimate"]
+    assert (kl.xs("none", level="condition") == 0).all() and (kl.drop("none", level="condition") > 0).all()
+    assert len(t["interaction"]) and (t["interaction"]["first"] == "tiny L1").all()
+    assert set(t["damage"]["control"]) == set(ca.CONTROLS) and "matched" in t["damage"]
+    m = res.matching
+    assert set(m["condition"]) == {"destroy", *ca.CONTROLS} and (m["n_evals"] >= 1).all()
+    cfg = res.config
+    assert cfg["claim_family"]["controls_redrawn_per_document"] and cfg["claim_family"]["damage_margin_rel"] == 0.1
+    assert cfg["entries"]["L1"]["layers"] == [1] and not cfg["none_swaps_from_t12"]
+
+
+def test_controls_are_tuned_on_the_reference_documents_only(llama, monkeypatch):
+    """Every forward of the damage matching runs on the reference windows: never an analysed document."""
+    from posgen_tl.io.sampling import sample_windows
+
+    ana, ref = sample_windows(llama, _corpus(), n_seq=6, seq_len=24, n_ref=3, seed=0)
+    seen = []
+    real = ca._match_on_reference
+
+    def spy(model, conds, ref_w, *args, **kw):
+        real_nll = ca.nll_on_target
+
+        def nll(model, tokens, **k):
+            seen.append(tokens.clone())
+            return real_nll(model, tokens, **k)
+
+        monkeypatch.setattr(ca, "nll_on_target", nll)
+        try:
+            return real(model, conds, ref_w, *args, **kw)
+        finally:
+            monkeypatch.setattr(ca, "nll_on_target", real_nll)
+
+    monkeypatch.setattr(ca, "_match_on_reference", spy)
+    _run(llama, groups=("2",), controls=("C1",), windows=(ana, ref))
+    assert seen and all(torch.equal(tk, ref.tokens) for tk in seen)
+
+
+def test_claim_declared_beyond_the_run_bounds_the_p(llama):
+    res = _run(llama, groups=("2",), controls=("C2",), claim=("tiny:L2", "other:L2", "other:L1", "tiny:L1"))
+    v = res.tables["verdicts"].iloc[0]
+    assert v["claim_size"] == 4 and v["p_claim"] == pytest.approx(min(1.0, 4 * v["p"]))
+    assert "Bonferroni bound over the declared claim of 4 entries" in v["p_claim_method"]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(damage_margin=0.0), "damage_margin"), (dict(groups=("middle", "L9")), "layer group .L9.: expected early"), (dict(groups=("x",)), "layer group .x."),
+    (dict(fracs=(0.1, 0.2)), "include 0"), (dict(controls=("C9",)), "unknown controls"),
+    (dict(groups=("1", "1")), "twice"), (dict(damage_rule="loose"), "damage_rule"),
+])
+def test_bad_options_raise_before_any_verdict(llama, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _run(llama, **kw)
 
 
 def test_t1_t2_study(llama, tmp_path):
     ana, _ = _windows(llama)
     twin = tm.hf_llama(n_layers=3, seed=1)[0]
     res = tol.t1_t2_study(llama, n_seq=6, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0,), twin=twin, windows=ana,
-                         progress=False)
+                          progress=False)
     assert set(res.rows["twin"]) == {"trained", "random"} and set(res.rows["mode"]) == {"T1", "T2"}
     assert res.rows["doc"].notna().all() and len(res.equivalence) == 2
     assert res.config["margin"] > 0 and "Equivariance" in res.config["note"]
     assert "Equivariance" in tol.write_t12_outputs(res, tmp_path)["md"].read_text()
-
-
-# ----------------------------------------------------------------------------- bad input
-
-
-def _rows(n_seq=5, nan=False):
-    out = []
-    for iv in ("destroy", "C1"):
-        for s in range(n_seq):
-            for f in (0.0, 0.1, 0.2):
-                v = (0.5 if iv == "destroy" else 0.3) * f + 0.01 * s
-                out.append(dict(intervention=iv, seq=s, doc=s // 2, frac=f, seed=0, clean_nll=3.2, base_clean_nll=3.0,
-                                delta=float("nan") if nan and s == 1 and f == 0.1 else v))
-    return pd.DataFrame(out)
-
-
-def test_bad_input_raises_never_a_verdict():
-    with pytest.raises(ValueError, match="at least 3"):
-        ca.contrasts_from_rows(_rows(2), [("destroy", "C1")], "destroy vs C1")
-    r = _rows()
-    with pytest.raises(ValueError, match="differ"):
-        ca.contrasts_from_rows(r[~((r["intervention"] == "C1") & (r["seq"] == 4))], [("destroy", "C1")], None)
-    with pytest.raises(ValueError, match="NaN"):
-        ca.contrasts_from_rows(_rows(nan=True), [("destroy", "C1")], None)
-    with pytest.raises(ValueError, match="primary"):
-        ca.contrasts_from_rows(r, [("destroy", "C1")], "destroy vs C9")
-    with pytest.raises(ValueError, match="doc"):
-        ca.contrasts_from_rows(r.drop(columns="doc"), [("destroy", "C1")], None)
-    c = ca.contrasts_from_rows(r, [("destroy", "C1")], "destroy vs C1")[0]
-    assert c.primary and np.allclose(c.d, 0.2) and len(c.seq) == 5
 
 
 # ----------------------------------------------------------------------------- real model
@@ -228,29 +264,13 @@ def test_smollm2_prefix_exact_and_windows_disjoint(smollm2):
     torch.testing.assert_close(resumed, full, atol=1e-6, rtol=0)
 
 
-def test_causal_reading_says_when_the_control_carries_a_depends():
-    def table(p_none, verdict_c1="depends"):
-        return pd.DataFrame([
-            dict(contrast="destroy vs C1", mean_diff=0.36, boot_lo=0.26, boot_hi=0.45, p_holm=0.0003, verdict=verdict_c1),
-            dict(contrast="destroy vs none", mean_diff=-0.02, boot_lo=-0.16, boot_hi=0.12, p_holm=p_none,
-                 verdict="no evidence")])
-
-    text = ca.causal_reading(table(0.98))
-    assert "`destroy` itself does not measurably change" in text and "`destroy vs C1` (+0.36)" in text
-    assert "Holm p = 0.98" in text and "not evidence" in text
-    assert ca.causal_reading(table(0.001)) is None  # the intervention moves tolerance itself: no caveat
-    assert ca.causal_reading(table(0.98, "no evidence")) is None  # nothing reads "depends"
-    assert ca.causal_reading(table(0.98).iloc[:1]) is None  # no "vs none" contrast in the family
-    assert ca.causal_reading(pd.DataFrame()) is None
-
-
 def test_causal_none_reuses_the_t1_curve(llama):
     """Given the T1/T2 result on the same windows, the `none` condition runs only its clean pass and
     takes the swapped passes from the trained T1 rows: same rows as recomputing them, fewer forwards;
     a T1/T2 result from other windows, seeds or target is refused."""
     ana, ref = _windows(llama, n_seq=6, seq_len=24)
-    kw = dict(n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), layers=[1], controls=("C1",),
-              match_subset=4, match_steps=1, batch_size=4, windows=(ana, ref), progress=False)
+    kw = dict(n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), groups=("1",), controls=("C1",),
+              n_ref=3, match_steps=1, batch_size=4, windows=(ana, ref), progress=False)
     t12 = tol.t1_t2_study(llama, n_seq=6, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0, 1), twin=None, windows=ana,
                          batch_size=4, progress=False)
     calls = {"n": 0}
@@ -267,12 +287,13 @@ def test_causal_none_reuses_the_t1_curve(llama):
         n_shared = calls["n"]
     finally:
         h.remove()
-    key = ["intervention", "seq", "frac", "seed"]
+    key = ["layers", "condition", "seq", "frac", "seed"]
     a = plain.rows.sort_values(key).reset_index(drop=True)
     b = shared.rows.sort_values(key).reset_index(drop=True)
     pd.testing.assert_frame_equal(a, b, check_exact=False, atol=1e-6, rtol=0)
-    pd.testing.assert_frame_equal(plain.contrasts.drop(columns=["boot_lo", "boot_hi"]),
-                                  shared.contrasts.drop(columns=["boot_lo", "boot_hi"]), check_exact=False, atol=1e-6)
+    num = ["estimate", "p"]
+    pd.testing.assert_frame_equal(plain.tables["contrasts"][num], shared.tables["contrasts"][num], check_exact=False,
+                                  atol=1e-6)
     assert shared.config["none_swaps_from_t12"] and not plain.config["none_swaps_from_t12"]
     assert n_plain - n_shared == 2 * 4  # 2 batches × 4 swapped passes (2 fracs × 2 seeds) of `none` saved
     with pytest.raises(ValueError, match="seed"):

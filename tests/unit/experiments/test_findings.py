@@ -9,10 +9,10 @@ from posgen_tl.experiments import length, sufficiency
 
 
 def _gap(value, lo, hi, p_holm, dis_value=-0.5):
-    rows = [dict(condition="vanilla", gap=g, gap_frac=g / 100, estimator="d_vs_gap0", value=v, ci_low=l, ci_high=h,
+    rows = [dict(condition="vanilla", gap=g, gap_frac=g / 100, estimator="d_vs_gap0", estimate=v, ci_low=l, ci_high=h,
                  p=p_holm / 4, p_holm=p_holm, n_seq=40, n_docs=40)
             for g, v, l, h in ((100, 0.01, -0.1, 0.1), (200, value, lo, hi))]
-    rows.append(dict(condition="disentangled", gap=200, gap_frac=2.0, estimator="d_vs_vanilla", value=dis_value,
+    rows.append(dict(condition="disentangled", gap=200, gap_frac=2.0, estimator="d_vs_vanilla", estimate=dis_value,
                      ci_low=dis_value - 0.1, ci_high=dis_value + 0.1, p=0.001, p_holm=0.004, n_seq=40, n_docs=40))
     return pd.DataFrame(rows)
 
@@ -35,7 +35,7 @@ def test_length_headline_without_a_gap_says_so():
 
 
 def _suff(value, p_holm, n=12):
-    rows = [dict(source=s, group=g, estimator="dnll", value=v, ci_low=v - 0.05, ci_high=v + 0.05, p=p_holm, p_holm=p_holm,
+    rows = [dict(source=s, group=g, estimator="dnll", estimate=v, ci_low=v - 0.05, ci_high=v + 0.05, p=p_holm, p_holm=p_holm,
                  n_seq=n, n_docs=n)
             for s, g, v in (("d3", "0–9", 0.9), ("d3", "all", value), ("d1", "all", 2.5))]
     return pd.DataFrame(rows)

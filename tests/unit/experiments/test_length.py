@@ -321,7 +321,8 @@ def test_gap_probe_rows_summary_and_errors(llama):
     assert not np.allclose(far["vanilla"], far["lm_infinite"])
     s = res.summary
     assert {"nll", "d_vs_gap0", "d_vs_vanilla"} <= set(s["estimator"]) and (s["ci_low"] <= s["ci_high"]).all()
-    assert s["p_holm"].dropna().between(0, 1).all() and (s["label"] == "exploratory").all()
+    assert s["p_holm"].dropna().between(0, 1).all() and s["label"].str.startswith("exploratory").all()
+    assert (s["ci_level"] == 0.95).all() and s["p_kind"].dropna().str.startswith("exact").all()
     with pytest.raises(ValueError, match="gaps"):
         gap_probe(llama, _corpus(), prefix_len=12, suffix_len=12, gaps=(-0.5,), n_seq=2, n_ref=2, progress=False)
     with pytest.raises(ValueError, match="cap"):
@@ -385,7 +386,7 @@ def test_gap_attention_and_head_class_test(llama):
     # the contrast uses exactly the labelled heads: recompute one entry by hand
     r = rows.merge(cls, on=["layer", "head"])
     per = r.groupby(["seq", "head_class"])["kl"].mean().unstack()
-    kl = by_tax.set_index("estimator").loc["kl: positional − symbolic", "value"]
+    kl = by_tax.set_index("estimator").loc["kl: positional − symbolic", "estimate"]
     assert kl == pytest.approx(float((per["positional"] - per["symbolic"]).mean()), rel=1e-6)
     with pytest.raises(ValueError, match="label"):
         classes_from_taxonomy(tax.drop(columns="label"))

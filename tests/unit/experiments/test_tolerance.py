@@ -68,8 +68,11 @@ def test_transposition_curve_rows_and_window(llama):
     # swaps never touch token 0 or the target: a swap-window of 1 item means nothing moves
     same = tol.transposition_curve(model, toks, fracs=(0.2,), seeds=(0,), target_len=30, start=1, progress=False)
     assert (same["delta"] == 0).all()
-    s = tol.curve_summary(df, by=("mode",))
-    assert set(s["estimator"]) == {"dnll", "slope"} and (s["ci_low"] <= s["ci_high"]).all()
+    from posgen_tl.stats.curves import curve_summary
+
+    s = curve_summary(df.rename(columns={"mode": "condition"}), by=("condition",))
+    assert set(s["estimator"]) == {"dnll", "auc", "slope"} and (s["ci_low"] <= s["ci_high"]).all()
+    assert not hasattr(tol, "curve_summary")  # one curve summary: posgen_tl.stats.curves
     assert (df["doc"] == df["seq"]).all()  # without doc ids, each row is its own document
 
 
@@ -115,17 +118,26 @@ def test_superseded_verdict_code_is_gone():
 
 
 def test_figures_return_figures(llama):
+    """Every tolerance / causal figure draws what its table holds (lines per condition, one AUC bar
+    per contrast) and returns a closed Figure."""
     from matplotlib.figure import Figure
 
-    from posgen_tl.experiments.causal import summarize_conditions
     from posgen_tl.plot.causal import plot_causal_conditions
     from posgen_tl.plot.tolerance import plot_length, plot_tolerance_curves
+    from posgen_tl.stats import curves, verdicts
 
-    df = pd.concat([_rows("none", "none", 1.0, 0.0), _rows("iv @0.5", "destroy", 0.5, 0.2)], ignore_index=True)
-    df["alpha"] = np.where(df["intervention"] == "none", 0.0, 0.5)
-    curves = tol.curve_summary(df, by=("intervention", "mode"))
-    assert isinstance(plot_tolerance_curves(curves), Figure)
-    assert isinstance(plot_causal_conditions(summarize_conditions(df.rename(columns={"intervention": "intervention"}))), Figure)
+    df = pd.concat([_rows("none", "none", 1.0, 0.0), _rows("destroy", "destroy", 0.5, 0.2),
+                    _rows("C1", "random_bands", 0.5, 0.1)], ignore_index=True)
+    units = curves.document_units(df.rename(columns={"intervention": "condition"}).assign(model="m", layers="L1"),
+                                  by=("model", "layers", "condition"))
+    summary = curves.unit_summary(units, by=("model", "layers", "condition"))
+    fig = plot_tolerance_curves(summary[summary["condition"] != "C1"].rename(columns={"condition": "mode"}))
+    assert isinstance(fig, Figure) and len(fig.axes[0].get_lines()) >= 2
+    con = verdicts.tolerance_contrasts(units)
+    fig = plot_causal_conditions(summary, con)
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    assert len(fig.axes[0].get_lines()) == 3  # none, destroy, C1
+    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == list(con[con["estimator"] == "auc"]["contrast"])
     L = pd.DataFrame(dict(cap=[None, None, 4, 4], seq=[0, 1, 0, 1], bucket_start=[1, 1, 1, 1], nll=[3.0, 3.1, 3.2, 3.3]))
     assert isinstance(plot_length(tol.length_summary(L)), Figure)
 
