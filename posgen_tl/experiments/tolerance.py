@@ -72,7 +72,8 @@ class SwapOptions(base.Config):
     fracs: tuple[float, ...] = base.option((0.0, 0.05, 0.1, 0.2), "swap fractions p (fraction of disjoint adjacent "
                                            "pairs swapped; must include 0)", "floats", quick=(0.0, 0.1, 0.2),
                                            full=(0.0, 0.02, 0.05, 0.1, 0.2))
-    seeds: tuple[int, ...] = base.option((0, 1), "swap seeds, averaged inside each sequence", "ints", quick=(0,))
+    seeds: tuple[int, ...] = base.option((0, 1), "swap seeds, averaged inside each sequence", "ints", quick=(0,),
+                                         full=(0,))
 
     def target(self) -> int:
         """The target length in tokens (``target_len``, or ``min(64, seq_len // 4)`` when it is 0)."""

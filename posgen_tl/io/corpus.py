@@ -34,6 +34,7 @@ __all__ = [
     "tokenizer_adds_bos",
     "NATIVE_BOS",
     "named_documents",
+    "package_readmes",
 ]
 
 #: the tokenizer's own BOS policy, recorded by :func:`posgen_tl.io.models.load_model` before
@@ -226,3 +227,42 @@ def named_documents(source: CorpusLike) -> tuple[list[str], list[str]]:
         return docs, names
     docs = load_texts(source)
     return docs, [f"doc{i}" for i in range(len(docs))]
+
+
+def package_readmes(dest: str | os.PathLike, *, min_chars: int = 3000, exclude: Sequence[str] = ("posgen_tl",)) -> list[dict]:
+    """Write a second corpus of another genre: the long descriptions (README / PyPI page text:
+    installation guides, feature lists, changelogs — Markdown and reStructuredText with code) of the
+    Python distributions installed beside this package, one ``<name>.txt`` per distribution with at
+    least ``min_chars`` characters, into ``dest`` (a folder :func:`named_documents` reads). The
+    default corpus (the language reference of ``pydoc_data``) is formal reference prose; this one is
+    what package authors write for users.
+
+    Returns:
+        One dict per written document: ``name, version, chars, sha256`` (the corpus' provenance —
+        it depends on what is installed, so a run records it).
+
+    Raises:
+        CorpusError: fewer than 2 distributions qualify.
+    """
+    import hashlib  # noqa: PLC0415
+    import importlib.metadata as md  # noqa: PLC0415
+
+    out, seen = [], set()
+    folder = Path(dest)
+    folder.mkdir(parents=True, exist_ok=True)
+    for dist in sorted(md.distributions(), key=lambda d: str(d.metadata.get("Name", "")).lower()):
+        name = str(dist.metadata.get("Name") or "")
+        key = name.lower().replace("-", "_")
+        if not name or key in seen or key in {e.lower().replace("-", "_") for e in exclude}:
+            continue
+        seen.add(key)
+        text = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
+        text = text if isinstance(text, str) and text.strip() else str(dist.metadata.get("Description") or "")
+        if len(text) < min_chars:
+            continue
+        (folder / f"{key}.txt").write_text(text, encoding="utf-8")
+        out.append(dict(name=name, version=str(dist.metadata.get("Version")), chars=len(text),
+                        sha256=hashlib.sha256(text.encode()).hexdigest()))
+    if len(out) < 2:
+        raise CorpusError(f"only {len(out)} installed distributions have a description of ≥ {min_chars} characters")
+    return out

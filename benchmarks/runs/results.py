@@ -1,0 +1,99 @@
+"""Run the studies the documentation's results pages cite, into ``<out>/<model>/<corpus>/<study>/``.
+
+    python benchmarks/runs/results.py --out results --readmes ~/.cache/posgen_tl/readmes --workers 2
+
+Each job is one ``posgen-tl study NAME --full …`` command (printed before it runs; the study itself
+records its command, commit, configuration and wall time beside its tables). Jobs run in priority
+order on ``--workers`` processes of one torch thread each; a job whose ``<study>.json`` exists is
+skipped, so an interrupted run resumes. ``--only`` picks jobs by a substring of their name.
+
+Corpora: ``pydoc`` — the default (the stdlib's pydoc topics: the Python language reference);
+``readmes`` — the long descriptions of the installed Python distributions
+(:func:`posgen_tl.io.corpus.package_readmes`, written to ``--readmes`` and recorded in
+``<out>/corpora/readmes.json``): a second genre, for the replication of every headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+#: the claim of the causal test, declared before the runs: models × layer groups (middle, late)
+CLAIM = "smollm2-135m:L10-19,smollm2-135m:L20-29,gemma3-270m:L6-11,gemma3-270m:L12-17"
+N = {"smollm2-135m": {"causal": 64, "tolerance": 64}, "gemma3-270m": {"causal": 32, "tolerance": 32}}
+
+
+def jobs(readmes: str) -> list[tuple[str, list[str]]]:
+    """``(name, posgen-tl arguments)`` in priority order (the causal claim and its replication first)."""
+    corpora = {"pydoc": [], "readmes": ["--corpus", readmes]}
+    out: list[tuple[str, list[str]]] = []
+
+    def add(study: str, model: str, corpus: str, *extra: str) -> None:
+        out.append((f"{model}/{corpus}/{study}", ["study", study, "--model", model, "--full", *corpora[corpus], *extra]))
+
+    for corpus in ("pydoc", "readmes"):
+        for model in ("smollm2-135m", "gemma3-270m"):
+            add("causal", model, corpus, "--n-seq", str(N[model]["causal"]), "--claim", CLAIM)
+        for model in ("smollm2-135m", "gemma3-270m"):
+            add("tolerance", model, corpus, "--n-seq", str(N[model]["tolerance"]))
+    for corpus in ("pydoc", "readmes"):
+        for model in ("smollm2-135m", "gemma3-270m"):
+            add("sufficiency", model, corpus)
+    for model in ("smollm2-135m", "gemma3-270m"):
+        add("taxonomy", model, "pydoc")
+        add("pattern", model, "pydoc")
+        add("length", model, "pydoc")
+    return out
+
+
+def run(name: str, args: list[str], out: Path, logs: Path) -> tuple[str, int, float]:
+    folder = out / name
+    study = name.rsplit("/", 1)[-1]
+    if (folder / f"{study}.json").exists():
+        return name, 0, 0.0
+    cmd = [sys.executable, "-m", "posgen_tl.cli", *args, "--out", str(folder)]
+    if study == "gap_attention":
+        cmd += ["--classes", str(out / name.replace("gap_attention", "taxonomy") / "heads.csv")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    print(f"[results] start {name}: posgen-tl {shlex.join(args)} --out {folder}", flush=True)
+    t0 = time.time()
+    log = logs / (name.replace("/", "__") + ".log")
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    print(f"[results] done  {name}: exit {rc} after {time.time() - t0:.0f} s (log {log})", flush=True)
+    return name, rc, time.time() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="results folder")
+    p.add_argument("--readmes", required=True, help="folder for the package-README corpus (written if empty)")
+    p.add_argument("--logs", required=True, help="folder for the studies' console logs (not part of the results)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--only", default="", help="run only jobs whose name contains this")
+    a = p.parse_args(argv)
+    out, logs, readmes = Path(a.out), Path(a.logs), Path(a.readmes)
+    logs.mkdir(parents=True, exist_ok=True)
+    if not any(readmes.glob("*.txt")):
+        from posgen_tl.io.corpus import package_readmes
+
+        prov = package_readmes(readmes)
+        (out / "corpora").mkdir(parents=True, exist_ok=True)
+        (out / "corpora" / "readmes.json").write_text(json.dumps(prov, indent=1))
+    todo = [(n, j) for n, j in jobs(str(readmes)) if a.only in n]
+    with ThreadPoolExecutor(a.workers) as ex:
+        results = list(ex.map(lambda nj: run(nj[0], nj[1], out, logs), todo))
+    failed = [n for n, rc, _ in results if rc]
+    print(f"[results] {len(results) - len(failed)} of {len(results)} jobs done; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
