@@ -53,10 +53,20 @@ def jobs(readmes: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def _running(folder: Path) -> bool:
+    """Another runner's job is in progress in ``folder`` (its ``.running`` file names a live process)."""
+    marker = folder / ".running"
+    try:
+        os.kill(int(marker.read_text()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def run(name: str, args: list[str], out: Path, logs: Path) -> tuple[str, int, float]:
     folder = out / name
     study = name.rsplit("/", 1)[-1]
-    if (folder / f"{study}.json").exists():
+    if (folder / f"{study}.json").exists() or _running(folder):
         return name, 0, 0.0
     cmd = [sys.executable, "-m", "posgen_tl.cli", *args, "--out", str(folder)]
     if study == "gap_attention":
@@ -65,8 +75,12 @@ def run(name: str, args: list[str], out: Path, logs: Path) -> tuple[str, int, fl
     print(f"[results] start {name}: posgen-tl {shlex.join(args)} --out {folder}", flush=True)
     t0 = time.time()
     log = logs / (name.replace("/", "__") + ".log")
+    folder.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
-        rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        (folder / ".running").write_text(str(proc.pid))
+        rc = proc.wait()
+    (folder / ".running").unlink(missing_ok=True)
     print(f"[results] done  {name}: exit {rc} after {time.time() - t0:.0f} s (log {log})", flush=True)
     return name, rc, time.time() - t0
 
@@ -74,7 +88,8 @@ def run(name: str, args: list[str], out: Path, logs: Path) -> tuple[str, int, fl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="results folder")
-    p.add_argument("--readmes", required=True, help="folder for the package-README corpus (written if empty)")
+    p.add_argument("--readmes", required=True, help="folder for the package-README corpus (written if empty; give a "
+                                                   "path relative to the repository so the recorded commands are too)")
     p.add_argument("--logs", required=True, help="folder for the studies' console logs (not part of the results)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", default="", help="run only jobs whose name contains this")

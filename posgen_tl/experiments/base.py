@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
-__all__ = ["Config", "Option", "option", "config_of", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments"]
+__all__ = ["Config", "Option", "option", "config_of", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments"]
 
 PRESETS = ("default", "quick", "full")
 _UNSET: Any = object()
@@ -186,6 +186,21 @@ def option(default: Any, help: str, kind: str, *, quick: Any = _UNSET, full: Any
         raise ValueError(f"unknown option kind {kind!r}; one of {', '.join(PARSERS)}")
     presets = {k: v for k, v in (("quick", quick), ("full", full)) if v is not _UNSET}
     return field(default=default, metadata={"kind": kind, "help": help, "presets": presets})
+
+
+def n_ref_option(default: int = 4, *, quick: int = 2, full: int = 8) -> Any:
+    """The ``n_ref`` option of the experiments that need a global k̄: windows of the reference documents."""
+    return option(default, "windows of the disjoint reference documents for the global k̄", "int", quick=quick, full=full)
+
+
+def layers_option(what: str, *, quick: Any = "every5") -> Any:
+    """The ``layers`` option (``all`` by default, every 5th layer in the quick preset): ``what`` they are."""
+    return option("all", f"layers {what}", "layers", quick=quick)
+
+
+def batch_option(default: int, what: str = "sequences") -> Any:
+    """The ``batch_size`` option: ``what`` per forward batch."""
+    return option(default, f"{what} per forward batch", "int")
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class Config(SwapOptions):
                                          "smollm2-135m:middle,gemma3-270m:middle); default: this run's groups. "
                                          "Entries of other runs bound the adjustment (Bonferroni) until all are run",
                                          "names")
-    batch_size: int = base.option(4, "sequences per forward batch", "int")
+    batch_size: int = base.batch_option(4)
 
 
 # ----------------------------------------------------------------------------- conditions
@@ -218,6 +218,11 @@ def _bands(spec: Any, layers: Sequence[int], fast: Sequence[int] | None, slow: S
         if not b or min(b) < 0 or max(b) >= nb:
             raise ValueError(f"{nm} bands {b} out of range for {nb} bands")
     return nb, fast, slow
+
+
+def _batches(windows: Windows, batch_size: int) -> list[Windows]:
+    """``windows`` in consecutive batches of ``batch_size`` (a random control's draws are set per batch)."""
+    return [windows.subset(range(s, min(s + batch_size, len(windows)))) for s in range(0, len(windows), batch_size)]
 
 
 def _hooks(model: Any, cond: Condition, km: dict) -> list:
@@ -445,12 +450,10 @@ def _match_on_reference(model: Any, conds: list[Condition], ref: Windows, ref_ba
                         progress: bool) -> tuple[list[Condition], list[dict]]:
     """Tune every control's α so that its mean clean-NLL damage on the REFERENCE windows equals
     destroy's there (:func:`match_alpha`); the analysed documents are never looked at."""
-    docs = ref.doc_ids.tolist()
-
     def damage(cond: Condition) -> float:
-        c = cond.for_documents(docs, cfg.seed, cfg.redraw_controls)
-        nll = nll_on_target(model, ref.tokens, target_len=cfg.target(), fwd_hooks=_hooks(model, c, km),
-                            batch_size=cfg.batch_size)
+        nll = torch.cat([nll_on_target(model, w.tokens, target_len=cfg.target(), batch_size=len(w), fwd_hooks=_hooks(
+            model, cond.for_documents(w.doc_ids.tolist(), cfg.seed, cfg.redraw_controls), km))
+            for w in _batches(ref, cfg.batch_size)])  # fmt: skip
         return float((nll - ref_base).mean())
 
     target = damage(conds[0])
@@ -730,14 +733,12 @@ def _condition_table(summary: pd.DataFrame) -> pd.DataFrame:
 def render(ctx: Any, cfg: Config) -> Any:
     """The report section: the verdict per entry, the conditions, damage equivalence, the per-fraction
     and AUC contrasts, the interaction between entries, and the figure."""
-    from posgen_tl.report.html import Section  # noqa: PLC0415
+    from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
 
     config = ctx.work.load_json("causal_config.json")
     title = "5 · Does tolerance depend on the pattern? The causal test (METHOD §5, §8)"
     if "skipped" in config:
-        return Section(title, verdict=config["skipped"], results={"skipped": config["skipped"]},
-                       paragraphs=["Give a corpus of several documents: k̄ and the controls' strengths come from "
-                                   "documents disjoint from the analysed ones."])
+        return skipped_section(title, config["skipped"], "causal")
     v, dmg, con = _load(ctx, "verdicts"), _load(ctx, "damage"), _load(ctx, "contrasts")
     inter, summary = _load(ctx, "interaction"), _load(ctx, "summary")
     fam = config["claim_family"]

@@ -316,13 +316,13 @@ class Config(base.Config):
 
     NAME: ClassVar[str] = "decomposition"
     n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
-    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
-    layers: Any = base.option("all", "layers analysed", "layers", quick="every5")
+    n_ref: int = base.n_ref_option()
+    layers: Any = base.layers_option("analysed")
     k_mean: tuple[str, ...] = base.option(K_MEAN_KINDS, "k̄ kinds scored by D3: global (from the reference "
                                           "documents) and/or per_sequence (each sequence's own mean key)", "names")
     sink: int = base.option(1, "first key positions treated as attention sinks (excluded from k̄ and in the "
                                "sink_excluded rows)", "count")
-    batch_size: int = base.option(4, "sequences per forward batch", "int")
+    batch_size: int = base.batch_option(4)
     bound_rows: int = base.option(32, "query rows on which the D3 bound is checked (float64)", "int")
 
 

@@ -29,7 +29,7 @@ class Config(base.Config):
     """Options of the per-head gap experiment."""
 
     NAME: ClassVar[str] = NAME
-    n_ref: int = base.option(8, "windows of the disjoint reference documents for the global k̄", "int", quick=2)
+    n_ref: int = base.n_ref_option(8, full=8)
     gap: float = base.option(2.0, "the gap G in units of the model's n_ctx", "float")
     prefix_len: int = base.option(0, "prefix tokens; 0 = max(16, seq_len / 2)", "count")
     suffix_len: int = base.option(0, "suffix tokens; 0 = max(16, seq_len / 2)", "count")

@@ -120,7 +120,7 @@ class Config(base.Config):
     NAME: ClassVar[str] = "length"
     n_seq: int = base.option(8, "analysed sequences of the gap probe (windows of distinct documents first)", "int",
                              quick=2, full=32)
-    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
+    n_ref: int = base.n_ref_option()
     gap: bool = base.option(True, "run the gap probe", "bool")
     gaps: tuple[float, ...] = base.option(DEFAULT_GAPS, "gaps G in units of the model's n_ctx", "floats",
                                           quick=(0.0, 1.0, 2.0))
@@ -128,7 +128,7 @@ class Config(base.Config):
     suffix_len: int = base.option(0, "suffix tokens; 0 = max(16, seq_len / 2)", "count")
     skip: int = base.option(0, "first suffix tokens left out of the NLL; 0 = min(16, suffix / 4)", "count")
     delta0: int = base.option(0, "reference offset Δ0 of the disentangled logits f(q, C) + g_Δ0", "count")
-    batch_size: int = base.option(2, "sequences per forward batch of the gap probe", "int")
+    batch_size: int = base.batch_option(2, "gap-probe sequences")
     window: bool = base.option(True, "run window removal on sliding-window models", "bool")
     window_seq_len: int = base.option(2048, "tokens per sequence of the window-removal run", "int", quick=768)
     window_n_seq: int = base.option(4, "sequences of the window-removal run", "int", quick=2, full=16)
@@ -588,15 +588,12 @@ def _verdict_gap(summ: pd.DataFrame) -> str:
 
 def render(ctx: Any, cfg: Config) -> Any:
     """The report section: suffix NLL per gap and condition, window removal by position bucket, figures."""
-    from posgen_tl.report.html import Finding, Section  # noqa: PLC0415
+    from posgen_tl.report.html import Finding, Section, skipped_section  # noqa: PLC0415
 
     title = "8 · Longer texts: unseen distances (METHOD §7)"
     meta = ctx.work.load_json("length_gap_meta.json")
     if "skipped" in meta:
-        return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
-                       findings=[Finding("length", "not testable", note=str(meta["skipped"]))],
-                       paragraphs=["Give a corpus of several documents (a folder of text files, or the default pydoc "
-                                   "topics): the global k̄ must come from documents disjoint from the analysed ones."])
+        return skipped_section(title, meta["skipped"], "length")
     tables, figures, paras, verdict = [], [], [], "The gap probe was not run (option gap=false)."
     res: dict[str, Any] = {"meta": meta}
     findings = [Finding("length", "not run", note="gap probe not run (option gap=false)")]

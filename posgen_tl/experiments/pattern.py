@@ -286,10 +286,10 @@ class Config(base.Config):
 
     NAME: ClassVar[str] = "pattern"
     n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
-    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
-    layers: Any = base.option("all", "layers measured", "layers", quick="every5")
+    n_ref: int = base.n_ref_option()
+    layers: Any = base.layers_option("measured")
     sink: int = base.option(1, "first positions of every sequence excluded from every statistic", "count")
-    batch_size: int = base.option(4, "sequences per forward batch", "int")
+    batch_size: int = base.batch_option(4)
     n_splits: int = base.option(16, "random document halvings averaged in rho_cross", "int")
 
 

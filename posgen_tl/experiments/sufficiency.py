@@ -77,7 +77,7 @@ class Config(base.Config):
 
     NAME: ClassVar[str] = "sufficiency"
     n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
-    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
+    n_ref: int = base.n_ref_option()
     target_len: int = base.option(0, "tokens at the end whose NLL is measured; 0 = min(64, seq_len / 4)", "count")
     sources: tuple[str, ...] = base.option(SOURCES, "substituted logits: d3 (f + g_Δ0), d3_quantile, and the d1 and "
                                            "wrong_kbar controls", "names")
@@ -91,7 +91,7 @@ class Config(base.Config):
     keep_sink: int = base.option(1, "first keys kept exact", "count")
     margin: float = base.option(0.05, "equivalence margin (nats of ΔNLL) for 'the substitution barely moves the NLL': "
                                       "TOST, declared before the run", "float")
-    batch_size: int = base.option(4, "sequences per forward batch", "int")
+    batch_size: int = base.batch_option(4)
 
     def target(self) -> int:
         """The target length (``target_len``, or ``min(64, seq_len // 4)`` when it is 0)."""
@@ -219,15 +219,12 @@ def compute(ctx: Any, cfg: Config) -> None:
 
 def render(ctx: Any, cfg: Config) -> Any:
     """The report section: ΔNLL per source and layer group, beside the controls, and the figure."""
-    from posgen_tl.report.html import Finding, Section  # noqa: PLC0415
+    from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
 
     title = "6 · Sufficiency: does f + g carry what the model uses? (METHOD §5)"
     meta = ctx.work.load_json("sufficiency_meta.json")
     if "skipped" in meta:
-        return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
-                       findings=[Finding("sufficiency", "not testable", note=str(meta["skipped"]))],
-                       paragraphs=["Give a corpus of several documents: the global k̄ must come from documents "
-                                   "disjoint from the analysed ones."])
+        return skipped_section(title, meta["skipped"], "sufficiency")
     summ = ctx.work.load_df("sufficiency_summary.csv")
     d = summ[summ["estimator"] == "dnll"]
     line = "; ".join(f"{r.source} @ {r.group}: {r.estimate:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"

@@ -192,8 +192,8 @@ class Config(base.Config):
 
     NAME: ClassVar[str] = "taxonomy"
     n_seq: int = base.option(8, "prompts (windows of distinct documents)", "int", quick=2, full=32)
-    n_ref: int = base.option(4, "windows of the disjoint reference documents for the global k̄", "int", quick=2, full=8)
-    layers: Any = base.option("all", "layers classified", "layers", quick="every5")
+    n_ref: int = base.n_ref_option()
+    layers: Any = base.layers_option("classified")
     n_perm: int = base.option(8, "region permutations per prompt", "int")
     region_len: int = base.option(0, "tokens of the permuted region; 0 = max(4, min(64, seq_len / 4))", "count")
     n_query: int = base.option(0, "query rows after the region; 0 = the region length", "count")
@@ -202,7 +202,7 @@ class Config(base.Config):
     min_score: float = base.option(0.2, "a score must also exceed this to count", "float")
     quantile: float = base.option(0.95, "quantile of the permutation null a score must exceed", "float")
     rel_tol: float = base.option(1e-3, "rows whose logit spread is below this fraction of the head's are excluded", "float")
-    batch_size: int = base.option(1, "prompts (each with its permutations) per forward batch", "int")
+    batch_size: int = base.batch_option(1, "prompts (each with its permutations)")
 
     def region(self) -> tuple[int, int]:
         """``(region_len, n_query)`` with the automatic defaults resolved."""

@@ -86,7 +86,7 @@ class Config(SwapOptions):
 
     NAME: ClassVar[str] = "tolerance"
     twin_seeds: tuple[int, ...] = base.option((0,), "swap seeds for the random twin's T1/T2 curves", "ints")
-    batch_size: int = base.option(8, "sequences per forward batch", "int")
+    batch_size: int = base.batch_option(8)
     t12_margin: float = base.option(0.01, "TOST margin of the T1 − T2 AUC (nats × p) for 'alike', declared before the "
                                           "run (about a quarter of SmolLM2's T1 AUC over p ≤ 0.2 in the first landing)",
                                     "float")
@@ -481,14 +481,12 @@ def compute(ctx: Any, cfg: Config) -> None:
 def render(ctx: Any, cfg: Config) -> Any:
     """The report section: T1/T2 ΔNLL per fraction, AUC and slope beside the twin, T1 − T2 contrasts,
     the TOST of T1 − T2 at the declared margin, the figure."""
-    from posgen_tl.report.html import Section  # noqa: PLC0415
+    from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
 
     meta = ctx.work.load_json("tolerance_meta.json")
     title = "4 · Position tolerance: T1 / T2 (METHOD §4)"
     if "skipped" in meta:
-        return Section(title, verdict=meta["skipped"], results={"skipped": meta["skipped"]},
-                       paragraphs=["Give a corpus of several documents (a folder of text files, or the default pydoc "
-                                   "topics): the unit of every verdict is a document."])
+        return skipped_section(title, meta["skipped"], "tolerance")
     summ = ctx.work.load_df("tolerance_summary.csv")
     con = ctx.work.load_df("t1_t2_contrasts.csv")
     tost = ctx.work.load_df("t1_t2_tost.csv")

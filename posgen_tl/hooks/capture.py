@@ -49,6 +49,7 @@ __all__ = [
     "model_device",
     "pre_rotation",
     "pattern_hooks",
+    "require_pre_softmax",
 ]
 
 
@@ -327,6 +328,19 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
             scores_masked = bool((s[..., ~tri] == 0).all()) if scores_kind == "post_softmax" else None
     info = dataclasses.replace(info, scores_kind=scores_kind, scores_masked=scores_masked)
     _PROBES[model] = (spec, info)
+    return spec, info
+
+
+def require_pre_softmax(model: Any, what: str) -> tuple[RopeSpec, HookInfo]:
+    """``probe_hooks(model)``, after checking that ``hook_attn_scores`` holds pre-softmax logits (``what``
+    needs to rewrite them).
+
+    Raises:
+        CaptureError: the scores are post-softmax, unknown or absent (the message names ``what``)."""
+    spec, info = probe_hooks(model)
+    if info.scores_kind != "pre_softmax":
+        raise CaptureError(f"{spec.model_name}: hook_attn_scores holds {info.scores_kind!r} values, not pre-softmax "
+                           f"logits; {what} is impossible on this model")
     return spec, info
 
 

@@ -16,7 +16,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import CaptureError, probe_hooks
+from posgen_tl.hooks.capture import probe_hooks, require_pre_softmax
 from posgen_tl.maths.approx_logits import causal_visible, d3_approx_logits, disentangled_logits, distances, exact_logits
 from posgen_tl.maths.approx_logits import lm_infinite_logits, quantile_mask
 from posgen_tl.maths.decompose import fit_additive
@@ -92,12 +92,7 @@ def logit_substitution_hooks(
     Raises:
         CaptureError: the model's ``hook_attn_scores`` are not pre-softmax logits.
     """
-    spec, info = probe_hooks(model)
-    if info.scores_kind != "pre_softmax":
-        raise CaptureError(
-            f"{spec.model_name}: hook_attn_scores holds {info.scores_kind!r} values, not pre-softmax logits; "
-            "logit substitution is impossible on this model"
-        )
+    spec, info = require_pre_softmax(model, "logit substitution")
     softcap = spec.extra.get("attn_logit_softcapping")
     layers = range(spec.n_layers) if layers is None else layers
     out: HookList = []

@@ -15,7 +15,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import CaptureError, StopForward, pre_rotation, probe_hooks
+from posgen_tl.hooks.capture import CaptureError, StopForward, pre_rotation, probe_hooks, require_pre_softmax
 from posgen_tl.maths.perturb import capped_scores
 from posgen_tl.maths.rope import LayerRope, rotate, unrotate
 
@@ -83,11 +83,7 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
     Raises:
         CaptureError: the model's ``hook_attn_scores`` are not pre-softmax logits.
     """
-    spec, info = probe_hooks(model)
-    if info.scores_kind != "pre_softmax":
-        raise CaptureError(
-            f"{spec.model_name}: hook_attn_scores holds {info.scores_kind!r} values; cannot recompute capped logits"
-        )
+    spec, info = require_pre_softmax(model, "recomputing capped logits")
     softcap = spec.extra.get("attn_logit_softcapping")
     layers = range(spec.n_layers) if layers is None else layers
     out: HookList = []

@@ -22,3 +22,19 @@ def ci_lines(ax, d: pd.DataFrame, x: str, by: str | Sequence[str] | None, *, xsc
         (line,) = ax.plot(xs, g[y], linestyle(key) if linestyle else "-", marker="o", ms=3,
                           label=label(key) if label else " / ".join(map(str, key)))
         ax.fill_between(xs, g["ci_low"], g["ci_high"], color=line.get_color(), alpha=0.2)
+
+
+def finish(fig, ax, *, xlabel: str, ylabel: str, title: str, zero: bool = False):
+    """Label ``ax`` (and a horizontal zero line when ``zero``), add its legend, lay out and close
+    ``fig`` (returned, not left open: Jupyter shows it once, as the cell's value). Returns ``fig``."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    if zero:
+        ax.axhline(0, color="k", lw=0.5)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

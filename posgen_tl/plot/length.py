@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.figure import Figure
 
-from posgen_tl.plot._common import ci_lines
+from posgen_tl.plot._common import ci_lines, finish
 
 __all__ = ["plot_gap_probe", "plot_window_removal"]
 
@@ -16,13 +16,7 @@ def _nll_by(summary: pd.DataFrame, x: str, xlabel: str, ylabel: str, title: str)
     d = summary[summary["estimator"] == "nll"]
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ci_lines(ax, d, x, "condition")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    plt.close(fig)  # returned, not left open: Jupyter shows it once
-    return fig
+    return finish(fig, ax, xlabel=xlabel, ylabel=ylabel, title=title)
 
 
 def plot_gap_probe(summary: pd.DataFrame, *, title: str = "") -> Figure:

@@ -7,6 +7,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from posgen_tl.plot._common import finish
+
 __all__ = ["plot_sufficiency"]
 
 
@@ -26,11 +28,5 @@ def plot_sufficiency(summary: pd.DataFrame, *, title: str = "") -> Figure:
         err = np.vstack([g["estimate"] - g["ci_low"], g["ci_high"] - g["estimate"]])
         ax.bar(x, g["estimate"], w, yerr=err, capsize=2, label=s)
     ax.set_xticks(np.arange(len(groups)), groups)
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set_xlabel("layers whose logits are substituted")
-    ax.set_ylabel("ΔNLL on the target span (nats)")
-    ax.set_title(title or "Sufficiency: substituting the logits by a decomposition")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    plt.close(fig)  # returned, not left open: Jupyter shows it once
-    return fig
+    return finish(fig, ax, xlabel="layers whose logits are substituted", ylabel="ΔNLL on the target span (nats)",
+                  title=title or "Sufficiency: substituting the logits by a decomposition", zero=True)

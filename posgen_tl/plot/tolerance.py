@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.figure import Figure
 
-from posgen_tl.plot._common import ci_lines
+from posgen_tl.plot._common import ci_lines, finish
 
 __all__ = ["plot_tolerance_curves", "plot_length"]
 
@@ -24,14 +24,8 @@ def plot_tolerance_curves(df: pd.DataFrame, *, hue: str | None = None, title: st
     keys = list(dict.fromkeys(keys))
     fig, ax = plt.subplots(figsize=(5.5, 4))
     ci_lines(ax, d, "frac", keys, xscale=100, linestyle=lambda key: "--" if "random" in map(str, key) else "-")
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set_xlabel("adjacent pairs swapped in the context, p (%)")
-    ax.set_ylabel("ΔNLL on the target span (nats)")
-    ax.set_title(title or "Position tolerance (T1 tokens, T2 position ids)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return finish(fig, ax, xlabel="adjacent pairs swapped in the context, p (%)", ylabel="ΔNLL on the target span (nats)",
+                  title=title or "Position tolerance (T1 tokens, T2 position ids)", zero=True)
 
 
 def plot_length(df: pd.DataFrame, *, title: str = "") -> Figure:
@@ -44,10 +38,5 @@ def plot_length(df: pd.DataFrame, *, title: str = "") -> Figure:
     keys = ["twin", "cap"] if "twin" in df.columns else ["cap"]
     d = df.assign(cap=df["cap"].astype(object).where(df["cap"].notna(), "none"))
     ci_lines(ax, d, "bucket_start", keys, label=lambda key: "cap=" + " / ".join(map(str, key)))
-    ax.set_xlabel("position (bucket start)")
-    ax.set_ylabel("mean NLL (nats)")
-    ax.set_title(title or "T3: NLL by position, with/without distance cap")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+    return finish(fig, ax, xlabel="position (bucket start)", ylabel="mean NLL (nats)",
+                  title=title or "T3: NLL by position, with/without distance cap")

@@ -18,7 +18,7 @@ import pandas as pd
 
 from posgen_tl.report.text import sig3
 
-__all__ = ["Section", "Finding", "QUESTIONS", "figure_to_png", "render_html", "sig3", "FOLD_ROWS"]
+__all__ = ["Section", "Finding", "skipped_section", "QUESTIONS", "figure_to_png", "render_html", "sig3", "FOLD_ROWS"]
 
 #: the questions of METHOD.md, in the order the summary box lists them (key → what is asked)
 QUESTIONS: dict[str, str] = {
@@ -125,6 +125,16 @@ class Section:
     details: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     results: dict = field(default_factory=dict)
+
+
+def skipped_section(title: str, reason: str, question: str | None = None,
+                    hint: str = "Give a corpus of several documents (a folder of text files, or the default pydoc "
+                                "topics): the global k̄ and the reference windows come from documents disjoint from "
+                                "the analysed ones.") -> "Section":
+    """The section of an experiment that could not run on this corpus (``reason``), with a hint and —
+    when it answers a summary ``question`` — a "not testable" headline naming the reason."""
+    findings = [Finding(question, "not testable", note=str(reason))] if question else []
+    return Section(title, verdict=reason, paragraphs=[hint], findings=findings, results={"skipped": reason})
 
 
 def figure_to_png(fig: Any, dpi: int = 100) -> bytes:

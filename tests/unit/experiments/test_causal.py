@@ -218,7 +218,8 @@ def test_controls_are_tuned_on_the_reference_documents_only(llama, monkeypatch):
 
     monkeypatch.setattr(ca, "_match_on_reference", spy)
     _run(llama, groups=("2",), controls=("C1",), windows=(ana, ref))
-    assert seen and all(torch.equal(tk, ref.tokens) for tk in seen)
+    ref_rows = {tuple(r) for r in ref.tokens.tolist()}
+    assert seen and all(tuple(row) in ref_rows for tk in seen for row in tk.tolist())
 
 
 def test_claim_declared_beyond_the_run_bounds_the_p(llama):
@@ -305,3 +306,10 @@ def test_causal_none_reuses_the_t1_curve(llama):
                                windows=other, batch_size=4, progress=False)
     with pytest.raises(ValueError, match="other windows"):
         ca.causal_study(llama, **kw, t12=t12_other)
+
+
+def test_matching_draws_per_document_across_batches(llama):
+    """More reference windows than a batch: every batch gets its own documents' draws (a regression:
+    the whole reference set's seeds were once handed to a 4-row batch)."""
+    res = _run(llama, groups=("2",), controls=("C1", "C4"), n_ref=5, batch_size=2, n_seq=4, match_steps=1)
+    assert set(res.matching["condition"]) == {"destroy", "C1", "C4"}
