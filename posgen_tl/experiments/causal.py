@@ -546,7 +546,7 @@ def causal_study(
     """
     cfg = base.config_of(Config, cfg, options)
     _check(cfg)
-    t_start = time.time()
+    t_start, commit = time.time(), git_commit(short=True)
     spec, _ = probe_hooks(model)
     groups = resolve_groups(cfg.groups, spec.n_layers)
     ana, ref = windows if windows is not None else sample_windows(
@@ -577,7 +577,7 @@ def causal_study(
     times["passes_s"] = time.time() - t0
     config = dict(cfg.as_dict(), model=spec.model_name, target_len=target, n_seq=len(ana), n_docs=ana.n_docs,
                   n_ref=len(ref), ref_docs=sorted(set(ref.doc_ids.tolist())), entries=bands,
-                  none_swaps_from_t12=reuse is not None, commit=git_commit(short=True),
+                  none_swaps_from_t12=reuse is not None, commit=commit,
                   windows_sha1=windows_fingerprint(ana), claim_family=claim_family(cfg, spec.model_name, groups,
                                                                                    ana.n_docs),
                   swaps="p = fraction of disjoint adjacent pairs of the context swapped: ≈ 2p of the tokens move; "

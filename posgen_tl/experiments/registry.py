@@ -130,6 +130,7 @@ def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-
 
     mod = experiment(name)
     t0 = time.time()
+    commit = git_commit()  # the code that runs: taken before, not after, a long run
     if isinstance(model, (str, Path)):
         from posgen_tl.io.models import load_model  # noqa: PLC0415
 
@@ -149,7 +150,7 @@ def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-
                    and before.get(p.name) != p.stat().st_mtime_ns and p.suffix in (".csv", ".png", ".json"))
     files = [f for f in files if f != f"{name}.json"]
     meta = {"study": name, "model": ctx.model_name, "preset": preset,
-            "command": command or shlex.join(["posgen-tl", *sys.argv[1:]]), "git_commit": git_commit(),
+            "command": command or shlex.join(["posgen-tl", *sys.argv[1:]]), "git_commit": commit,
             "config": cfg.as_dict(), "wall_seconds": wall}
     atomic_write(out / f"{name}.md", _markdown(name, meta, sec, files).encode())
     payload = {**meta, "findings": [f.as_dict() for f in sec.findings], "results": sec.results, "files": files}

@@ -357,7 +357,7 @@ def t1_t2_study(
     cfg = base.config_of(Config, cfg, options)
     seq_len, seed, batch_size, fracs, seeds = cfg.seq_len, cfg.seed, cfg.batch_size, cfg.fracs, cfg.seeds
     target_len, twin_seeds = cfg.target(), cfg.twin_seeds
-    t_start = time.time()
+    t_start, commit = time.time(), git_commit(short=True)
     ana = windows if windows is not None else sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=seq_len,
                                                              seed=seed)[0]
     models = [("trained", model, tuple(seeds))]
@@ -401,7 +401,7 @@ def t1_t2_study(
                   fracs=list(map(float, fracs)), seeds=list(map(int, seeds)),
                   twin_seeds=[list(s) for nm, _, s in models if nm == "random"], margin=cfg.t12_margin,
                   margin_rule=margin_rule,
-                  note=stats.EQUIVARIANCE_NOTE, commit=git_commit(short=True), seed=seed, windows_sha1=windows_fingerprint(ana),
+                  note=stats.EQUIVARIANCE_NOTE, commit=commit, seed=seed, windows_sha1=windows_fingerprint(ana),
                   wall_s={**times, "total_s": time.time() - t_start})  # fmt: skip
     return T12Result(rows, units, summary, contrasts, pd.concat(eq, ignore_index=True), config)
 
