@@ -74,10 +74,10 @@ pg.plot.head_maps(twin_res)'''),
         md("""## Which k̄? (METHOD §2)
 With each sequence's own k̄ the random twin fits D3 well too: random keys carry a large per-text
 constant. One **global** k̄ from *other* documents separates them: the trained head has one
-text-independent positional kernel. `reference_windows` draws the reference from documents disjoint
-from the analysed ones."""),
-        code('''pool, ref = pg.io.corpus.reference_windows(model, seq_len=tokens.shape[1], n_seq=2)
-analysed = pool.tokens[:2]
+text-independent positional kernel. `pg.io.sampling.sample_windows` draws the reference from documents
+disjoint from the analysed ones — the same windows every experiment uses."""),
+        code('''windows, ref = pg.io.sampling.sample_windows(model, seq_len=tokens.shape[1], n_seq=2, n_ref=2)
+analysed = windows.tokens
 rows = []
 for label, m in (("trained", model), ("random", twin)):
     for kind in ("per_sequence", "global"):

@@ -63,19 +63,20 @@ fracs = (0.0, 0.1, 0.2) if SMALL else (0.0, 0.05, 0.1, 0.2)'''),
 T1 swaps a fraction *p* of adjacent token pairs in the context (never the last `target` tokens) and
 reads the NLL of the untouched target span. T2 applies the same swaps to the **position ids only**."""),
         code('''curves = pg.transposition_curve(model, tokens, fracs=fracs, seeds=(0,), target_len=target, modes=("T1", "T2"))
-summary = pg.experiments.tolerance.curve_summary(curves, by=("mode",))
+summary = pg.stats.curve_summary(curves, by=("mode",))   # document means, 95 % bootstrap over documents
 summary'''),
         code('''pg.plot.tolerance_curves(summary, title="SmolLM2: ΔNLL vs swap fraction")'''),
         md("""**✎ Exercise 1.** Is T1 ≈ T2? "The CI contains 0" is not an answer: only an equivalence test
-(TOST) with a margin stated in advance can say "alike". `pg.experiments.causal.t1_t2_study` runs both curves on windows of
-many documents, with the random twin, and tests T1 − T2 slopes by TOST.
+(TOST) with a margin stated in advance can say "alike". `pg.experiments.tolerance.t1_t2_study` runs both curves on
+windows of many documents, with the random twin, and tests the T1 − T2 area under the curve by TOST at the
+margin its Config declares.
 
-*Answer:* read `equivalent` and the margin below, and the equivariance note: T1 and T2 differ only in
+*Answer:* read `verdict` and the margin below, and the equivariance note: T1 and T2 differ only in
 the causal order among context tokens, so T1 − T2 is a causal-order effect, not "tokens vs ids"."""),
-        code('''t12 = pg.experiments.causal.t1_t2_study(model, n_seq=max(n_seq, 4), seq_len=seq_len, target_len=target, fracs=fracs, seeds=(0,),
-                     twin=not SMALL, progress=False)
+        code('''t12 = pg.experiments.tolerance.t1_t2_study(model, n_seq=max(n_seq, 4), seq_len=seq_len, target_len=target,
+                                          fracs=fracs, twin=not SMALL, progress=False)
 print(t12.config["note"])
-t12.equivalence[["twin", "t1_slope", "t2_slope", "mean", "lo", "hi", "margin", "p", "equivalent"]]'''),
+t12.equivalence[["twin", "t1_auc", "t2_auc", "estimate", "ci_low", "ci_high", "ci_level", "margin", "p", "verdict"]]'''),
         md("""## 2. An intervention is just a list of hooks
 `Intervention("destroy", bands=...)` removes each key's token-invariant offset k̄ in the chosen bands
 (pre-rotation keys). It needs k̄, measured on the context part of the tokens."""),
@@ -103,23 +104,27 @@ The intervention raised the clean NLL. Any change that damages the model may als
 tolerance — so `pg.causal_study` compares it with four controls (C1 the same change in random bands,
 C2 the offset removed in slow bands, C3 the offset rephased, C4 same-norm noise in the same bands),
 each at the intervention's damage (its own strength is searched), and with no intervention. Sequences
-come from many documents; k̄ from other, disjoint documents; swaps are drawn per (sequence, seed)."""),
-        code('''res = pg.causal_study(model, n_seq=max(n_seq, 4), seq_len=seq_len, target_len=target, fracs=fracs, seeds=(0,),
-                      layers=mid, controls=("C1",) if SMALL else ("C1", "C2", "C3", "C4"), match_subset=4 if SMALL else 16,
-                      match_steps=2 if SMALL else 5, progress=False)
-res.conditions[["condition", "alpha", "damage", "damage_lo", "damage_hi", "attn_kl", "slope", "slope_lo", "slope_hi"]]'''),
-        code('''res.contrasts[["contrast", "primary", "n_seq", "n_docs", "mean_diff", "boot_lo", "boot_hi", "p_exact", "p_holm",
-               "damage_matched", "split_half_agree", "mde", "verdict"]]'''),
-        md("""**✎ Exercise 3.** The verdict says `depends` only if the Holm-adjusted exact sign-flip p is below
-0.05, the damages match, and the sign agrees on a disjoint half of the documents. With 4 sequences,
-what do you expect, and why is "no evidence" not the same as "no effect"?
+come from many documents; k̄ and the controls' strengths from other, disjoint documents; swaps are drawn
+per (sequence, seed); the random controls are drawn afresh for every document."""),
+        code('''res = pg.causal_study(model, n_seq=max(n_seq, 4), seq_len=seq_len, target_len=target, fracs=fracs,
+                      groups=("10-11",) if SMALL else ("middle",), controls=("C1",) if SMALL else ("C1", "C2", "C3", "C4"),
+                      n_ref=4, match_steps=2 if SMALL else 5, progress=False)
+s = res.tables["summary"]
+s[s.estimator.isin(["damage", "attn_kl", "auc"])][["layers", "condition", "estimator", "estimate", "ci_low", "ci_high"]]'''),
+        code('''res.tables["verdicts"][["layers", "estimate", "ci_low", "ci_high", "p", "p_kind", "counted_controls",
+                         "excluded_controls", "mde", "n_docs", "verdict"]]'''),
+        md("""**✎ Exercise 3.** The verdict says `depends` only if destroy changes tolerance (its area under the
+ΔNLL-over-p curve differs from the unedited model's) AND differs, in the same direction, from every
+control at equal damage — the largest of those p-values must be below 0.05. With 4 documents, what do
+you expect, and why is "no evidence" not the same as "no effect"?
 
-*Answer:* with 4 documents the smallest exact two-sided p is 2/16 = 0.125, so "depends" is impossible
-(and the table says "exploratory"); "no evidence" only says the data cannot separate the two — the
-`mde` column gives the effect this n could have detected. `results/README_causal.md` has the powered run.
+*Answer:* with 4 documents the smallest exact two-sided sign-flip p is 2/16 = 0.125, so "depends" is
+impossible (and the table says "exploratory"); "no evidence" only says the data cannot separate the two —
+the `mde` column gives the effect this n could have detected. The documentation's results pages have the
+powered runs.
 
-**✎ Exercise 4 (open).** Repeat at `alpha=1.0`. The damage grows a lot; what happens to all slopes,
-and why does METHOD.md call this a floor effect?"""),
+**✎ Exercise 4 (open).** Repeat at `alpha=1.0`. The damage grows a lot; what happens to every curve,
+and why is editing at that strength a floor effect?"""),
     ]
 
 
@@ -141,7 +146,7 @@ Two fixes from LM-Infinite are hooks on the attention scores: **LM-Infinite** cl
 `f(q_i, C) + g_Δ0(q_i, k_j)` — the decomposition of notebook 1 with a global mean key `k̄`."""),
         code(SETUP),
         code('''length, sufficiency = pg.experiments.length, pg.experiments.sufficiency
-analysis_windows = pg.experiments.decomposition.analysis_windows
+sample_windows = pg.io.sampling.sample_windows
 reference_key_means = pg.experiments.decomposition.reference_key_means
 lm_infinite_hooks = pg.hooks.logits.lm_infinite_hooks
 gap_position_ids = pg.maths.perturb.gap_position_ids
@@ -153,7 +158,7 @@ n_seq, half = (2, 32) if SMALL else (16, 256)
 print("n_ctx =", n_ctx, "  ids with G = n_ctx:", gap_position_ids(4, 4, n_ctx).tolist())'''),
         md("## 1. The gap probe: vanilla vs LM-Infinite vs disentangled"),
         code('''res = length.gap_probe(model, None, prefix_len=half, suffix_len=half, gaps=(0, 0.5, 1, 2), n_seq=n_seq,
-                       n_ref=2 if SMALL else 8, skip=min(16, half // 4))
+                       n_ref=2 if SMALL else 8, skip=min(16, half // 4), seq_len=2 * half)
 res.summary[res.summary.estimator != "nll"].round(3)
 plot_gap_probe(res.summary)'''),
         md("""Read the `d_vs_gap0` rows of `vanilla`: if their CIs include 0 the model *tolerates* far distances
@@ -162,7 +167,7 @@ for this task (the prefix matters little to the suffix), and the probe shows tol
 
 ## 2. The same hooks, by hand (they compose with `run_with_hooks`)"""),
         code('''ids = gap_position_ids(half, half, 2 * n_ctx)
-win, ref = analysis_windows(model, None, n_seq=1 if SMALL else 4, seq_len=2 * half, n_ref=2)  # disjoint documents
+win, ref = sample_windows(model, None, n_seq=1 if SMALL else 4, seq_len=2 * half, n_ref=2)  # disjoint documents
 hooks = lm_infinite_hooks(model, n_ctx, n_sink=1, position_ids=ids)
 for name, h in (("vanilla", []), ("LM-Infinite", hooks)):
     nll = length.span_nll(model, win.tokens, half + 1, position_ids=ids, fwd_hooks=h)
@@ -179,7 +184,7 @@ plot_gap_heads(heads)'''),
 If `f + g` carries what the model uses, NLL barely moves; the D1 fit and a wrong `k̄` are the controls."""),
         code('''groups = {"20–29": list(range(20, 30)), "all": list(range(30))} if not SMALL else {"29": [29]}
 suf = sufficiency.sufficiency(model, None, n_seq=n_seq, seq_len=2 * half, target_len=half // 2,
-                              n_ref=2 if SMALL else 8, groups=groups)
+                              n_ref=2 if SMALL else 8, groups=groups, sources=("d3", "d1", "wrong_kbar"))
 suf.summary[suf.summary.estimator == "dnll"].round(3)
 plot_sufficiency(suf.summary)'''),
     ]

@@ -211,8 +211,8 @@ class Config:
     :meth:`from_text` (command-line text) or :meth:`replace` (checked keyword changes).
     """
 
-    n_seq: int = option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
-    seq_len: int = option(256, "tokens per sequence", "int", quick=96)
+    n_seq: int = option(12, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
+    seq_len: int = option(128, "tokens per sequence", "int", quick=64, full=256)
     seed: int = option(0, "seed of the document split, the windows, the swaps and the random twin", "count")
     corpus: str | None = option(None, "UTF-8 text file or folder of .txt/.md files (default: the stdlib's pydoc "
                                       "topics, 79 documents)", "text")
@@ -220,6 +220,14 @@ class Config:
 
     #: the experiment's name (``posgen-tl study NAME``); set by each subclass
     NAME: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError naming the option when the values cannot give a valid run (an experiment
+        overrides it). Called on every construction, so each door (Python, ``study``, ``report``) fails
+        before a model loads."""
 
     @classmethod
     def options(cls) -> list[Option]:

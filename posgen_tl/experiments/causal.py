@@ -97,10 +97,11 @@ class Config(SwapOptions):
     NAME: ClassVar[str] = "causal"
     n_ref: int = base.option(8, "windows of the disjoint reference documents: the global k̄ (their context part) and "
                                 "each control's damage matching (out of sample)", "int", quick=4)
-    groups: tuple[str, ...] = base.option(("middle", "late"), "layer groups whose keys are edited, one claim entry each: "
-                                          "early, middle, late or a range such as 10-19", "names", quick=("middle",))
-    controls: tuple[str, ...] = base.option(CONTROLS, "controls of METHOD §5, from C1,C2,C3,C4 (each is required)",
-                                            "names", quick=("C1",))
+    groups: tuple[str, ...] = base.option(("middle",), "layer groups whose keys are edited, one claim entry each: "
+                                          "early, middle, late or a range such as 10-19", "names",
+                                          full=("middle", "late"))
+    controls: tuple[str, ...] = base.option(("C1", "C2"), "controls of METHOD §5, from C1,C2,C3,C4 (each is required)",
+                                            "names", quick=("C1",), full=CONTROLS)
     alpha: float = base.option(0.5, "strength of 'destroy' (each control's own α is tuned to its damage)", "float")
     match_steps: int = base.option(3, "damage evaluations per control when tuning its α on the reference windows",
                                    "int", quick=2, full=5)
@@ -115,6 +116,20 @@ class Config(SwapOptions):
                                          "Entries of other runs bound the adjustment (Bonferroni) until all are run",
                                          "names")
     batch_size: int = base.batch_option(4)
+
+    def check(self) -> None:
+        """Raise ValueError naming the option: fewer than 3 sequences, a target that does not fit,
+        fractions without 0 and one p > 0, an undeclared damage margin or an unknown damage rule."""
+        if self.n_seq < 3:
+            raise ValueError(f"causal: n_seq={self.n_seq}: a contrast needs at least 3 sequences")
+        if not 0 < self.target() < self.seq_len - 2:
+            raise ValueError(f"causal: target_len={self.target()} must be in (0, {self.seq_len - 2})")
+        if sum(1 for f in self.fracs if f > 0) < 1 or 0 not in self.fracs:
+            raise ValueError(f"causal: fracs must include 0 and at least one p > 0, got {list(self.fracs)}")
+        if not 0 < self.damage_margin < 1:
+            raise ValueError(f"causal: damage_margin must be declared in (0, 1), got {self.damage_margin}")
+        if self.damage_rule not in verdicts.DAMAGE_RULES:
+            raise ValueError(f"causal: damage_rule must be one of {verdicts.DAMAGE_RULES}, got {self.damage_rule!r}")
 
 
 # ----------------------------------------------------------------------------- conditions
@@ -433,19 +448,6 @@ class CausalResult:
     config: dict = field(default_factory=dict)
 
 
-def _check(cfg: Config) -> None:
-    if cfg.n_seq < 3:
-        raise ValueError(f"n_seq={cfg.n_seq}: a contrast needs at least 3 sequences")
-    if not 0 < cfg.target() < cfg.seq_len - 2:
-        raise ValueError(f"target_len={cfg.target()} must be in (0, {cfg.seq_len - 2})")
-    if sum(1 for f in cfg.fracs if f > 0) < 1 or 0 not in cfg.fracs:
-        raise ValueError(f"fracs must include 0 and at least one p > 0, got {list(cfg.fracs)}")
-    if not 0 < cfg.damage_margin < 1:
-        raise ValueError(f"damage_margin must be declared in (0, 1), got {cfg.damage_margin}")
-    if cfg.damage_rule not in verdicts.DAMAGE_RULES:
-        raise ValueError(f"damage_rule must be one of {verdicts.DAMAGE_RULES}, got {cfg.damage_rule!r}")
-
-
 def _match_on_reference(model: Any, conds: list[Condition], ref: Windows, ref_base: Tensor, km: dict, cfg: Config,
                         progress: bool) -> tuple[list[Condition], list[dict]]:
     """Tune every control's α so that its mean clean-NLL damage on the REFERENCE windows equals
@@ -531,7 +533,8 @@ def causal_study(
 
     Args:
         cfg: :class:`Config` (default ``Config()``) with ``options`` applied.
-        fast/slow: band indices (default: the first / last quarter of the bands; band 0 = fastest).
+        fast: band indices edited as fast (default: the first quarter of the bands; band 0 = fastest).
+        slow: band indices kept as slow (default: the last quarter of the bands).
         windows: pre-built ``(analysed, reference)`` windows (default: sampled by ``cfg``).
         t12: a T1/T2 result (:func:`posgen_tl.experiments.tolerance.t1_t2_study`) of the same model
             on the same analysed windows, fractions, seeds and target: ``none`` then runs only its
@@ -545,7 +548,6 @@ def causal_study(
             does not match.
     """
     cfg = base.config_of(Config, cfg, options)
-    _check(cfg)
     t_start, commit = time.time(), git_commit(short=True)
     spec, _ = probe_hooks(model)
     groups = resolve_groups(cfg.groups, spec.n_layers)

@@ -315,7 +315,6 @@ class Config(base.Config):
     decomposition``, the report — builds this dataclass."""
 
     NAME: ClassVar[str] = "decomposition"
-    n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
     n_ref: int = base.n_ref_option()
     layers: Any = base.layers_option("analysed")
     k_mean: tuple[str, ...] = base.option(K_MEAN_KINDS, "k̄ kinds scored by D3: global (from the reference "

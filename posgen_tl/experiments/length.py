@@ -118,12 +118,12 @@ class Config(base.Config):
     models, window removal."""
 
     NAME: ClassVar[str] = "length"
-    n_seq: int = base.option(8, "analysed sequences of the gap probe (windows of distinct documents first)", "int",
+    n_seq: int = base.option(12, "analysed sequences of the gap probe (windows of distinct documents first)", "int",
                              quick=2, full=32)
     n_ref: int = base.n_ref_option()
     gap: bool = base.option(True, "run the gap probe", "bool")
-    gaps: tuple[float, ...] = base.option(DEFAULT_GAPS, "gaps G in units of the model's n_ctx", "floats",
-                                          quick=(0.0, 1.0, 2.0))
+    gaps: tuple[float, ...] = base.option((0.0, 1.0, 2.0), "gaps G in units of the model's n_ctx", "floats",
+                                          full=DEFAULT_GAPS)
     prefix_len: int = base.option(0, "prefix tokens; 0 = max(16, seq_len / 2)", "count")
     suffix_len: int = base.option(0, "suffix tokens; 0 = max(16, seq_len / 2)", "count")
     skip: int = base.option(0, "first suffix tokens left out of the NLL; 0 = min(16, suffix / 4)", "count")

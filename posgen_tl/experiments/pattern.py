@@ -285,7 +285,6 @@ class Config(base.Config):
     """Options of the feature-pattern experiment (METHOD §3)."""
 
     NAME: ClassVar[str] = "pattern"
-    n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
     n_ref: int = base.n_ref_option()
     layers: Any = base.layers_option("measured")
     sink: int = base.option(1, "first positions of every sequence excluded from every statistic", "count")
@@ -319,7 +318,8 @@ def feature_pattern(
             given global k̄ ``{layer: [kv_head, d_head]}`` instead. Without either,
             ``pred_d3_err_global`` is NaN. ``cfg.sink``: the first positions of every sequence
             are excluded from all statistics (and from the logit spread and rotation weights).
-        model_label / twin_label: the ``model`` / ``twin`` columns.
+        model_label: the ``model`` column.
+        twin_label: the ``twin`` column.
 
     Returns:
         :class:`PatternResult`; rotation weights use ``max_distance = seq_len − 1``.

@@ -76,13 +76,13 @@ class Config(base.Config):
     """Options of the sufficiency test (METHOD §5, substitution)."""
 
     NAME: ClassVar[str] = "sufficiency"
-    n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first)", "int", quick=2, full=32)
     n_ref: int = base.n_ref_option()
     target_len: int = base.option(0, "tokens at the end whose NLL is measured; 0 = min(64, seq_len / 4)", "count")
-    sources: tuple[str, ...] = base.option(SOURCES, "substituted logits: d3 (f + g_Δ0), d3_quantile, and the d1 and "
-                                           "wrong_kbar controls", "names")
-    tolerance: tuple[tuple[str, str], ...] = base.option((("d3", "all"),), "source:group pairs whose T1 tolerance "
-                                                         "slope is measured, e.g. d3:all", "pairs", quick=())
+    sources: tuple[str, ...] = base.option(("d3", "d1"), "substituted logits: d3 (f + g_Δ0), d3_quantile, and the d1 and "
+                                           "wrong_kbar controls", "names", full=SOURCES)
+    tolerance: tuple[tuple[str, str], ...] = base.option((), "source:group pairs whose T1 tolerance "
+                                                         "slope is measured, e.g. d3:all", "pairs",
+                                                         full=(("d3", "all"),))
     fracs: tuple[float, ...] = base.option((0.0, 0.1, 0.2), "swap fractions of the tolerance slopes (must include 0)",
                                            "floats")
     seeds: tuple[int, ...] = base.option((0,), "swap seeds of the tolerance slopes", "ints")

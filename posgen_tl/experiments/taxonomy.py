@@ -194,7 +194,7 @@ class Config(base.Config):
     n_seq: int = base.option(8, "prompts (windows of distinct documents)", "int", quick=2, full=32)
     n_ref: int = base.n_ref_option()
     layers: Any = base.layers_option("classified")
-    n_perm: int = base.option(8, "region permutations per prompt", "int")
+    n_perm: int = base.option(4, "region permutations per prompt", "int", full=8)
     region_len: int = base.option(0, "tokens of the permuted region; 0 = max(4, min(64, seq_len / 4))", "count")
     n_query: int = base.option(0, "query rows after the region; 0 = the region length", "count")
     block: int = base.option(1, "permute blocks of this many tokens (1 = single tokens)", "int")

@@ -65,15 +65,14 @@ Hooks = Sequence[tuple[str, Callable]]
 class SwapOptions(base.Config):
     """The swap design shared by the T1/T2 study and the causal test (one declaration for both)."""
 
-    n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first; at least 4)", "int",
+    n_seq: int = base.option(12, "analysed sequences (windows of distinct documents first; at least 4)", "int",
                              quick=4, full=64)
     target_len: int = base.option(0, "tokens at the end whose NLL is measured (never perturbed); 0 = min(64, "
                                      "seq_len / 4)", "count")
-    fracs: tuple[float, ...] = base.option((0.0, 0.05, 0.1, 0.2), "swap fractions p (fraction of disjoint adjacent "
-                                           "pairs swapped; must include 0)", "floats", quick=(0.0, 0.1, 0.2),
+    fracs: tuple[float, ...] = base.option((0.0, 0.1, 0.2), "swap fractions p (fraction of disjoint adjacent "
+                                           "pairs swapped; must include 0)", "floats", quick=(0.0, 0.2),
                                            full=(0.0, 0.02, 0.05, 0.1, 0.2))
-    seeds: tuple[int, ...] = base.option((0, 1), "swap seeds, averaged inside each sequence", "ints", quick=(0,),
-                                         full=(0,))
+    seeds: tuple[int, ...] = base.option((0,), "swap seeds, averaged inside each sequence", "ints")
 
     def target(self) -> int:
         """The target length in tokens (``target_len``, or ``min(64, seq_len // 4)`` when it is 0)."""

@@ -108,8 +108,11 @@ def test_each_study_subcommand_shows_its_options(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["study", "causal", "--layers", "ten"], "layers='ten'"),
-    (["study", "causal", "--layers", "19-10"], "backwards"),
+    (["study", "taxonomy", "--layers", "ten"], "layers='ten'"),
+    (["study", "taxonomy", "--layers", "19-10"], "backwards"),
+    (["study", "causal", "--n-seq", "2"], "causal: n_seq=2: a contrast needs at least 3 sequences"),
+    (["report", "--n-seq", "2"], "causal: n_seq=2: a contrast needs at least 3 sequences"),
+    (["study", "causal", "--damage-margin", "0"], "damage_margin must be declared in (0, 1)"),
     (["study", "tolerance", "--quick", "--full"], "choose one preset"),
     (["report", "--param", "nope=1"], "no experiment of this run has an option 'nope'"),
     (["report", "--param", "heads.n_ref=2"], "unknown experiment 'heads'"),
@@ -244,23 +247,24 @@ def test_study_writes_markdown_and_json_a_reader_can_reproduce(tiny, corpus, tmp
 
 
 def test_study_options_reach_the_recipe(tiny, corpus, tmp_path, capsys):
-    """--layers/--controls/--fracs change what the causal study runs, and are recorded."""
+    """--groups/--controls/--fracs change what the causal study runs, and are recorded."""
     torch.manual_seed(0)
     out = tmp_path / "s"
     assert main(["study", "causal", "--model", "tiny-hf-llama", "--out", str(out)]) == 2  # no such model: clean error
     capsys.readouterr()
-    cfg, preset, params = _cli_config(["study", "causal", "--quick", "--layers", "1", "--controls", "C1", "--fracs",
+    cfg, preset, params = _cli_config(["study", "causal", "--quick", "--groups", "1", "--controls", "C1", "--fracs",
                                        "0,0.3", "--match-steps", "1", "--n-ref", "2", "--n-seq", "4", "--seq-len",
                                        "32", "--corpus", corpus["folder"]])
     md = registry.run_study("causal", cfg, out, model=tiny, preset=preset, params=params, command="posgen-tl study causal …")
-    meta = json.loads((out / "causal_meta.json").read_text())
-    assert meta["layers"] == [1] and meta["controls"] == ["C1"] and list(meta["fracs"]) == [0.0, 0.3]
+    conf = json.loads((out / "causal_config.json").read_text())
+    assert conf["groups"] == ["1"] and conf["controls"] == ["C1"] and conf["fracs"] == [0.0, 0.3]
+    assert list(conf["entries"]) == ["L1"] and conf["n_ref"] == 2 and conf["match_steps"] == 1
     rows = pd.read_csv(out / "causal_rows.csv")
-    assert set(rows["intervention"]) == {"none", "destroy", "C1"} and set(rows["frac"]) == {0.0, 0.3}
-    assert json.loads((out / "causal_config.json").read_text())["n_ref"] == 2
+    assert set(rows["condition"]) == {"none", "destroy", "C1"} and set(rows["frac"]) == {0.0, 0.3}
+    assert set(rows.loc[rows["condition"] != "none", "layers"]) == {"L1"}
     rec = json.loads((out / "causal.json").read_text())
-    assert rec["config"]["layers"] == [1] and rec["config"]["match_steps"] == 1
-    assert "Contrasts (one family; Holm)" in md.read_text()
+    assert rec["config"]["groups"] == ["1"] and rec["config"]["match_steps"] == 1
+    assert "Verdict per entry" in md.read_text()
 
 
 def test_gap_attention_study_uses_the_taxonomy_table(tiny, corpus, tmp_path):

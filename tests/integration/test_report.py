@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.real]
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory, smollm2):
     out = tmp_path_factory.mktemp("report") / "r"
-    assert run_report(ReportSettings(out=str(out), preset="quick", sizes=dict(seq_len=64, n_seq=2))) == 0
+    assert run_report(ReportSettings(out=str(out), preset="quick", sizes=dict(seq_len=64, n_seq=3))) == 0
     return out
 
 
@@ -34,7 +34,7 @@ def test_quick_report_writes_html_json_and_csvs(quick_report):
     assert res["decomposition"]["bound_holds_min"] == 1.0
     for est in ("D1", "D2", "D3"):
         assert {"r_trained", "r_random"} <= set(res["decomposition"][est])
-    for name in ("exactness.csv", "decomposition.csv", "pattern_heads.csv", "tolerance_curves.csv", "causal_table.csv", "heads.csv"):
+    for name in ("exactness.csv", "decomposition.csv", "pattern_heads.csv", "tolerance_curves.csv", "causal_verdicts.csv", "heads.csv"):
         assert (out / name).stat().st_size > 100, name
     # self-contained: no external resources, every figure is an embedded PNG that decodes
     assert "http://" not in html and "https://" not in html and "<script" not in html
@@ -61,9 +61,9 @@ def test_report_leads_with_findings(quick_report):
     assert {"decomposition", "pattern", "tolerance", "causal", "taxonomy", "length", "sufficiency"} <= qs
     for q in ("length", "sufficiency"):
         f = next(f for f in res["findings"] if f["question"] == q)
-        assert f["verdict"] != "not testable" and f["effect"] is not None and f["n"] == 2, f
+        assert f["verdict"] != "not testable" and f["effect"] is not None and f["n"] == 3, f
     dec = next(f for f in res["findings"] if f["question"] == "decomposition")
-    assert dec["n"] == 2 and dec["exploratory"] and dec["p"] is not None and len(dec["ci"]) == 2
+    assert dec["n"] == 3 and dec["exploratory"] and dec["p"] is not None and len(dec["ci"]) == 2
     # exactness: a one-line PASS, its per-layer table folded
     ex = html[html.index("<h2 id='s0'>"): html.index("<h2 id='s1'>")]
     assert "PASS on all 30 layers" in ex and "<details><summary><b>Per layer</b>" in ex
@@ -86,7 +86,7 @@ def test_interrupted_report_leaves_no_complete_looking_files_and_resumes(tmp_pat
         raise KeyboardInterrupt
 
     monkeypatch.setattr(mods["pattern"], "compute", interrupt)
-    settings = ReportSettings(out=str(out), preset="quick", sizes=dict(seq_len=64, n_seq=2))
+    settings = ReportSettings(out=str(out), preset="quick", sizes=dict(seq_len=64, n_seq=3))
     with pytest.raises(KeyboardInterrupt):
         run_report(settings)
     assert not (out / "report.html").exists() and not (out / "results.json").exists()
@@ -100,7 +100,7 @@ def test_interrupted_report_leaves_no_complete_looking_files_and_resumes(tmp_pat
     assert (out / "report.html").exists() and (out / "results.json").exists()
     # different arguments start afresh (the work folder is keyed by the configuration)
     calls.clear()
-    assert run_report(ReportSettings(out=str(out), preset="quick", sizes=dict(seq_len=64, n_seq=2, seed=1))) == 0
+    assert run_report(ReportSettings(out=str(out), preset="quick", sizes=dict(seq_len=64, n_seq=3, seed=1))) == 0
     assert calls == list(registry.REPORT)  # a new configuration recomputes every experiment
 
 

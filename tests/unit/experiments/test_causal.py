@@ -137,7 +137,7 @@ def test_prefix_residual_reproduces_full_forward(llama):
 
 
 def _run(llama, **kw):
-    opts = dict(n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0,), groups=("1", "2"), alpha=0.5,
+    opts = dict(n_seq=6, seq_len=24, target_len=6, fracs=(0, 0.1, 0.3), seeds=(0,), groups=("1", "2"), controls=ca.CONTROLS, alpha=0.5,
                 n_ref=3, batch_size=4, progress=False)
     return ca.causal_study(llama, _corpus(), **{**opts, **kw})
 

@@ -399,7 +399,8 @@ def test_sufficiency_recipe(llama):
 
     assert layer_groups(30)["10–19"] == list(range(10, 20)) and layer_groups(30)["all"] == list(range(30))
     res = sufficiency(llama, _corpus(), n_seq=6, seq_len=24, target_len=8, n_ref=2, groups={"0": [0], "all": [0, 1]},
-                      tolerance=[("d3", "all")], fracs=(0.0, 0.1, 0.3), batch_size=6, progress=False)
+                      tolerance=[("d3", "all")], fracs=(0.0, 0.1, 0.3), batch_size=6, progress=False,
+                      sources=("d3", "d3_quantile", "d1", "wrong_kbar"))
     rows = res.rows
     assert set(rows["source"]) == {"d3", "d3_quantile", "d1", "wrong_kbar"}
     assert rows["dnll"].abs().max() > 0
