@@ -131,8 +131,11 @@ def exactness_table(
             if n_cmp < MIN_COMPARED_ENTRIES:
                 unchecked.append(f"only {n_cmp} unmasked score entries compared (< {MIN_COMPARED_ENTRIES}); "
                                  "use longer or more sequences")
+        elif info.scores_kind == "unknown":
+            unchecked.append("hook_attn_scores matched neither our logits nor our pattern in the probe ('unknown'): "
+                             "no score was compared")
         else:
-            unchecked.append(f"hook_attn_scores is {c.scores_kind!r}: no score was compared")
+            unchecked.append(f"hook_attn_scores is {info.scores_kind!r}: no score was compared")
         if c.pattern is not None:
             # the mask and sinks, isolated: our mask (and sinks) applied to the model's OWN logits where the
             # hook gives them (a bf16/fp16 model's logits round to its precision; ours were compared above)
