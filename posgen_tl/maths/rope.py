@@ -46,6 +46,7 @@ __all__ = [
     "scores_from_rotated",
     "scores_from_prerotation",
     "expand_kv",
+    "kv_head_index",
     "band_periods",
     "causal_mask",
     "attention_pattern",
@@ -186,8 +187,8 @@ class RopeSpec:
         return self.n_heads // self.n_kv_heads
 
     def kv_group(self, head: int) -> int:
-        """The kv-group (key/value head) read by query head ``head``."""
-        return head // self.group_size
+        """The kv-group (key/value head) read by query head ``head`` (:func:`kv_head_index`)."""
+        return int(kv_head_index(self.n_heads, self.n_kv_heads)[head])
 
     def describe(self) -> "list[dict]":
         """One dict per layer (for a DataFrame): kind, rotary dim, base-equivalent, window."""
@@ -399,10 +400,21 @@ def expand_kv(
     """Repeat kv-groups to query heads: query head ``h`` reads group ``h // (H // G)`` (HF's
     ``repeat_kv``: consecutive query heads share a group), so the result is
     ``[*batch, pos, head_index, d_head]`` with ``out[..., h, :] == k[..., h // (H // G), :]``."""
-    g = k.shape[-2]
-    if n_heads % g:
-        raise RopeError(f"n_heads={n_heads} is not a multiple of the {g} kv heads")
-    return k.repeat_interleave(n_heads // g, dim=-2)
+    return k.index_select(-2, kv_head_index(n_heads, k.shape[-2], device=k.device))
+
+
+def kv_head_index(n_heads: int, n_kv_heads: int, device: torch.device | str | None = None) -> Int[Tensor, "head_index"]:
+    """The kv head each query head reads: ``idx[h] = h // (n_heads // n_kv_heads)`` (HF's ``repeat_kv``:
+    consecutive query heads share a group), as an int64 ``[head_index]`` tensor — the ONE place of the
+    package that maps query heads to kv heads (:func:`expand_kv`, ``RopeSpec.kv_group``, per-group
+    statistics expanded to heads all use it).
+
+    Raises:
+        RopeError: ``n_heads`` is not a positive multiple of ``n_kv_heads``.
+    """
+    if n_kv_heads <= 0 or n_heads <= 0 or n_heads % n_kv_heads:
+        raise RopeError(f"n_heads={n_heads} is not a multiple of the {n_kv_heads} kv heads")
+    return torch.arange(n_heads, device=device) // (n_heads // n_kv_heads)
 
 
 def scores_from_rotated(
