@@ -649,5 +649,31 @@ def render_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_claim(data: dict) -> str:
+    """The README's one-paragraph claim of what is supported, rendered from the table's JSON (a test
+    checks the README carries exactly this text)."""
+    parts = []
+    for col, v in data["columns"].items():
+        exact, partial, refused = [], [], []
+        for name in data["archs"]:
+            cells = v["cells"].get(name, {})
+            ok = [dt for dt, c in cells.items() if c["status"] == "exact"]
+            (exact if len(ok) == len(cells) and cells else partial if ok else refused).append(
+                f"{name} ({', '.join(ok)} only)" if ok and len(ok) < len(cells) else name)
+        text = f"{col}: exact on {len(exact)} of {len(data['archs'])}"
+        if exact and len(exact) < len(data["archs"]):
+            text += f" ({', '.join(exact)})"
+        if partial:
+            text += f"; exact in some dtypes: {', '.join(partial)}"
+        if refused:
+            text += f"; refused (named error): {', '.join(refused)}"
+        parts.append(text)
+    return ("Supported architectures, as measured by the architecture matrix (tiny random-init models of each "
+            "family checked against Hugging Face's own eager attention in float32, bfloat16 and float16; table: "
+            "docs/architectures.md): " + "; ".join(parts) + ". Any other architecture is untested: "
+            "`posgen-tl check --model <folder>` exits non-zero unless every layer compared its rotation, "
+            "scores, mask and pattern with the model's own.")
+
+
 def load_json(path: Path) -> dict | None:
     return json.loads(Path(path).read_text()) if Path(path).exists() else None

@@ -62,6 +62,10 @@ def test_table_lists_exactly_the_matrix():
         assert set(COMMITTED["columns"][col]["cells"]) == set(am.ARCHS), REGEN
     md = (DOCS / "architectures.md").read_text()
     assert md == am.render_markdown(COMMITTED), f"docs/architectures.md was not rendered from the JSON; {REGEN}"
+    readme = " ".join((DOCS.parent / "README.md").read_text().split())
+    assert am.readme_claim(COMMITTED) in readme, (
+        "the README's claim of supported architectures differs from docs/architectures.json; paste "
+        "arch_matrix.readme_claim(json) into README.md (Limits and errors)")
 
 
 def test_the_reference_is_sensitive_to_a_wrong_window(root, monkeypatch):
