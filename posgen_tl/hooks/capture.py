@@ -278,19 +278,20 @@ def masked_threshold(dtype: torch.dtype) -> float:
 
 def _table_to_bands(cos: Tensor, sin: Tensor, lr: LayerRope) -> tuple[Tensor, Tensor, float]:
     """A model's rotation table ``[..., pos, w]`` as per-band ``[..., pos, band]``, and how far the raw
-    table is from the duplicated form of ``lr.layout`` (``w`` = 2·bands: halves ``cat(f, f)`` or
-    interleaved ``repeat_interleave(f, 2)``; ``w`` = bands: a half-width table, GPT-OSS)."""
+    table is from a duplicated form (``w`` = 2·bands: halves ``cat(f, f)`` — Llama, and GLM, which then
+    pairs adjacent dims — or interleaved ``repeat_interleave(f, 2)``, Cohere; ``w`` = bands: a
+    half-width table, GPT-OSS). The table's form is read from the table, the pairing is ``lr.layout``."""
     n, w = lr.n_bands, cos.shape[-1]
     if w == n:
         return cos, sin, 0.0
     if w != 2 * n:
         raise RopeError(f"the model's rotation table has width {w} for a {n}-band rope (rotary dim {lr.rotary_dim})")
-    if lr.layout == "half":
-        cb, sb = cos[..., :n], sin[..., :n]
-        err = max((cos[..., n:] - cb).abs().max().item(), (sin[..., n:] - sb).abs().max().item())
-    else:
-        cb, sb = cos[..., 0::2], sin[..., 0::2]
-        err = max((cos[..., 1::2] - cb).abs().max().item(), (sin[..., 1::2] - sb).abs().max().item())
+    forms = []
+    for first, second in ((slice(0, n), slice(n, None)), (slice(0, None, 2), slice(1, None, 2))):
+        cb, sb = cos[..., first], sin[..., first]
+        err = max((cos[..., second] - cb).abs().max().item(), (sin[..., second] - sb).abs().max().item())
+        forms.append((err, cb, sb))
+    err, cb, sb = min(forms, key=lambda f: f[0])
     return cb, sb, err
 
 
@@ -392,7 +393,15 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
         toks = torch.where(toks == pad, (pad + 1) % max(d_vocab, 2), toks)
     toks = toks[None].to(model_device(model))
     with torch.no_grad(), hooks_attached(model, fwd):
-        _forward(model, toks, None)
+        try:
+            _forward(model, toks, None)
+        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
+            dt = str(model_dtype(model)).replace("torch.", "")
+            raise CaptureError(
+                f"{spec.model_name}: the model's own forward pass fails on a {n_probe}-token probe in {dt} "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); nothing can be "
+                f"captured from {spec.extra.get('architecture', type(model).__name__)} here"
+            ) from e
     layer = probe_layers[-1]
     if (layer, conv.q_pre) not in got or (layer, conv.k_pre) not in got:
         raise CaptureError(
@@ -498,7 +507,10 @@ def _clip_qk(spec: RopeSpec, normed_layout: str) -> float | None:
 
 
 def _probe_table(model: Any, info: HookInfo, got: dict, layer: int, pos: Tensor, lr: LayerRope):
-    """The model's per-band table for the probe's positions (hooks or buffer), or ``None``."""
+    """The model's per-band table for the probe's positions (hooks or buffer), or ``None`` (also on a
+    layer without RoPE, whose ``hook_cos`` still carries the table the other layers use)."""
+    if lr.kind == "nope":
+        return None
     if info.cos_fires:
         cos, sin = got[(layer, "hook_cos")], got[(layer, "hook_sin")]
         cos = cos.expand(pos.shape[0], *cos.shape[-2:]) if cos.ndim == 3 else cos.expand(pos.shape[0], *cos.shape)
@@ -661,7 +673,10 @@ def _make_capture(layer, d, lr, info, pos, b_idx, offset) -> QKCapture:
 
 
 def _attach_table(model: Any, cap: QKCapture, d: dict, info: HookInfo) -> None:
-    """Fill ``cap.table_cos/table_sin`` with the model's own rotation table of this batch."""
+    """Fill ``cap.table_cos/table_sin`` with the model's own rotation table of this batch (not on a layer
+    without RoPE: its ``hook_cos`` carries the other layers' table)."""
+    if cap.rope.kind == "nope":
+        return
     pos = cap.positions
     if "hook_cos" in d and "hook_sin" in d:
         cos, sin = d["hook_cos"], d["hook_sin"]

@@ -89,10 +89,13 @@ _ATTN_NAMES = ("self_attn", "attention", "attn", "self_attention")
 
 
 def _attention_of(layer: Any) -> Any | None:
+    """The HF self-attention module of a decoder layer (unwrapped from a TransformerBridge component,
+    which replaces it inside the booted model), or ``None``."""
+    layer = getattr(layer, "original_component", None) or layer
     for nm in _ATTN_NAMES:
         mod = getattr(layer, nm, None)
         if mod is not None:
-            return mod
+            return getattr(mod, "original_component", None) or mod
     return None
 
 
@@ -145,11 +148,26 @@ def _from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
             f"model {name!r} ({arch}): no rotary embedding was found (neither a rotary module with an inv_freq "
             "buffer nor a GPT-J sin/cos table); is this a RoPE model?"
         )
+    unmodelled = _unmodelled_attention(text_cfg, arch)
+    if unmodelled:
+        raise RopeError(f"model {name!r} ({arch}): {unmodelled} is not modelled by posgen_tl; refusing rather than "
+                        "giving numbers that are not the model's")
+    if bool(getattr(bridge_cfg, "qk_norm_after_rope", False)) or hasattr(attn_modules[0], "query_layernorm"):
+        raise RopeError(
+            f"model {name!r} ({arch}): QK-norm is applied AFTER RoPE (HunYuan), so the logits are not "
+            "s·(R_i q)·(R_j k) of any pre-rotation q/k; posgen_tl's decomposition does not apply to this model"
+        )
     rope_types: set[str] = set()
     layers = []
     extra: dict[str, Any] = {}
     bufs = dict(rotary.named_buffers(recurse=False))
     for i, attn in enumerate(attn_modules):
+        lt_i = layer_types[i] if i < len(layer_types) else None
+        if _is_nope(attn, text_cfg, lt_i, arch):  # a layer without positional rotation (SmolLM3, EXAONE-4 global)
+            layers.append(LayerRope(inv_freq=torch.zeros(d_head // 2), rotary_dim=2 * (d_head // 2), score_scale=_score_scale(attn, d_head),
+                                    sliding_window=_layer_window(text_cfg, attn, lt_i, bool(layer_types)), kind="nope"))
+            rope_types.add("none")
+            continue
         lt = layer_types[i] if i < len(layer_types) else None
         typed = lt is not None and f"{lt}_inv_freq" in bufs
         prefix = f"{lt}_" if typed else ""
@@ -175,7 +193,8 @@ def _from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
         if rtype == "longrope":
             long_inv, long_after = _longrope_long(rotary, text_cfg, lt if typed else None, inv_freq, name, i)
             extra["longrope_after"] = long_after
-        layout = _hf_layout(rotary, lt if typed else None, inv_freq.numel(), bridge_cfg, name)
+        layout = _apply_layout(attn, rotary, lt if typed else None, inv_freq, a, name) or \
+            _hf_layout(rotary, lt if typed else None, inv_freq.numel(), bridge_cfg, name)
         window = _layer_window(text_cfg, attn, lt, bool(layer_types))
         kind = "local" if window else ("global" if layer_types else "full")
         lr = LayerRope(
@@ -217,6 +236,65 @@ def _from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
         qk_norm=q_norm,
         source=f"HF {type(rotary).__name__}",
         extra=extra,
+    )
+
+
+def _unmodelled_attention(text_cfg: Any, arch: str) -> str | None:
+    """A named attention feature whose logits are not ``s·(R_i q)·(R_j k)`` over a causal (+window) mask."""
+    if getattr(text_cfg, "kv_lora_rank", None) or getattr(text_cfg, "qk_rope_head_dim", None):
+        return "multi-head latent attention (DeepSeek-V2/V3 MLA: RoPE on a separate slice of q/k)"
+    if getattr(text_cfg, "attention_chunk_size", None):
+        return "chunked attention (Llama-4: keys masked by fixed chunks, not by a causal window)"
+    if getattr(text_cfg, "attn_temperature_tuning", False) or arch.startswith("Llama4"):
+        return "Llama-4 attention (position-dependent query temperature, L2 QK-norm)"
+    rp = _rope_params_for(text_cfg, None)
+    if isinstance(rp, dict) and rp.get("llama_4_scaling_beta") is not None:
+        return "the Llama-4 query scale by position (rope_parameters.llama_4_scaling_beta, Ministral-3)"
+    return None
+
+
+def _is_nope(attn: Any, text_cfg: Any, layer_type: str | None, arch: str) -> bool:
+    """HF layers that skip RoPE: ``use_rope = False`` (SmolLM3's ``no_rope_layers``, Llama-4), and the
+    full-attention layers of hybrid models that apply RoPE only on sliding layers when a window is set
+    (EXAONE-4, Cohere-2: ``if self.sliding_window is None or self.is_sliding``)."""
+    if not bool(getattr(attn, "use_rope", True)):
+        return True
+    if arch.startswith(("Exaone4", "Cohere2")) and getattr(text_cfg, "sliding_window", None):
+        return layer_type == "full_attention" or not bool(getattr(attn, "is_sliding", True))
+    return False
+
+
+def _apply_layout(attn: Any, rotary: Any, layer_type: str | None, inv_freq: torch.Tensor, a: float,
+                  name: str) -> str | None:
+    """The pair layout the model's OWN ``apply_rotary_pos_emb`` (its modeling module's function) uses,
+    found by rotating a probe vector with the model's cos/sin and comparing with both layouts — GLM's
+    table is half-split (``cat(f, f)``) while its rotation pairs adjacent dims. ``None`` where the
+    function is missing or has another signature (the cos table decides then)."""
+    import sys  # noqa: PLC0415
+
+    from posgen_tl.maths.rope import rotate  # noqa: PLC0415
+
+    fn = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if fn is None:
+        return None
+    n = inv_freq.numel()
+    pos = torch.arange(5)[None]
+    try:
+        cos, sin = _rotary_cos_sin(rotary, layer_type, pos)
+        x = torch.randn(1, 1, 5, 2 * n, generator=torch.Generator().manual_seed(0))
+        out = fn(x, x.clone(), cos[None], sin[None])[0]
+    except Exception:  # noqa: BLE001 — another signature: fall back to the cos table
+        return None
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        return None
+    for layout in ("half", "adjacent"):
+        lr = LayerRope(inv_freq=inv_freq, rotary_dim=2 * n, layout=layout, attention_scaling=a)
+        ours = rotate(x.transpose(1, 2), pos, lr).transpose(1, 2)
+        if (ours - out).abs().max().item() <= 1e-5 * max(1.0, x.abs().max().item()):
+            return layout
+    raise RopeError(
+        f"model {name!r}: its apply_rotary_pos_emb pairs dims neither as halves (m, m + r/2) nor adjacently "
+        "(2m, 2m + 1); this RoPE layout is not understood"
     )
 
 
@@ -266,17 +344,12 @@ def _hf_layout(rotary: Any, layer_type: str | None, n_bands: int, bridge_cfg: An
     raise RopeError(f"model {name!r}: the rotary cos table is neither half-split nor interleaved; layout not understood")
 
 
-def _table(lr: LayerRope, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our ``(cos, sin)`` in the model's table layout (``width`` = r or r/2)."""
+def _table(lr: LayerRope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our per-band ``(cos, sin)`` ``[pos, band]`` (attention scaling included)."""
     from posgen_tl.maths.rope import angles  # noqa: PLC0415
 
     ang = angles(positions, lr).reshape(-1, lr.n_bands)
-    cos, sin = ang.cos() * lr.attention_scaling, ang.sin() * lr.attention_scaling
-    if width == lr.n_bands:
-        return cos, sin
-    if lr.layout == "adjacent":
-        return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-    return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    return ang.cos() * lr.attention_scaling, ang.sin() * lr.attention_scaling
 
 
 def _verify_hf_table(rotary: Any, layer_type: str | None, lr: LayerRope, n_ctx: int, name: str, layer: int) -> None:
@@ -291,10 +364,15 @@ def _verify_hf_table(rotary: Any, layer_type: str | None, lr: LayerRope, n_ctx: 
             cos_m, sin_m = _rotary_cos_sin(rotary, layer_type, pos)
         except Exception:  # noqa: BLE001 — the probe still compares the rotation with hook_rot / hook_cos
             return
-        cos_o, sin_o = _table(lr, pos, cos_m.shape[-1])
-        if cos_o.shape != cos_m.shape:
-            raise RopeError(f"model {name!r} layer {layer}: rotary table shape {tuple(cos_m.shape)} vs ours {tuple(cos_o.shape)}")
-        err = max((cos_o - cos_m).abs().max().item(), (sin_o - sin_m).abs().max().item())
+        if cos_m.shape[-1] not in (lr.n_bands, lr.rotary_dim):
+            raise RopeError(f"model {name!r} layer {layer}: rotary table width {cos_m.shape[-1]} for rotary dim {lr.rotary_dim}")
+        cos_o, sin_o = _table(lr, pos)  # per band; the model's table in whichever duplicated form
+        n = lr.n_bands
+        err = min(
+            max((cos_o - cos_m[:, a]).abs().max().item(), (sin_o - sin_m[:, a]).abs().max().item(),
+                (cos_o - cos_m[:, b]).abs().max().item(), (sin_o - sin_m[:, b]).abs().max().item())
+            for a, b in ((slice(0, n), slice(n, 2 * n)), (slice(0, None, 2), slice(1, None, 2)))
+        ) if cos_m.shape[-1] == 2 * n else max((cos_o - cos_m).abs().max().item(), (sin_o - sin_m).abs().max().item())
         tol = 1e-5 * max(1.0, lr.attention_scaling)
         if not err <= tol:
             raise RopeError(
