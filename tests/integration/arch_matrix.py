@@ -196,6 +196,55 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
                              rope_parameters=_rope("yarn", factor=4.0, original_max_position_embeddings=16,
                                                    beta_fast=32.0, beta_slow=1.0, truncate=False)),
          "learned per-head attention sinks, YaRN, sliding/full layers, MoE"),
+    # ---- more families TransformerLens boots (added after the issue's list)
+    Arch("starcoder2", "Starcoder2ForCausalLM",
+         lambda: _llama_like("Starcoder2Config", sliding_window=WINDOW, use_bias=True, rope_parameters=_rope()),
+         "sliding window in the config, biases, LayerNorm"),
+    Arch("qwen2-moe", "Qwen2MoeForCausalLM",
+         lambda: _llama_like("Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32, rope_parameters=_rope()), "q/k/v bias, MoE + shared expert"),
+    Arch("olmoe", "OlmoeForCausalLM",
+         lambda: _llama_like("OlmoeConfig", num_experts=4, num_experts_per_tok=2, clip_qkv=4.0, rope_parameters=_rope()),
+         "flattened QK-norm then clip_qkv, MoE"),
+    Arch("olmo3", "Olmo3ForCausalLM",
+         lambda: _llama_like("Olmo3Config", sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                             rope_parameters=_rope()), "flattened QK-norm, sliding/full layers"),
+    Arch("granitemoe", "GraniteMoeForCausalLM",
+         lambda: _llama_like("GraniteMoeConfig", num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.3,
+                             rope_parameters=_rope()), "attention_multiplier, MoE"),
+    Arch("smollm3", "SmolLM3ForCausalLM",
+         lambda: _llama_like("SmolLM3Config", no_rope_layers=[1, 0], rope_parameters=_rope()),
+         "a layer without RoPE (NoPE)"),
+    Arch("glm", "GlmForCausalLM", lambda: _llama_like("GlmConfig", rope_parameters=_rope(partial_rotary_factor=0.5)),
+         "partial rotary 0.5, interleaved pairs"),
+    Arch("glm4", "Glm4ForCausalLM", lambda: _llama_like("Glm4Config", rope_parameters=_rope(partial_rotary_factor=0.5)),
+         "partial rotary 0.5, interleaved pairs, sandwich norms"),
+    Arch("exaone4", "Exaone4ForCausalLM",
+         lambda: _llama_like("Exaone4Config", sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                             rope_parameters=_rope()), "QK-norm, sliding/full layers"),
+    Arch("seed-oss", "SeedOssForCausalLM", lambda: _llama_like("SeedOssConfig", rope_parameters=_rope()), "q/k/v bias"),
+    Arch("apertus", "ApertusForCausalLM",
+         lambda: _llama_like("ApertusConfig", rope_parameters=_rope("llama3", factor=8.0, low_freq_factor=1.0,
+                                                                   high_freq_factor=4.0,
+                                                                   original_max_position_embeddings=16)),
+         "QK-norm, xIELU, Llama-3 scaling"),
+    Arch("arcee", "ArceeForCausalLM", lambda: _llama_like("ArceeConfig", rope_parameters=_rope()), "ReLU² MLP"),
+    Arch("nemotron", "NemotronForCausalLM",
+         lambda: _llama_like("NemotronConfig", rope_parameters=_rope(partial_rotary_factor=0.5)),
+         "partial rotary 0.5, LayerNorm1p"),
+    Arch("hunyuan-dense", "HunYuanDenseV1ForCausalLM",
+         lambda: _llama_like("HunYuanDenseV1Config", rope_parameters=_rope()), "QK-norm after RoPE"),
+    Arch("falcon", "FalconForCausalLM", lambda: _falcon(), "multi-query, parallel attention, RoPE"),
+    Arch("codegen", "CodeGenForCausalLM", lambda: _codegen(), "GPT-J-style sin/cos table, fused qkv"),
+    Arch("llama4", "Llama4ForCausalLM",
+         lambda: _llama_like("Llama4TextConfig", intermediate_size_mlp=96, num_local_experts=2, num_experts_per_tok=1,
+                             no_rope_layers=[1, 0], attention_chunk_size=8, rope_parameters=_rope()),
+         "chunked attention, a NoPE layer, L2 QK-norm, MoE"),
+    Arch("deepseek-v3", "DeepseekV3ForCausalLM",
+         lambda: _llama_like("DeepseekV3Config", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                             first_k_dense_replace=1, n_group=1, topk_group=1, rope_parameters=_rope()),
+         "multi-head latent attention (RoPE on part of q/k)"),
     Arch("cohere", "CohereForCausalLM",
          lambda: _llama_like("CohereConfig", use_qk_norm=True, logit_scale=0.5, rope_parameters=_rope()),
          "interleaved pairs, per-head LayerNorm QK-norm, parallel block"),
@@ -207,6 +256,22 @@ def _neox(pct: float) -> Any:
 
     return GPTNeoXConfig(**dict(_COMMON, hidden_size=HIDDEN, intermediate_size=96, num_attention_heads=N_HEADS,
                                 rope_parameters=_rope(theta=10000.0, partial_rotary_factor=pct)))
+
+
+def _falcon() -> Any:
+    from transformers import FalconConfig
+
+    return FalconConfig(**dict(_COMMON, hidden_size=HIDDEN, num_attention_heads=N_HEADS, alibi=False,
+                               new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=True,
+                               rope_parameters=_rope()))
+
+
+def _codegen() -> Any:
+    from transformers import CodeGenConfig
+
+    return CodeGenConfig(vocab_size=VOCAB, n_positions=64, n_ctx=64, n_embd=HIDDEN, n_layer=N_LAYERS, n_head=N_HEADS,
+                         rotary_dim=8, initializer_range=0.25, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                         tie_word_embeddings=False)
 
 
 def _gptj() -> Any:
@@ -320,6 +385,36 @@ class HFRecorder:
             weights.detach().float().clone(), None if sinks is None else sinks.detach().float().clone(),
             dtype=query.dtype if mask is None else mask.dtype, score_dtype=score_dtype or query.dtype)
 
+    def _inline(self, m, patched) -> list:
+        """Falcon: the rotated q/k from its module's ``apply_rotary_pos_emb``, the mask from the forward's
+        arguments, the weights from its output (``attention_scores`` after the softmax)."""
+        mod = sys.modules[type(m).__module__]
+        state: dict[str, Any] = {}
+        if not any(obj is mod and name == "apply_rotary_pos_emb" for obj, name, _ in patched):
+            orig = mod.apply_rotary_pos_emb
+
+            def rotary(q, k, cos, sin, *a, __orig=orig, **kw):
+                out = __orig(q, k, cos, sin, *a, **kw)
+                if self._current is not None:
+                    self._current["qk"] = (out[0], out[1])
+                return out
+
+            patched.append((mod, "apply_rotary_pos_emb", orig))
+            mod.apply_rotary_pos_emb = rotary
+
+        def pre(module, args, kwargs):
+            self._current = state
+            state["mask"] = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+
+        def post(module, args, kwargs, out):
+            self._current = None
+            q, k = state.pop("qk")
+            self._record(module, q, k, state.pop("mask"), out[1], module.head_dim ** -0.5, None)
+
+        return [m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True)]
+
+    _current: dict | None = None
+
     @contextlib.contextmanager
     def recording(self):
         mods = {sys.modules[type(m).__module__] for m in self.attn.values()}
@@ -348,21 +443,26 @@ class HFRecorder:
 
             patched.append((mod, "eager_attention_forward", orig))
             setattr(mod, "eager_attention_forward", wrapped)
-        for m in self.attn.values():  # GPT-J: its own _attn method, not a module function
-            if type(m).__name__ == "GPTJAttention":
+        handles = []
+        for m in self.attn.values():
+            if type(m).__name__ in ("GPTJAttention", "CodeGenAttention"):  # their own _attn method
                 orig = m._attn
 
-                def gptj_attn(query, key, value, attention_mask=None, __m=m, __orig=orig):
+                def own_attn(query, key, value, attention_mask=None, __m=m, __orig=orig):
                     out = __orig(query, key, value, attention_mask)
                     rec._record(__m, query, key, attention_mask, out[1], 1.0 / float(__m.scale_attn), None,
-                                score_dtype=torch.float32)  # GPT-J computes its logits in float32
+                                score_dtype=torch.float32)  # both compute their logits in float32
                     return out
 
                 patched.append((m, "_attn", None))
-                m._attn = gptj_attn
+                m._attn = own_attn
+            elif type(m).__name__ == "FalconAttention":  # eager attention written inline in forward
+                handles += self._inline(m, patched)
         try:
             yield self
         finally:
+            for h in handles:
+                h.remove()
             for obj, name, orig in patched:
                 if orig is None:
                     delattr(obj, name)
