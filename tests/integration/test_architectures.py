@@ -77,16 +77,21 @@ def test_table_lists_exactly_the_matrix():
         "arch_matrix.readme_claim(json) into README.md (Limits and errors)")
 
 
+def _fresh_cell(arch: str, root) -> am.Cell:
+    """One float32 bridge cell from a freshly loaded model (so a monkeypatched library is what runs)."""
+    am._MODELS.clear()
+    try:
+        return am.run_cell(am.ARCHS[arch], "bridge", "float32", root)
+    finally:
+        am._MODELS.clear()
+
+
 def test_the_reference_is_sensitive_to_a_wrong_window(root, monkeypatch):
     """The matrix would catch today's bug: a Mistral spec without its config-only window is 'wrong'."""
     import posgen_tl.io.spec as spec_mod
 
     monkeypatch.setattr(spec_mod, "_layer_window", lambda *a, **k: None)
-    am._MODELS.clear()
-    try:
-        cell = am.run_cell(am.ARCHS["mistral"], "bridge", "float32", root)
-    finally:
-        am._MODELS.clear()
+    cell = _fresh_cell("mistral", root)
     assert not cell.ok and ("mask" in cell.status or "failed" in cell.status), cell.status
 
 
@@ -96,16 +101,9 @@ def test_the_reference_is_sensitive_to_a_wrong_kv_expansion(root, monkeypatch):
     import posgen_tl.hooks.capture as capture
     import posgen_tl.maths.rope as rope
 
-    def wrong(k, n_heads):
-        return k[..., torch.arange(n_heads) % k.shape[-2], :]
-
     for mod in (rope, capture):
-        monkeypatch.setattr(mod, "expand_kv", wrong)
-    am._MODELS.clear()
-    try:
-        cell = am.run_cell(am.ARCHS["llama"], "bridge", "float32", root)
-    finally:
-        am._MODELS.clear()
+        monkeypatch.setattr(mod, "expand_kv", lambda k, n_heads: k[..., torch.arange(n_heads) % k.shape[-2], :])
+    cell = _fresh_cell("llama", root)
     assert not cell.ok and "score" in cell.status, cell.status
 
 
@@ -115,14 +113,7 @@ def test_the_reference_is_sensitive_to_unmodelled_sinks(root, monkeypatch):
     import posgen_tl.hooks.capture as capture
     from posgen_tl.maths import rope
 
-    def no_sinks(w, mask, sinks=None):
-        return rope.attention_pattern(w, mask, None)
-
     for mod in (ex, capture):
-        monkeypatch.setattr(mod, "attention_pattern", no_sinks)
-    am._MODELS.clear()
-    try:
-        cell = am.run_cell(am.ARCHS["gpt-oss"], "bridge", "float32", root)
-    finally:
-        am._MODELS.clear()
+        monkeypatch.setattr(mod, "attention_pattern", lambda w, mask, sinks=None: rope.attention_pattern(w, mask))
+    cell = _fresh_cell("gpt-oss", root)
     assert not cell.ok and "pattern" in cell.status, cell.status
