@@ -2,9 +2,15 @@
 
 Sources, in order:
 
-* a TransformerBridge over a HuggingFace model: the HF rotary module's ``inv_freq``
-  (``{layer_type}_inv_freq`` for Gemma3's local/global layers), its
-  ``attention_scaling``, each attention module's ``scaling`` and ``sliding_window``;
+* a TransformerBridge over a HuggingFace model: the HF rotary module's ``original_inv_freq``
+  (``{layer_type}_…`` for Gemma3's local/global layers; LongRoPE's long factors from HF's own init
+  function), its ``attention_scaling``, each attention module's ``scaling`` (``1/scale_attn`` on
+  GPT-J), the pair layout from the model's own ``apply_rotary_pos_emb``, the sliding window from
+  ``layer_types`` or, without them, ``config.sliding_window`` (Mistral, Phi-3), layers without RoPE
+  (NoPE) as zero frequencies, learned sinks and ``clip_qkv``; every layer's table is checked against
+  the rotary module's own forward. GPT-J (no ``inv_freq``): its ``embed_positions`` sin/cos table,
+  checked row by row. Attention this library does not model (MLA, chunked attention, QK-norm after
+  RoPE, …) raises a :class:`RopeError` naming it;
 * a TransformerBridge over a TransformerLens-native model (``boot_native``): the native
   rotary tables' frequencies (adjacent pairs), ``attn.scale``;
 * a TransformerLens 3.x ``HookedTransformer``: its config (``rotary_base``,
@@ -162,13 +168,13 @@ def _from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
     extra: dict[str, Any] = {}
     bufs = dict(rotary.named_buffers(recurse=False))
     for i, attn in enumerate(attn_modules):
-        lt_i = layer_types[i] if i < len(layer_types) else None
-        if _is_nope(attn, text_cfg, lt_i, arch):  # a layer without positional rotation (SmolLM3, EXAONE-4 global)
-            layers.append(LayerRope(inv_freq=torch.zeros(d_head // 2), rotary_dim=2 * (d_head // 2), score_scale=_score_scale(attn, d_head),
-                                    sliding_window=_layer_window(text_cfg, attn, lt_i, bool(layer_types)), kind="nope"))
+        lt = layer_types[i] if i < len(layer_types) else None
+        if _is_nope(attn, text_cfg, lt, arch):  # no positional rotation (SmolLM3, EXAONE-4 global): θ = 0
+            layers.append(LayerRope(inv_freq=torch.zeros(d_head // 2), rotary_dim=2 * (d_head // 2),
+                                    score_scale=_score_scale(attn, d_head), kind="nope",
+                                    sliding_window=_layer_window(text_cfg, attn, lt, bool(layer_types))))
             rope_types.add("none")
             continue
-        lt = layer_types[i] if i < len(layer_types) else None
         typed = lt is not None and f"{lt}_inv_freq" in bufs
         prefix = f"{lt}_" if typed else ""
         params = _rope_params_for(text_cfg, lt)
@@ -307,13 +313,10 @@ def _score_scale(attn: Any, d_head: int) -> float:
 
 
 def _rotary_cos_sin(rotary: Any, layer_type: str | None, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's own ``(cos, sin)`` for ``positions`` ``[1, pos]``: its rotary module's forward."""
-    try:
-        dtype = next(rotary.buffers()).dtype
-    except StopIteration:  # pragma: no cover
-        dtype = torch.float32
-    x = torch.zeros(1, dtype=dtype if dtype.is_floating_point else torch.float32,
-                    device=next(rotary.buffers()).device)
+    """The model's own ``(cos, sin)`` for ``positions`` ``[1, pos]``: its rotary module's forward, asked for
+    float32 output (HF casts cos/sin to the dtype of its ``x`` argument; the frequencies are the module's
+    own, bf16-rounded where the module was cast)."""
+    x = torch.zeros(1, dtype=torch.float32, device=next(rotary.buffers()).device)
     pos = positions.to(x.device)
     with torch.no_grad():
         out = rotary(x, pos, layer_type) if layer_type is not None else rotary(x, pos)
