@@ -55,6 +55,9 @@ MIN_COMPARED = 64
 # ----------------------------------------------------------------------------- tokenizer
 
 
+_TOK_DIR: tempfile.TemporaryDirectory | None = None
+
+
 @functools.lru_cache(maxsize=1)
 def _tokenizer_folder() -> str:
     """An offline byte-level tokenizer (256 byte symbols + <s>, </s>, <pad>; no merges), saved once."""
@@ -69,9 +72,10 @@ def _tokenizer_folder() -> str:
     tk.pre_tokenizer = ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    folder = tempfile.mkdtemp(prefix="posgen-arch-tok-")
-    fast.save_pretrained(folder)
-    return folder
+    global _TOK_DIR
+    _TOK_DIR = tempfile.TemporaryDirectory(prefix="posgen-arch-tok-")  # removed when the process exits
+    fast.save_pretrained(_TOK_DIR.name)
+    return _TOK_DIR.name
 
 
 VOCAB = 259
