@@ -148,7 +148,7 @@ def decompose_head(
     b, n = cap.q.shape[:2]
     if not 0 <= seq < b:
         raise ValueError(f"seq={seq} out of range for a batch of {b}")
-    kv = head // (spec.n_heads // spec.n_kv_heads)
+    kv = spec.kv_group(head)
     km, kind = _k_means(model, cap, k_mean, reference, sink)
     window = cap.rope.sliding_window
     score_mask = causal_mask(n, sink=sink, sliding_window=window)

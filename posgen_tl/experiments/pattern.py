@@ -60,7 +60,7 @@ from posgen_tl.maths.band_stats import (
 from posgen_tl.maths.taxonomy import frequency_centroid
 from posgen_tl.maths.groups import band_group
 from posgen_tl.maths.rho import SequenceBandSums
-from posgen_tl.maths.rope import LayerRope, to_bands
+from posgen_tl.maths.rope import LayerRope, kv_head_index, to_bands
 from posgen_tl.report.text import fmt
 
 __all__ = [
@@ -136,7 +136,7 @@ def pattern_frames(
 
     H, G = q_stats.n_heads, k_stats.n_heads
     legacy = pattern_scores(q_stats, k_stats, rope, max_distance, sink=sink)
-    group = torch.arange(H) // (H // G)
+    group = kv_head_index(H, G)
     fast = max(1, nb // 3)
     nan_h = torch.full((H,), float("nan"), dtype=torch.float64)
     if spread is not None:

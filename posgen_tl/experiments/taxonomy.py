@@ -66,7 +66,7 @@ from posgen_tl.maths.taxonomy import (
     taxonomy_label,
 )
 from posgen_tl.io.models import random_twin
-from posgen_tl.maths.rope import causal_mask, scores_from_rotated
+from posgen_tl.maths.rope import causal_mask, kv_head_index, scores_from_rotated
 
 __all__ = [
     "region_layout",
@@ -322,9 +322,8 @@ def _layer_frame(acc: "_LayerAcc", rope: Any, layer: int, cfg: Config, *, label:
     else:
         res = acc.sums.finalize(cfg.quantile)
     res = {k: v.cpu().numpy() for k, v in res.items()}
-    group = n_h // acc.k_stats.n_heads
     q_e = acc.q_stats.energy_share().cpu().double()
-    k_e = acc.k_stats.energy_share().cpu().double().repeat_interleave(group, 0)  # → query heads
+    k_e = acc.k_stats.energy_share().cpu().double()[kv_head_index(n_h, acc.k_stats.n_heads)]  # → query heads
     q_c, k_c = frequency_centroid(q_e).numpy(), frequency_centroid(k_e).numpy()
     sh, sh_sd = _nanmean(acc.share), _nanstd(acc.share)
     head = np.repeat(np.arange(n_h), 1 + n_b)

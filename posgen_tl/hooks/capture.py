@@ -32,7 +32,17 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl import compat
-from posgen_tl.maths.rope import LayerRope, RopeError, RopeSpec, expand_kv, rotate, scores_from_rotated
+from posgen_tl.maths.rope import (
+    LayerRope,
+    RopeError,
+    RopeSpec,
+    attention_pattern,
+    causal_mask,
+    expand_kv,
+    rotate,
+    rotate_with_table,
+    scores_from_rotated,
+)
 from posgen_tl.io.spec import rope_spec
 
 __all__ = [
@@ -49,6 +59,7 @@ __all__ = [
     "model_device",
     "pre_rotation",
     "pattern_hooks",
+    "model_rotation_table",
     "require_pre_softmax",
 ]
 
@@ -71,8 +82,14 @@ class QKCapture:
         rot_q / rot_k: rotated (as from ``hook_rot_q``/``hook_rot_k`` or computed).
         positions: position ids used ``[batch, pos]``.
         scores: the model's ``hook_attn_scores`` if requested ``[batch, head_index, query_pos, key_pos]``.
-        rope: this layer's :class:`LayerRope`; ``rot_source``: ``"hook"`` or ``"computed"``.
+        rope: this layer's :class:`LayerRope` for these positions (LongRoPE resolved to the short or long
+            set, as the model chose it); ``rot_source``: ``"hook"`` or ``"computed"``.
         batch_index: index of this batch in the stream; ``seq_offset``: index of its first sequence.
+        table_cos / table_sin: the model's OWN rotation table for these positions, per band
+            ``[batch, pos, band]`` (from ``hook_cos``/``hook_sin`` or a rotary buffer), if requested and
+            available; ``table_source`` says which, ``table_format_err`` how far the raw table was from the
+            layout's duplicated form (0 when it matches).
+        pattern: the model's ``hook_pattern`` ``[batch, head_index, query_pos, key_pos]``, if requested.
     """
 
     layer: int
@@ -87,6 +104,11 @@ class QKCapture:
     scores_kind: str = "absent"
     batch_index: int = 0
     seq_offset: int = 0
+    table_cos: Float[Tensor, "batch pos band"] | None = None
+    table_sin: Float[Tensor, "batch pos band"] | None = None
+    table_source: str = "none"
+    table_format_err: float = 0.0
+    pattern: Float[Tensor, "batch head_index query_pos key_pos"] | None = None
 
     @property
     def n_heads(self) -> int:
@@ -110,9 +132,14 @@ class HookInfo:
 
     ``normed_layout`` is the layout of the pre-rotation hooks ``q_hook``/``k_hook``:
     ``"bshd"`` (``[batch, pos, head, d_head]``: ``hook_q``, or a bridge's per-head norm),
-    ``"bhsd"`` (a bridge's ``hook_q_normed`` after Gemma3's post-reshape norm), or
+    ``"bhsd"`` (a bridge's ``hook_q_normed`` after Gemma3's post-reshape norm), ``"flat"``
+    (``[batch, pos, head·d_head]``: OLMo-2 normalises the flattened q/k before splitting heads), or
     ``"flat_prescale"`` (a HookedTransformer's ``q_norm.hook_normalized``: flattened and before
     the norm weight ``norm_weight``). Use :func:`pre_rotation` to read such a tensor.
+    ``cos_fires``: ``hook_cos``/``hook_sin`` (the model's own rotation table per forward) fire;
+    ``table_source``: where :func:`model_rotation_table` reads the model's table (``"hook_cos/hook_sin"``,
+    a buffer name, or ``"none"``). ``clip_qk``: OLMo's ``clip_qkv`` — the model clamps q/k to ``±clip_qk``
+    after the hook and before RoPE; :func:`pre_rotation` applies the same clamp.
     """
 
     q_hook: str  # "hook_q", "hook_q_normed" or "q_norm.hook_normalized"
@@ -125,6 +152,10 @@ class HookInfo:
     scores_masked: bool | None = None  # hook_attn_scores fires after the causal/window mask
     norm_weight: tuple[str, str, str] | None = None  # flat_prescale: (q module, k module, weight attr)
     position_ids: bool = True  # forward(..., position_ids=) is accepted
+    cos_fires: bool = False
+    table_source: str = "none"
+    pattern_fires: bool = False
+    clip_qk: float | None = None  # OLMo / OLMoE ``clip_qkv``: q/k are clamped to ±clip after the hook, before RoPE
 
     def name(self, layer: int, hook: str) -> str:
         return self.attn_prefix.format(layer=layer) + hook
@@ -144,7 +175,10 @@ def pre_rotation(
         q_mod, k_mod, attr = info.norm_weight
         w = getattr(model.get_submodule(info.name(layer, q_mod if which == "q" else k_mod).rstrip(".")), attr)
         return (x.to(w.dtype) * w).reshape(batch, pos, -1, d_head)
-    return _to_bshd(x, info.normed_layout)
+    out = x.reshape(batch, pos, -1, d_head) if info.normed_layout == "flat" else _to_bshd(x, info.normed_layout)
+    if info.clip_qk is not None:  # HF OLMo: q_proj(h).clamp_(-clip, clip) (OLMoE: after its flat QK-norm)
+        out = out.clamp(-info.clip_qk, info.clip_qk)
+    return out
 
 
 _PROBES: "weakref.WeakKeyDictionary[Any, tuple[RopeSpec, HookInfo]]" = weakref.WeakKeyDictionary()
@@ -229,14 +263,103 @@ def _to_bshd(x: Tensor, layout: str) -> Tensor:
     return x.transpose(1, 2) if layout == "bhsd" else x
 
 
+def model_dtype(model: Any) -> torch.dtype:
+    """The model's parameter dtype (float32 when it has none)."""
+    try:
+        return next(model.parameters()).dtype
+    except (StopIteration, AttributeError, TypeError):
+        return torch.float32
+
+
+def masked_threshold(dtype: torch.dtype) -> float:
+    """A score at or below this is a masked entry of a model in ``dtype``: masks write ``-inf`` or the
+    dtype's most negative value (``-3.4e38`` in float32 / bfloat16, ``-65504`` in float16)."""
+    return float(torch.finfo(dtype).min) / 2 if dtype.is_floating_point else -1e30
+
+
+def _table_to_bands(cos: Tensor, sin: Tensor, lr: LayerRope) -> tuple[Tensor, Tensor, float]:
+    """A model's rotation table ``[..., pos, w]`` as per-band ``[..., pos, band]``, and how far the raw
+    table is from a duplicated form (``w`` = 2·bands: halves ``cat(f, f)`` — Llama, and GLM, which then
+    pairs adjacent dims — or interleaved ``repeat_interleave(f, 2)``, Cohere; ``w`` = bands: a
+    half-width table, GPT-OSS). The table's form is read from the table, the pairing is ``lr.layout``."""
+    n, w = lr.n_bands, cos.shape[-1]
+    if w == n:
+        return cos, sin, 0.0
+    if w != 2 * n:
+        raise RopeError(f"the model's rotation table has width {w} for a {n}-band rope (rotary dim {lr.rotary_dim})")
+    forms = []
+    for first, second in ((slice(0, n), slice(n, None)), (slice(0, None, 2), slice(1, None, 2))):
+        cb, sb = cos[..., first], sin[..., first]
+        err = max((cos[..., second] - cb).abs().max().item(), (sin[..., second] - sb).abs().max().item())
+        forms.append((err, cb, sb))
+    err, cb, sb = min(forms, key=lambda f: f[0])
+    return cb, sb, err
+
+
+def _table_buffer_source(model: Any) -> str:
+    """Where the model keeps a fixed rotation table we can index by position (when ``hook_cos`` does not
+    fire): ``"embed_positions"`` (HF GPT-J: ``cat(sin, cos)`` per attention module),
+    ``"rotary.cos_cached"`` (a TransformerLens-native bridge), else ``"none"``."""
+    inner = getattr(model, "original_model", None)
+    if inner is None:
+        return "none"
+    if getattr(getattr(inner, "rotary", None), "cos_cached", None) is not None:
+        return "rotary.cos_cached"
+    if hasattr(inner, "config") and hasattr(inner, "named_modules"):
+        from posgen_tl.io.spec import _hf_attention_modules  # noqa: PLC0415
+
+        try:
+            attns = _hf_attention_modules(inner)
+        except RopeError:
+            return "none"
+        if attns and isinstance(getattr(attns[0], "embed_positions", None), Tensor):
+            return "embed_positions"
+    return "none"
+
+
+def model_rotation_table(
+    model: Any, info: "HookInfo", layer: int, positions: Int[Tensor, "batch pos"], lr: LayerRope
+) -> tuple[Float[Tensor, "batch pos band"], Float[Tensor, "batch pos band"], float] | None:
+    """The model's OWN per-band ``(cos, sin)`` for ``positions`` from a rotary buffer (``info.table_source``
+    ``"embed_positions"`` or ``"rotary.cos_cached"``), with the table's format error; ``None`` where the
+    model keeps no such buffer (``hook_cos``/``hook_sin`` are read during the forward pass instead)."""
+    src = info.table_source
+    inner = getattr(model, "original_model", None)
+    if src == "embed_positions":
+        from posgen_tl.io.spec import _hf_attention_modules  # noqa: PLC0415
+
+        table = _hf_attention_modules(inner)[layer].embed_positions.detach().float()
+        t = table[positions.to(table.device).long()]  # [batch, pos, r] = cat(sin, cos)
+        half = t.shape[-1] // 2
+        sin, cos = t[..., :half], t[..., half:]
+        if half != lr.n_bands:
+            raise RopeError(f"GPT-J sin/cos table of {half} bands for a {lr.n_bands}-band rope")
+        return cos.to(positions.device), sin.to(positions.device), 0.0
+    if src == "rotary.cos_cached":
+        rot = inner.rotary
+        idx = positions.to(rot.cos_cached.device).long()
+        cos, sin = rot.cos_cached[idx].float(), rot.sin_cached[idx].float()
+        cb, sb, err = _table_to_bands(cos, sin, lr)
+        return cb.to(positions.device), sb.to(positions.device), err
+    return None
+
+
 def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInfo]:
     """Find which hooks fire and what they hold; verify our rotation against the model.
+
+    One short forward pass (``max(6, window + 2)`` tokens when a layer has a sliding window of
+    ≤ 30, so that the window masks something; never a length equal to a head count). On the first
+    and last layer: our rotation is compared with ``hook_rot_q/k`` (if they fire) and with the model's
+    own rotation table (``hook_cos``/``hook_sin`` or a rotary buffer); ``hook_attn_scores`` is
+    classified as pre-softmax (our logits, soft-capped, equal it on the entries the layer's mask —
+    causal and sliding window — leaves visible) or post-softmax (our pattern, sinks included, equals
+    it), and whether the mask was applied before the hook.
 
     Returns ``(spec, info)`` and caches it per model object.
 
     Raises:
-        RopeError: non-RoPE model, or our rotation disagrees with ``hook_rot_q``.
-        CaptureError: ``hook_q``/``hook_k`` do not fire.
+        RopeError: non-RoPE model, or our rotation disagrees with the model's.
+        CaptureError: ``hook_q``/``hook_k`` do not fire, or q/k hooks of an unknown shape.
     """
     if not refresh and model in _PROBES:
         return _PROBES[model]
@@ -247,7 +370,8 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     if not any(n.startswith("blocks.0.attn.hook_q") for n in names):
         raise CaptureError(f"{spec.model_name}: no blocks.0.attn.hook_q hook point")
     probe_layers = sorted({0, spec.n_layers - 1})
-    wanted = [conv.q_pre, conv.k_pre, conv.q_normed, conv.k_normed, "hook_rot_q", "hook_rot_k", "hook_attn_scores"]
+    wanted = [conv.q_pre, conv.k_pre, conv.q_normed, conv.k_normed, "hook_rot_q", "hook_rot_k", "hook_attn_scores",
+              "hook_cos", "hook_sin", "hook_pattern"]
     got: dict[tuple[int, str], Tensor] = {}
 
     def save(t: Tensor, hook: Any, key: tuple[int, str]) -> None:
@@ -260,8 +384,9 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
             if nm in names:
                 fwd.append((nm, lambda t, hook, key=(layer, h): save(t, hook, key)))
     d_vocab = int(getattr(model.cfg, "d_vocab", 0) or 32)
-    n_probe = 6  # a length no head count equals, so [b, head, pos, d] and [b, pos, head, d] differ
-    while n_probe in (spec.n_heads, spec.n_kv_heads):
+    windows = [lr.sliding_window for lr in spec.layers if lr.sliding_window]
+    n_probe = max(6, min(min(windows) + 2, 32)) if windows else 6  # the window masks something
+    while n_probe in (spec.n_heads, spec.n_kv_heads):  # [b, head, pos, d] and [b, pos, head, d] must differ
         n_probe += 1
     toks = torch.arange(n_probe) % max(d_vocab - 1, 1) + 1
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
@@ -269,7 +394,15 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
         toks = torch.where(toks == pad, (pad + 1) % max(d_vocab, 2), toks)
     toks = toks[None].to(model_device(model))
     with torch.no_grad(), hooks_attached(model, fwd):
-        _forward(model, toks, None)
+        try:
+            _forward(model, toks, None)
+        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
+            dt = str(model_dtype(model)).replace("torch.", "")
+            raise CaptureError(
+                f"{spec.model_name}: the model's own forward pass fails on a {n_probe}-token probe in {dt} "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); nothing can be "
+                f"captured from {spec.extra.get('architecture', type(model).__name__)} here"
+            ) from e
     layer = probe_layers[-1]
     if (layer, conv.q_pre) not in got or (layer, conv.k_pre) not in got:
         raise CaptureError(
@@ -281,51 +414,80 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     if use_norm and conv.normed_layout == "flat_prescale":
         normed_layout = "flat_prescale"
     elif use_norm:  # the bridge's documented [b, head, pos, d] (Gemma3), verified on the probe's shape
-        qn = got[(layer, q_hook)]
-        normed_layout = "bhsd" if qn.ndim == 4 and qn.shape[1] == spec.n_heads and qn.shape[2] == n_probe else "bshd"
+        qn, kn = got[(layer, q_hook)], got[(layer, k_hook)]
+        if qn.ndim == 4 and qn.shape[1] == spec.n_heads and qn.shape[2] == n_probe:
+            normed_layout = "bhsd"
+        elif qn.ndim == 4 and qn.shape[1] == n_probe and qn.shape[2] == spec.n_heads:
+            normed_layout = "bshd"
+        elif qn.ndim == 3 and qn.shape[-1] == spec.n_heads * spec.d_head and kn.shape[-1] == spec.n_kv_heads * spec.d_head:
+            normed_layout = "flat"  # OLMo-2: QK-norm over the flattened heads, [b, pos, head·d_head]
+        else:
+            raise CaptureError(
+                f"{spec.model_name}: {q_hook} has shape {tuple(qn.shape)}, which is none of [batch, head, pos, "
+                f"d_head], [batch, pos, head, d_head] or [batch, pos, head·d_head] for {spec.n_heads} heads of "
+                f"{spec.d_head} dims at {n_probe} positions; cannot read the pre-rotation queries"
+            )
     rot_fires = (layer, "hook_rot_q") in got and (layer, "hook_rot_k") in got
+    cos_fires = (layer, "hook_cos") in got and (layer, "hook_sin") in got
     if conv.rot_always_fires and not rot_fires:
         raise CaptureError(f"{spec.model_name}: hook_rot_q/hook_rot_k did not fire on a {conv.backend} model")
-    try:  # a bf16/fp16 model rounds its own rotation and scores to its precision
-        eps = torch.finfo(next(model.parameters()).dtype).eps
-    except (StopIteration, AttributeError, TypeError):
-        eps = 0.0
+    dtype = model_dtype(model)
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0  # a bf16/fp16 model rounds to its precision
+    tol = max(1e-4, 16 * eps)
     info = HookInfo(
         q_hook, k_hook, normed_layout, rot_fires, "absent", pre, backend=conv.backend,
         norm_weight=conv.norm_weight if normed_layout == "flat_prescale" else None, position_ids=conv.position_ids,
+        cos_fires=cos_fires, table_source="hook_cos/hook_sin" if cos_fires else _table_buffer_source(model),
+        pattern_fires=(layer, "hook_pattern") in got,
+        clip_qk=_clip_qk(spec, normed_layout),
     )
     pos = torch.arange(n_probe, device=toks.device)[None]
+    sinks_all = spec.extra.get("attention_sinks") or {}
+    scores_kind, scores_masked = "absent", None
     for layer in probe_layers:  # first and last layer: Gemma3's local and global kinds both checked
-        lr = spec.layer(layer)
+        lr = spec.layer(layer).for_positions(pos)
         q = pre_rotation(model, info, layer, "q", got[(layer, q_hook)], 1, n_probe, spec.d_head).float()
         k = pre_rotation(model, info, layer, "k", got[(layer, k_hook)], 1, n_probe, spec.d_head).float()
         rq, rk = rotate(q, pos, lr), rotate(k, pos, lr)
+        ref = rq.abs().max().item() + 1e-12
         if rot_fires:
             err = (rq - got[(layer, "hook_rot_q")]).abs().max().item()
-            ref = got[(layer, "hook_rot_q")].abs().max().item() + 1e-12
-            if err > max(1e-4, 16 * eps) * ref:
+            if err > tol * ref:
                 raise RopeError(
                     f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's layer-{layer} "
                     f"hook_rot_q by {err:.3g} (max |rot_q| {ref:.3g}); the RoPE variant is not understood"
                 )
             rq, rk = got[(layer, "hook_rot_q")], got[(layer, "hook_rot_k")]
-    scores_kind, scores_masked = "absent", None
-    if (layer, "hook_attn_scores") in got:
+        table = _probe_table(model, info, got, layer, pos, lr)
+        if table is not None:
+            cb, sb, ferr = table
+            err = (rotate_with_table(q, cb, sb, lr) - rotate(q, pos, lr)).abs().max().item()
+            if err > tol * ref or ferr > tol * max(1.0, lr.attention_scaling):
+                raise RopeError(
+                    f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's own layer-{layer} "
+                    f"rotation table ({info.table_source}) by {max(err / ref, ferr):.3g} (relative; layout "
+                    f"{lr.layout!r}); the RoPE variant is not understood"
+                )
+        if (layer, "hook_attn_scores") not in got:
+            continue
         s = got[(layer, "hook_attn_scores")]
         w = scores_from_rotated(rq, rk, lr.score_scale)
         cap = spec.extra.get("attn_logit_softcapping")
         if cap:
             w = torch.tanh(w / cap) * cap
-        tri = torch.ones(n_probe, n_probe, dtype=torch.bool, device=w.device).tril()
-        scale = w[..., tri].abs().max().item() + 1e-12
-        if (w - s)[..., tri].abs().max().item() <= max(1e-4, 16 * eps) * scale:
-            scores_kind = "pre_softmax"
-            # after the mask: every future entry is -inf (or the dtype's most negative value)
-            scores_masked = bool((s[..., ~tri] <= -1e30).all() or torch.isneginf(s[..., ~tri]).all())
+        m = causal_mask(n_probe, sliding_window=lr.sliding_window, device=w.device)
+        scale = w[..., m].abs().max().item() + 1e-12
+        if (w - s)[..., m].abs().max().item() <= tol * scale:
+            kind = "pre_softmax"
+            # after the mask: every hidden entry is -inf (or the dtype's most negative value)
+            masked = bool((s[..., ~m] <= masked_threshold(dtype)).all()) if bool((~m).any()) else None
         else:
-            p = torch.softmax(w.masked_fill(~tri, float("-inf")), dim=-1)
-            scores_kind = "post_softmax" if (p - s)[..., tri].abs().max().item() < max(1e-4, 16 * eps) else "unknown"
-            scores_masked = bool((s[..., ~tri] == 0).all()) if scores_kind == "post_softmax" else None
+            p = attention_pattern(w, m, sinks_all.get(layer))
+            kind = "post_softmax" if (p - s)[..., m].abs().max().item() < tol else "unknown"
+            masked = bool((s[..., ~m] == 0).all()) if kind == "post_softmax" else None
+        scores_kind = kind if scores_kind in ("absent", kind) else "unknown"
+        if masked is not None:
+            scores_masked = masked if scores_masked is None else (scores_masked and masked)
     info = dataclasses.replace(info, scores_kind=scores_kind, scores_masked=scores_masked)
     _PROBES[model] = (spec, info)
     return spec, info
@@ -344,6 +506,33 @@ def require_pre_softmax(model: Any, what: str) -> tuple[RopeSpec, HookInfo]:
     return spec, info
 
 
+def _clip_qk(spec: RopeSpec, normed_layout: str) -> float | None:
+    """OLMo's ``clip_qkv`` applies to the tensor our q/k hook reads (plain ``hook_q`` or a flat QK-norm);
+    with a per-head QK-norm the order is not known and the model is refused."""
+    clip = spec.extra.get("clip_qkv")
+    if clip is None:
+        return None
+    if normed_layout not in ("bshd", "flat"):
+        raise CaptureError(
+            f"{spec.model_name}: clip_qkv together with a per-head QK-norm ({normed_layout}) is not supported: "
+            "the order of clamp and norm is unknown"
+        )
+    return float(clip)
+
+
+def _probe_table(model: Any, info: HookInfo, got: dict, layer: int, pos: Tensor, lr: LayerRope):
+    """The model's per-band table for the probe's positions (hooks or buffer), or ``None`` (also on a
+    layer without RoPE, whose ``hook_cos`` still carries the table the other layers use)."""
+    if lr.kind == "nope":
+        return None
+    if info.cos_fires:
+        cos, sin = got[(layer, "hook_cos")], got[(layer, "hook_sin")]
+        cos = cos.expand(pos.shape[0], *cos.shape[-2:]) if cos.ndim == 3 else cos.expand(pos.shape[0], *cos.shape)
+        sin = sin.expand(pos.shape[0], *sin.shape[-2:]) if sin.ndim == 3 else sin.expand(pos.shape[0], *sin.shape)
+        return _table_to_bands(cos, sin, lr)
+    return model_rotation_table(model, info, layer, pos, lr)
+
+
 def _batches(tokens: Tensor, batch_size: int) -> Iterable[tuple[int, Tensor]]:
     for i in range(0, tokens.shape[0], batch_size):
         yield i, tokens[i : i + batch_size]
@@ -360,6 +549,8 @@ def stream_qk(
     position_ids: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     extra_hooks: Sequence[tuple[str, Callable]] = (),
     progress: bool | str = True,
+    with_tables: bool = False,
+    with_pattern: bool = False,
 ) -> None:
     """Run the model over ``tokens`` in batches and call ``fn(QKCapture)`` per (batch, layer).
 
@@ -367,7 +558,9 @@ def stream_qk(
     available; the capture is dropped afterwards, so memory is one layer of one batch.
     The pass stops after the last requested layer. ``extra_hooks`` (e.g. an
     intervention from :mod:`posgen_tl.hooks.edits`) are attached for the same passes;
-    captured q/k then show their effect.
+    captured q/k then show their effect. ``with_tables``: also give the model's own rotation
+    table of the batch (``QKCapture.table_cos``/``table_sin``, where the model exposes one);
+    ``with_pattern``: also its ``hook_pattern`` (``QKCapture.pattern``).
 
     Hooks are removed when this returns or raises (KeyboardInterrupt included).
     """
@@ -389,6 +582,12 @@ def stream_qk(
         need += ["hook_rot_q", "hook_rot_k"]
     if with_scores:
         need.append("hook_attn_scores")
+    if with_tables and info.cos_fires:
+        need += ["hook_cos", "hook_sin"]
+    if with_pattern:
+        if not info.pattern_fires:
+            raise CaptureError(f"{spec.model_name}: hook_pattern does not fire; attention patterns are unavailable")
+        need.append("hook_pattern")
     last_layer = layers[-1]
     n_batches = math.ceil(tokens.shape[0] / batch_size)
     desc = progress if isinstance(progress, str) else "capture"
@@ -411,7 +610,7 @@ def stream_qk(
                     x = pre_rotation(model, info, layer, "q" if h == info.q_hook else "k", x,
                                      pos.shape[0], pos.shape[1], spec.d_head)
                 x = x.float()
-                if h != "hook_attn_scores" and not bool(torch.isfinite(x).all()):
+                if h not in ("hook_attn_scores", "hook_pattern") and not bool(torch.isfinite(x).all()):
                     bad = int((~torch.isfinite(x)).sum())
                     raise CaptureError(
                         f"{spec.model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{layer}.attn.{h} "
@@ -420,7 +619,9 @@ def stream_qk(
                     )
                 d[h] = x
                 if len(d) == len(need):
-                    cap = _make_capture(layer, d, spec.layer(layer), info, pos, b_idx, offset)
+                    cap = _make_capture(layer, d, spec.layer(layer).for_positions(pos), info, pos, b_idx, offset)
+                    if with_tables:
+                        _attach_table(model, cap, d, info)
                     del store[layer]
                     fn(cap)
                     if layer == last_layer:
@@ -473,7 +674,7 @@ def release_freed_memory() -> bool:
 
 def _make_capture(layer, d, lr, info, pos, b_idx, offset) -> QKCapture:
     q, k = d[info.q_hook], d[info.k_hook]
-    if info.rot_fires:
+    if info.rot_fires and "hook_rot_q" in d and "hook_rot_k" in d:
         rq, rk, src = d["hook_rot_q"], d["hook_rot_k"], "hook"
     else:
         rq, rk, src = rotate(q, pos, lr), rotate(k, pos, lr), "computed"
@@ -481,8 +682,28 @@ def _make_capture(layer, d, lr, info, pos, b_idx, offset) -> QKCapture:
     return QKCapture(
         layer=layer, q=q, k=k, rot_q=rq, rot_k=rk, positions=pos, rope=lr, rot_source=src,
         scores=scores, scores_kind=info.scores_kind if scores is not None else "absent",
-        batch_index=b_idx, seq_offset=offset,
+        batch_index=b_idx, seq_offset=offset, pattern=d.get("hook_pattern"),
     )
+
+
+def _attach_table(model: Any, cap: QKCapture, d: dict, info: HookInfo) -> None:
+    """Fill ``cap.table_cos/table_sin`` with the model's own rotation table of this batch (not on a layer
+    without RoPE: its ``hook_cos`` carries the other layers' table)."""
+    if cap.rope.kind == "nope":
+        return
+    pos = cap.positions
+    if "hook_cos" in d and "hook_sin" in d:
+        cos, sin = d["hook_cos"], d["hook_sin"]
+        cos = cos.expand(pos.shape[0], *cos.shape[-2:]) if cos.ndim == 3 else cos.expand(pos.shape[0], *cos.shape)
+        sin = sin.expand(pos.shape[0], *sin.shape[-2:]) if sin.ndim == 3 else sin.expand(pos.shape[0], *sin.shape)
+        cb, sb, err = _table_to_bands(cos, sin, cap.rope)
+        src = "hook_cos/hook_sin"
+    else:
+        t = model_rotation_table(model, info, cap.layer, pos, cap.rope)
+        if t is None:
+            return
+        (cb, sb, err), src = t, info.table_source
+    cap.table_cos, cap.table_sin, cap.table_source, cap.table_format_err = cb, sb, src, err
 
 
 def capture_qk(
@@ -531,15 +752,25 @@ def capture_from_cache(model: Any, cache: Any, layer: int) -> QKCapture:
                 continue  # rotation recomputed below
             raise CaptureError(f"the cache has no {name!r}; run model.run_with_cache(tokens) without names_filter, "
                                f"or keep that hook")
-        x = cache[name].detach()
-        if h in ("hook_q_normed", "hook_k_normed"):
-            x = _to_bshd(x, info.normed_layout)
-        d[h] = x.float()
+        d[h] = cache[name].detach()
+    if info.name(layer, "hook_q") in keys:  # [batch, pos, head, d_head] on every backend
+        batch, n_pos = (int(x) for x in cache[info.name(layer, "hook_q")].shape[:2])
+    elif info.normed_layout in ("bshd", "bhsd", "flat"):
+        x = d[info.q_hook]
+        batch, n_pos = int(x.shape[0]), int(x.shape[2] if info.normed_layout == "bhsd" else x.shape[1])
+    else:
+        raise CaptureError(f"the cache has no {info.name(layer, 'hook_q')!r}, needed to unflatten {info.q_hook}")
+    for h in (info.q_hook, info.k_hook):
+        d[h] = pre_rotation(model, info, layer, "q" if h == info.q_hook else "k", d[h], batch, n_pos,
+                            spec.d_head).float()
+    for h in ("hook_rot_q", "hook_rot_k"):
+        if h in d:
+            d[h] = d[h].float()
     q = d[info.q_hook]
     pos = torch.arange(q.shape[1], device=q.device).expand(q.shape[0], -1)
     if info.rot_fires and not ("hook_rot_q" in d and "hook_rot_k" in d):
         info = HookInfo(info.q_hook, info.k_hook, info.normed_layout, False, info.scores_kind, info.attn_prefix)
-    return _make_capture(layer, d, spec.layer(layer), info, pos, 0, 0)
+    return _make_capture(layer, d, spec.layer(layer).for_positions(pos), info, pos, 0, 0)
 
 
 def pattern_hooks(

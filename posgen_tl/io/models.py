@@ -282,10 +282,28 @@ def _boot(hf, tok, name: str, device: str | None):
         hf = hf.to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bridge = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=tok, device=device)
+        try:
+            bridge = TransformerBridge.boot_transformers(name, hf_model=hf, tokenizer=tok, device=device)
+        except Exception as e:  # noqa: BLE001 — TransformerLens' own refusal (unsupported adapter, missing piece)
+            raise ModelLoadError(
+                f"{name}: TransformerLens {_tl_version()} cannot build a TransformerBridge for "
+                f"{_architecture(hf)} ({type(e).__name__}: {str(e)[:300]})"
+            ) from e
     bridge.eval()
     NATIVE_BOS[bridge] = native_bos
     return bridge
+
+
+def _tl_version() -> str:
+    from posgen_tl import compat  # noqa: PLC0415
+
+    return compat.tl_version()
+
+
+def _architecture(hf) -> str:
+    """The HF architecture name of a model (``config.architectures[0]`` or its class)."""
+    archs = getattr(getattr(hf, "config", None), "architectures", None)
+    return str(archs[0]) if archs else type(hf).__name__
 
 
 def _drop_gguf_marker(hf, name: str) -> None:
@@ -327,24 +345,13 @@ def _boot_hooked(hf, tok, name: str, tl_name: str | None, device: str, dtype: to
 
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # TL prints "Loaded ..."
         warnings.simplefilter("ignore")
-        if tl_name is not None:
-            # TL's own n_ctx for the architecture (Gemma3-270M: 8192 of its 32768; raise it with
-            # HookedTransformer.from_pretrained(..., n_ctx=) yourself if you need longer inputs)
-            model = HookedTransformer.from_pretrained_no_processing(
-                tl_name, hf_model=hf, tokenizer=tok, device=device, dtype=dtype
-            )
-        else:
-            # a folder name without "llama"/"gemma": TL 3.x picks some architectures by name
-            with tempfile.TemporaryDirectory(prefix="posgen-tl-hfconfig-") as folder:
-                hf.config.save_pretrained(folder)
-                cfg = loading.get_pretrained_model_config(folder, device=device, dtype=dtype)
-                state = loading.get_pretrained_state_dict(folder, cfg, hf, dtype=dtype)
-            model = HookedTransformer(cfg, tok, move_to_device=False)
-            model.load_and_process_state_dict(
-                state, fold_ln=False, center_writing_weights=False, center_unembed=False,
-                fold_value_biases=False, refactor_factored_attn_matrices=False,
-            )
-            model.move_model_modules_to_device()
+        try:
+            model = _convert_hooked(hf, tok, tl_name, device, dtype, loading, HookedTransformer)
+        except Exception as e:  # noqa: BLE001 — TransformerLens' conversion refused or crashed: name it
+            raise ModelLoadError(
+                f"{name}: TransformerLens {_tl_version()}'s HookedTransformer cannot convert {_architecture(hf)} "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}); use backend='bridge'"
+            ) from e
     model.cfg.model_name = name
     model.eval()
     _check_hooked_against_hf(model, hf, name)
@@ -352,35 +359,87 @@ def _boot_hooked(hf, tok, name: str, tl_name: str | None, device: str, dtype: to
     return model
 
 
+def _convert_hooked(hf, tok, tl_name: str | None, device: str, dtype: torch.dtype, loading, HookedTransformer):
+    """TransformerLens 3.x's own conversion: its hard-coded architecture ``tl_name``, or the HF config
+    converted offline by ``get_pretrained_model_config`` (unchecked here: see :func:`_check_hooked_against_hf`)."""
+    if tl_name is not None:
+        # TL's own n_ctx for the architecture (Gemma3-270M: 8192 of its 32768; raise it with
+        # HookedTransformer.from_pretrained(..., n_ctx=) yourself if you need longer inputs)
+        return HookedTransformer.from_pretrained_no_processing(
+            tl_name, hf_model=hf, tokenizer=tok, device=device, dtype=dtype
+        )
+    # a folder name without "llama"/"gemma": TL 3.x picks some architectures by name
+    with tempfile.TemporaryDirectory(prefix="posgen-tl-hfconfig-") as folder:
+        hf.config.save_pretrained(folder)
+        cfg = loading.get_pretrained_model_config(folder, device=device, dtype=dtype)
+        state = loading.get_pretrained_state_dict(folder, cfg, hf, dtype=dtype)
+    model = HookedTransformer(cfg, tok, move_to_device=False)
+    model.load_and_process_state_dict(
+        state, fold_ln=False, center_writing_weights=False, center_unembed=False,
+        fold_value_biases=False, refactor_factored_attn_matrices=False,
+    )
+    model.move_model_modules_to_device()
+    return model
+
+
 def _check_hooked_against_hf(model, hf, name: str, n_tokens: int = 8) -> None:
-    """Refuse a HookedTransformer that is not the HF model: per layer the RoPE frequencies,
-    score scale and window (read from the HF modules vs from the HookedTransformer, each
-    checked against its own rotary tables), and the logits of a few tokens."""
+    """Refuse a HookedTransformer that is not the HF model: per layer the RoPE frequencies, layout,
+    score scale, window and attention scaling (read from the HF modules vs from the HookedTransformer,
+    each checked against its own rotary tables), soft-cap, sinks, RoPE types whose frequencies change
+    with the length (dynamic NTK, LongRoPE: a HookedTransformer has one table), and the logits of a few
+    tokens. Every refusal names the architecture and what differs."""
     from posgen_tl.io.spec import _from_hf, rope_spec  # noqa: PLC0415
 
+    arch = _architecture(hf)
+    label = f"{name}: TransformerLens {_tl_version()}'s HookedTransformer conversion of {arch}"
     ours, ref = rope_spec(model), _from_hf(model, hf, name)
     if ours.n_layers != ref.n_layers or (ours.n_heads, ours.n_kv_heads, ours.d_head) != (ref.n_heads, ref.n_kv_heads, ref.d_head):
         raise ModelLoadError(
-            f"{name}: HookedTransformer geometry {(ours.n_layers, ours.n_heads, ours.n_kv_heads, ours.d_head)} != "
+            f"{label} has geometry {(ours.n_layers, ours.n_heads, ours.n_kv_heads, ours.d_head)} != "
             f"HF {(ref.n_layers, ref.n_heads, ref.n_kv_heads, ref.d_head)} (layers, heads, kv heads, d_head)"
         )
+    moving = {"dynamic", "longrope"} & set(ref.rope_type.split("+"))
+    if moving:
+        raise ModelLoadError(
+            f"{label} cannot reproduce {'/'.join(sorted(moving))} RoPE (its frequencies depend on the input "
+            "length; a HookedTransformer has one fixed table); use backend='bridge'"
+        )
     for i, (a, b) in enumerate(zip(ours.layers, ref.layers)):
-        rel = ((a.inv_freq.double() - b.inv_freq.double()).abs() / b.inv_freq.double().abs()).max().item()
+        rel = float("inf") if a.inv_freq.shape != b.inv_freq.shape else \
+            ((a.inv_freq.double() - b.inv_freq.double()).abs() / b.inv_freq.double().abs()).max().item()
         if rel > 1e-5 or a.rotary_dim != b.rotary_dim or a.layout != b.layout or a.sliding_window != b.sliding_window \
                 or abs(a.score_scale - b.score_scale) > 1e-6 * b.score_scale or abs(a.attention_scaling - b.attention_scaling) > 1e-6:
             raise ModelLoadError(
-                f"{name} layer {i}: the HookedTransformer's RoPE/attention config differs from the HF model's "
-                f"(inv_freq rel. diff {rel:.2g}; rotary_dim {a.rotary_dim}/{b.rotary_dim}; window "
-                f"{a.sliding_window}/{b.sliding_window}; score scale {a.score_scale:.6g}/{b.score_scale:.6g})"
+                f"{label}, layer {i}: its RoPE/attention config differs from the HF model's "
+                f"(inv_freq rel. diff {rel:.2g}; rotary_dim {a.rotary_dim}/{b.rotary_dim}; layout {a.layout}/{b.layout}; "
+                f"window {a.sliding_window}/{b.sliding_window}; score scale {a.score_scale:.6g}/{b.score_scale:.6g}; "
+                f"attention scaling {a.attention_scaling:.6g}/{b.attention_scaling:.6g}); use backend='bridge'"
             )
+    cap_a, cap_b = ours.extra.get("attn_logit_softcapping"), ref.extra.get("attn_logit_softcapping")
+    if (cap_a or None) != (cap_b or None):
+        raise ModelLoadError(f"{label}: logit soft-cap {cap_a} vs HF {cap_b}; use backend='bridge'")
+    sa, sb = ours.extra.get("attention_sinks") or {}, ref.extra.get("attention_sinks") or {}
+    if set(sa) != set(sb) or any(not torch.allclose(sa[k], sb[k]) for k in sb):
+        raise ModelLoadError(f"{label}: its learned attention sinks differ from the HF model's; use backend='bridge'")
     vocab = int(model.cfg.d_vocab)
     toks = (torch.arange(n_tokens) * 7919 % max(vocab - 1, 1) + 1)[None].to(next(model.parameters()).device)
+    dtype = next(model.parameters()).dtype
     with torch.no_grad():
-        a = model(toks).float()
+        try:
+            a = model(toks).float()
+        except Exception as e:  # noqa: BLE001 — TransformerLens' own forward pass fails on this model
+            raise ModelLoadError(
+                f"{label} fails its own forward pass in {str(dtype).replace('torch.', '')} "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); use backend='bridge'"
+            ) from e
         b = hf(toks.to(next(hf.parameters()).device)).logits.float().to(a.device)
     err, scale = (a - b).abs().max().item(), b.abs().max().item()
-    if not err <= 1e-3 * max(scale, 1.0):
-        raise ModelLoadError(f"{name}: HookedTransformer logits differ from the HF model's by {err:.3g} (max |logit| {scale:.3g})")
+    rtol = max(1e-3, 64 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
+    if not err <= rtol * max(scale, 1.0):
+        raise ModelLoadError(
+            f"{label} does not reproduce the HF model: logits differ by {err:.3g} (max |logit| {scale:.3g}); "
+            "use backend='bridge'"
+        )
 
 
 def load_model(
@@ -449,11 +508,19 @@ def load_model(
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
         kw = _placement(dtype, device_map)
+        if not _has_tokenizer_files(path):
+            raise ModelLoadError(
+                f"the folder {path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); save one beside the "
+                "weights (tokenizer.save_pretrained(folder)) — posgen_tl needs it to tokenize text"
+            )
         try:
             hf = AutoModelForCausalLM.from_pretrained(str(path), **kw).eval()
-            tok = AutoTokenizer.from_pretrained(str(path))
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot load a HF causal LM from the folder {path}: {e}") from e
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"the model in {path} loaded, but its tokenizer did not: {type(e).__name__}: {e}") from e
         if not getattr(hf.config, "architectures", None):
             hf.config.architectures = [type(hf).__name__]
         if backend == "hooked":
@@ -479,6 +546,15 @@ def load_model(
             f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
             f"and TransformerLens could not load it ({type(e).__name__}: {str(e)[:200]})"
         ) from e
+
+
+#: files any of which makes a folder carry a tokenizer that ``AutoTokenizer`` can load
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                    "tiktoken.model", "tekken.json")
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    return any((path / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def _is_tl_official(name: str) -> bool:

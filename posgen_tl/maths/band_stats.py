@@ -48,7 +48,7 @@ from einops import rearrange
 from jaxtyping import Bool, Complex, Float
 from torch import Tensor
 
-from posgen_tl.maths.rope import LayerRope, Layout, to_bands
+from posgen_tl.maths.rope import LayerRope, Layout, kv_head_index, to_bands
 
 __all__ = [
     "BandStats",
@@ -385,7 +385,7 @@ def predicted_d3_error(
     H, G = q_energy.shape[0], k_res_energy.shape[0]
     if H % G:
         raise ValueError(f"{H} query heads are not a multiple of {G} kv heads")
-    kres = k_res_energy.double().to(q_energy.device).clamp_min(0).sqrt().repeat_interleave(H // G, dim=0)
+    kres = k_res_energy.double().to(q_energy.device).clamp_min(0).sqrt()[kv_head_index(H, G, q_energy.device)]
     per_band = scale * q_energy.double().clamp_min(0).sqrt() * kres * weights.double().to(q_energy.device)
     per_band = _div(per_band, logit_spread.double().to(q_energy.device)[:, None])
     return {"pred_d3_err": per_band.sum(-1), "per_band": per_band}
@@ -416,8 +416,8 @@ def pattern_scores(
     dev = q_stats.sum_x.device
     w = distance_weights(rope, max_distance, sink=sink).to(dev, torch.float64)
     q_rms = q_stats.energy().double().sqrt()
-    k_rms = k_stats.energy().double().to(dev).sqrt().repeat_interleave(H // G, dim=0)
-    k_res = k_stats.residual_rms().double().to(dev).repeat_interleave(H // G, dim=0)
+    k_rms = k_stats.energy().double().to(dev).sqrt()[kv_head_index(H, G, dev)]
+    k_res = k_stats.residual_rms().double().to(dev)[kv_head_index(H, G, dev)]
     c = q_rms * k_rms * w
     bound = q_rms * k_res * w
     scale = rope.score_scale * rope.attention_scaling**2

@@ -18,6 +18,7 @@ Conventions (METHOD.md §1)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,8 +46,11 @@ __all__ = [
     "scores_from_rotated",
     "scores_from_prerotation",
     "expand_kv",
+    "kv_head_index",
     "band_periods",
     "causal_mask",
+    "attention_pattern",
+    "rotate_with_table",
 ]
 
 
@@ -75,6 +79,12 @@ class LayerRope:
             the per-band float32 ``1/inv_freq`` that a TransformerLens 3.x ``HookedTransformer``
             divides positions by (``p / freq``): set, :func:`angles` divides by it so the
             rotation matches ``hook_rot_q``/``hook_rot_k`` bit for bit at every position.
+        long_inv_freq: LongRoPE (Phi-3.5, Phi-4-mini): the frequencies HF switches to when a forward
+            pass's largest position id reaches ``long_after`` (``original_max_position_embeddings``);
+            ``inv_freq`` then holds the short-factor frequencies. :func:`angles` picks the set per call
+            exactly as HF does (``max(position_ids) + 1 > long_after``); :meth:`for_positions` returns
+            the resolved single-set rope. ``None`` for every other RoPE type.
+        long_after: the LongRoPE switch length (see ``long_inv_freq``).
     """
 
     inv_freq: Tensor
@@ -86,6 +96,8 @@ class LayerRope:
     sliding_window: int | None = None
     kind: str = "full"
     angle_divisor: Tensor | None = None
+    long_inv_freq: Tensor | None = None
+    long_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in ("half", "adjacent"):
@@ -100,6 +112,23 @@ class LayerRope:
             raise RopeError(
                 f"angle_divisor has shape {tuple(self.angle_divisor.shape)}; expected {tuple(self.inv_freq.shape)}"
             )
+        if (self.long_inv_freq is None) != (self.long_after is None):
+            raise RopeError("long_inv_freq and long_after (LongRoPE) must be given together")
+        if self.long_inv_freq is not None and self.long_inv_freq.shape != self.inv_freq.shape:
+            raise RopeError(
+                f"long_inv_freq has shape {tuple(self.long_inv_freq.shape)}; expected {tuple(self.inv_freq.shape)}"
+            )
+
+    def for_positions(self, positions: Tensor) -> "LayerRope":
+        """The single-frequency-set rope a forward pass with these position ids uses: ``self`` unless
+        LongRoPE, where the long factors apply when ``max(positions) + 1 > long_after`` (as HF's
+        ``longrope_frequency_update``: one choice for the whole batch)."""
+        if self.long_inv_freq is None:
+            return self
+        long = int(positions.max()) + 1 > int(self.long_after)  # type: ignore[arg-type]
+        inv = self.long_inv_freq if long else self.inv_freq
+        return dataclasses.replace(self, inv_freq=inv, long_inv_freq=None, long_after=None,
+                                   kind=f"{self.kind}+long" if long else self.kind)
 
     @property
     def n_bands(self) -> int:
@@ -111,16 +140,11 @@ class LayerRope:
         return self.inv_freq.double() / self.position_scale
 
     def to(self, device: torch.device | str) -> "LayerRope":
-        return LayerRope(
+        return dataclasses.replace(
+            self,
             inv_freq=self.inv_freq.to(device),
-            rotary_dim=self.rotary_dim,
-            layout=self.layout,
-            attention_scaling=self.attention_scaling,
-            position_scale=self.position_scale,
-            score_scale=self.score_scale,
-            sliding_window=self.sliding_window,
-            kind=self.kind,
             angle_divisor=None if self.angle_divisor is None else self.angle_divisor.to(device),
+            long_inv_freq=None if self.long_inv_freq is None else self.long_inv_freq.to(device),
         )
 
 
@@ -163,8 +187,8 @@ class RopeSpec:
         return self.n_heads // self.n_kv_heads
 
     def kv_group(self, head: int) -> int:
-        """The kv-group (key/value head) read by query head ``head``."""
-        return head // self.group_size
+        """The kv-group (key/value head) read by query head ``head`` (:func:`kv_head_index`)."""
+        return int(kv_head_index(self.n_heads, self.n_kv_heads)[head])
 
     def describe(self) -> "list[dict]":
         """One dict per layer (for a DataFrame): kind, rotary dim, base-equivalent, window."""
@@ -200,8 +224,9 @@ def angles(
     HF computes ``inv_freq.float() @ position_ids.float()`` in float32; a K=1 matmul is an
     elementwise product, so this reproduces the model's angles bit for bit. A TransformerLens
     3.x ``HookedTransformer`` divides instead (``p / freq``): with ``rope.angle_divisor`` set,
-    so does this.
+    so does this. LongRoPE: the short or long frequencies, chosen from ``positions`` as HF does.
     """
+    rope = rope.for_positions(positions)
     pos = positions.float()
     if rope.position_scale != 1.0:
         pos = pos / rope.position_scale
@@ -306,6 +331,21 @@ def rotate(
     return _apply(x, cos, sin, rope)
 
 
+def rotate_with_table(
+    x: Float[Tensor, "*batch pos head_index d_head"],
+    cos: Float[Tensor, "*batch pos band"],
+    sin: Float[Tensor, "*batch pos band"],
+    rope: LayerRope,
+) -> Float[Tensor, "*batch pos head_index d_head"]:
+    """Rotate ``x`` with a GIVEN per-band table (the model's own ``cos``/``sin``, attention scaling
+    included) instead of our angles: ``x·cos + rotate_half(x)·sin`` in ``rope.layout`` on the first
+    ``rope.rotary_dim`` dims, the rest passed through. Returns the shape of ``x`` (in ``x``'s dtype).
+    Used to check :func:`rotate` against a rotation that does not come from the spec."""
+    if cos.shape[-1] != rope.n_bands or sin.shape[-1] != rope.n_bands:
+        raise RopeError(f"a rotation table of {cos.shape[-1]} bands for a {rope.n_bands}-band rope")
+    return _apply(x, cos.to(x.dtype), sin.to(x.dtype), rope)
+
+
 def unrotate(
     x: Float[Tensor, "*batch pos head_index d_head"],
     positions: Int[Tensor, "*batch pos"] | Int[Tensor, "pos"],
@@ -342,16 +382,12 @@ def relative_rotation_matrix(delta: float, rope: LayerRope, d_head: int, dtype=t
 
 
 def _plain(rope: LayerRope, dtype: torch.dtype) -> LayerRope:
-    return LayerRope(
+    return dataclasses.replace(
+        rope,
         inv_freq=rope.inv_freq.to(dtype),
-        rotary_dim=rope.rotary_dim,
-        layout=rope.layout,
         attention_scaling=1.0,
-        position_scale=rope.position_scale,
-        score_scale=rope.score_scale,
-        sliding_window=rope.sliding_window,
-        kind=rope.kind,
         angle_divisor=None if rope.angle_divisor is None else rope.angle_divisor.to(dtype),
+        long_inv_freq=None if rope.long_inv_freq is None else rope.long_inv_freq.to(dtype),
     )
 
 
@@ -361,11 +397,24 @@ def _plain(rope: LayerRope, dtype: torch.dtype) -> LayerRope:
 def expand_kv(
     k: Float[Tensor, "*batch pos kv_head d_head"], n_heads: int
 ) -> Float[Tensor, "*batch pos head_index d_head"]:
-    """Repeat kv-groups to query heads: query head ``h`` reads group ``h // (H // G)``."""
-    g = k.shape[-2]
-    if n_heads % g:
-        raise RopeError(f"n_heads={n_heads} is not a multiple of the {g} kv heads")
-    return k.repeat_interleave(n_heads // g, dim=-2)
+    """Repeat kv-groups to query heads: query head ``h`` reads group ``h // (H // G)`` (HF's
+    ``repeat_kv``: consecutive query heads share a group), so the result is
+    ``[*batch, pos, head_index, d_head]`` with ``out[..., h, :] == k[..., h // (H // G), :]``."""
+    return k.index_select(-2, kv_head_index(n_heads, k.shape[-2], device=k.device))
+
+
+def kv_head_index(n_heads: int, n_kv_heads: int, device: torch.device | str | None = None) -> Int[Tensor, "head_index"]:
+    """The kv head each query head reads: ``idx[h] = h // (n_heads // n_kv_heads)`` (HF's ``repeat_kv``:
+    consecutive query heads share a group), as an int64 ``[head_index]`` tensor — the ONE place of the
+    package that maps query heads to kv heads (:func:`expand_kv`, ``RopeSpec.kv_group``, per-group
+    statistics expanded to heads all use it).
+
+    Raises:
+        RopeError: ``n_heads`` is not a positive multiple of ``n_kv_heads``.
+    """
+    if n_kv_heads <= 0 or n_heads <= 0 or n_heads % n_kv_heads:
+        raise RopeError(f"n_heads={n_heads} is not a multiple of the {n_kv_heads} kv heads")
+    return torch.arange(n_heads, device=device) // (n_heads // n_kv_heads)
 
 
 def scores_from_rotated(
@@ -428,3 +477,27 @@ def causal_mask(
     if sliding_window is not None:
         m = m & (i - j < sliding_window)
     return m
+
+
+def attention_pattern(
+    w: Float[Tensor, "*batch head_index query_pos key_pos"],
+    mask: Bool[Tensor, "query_pos key_pos"],
+    sinks: Float[Tensor, "head_index"] | None = None,
+) -> Float[Tensor, "*batch head_index query_pos key_pos"]:
+    """The attention pattern the model computes from pre-softmax logits ``w`` (soft-cap already
+    applied): softmax over the keys ``mask`` leaves visible, masked entries exactly 0.
+
+    ``sinks`` (GPT-OSS's learned per-head sink logits, TransformerLens 3.x ``use_attention_sinks``):
+    one extra logit per head joins every row's softmax and is dropped after it, so a row sums to less
+    than 1 — as HF and TransformerLens do. Computed in float64 at least (float32/half inputs are
+    promoted); returns the shape of ``w``.
+    """
+    x = w.double() if w.dtype != torch.float64 else w
+    x = x.masked_fill(~mask.to(x.device), float("-inf"))
+    if sinks is None:
+        return torch.softmax(x, dim=-1)
+    s = sinks.to(device=x.device, dtype=x.dtype)
+    if s.ndim != 1 or s.shape[0] != x.shape[-3]:
+        raise RopeError(f"attention sinks have shape {tuple(s.shape)}; expected ({x.shape[-3]},) — one per head")
+    col = s[:, None, None].expand(*x.shape[:-1], 1)
+    return torch.softmax(torch.cat([x, col], dim=-1), dim=-1)[..., :-1]

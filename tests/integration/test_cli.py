@@ -27,7 +27,6 @@ def test_check_unknown_model_is_one_line_error(capsys):
 
 
 def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
-    import pandas as pd
 
     import posgen_tl.experiments.exactness as ex
 
@@ -35,13 +34,14 @@ def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
 
     def broken(*a, **k):
         df = real(*a, **k)
-        df.loc[0, "passed"] = False
+        df.loc[0, ["status", "reason", "passed"]] = ["failed", "scores differ (injected)", False]
         return df
 
     monkeypatch.setattr(ex, "exactness_table", broken)
     rc = main(["check", "--seq-len", "16", "--n-seq", "1", "--layers", "0"])
-    assert rc == 1 and "FAIL" in capsys.readouterr().out
-    assert isinstance(broken(smollm2, __import__("torch").zeros(1, 4, dtype=__import__("torch").long), [0]), pd.DataFrame)
+    out = capsys.readouterr().out
+    assert rc == 1 and "FAIL (0 layer(s) not checked, 1 failed)" in out
+    assert "layer 0: failed: scores differ (injected)" in out
 
 
 _words = st.sampled_from(["check", "report", "study", "list", "decomposition", "--model", "--seq-len", "--n-seq", "--layers", "--out", "--quick", "-x",
