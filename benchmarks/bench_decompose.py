@@ -1,4 +1,4 @@
-"""Speed / memory of the METHOD §2 decomposition as ratios to a plain forward pass.
+"""Speed / memory of the docs/method.md §2 decomposition as ratios to a plain forward pass.
 
     python benchmarks/bench_decompose.py [--n-seq 8] [--seq-len 512] [--model smollm2-135m]
 

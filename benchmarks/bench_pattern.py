@@ -1,4 +1,4 @@
-"""Benchmark: feature_pattern (METHOD §3) vs a plain forward pass, time and peak memory.
+"""Benchmark: feature_pattern (docs/method.md §3) vs a plain forward pass, time and peak memory.
 
     python benchmarks/bench_pattern.py --n-seq 64 --seq-len 512 [--small 16]
 

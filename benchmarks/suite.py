@@ -285,7 +285,7 @@ class Bench:
 
 
 def _sufficiency_step(b: Bench):
-    """One sufficiency condition (METHOD §5): the logits of the middle third of the layers
+    """One sufficiency condition (docs/method.md §5): the logits of the middle third of the layers
     SUBSTITUTED by ``f + g`` (global k̄) and the clean target NLL read — one forward. ``None`` when
     ``posgen_tl.experiments.sufficiency`` is not installed (older versions)."""
     import importlib.util

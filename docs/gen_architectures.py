@@ -1,12 +1,15 @@
 """Run the architecture matrix in THIS environment and write the support table.
 
-    python docs/gen_architectures.py --out docs/architectures.md --json docs/architectures.json
+    python docs/gen_architectures.py --out docs/architectures.md --json docs/architectures.json --readme README.md
+    python docs/gen_architectures.py --json docs/architectures.json --readme README.md --render-only
 
 Runs every cell of ``tests/arch_matrix.py`` for the installed TransformerLens (4.x: the
 bridge; 3.x: the bridge and the HookedTransformer), merges those columns into the existing JSON (the
-other environment's columns are kept) and renders the markdown table from the merged JSON. Run it
-once under each TransformerLens environment (``.venv`` and ``.venv-tl3``). Exits 1 if a cell is
-neither exact nor a named refusal (nothing is written then).
+other environment's columns are kept) and renders the markdown table from the merged JSON, and the
+README's claim of what is supported between its ``architectures`` markers. Run it once under each
+TransformerLens environment (``.venv`` and ``.venv-tl3``). Exits 1 if a cell is neither exact nor a
+named refusal (nothing is written then). ``--render-only`` re-renders the table and the README claim
+from the committed JSON without running anything.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -29,9 +33,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="markdown table to write, e.g. docs/architectures.md")
+    p.add_argument("--out", default="docs/architectures.md", help="markdown table to write")
     p.add_argument("--json", required=True, help="JSON of every cell (merged across environments)")
+    p.add_argument("--readme", default=None, help="README whose architectures block gets the claim")
+    p.add_argument("--render-only", action="store_true", help="only re-render from the committed JSON")
     args = p.parse_args(argv)
+    if args.render_only:
+        import arch_matrix as am
+
+        _render(am, am.load_json(Path(args.json)), args)
+        return 0
     import torch
 
     torch.set_num_threads(1)  # tiny models: one thread is faster than two on a shared machine
@@ -48,9 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     data = am.merge(am.load_json(Path(args.json)), cells)
     Path(args.json).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    Path(args.out).write_text(am.render_markdown(data))
+    _render(am, data, args)
     print(f"{len(cells)} cells in {time.time() - t0:.0f} s → {args.out}, {args.json}")
     return 0
+
+
+def _render(am, data: dict, args: argparse.Namespace) -> None:
+    """The markdown table, and the README claim between ``<!-- architectures:start/end -->``."""
+    Path(args.out).write_text(am.render_markdown(data))
+    if args.readme:
+        from posgen_tl.report.pages import fill_block  # noqa: PLC0415
+
+        path = Path(args.readme)
+        path.write_text(fill_block(path.read_text(), "architectures", textwrap.fill(am.readme_claim(data), 100, break_on_hyphens=False, break_long_words=False)))
 
 
 if __name__ == "__main__":

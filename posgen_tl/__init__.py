@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "capture_qk": "hooks.capture",
     "stream_qk": "hooks.capture",
     "exactness_table": "experiments.exactness",
-    # decomposition (METHOD §2)
+    # decomposition (docs/method.md §2)
     "decompose_head": "experiments.head_maps",
     "decompose_model": "experiments.decomposition",
     "decompose_with_twin": "experiments.decomposition",

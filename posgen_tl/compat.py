@@ -57,6 +57,7 @@ __all__ = [
     "conventions",
     "accepts_position_ids",
     "implicit_attention_mask",
+    "native_rope_scaling",
     "summary",
 ]
 
@@ -252,6 +253,22 @@ def implicit_attention_mask(model: Any, tokens: Any) -> Any | None:
     from transformer_lens.utilities import get_attention_mask  # noqa: PLC0415  (TL 3.x, already imported)
 
     return get_attention_mask(tok, tokens, bool(getattr(model.cfg, "default_prepend_bos", True)))
+
+
+def native_rope_scaling(cfg: Any, rotary_dim: int) -> tuple[Any, Any, Any]:
+    """TransformerLens' own RoPE scaling of a TL-native bridge model: ``(attention scale, position
+    scale, inv_freq [rotary_dim // 2])``, from the one TL function that computes it (a private TL name:
+    the only place posgen_tl reaches into TransformerLens internals, so a TL change breaks here, loudly).
+
+    Raises:
+        RuntimeError: the installed TransformerLens has no such function (it names the version).
+    """
+    try:
+        from transformer_lens.model_bridge.sources.native.model import _resolve_rope_scaling  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - depends on the TL version
+        raise RuntimeError(f"transformer-lens {tl_version()} has no native RoPE scaling resolver "
+                           "(transformer_lens.model_bridge.sources.native.model._resolve_rope_scaling)") from e
+    return _resolve_rope_scaling(cfg, rotary_dim)
 
 
 def summary() -> dict[str, Any]:

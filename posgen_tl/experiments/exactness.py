@@ -162,7 +162,7 @@ def exactness_table(
 
 
 NAME = "exactness"
-ABOUT = "captured q/k reproduce the model's rotation and scores (METHOD §1)"
+ABOUT = "captured q/k reproduce the model's rotation and scores (docs/method.md §1)"
 NEEDS: tuple[str, ...] = ()
 
 

@@ -1,4 +1,4 @@
-"""METHOD §7 item 4: how each head's attention changes under the gap probe, by head class.
+"""docs/method.md §7 item 4: how each head's attention changes under the gap probe, by head class.
 
 Seed 003 predicts that symbolic mechanisms extrapolate better than positional ones; this
 experiment tests it instead of assuming it: per head, the attention change when the suffix moves
@@ -20,7 +20,7 @@ from posgen_tl.experiments import length as L
 __all__ = ["Config", "NAME", "compute", "render"]
 
 NAME = "gap_attention"
-ABOUT = "attention change per head under the gap, positional vs symbolic heads (METHOD §7 item 4)"
+ABOUT = "attention change per head under the gap, positional vs symbolic heads (docs/method.md §7 item 4)"
 NEEDS: tuple[str, ...] = ()
 
 
@@ -70,7 +70,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     meta = ctx.work.load_json("gap_attention_meta.json")
     src = summ["classes"].iloc[0] if len(summ) else "?"
     return Section(
-        "Attention change under the gap, by head class (METHOD §7, seed 003)",
+        "Attention change under the gap, by head class (docs/method.md §7, seed 003)",
         verdict=(f"G = {meta['gap']:g}·n_ctx; head classes: {src} ({int(summ['n_heads_positional'].iloc[0])} "
                  f"positional, {int(summ['n_heads_symbolic'].iloc[0])} symbolic heads)." if len(summ) else "no contrast"),
         paragraphs=[f"{meta['n_seq']} sequences from {meta['n_docs']} documents: prefix {meta['prefix_len']} ‖ suffix "

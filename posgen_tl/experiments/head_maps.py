@@ -1,5 +1,5 @@
 """One head, looked at closely: its logit map split into positional and semantic terms
-(METHOD.md §2, the paper's Figure-1 view) and the phase angles of one RoPE band (§3).
+(docs/method.md §2, the paper's Figure-1 view) and the phase angles of one RoPE band (§3).
 
 These are the analysis halves of two figures: :func:`decompose_head` feeds
 :func:`posgen_tl.plot.head_maps`, :func:`phase_angles` feeds
@@ -130,7 +130,7 @@ def decompose_head(
             from ``model.run_with_cache(tokens)`` (then no forward pass is run).
         layer: the layer.
         head: the query head (its key group is ``head // (n_heads // n_kv_heads)``).
-        k_mean: which mean pre-rotation key ``k̄`` (METHOD §2 — it decides what a D3 score
+        k_mean: which mean pre-rotation key ``k̄`` (docs/method.md §2 — it decides what a D3 score
             means): ``"per_sequence"`` (each sequence's own keys, first ``sink`` positions
             excluded; the default), ``"global"`` (one k̄ from ``reference`` tokens of other
             documents) or a tensor ``[kv_head, d_head]``.

@@ -1,4 +1,4 @@
-"""Longer texts (METHOD §7): the gap probe, Gemma3 window removal, and the attention change by head class.
+"""Longer texts (docs/method.md §7): the gap probe, Gemma3 window removal, and the attention change by head class.
 
 Conditions (all as TransformerLens hooks from :mod:`posgen_tl.hooks.edits`):
 
@@ -9,7 +9,7 @@ Conditions (all as TransformerLens hooks from :mod:`posgen_tl.hooks.edits`):
   GLOBAL ``k̄`` from reference documents disjoint from the analysed ones
   (:func:`~posgen_tl.hooks.logits.disentangled_hooks`).
 
-Units and statistics (METHOD §8): the unit is a sequence (one window), clustered by its
+Units and statistics (docs/method.md §8): the unit is a sequence (one window), clustered by its
 document; every CI is a document-level bootstrap (:func:`posgen_tl.stats.inference.bootstrap_ci`, 10 000
 draws) beside a t-interval on document means, every p-value an exact/Monte-Carlo sign-flip test
 over documents, Holm-adjusted within one printed table. Fewer than 32 sequences → "exploratory".
@@ -114,7 +114,7 @@ def span_nll(
 
 @dataclass(frozen=True)
 class Config(base.Config):
-    """Options of the longer-texts experiment (METHOD §7): the gap probe and, on sliding-window
+    """Options of the longer-texts experiment (docs/method.md §7): the gap probe and, on sliding-window
     models, window removal."""
 
     NAME: ClassVar[str] = "length"
@@ -471,7 +471,7 @@ def gap_attention(
 
 
 def classes_from_taxonomy(heads: pd.DataFrame, *, twin: str = "trained") -> pd.DataFrame:
-    """Head classes ``layer, head, head_class`` from a METHOD §6 taxonomy table (one row per head,
+    """Head classes ``layer, head, head_class`` from a docs/method.md §6 taxonomy table (one row per head,
     e.g. :func:`posgen_tl.experiments.taxonomy.head_table` or ``heads_<model>.csv``): heads labelled
     ``positional`` or ``symbolic`` keep their label; ``both``/``neither``/excluded heads are left
     out (they belong to neither side of the contrast). Rows of ``twin`` only when the table has a
@@ -545,7 +545,7 @@ def head_class_test(rows: pd.DataFrame, classes: pd.DataFrame | None = None, *, 
 
 NAME = "length"
 ABOUT = ("longer texts: gap probe and (sliding-window models) window removal, vanilla / LM-Infinite / "
-         "disentangled (METHOD §7)")
+         "disentangled (docs/method.md §7)")
 NEEDS: tuple[str, ...] = ()
 
 
@@ -590,7 +590,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     """The report section: suffix NLL per gap and condition, window removal by position bucket, figures."""
     from posgen_tl.report.html import Finding, Section, skipped_section  # noqa: PLC0415
 
-    title = "8 · Longer texts: unseen distances (METHOD §7)"
+    title = "8 · Longer texts: unseen distances (docs/method.md §7)"
     meta = ctx.work.load_json("length_gap_meta.json")
     if "skipped" in meta:
         return skipped_section(title, meta["skipped"], "length")

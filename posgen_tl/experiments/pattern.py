@@ -1,4 +1,4 @@
-"""METHOD.md §3 runner: the intermediate-feature pattern of RoPE planes, per layer/head/band.
+"""docs/method.md §3 runner: the intermediate-feature pattern of RoPE planes, per layer/head/band.
 
 One streaming pass over the analysed windows (:func:`posgen_tl.hooks.capture.stream_qk`; the
 forward stops after the last requested layer) feeds, per layer:
@@ -282,7 +282,7 @@ def _model_label(model: Any) -> str:
 
 @dataclass(frozen=True)
 class Config(base.Config):
-    """Options of the feature-pattern experiment (METHOD §3)."""
+    """Options of the feature-pattern experiment (docs/method.md §3)."""
 
     NAME: ClassVar[str] = "pattern"
     n_ref: int = base.n_ref_option()
@@ -490,7 +490,7 @@ def link_to_decomposition(
 
 
 NAME = "pattern"
-ABOUT = "feature pattern in the RoPE planes and its link to D3 (METHOD §3)"
+ABOUT = "feature pattern in the RoPE planes and its link to D3 (docs/method.md §3)"
 NEEDS: tuple[str, ...] = ("decomposition",)  # links its heads to the decomposition's rows
 
 
@@ -589,7 +589,7 @@ def render(ctx: Any, cfg: Config) -> Any:
                "the rotation weighting adds information only where the score beats them.")
     png = ctx.work.path
     return Section(
-        "3 · The feature pattern in the RoPE planes (METHOD §3)",
+        "3 · The feature pattern in the RoPE planes (docs/method.md §3)",
         verdict=verdict,
         paragraphs=_paragraphs(groups),
         tables=[("Key ρ in three forms by band group (mean over layers × kv heads × bands; stability: median; energy: "
@@ -611,8 +611,8 @@ def render(ctx: Any, cfg: Config) -> Any:
 
 def _findings(merged: pd.DataFrame, cfg: Config) -> list:
     """Spearman ρ of the rotation-aware pattern score (predicted relative D3 error, global k̄) with D3
-    within-row r across TRAINED heads (METHOD §3: within the trained model, never pooled with the
-    twin); heads are the unit — descriptive (METHOD §8)."""
+    within-row r across TRAINED heads (docs/method.md §3: within the trained model, never pooled with the
+    twin); heads are the unit — descriptive (docs/method.md §8)."""
     from posgen_tl.report.html import Finding  # noqa: PLC0415
     from posgen_tl.stats.inference import rank_correlation  # noqa: PLC0415
 

@@ -1,4 +1,4 @@
-"""Faithfulness (sufficiency) of the D3 decomposition, METHOD §5 / issue #12 item 5.
+"""Faithfulness (sufficiency) of the D3 decomposition, docs/method.md §5 / issue #12 item 5.
 
 SUBSTITUTE the attention logits of a layer subset by a decomposition and measure what the model
 loses: ``W ← f + g_Δ0`` (D3 at reference offset Δ0, GLOBAL k̄ from reference documents DISJOINT
@@ -13,7 +13,7 @@ The sink key column is kept exact (``keep_sink``). Controls at the same layers:
 Read-outs per sequence: clean NLL of the last ``target_len`` tokens and its change vs the
 unmodified model (``dnll``); for the conditions in ``tolerance``, the T1 tolerance slope (ΔNLL per
 unit swap fraction, seeds averaged inside the sequence) and its change vs the unmodified model.
-Statistics (METHOD §8): unit = sequence, clustered by document; document bootstrap CI
+Statistics (docs/method.md §8): unit = sequence, clustered by document; document bootstrap CI
 (10 000), t-interval, sign-flip p, Holm over the printed table; n < 32 → "exploratory".
 """
 
@@ -73,7 +73,7 @@ def sufficiency_hooks_for(
 
 @dataclass(frozen=True)
 class Config(base.Config):
-    """Options of the sufficiency test (METHOD §5, substitution)."""
+    """Options of the sufficiency test (docs/method.md §5, substitution)."""
 
     NAME: ClassVar[str] = "sufficiency"
     n_ref: int = base.n_ref_option()
@@ -196,7 +196,7 @@ def sufficiency_summary(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 NAME = "sufficiency"
-ABOUT = "substitute the logits by f + g (D3, global k̄) per layer group, with D1 and wrong-k̄ controls (METHOD §5)"
+ABOUT = "substitute the logits by f + g (D3, global k̄) per layer group, with D1 and wrong-k̄ controls (docs/method.md §5)"
 NEEDS: tuple[str, ...] = ()
 
 
@@ -221,7 +221,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     """The report section: ΔNLL per source and layer group, beside the controls, and the figure."""
     from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
 
-    title = "6 · Sufficiency: does f + g carry what the model uses? (METHOD §5)"
+    title = "6 · Sufficiency: does f + g carry what the model uses? (docs/method.md §5)"
     meta = ctx.work.load_json("sufficiency_meta.json")
     if "skipped" in meta:
         return skipped_section(title, meta["skipped"], "sufficiency")

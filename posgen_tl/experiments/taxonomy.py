@@ -1,4 +1,4 @@
-"""Head taxonomy runner (METHOD.md §6): positional vs symbolic heads, per band, tied to D3.
+"""Head taxonomy runner (docs/method.md §6): positional vs symbolic heads, per band, tied to D3.
 
 Layout per prompt (``n`` tokens): a context region ``R = [r0, r1)`` of ``region_len``
 tokens ends ``n_query`` tokens before the end; the query rows are ``[r1, n)``. The tokens
@@ -188,7 +188,7 @@ def _nanmean(x: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Config(base.Config):
-    """Options of the head taxonomy (METHOD §6); ``n_seq`` is the number of prompts."""
+    """Options of the head taxonomy (docs/method.md §6); ``n_seq`` is the number of prompts."""
 
     NAME: ClassVar[str] = "taxonomy"
     n_seq: int = base.option(8, "prompts (windows of distinct documents)", "int", quick=2, full=32)
@@ -241,7 +241,7 @@ def head_taxonomy(
         mass on ``R`` of the used rows), ``n_prompts, n_docs, q_energy_share, k_energy_share``
         (band rows), ``q_centroid, k_centroid, positional_share, positional_share_std``
         (global k̄), ``positional_share_seq`` (each prompt's own mean key, sink excluded: the
-        random twin's keys carry a large per-sequence constant, METHOD §2) (full-head rows;
+        random twin's keys carry a large per-sequence constant, docs/method.md §2) (full-head rows;
         NaN on band rows), and the settings ``n_perm, region_len, n_query,
         block, min_score, rel_tol``.
 
@@ -477,7 +477,7 @@ def agreement_table(head_df: pd.DataFrame) -> pd.DataFrame:
 
 
 NAME = "taxonomy"
-ABOUT = "positional vs symbolic head taxonomy, trained beside the random twin (METHOD §6)"
+ABOUT = "positional vs symbolic head taxonomy, trained beside the random twin (docs/method.md §6)"
 NEEDS: tuple[str, ...] = ()
 
 
@@ -536,7 +536,7 @@ def render(ctx: Any, cfg: Config) -> Any:
                    .unstack(fill_value=0).reindex(columns=list(LABELS), fill_value=0).reset_index())
     png = ctx.work.path
     return Section(
-        "7 · Head taxonomy: positional vs symbolic heads (METHOD §6)",
+        "7 · Head taxonomy: positional vs symbolic heads (docs/method.md §6)",
         verdict=("Label counts (trained vs random twin): " + "; ".join(
             f"{r['twin']}: " + ", ".join(f"{k} {int(r[k])}" for k in counts.columns if k != "twin")
             for _, r in counts.iterrows()) + f". Random-twin heads on 'both': {both_twin}."),

@@ -1,4 +1,4 @@
-"""Position-tolerance machinery (METHOD.md §4): target-span NLL, T1/T2 curves, T3, as tidy DataFrames.
+"""Position-tolerance machinery (docs/method.md §4): target-span NLL, T1/T2 curves, T3, as tidy DataFrames.
 
 T1 swaps adjacent tokens in the context, T2 applies the same swaps to position ids only, T3
 reads NLL by position with/without an LM-Infinite distance cap. ``p`` counts swapped disjoint
@@ -81,7 +81,7 @@ class SwapOptions(base.Config):
 
 @dataclass(frozen=True)
 class Config(SwapOptions):
-    """Options of the T1/T2 tolerance study (METHOD §4)."""
+    """Options of the T1/T2 tolerance study (docs/method.md §4)."""
 
     NAME: ClassVar[str] = "tolerance"
     twin_seeds: tuple[int, ...] = base.option((0,), "swap seeds for the random twin's T1/T2 curves", "ints")
@@ -334,7 +334,7 @@ def t1_t2_study(
     model: Any, corpus: CorpusLike = None, cfg: "Config | None" = None, *, twin: Any = True,
     windows: Windows | None = None, progress: bool = True, **options: Any,
 ) -> T12Result:  # fmt: skip
-    """T1/T2 tolerance curves (METHOD §4) of the trained model and its random twin.
+    """T1/T2 tolerance curves (docs/method.md §4) of the trained model and its random twin.
 
     ``cfg`` (:class:`Config`, with ``options`` applied) sets the sizes, fractions and seeds. Same
     windows and the same per-(sequence, seed) swaps for T1 and T2 and for the twin. Per document:
@@ -450,7 +450,7 @@ def write_t12_outputs(result: T12Result, out_dir: str | Path, tag: str = "t12") 
 
 
 NAME = "tolerance"
-ABOUT = "T1/T2 position tolerance of the trained model beside its random twin, with TOST (METHOD §4)"
+ABOUT = "T1/T2 position tolerance of the trained model beside its random twin, with TOST (docs/method.md §4)"
 NEEDS: tuple[str, ...] = ()
 
 
@@ -483,7 +483,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
 
     meta = ctx.work.load_json("tolerance_meta.json")
-    title = "4 · Position tolerance: T1 / T2 (METHOD §4)"
+    title = "4 · Position tolerance: T1 / T2 (docs/method.md §4)"
     if "skipped" in meta:
         return skipped_section(title, meta["skipped"], "tolerance")
     summ = ctx.work.load_df("tolerance_summary.csv")

@@ -306,10 +306,10 @@ def _table_buffer_source(model: Any) -> str:
     if getattr(getattr(inner, "rotary", None), "cos_cached", None) is not None:
         return "rotary.cos_cached"
     if hasattr(inner, "config") and hasattr(inner, "named_modules"):
-        from posgen_tl.io.spec import _hf_attention_modules  # noqa: PLC0415
+        from posgen_tl.io.spec import hf_attention_modules  # noqa: PLC0415
 
         try:
-            attns = _hf_attention_modules(inner)
+            attns = hf_attention_modules(inner)
         except RopeError:
             return "none"
         if attns and isinstance(getattr(attns[0], "embed_positions", None), Tensor):
@@ -326,9 +326,9 @@ def model_rotation_table(
     src = info.table_source
     inner = getattr(model, "original_model", None)
     if src == "embed_positions":
-        from posgen_tl.io.spec import _hf_attention_modules  # noqa: PLC0415
+        from posgen_tl.io.spec import hf_attention_modules  # noqa: PLC0415
 
-        table = _hf_attention_modules(inner)[layer].embed_positions.detach().float()
+        table = hf_attention_modules(inner)[layer].embed_positions.detach().float()
         t = table[positions.to(table.device).long()]  # [batch, pos, r] = cat(sin, cos)
         half = t.shape[-1] // 2
         sin, cos = t[..., :half], t[..., half:]

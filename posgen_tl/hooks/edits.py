@@ -1,4 +1,4 @@
-"""Interventions on pre-rotation keys/queries (METHOD §5), as plain TransformerLens hooks.
+"""Interventions on pre-rotation keys/queries (docs/method.md §5), as plain TransformerLens hooks.
 
 Like TransformerLens' ``patching.py``: one generic hook builder (:func:`intervention_hooks`)
 and small ``functools.partial`` specialisations (:func:`enforce_hooks`, :func:`destroy_hooks`,
@@ -12,14 +12,14 @@ Position hooks (T2 by re-rotation, distance caps) live in :mod:`posgen_tl.hooks.
 substitution (LM-Infinite, disentangled, sufficiency) in :mod:`posgen_tl.hooks.logits`; only the
 modules of :mod:`posgen_tl.hooks` know hook names.
 
-Band picture (METHOD.md §1, §5): each band ``m`` of a pre-rotation key is a complex number
+Band picture (docs/method.md §1, §5): each band ``m`` of a pre-rotation key is a complex number
 ``k^(m)``; ``k̄^(m)`` is the band of the mean key of that kv-group (:func:`key_means`).
 
 * ``enforce``: ``k^(m) ← k̄^(m)`` (token-invariant keys: D3 exact in those bands);
 * ``destroy``: ``k^(m) ← k^(m) − k̄^(m)`` (remove the offset);
 * ``rephase``: ``k^(m) ← (k^(m) − k̄^(m)) + k̄^(m)·e^{iαφ_m}`` with a fixed random phase
   ``φ_m`` per (layer, head, band) drawn from ``seed``; ``alpha`` scales the ANGLE, so the
-  offset keeps its norm ``|k̄^(m)|`` (and ρ) at every strength (METHOD §5 control C3);
+  offset keeps its norm ``|k̄^(m)|`` (and ρ) at every strength (docs/method.md §5 control C3);
 * ``noise``: ``k^(m) ← k^(m) + α·|k̄^(m)|·e^{iψ}`` with a random phase ``ψ`` per (position,
   head, band) drawn from ``seed`` and the layer: per token, a change with exactly the norm of
   ``destroy``'s change ``−α·k̄^(m)`` in the same bands, but no constant direction (control C4);
@@ -163,7 +163,7 @@ def feature_means(
     extra_hooks: Sequence[tuple[str, Callable]] = (), dtype: torch.dtype = torch.float32,
 ) -> dict[int, Float[Tensor, "head d_head"]]:  # fmt: skip
     """Mean pre-rotation key (or query) per layer and head, first ``sink`` positions excluded —
-    the ``k̄`` of METHOD.md §2 and §5 (the package's one implementation of it).
+    the ``k̄`` of docs/method.md §2 and §5 (the package's one implementation of it).
 
     Streamed with :class:`posgen_tl.maths.band_stats.BandStats` (float64 accumulation), so memory does
     not grow with ``tokens``. For the *global* k̄ pass tokens from documents disjoint from the
@@ -292,7 +292,7 @@ def change_vectors(
     Pure function (no hooks): the change function of ``iv.kind`` (:data:`CHANGES`) on the selected
     bands/heads, transplanted for ``random_bands``. Random draws (C1 bands and phases, C3 phases,
     C4 noise) use ``iv.seed``, or ``iv.row_seeds[i]`` for batch row ``i`` when given (a control
-    drawn afresh per document: METHOD §8).
+    drawn afresh per document: docs/method.md §8).
 
     Raises:
         ValueError: bands/heads out of range; ``row_seeds`` not one per batch row.
@@ -412,7 +412,7 @@ Returns ``[(hook_name, fn), ...]`` for ``model.hooks(fwd_hooks=...)``."""
 destroy_hooks = functools.partial(kind_hooks, kind="destroy")
 destroy_hooks.__doc__ = """``destroy_hooks(model, k_means, bands, **kw)``: hooks that remove the key offset,
 ``k^(m) ← k^(m) − α·k̄^(m)`` in ``bands`` — exactly the positional term f of those bands goes, g and the
-remainder stay (METHOD §5's intervention). ``alpha > 1`` over-drives it. ``kw`` as :class:`Intervention`.
+remainder stay (docs/method.md §5's intervention). ``alpha > 1`` over-drives it. ``kw`` as :class:`Intervention`.
 Example: ``model.run_with_hooks(tokens, fwd_hooks=destroy_hooks(model, key_means(model, ref), range(8), alpha=0.5))``."""
 
 rephase_hooks = functools.partial(kind_hooks, kind="rephase")

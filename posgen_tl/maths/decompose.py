@@ -1,10 +1,10 @@
-"""Decompositions of an attention-logit map (METHOD.md §2) and their scores.
+"""Decompositions of an attention-logit map (docs/method.md §2) and their scores.
 
 * D1 / D2 — additive least-squares fits ``W[i,j] ≈ mean + a[i−j] + b[i] + c[j]`` (D1) or
   without ``b`` (D2) over the masked (causal) entries: :func:`fit_additive`.
 * D3 — the constructive split ``W = f + g + (W − f − g)`` with the head's mean
   pre-rotation key ``k̄``: :func:`d3_split`, and the per-entry bound on the remainder:
-  :func:`d3_bound`. Both take a reference offset ``delta0`` (METHOD §2): the semantic term
+  :func:`d3_bound`. Both take a reference offset ``delta0`` (docs/method.md §2): the semantic term
   becomes ``g_Δ0 = s·q_iᵀ R_{−Δ0}(k_j − k̄)`` (the form LM-Infinite's "disentangled"
   approximation uses for far keys); ``delta0 = 0`` is D3. :func:`d3_logits` returns
   ``f + g_Δ0`` alone. ``k̄`` may be one per head (a global mean key) or one per sequence
@@ -226,7 +226,7 @@ def sequence_key_mean(
     k: Float[Tensor, "batch pos kv_head d_head"], sink: int = 0
 ) -> Float[Tensor, "batch kv_head d_head"]:
     """Each sequence's own mean pre-rotation key over positions ``>= sink`` (the
-    ``per_sequence`` k̄ of METHOD §2), float64 ``[batch, kv_head, d_head]``."""
+    ``per_sequence`` k̄ of docs/method.md §2), float64 ``[batch, kv_head, d_head]``."""
     if not 0 <= sink < k.shape[1]:
         raise ValueError(f"sink={sink} must be in [0, {k.shape[1] - 1}] for {k.shape[1]} positions")
     return k[:, sink:].double().mean(1)
@@ -315,7 +315,7 @@ def d3_logits(
     """The D3 approximation of the logits, ``f + g_Δ0`` of :func:`d3_split` (all entries, no mask).
 
     ``f = s·q_iᵀR_{j−i}k̄`` (positional), ``g_Δ0 = s·q_iᵀR_{−Δ0}(k_j − k̄)`` (semantic at the
-    reference offset Δ0). Substituting it for the model's scores is METHOD §5's sufficiency
+    reference offset Δ0). Substituting it for the model's scores is docs/method.md §5's sufficiency
     test (LM-Infinite's "disentangled" approximation with Δ0 = their cap). Returns float64
     ``[batch, head_index, query_pos, key_pos]``.
     """

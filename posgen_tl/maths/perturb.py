@@ -1,4 +1,4 @@
-"""Position-tolerance perturbations (METHOD.md §4), as pure functions.
+"""Position-tolerance perturbations (docs/method.md §4), as pure functions.
 
 T1 (transposition) :func:`adjacent_swap_permutation` + :func:`apply_permutation`; T2 (index
 perturbation) :func:`position_ids_for_permutation`; T3 (distance cap) :func:`capped_scores`;
@@ -188,7 +188,7 @@ def position_ids_for_permutation(perm: Int[Tensor, "pos"]) -> Int[Tensor, "pos"]
 
 
 def swap_seed(base_seed: int, doc: int, start: int, seed: int) -> int:
-    """Generator seed of one sequence's swaps (METHOD §4: independent per (sequence, seed)).
+    """Generator seed of one sequence's swaps (docs/method.md §4: independent per (sequence, seed)).
 
     A hash (:class:`numpy.random.SeedSequence`) of (base seed, the sequence's document id, its
     window start, the seed index): the same sequence gets the same swaps under every condition

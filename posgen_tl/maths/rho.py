@@ -1,4 +1,4 @@
-"""The offset ratio ρ of a RoPE band in three honest forms (METHOD.md §3), streamed per sequence.
+"""The offset ratio ρ of a RoPE band in three honest forms (docs/method.md §3), streamed per sequence.
 
 For one layer's pre-rotation ``q`` (or ``k``), head ``h`` and band ``m`` (complex coordinate
 ``z = x^(m)`` of :func:`posgen_tl.maths.rope.to_bands`), with sequences ``s`` from documents ``d``:

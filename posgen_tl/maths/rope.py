@@ -3,7 +3,7 @@
 Everything here is a pure tensor function of a :class:`LayerRope` / :class:`RopeSpec`;
 reading the spec *from* a model lives in :mod:`posgen_tl.io.spec`.
 
-Conventions (METHOD.md §1)
+Conventions (docs/method.md §1)
 --------------------------
 * Band ``m`` (a "plane") is the coordinate pair ``(m, m + r/2)`` for the half-split
   (HF / NeoX) layout and ``(2m, 2m + 1)`` for the adjacent (GPT-J) layout; dims

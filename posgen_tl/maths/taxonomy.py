@@ -1,4 +1,4 @@
-"""Head taxonomy (METHOD.md §6): positional vs symbolic heads, band-level logits, frequency use.
+"""Head taxonomy (docs/method.md §6): positional vs symbolic heads, band-level logits, frequency use.
 
 Region permutation. The tokens of a context region ``R = [r0, r1)`` are permuted (many
 independent random permutations per prompt, :func:`region_permutations`); query rows
@@ -444,7 +444,7 @@ def frequency_usage_frame(
     model: str = "",
     twin: str = "trained",
 ) -> pd.DataFrame:
-    """Tidy frame of band energy shares (METHOD §3 frequency usage), one row per (head, band).
+    """Tidy frame of band energy shares (docs/method.md §3 frequency usage), one row per (head, band).
 
     ``which`` says what the energy is of (e.g. ``"q"`` / ``"k"``); ``twin`` is
     ``"trained"`` or the random-init twin's label.

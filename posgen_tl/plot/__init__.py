@@ -12,7 +12,7 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 ``pattern_distribution``   ``feature_pattern_with_twin(...).heads``
 ``pattern_vs_d3(merged)``  :func:`posgen_tl.experiments.pattern.link_to_decomposition`
 ``phase_histogram(df)``    :func:`posgen_tl.experiments.head_maps.phase_angles_with_twin`
-``tolerance_curves(df)``   :func:`posgen_tl.experiments.tolerance.curve_summary`
+``tolerance_curves(df)``   :func:`posgen_tl.stats.curves.curve_summary`
 ``causal_conditions(df)``  :func:`posgen_tl.causal_study` ``.conditions``
 ``length_buckets(df)``     :func:`posgen_tl.experiments.tolerance.length_summary`
 ``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.experiments.length`, :mod:`posgen_tl.experiments.sufficiency`

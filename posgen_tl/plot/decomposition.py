@@ -1,4 +1,4 @@
-"""Figures for METHOD.md §2: decomposition scores by layer (trained vs random twin) and the
+"""Figures for docs/method.md §2: decomposition scores by layer (trained vs random twin) and the
 Figure-1 view of one head (logit map W, positional f, semantic g, remainder W − f − g).
 
 Functions take the tidy frame of :func:`posgen_tl.experiments.decomposition.decompose_model` or

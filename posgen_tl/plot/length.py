@@ -1,4 +1,4 @@
-"""Figures for longer texts (METHOD §7): DataFrame → matplotlib Figure."""
+"""Figures for longer texts (docs/method.md §7): DataFrame → matplotlib Figure."""
 
 from __future__ import annotations
 

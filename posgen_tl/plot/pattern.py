@@ -1,4 +1,4 @@
-"""Figures for METHOD.md §3 (feature pattern): each takes tidy frames and returns a Figure.
+"""Figures for docs/method.md §3 (feature pattern): each takes tidy frames and returns a Figure.
 
 Every figure shows the trained model beside its random-init twin, on a shared scale.
 """

@@ -1,4 +1,4 @@
-"""Figures of the head taxonomy (METHOD.md §6), from :mod:`posgen_tl.experiments.taxonomy` frames.
+"""Figures of the head taxonomy (docs/method.md §6), from :mod:`posgen_tl.experiments.taxonomy` frames.
 
 Each function takes the tidy frame of :func:`head_taxonomy` / :func:`head_taxonomy_with_twin`
 (or :func:`head_table` where only full-head rows are needed) and returns a matplotlib

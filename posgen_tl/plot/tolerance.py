@@ -1,4 +1,4 @@
-"""Figures for position tolerance (METHOD.md §4–§5): functions DataFrame → matplotlib Figure."""
+"""Figures for position tolerance (docs/method.md §4–§5): functions DataFrame → matplotlib Figure."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A self-contained, one-page HTML report: figures embedded as base64 PNG, tables inline.
 
 Readable offline: no scripts, no external CSS or fonts. The page opens with a summary box of
-:class:`Finding` s — one line per question of METHOD.md — before any section; numbers are
+:class:`Finding` s — one line per question of docs/method.md — before any section; numbers are
 printed to 3 significant digits, and tables longer than :data:`FOLD_ROWS` rows are folded in
 ``<details>``.
 """
@@ -20,7 +20,7 @@ from posgen_tl.report.text import sig3
 
 __all__ = ["Section", "Finding", "skipped_section", "QUESTIONS", "figure_to_png", "render_html", "sig3", "FOLD_ROWS"]
 
-#: the questions of METHOD.md, in the order the summary box lists them (key → what is asked)
+#: the questions of docs/method.md, in the order the summary box lists them (key → what is asked)
 QUESTIONS: dict[str, str] = {
     "decomposition": "Logits = positional + semantic, beyond the random twin? (§2)",
     "sufficiency": "Does f + g carry what the model uses? (§5, substitution)",
@@ -33,7 +33,7 @@ QUESTIONS: dict[str, str] = {
 
 #: tables with more rows than this are folded in <details> (their caption stays visible)
 FOLD_ROWS = 12
-#: METHOD §8: runs with fewer sequences are labelled exploratory
+#: docs/method.md §8: runs with fewer sequences are labelled exploratory
 MIN_N = 32
 
 _CSS = """
@@ -70,7 +70,7 @@ class Finding:
             :func:`posgen_tl.stats.inference.verdict_table` decides; the stage's own word elsewhere).
         effect: the effect's value; ``what``: what it measures (with its unit).
         ci: ``(low, high)`` 95 % interval of the effect; ``p``: its p-value; ``n``: the unit count.
-        exploratory: ``n < 32`` (METHOD §8) unless given.
+        exploratory: ``n < 32`` (docs/method.md §8) unless given.
         note: one short clause of context (e.g. the reason a verdict is "no evidence").
     """
 
@@ -184,7 +184,7 @@ def summary_box(findings: list[Finding]) -> str:
                 f"<td class='num'>{'–' if f.n is None else f.n}</td></tr>")
     return ("<div class='summary' id='summary'><h2>Findings</h2><table><tr><th>question</th><th>verdict</th>"
             "<th>effect</th><th>95 % CI</th><th>p</th><th>n</th></tr>" + "".join(rows) + "</table>"
-            f"<p class='meta'>“exploratory”: fewer than {MIN_N} sequences (METHOD §8). “no evidence” is not "
+            f"<p class='meta'>“exploratory”: fewer than {MIN_N} sequences (docs/method.md §8). “no evidence” is not "
             "evidence of no effect. Details and the random-twin/control comparisons follow below.</p></div>")
 
 

@@ -1,6 +1,6 @@
 """Documentation pages regenerated from study output folders — never edited by hand.
 
-    python -m posgen_tl.report.pages --results results --docs docs          # write the pages
+    python -m posgen_tl.report.pages --results results --docs docs          # write the pages (and README headlines)
     python -m posgen_tl.report.pages --results results --docs docs --check  # fail if a page is stale
 
 A study folder is what ``posgen-tl study NAME --out DIR`` writes (tables, figures, ``NAME.json``);
@@ -27,10 +27,17 @@ import pandas as pd
 
 from posgen_tl.experiments import registry
 from posgen_tl.report.context import Context, OutFolder
-from posgen_tl.report.html import Finding, Section
+from posgen_tl.report.html import QUESTIONS, Finding, Section
 from posgen_tl.report.text import md_table
 
-__all__ = ["Run", "find_runs", "study_page", "index_page", "pages", "write_pages", "main"]
+__all__ = ["Run", "find_runs", "study_page", "index_page", "readme_headlines", "fill_block", "pages", "write_pages",
+           "main"]
+
+#: the studies whose first finding per model makes a README headline, in this order (at most five lines)
+HEADLINE_ORDER = ("causal", "tolerance", "decomposition", "pattern", "sufficiency", "length", "taxonomy")
+#: rows of the first causal runs (before the study layout), kept because the results index cites them:
+#: ``tests/unit/stats/test_reanalysis.py`` re-analyses them under the v2 verdict rule
+EARLIER = "v1"
 
 #: what each corpus is, as the pages say it
 CORPORA = {
@@ -162,6 +169,52 @@ def index_page(runs: list[Run]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def _earlier(results: Path) -> list[Path]:
+    return sorted(p for p in (Path(results) / EARLIER).rglob("*") if p.is_file())
+
+
+def _earlier_section(results: Path) -> list[str]:
+    files = _earlier(results)
+    if not files:
+        return []
+    return ["## Earlier runs, re-analysed", "",
+            "The rows of the first causal runs (written before the study layout; sampling and conditions of that "
+            "time, recorded in each run's config) are kept so that their re-analysis under the current verdict rule "
+            "can be re-checked: `pytest tests/unit/stats/test_reanalysis.py` recomputes it from these files.", "",
+            *[f"- `{f.as_posix()}`" for f in files], ""]
+
+
+def readme_headlines(runs: list[Run], link_prefix: str = "docs/results/") -> str:
+    """At most five markdown lines for the README: per study of :data:`HEADLINE_ORDER` that has runs,
+    its question and every finding of each model's run (pydoc corpus first), linking the study page."""
+    lines = []
+    for study in HEADLINE_ORDER:
+        rs = sorted((r for r in runs if r.study == study), key=lambda r: (r.corpus != "pydoc", r.model))
+        per_model: dict[str, str] = {}
+        for r in rs:
+            fs = _section(r).findings
+            if fs and r.model not in per_model:
+                said = [f.line().split(": ", 1)[-1] for f in fs]
+                per_model[r.model] = f"{r.model} ({r.corpus}) " + "; ".join(said)
+        if per_model:
+            lines.append(f"- **{QUESTIONS.get(study, study)}** " + " — ".join(per_model.values())
+                         + f" ([{study}]({link_prefix}{study}.md))")
+    return "\n".join(lines[:5])
+
+
+def fill_block(text: str, name: str, content: str) -> str:
+    """``text`` with the lines between ``<!-- name:start -->`` and ``<!-- name:end -->`` replaced by ``content``.
+
+    Raises:
+        ValueError: the markers are missing or out of order.
+    """
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"the text has no '{start}' … '{end}' block")
+    return text[: i + len(start)] + "\n" + content.strip("\n") + ("\n" if content.strip() else "") + text[j:]
+
+
 def pages(results: Path) -> tuple[dict[str, str], dict[str, bytes], list[str]]:
     """``({relative page path: markdown}, {figure name: png}, [cited result files])`` of every page."""
     runs = find_runs(results)
@@ -175,13 +228,24 @@ def pages(results: Path) -> tuple[dict[str, str], dict[str, bytes], list[str]]:
         figs.update(f)
         for r in rs:
             cited += [(r.folder / name).as_posix() for name in (*r.meta["files"], f"{study}.json", f"{study}.md")]
-    texts["results/index.md"] = index_page(runs)
+    texts["results/index.md"] = index_page(runs).rstrip("\n") + "\n\n" + "\n".join(_earlier_section(results))
+    texts["results/index.md"] = texts["results/index.md"].rstrip("\n") + "\n"
+    cited += [f.as_posix() for f in _earlier(results)]
     return texts, figs, sorted(set(cited))
 
 
-def write_pages(results: Path, docs: Path) -> list[Path]:
-    """Write every page, its figures and ``<results>/MANIFEST.txt``; returns the pages written."""
+def _readme(results: Path, readme: Path | None) -> dict[str, str]:
+    if readme is None or not Path(readme).exists():
+        return {}
+    return {str(readme): fill_block(Path(readme).read_text(), "headlines", readme_headlines(find_runs(results)))}
+
+
+def write_pages(results: Path, docs: Path, readme: Path | None = None) -> list[Path]:
+    """Write every page, its figures, ``<results>/MANIFEST.txt`` and (if given) the README's headline
+    block; returns the pages written."""
     texts, figs, cited = pages(results)
+    for path, text in _readme(results, readme).items():
+        Path(path).write_text(text)
     img = docs / "results" / "img"
     img.mkdir(parents=True, exist_ok=True)
     written = []
@@ -194,10 +258,12 @@ def write_pages(results: Path, docs: Path) -> list[Path]:
     return written
 
 
-def stale(results: Path, docs: Path) -> list[str]:
-    """The pages (and the manifest) whose committed text differs from a regeneration, with a diff."""
+def stale(results: Path, docs: Path, readme: Path | None = None) -> list[str]:
+    """The pages (the manifest, the README's headlines) whose committed text differs from a
+    regeneration, with a diff."""
     texts, _, cited = pages(results)
-    texts = {**{str(docs / k): v for k, v in texts.items()}, str(Path(results) / "MANIFEST.txt"): "\n".join(cited) + "\n"}
+    texts = {**{str(docs / k): v for k, v in texts.items()}, str(Path(results) / "MANIFEST.txt"): "\n".join(cited) + "\n",
+             **_readme(results, readme)}
     out = []
     for path, text in texts.items():
         old = Path(path).read_text() if Path(path).exists() else ""
@@ -211,14 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m posgen_tl.report.pages", description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default="results", help="the folder of study outputs")
     p.add_argument("--docs", default="docs", help="the documentation folder")
+    p.add_argument("--readme", default="README.md", help="README whose headlines block is rewritten ('' for none)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page or the manifest is stale")
     a = p.parse_args(argv)
+    readme = Path(a.readme) if a.readme else None
     if a.check:
-        bad = stale(Path(a.results), Path(a.docs))
+        bad = stale(Path(a.results), Path(a.docs), readme)
         for d in bad:
             print(d)
         return 1 if bad else 0
-    for path in write_pages(Path(a.results), Path(a.docs)):
+    for path in write_pages(Path(a.results), Path(a.docs), readme):
         print(f"wrote {path}")
     return 0
 

@@ -1,4 +1,4 @@
-"""Statistics for verdicts (METHOD §8): sign-flip tests, bootstrap and t intervals, Holm, TOST, power;
+"""Statistics for verdicts (docs/method.md §8): sign-flip tests, bootstrap and t intervals, Holm, TOST, power;
 per-document tolerance curves (AUC, slope) and the version-2 causal verdict.
 
 Everything is re-exported here (``pg.stats.sign_flip``, ``pg.stats.causal_verdict``); the code lives

@@ -1,4 +1,4 @@
-"""Per-document tolerance curves (METHOD §8 version 2): the ONE path from per-sequence rows to
+"""Per-document tolerance curves (docs/method.md §8 version 2): the ONE path from per-sequence rows to
 per-document ΔNLL curves, their area (AUC, primary), their slope (secondary) and the tidy summary.
 
 numpy / scipy / pandas only. Definitions (used by every table of :mod:`posgen_tl.stats.verdicts`):
@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from posgen_tl.stats.inference import _as_1d, _check_finite
+from posgen_tl.stats.inference import as_1d, check_finite
 
 __all__ = [
     "EXPLORATORY_MIN_DOCS",
@@ -47,7 +47,7 @@ __all__ = [
     "unit_summary",
 ]
 
-#: fewer documents than this: every table labels its rows "exploratory" (METHOD §8).
+#: fewer documents than this: every table labels its rows "exploratory" (docs/method.md §8).
 EXPLORATORY_MIN_DOCS = 32
 #: unit of each estimator of :func:`document_units`.
 UNITS = {"dnll": "nats", "auc": "nats × p", "slope": "nats per unit p", "damage": "nats"}
@@ -56,8 +56,8 @@ _ZERO_TOL = 1e-9
 
 
 def _fracs(fracs: Any) -> np.ndarray:
-    p = _as_1d(fracs, "fracs")
-    _check_finite(p, "fracs")
+    p = as_1d(fracs, "fracs")
+    check_finite(p, "fracs")
     if p.size == 0 or np.any(p <= 0) or np.any(np.diff(p) <= 0):
         raise ValueError(f"fracs must be positive and strictly increasing (p = 0 is implicit), got {p.tolist()}")
     return p
@@ -92,7 +92,7 @@ def curve_auc(fracs: Any, y: Any) -> np.ndarray:
     yv = np.asarray(y, dtype=np.float64)
     if yv.ndim != 2 or yv.shape[1] != w.size:
         raise ValueError(f"y must be [n_units, {w.size}], got shape {yv.shape}")
-    _check_finite(yv.ravel(), "y")
+    check_finite(yv.ravel(), "y")
     return yv @ w
 
 
@@ -103,9 +103,9 @@ def _check_rows(rows: pd.DataFrame, by: Sequence[str], value: str) -> None:
     if missing:
         hint = " (legacy rows name the condition 'intervention': rename it)" if "condition" in missing else ""
         raise ValueError(f"rows lack column(s) {sorted(missing)}{hint}")
-    _check_finite(rows[value].to_numpy(np.float64), f"rows[{value!r}]")
+    check_finite(rows[value].to_numpy(np.float64), f"rows[{value!r}]")
     f = rows["frac"].to_numpy(np.float64)
-    _check_finite(f, "rows['frac']")
+    check_finite(f, "rows['frac']")
     if np.any((f < 0) | (f > 1)):
         raise ValueError(f"frac must be in [0, 1], got {sorted(set(f[(f < 0) | (f > 1)].tolist()))[:5]}")
     if rows["doc"].isna().any():
@@ -166,7 +166,7 @@ def document_units(rows: pd.DataFrame, *, by: Sequence[str] = ("condition",), va
     parts += [base.assign(estimator="dnll", frac=f, value=y[:, j], n_seqs=n_seqs) for j, f in enumerate(fr)]
     if {"clean_nll", "base_clean_nll"} <= set(rows.columns):
         dmg = (rows["clean_nll"] - rows["base_clean_nll"]).to_numpy(np.float64)
-        _check_finite(dmg, "clean_nll − base_clean_nll")
+        check_finite(dmg, "clean_nll − base_clean_nll")
         per_seq = pd.Series(dmg, index=pd.MultiIndex.from_frame(rows[[*by, "doc", "seq"]])).groupby(level=[*keys, "seq"]).mean()
         d = per_seq.groupby(level=keys).mean().reindex(dm.index)
         parts.append(base.assign(estimator="damage", frac=np.nan, value=d.to_numpy(), n_seqs=n_seqs))
@@ -195,7 +195,7 @@ def doc_bootstrap(x: Any, *, n_boot: int = 10_000, ci_level: float = 0.95, seed:
     a = a[:, None] if a.ndim == 1 else a
     if a.ndim != 2 or a.shape[0] == 0:
         raise ValueError(f"x must be [n_docs, k] with n_docs ≥ 1, got shape {np.shape(x)}")
-    _check_finite(a.ravel(), "x")
+    check_finite(a.ravel(), "x")
     if n_boot < 1 or not 0 < ci_level < 1:
         raise ValueError(f"need n_boot ≥ 1 and 0 < ci_level < 1, got {n_boot}, {ci_level}")
     n = a.shape[0]

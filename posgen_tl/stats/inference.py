@@ -1,4 +1,4 @@
-"""Statistics for every verdict the library prints (METHOD.md §8), as pure functions.
+"""Statistics for every verdict the library prints (docs/method.md §8), as pure functions.
 
 numpy / scipy / pandas only — never a model, never torch (tensors are accepted wherever an
 array is and converted with ``numpy``).
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 EQUIVARIANCE_NOTE = (
-    "Equivariance (METHOD §4): a RoPE model whose logits depend on position ids only through "
+    "Equivariance (docs/method.md §4): a RoPE model whose logits depend on position ids only through "
     "i − j is exactly equivariant to permuting tokens AND their ids together. T1 (tokens "
     "transposed) and T2 (the same swaps applied to the position ids only) therefore differ ONLY "
     "in the causal order among context tokens (who may attend to whom), and T2 alone creates "
@@ -73,7 +73,7 @@ _CHUNK = 2**22  # entries per block of random indices / signs (≈ 32 MiB of int
 # ----------------------------------------------------------------------------- helpers
 
 
-def _as_1d(x: Any, name: str) -> np.ndarray:
+def as_1d(x: Any, name: str) -> np.ndarray:
     """Float64 1-D array of ``x`` (array, list, pandas, or a CPU/GPU tensor)."""
     if hasattr(x, "detach"):  # torch tensor, without importing torch
         x = x.detach().cpu().double().numpy()
@@ -85,18 +85,18 @@ def _as_1d(x: Any, name: str) -> np.ndarray:
     return arr
 
 
-def _check_finite(x: np.ndarray, name: str) -> None:
+def check_finite(x: np.ndarray, name: str) -> None:
     if not np.all(np.isfinite(x)):
         bad = np.flatnonzero(~np.isfinite(x))
         raise ValueError(f"{name} has {bad.size} non-finite value(s) (NaN/inf) at positions {bad[:10].tolist()}")
 
 
-def _check_alpha(alpha: float) -> None:
+def check_alpha(alpha: float) -> None:
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
 
 
-def _labels(clusters: Any, n: int, name: str = "clusters") -> np.ndarray:
+def cluster_labels(clusters: Any, n: int, name: str = "clusters") -> np.ndarray:
     lab = np.asarray(clusters.detach().cpu().numpy() if hasattr(clusters, "detach") else clusters)
     if lab.ndim != 1 or lab.shape[0] != n:
         raise ValueError(f"{name} must be 1-D with one label per value ({n}), got shape {lab.shape}")
@@ -120,19 +120,19 @@ def cluster_means(values: Any, clusters: Any = None) -> tuple[np.ndarray, np.nda
         ``(means [n_clusters], ids [n_clusters])``: the per-cluster means, in the order of the
         SORTED unique cluster ids (``ids``). Without ``clusters``: ``(values, arange(n))``.
     """
-    x = _as_1d(values, "values")
+    x = as_1d(values, "values")
     if clusters is None:
         return x.copy(), np.arange(x.size)
-    ids, inv = np.unique(_labels(clusters, x.size), return_inverse=True)
+    ids, inv = np.unique(cluster_labels(clusters, x.size), return_inverse=True)
     counts = np.bincount(inv, minlength=ids.size)
     return np.bincount(inv, weights=x, minlength=ids.size) / counts, ids
 
 
 def _units(values: Any, clusters: Any, name: str) -> np.ndarray:
-    x = _as_1d(values, name)
+    x = as_1d(values, name)
     if x.size == 0:
         raise ValueError(f"{name} is empty")
-    _check_finite(x, name)
+    check_finite(x, name)
     return cluster_means(x, clusters)[0]
 
 
@@ -247,16 +247,16 @@ def bootstrap_ci(
     Raises:
         ValueError: empty input, non-finite values, length mismatch, bad ``alpha``/``n_boot``.
     """
-    x = _as_1d(values, "values")
+    x = as_1d(values, "values")
     if paired_with is not None:
-        y = _as_1d(paired_with, "paired_with")
+        y = as_1d(paired_with, "paired_with")
         if y.shape != x.shape:
             raise ValueError(f"paired_with has {y.size} values, values has {x.size}")
         x = x - y
     if x.size == 0:
         raise ValueError("bootstrap_ci needs at least one value")
-    _check_finite(x, "values")
-    _check_alpha(alpha)
+    check_finite(x, "values")
+    check_alpha(alpha)
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1, got {n_boot}")
     mean = float(x.mean())
@@ -266,7 +266,7 @@ def bootstrap_ci(
             return mean, mean, mean
         means = np.concatenate([x[idx].mean(axis=1) for idx in _boot_indices(rng, x.size, n_boot)])
     else:
-        ids, inv = np.unique(_labels(clusters, x.size), return_inverse=True)
+        ids, inv = np.unique(cluster_labels(clusters, x.size), return_inverse=True)
         if ids.size == 1:
             return mean, mean, mean
         sums = np.bincount(inv, weights=x, minlength=ids.size)
@@ -291,7 +291,7 @@ def t_interval(values: Any, *, clusters: Any = None, alpha: float = 0.05) -> tup
     Raises:
         ValueError: fewer than 2 units, non-finite values, bad ``alpha``.
     """
-    _check_alpha(alpha)
+    check_alpha(alpha)
     u = _units(values, clusters, "values")
     if u.size < 2:
         raise ValueError(f"t_interval needs at least 2 units (sequences/documents), got {u.size}")
@@ -313,7 +313,7 @@ def holm(pvalues: Any) -> np.ndarray:
     Raises:
         ValueError: a p-value outside ``[0, 1]`` or an input that is not 1-D.
     """
-    p = _as_1d(pvalues, "pvalues")
+    p = as_1d(pvalues, "pvalues")
     ok = ~np.isnan(p)
     if np.any((p[ok] < 0) | (p[ok] > 1)):
         raise ValueError(f"p-values must be in [0, 1], got {p[ok][(p[ok] < 0) | (p[ok] > 1)].tolist()}")
@@ -347,7 +347,7 @@ def tost(d: Any, margin: float, *, clusters: Any = None, alpha: float = 0.05) ->
     """
     if not (np.isfinite(margin) and margin > 0):
         raise ValueError(f"margin must be a positive number (stated before the test), got {margin}")
-    _check_alpha(alpha)
+    check_alpha(alpha)
     u = _units(d, clusters, "d")
     if u.size < 2:
         raise ValueError(f"tost needs at least 2 units (sequences/documents), got {u.size}")
@@ -393,7 +393,7 @@ def mde(sd: float, n: int, *, alpha: float = 0.05, power: float = 0.8) -> float:
     Raises:
         ValueError: ``n < 2``, ``sd < 0`` or non-finite, ``power`` not in ``(alpha/2, 1)``.
     """
-    _check_alpha(alpha)
+    check_alpha(alpha)
     if n < 2:
         raise ValueError(f"mde needs n >= 2 units, got {n}")
     if not (np.isfinite(sd) and sd >= 0):
@@ -430,12 +430,12 @@ def unit_slopes(p: Any, y: Any) -> np.ndarray:
     Raises:
         ValueError: shape mismatch, fewer than two distinct ``p``, non-finite input.
     """
-    pv = _as_1d(p, "p")
+    pv = as_1d(p, "p")
     yv = np.asarray(y.detach().cpu().double().numpy() if hasattr(y, "detach") else y, dtype=np.float64)
     if yv.ndim != 2 or yv.shape[1] != pv.size:
         raise ValueError(f"y must be [n_units, {pv.size}], got shape {yv.shape}")
-    _check_finite(pv, "p")
-    _check_finite(yv.ravel(), "y")
+    check_finite(pv, "p")
+    check_finite(yv.ravel(), "y")
     pc = pv - pv.mean()
     ss = float(pc @ pc)
     if pv.size < 2 or ss == 0.0:
@@ -456,7 +456,7 @@ def slope_ci(
     Returns:
         ``(slope, lo, hi)`` as floats.
     """
-    pv = _as_1d(p, "p")
+    pv = as_1d(p, "p")
     yv = np.asarray(y_per_unit.detach().cpu().double().numpy() if hasattr(y_per_unit, "detach") else y_per_unit,
                     dtype=np.float64)  # fmt: skip
     if yv.ndim != 2 or yv.shape[1] != pv.size:
@@ -465,7 +465,7 @@ def slope_ci(
         raise ValueError("slope_ci needs at least one unit and two p values")
     s = unit_slopes(pv, yv)
     slope = float(unit_slopes(pv, yv.mean(axis=0, keepdims=True))[0])
-    _check_alpha(alpha)
+    check_alpha(alpha)
     rng = np.random.default_rng(seed)
     boot = np.concatenate([s[idx].mean(axis=1) for idx in _boot_indices(rng, s.size, n_boot, 2**20)])
     lo, hi = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
@@ -499,7 +499,7 @@ def per_sequence_slopes(rows: pd.DataFrame, value: str = "delta") -> pd.Series:
 
 @dataclass
 class Contrast:
-    """One paired contrast ``intervention − control`` over sequences (METHOD §8).
+    """One paired contrast ``intervention − control`` over sequences (docs/method.md §8).
 
     Attributes:
         name: label of the contrast (unique within a family).
@@ -525,17 +525,17 @@ class Contrast:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the problem if the contrast cannot be tested."""
         where = f"contrast {self.name!r}"
-        d = _as_1d(self.d, f"{where}: d")
+        d = as_1d(self.d, f"{where}: d")
         n = d.size
         if n < 3:
             raise ValueError(f"{where}: needs at least 3 sequences, got {n}")
-        _check_finite(d, f"{where}: d (slope differences)")
+        check_finite(d, f"{where}: d (slope differences)")
         for nm in ("seq", "doc", "damage", "control_damage"):
             v = np.asarray(getattr(self, nm))
             if v.ndim != 1 or v.shape[0] != n:
                 raise ValueError(f"{where}: length mismatch: {nm} has shape {v.shape}, d has {n} values")
         for nm in ("damage", "control_damage"):
-            _check_finite(_as_1d(getattr(self, nm), nm), f"{where}: {nm}")
+            check_finite(as_1d(getattr(self, nm), nm), f"{where}: {nm}")
         seq = pd.Series(np.asarray(self.seq))
         if seq.duplicated().any():
             raise ValueError(f"{where}: duplicated sequence ids {seq[seq.duplicated()].unique()[:10].tolist()}")
@@ -629,9 +629,9 @@ def verdict_table(
     contrasts: list[Contrast], *, alpha: float = 0.05, min_n: int = 32, match_rel: float = 0.10,
     split_seed: int = 0, n_boot: int = 10_000, seed: int = 0,
 ) -> pd.DataFrame:  # fmt: skip
-    """METHOD §8 version 1 rule (slope contrasts, CI-overlap damage matching), kept for its callers.
+    """docs/method.md §8 version 1 rule (slope contrasts, CI-overlap damage matching), kept for its callers.
 
-    Superseded by :func:`posgen_tl.stats.verdicts.causal_verdict` (METHOD §8 version 2: AUC primary,
+    Superseded by :func:`posgen_tl.stats.verdicts.causal_verdict` (docs/method.md §8 version 2: AUC primary,
     intersection–union over the controls, TOST damage matching, a pre-declared family).
 
     Per contrast (``d`` per sequence, averaged within each document first: every statistic of a
@@ -669,7 +669,7 @@ def verdict_table(
             contrast failing :meth:`Contrast.validate` (< 3 sequences, NaN/inf, length
             mismatch, duplicated sequence ids, a single document).
     """
-    _check_alpha(alpha)
+    check_alpha(alpha)
     if not contrasts:
         raise ValueError("verdict_table needs at least one contrast")
     names = [c.name for c in contrasts]
@@ -681,7 +681,7 @@ def verdict_table(
         c.validate()
     rows = []
     for c in contrasts:
-        d = _as_1d(c.d, "d")
+        d = as_1d(c.d, "d")
         doc = np.asarray(c.doc)
         # one estimator per row: every statistic is on DOCUMENT means (resampled / flipped as units)
         units = cluster_means(d, doc)[0]
@@ -756,14 +756,14 @@ def t1_t2_equivalence(
     Raises:
         ValueError: length mismatch, fewer than 3 sequences, non-finite slopes, bad margin.
     """
-    a, b = _as_1d(t1_slopes, "t1_slopes"), _as_1d(t2_slopes, "t2_slopes")
+    a, b = as_1d(t1_slopes, "t1_slopes"), as_1d(t2_slopes, "t2_slopes")
     if a.shape != b.shape:
         raise ValueError(f"length mismatch: {a.size} T1 slopes vs {b.size} T2 slopes")
     if a.size < 3:
         raise ValueError(f"T1 vs T2 needs at least 3 sequences, got {a.size}")
-    _check_finite(a, "t1_slopes")
-    _check_finite(b, "t2_slopes")
-    doc = _labels(doc, a.size, "doc")
+    check_finite(a, "t1_slopes")
+    check_finite(b, "t2_slopes")
+    doc = cluster_labels(doc, a.size, "doc")
     res = tost(a - b, margin, clusters=doc, alpha=alpha)
     p_diff, p_diff_kind = sign_flip(a - b, clusters=doc)
     res.update(alike=res["equivalent"], n_seq=int(a.size), n_docs=int(np.unique(doc).size),

@@ -1,5 +1,5 @@
 """Rows of summary tables from per-sequence values clustered by document — the one path every
-experiment's summary table takes (METHOD §8: document means throughout).
+experiment's summary table takes (docs/method.md §8: document means throughout).
 
 Per row: the mean of the DOCUMENT means, its percentile bootstrap over documents and its t-interval
 (both at ``ci_level``, which the row records), and for paired differences the sign-flip p over

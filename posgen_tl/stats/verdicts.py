@@ -1,4 +1,4 @@
-"""The causal verdict of METHOD §8 version 2, as pure functions on tidy tables.
+"""The causal verdict of docs/method.md §8 version 2, as pure functions on tidy tables.
 
 Input everywhere: a :func:`posgen_tl.stats.curves.document_units` table (one value per document,
 condition, estimator, frac) whose ``by`` columns are the entry keys (default ``model, layers``) and
@@ -39,7 +39,7 @@ from posgen_tl.stats.curves import (
     document_units,
     unit_summary,
 )
-from posgen_tl.stats.inference import _check_alpha, holm, mde, sign_flip
+from posgen_tl.stats.inference import check_alpha, holm, mde, sign_flip
 
 __all__ = [
     "DAMAGE_RULES",
@@ -62,7 +62,7 @@ __all__ = [
     "tolerance_contrasts",
 ]
 
-#: METHOD §8's default damage margin (±10 % of destroy's damage). A run's config must STATE its
+#: docs/method.md §8's default damage margin (±10 % of destroy's damage). A run's config must STATE its
 #: margin (:meth:`Family.from_config` refuses a config without one); this is what it cites.
 DEFAULT_DAMAGE_MARGIN_REL = 0.10
 #: the controls whose edit is random (C1 bands, C3 phases, C4 noise): drawn afresh per document.
@@ -111,7 +111,7 @@ class FamilyEntry:
 
 @dataclass(frozen=True)
 class Family:
-    """The claim's family, declared in the run's config BEFORE the run (METHOD §8).
+    """The claim's family, declared in the run's config BEFORE the run (docs/method.md §8).
 
     Attributes:
         entries: the hypotheses (model × layer group), each with its required controls and n.
@@ -145,7 +145,7 @@ class Family:
             raise ValueError(f"damage_margin_rel must be declared before the run as a number in (0, 1), got {m!r}")
         if not isinstance(self.controls_redrawn_per_document, bool):
             raise ValueError("controls_redrawn_per_document must be declared (True / False)")
-        _check_alpha(self.alpha)
+        check_alpha(self.alpha)
         if self.damage_rule not in DAMAGE_RULES:
             raise ValueError(f"damage_rule must be one of {DAMAGE_RULES}, got {self.damage_rule!r}")
         if self.order != "holm" and (isinstance(self.order, str) or sorted(self.order) != sorted(keys)):
@@ -343,7 +343,7 @@ def tolerance_contrasts(
     estimators: Sequence[str] = ("auc", "dnll", "slope"), intervention: str = "destroy", baseline: str = "none",
     alpha: float = 0.05, family_size: int = 1, n_boot: int = 10_000, ci_level: float = 0.95, seed: int = 0,
 ) -> pd.DataFrame:  # fmt: skip
-    """Paired tolerance contrasts per entry, on document means (METHOD §8 v2).
+    """Paired tolerance contrasts per entry, on document means (docs/method.md §8 v2).
 
     For each entry (``keys``) and pair ``(a, b)`` (default :func:`default_pairs`: destroy − none,
     destroy − Ck, Ck − none) and each statistic — ``auc`` (primary, nats × p), ``dnll`` at every
@@ -367,7 +367,7 @@ def tolerance_contrasts(
         ValueError: a condition missing for a pair, conditions on different documents or
             sequences, an unknown estimator, bad ``alpha``.
     """
-    _check_alpha(alpha)
+    check_alpha(alpha)
     bad = set(estimators) - {"auc", "dnll", "slope", "damage"}
     if bad:
         raise ValueError(f"unknown estimator(s) {sorted(bad)}")
@@ -474,7 +474,7 @@ def damage_equivalence(
     """
     if margin_rel is None or not (math.isfinite(margin_rel) and 0 < margin_rel < 1):
         raise ValueError(f"damage margin not declared: margin_rel must be stated before the run in (0, 1), got {margin_rel!r}")
-    _check_alpha(alpha)
+    check_alpha(alpha)
     rows = []
     for kv, sub in _entry_groups(units, keys):
         where = " ".join(map(str, kv.values())) or "units"
@@ -531,6 +531,13 @@ def _adjusted_row(kv: dict, wide: _Wide, c: str, intervention: str, estimator: s
     """One row of :func:`damage_adjusted_contrast`: ``intervention − c`` at equal damage in one entry."""
     y, n_seqs = _paired(wide, intervention, c, (estimator, np.nan), where)
     g, _ = _paired(wide, intervention, c, ("damage", np.nan), where)
+    if y.size < 4:  # an intercept and a slope leave n − 2 df: below 4 documents nothing to test (p stays NaN)
+        nan = float("nan")
+        return dict(kv, contrast=f"{intervention} − {c} at equal damage", control=c, estimator=estimator,
+                    estimate=nan, ci_low=nan, ci_high=nan, ci_level=ci_level, ci_method="not computed",
+                    t_low=nan, t_high=nan, p=nan, p_kind="not identified", gap_mean=float(g.mean()),
+                    gap_slope=nan, n_docs=y.size, n_seqs=n_seqs,
+                    label=f"not identified: the damage-adjusted contrast needs ≥ 4 documents, got {y.size}")  # fmt: skip
     fit = _ols_intercept(y, g, ci_level)
     lo, hi = np.quantile(_boot_intercepts(y, g, n_boot=n_boot, seed=seed), [(1 - ci_level) / 2, (1 + ci_level) / 2])
     return dict(kv, contrast=f"{intervention} − {c} at equal damage", control=c, estimator=estimator,
@@ -699,7 +706,8 @@ def _entry_verdict(sub: pd.DataFrame, e: FamilyEntry, family: Family, keys: Sequ
             counted.append(c)
     p_req = [x["p_iut"] for x in comps if x["p_iut"] == x["p_iut"]]  # NaN: not counted
     p_iut = max(p_req) if counted else 1.0
-    fails = [f"{x['component']}: p = {x['p']:.3g}" + ("" if x["same_direction"] else " (direction differs)")
+    fails = [f"{x['component']}: " + ("not identified (fewer than 4 documents)" if x["p"] != x["p"] else
+             f"p = {x['p']:.3g}" + ("" if x["same_direction"] else " (direction differs)"))
              for x in comps if x["p_iut"] == x["p_iut"] and not x["p_iut"] < a]  # fmt: skip
     if not counted:
         fails.append("no control left that does not move tolerance by itself against destroy")
@@ -717,7 +725,7 @@ def causal_verdict(
     units: pd.DataFrame, family: Family, *, draws: pd.DataFrame | None = None, keys: Sequence[str] = KEYS,
     n_boot: int = 10_000, ci_level: float = 0.95, seed: int = 0, note: str = "",
 ) -> CausalVerdict:  # fmt: skip
-    """METHOD §8 v2: does tolerance depend on the pattern beyond damage? One verdict per family entry.
+    """docs/method.md §8 v2: does tolerance depend on the pattern beyond damage? One verdict per family entry.
 
     Per entry (intersection–union test on the AUC, document means): required are (1) destroy −
     none ≠ 0 (sign-flip p, sign ``s``), and (2) for EVERY control ``Ck`` of the entry, destroy −
@@ -855,14 +863,14 @@ def equivalence(
         ValueError: margin not declared (None) or not positive, no ``margin_source``, fewer than 2
             documents, length mismatch, non-finite values.
     """
-    from posgen_tl.stats.inference import _as_1d, _labels, cluster_means, tost  # noqa: PLC0415
+    from posgen_tl.stats.inference import as_1d, cluster_labels, cluster_means, tost  # noqa: PLC0415
 
     if margin is None:
         raise ValueError("equivalence margin not declared: state it before the data (never derive it from them)")
     if not margin_source:
         raise ValueError("margin_source must say where the margin was declared before the data (e.g. the run's config)")
-    x = _as_1d(values, "values")
-    units, _ = cluster_means(x, _labels(doc, x.size, "doc"))
+    x = as_1d(values, "values")
+    units, _ = cluster_means(x, cluster_labels(doc, x.size, "doc"))
     r = tost(units, float(margin), alpha=alpha)
     n = int(units.size)
     ok = bool(r["equivalent"])
@@ -893,7 +901,7 @@ def _read_run(rows_csv: str | Path, config_json: str | Path) -> tuple[pd.DataFra
 
 
 def legacy_family(configs: Sequence[dict], *, damage_margin_rel: float, order: str | Sequence[str] = "holm") -> tuple[Family, str]:
-    """The family of runs whose configs declared none (every run before METHOD §8 v2): one entry per
+    """The family of runs whose configs declared none (every run before docs/method.md §8 v2): one entry per
     (model, layers) with the run's controls and recorded ``n_docs``; ``controls_redrawn_per_document``
     from the config, else False (those runs seeded each random control once). Returns ``(family,
     note)``; the note says that family, order and margin were stated AFTER the data."""
@@ -918,7 +926,7 @@ def reanalyse_committed(
 
     The runs form ONE family. A config with ``claim_family`` supplies it (:meth:`Family.from_config`,
     the same for every run); otherwise :func:`legacy_family` builds it and every verdict's label
-    says so (margin default: METHOD §8's ±10 %).
+    says so (margin default: docs/method.md §8's ±10 %).
 
     Returns:
         dict with ``family`` (:class:`Family`), ``note`` (legacy note or ""), ``units``

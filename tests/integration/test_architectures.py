@@ -73,8 +73,8 @@ def test_table_lists_exactly_the_matrix():
     assert md == am.render_markdown(COMMITTED), f"docs/architectures.md was not rendered from the JSON; {REGEN}"
     readme = " ".join((DOCS.parent / "README.md").read_text().split())
     assert am.readme_claim(COMMITTED) in readme, (
-        "the README's claim of supported architectures differs from docs/architectures.json; paste "
-        "arch_matrix.readme_claim(json) into README.md (Limits and errors)")
+        "the README's claim of supported architectures differs from docs/architectures.json; run "
+        "python docs/gen_architectures.py --json docs/architectures.json --readme README.md --render-only")
 
 
 def _fresh_cell(arch: str, root) -> am.Cell:

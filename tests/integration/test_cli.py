@@ -27,7 +27,6 @@ def test_check_unknown_model_is_one_line_error(capsys):
 
 
 def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
-
     import posgen_tl.experiments.exactness as ex
 
     real = ex.exactness_table

@@ -142,7 +142,7 @@ def test_cli_quick_report(tmp_path, smollm2):
     corpus = tmp_path / "corpus.txt"  # a user's own text file (here: reversed pydoc documents)
     corpus.write_text("\n\n".join(reversed(default_texts()[:20])), encoding="utf-8")
     out = tmp_path / "cli"
-    assert main(["report", "--quick", "--seq-len", "64", "--n-seq", "2", "--corpus", str(corpus), "--out", str(out)]) == 0
+    assert main(["report", "--quick", "--seq-len", "64", "--n-seq", "3", "--corpus", str(corpus), "--out", str(out)]) == 0
     assert (out / "report.html").exists()
     res = json.loads((out / "results.json").read_text())
     assert all(c["corpus"] == str(corpus) for c in res["configs"].values()) and res["exactness"]["passed"] is True

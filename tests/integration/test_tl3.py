@@ -365,7 +365,7 @@ def test_smollm2_hooked_exact_and_paris():
 
 
 def test_readme_example_runs_as_written():
-    """The SAELens-user example in results/README_tl3.md, minus the hub download (a tiny model instead)."""
+    """The SAELens-user example in docs/tl_versions.md, minus the hub download (a tiny model instead)."""
     if not compat.has_hooked_transformer():
         pytest.skip("TL 3.x only")
     model = tm.hooked(**HOOKED["half_gqa_qknorm"])
@@ -402,13 +402,13 @@ def test_hooked_left_padding_is_refused_not_misread():
 
 @needs_hooked
 def test_hooked_decomposition_with_twin():
-    """METHOD §2 on a HookedTransformer (Gemma3-style local/global, QK-norm): trained vs random twin,
+    """docs/method.md §2 on a HookedTransformer (Gemma3-style local/global, QK-norm): trained vs random twin,
     same tokens, the D3 bound holds on every entry."""
     from posgen_tl.experiments.decomposition import decompose_with_twin
 
     model = tm.hooked(**HOOKED["local_global_qknorm_softcap"])
     toks = torch.randint(1, 50, (5, 16), generator=torch.Generator().manual_seed(0))
-    df = decompose_with_twin(model, toks, seed=1, n_ref=2, batch_size=2, bound_rows=8, progress=False)
+    df = decompose_with_twin(model, toks[:3], reference=toks[3:], seed=1, batch_size=2, bound_rows=8, progress=False)
     assert set(df.twin) == {"trained", "random"} and set(df.kind) == {"local", "global"}
     assert {"D1", "D2", "D3"} <= set(df.estimator)
     tr, rd = df[df.twin == "trained"], df[df.twin == "random"]

@@ -1,4 +1,4 @@
-"""The causal study of METHOD §5 (posgen_tl.experiments.causal) and the T1/T2 study of §4 (…tolerance)."""
+"""The causal study of docs/method.md §5 (posgen_tl.experiments.causal) and the T1/T2 study of §4 (…tolerance)."""
 
 from __future__ import annotations
 

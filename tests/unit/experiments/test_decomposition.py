@@ -1,4 +1,4 @@
-"""METHOD §2 runner: every number against the reference functions of posgen_tl.maths.decompose,
+"""docs/method.md §2 runner: every number against the reference functions of posgen_tl.maths.decompose,
 the D3 bound, a constant-key model (D3 exact), the random twin, determinism, figures."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Longer texts (METHOD §7) and the sufficiency substitution (§5): pure maps, hooks, recipes."""
+"""Longer texts (docs/method.md §7) and the sufficiency substitution (§5): pure maps, hooks, recipes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for the METHOD §3 runner (posgen_tl.experiments.pattern) and its figures."""
+"""Tests for the docs/method.md §3 runner (posgen_tl.experiments.pattern) and its figures."""
 
 from __future__ import annotations
 

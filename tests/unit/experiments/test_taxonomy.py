@@ -1,4 +1,4 @@
-"""Tests of posgen_tl.experiments.taxonomy (METHOD §6 runner) and its figures, on tiny models + SmolLM2."""
+"""Tests of posgen_tl.experiments.taxonomy (docs/method.md §6 runner) and its figures, on tiny models + SmolLM2."""
 
 from __future__ import annotations
 
@@ -185,10 +185,10 @@ def test_figures(llama):
 def test_smollm2_random_twin_is_not_both(smollm2):
     """The degenerate first metric put the random twin on 'both' (≈ 1 on both axes); the logit
     metric must not. Layers 0 (keys ≈ token embeddings), 3 (transition) and 6."""
-    from posgen_tl.experiments.taxonomy import taxonomy_windows
     from posgen_tl.io.models import random_twin
+    from posgen_tl.io.sampling import sample_windows
 
-    tokens, ref = taxonomy_windows(smollm2, None, n_prompts=2, seq_len=96, n_ref=1)
+    tokens, ref = sample_windows(smollm2, None, n_seq=2, seq_len=96, n_ref=1)
     twin = random_twin(smollm2, 0)
     df = head_taxonomy(twin, tokens, ref, layers=[0, 3, 6], region_len=32, n_query=32, n_perm=8,
                        model_label="smollm2", twin_label="random", progress=False)
@@ -201,7 +201,7 @@ def test_smollm2_random_twin_is_not_both(smollm2):
     counts = heads["label"].value_counts()
     assert counts.idxmax() != "both" and counts.get("both", 0) <= len(heads) // 4, counts
     # layer 0 reads token embeddings: symbolic; deeper layers read a per-sequence key constant
-    # (METHOD §2) and turn positional
+    # (docs/method.md §2) and turn positional
     assert (heads.loc[heads["layer"] == 0, "label"] == "symbolic").all()
     l6 = heads[heads["layer"] == 6]
     assert (l6["positional"] > l6["symbolic"]).all()

@@ -156,7 +156,7 @@ def test_taxonomy_key_energy_follows_the_kv_group(gqa_model):
     from posgen_tl.experiments.taxonomy import head_taxonomy
 
     toks = torch.randint(3, 90, (3, 24), generator=torch.Generator().manual_seed(1))
-    df = head_taxonomy(gqa_model, toks[:2], toks[2:], n_prompts=2, n_perm=2, region_len=6, n_query=6,
+    df = head_taxonomy(gqa_model, toks[:2], toks[2:], n_seq=2, n_perm=2, region_len=6, n_query=6,
                        seq_len=24, n_ref=1, progress=False)
     share = df[(df.layer == 0) & (df.band == 0)].set_index("head")["k_energy_share"]
     assert share[0] == share[1] and share[2] == share[3] and share[0] != share[2]

@@ -1,4 +1,4 @@
-"""ρ in three forms (METHOD §3): definitions, mergeability, and unbiasedness of the cross-fitted
+"""ρ in three forms (docs/method.md §3): definitions, mergeability, and unbiasedness of the cross-fitted
 ρ on synthetic data with a known offset and per-document random offsets (the plug-in is biased up)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from posgen_tl.maths.rope import causal_mask
@@ -100,6 +100,7 @@ def _token_head(content):
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 100.0))
+@example(seed=345, scale=1.0)  # the draw that once read "both"
 def test_constructed_positional_head(seed, scale):
     g = torch.Generator().manual_seed(seed)
     prof = torch.randn(N, generator=g, dtype=torch.float64) * scale
@@ -112,12 +113,24 @@ def test_constructed_positional_head(seed, scale):
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 100.0))
+@example(seed=345, scale=1.0)  # the draw that once read "both"
 def test_constructed_symbolic_head(seed, scale):
     g = torch.Generator().manual_seed(seed)
     content = torch.randn(200, generator=g, dtype=torch.float64) * scale
     s = _scores(_token_head(content), seed=seed)
     assert s["symbolic"] == pytest.approx(1.0, abs=1e-9)
     assert abs(float(s["positional"])) < 0.35
+    # the positional axis of a pure token head is chance alignment: it exceeds its null quantile at
+    # about the null's level (seed 345, scale 1 does), so "both" is then the honest label — never
+    # "positional" or "neither", and "both" only where the positional score is above its null
+    label = taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).item()
+    assert label in ("symbolic", "both")
+    assert (label == "both") == bool(s["positional"] > s["null_q"] and s["positional"] >= 0.2)  # taxonomy_label's default min_score
+
+
+def test_constructed_symbolic_head_fixed_seed_is_symbolic():
+    content = torch.randn(200, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    s = _scores(_token_head(content), seed=0)
     assert taxonomy_label(s["positional"], s["symbolic"], s["null_q"]).item() == "symbolic"
 
 

@@ -1,4 +1,4 @@
-"""Tests of posgen_tl.stats.inference: the METHOD §8 statistics and verdict rule (pure, no model)."""
+"""Tests of posgen_tl.stats.inference: the docs/method.md §8 statistics and verdict rule (pure, no model)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from posgen_tl.stats.inference import (
     verdict_table,
 )
 
-RESULTS = Path(__file__).resolve().parents[3] / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "results" / "v1"
 
 
 # ----------------------------------------------------------------------------- sign-flip test
@@ -98,7 +98,7 @@ def test_sign_flip_monte_carlo_matches_exact():
     assert 0.02 < exact < 0.5  # a non-trivial p, so the check is informative
     assert abs(mc - exact) < 4 * math.sqrt(exact * (1 - exact) / n_mc) + 2 / n_mc
     assert mc == sign_flip_test(x, exact_max_n=0, n_mc=n_mc, seed=1)  # seeded
-    # n = 22 is exact by default (METHOD §8 v2: exact up to 40 units); with exact_max_n = 20 it takes
+    # n = 22 is exact by default (docs/method.md §8 v2: exact up to 40 units); with exact_max_n = 20 it takes
     # the Monte Carlo path, which agrees with the exact enumeration (2^11 · 2^11)
     y = rng.normal(0.3, 1.0, size=22)
     exact22 = sign_flip_test(y)
@@ -405,11 +405,11 @@ def landed(name: str) -> pd.DataFrame:
 
 
 def test_landed_rows_give_no_depends():
-    """The first landing's 8 sequences (``results/causal_rows_smollm2-135m*.csv``) were
+    """The first landing's 8 sequences (``results/v1/causal_rows_smollm2-135m*.csv``) were
     contiguous chunks of pydoc text, one document id per sequence here (doc = seq: the rows
     carry no document ids; contiguous chunks of few documents are if anything MORE correlated,
     so this is the liberal choice). The old code printed "depends" for destroy fast @0.5 (and
-    @1 in the unmatched run); METHOD §8 reports exact p = 0.055 and 0.109 for them."""
+    @1 in the unmatched run); docs/method.md §8 reports exact p = 0.055 and 0.109 for them."""
     rows = landed("causal_rows_smollm2-135m_matched05.csv")
     doc = {s: s for s in rows["seq"].unique()}
     destroy = "destroy fast 0–7 L10–19 @0.5"

@@ -1,4 +1,4 @@
-"""The committed causal rows through the METHOD §8 v2 rule (:func:`posgen_tl.stats.verdicts.reanalyse_committed`).
+"""The committed causal rows through the docs/method.md §8 v2 rule (:func:`posgen_tl.stats.verdicts.reanalyse_committed`).
 
 One family of four entries: SmolLM2 layers 10–19 and 20–29 (64 sequences, 39 documents) and Gemma3
 layers 6–11 and 12–17 (32 sequences, 32 documents). Those runs predate the v2 config: their random
@@ -15,7 +15,7 @@ import pytest
 
 from posgen_tl.stats.verdicts import reanalyse_committed
 
-RESULTS = Path(__file__).resolve().parents[3] / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "results" / "v1"
 RUNS = [
     ("causal_n64/causal_smollm2_L10-19_n64_rows.csv", "causal_n64/causal_smollm2_L10-19_n64_config.json"),
     ("causal_n64/causal_smollm2_L20-29_n64_rows.csv", "causal_n64/causal_smollm2_L20-29_n64_config.json"),

@@ -1,4 +1,4 @@
-"""Simulation study of the METHOD §8 v2 rule (:func:`posgen_tl.stats.verdicts.causal_verdict`).
+"""Simulation study of the docs/method.md §8 v2 rule (:func:`posgen_tl.stats.verdicts.causal_verdict`).
 
 A family of 4 entries (2 models × 2 layer groups), n = 32 documents each, Holm across entries,
 damage margin ±10 %, rule "tost_or_adjust". Per-document magnitudes follow the committed SmolLM2

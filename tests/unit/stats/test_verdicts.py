@@ -335,3 +335,15 @@ def test_draws_must_match_the_declaration():
     assert "ONE draw each" in leg
     rows = per_doc.assign(frac=0.0)
     assert control_draws(rows).shape[0] == per_doc.shape[0] and control_draws(rows.drop(columns="draw")) is None
+
+
+def test_three_documents_leave_the_adjusted_contrast_unidentified():
+    """Below 4 documents the damage-adjusted contrast has no residual df: the entry gets no verdict
+    "depends" (the component says why), instead of an exception in the middle of a report."""
+    rng = np.random.default_rng(3)
+    v = verdict_of(entry_units(rng, n_docs=3, gamma=0.01, delta={"destroy": 0.5}), damage_rule="adjust")
+    row = v.verdicts.iloc[0]
+    assert row["verdict"] == "no evidence (exploratory)" and row["p"] == 1.0
+    assert "not identified (fewer than 4 documents)" in row["label"]
+    adj = v.components[v.components["component"].str.endswith("at equal damage")]
+    assert len(adj) == len(CONTROLS) and adj["estimate"].isna().all() and (adj["p_iut"] == 1.0).all()
