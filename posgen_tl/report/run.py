@@ -48,6 +48,13 @@ class ReportSettings:
         return {n: registry.make_config(n, self.preset, routed[n], self.sizes) for n in self.experiments}
 
 
+def full_size_hint(name: str, model_name: str, preset: str) -> str:
+    """The sentence a report section ends with when it ran below the powered sizes: the command
+    that runs the same experiment at its ``full`` preset."""
+    return (f"This section ran at the '{preset}' sizes (exploratory where it says so). The powered run: "
+            f"posgen-tl study {name} --model {model_name} --full --out results/{name}")
+
+
 def run_report(settings: ReportSettings) -> int:
     """Run every experiment (resuming finished ones) and write the report; returns an exit code."""
     from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
@@ -83,6 +90,8 @@ def run_report(settings: ReportSettings) -> int:
             print(f"[posgen-tl] {name}: already done (resuming)")
     for name, cfg in configs.items():
         sec = mods[name].render(ctx, cfg)
+        if settings.preset != "full":
+            sec.paragraphs.append(full_size_hint(name, model_name, settings.preset))
         sections.append(sec)
         results[name] = sec.results
         findings += sec.findings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,16 +14,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(shutil.which("mkdocs") is None and not (Path(sys.executable).parent / "mkdocs").exists(),
-                    reason="docs extra not installed")
-def test_docs_build_strict(tmp_path):
+NO_MKDOCS = shutil.which("mkdocs") is None and not (Path(sys.executable).parent / "mkdocs").exists()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """``mkdocs build --strict`` (notebooks executed at build time): the built site's folder."""
+    if NO_MKDOCS:
+        pytest.skip("docs extra not installed")
+    out = tmp_path_factory.mktemp("docs") / "site"
     exe = Path(sys.executable).parent / "mkdocs"
-    cmd = [str(exe) if exe.exists() else "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    cmd = [str(exe) if exe.exists() else "mkdocs", "build", "--strict", "--site-dir", str(out)]
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "WARNING" not in r.stderr, r.stderr[-3000:]
-    site = tmp_path / "site"
+    return out
+
+
+def test_docs_build_strict(site):
     api = (site / "api" / "index.html").read_text()
     for name in ("load_model", "stream_qk", "fit_additive", "d3_split", "BandStats", "decompose_head", "plot_head_maps",
                  "verdict_table", "run_study", "Finding"):
@@ -30,3 +40,47 @@ def test_docs_build_strict(tmp_path):
     assert (site / "concepts" / "index.html").exists()
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):  # every course notebook is in the nav
         assert (site / "notebooks" / nb.stem / "index.html").exists(), f"{nb.name} is not in mkdocs.yml's nav"
+
+
+def _images(html: str) -> list[str]:
+    return re.findall(r"<img[^>]+src=\"([^\"]+)\"", html)
+
+
+def test_results_pages_show_their_tables_and_figures(site):
+    pages = sorted((ROOT / "docs" / "results").glob("*.md"))
+    assert pages, "no results pages"
+    for md in pages:
+        page = site / "results" / (md.stem if md.stem != "index" else "") / "index.html"
+        html = page.read_text()
+        assert "<table>" in html, f"{md.name}: no table rendered"
+        if md.stem == "index":
+            continue
+        srcs = [x for x in _images(html) if not x.startswith("data:")]
+        assert srcs, f"{md.name}: no figure"
+        for src in srcs:  # every figure the page shows exists in the built site
+            assert (page.parent / src).resolve().is_file(), (md.name, src)
+
+
+def test_notebooks_are_executed_with_their_figures(site):
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        html = (site / "notebooks" / nb.stem / "index.html").read_text()
+        assert "data:image/png;base64," in html, f"{nb.name}: the site shows no executed figure"
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium not installed")
+def test_a_results_page_shows_figures_in_a_browser(site, tmp_path):
+    from PIL import Image
+
+    md = next(p for p in sorted((ROOT / "docs" / "results").glob("*.md")) if p.stem != "index")
+    page = site / "results" / md.stem / "index.html"
+    shot = tmp_path / "shot.png"
+    r = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'prof'}",
+         "--window-size=1200,6000", f"--screenshot={shot}", page.resolve().as_uri()],
+        capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-500:]
+    im = Image.open(shot).convert("L")
+    hist = im.histogram()
+    # text alone leaves the page > 97 % white; the figures (axes, curves, fills) make it darker
+    assert sum(hist[:250]) / sum(hist) > 0.04, sum(hist[:250]) / sum(hist)

@@ -57,6 +57,8 @@ def test_report_leads_with_findings(quick_report):
         assert f"<b>{q}</b>" in summary, q
     assert "not run" not in summary  # every question has a stage and a headline (length, sufficiency included)
     assert "exploratory" in summary  # 2 sequences < 32
+    for name in ("decomposition", "causal", "taxonomy"):  # each section says how to run it at full size
+        assert f"posgen-tl study {name} --model smollm2-135m --full --out results/{name}" in html, name
     qs = {f["question"] for f in res["findings"]}
     assert {"decomposition", "pattern", "tolerance", "causal", "taxonomy", "length", "sufficiency"} <= qs
     for q in ("length", "sufficiency"):
