@@ -30,12 +30,16 @@ CLAIM = "smollm2-135m:L10-19,smollm2-135m:L20-29,gemma3-270m:L6-11,gemma3-270m:L
 N = {"smollm2-135m": {"causal": 64, "tolerance": 64}, "gemma3-270m": {"causal": 32, "tolerance": 32}}
 
 
-def jobs(readmes: str) -> list[tuple[str, list[str]]]:
-    """``(name, posgen-tl arguments)`` in priority order (the causal claim and its replication first)."""
+def jobs(readmes: str, default_preset: frozenset[str] = frozenset()) -> list[tuple[str, list[str]]]:
+    """``(name, posgen-tl arguments)`` in priority order (the causal claim and its replication first).
+    Studies named in ``default_preset`` run at their default sizes (no ``--full``, no size override)."""
     corpora = {"pydoc": [], "readmes": ["--corpus", readmes]}
     out: list[tuple[str, list[str]]] = []
 
     def add(study: str, model: str, corpus: str, *extra: str) -> None:
+        if study in default_preset:
+            out.append((f"{model}/{corpus}/{study}", ["study", study, "--model", model, *corpora[corpus]]))
+            return
         out.append((f"{model}/{corpus}/{study}", ["study", study, "--model", model, "--full", *corpora[corpus], *extra]))
 
     for corpus in ("pydoc", "readmes"):
@@ -50,6 +54,8 @@ def jobs(readmes: str) -> list[tuple[str, list[str]]]:
         add("taxonomy", model, "pydoc")
         add("pattern", model, "pydoc")
         add("length", model, "pydoc")
+        add("decomposition", model, "pydoc")
+        add("exactness", model, "pydoc")
     return out
 
 
@@ -93,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", required=True, help="folder for the studies' console logs (not part of the results)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", default="", help="run only jobs whose name contains this")
+    p.add_argument("--skip", default="", help="comma-separated substrings: skip jobs whose name contains one")
+    p.add_argument("--default-preset", default="", help="comma-separated studies to run at their default sizes "
+                                                        "instead of --full (exploratory; their pages say so)")
     a = p.parse_args(argv)
     out, logs, readmes = Path(a.out), Path(a.logs), Path(a.readmes)
     logs.mkdir(parents=True, exist_ok=True)
@@ -102,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         prov = package_readmes(readmes)
         (out / "corpora").mkdir(parents=True, exist_ok=True)
         (out / "corpora" / "readmes.json").write_text(json.dumps(prov, indent=1))
-    todo = [(n, j) for n, j in jobs(str(readmes)) if a.only in n]
+    skip = [x for x in a.skip.split(",") if x]
+    todo = [(n, j) for n, j in jobs(str(readmes), frozenset(x for x in a.default_preset.split(",") if x))
+            if a.only in n and not any(x in n for x in skip)]
     with ThreadPoolExecutor(a.workers) as ex:
         results = list(ex.map(lambda nj: run(nj[0], nj[1], out, logs), todo))
     failed = [n for n, rc, _ in results if rc]
