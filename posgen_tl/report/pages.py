@@ -103,7 +103,14 @@ def _provenance(run: Run) -> list[str]:
             f", preset `{m.get('preset', 'default')}`, wall time {m['wall_seconds'] / 60:.1f} min",
             f"- corpus: {CORPORA.get(run.corpus, run.corpus)}",
             f"- options: {opts}",
-            f"- outputs: `{run.folder.as_posix()}/` ({len(m['files'])} files)"]
+            f"- outputs: `{_rel(run.folder, run.folder.parents[2])}/` ({len(m['files'])} files)"]
+
+
+def _rel(path: Path, results: Path) -> str:
+    """``path`` as the pages and the manifest name it: from the results folder's name on (never a
+    machine path)."""
+    root = Path(results).resolve()
+    return (Path(root.name) / Path(path).resolve().relative_to(root)).as_posix()
 
 
 def _figure_name(run: Run, i: int) -> str:
@@ -205,7 +212,7 @@ def _earlier_section(results: Path) -> list[str]:
         pf = pf[(pf["contrast"] == "destroy − none") & (pf["estimator"] == "dnll")]
         out += ["**destroy − none per swap fraction (ΔNLL, nats; Holm over the fractions)**", "",
                 md_table(pf, ["model", "layers", "frac", "estimate", "ci_low", "ci_high", "p", "p_holm", "n_docs"]), ""]
-    return out + ["Files:", "", *[f"- `{f.as_posix()}`" for f in files], ""]
+    return out + ["Files:", "", *[f"- `{_rel(f, Path(results))}`" for f in files], ""]
 
 
 def readme_headlines(runs: list[Run], link_prefix: str = "docs/results/") -> str:
@@ -251,10 +258,10 @@ def pages(results: Path) -> tuple[dict[str, str], dict[str, bytes], list[str]]:
         texts[f"results/{study}.md"] = text
         figs.update(f)
         for r in rs:
-            cited += [(r.folder / name).as_posix() for name in (*r.meta["files"], f"{study}.json", f"{study}.md")]
+            cited += [_rel(r.folder / name, r.folder.parents[2]) for name in (*r.meta["files"], f"{study}.json", f"{study}.md")]
     texts["results/index.md"] = index_page(runs).rstrip("\n") + "\n\n" + "\n".join(_earlier_section(results))
     texts["results/index.md"] = texts["results/index.md"].rstrip("\n") + "\n"
-    cited += [f.as_posix() for f in _earlier(results)]
+    cited += [_rel(f, Path(results)) for f in _earlier(results)]
     return texts, figs, sorted(set(cited))
 
 
