@@ -285,8 +285,9 @@ def test_d3_W_equals_model_scores(layout):
     assert (sp.W - sp.f - sp.g).abs().max() > 1e-2
 
 
-@FAST
-@given(
+#: a random RoPE layer (bands, layout, extra dims, scaling, score scale, frequencies, position scale,
+#: permuted pairs) and a sequence length, shared by the property tests below
+RANDOM_LAYER = dict(
     n_bands=st.integers(1, 4),
     layout=st.sampled_from(["half", "adjacent"]),
     extra=st.integers(0, 3),
@@ -296,6 +297,12 @@ def test_d3_W_equals_model_scores(layout):
     position_scale=st.sampled_from([1.0, 2.0]),
     permute=st.booleans(),
     pos=st.integers(1, 12),
+)
+
+
+@FAST
+@given(
+    **RANDOM_LAYER,
     seed=st.integers(0, 2**31 - 1),
 )
 def test_d3_remainder_within_bound(n_bands, layout, extra, scaling, score_scale, freqs, position_scale, permute, pos, seed):
@@ -406,15 +413,7 @@ def test_d3_delta0_matches_dense_rotation(layout, delta0):
 
 @FAST
 @given(
-    n_bands=st.integers(1, 4),
-    layout=st.sampled_from(["half", "adjacent"]),
-    extra=st.integers(0, 3),
-    scaling=st.sampled_from([1.0, 1.2]),
-    score_scale=st.floats(0.05, 3.0),
-    freqs=st.lists(st.floats(0.0, 3.0, width=32), min_size=4, max_size=4),
-    position_scale=st.sampled_from([1.0, 2.0]),
-    permute=st.booleans(),
-    pos=st.integers(1, 12),
+    **RANDOM_LAYER,
     delta0=st.integers(-50, 5000),
     per_seq=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
