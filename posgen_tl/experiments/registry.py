@@ -96,19 +96,12 @@ def run_experiment(name: str, ctx: Any, cfg: Config) -> tuple[Any, float]:
 
 
 def _markdown(name: str, meta: dict[str, Any], sec: Any, files: list[str]) -> str:
-    from posgen_tl.report.text import md_table  # noqa: PLC0415
+    from posgen_tl.report.text import section_markdown  # noqa: PLC0415
 
     out = [f"# posgen-tl study {name} — {meta['model']}", "",
            f"- command: `{meta['command']}`", f"- git commit: {meta['git_commit']}",
            f"- wall time: {meta['wall_seconds']:.1f} s", f"- configuration: `{json.dumps(meta['config'])}`", ""]
-    if sec.findings:
-        out += ["## Findings", ""] + [f"- {f.line()}" + (f" — {f.note}" if f.note else "") for f in sec.findings] + [""]
-    out += [f"## {sec.title}", ""]
-    if sec.verdict:
-        out += [f"> {sec.verdict}", ""]
-    out += [p + "\n" for p in sec.paragraphs]
-    for cap, df in [*sec.tables, *sec.details]:
-        out += [f"### {cap}", "", md_table(df), ""]
+    out += section_markdown(sec, level=2, fold_details=False)
     figs = [f for f in files if f.endswith(".png")]
     if figs:
         out += ["## Figures", ""] + [f"![{f}]({f})" for f in figs] + [""]

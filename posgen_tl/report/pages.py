@@ -28,7 +28,7 @@ import pandas as pd
 from posgen_tl.experiments import registry
 from posgen_tl.report.context import Context, OutFolder
 from posgen_tl.report.html import QUESTIONS, Finding, Section
-from posgen_tl.report.text import md_table
+from posgen_tl.report.text import md_table, section_markdown
 
 __all__ = ["Run", "find_runs", "study_page", "index_page", "readme_headlines", "fill_block", "pages", "write_pages",
            "main"]
@@ -126,16 +126,7 @@ def study_page(study: str, runs: list[Run]) -> tuple[str, dict[str, bytes]]:
     for run in runs:
         sec = _section(run)
         out += [f"## {run.key}", "", *_provenance(run), ""]
-        if sec.findings:
-            out += ["**Findings**", ""] + [f"- {f.line()}" + (f" — {f.note}" if f.note else "") for f in sec.findings] + [""]
-        out += [f"### {sec.title}", ""]
-        if sec.verdict:
-            out += [f"> {sec.verdict}", ""]
-        out += [p + "\n" for p in sec.paragraphs]
-        for cap, df in sec.tables:
-            out += [f"**{cap}**", "", md_table(df), ""]
-        for cap, df in sec.details:
-            out += ["<details><summary>" + cap + "</summary>", "", md_table(df), "", "</details>", ""]
+        out += section_markdown(sec, level=2, fold_details=True)
         for i, (png, cap) in enumerate(sec.figures):
             name = _figure_name(run, i)
             figs[name] = png

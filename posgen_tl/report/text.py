@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
-__all__ = ["sig3", "fmt", "md_table"]
+__all__ = ["sig3", "fmt", "md_table", "section_markdown"]
 
 
 def sig3(x: Any) -> str:
@@ -46,3 +46,26 @@ def md_table(df: pd.DataFrame, cols: Sequence[str] | None = None, cell=sig3) -> 
     for row in d.itertuples(index=False):
         lines.append("| " + " | ".join(cell(v) for v in row) + " |")
     return "\n".join(lines)
+
+
+def section_markdown(sec: Any, *, level: int, fold_details: bool) -> list[str]:
+    """The markdown lines of a report ``Section`` (findings, title, verdict, paragraphs, tables):
+    its title and the findings' heading at heading ``level`` (``#`` × level), captions as headings one
+    level below, or in bold where ``fold_details`` (then ``details`` tables fold in ``<details>``;
+    otherwise they follow the tables). Figures are the caller's (their file names differ)."""
+    h, sub = "#" * level, "#" * (level + 1)
+    out: list[str] = []
+    if sec.findings:
+        head = "**Findings**" if fold_details else f"{h} Findings"
+        out += [head, ""] + [f"- {f.line()}" + (f" — {f.note}" if f.note else "") for f in sec.findings] + [""]
+    out += [f"{h if not fold_details else sub} {sec.title}", ""]
+    if sec.verdict:
+        out += [f"> {sec.verdict}", ""]
+    out += [p + "\n" for p in sec.paragraphs]
+    tables = sec.tables if fold_details else [*sec.tables, *sec.details]
+    for cap, df in tables:
+        out += [f"**{cap}**" if fold_details else f"{sub} {cap}", "", md_table(df), ""]
+    if fold_details:
+        for cap, df in sec.details:
+            out += ["<details><summary>" + cap + "</summary>", "", md_table(df), "", "</details>", ""]
+    return out
