@@ -84,3 +84,20 @@ def test_a_results_page_shows_figures_in_a_browser(site, tmp_path):
     hist = im.histogram()
     # text alone leaves the page > 97 % white; the figures (axes, curves, fills) make it darker
     assert sum(hist[:250]) / sum(hist) > 0.04, sum(hist[:250]) / sum(hist)
+
+
+def test_api_reference_covers_every_public_module():
+    api = (ROOT / "docs" / "api.md").read_text()
+    listed = set(re.findall(r"^::: (posgen_tl[\w.]*)$", api, flags=re.M))
+    pkg = ROOT / "posgen_tl"
+    modules = set()
+    for f in pkg.rglob("*.py"):
+        rel = f.relative_to(ROOT).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        if any(p.startswith("_") for p in parts):
+            continue
+        modules.add(".".join(parts))
+    packages_only = {m for m in modules if (ROOT / m.replace(".", "/") / "__init__.py").exists()}
+    missing = sorted(modules - packages_only - listed)
+    assert not missing, f"docs/api.md does not document {missing}"
+    assert len(listed) == len(re.findall(r"^::: ", api, flags=re.M)), "a module is listed twice"
