@@ -641,6 +641,7 @@ def causal_tables(rows: pd.DataFrame, kl: pd.DataFrame, config: dict) -> dict[st
     v["p_claim"] = np.minimum(1.0, v["p"] * m) if m > len(v) else v["p_holm"]
     v["p_claim_method"] = (f"Bonferroni bound over the declared claim of {m} entries (its other entries are other runs)"
                            if m > len(v) else v["p_adj_method"])
+    v = claim_verdicts(v, family.alpha)
     contrasts = verdicts.tolerance_contrasts(units, family_size=m)
     kl_units = _kl_units(kl, model)
     summary = curves.unit_summary(pd.concat([units, kl_units], ignore_index=True), by=("model", "layers", "condition"))
@@ -649,6 +650,19 @@ def causal_tables(rows: pd.DataFrame, kl: pd.DataFrame, config: dict) -> dict[st
              for g in labels[1:]]
     return dict(verdicts=v, components=res.components, damage=res.damage, adjusted=res.adjusted, contrasts=contrasts,
                 summary=summary, interaction=pd.concat(inter, ignore_index=True) if inter else pd.DataFrame())
+
+
+def claim_verdicts(v: pd.DataFrame, alpha: float) -> pd.DataFrame:
+    """``v`` with each verdict read at the level of the declared claim: an entry that passes over this
+    run's entries (``p_holm``) but not over the claim (``p_claim ≥ alpha``, the run covering only part
+    of it) reads "no evidence", and its label says why. Idempotent."""
+    out = v.copy()
+    weak = out["verdict"].astype(str).str.startswith("depends") & ~(out["p_claim"] < alpha)
+    out.loc[weak, "verdict"] = out.loc[weak, "verdict"].str.replace("depends", "no evidence", n=1)
+    out.loc[weak, "label"] = [f"p over the declared claim = {p:.3g} ≥ {alpha:g} ({m}); " + str(lab)
+                              for p, m, lab in zip(out.loc[weak, "p_claim"], out.loc[weak, "p_claim_method"],
+                                                   out.loc[weak, "label"])]  # fmt: skip
+    return out
 
 
 def _kl_units(kl: pd.DataFrame, model: str) -> pd.DataFrame:
@@ -744,6 +758,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     v, dmg, con = _load(ctx, "verdicts"), _load(ctx, "damage"), _load(ctx, "contrasts")
     inter, summary = _load(ctx, "interaction"), _load(ctx, "summary")
     fam = config["claim_family"]
+    v = claim_verdicts(v, verdicts.Family.from_config(fam).alpha)
     verdict = "; ".join(f"{r.layers}: {r.verdict} (destroy − none AUC {r.estimate:+.3g} nats × p "
                         f"[{r.ci_low:+.3g}, {r.ci_high:+.3g}], intersection–union p = {r.p:.3g}, p over the claim "
                         f"= {r.p_claim:.3g})" for r in v.itertuples())  # fmt: skip

@@ -313,3 +313,19 @@ def test_matching_draws_per_document_across_batches(llama):
     the whole reference set's seeds were once handed to a 4-row batch)."""
     res = _run(llama, groups=("2",), controls=("C1", "C4"), n_ref=5, batch_size=2, n_seq=4, match_steps=1)
     assert set(res.matching["condition"]) == {"destroy", "C1", "C4"}
+
+
+def test_a_verdict_is_read_over_the_declared_claim():
+    """A run holding two of a four-entry claim: an entry passing Holm over the run (p_holm < .05) but
+    not the claim's bound (p_claim ≥ .05) must not read "depends"; one passing both keeps it."""
+    import pandas as pd
+
+    from posgen_tl.experiments.causal import claim_verdicts
+
+    v = pd.DataFrame(dict(layers=["L1", "L2", "L3"], p=[0.02, 0.004, 0.3], p_holm=[0.04, 0.008, 0.3],
+                          p_claim=[0.08, 0.016, 1.0], p_claim_method=["Bonferroni bound over 4"] * 3,
+                          verdict=["depends (exploratory)", "depends", "no evidence"], label=["a", "b", "c"]))
+    out = claim_verdicts(v, 0.05)
+    assert out["verdict"].tolist() == ["no evidence (exploratory)", "depends", "no evidence"]
+    assert out["label"].iloc[0].startswith("p over the declared claim = 0.08 ≥ 0.05") and out["label"].iloc[1] == "b"
+    pd.testing.assert_frame_equal(claim_verdicts(out, 0.05), out)  # idempotent
