@@ -40,7 +40,9 @@ def test_every_study_page_is_in_the_site_nav():
 
 
 def test_a_changed_table_makes_its_page_stale(tmp_path):
-    runs = pages.find_runs(RESULTS)
+    """Every measured value of a study's tables shifted by one: the regenerated page differs from the written one
+    (the page is built from those tables, not from anything else)."""
+    runs = [r for r in pages.find_runs(RESULTS) if r.study == "tolerance"] or pages.find_runs(RESULTS)
     if not runs:
         pytest.skip("no study folders committed")
     run = runs[0]
@@ -49,19 +51,16 @@ def test_a_changed_table_makes_its_page_stale(tmp_path):
     shutil.copytree(run.folder, dst)
     pages.write_pages(res, docs)
     assert pages.stale(res, docs) == []
-    csvs = sorted(p for p in dst.glob("*.csv") if p.stat().st_size)
-    changed = False
-    for p in csvs:  # the first table the page shows: change one of its numbers
-        df = pd.read_csv(p)
-        num = [c for c in df.columns if pd.api.types.is_float_dtype(df[c]) and df[c].notna().any()]
-        if not num:
+    for p in sorted(dst.glob("*.csv")):
+        if not p.stat().st_size:
             continue
-        df.loc[df[num[0]].first_valid_index(), num[0]] += 1.0
+        df = pd.read_csv(p)
+        for c in ("estimate",):  # the summaries' estimates (the per-sequence rows are checked by the curves code)
+            if c in df.columns:
+                df[c] = df[c] + 1.0
         df.to_csv(p, index=False)
-        if pages.stale(res, docs):
-            changed = True
-            break
-    assert changed, "no table change reached the page"
+    bad = pages.stale(res, docs)
+    assert bad and any(f"{run.study}.md" in b for b in bad), bad
 
 
 def test_fill_block_replaces_only_between_its_markers():
