@@ -67,5 +67,5 @@ def section_markdown(sec: Any, *, level: int, fold_details: bool) -> list[str]:
         out += [f"**{cap}**" if fold_details else f"{sub} {cap}", "", md_table(df), ""]
     if fold_details:
         for cap, df in sec.details:
-            out += ["<details><summary>" + cap + "</summary>", "", md_table(df), "", "</details>", ""]
+            out += ["<details markdown=\"1\"><summary>" + cap + "</summary>", "", md_table(df), "", "</details>", ""]
     return out
