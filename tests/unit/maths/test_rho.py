@@ -84,7 +84,7 @@ def test_merge_equals_one_pass_and_residuals():
     assert torch.isnan(one.rho_cross()).all()  # one document: no cross-fit possible
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=8, deadline=None, derandomize=True)  # a 4-SE check on 16 means: fixed draws, no flakes
 @given(
     mu_abs=st.floats(0.3, 1.0),
     sd_doc=st.floats(1.0, 2.0),
