@@ -36,13 +36,7 @@ from posgen_tl.maths.rope import (
 FAST = settings(max_examples=25, deadline=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # small tensors: intra-op threads only add contention on a 2-core, shared machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/maths/conftest.py
 
 
 def additive_map(a, b, c):

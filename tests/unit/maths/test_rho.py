@@ -15,12 +15,7 @@ from posgen_tl.maths.rho import SequenceBandSums, rho_forms
 from posgen_tl.maths.rope import from_bands, to_bands
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/maths/conftest.py
 
 
 def _cgauss(shape, sd, g):
