@@ -122,9 +122,15 @@ def setup(backend: str = "gloo", *, timeout_s: float = 600.0) -> Dist:
 
 
 def teardown() -> None:
-    """Leave the process group (if one is running)."""
+    """Leave the process group (if one is running), after a barrier: no rank closes its connections
+    while a peer is still inside a collective. A failing barrier (a peer already gone) does not stop
+    the group from being destroyed."""
     if tdist.is_available() and tdist.is_initialized():
-        tdist.destroy_process_group()
+        try:
+            if tdist.get_world_size() > 1:
+                tdist.barrier()
+        finally:
+            tdist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- sharding

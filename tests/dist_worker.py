@@ -10,6 +10,7 @@ Every rank writes ``OUT/rank{r}.json`` with its outcome; rank 0 alone writes ``O
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
@@ -81,4 +82,13 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.exit(main())
+    # A C++ abort anywhere in this rank (e.g. "terminate called without an active exception") prints the
+    # Python stack of every thread to stderr, which tests/integration/test_distributed.py shows on failure.
+    faulthandler.enable(all_threads=True)
+    rc = main()
+    # Every outcome is written and the process group is destroyed: leave without the interpreter's
+    # finalisation, during which torch's c10d/gloo C++ threads have been seen (in CI, ~1 launch in 20)
+    # to abort with "terminate called without an active exception" after all work had succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

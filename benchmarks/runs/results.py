@@ -1,6 +1,6 @@
 """Run the studies the documentation's results pages cite, into ``<out>/<model>/<corpus>/<study>/``.
 
-    python benchmarks/runs/results.py --out results --readmes ~/.cache/posgen_tl/readmes --workers 2
+    python benchmarks/runs/results.py --out results --readmes results/corpora/readmes --logs LOGS --workers 2
 
 Each job is one ``posgen-tl study NAME --full …`` command (printed before it runs; the study itself
 records its command, commit, configuration and wall time beside its tables). Jobs run in priority
@@ -50,11 +50,13 @@ def jobs(readmes: str, default_preset: frozenset[str] = frozenset()) -> list[tup
     for corpus in ("pydoc", "readmes"):
         for model in ("smollm2-135m", "gemma3-270m"):
             add("sufficiency", model, corpus)
+    for corpus in ("pydoc", "readmes"):  # every other headline study, replicated on the second corpus too
+        for model in ("smollm2-135m", "gemma3-270m"):
+            add("taxonomy", model, corpus)
+            add("pattern", model, corpus)
+            add("length", model, corpus)
+            add("decomposition", model, corpus)
     for model in ("smollm2-135m", "gemma3-270m"):
-        add("taxonomy", model, "pydoc")
-        add("pattern", model, "pydoc")
-        add("length", model, "pydoc")
-        add("decomposition", model, "pydoc")
         add("exactness", model, "pydoc")
     return out
 

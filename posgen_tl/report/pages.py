@@ -136,41 +136,53 @@ def study_page(study: str, runs: list[Run]) -> tuple[str, dict[str, bytes]]:
     return "\n".join(out).rstrip() + "\n", figs
 
 
-def claim_section(runs: list[Run]) -> list[str]:
-    """The causal claim across runs, per corpus: every run declares the same family of entries
-    (model × layer group) before it ran; here each entry's intersection–union p from its own run is
-    adjusted over the WHOLE declared family (Holm over the entries present; entries not run yet count
-    as p = 1, which keeps the adjustment valid). The verdict of the claim is this table's."""
+def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]:
+    """The causal claim of ``corpus``'s runs: one row per declared entry (model × layer group) with
+    its run's intersection–union ``p``, ``p_family`` (adjusted over the WHOLE declared family; entries
+    not run count as p = 1, which keeps the adjustment valid) and the claim's ``verdict``.
+
+    Returns ``(table indexed by entry, method text)``; ``(None, reason)`` when no run declares a claim
+    or the runs declare different claims."""
     from posgen_tl.stats.verdicts import family_adjust  # noqa: PLC0415
 
+    rows, claims = [], set()
+    for r in (r for r in runs if r.corpus == corpus and r.study == "causal"):
+        cfg = json.loads((r.folder / "causal_config.json").read_text())
+        if "claim_family" not in cfg:
+            continue
+        claims.add(tuple(cfg["claim_family"]["claim"]))
+        v = pd.read_csv(r.folder / "causal_verdicts.csv")
+        rows += [dict(entry=f"{r.model}:{x.layers}", model=r.model, layers=x.layers, estimate=x.estimate,
+                      ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, counted_controls=x.counted_controls,
+                      n_docs=x.n_docs, n_seqs=x.n_seqs) for x in v.itertuples()]  # fmt: skip
+    if not rows:
+        return None, "no run declares a claim"
+    if len(claims) != 1:
+        return None, "The runs declare different claims: no family verdict."
+    claim = list(next(iter(claims)))
+    df = pd.DataFrame(rows).set_index("entry").reindex(claim)
+    missing = [e for e in claim if pd.isna(df.loc[e, "p"])]
+    p_adj, method = family_adjust(df["p"].fillna(1.0).to_numpy(), "holm", claim)
+    df["p_family"] = p_adj
+    df["verdict"] = ["not run" if e in missing else ("depends" if q < 0.05 else "no evidence")
+                     + (" (exploratory)" if n < 32 else "") for e, q, n in zip(claim, p_adj, df["n_docs"].fillna(0))]
+    return df, method + (f" (not run: {', '.join(missing)}, counted as p = 1)" if missing else "")
+
+
+def claim_section(runs: list[Run]) -> list[str]:
+    """The causal claim across runs, per corpus (:func:`claim_table`); the verdict of the claim is
+    this table's, and the headlines quote it."""
     out: list[str] = []
     for corpus in dict.fromkeys(r.corpus for r in runs):
-        rows, claims = [], set()
-        for r in (r for r in runs if r.corpus == corpus):
-            cfg = json.loads((r.folder / "causal_config.json").read_text())
-            if "claim_family" not in cfg:
-                continue
-            claims.add(tuple(cfg["claim_family"]["claim"]))
-            v = pd.read_csv(r.folder / "causal_verdicts.csv")
-            rows += [dict(entry=f"{r.model}:{x.layers}", model=r.model, layers=x.layers, estimate=x.estimate,
-                          ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, counted_controls=x.counted_controls,
-                          n_docs=x.n_docs, n_seqs=x.n_seqs) for x in v.itertuples()]  # fmt: skip
-        if not rows:
+        df, method = claim_table(runs, corpus)
+        if df is None:
+            if method.startswith("The runs"):
+                out += [f"## The declared claim · {corpus}", "", method, ""]
             continue
-        if len(claims) != 1:
-            out += [f"## The declared claim · {corpus}", "", "The runs declare different claims: no family verdict.", ""]
-            continue
-        claim = list(next(iter(claims)))
-        df = pd.DataFrame(rows).set_index("entry").reindex(claim)
-        missing = [e for e in claim if pd.isna(df.loc[e, "p"])]
-        p_adj, method = family_adjust(df["p"].fillna(1.0).to_numpy(), "holm", claim)
-        df["p_family"] = p_adj
-        df["verdict"] = ["not run" if e in missing else ("depends" if q < 0.05 else "no evidence")
-                         + (" (exploratory)" if n < 32 else "") for e, q, n in zip(claim, p_adj, df["n_docs"].fillna(0))]
         out += [f"## The declared claim · {corpus}", "",
-                f"Declared before the runs: {', '.join(claim)}. Each entry's p is the intersection–union p of its run "
+                f"Declared before the runs: {', '.join(df.index)}. Each entry's p is the intersection–union p of its run "
                 f"(destroy − none and destroy − every counted control, the AUC of ΔNLL over the swap fraction); "
-                f"{method}" + (f" (not run: {', '.join(missing)}, counted as p = 1)" if missing else "") + "; α = 0.05. "
+                f"{method}; α = 0.05. "
                 "The per-run sections below give each entry's components, damage equivalence, per-fraction "
                 "contrasts and figures.", "",
                 md_table(df.reset_index(), ["entry", "estimate", "ci_low", "ci_high", "p", "p_family", "counted_controls",
@@ -179,35 +191,77 @@ def claim_section(runs: list[Run]) -> list[str]:
 
 
 def _findings(runs: list[Run]) -> Iterator[tuple[Run, Finding]]:
+    """Every run's headline findings; a causal entry of a declared claim is quoted from the claim
+    table (its p adjusted over the whole family, its verdict the claim's), not from its run alone."""
+    claims = {c: claim_table(runs, c) for c in dict.fromkeys(r.corpus for r in runs if r.study == "causal")}
     for run in runs:
         for f in _section(run).findings:
+            df, method = claims.get(run.corpus, (None, ""))
+            entry = f"{run.model}:{f.note.split(';', 1)[0]}"
+            if run.study == "causal" and df is not None and entry in df.index and df.loc[entry, "verdict"] != "not run":
+                row = df.loc[entry]
+                f = dataclasses.replace(f, p=float(row["p_family"]), verdict=str(row["verdict"]).split(" (")[0],
+                                        note=f"{f.note.split(';', 1)[0]}; intersection–union p {row['p']:.3g}; "
+                                             f"{method} (the declared claim)")
             yield run, f
 
 
-def index_page(runs: list[Run]) -> str:
+def _headline_frame(runs: list[Run]) -> pd.DataFrame:
+    return pd.DataFrame([dict(question=f.question, model=r.model, corpus=r.corpus, verdict=f.verdict, effect=f.effect,
+                              what=f.what, ci_low=f.ci[0] if f.ci else None, ci_high=f.ci[1] if f.ci else None, p=f.p,
+                              n=f.n, exploratory=bool(f.exploratory), page=f"[{r.study}]({r.study}.md)")
+                         for r, f in _findings(runs)])
+
+
+def agreement(df: pd.DataFrame) -> pd.DataFrame:
+    """Per headline (question × model × what) measured on more than one corpus: each corpus' verdict
+    with its n, and ``replicated``: ``yes`` (same verdict everywhere), ``not replicated`` (verdicts differ
+    and a run is exploratory, n < 32: too small to confirm or contradict) or ``NO`` (verdicts differ
+    between adequately sized runs). ``df``: the headline frame (one row per run and finding)."""
+    rows = []
+    for (q, m, what), g in df.groupby(["question", "model", "what"], sort=False):
+        if g["corpus"].nunique() < 2:
+            continue
+        said = {c: f"{v} (n = {int(n)}{', exploratory' if e else ''})" if n == n and n is not None else v
+                for c, v, n, e in zip(g["corpus"], g["verdict"], g["n"], g["exploratory"])}
+        if g["verdict"].nunique() == 1:
+            rep = "yes"
+        elif g["exploratory"].any():
+            small = ", ".join(g.loc[g["exploratory"], "corpus"])
+            rep = f"not replicated (the {small} run is exploratory)"
+        else:
+            rep = "NO — the corpora disagree"
+        rows.append(dict(question=q, model=m, what=what, **{c: said.get(c, "–") for c in dict.fromkeys(df["corpus"])},
+                         replicated=rep))
+    return pd.DataFrame(rows)
+
+
+def _corpus_line(results: Path | None) -> list[str]:
+    if results is None:
+        return []
+    out = []
+    for prov in sorted((Path(results) / "corpora").glob("*.json")):
+        docs = json.loads(prov.read_text())
+        out.append(f"The **{prov.stem}** corpus of these runs: {len(docs)} documents ({sum(d['chars'] for d in docs):,} "
+                   f"characters), each named with its version and SHA-256 in `{_rel(prov, Path(results))}`.")
+    return out + ([""] if out else [])
+
+
+def index_page(runs: list[Run], results: Path | None = None) -> str:
     """``docs/results/index.md``: every headline of every run, and the corpora side by side."""
-    rows = [dict(question=f.question, model=r.model, corpus=r.corpus, verdict=f.verdict, effect=f.effect,
-                 what=f.what, ci_low=f.ci[0] if f.ci else None, ci_high=f.ci[1] if f.ci else None, p=f.p, n=f.n,
-                 page=f"[{r.study}]({r.study}.md)") for r, f in _findings(runs)]
-    df = pd.DataFrame(rows)
+    df = _headline_frame(runs)
     out = ["# Results", "", "Every number on these pages comes from a study folder under `results/` (the command, "
            "commit, options and wall time are on each study's page) and is regenerated by "
            "`python -m posgen_tl.report.pages --results results --docs docs`.", "",
-           "Corpora: " + "; ".join(f"**{k}** — {v}" for k, v in CORPORA.items()) + ".", "",
+           "Corpora: " + "; ".join(f"**{k}** — {v}" for k, v in CORPORA.items()) + ".", "", *_corpus_line(results),
            "## Headlines", "", md_table(df, ["question", "model", "corpus", "verdict", "what", "effect", "ci_low",
                                              "ci_high", "p", "n", "page"]) if len(df) else "No study has headline findings yet.", ""]
-    if len(df) and df["corpus"].nunique() > 1:
-        agree = []
-        for (q, m, what), g in df.groupby(["question", "model", "what"], sort=False):
-            v = dict(zip(g["corpus"], g["verdict"]))
-            if len(v) < 2:
-                continue
-            words = set(v.values())
-            agree.append(dict(question=q, model=m, what=what, **{c: v.get(c, "–") for c in CORPORA},
-                              replicated="yes" if len(words) == 1 else "NO — the corpora disagree"))
+    agree = agreement(df) if len(df) else pd.DataFrame()
+    if len(agree):
         out += ["## Replication on a second corpus", "",
-                "A headline stands only where both corpora give the same verdict; where they disagree, the pages say "
-                "so and the headline is not claimed.", "", md_table(pd.DataFrame(agree)), ""]
+                "A headline stands only where both corpora give the same verdict. Where they differ, it is not claimed: "
+                "`not replicated` when one run is exploratory (fewer than 32 documents: too small to confirm or "
+                "contradict), `NO` when adequately sized runs disagree.", "", md_table(agree), ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -252,19 +306,35 @@ def _earlier_section(results: Path) -> list[str]:
 
 def readme_headlines(runs: list[Run], link_prefix: str = "docs/results/") -> str:
     """At most five markdown lines for the README: per study of :data:`HEADLINE_ORDER` that has runs,
-    its question and every finding of each model's run (pydoc corpus first), linking the study page."""
+    its question and every finding of each model's run on the first corpus (pydoc), each followed by
+    whether the second corpus gives the same verdict (:func:`agreement`), linking the study page. A causal
+    entry of a declared claim quotes the claim table (p over the whole family)."""
+    df = _headline_frame(runs)
+    if not len(df):
+        return ""
+    agree = agreement(df)
     lines = []
     for study in HEADLINE_ORDER:
-        rs = sorted((r for r in runs if r.study == study), key=lambda r: (r.corpus != "pydoc", r.model))
-        per_model: dict[str, str] = {}
-        for r in rs:
-            fs = _section(r).findings
-            if fs and r.model not in per_model:
-                said = [f.line().split(": ", 1)[-1] for f in fs]
-                per_model[r.model] = f"{r.model} ({r.corpus}) " + "; ".join(said)
-        if per_model:
-            lines.append(f"- **{QUESTIONS.get(study, study)}** " + " — ".join(per_model.values())
-                         + f" ([{study}]({link_prefix}{study}.md))")
+        g = df[df["question"] == study]
+        if not len(g):
+            continue
+        first = sorted(g["corpus"].unique(), key=lambda c: (c != "pydoc", c))[0]
+        per_model = []
+        for model, gm in g[g["corpus"] == first].groupby("model", sort=True):
+            said = []
+            for r in gm.itertuples():
+                f = Finding(study, r.verdict, r.effect, r.what, None if r.ci_low != r.ci_low or r.ci_low is None
+                            else (r.ci_low, r.ci_high), r.p, None if r.n != r.n or r.n is None else int(r.n), exploratory=bool(r.exploratory))
+                text = f.line().split(": ", 1)[-1]
+                rep = agree[(agree["question"] == study) & (agree["model"] == model) & (agree["what"] == r.what)] \
+                    if len(agree) else agree
+                if len(rep):
+                    others = [c for c in df["corpus"].unique() if c != first]
+                    text += f" · {'/'.join(others)}: {rep.iloc[0]['replicated']}"
+                said.append(text)
+            per_model.append(f"{model} ({first}) " + "; ".join(said))
+        lines.append(f"- **{QUESTIONS.get(study, study)}** " + " — ".join(per_model)
+                     + f" ([{study}]({link_prefix}{study}.md))")
     return "\n".join(lines[:5])
 
 
@@ -294,9 +364,10 @@ def pages(results: Path) -> tuple[dict[str, str], dict[str, bytes], list[str]]:
         figs.update(f)
         for r in rs:
             cited += [_rel(r.folder / name, r.folder.parents[2]) for name in (*r.meta["files"], f"{study}.json", f"{study}.md")]
-    texts["results/index.md"] = index_page(runs).rstrip("\n") + "\n\n" + "\n".join(_earlier_section(results))
+    texts["results/index.md"] = index_page(runs, results).rstrip("\n") + "\n\n" + "\n".join(_earlier_section(results))
     texts["results/index.md"] = texts["results/index.md"].rstrip("\n") + "\n"
     cited += [_rel(f, Path(results)) for f in _earlier(results)]
+    cited += [_rel(f, Path(results)) for f in sorted((Path(results) / "corpora").glob("*.json"))]
     return texts, figs, sorted(set(cited))
 
 

@@ -69,3 +69,48 @@ def test_fill_block_replaces_only_between_its_markers():
     assert pages.fill_block(text, "x", "") == "a\n<!-- x:start -->\n<!-- x:end -->\nb\n"
     with pytest.raises(ValueError, match="y:start"):
         pages.fill_block(text, "y", "z")
+
+
+def _headlines(**cols):
+    n = len(cols["corpus"])
+    base = dict(question=["causal"] * n, model=["m"] * n, what=["w"] * n, n=[40] * n, exploratory=[False] * n)
+    return pd.DataFrame({**base, **cols})
+
+
+def test_agreement_says_yes_only_for_the_same_verdict_and_names_an_exploratory_run():
+    same = pages.agreement(_headlines(corpus=["pydoc", "readmes"], verdict=["depends", "depends"]))
+    assert same["replicated"].tolist() == ["yes"]
+    assert same.loc[0, "readmes"] == "depends (n = 40)"
+    small = pages.agreement(_headlines(corpus=["pydoc", "readmes"], verdict=["depends", "no evidence"],
+                                       n=[40, 12], exploratory=[False, True]))
+    assert small["replicated"].tolist() == ["not replicated (the readmes run is exploratory)"]
+    assert small.loc[0, "readmes"] == "no evidence (n = 12, exploratory)"
+    bad = pages.agreement(_headlines(corpus=["pydoc", "readmes"], verdict=["depends", "no evidence"]))
+    assert bad["replicated"].tolist() == ["NO — the corpora disagree"]
+    assert pages.agreement(_headlines(corpus=["pydoc"], verdict=["depends"])).empty  # one corpus: nothing to compare
+
+
+def test_causal_headline_quotes_the_claim_table_not_its_run(tmp_path):
+    """An entry's headline p is its Holm p over the WHOLE declared claim (the claim table's), which differs
+    from its run's own Bonferroni bound once a second entry is small."""
+    runs = [r for r in pages.find_runs(RESULTS) if r.study == "causal" and r.corpus == "pydoc"]
+    if len(runs) < 2:
+        pytest.skip("the causal runs of both models are not committed")
+    res = tmp_path / "results"
+    for r in runs:
+        shutil.copytree(r.folder, res / r.model / r.corpus / r.study)
+    vpath = res / "smollm2-135m" / "pydoc" / "causal" / "causal_verdicts.csv"
+    v = pd.read_csv(vpath)
+    v.loc[v["layers"] == "L20-29", "p"] = 0.01
+    v.to_csv(vpath, index=False)
+    runs = pages.find_runs(res)
+    table, method = pages.claim_table(runs, "pydoc")
+    assert method.startswith("Holm over the 4 entries")
+    ps = table["p"].to_numpy()
+    assert table.loc["smollm2-135m:L20-29", "p_family"] == pytest.approx(3 * 0.01)  # second smallest of 4: × 3
+    assert table.loc["gemma3-270m:L12-17", "p_family"] == pytest.approx(4 * ps.min())
+    head = pages._headline_frame(runs)
+    row = head[(head["model"] == "smollm2-135m") & head["what"].str.contains("L20-29")].iloc[0]
+    assert row["p"] == pytest.approx(0.03) and row["verdict"] == "depends"
+    text = pages.readme_headlines(runs)
+    assert "p = 0.03 " in text and text.count("depends") == 2

@@ -12,6 +12,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,22 @@ def _launch(mode: str, out: Path, nproc: int = 2) -> subprocess.CompletedProcess
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / "dist_worker.py"), mode, str(out)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+    if proc.returncode and _teardown_abort(proc, out, nproc):
+        warnings.warn(f"a rank aborted after writing its outcome (in torch's process-group teardown):\n"
+                      f"{proc.stderr[-1500:]}", stacklevel=2)
+        return subprocess.CompletedProcess(proc.args, 0, proc.stdout, proc.stderr)
+    return proc
+
+
+def _teardown_abort(proc: subprocess.CompletedProcess, out: Path, nproc: int) -> bool:
+    """The only failure tolerated: every rank wrote its outcome (so every analysis and collective
+    finished) and a rank then died with libstdc++'s "terminate called without an active exception",
+    which torch's c10d/gloo threads raise now and then while a process group is torn down (seen in CI
+    about once in 20 launches; tests/dist_worker.py leaves with os._exit to avoid it). The outcomes
+    themselves are still checked by every test."""
+    return ("terminate called without an active exception" in proc.stderr
+            and all((out / f"rank{r}.json").exists() for r in range(nproc)))
 
 
 def _outcomes(out: Path, n: int) -> list[dict]:
