@@ -28,6 +28,8 @@ from pathlib import Path
 #: the claim of the causal test, declared before the runs: models × layer groups (middle, late)
 CLAIM = "smollm2-135m:L10-19,smollm2-135m:L20-29,gemma3-270m:L6-11,gemma3-270m:L12-17"
 N = {"smollm2-135m": {"causal": 64, "tolerance": 64}, "gemma3-270m": {"causal": 32, "tolerance": 32}}
+#: the replication's causal sizes: 32 documents per model (the smallest n that is not exploratory)
+N_REPLICATION = {"smollm2-135m": {"causal": 32, "tolerance": 32}, "gemma3-270m": {"causal": 32, "tolerance": 32}}
 
 
 def jobs(readmes: str, default_preset: frozenset[str] = frozenset()) -> list[tuple[str, list[str]]]:
@@ -43,10 +45,11 @@ def jobs(readmes: str, default_preset: frozenset[str] = frozenset()) -> list[tup
         out.append((f"{model}/{corpus}/{study}", ["study", study, "--model", model, "--full", *corpora[corpus], *extra]))
 
     for corpus in ("pydoc", "readmes"):
+        n = N if corpus == "pydoc" else N_REPLICATION
         for model in ("smollm2-135m", "gemma3-270m"):
-            add("causal", model, corpus, "--n-seq", str(N[model]["causal"]), "--claim", CLAIM)
+            add("causal", model, corpus, "--n-seq", str(n[model]["causal"]), "--claim", CLAIM)
         for model in ("smollm2-135m", "gemma3-270m"):
-            add("tolerance", model, corpus, "--n-seq", str(N[model]["tolerance"]))
+            add("tolerance", model, corpus, "--n-seq", str(n[model]["tolerance"]))
     for corpus in ("pydoc", "readmes"):
         for model in ("smollm2-135m", "gemma3-270m"):
             add("sufficiency", model, corpus)

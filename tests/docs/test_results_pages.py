@@ -114,3 +114,37 @@ def test_causal_headline_quotes_the_claim_table_not_its_run(tmp_path):
     assert row["p"] == pytest.approx(0.03) and row["verdict"] == "depends"
     text = pages.readme_headlines(runs)
     assert "p = 0.03 " in text and text.count("depends") == 2
+
+
+def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path):
+    """The 'where the claim holds' section is written from the claim tables of both corpora: an entry holds
+    only where both say 'depends'; a second corpus that disagrees withdraws it."""
+    runs = [r for r in pages.find_runs(RESULTS) if r.study == "causal" and r.corpus == "pydoc"]
+    if len(runs) < 2:
+        pytest.skip("the causal runs of both models are not committed")
+    res = tmp_path / "results"
+    for r in runs:
+        for corpus in ("pydoc", "readmes"):
+            shutil.copytree(r.folder, res / r.model / corpus / r.study)
+    text = "\n".join(pages.claim_discussion(pages.find_runs(res)))
+    holds = pages.claim_table(pages.find_runs(res), "pydoc")[0]
+    depends = [e for e, v in holds["verdict"].items() if v == "depends"]
+    assert depends, "the committed runs have no 'depends' entry to check against"
+    for e in holds.index:
+        model, layers = e.split(":")
+        line = next(x for x in text.splitlines() if x.startswith(f"- **{model}, layers {layers}**"))
+        assert ("the claim holds here" in line) == (e in depends), line
+    assert f"the claim holds (both corpora) for {', '.join(depends)}" in text
+    # the second corpus loses the effect: nothing holds any more, and the page says the corpora disagree
+    model, layers = depends[0].split(":")
+    vpath = res / model / "readmes" / "causal" / "causal_verdicts.csv"
+    v = pd.read_csv(vpath)
+    v.loc[v["layers"] == layers, "p"] = 0.5
+    v.to_csv(vpath, index=False)
+    text = "\n".join(pages.claim_discussion(pages.find_runs(res)))
+    assert "the claim holds" not in text.replace("where the causal claim holds", "")
+    assert f"- **{model}, layers {layers}** — the corpora disagree: not claimed." in text
+    # the per-fraction destroy − none changes are quoted from the run's contrasts table
+    c = pd.read_csv(res / model / "pydoc" / "causal" / "causal_contrasts.csv")
+    first = c[(c["layers"] == layers) & (c["contrast"] == "destroy − none") & (c["estimator"] == "dnll")].iloc[0]
+    assert f"at p = {first['frac']:g} (Holm p" in text and pages._signed(first["estimate"]) in text
