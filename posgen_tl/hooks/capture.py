@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -58,6 +59,10 @@ __all__ = [
     "hooks_attached",
     "model_device",
     "pre_rotation",
+    "pre_rotation_stash",
+    "stash_shape",
+    "to_heads",
+    "from_heads",
     "pattern_hooks",
     "model_rotation_table",
     "require_pre_softmax",
@@ -261,6 +266,51 @@ def check_tokens(model: Any, tokens: Tensor, spec: RopeSpec | None = None) -> In
 
 def _to_bshd(x: Tensor, layout: str) -> Tensor:
     return x.transpose(1, 2) if layout == "bhsd" else x
+
+
+def to_heads(x: Tensor, layout: str, d_head: int) -> Float[Tensor, "batch pos head d_head"]:
+    """A pre-rotation hook's tensor in ``layout`` (:attr:`HookInfo.normed_layout`: ``bshd``, ``bhsd`` or
+    ``flat`` = ``[batch, pos, head·d_head]``) as ``[batch, pos, head, d_head]`` (a view where possible).
+
+    Raises:
+        CaptureError: ``flat_prescale`` (its values need the norm weight: use :func:`pre_rotation`)."""
+    if layout == "flat":
+        return x.reshape(x.shape[0], x.shape[1], -1, d_head)
+    if layout == "flat_prescale":
+        raise CaptureError("a flat_prescale hook holds values before the norm weight: use pre_rotation()")
+    return _to_bshd(x, layout)
+
+
+def from_heads(y: Tensor, layout: str, like: Tensor) -> Tensor:
+    """Inverse of :func:`to_heads`: ``[batch, pos, head, d_head]`` back to the hook's own layout and
+    shape (that of ``like``)."""
+    if layout == "flat":
+        return y.reshape(like.shape)
+    return _to_bshd(y, layout)
+
+
+def stash_shape(x: Tensor, hook: Any, *, stash: dict) -> None:
+    """On ``hook_q``/``hook_k`` (``[batch, pos, head, d]``): remember ``(batch, pos)`` for a flattened norm hook."""
+    stash["shape"] = (x.shape[0], x.shape[1])
+
+
+def pre_rotation_stash(model: Any, info: HookInfo, layer: int, d_head: int, stash: dict) -> list[tuple[str, Callable]]:
+    """Forward hooks that put ``layer``'s pre-rotation queries and keys, exactly as the model's RoPE
+    receives them (:func:`pre_rotation`: every hook layout, the flat QK-norm weight, OLMo's clamp), into
+    ``stash['q']`` / ``stash['k']`` as float32 ``[batch, pos, head, d_head]``.
+
+    Returns ``[(hook_name, fn), ...]`` (the hooks return nothing: the forward is unchanged)."""
+
+    def keep(x: Tensor, hook: Any, key: str) -> None:
+        b, s = stash.get("shape", (x.shape[0], x.shape[1]))  # (batch, pos) from hook_q on a flattened norm hook
+        stash[key] = pre_rotation(model, info, layer, key, x, b, s, d_head).float()
+
+    out: list[tuple[str, Callable]] = []
+    if info.normed_layout == "flat_prescale":
+        out.append((info.name(layer, "hook_q"), functools.partial(stash_shape, stash=stash)))
+    for key, h in (("q", info.q_hook), ("k", info.k_hook)):
+        out.append((info.name(layer, h), functools.partial(keep, key=key)))
+    return out
 
 
 def model_dtype(model: Any) -> torch.dtype:

@@ -54,8 +54,7 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import CaptureError, pre_rotation, probe_hooks, stream_qk
-from posgen_tl.hooks.positions import stash_shape
+from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation, probe_hooks, stash_shape, stream_qk, to_heads
 from posgen_tl.maths.band_stats import BandStats
 from posgen_tl.maths.rope import LayerRope, from_bands, to_bands
 
@@ -307,9 +306,9 @@ def change_vectors(
 
 
 def _edit(
-    x: Tensor, hook: Any, *, iv: Intervention, mean: Tensor, rope: LayerRope, layer: int, bhsd: bool
+    x: Tensor, hook: Any, *, iv: Intervention, mean: Tensor, rope: LayerRope, layer: int, layout: str = "bshd"
 ) -> Tensor:
-    xs = x.transpose(1, 2) if bhsd else x
+    xs = to_heads(x, layout, mean.shape[-1])
     delta = change_vectors(xs, mean, iv, rope, layer)
     r = rope.rotary_dim
     z = to_bands(xs.float(), r, rope.layout)
@@ -320,7 +319,7 @@ def _edit(
         out_z = torch.where(touched, zbar, z)
     rot = from_bands(out_z, rope.layout).to(x.dtype)
     out = torch.cat([rot, xs[..., r:]], dim=-1) if xs.shape[-1] > r else rot
-    return out.transpose(1, 2) if bhsd else out
+    return from_heads(out, layout, x)
 
 
 def _edit_prescale(
@@ -339,7 +338,7 @@ def _edit_prescale(
     """
     b, s = stash["shape"]
     pre = pre_rotation(model, info, layer, iv.target, x, b, s, d_head)
-    edited = _edit(pre, hook, iv=iv, mean=mean, rope=rope, layer=layer, bhsd=False)
+    edited = _edit(pre, hook, iv=iv, mean=mean, rope=rope, layer=layer)
     changed = edited != pre
     q_mod, k_mod, attr = info.norm_weight
     w = getattr(model.get_submodule(info.name(layer, q_mod if iv.target == "q" else k_mod).rstrip(".")), attr)
@@ -370,7 +369,6 @@ def intervention_hooks(
     layers = range(spec.n_layers) if intervention.layers is None else intervention.layers
     layers = sorted({int(x) % spec.n_layers for x in layers})
     hook = info.q_hook if intervention.target == "q" else info.k_hook
-    bhsd = info.normed_layout == "bhsd"  # only ever set for the bridge's hook_q_normed/hook_k_normed
     # TL 3.x HookedTransformer + QK-norm: the hook sits before the norm weight (see _edit_prescale)
     prescale = info.normed_layout == "flat_prescale"
     out: HookList = []
@@ -389,8 +387,8 @@ def intervention_hooks(
                 model=model, info=info, d_head=spec.d_head, stash=stash)))
             continue
         fn = functools.partial(
-            _edit, iv=intervention, mean=k_means[layer], rope=spec.layer(layer), layer=layer, bhsd=bhsd
-        )
+            _edit, iv=intervention, mean=k_means[layer], rope=spec.layer(layer), layer=layer,
+            layout=info.normed_layout)
         out.append((name, fn))
     return out
 

@@ -16,7 +16,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import probe_hooks, require_pre_softmax
+from posgen_tl.hooks.capture import pre_rotation_stash, probe_hooks, require_pre_softmax
 from posgen_tl.maths.approx_logits import causal_visible, d3_approx_logits, disentangled_logits, distances, exact_logits
 from posgen_tl.maths.approx_logits import lm_infinite_logits, quantile_mask
 from posgen_tl.maths.decompose import fit_additive
@@ -101,9 +101,6 @@ def logit_substitution_hooks(
         if fn is None and not (remove_window and rope.sliding_window is not None):
             continue  # nothing to do on this layer
 
-        def keep(x: Tensor, hook: Any, stash=stash, key="q", bhsd=False) -> None:
-            stash[key] = (x.transpose(1, 2) if bhsd else x).float()
-
         def scores(w: Tensor, hook: Any, stash=stash, rope=rope, layer=layer) -> Tensor:
             q, k = stash.pop("q"), stash.pop("k")
             b, n = q.shape[0], q.shape[1]
@@ -135,9 +132,7 @@ def logit_substitution_hooks(
                 return w
             return torch.where(replace, _softcap(values, softcap).to(w.dtype), w)
 
-        for key, h in (("q", info.q_hook), ("k", info.k_hook)):
-            bhsd = h.endswith("_normed") and info.normed_layout == "bhsd"
-            out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key, bhsd=bhsd)))
+        out += pre_rotation_stash(model, info, layer, spec.d_head, stash)
         out.append((info.name(layer, "hook_attn_scores"), scores))
     return out
 

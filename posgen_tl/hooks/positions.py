@@ -15,18 +15,14 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import CaptureError, StopForward, pre_rotation, probe_hooks, require_pre_softmax
+from posgen_tl.hooks.capture import (CaptureError, StopForward, from_heads, pre_rotation_stash, probe_hooks,
+                                     require_pre_softmax, stash_shape, to_heads)
 from posgen_tl.maths.perturb import capped_scores
 from posgen_tl.maths.rope import LayerRope, rotate, unrotate
 
 __all__ = ["reposition_hooks", "distance_cap_hooks", "final_residual_hook", "StopForward", "stash_shape", "HookList"]
 
 HookList = list[tuple[str, Callable]]
-
-
-def stash_shape(x: Tensor, hook: Any, *, stash: dict) -> None:
-    """On ``hook_q``/``hook_k`` (``[batch, pos, head, d]``): remember ``(batch, pos)`` for a flattened norm hook."""
-    stash["shape"] = (x.shape[0], x.shape[1])
 
 
 def _pos_for(position_ids: Tensor, batch: int, device) -> Tensor:
@@ -52,24 +48,27 @@ def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, 
         new = _pos_for(position_ids, x.shape[0], x.device)
         return rotate(unrotate(x.float(), ar, rope), new, rope).to(x.dtype)
 
-    def at_pre(x: Tensor, hook: Any, rope: LayerRope, bhsd: bool) -> Tensor:
-        xs = x.transpose(1, 2) if bhsd else x
+    def at_pre(x: Tensor, hook: Any, rope: LayerRope) -> Tensor:
+        xs = to_heads(x, info.normed_layout, spec.d_head)
         ar = torch.arange(xs.shape[1], device=x.device)
         new = _pos_for(position_ids, xs.shape[0], x.device)
         y = unrotate(rotate(xs.float(), new, rope), ar, rope).to(x.dtype)
-        return y.transpose(1, 2) if bhsd else y
+        return from_heads(y, info.normed_layout, x)
 
     for layer in range(spec.n_layers):
         rope = spec.layer(layer)
         if not info.rot_fires and info.normed_layout == "flat_prescale":  # pragma: no cover - TL guarantees it
             raise CaptureError(f"{spec.model_name}: QK-norm without firing hook_rot_q/k: cannot re-position")
+        if not info.rot_fires and info.clip_qk is not None:
+            raise CaptureError(f"{spec.model_name}: q/k are clamped (clip_qkv = {info.clip_qk:g}) after the pre-rotation "
+                               "hook and hook_rot_q/k do not fire: a rotation applied at that hook would be clamped "
+                               "too, so re-positioning by hooks is not exact; pass position_ids to the forward instead")
         if info.rot_fires:
             for h in ("hook_rot_q", "hook_rot_k"):
                 out.append((info.name(layer, h), functools.partial(at_rot, rope=rope)))
         else:
             for h in (info.q_hook, info.k_hook):
-                bhsd = h.endswith("_normed") and info.normed_layout == "bhsd"
-                out.append((info.name(layer, h), functools.partial(at_pre, rope=rope, bhsd=bhsd)))
+                out.append((info.name(layer, h), functools.partial(at_pre, rope=rope)))
     return out
 
 
@@ -90,10 +89,6 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
     for layer in sorted({int(x) % spec.n_layers for x in layers}):
         rope, stash = spec.layer(layer), {}
 
-        def keep(x: Tensor, hook: Any, stash=stash, key="q", layer=layer) -> None:
-            b, s = stash.get("shape", (x.shape[0], x.shape[1]))  # (batch, pos) from hook_q on a flattened norm hook
-            stash[key] = pre_rotation(model, info, layer, key, x, b, s, spec.d_head).float()
-
         def scores(w: Tensor, hook: Any, stash=stash, rope=rope) -> Tensor:
             new = capped_scores(stash["q"], stash["k"], rope, cap)
             if softcap:
@@ -101,10 +96,7 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
             stash.clear()
             return new.to(w.dtype)
 
-        if info.normed_layout == "flat_prescale":
-            out.append((info.name(layer, "hook_q"), functools.partial(stash_shape, stash=stash)))
-        for key, h in (("q", info.q_hook), ("k", info.k_hook)):
-            out.append((info.name(layer, h), functools.partial(keep, stash=stash, key=key)))
+        out += pre_rotation_stash(model, info, layer, spec.d_head, stash)
         out.append((info.name(layer, "hook_attn_scores"), scores))
     return out
 

@@ -117,3 +117,115 @@ def test_the_reference_is_sensitive_to_unmodelled_sinks(root, monkeypatch):
         monkeypatch.setattr(mod, "attention_pattern", lambda w, mask, sinks=None: rope.attention_pattern(w, mask))
     cell = _fresh_cell("gpt-oss", root)
     assert not cell.ok and "pattern" in cell.status, cell.status
+
+
+# ----------------------------------------------------------------------------- the hooks that rewrite attention
+
+
+HOOK_CELLS = [(a, b) for a in am.ARCHS for b in am.backends()]
+
+
+def _loaded_or_refused(arch: str, backend: str, root):
+    """The float32 model and its probe, or ``None`` where the matrix refuses the cell (by name)."""
+    from posgen_tl.hooks.capture import CaptureError, probe_hooks
+    from posgen_tl.io.models import ModelLoadError
+    from posgen_tl.maths.rope import RopeError
+
+    try:
+        model = am.load(am.ARCHS[arch], backend, torch.float32, root)
+        spec, info = probe_hooks(model)
+    except (RopeError, CaptureError, ModelLoadError) as e:
+        assert arch in str(e) or "gpt" in str(e).lower() or str(e), e
+        return None
+    return model, spec, info
+
+
+@pytest.mark.parametrize("arch,backend", HOOK_CELLS, ids=["-".join(c) for c in HOOK_CELLS])
+def test_logit_substitution_by_exact_logits_reproduces_the_model(arch, backend, root):
+    """Every layer's scores replaced by our exact RoPE logits of the stashed pre-rotation q/k (every hook
+    layout: per-head / flattened QK-norm, head-major, OLMo's clamp after the hook) gives the model's own
+    logits; where hook_attn_scores are not pre-softmax logits, a CaptureError says substitution is impossible."""
+    from posgen_tl.hooks.capture import CaptureError
+    from posgen_tl.hooks.logits import logit_substitution_hooks
+    from posgen_tl.maths.approx_logits import exact_logits
+
+    got = _loaded_or_refused(arch, backend, root)
+    if got is None:
+        pytest.skip("refused by the matrix")
+    model, spec, info = got
+    toks = am._tokens(am.SEQ_LEN)
+
+    def every_entry(ctx):
+        n = ctx.q.shape[1]
+        return exact_logits(ctx.q, ctx.k, ctx.rope, ctx.positions, dtype=torch.float32), torch.ones(n, n, dtype=torch.bool)
+
+    with torch.no_grad():
+        ref = model(toks, return_type="logits")
+        if info.scores_kind != "pre_softmax":
+            with pytest.raises(CaptureError, match="pre-softmax"):
+                logit_substitution_hooks(model, every_entry)
+            return
+        out = model.run_with_hooks(toks, return_type="logits", fwd_hooks=logit_substitution_hooks(model, every_entry))
+    err = float((out - ref).abs().max() / ref.abs().max())
+    assert err < 1e-4, f"{arch}/{backend}: substituted exact logits move the output by {err:.2e} (relative)"
+
+
+@pytest.mark.parametrize("arch,backend", HOOK_CELLS, ids=["-".join(c) for c in HOOK_CELLS])
+def test_key_edit_reaches_the_keys_the_model_rotates(arch, backend, root):
+    """``enforce`` at α = 1 on every band of layer 1: the keys entering RoPE (read after the edit, in the
+    hook's own layout) are k̄ on the rotary dimensions and untouched elsewhere — on every hook layout."""
+    from posgen_tl.hooks.capture import pre_rotation_stash
+    from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
+
+    got = _loaded_or_refused(arch, backend, root)
+    if got is None:
+        pytest.skip("refused by the matrix")
+    model, spec, info = got
+    toks = am._tokens(am.SEQ_LEN)
+    layer, rope = 1, spec.layer(1)
+    km = key_means(model, toks, layers=[layer])
+    iv = Intervention("enforce", bands=list(range(rope.rotary_dim // 2)), layers=[layer], alpha=1.0)
+    before, after = {}, {}
+    with torch.no_grad():
+        model.run_with_hooks(toks, return_type="logits", fwd_hooks=pre_rotation_stash(model, info, layer, spec.d_head, before))
+        hooks = intervention_hooks(model, iv, km) + pre_rotation_stash(model, info, layer, spec.d_head, after)
+        model.run_with_hooks(toks, return_type="logits", fwd_hooks=hooks)
+    r = rope.rotary_dim
+    kbar = km[layer].float().reshape(-1, spec.d_head)  # [kv_head, d_head]
+    want = kbar[..., :r].expand_as(after["k"][..., :r])
+    if info.clip_qk is not None:
+        want = want.clamp(-info.clip_qk, info.clip_qk)
+    torch.testing.assert_close(after["k"][..., :r], want, rtol=1e-5, atol=1e-5 * float(kbar.abs().max()))
+    assert torch.equal(after["k"][..., r:], before["k"][..., r:])  # partial rotary: the pass-through part is untouched
+    assert torch.equal(after["q"], before["q"])  # a key edit leaves the queries alone
+    assert not torch.allclose(after["k"], before["k"])  # and it did change the keys
+
+
+@pytest.mark.parametrize("arch,backend", HOOK_CELLS, ids=["-".join(c) for c in HOOK_CELLS])
+def test_repositioning_by_a_constant_shift_leaves_the_model_unchanged(arch, backend, root):
+    """RoPE sees only i − j: re-positioning every token by +5 through the hooks changes no output (up to
+    float rounding), on every hook layout; a model whose rotation cannot be reached exactly says so."""
+    from posgen_tl.hooks.capture import CaptureError
+    from posgen_tl.hooks.positions import reposition_hooks
+
+    got = _loaded_or_refused(arch, backend, root)
+    if got is None:
+        pytest.skip("refused by the matrix")
+    model, spec, info = got
+    toks = am._tokens(am.SEQ_LEN)
+    ids = torch.arange(am.SEQ_LEN) + 5
+    if not info.rot_fires and info.clip_qk is not None:
+        with pytest.raises(CaptureError, match="clip_qkv"):
+            reposition_hooks(model, ids)
+        return
+    with torch.no_grad():
+        ref = model(toks, return_type="logits")
+        out = model.run_with_hooks(toks, return_type="logits", fwd_hooks=reposition_hooks(model, ids))
+    err = float((out - ref).abs().max() / ref.abs().max())
+    assert err < 1e-4, f"{arch}/{backend}: a constant shift of the positions moves the output by {err:.2e} (relative)"
+    # and the hooks do act: a non-constant map (two tokens swapped) changes the output
+    ids2 = torch.arange(am.SEQ_LEN)
+    ids2[[3, 9]] = ids2[[9, 3]]
+    with torch.no_grad():
+        moved = model.run_with_hooks(toks, return_type="logits", fwd_hooks=reposition_hooks(model, ids2))
+    assert float((moved - ref).abs().max()) > 1e-4
