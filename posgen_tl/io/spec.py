@@ -142,7 +142,7 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
     if len(attn_modules) != n_layers:
         raise RopeError(f"model {name!r} ({arch}): found {len(attn_modules)} attention modules for {n_layers} layers")
     n_heads = int(getattr(text_cfg, "num_attention_heads"))
-    n_kv = int(getattr(text_cfg, "num_key_value_heads", None) or n_heads)
+    n_kv = _kv_heads(attn_modules[0], text_cfg, n_heads)
     d_head = int(getattr(text_cfg, "head_dim", None) or getattr(text_cfg, "hidden_size") // n_heads)
     bridge_cfg = getattr(model, "cfg", None)
     n_ctx = int(getattr(text_cfg, "max_position_embeddings", 0) or getattr(bridge_cfg, "n_ctx", 0))
@@ -442,6 +442,20 @@ def _from_sincos_table(model: Any, hf: Any, name: str, attns: list, n_heads: int
         layers=tuple(layers), rope_type="default", qk_norm=False, source=f"HF {arch} sin/cos table",
         extra={"attn_logit_softcapping": None, "layer_types": [], "architecture": arch},
     )
+
+
+def _kv_heads(attn: Any, cfg: Any, n_heads: int) -> int:
+    """The number of key/value heads the attention module really uses: its own attribute where it has
+    one (Falcon's multi-query attention keeps ``config.num_kv_heads`` = the query heads but uses 1),
+    else ``config.num_key_value_heads``, else one per query head."""
+    for attr in ("num_key_value_heads", "num_kv_heads"):
+        v = getattr(attn, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    groups = getattr(attn, "num_key_value_groups", None)
+    if isinstance(groups, int) and groups > 0 and n_heads % groups == 0:
+        return n_heads // groups
+    return int(getattr(cfg, "num_key_value_heads", None) or n_heads)
 
 
 def hf_attention_modules(hf: Any, name: str | None = None) -> list:

@@ -190,6 +190,8 @@ def test_key_edit_reaches_the_keys_the_model_rotates(arch, backend, root):
         model.run_with_hooks(toks, return_type="logits", fwd_hooks=pre_rotation_stash(model, info, layer, spec.d_head, before))
         hooks = intervention_hooks(model, iv, km) + pre_rotation_stash(model, info, layer, spec.d_head, after)
         model.run_with_hooks(toks, return_type="logits", fwd_hooks=hooks)
+    # the spec's head counts are those the model uses (Falcon's multi-query attention: 1 kv head)
+    assert before["q"].shape[2] == spec.n_heads and before["k"].shape[2] == spec.n_kv_heads, (before["k"].shape, spec)
     r = rope.rotary_dim
     kbar = km[layer].float().reshape(-1, spec.d_head)  # [kv_head, d_head]
     want = kbar[..., :r].expand_as(after["k"][..., :r])
@@ -229,3 +231,28 @@ def test_repositioning_by_a_constant_shift_leaves_the_model_unchanged(arch, back
     with torch.no_grad():
         moved = model.run_with_hooks(toks, return_type="logits", fwd_hooks=reposition_hooks(model, ids2))
     assert float((moved - ref).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("arch", list(am.ARCHS))
+def test_feature_pattern_covers_every_head_of_the_spec(arch, root):
+    """The feature-pattern tables (one forward pass per batch, statistics per band) have one row per
+    (layer, query head) with its kv group, and per (layer, kv head, band) for the keys — GQA and
+    multi-query attention included."""
+    from posgen_tl.experiments.pattern import feature_pattern
+    from posgen_tl.io.sampling import Windows
+
+    got = _loaded_or_refused(arch, am.backends()[0], root)
+    if got is None:
+        pytest.skip("refused by the matrix")
+    model, spec, _ = got
+    g = torch.Generator().manual_seed(1)
+    names = [f"d{i}" for i in range(9)]
+    win = Windows(torch.randint(3, am.VOCAB, (4, am.SEQ_LEN), generator=g), torch.arange(4), torch.zeros(4, dtype=torch.long), names)
+    ref = Windows(torch.randint(3, am.VOCAB, (3, am.SEQ_LEN), generator=g), torch.tensor([6, 7, 8]), torch.zeros(3, dtype=torch.long), names)
+    pat = feature_pattern(model, win, reference=ref, batch_size=4, progress=False)
+    heads = pat.heads[pat.heads["twin"] == "trained"] if "twin" in pat.heads else pat.heads
+    assert len(heads) == spec.n_layers * spec.n_heads
+    assert sorted(heads["kv_group"].unique()) == list(range(spec.n_kv_heads))
+    keys = pat.bands[(pat.bands["which"] == "k")]
+    assert set(keys["head"]) == set(range(spec.n_kv_heads))
+    assert heads["logit_spread"].notna().all()
