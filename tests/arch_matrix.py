@@ -718,6 +718,14 @@ def render_markdown(data: dict) -> str:
         "spec raised a named error (the message is in the detail table): the library will not analyse that",
         "model rather than give a wrong number. No cell may be anything else.",
         "",
+        "On every float32 cell that is not refused, the same test module also checks the hooks that rewrite",
+        "attention: every layer's scores replaced by our exact RoPE logits of the stashed pre-rotation q/k give",
+        "the model's own output (relative 1e-4; models whose `hook_attn_scores` are not pre-softmax logits refuse",
+        "substitution by name); an `enforce` edit at α = 1 on every band makes the keys that enter RoPE equal",
+        "k̄ on the rotary dimensions and leaves the rest and the queries untouched; re-positioning every token by",
+        "a constant shift through the hooks changes no output while swapping two positions does; and the feature",
+        "pattern covers every (layer, query head) and kv head of the spec.",
+        "",
         "Environments: " + "; ".join(
             f"{c}: transformer-lens {v['transformer_lens']}, transformers {v['transformers']}, torch {v['torch']}"
             for c, v in data["columns"].items()) + ".",
