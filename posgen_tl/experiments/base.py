@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
-__all__ = ["Config", "Option", "option", "config_of", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments"]
+__all__ = ["Config", "Option", "option", "config_of", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments", "or_skip"]
 
 PRESETS = ("default", "quick", "full")
 _UNSET: Any = object()
@@ -307,3 +307,20 @@ def config_of(cls: type[C], cfg: C | None, overrides: Mapping[str, Any]) -> C:
     elif not isinstance(cfg, cls):
         raise TypeError(f"expected a {cls.__module__}.{cls.__qualname__}, got {type(cfg).__module__}.{type(cfg).__qualname__}")
     return cfg.replace(**overrides) if overrides else cfg
+
+
+def or_skip(ctx: Any, meta_file: str, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)``, or — when the corpus cannot give the windows the experiment needs (a
+    :class:`~posgen_tl.io.corpus.CorpusError`: e.g. one document, so no disjoint reference documents) —
+    ``None`` after writing ``{"skipped": "<what> skipped: <reason>"}`` to ``meta_file`` in the run's
+    folder, which the experiment's render shows as a skipped section.
+
+    Only a CorpusError means "skip": any other error (a bad option, a bug) propagates, so a stage is
+    never reported as skipped for a reason that is not the corpus."""
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+
+    try:
+        return fn(*args, **kw)
+    except CorpusError as e:
+        ctx.work.save_json(meta_file, {"skipped": f"{what} skipped: {e}"})
+        return None

@@ -703,15 +703,13 @@ def _reusable_t12(ctx: Any, cfg: Config) -> T12Result | None:
 def compute(ctx: Any, cfg: Config) -> None:
     """The causal test; writes its rows, KL, matching, every verdict table, its configuration and a
     figure (partial rows while it runs, removed when it completes)."""
-    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
     from posgen_tl.plot.causal import plot_causal_conditions  # noqa: PLC0415
 
-    try:
-        ana, ref = sample_windows(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref,
-                                  seed=cfg.seed)
-    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
-        ctx.work.save_json("causal_config.json", {"skipped": f"causal test skipped: {e}"})
+    windows = base.or_skip(ctx, "causal_config.json", "causal test", sample_windows, ctx.model, cfg.corpus,
+                           n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
+    if windows is None:
         return
+    ana, ref = windows
     res = causal_study(ctx.model, cfg.corpus, cfg, windows=(ana, ref), t12=_reusable_t12(ctx, cfg),
                        on_partial=lambda rows: ctx.work.save_df("causal_partial_rows.csv", rows))
     ctx.work.path("causal_partial_rows.csv").unlink(missing_ok=True)  # complete now: no partial table beside

@@ -552,15 +552,12 @@ NEEDS: tuple[str, ...] = ()
 def compute(ctx: Any, cfg: Config) -> None:
     """The gap probe and, on a model with sliding-window layers, window removal; writes rows,
     summaries, configurations and figures."""
-    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
     from posgen_tl.plot.length import plot_gap_probe, plot_window_removal  # noqa: PLC0415
 
     meta: dict[str, Any] = {}
     if cfg.gap:
-        try:
-            res = gap_probe(ctx.model, cfg.corpus, cfg)
-        except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
-            ctx.work.save_json("length_gap_meta.json", {"skipped": f"longer-texts stage skipped: {e}"})
+        res = base.or_skip(ctx, "length_gap_meta.json", "longer-texts stage", gap_probe, ctx.model, cfg.corpus, cfg)
+        if res is None:
             return
         ctx.work.save_df("length_gap_rows.csv", res.rows)
         ctx.work.save_df("length_gap_summary.csv", res.summary)

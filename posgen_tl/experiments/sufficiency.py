@@ -202,13 +202,10 @@ NEEDS: tuple[str, ...] = ()
 
 def compute(ctx: Any, cfg: Config) -> None:
     """Substitution per layer group and source; writes rows, the summary, the configuration and a figure."""
-    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
     from posgen_tl.plot.sufficiency import plot_sufficiency  # noqa: PLC0415
 
-    try:
-        res = sufficiency(ctx.model, cfg.corpus, cfg)
-    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
-        ctx.work.save_json("sufficiency_meta.json", {"skipped": f"sufficiency stage skipped: {e}"})
+    res = base.or_skip(ctx, "sufficiency_meta.json", "sufficiency stage", sufficiency, ctx.model, cfg.corpus, cfg)
+    if res is None:
         return
     ctx.work.save_df("sufficiency_rows.csv", res.rows)
     ctx.work.save_df("sufficiency_summary.csv", res.summary)

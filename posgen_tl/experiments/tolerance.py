@@ -457,14 +457,13 @@ NEEDS: tuple[str, ...] = ()
 def compute(ctx: Any, cfg: Config) -> None:
     """T1/T2 curves (trained + twin, TOST); writes the rows, the summary, the TOST table and a figure,
     and hands the result to a causal test of the same run (``ctx.shared["t12"]``)."""
-    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
     from posgen_tl.plot.tolerance import plot_tolerance_curves  # noqa: PLC0415
 
-    try:
-        ana, _ = sample_windows(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, seed=cfg.seed)
-    except (CorpusError, ValueError) as e:  # e.g. a one-document corpus: no disjoint reference documents
-        ctx.work.save_json("tolerance_meta.json", {"skipped": f"tolerance study skipped: {e}"})
+    windows = base.or_skip(ctx, "tolerance_meta.json", "tolerance study", sample_windows, ctx.model, cfg.corpus,
+                           n_seq=cfg.n_seq, seq_len=cfg.seq_len, seed=cfg.seed)
+    if windows is None:
         return
+    ana, _ = windows
     t12 = t1_t2_study(ctx.model, cfg.corpus, cfg, twin=ctx.twin() if cfg.twin else None, windows=ana)
     ctx.shared["t12"] = t12
     ctx.work.save_df("tolerance_curves.csv", t12.rows)

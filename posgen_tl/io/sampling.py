@@ -313,7 +313,7 @@ def sample_or_chunks(model: Any, corpus: CorpusLike, *, n_seq: int, seq_len: int
         assert ref is not None
         return ana, ref, (f"{len(ana)} windows from {ana.n_docs} documents; global k̄ from {len(ref)} windows of "
                           f"{ref.n_docs} OTHER documents.")
-    except (CorpusError, ValueError) as e:
+    except CorpusError as e:
         ana, ref = consecutive_chunks(model, corpus, n_seq=n_seq, seq_len=seq_len, n_ref=n_ref)
         return ana, ref, (f"The corpus could not be split by document ({e}); global k̄ from the last {n_ref} "
                           "consecutive chunks (disjoint positions of the same text, not other documents).")

@@ -65,3 +65,38 @@ def test_describe_lists_every_option_with_presets():
         base.parse_assignments(["layers"])
     with pytest.raises(ValueError, match="twice"):
         base.parse_assignments(["a=1", "a=2"])
+
+
+@pytest.mark.parametrize("study,meta,target", [
+    ("sufficiency", "sufficiency_meta.json", "sufficiency"),
+    ("length", "length_gap_meta.json", "gap_probe"),
+    ("causal", "causal_config.json", "sample_windows"),
+    ("tolerance", "tolerance_meta.json", "sample_windows"),
+])
+def test_only_a_corpus_error_skips_a_stage(study, meta, target, tmp_path, monkeypatch):
+    """A corpus that cannot give the windows (CorpusError) skips the stage with its reason; any other
+    error — a bug, a bad option, even a plain ValueError — propagates and writes no 'skipped' record."""
+    import importlib
+
+    from posgen_tl.io.corpus import CorpusError
+    from posgen_tl.report.context import Context, OutFolder
+
+    mod = importlib.import_module(f"posgen_tl.experiments.{study}")
+    ctx = Context(model=None, work=OutFolder(tmp_path), model_name="m")
+
+    def corpus_fails(*a, **k):
+        raise CorpusError("need at least 2 documents to split analysed/reference, got 1")
+
+    monkeypatch.setattr(mod, target, corpus_fails)
+    assert mod.compute(ctx, mod.Config()) is None
+    rec = ctx.work.load_json(meta)
+    assert rec["skipped"].endswith("skipped: need at least 2 documents to split analysed/reference, got 1"), rec
+
+    def bug(*a, **k):
+        raise ValueError("x has shape (3, 32, 1, 16); expected [batch, pos, 4, 16]")
+
+    ctx.work.path(meta).unlink()
+    monkeypatch.setattr(mod, target, bug)
+    with pytest.raises(ValueError, match="expected"):
+        mod.compute(ctx, mod.Config())
+    assert not ctx.work.path(meta).exists()
