@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
-__all__ = ["Config", "Option", "option", "config_of", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments", "or_skip"]
+__all__ = ["Config", "Option", "option", "config_of", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments", "or_skip", "SKIP_HINTS"]
 
 PRESETS = ("default", "quick", "full")
 _UNSET: Any = object()
@@ -309,18 +309,35 @@ def config_of(cls: type[C], cfg: C | None, overrides: Mapping[str, Any]) -> C:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def or_skip(ctx: Any, meta_file: str, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """``fn(*args, **kw)``, or — when the corpus cannot give the windows the experiment needs (a
-    :class:`~posgen_tl.io.corpus.CorpusError`: e.g. one document, so no disjoint reference documents) —
-    ``None`` after writing ``{"skipped": "<what> skipped: <reason>"}`` to ``meta_file`` in the run's
-    folder, which the experiment's render shows as a skipped section.
+#: what a skipped section suggests, by the reason it was skipped
+SKIP_HINTS = {
+    "corpus": "Give a corpus of several documents (a folder of text files, or the default pydoc topics): the global "
+              "k̄ and the reference windows come from documents disjoint from the analysed ones.",
+    "model": "This model cannot be analysed this way (the reason names what is missing); the other sections are "
+             "unaffected.",
+}
 
-    Only a CorpusError means "skip": any other error (a bad option, a bug) propagates, so a stage is
-    never reported as skipped for a reason that is not the corpus."""
+
+def or_skip(ctx: Any, meta_file: str, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)``, or ``None`` after writing ``{"skipped": "<what> skipped: <reason>", "hint": …}``
+    to ``meta_file`` in the run's folder (the experiment's render shows a skipped section with the
+    reason and :data:`SKIP_HINTS`' hint) when
+
+    * the corpus cannot give the windows the experiment needs (a :class:`~posgen_tl.io.corpus.CorpusError`:
+      e.g. one document, so no disjoint reference documents), or
+    * the model cannot be analysed this way (a :class:`~posgen_tl.hooks.capture.CaptureError` or
+      :class:`~posgen_tl.maths.rope.RopeError`, the library's named refusals: e.g. ``hook_attn_scores``
+      that are not pre-softmax logits, so no logit substitution; dynamic RoPE past its switch length).
+
+    Any other error (a bad option, a bug) propagates: a stage is never reported as skipped for a
+    reason that is not one of these two."""
+    from posgen_tl.hooks.capture import CaptureError  # noqa: PLC0415
     from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.maths.rope import RopeError  # noqa: PLC0415
 
     try:
         return fn(*args, **kw)
-    except CorpusError as e:
-        ctx.work.save_json(meta_file, {"skipped": f"{what} skipped: {e}"})
+    except (CorpusError, CaptureError, RopeError) as e:
+        kind = "corpus" if isinstance(e, CorpusError) else "model"
+        ctx.work.save_json(meta_file, {"skipped": f"{what} skipped: {e}", "hint": SKIP_HINTS[kind]})
         return None

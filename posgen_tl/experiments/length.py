@@ -34,9 +34,10 @@ from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows, sample_windows
 from posgen_tl.maths.approx_logits import d3_approx_logits, exact_logits
 from posgen_tl.maths.decompose import causal_mask, within_row_r
-from posgen_tl.hooks.positions import final_residual_hook
+from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, window_removal_hooks
 from posgen_tl.maths.perturb import gap_position_ids, nll_from_logits
+from posgen_tl.maths.rope import RopeError
 from posgen_tl.experiments.decomposition import reference_key_means
 
 __all__ = [
@@ -70,6 +71,21 @@ class LengthResult:
 
 
 @torch.no_grad()
+def _position_kwargs(model: Any, tokens: Tensor, position_ids: Tensor | None) -> tuple[dict, list]:
+    """How a forward gets ``position_ids``: as the forward's own argument, or — where the model keeps
+    a fixed table of positions shorter than the ids (GPT-J, CodeGen: ``embed_positions``) or takes no
+    ``position_ids`` — by re-rotation hooks (:func:`~posgen_tl.hooks.positions.reposition_hooks`, the
+    same rotation up to float rounding). Returns ``(forward kwargs, hooks to append after the caller's)``."""
+    if position_ids is None:
+        return {}, []
+    spec, info = probe_hooks(model)
+    table = spec.extra.get("max_position")
+    if info.position_ids and (table is None or int(position_ids.max()) < int(table)):
+        pos = position_ids.to(tokens.device)
+        return {"position_ids": pos.expand(tokens.shape[0], -1) if pos.ndim == 1 else pos}, []
+    return {}, reposition_hooks(model, position_ids)
+
+
 def span_nll(
     model: Any, tokens: Int[Tensor, "batch pos"], start: int, stop: int | None = None, *,
     position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"] | None = None, fwd_hooks: Sequence = (),
@@ -90,9 +106,8 @@ def span_nll(
         raise ValueError(f"span [{start}, {stop}) must satisfy 1 <= start < stop <= {n}")
     store: dict = {}
     fin = final_residual_hook(model, store, start - 1, stop - 1)
-    kw = {} if position_ids is None else {"position_ids": position_ids.to(tokens.device).expand(tokens.shape[0], -1)
-                                          if position_ids.ndim == 1 else position_ids.to(tokens.device)}
-    with model.hooks(fwd_hooks=list(fwd_hooks) + ([fin] if fin else [])):
+    kw, moved = _position_kwargs(model, tokens, position_ids)
+    with model.hooks(fwd_hooks=list(fwd_hooks) + moved + ([fin] if fin else [])):
         try:
             logits = model(tokens, **kw)
             resid = None
@@ -214,6 +229,13 @@ def gap_probe(
     if "vanilla" not in conditions:
         conditions = ("vanilla", *conditions)
     n = prefix_len + suffix_len
+    dyn = spec.extra.get("dynamic_max_len")
+    top = int(gap_position_ids(prefix_len, suffix_len, int(round(max(gaps) * n_ctx)))[-1]) + 1 if gaps else n
+    if dyn is not None and top > int(dyn):
+        raise RopeError(f"{spec.model_name}: dynamic NTK RoPE changes its frequencies once positions pass {dyn}; the gap "
+                        f"probe's positions reach {top}, where the model's rotation is not the one this library "
+                        "models (its logit substitutions would not be the model's); use gaps below "
+                        f"{(int(dyn) - n) / n_ctx:.3g}·n_ctx")
     if isinstance(corpus, Windows) and corpus.tokens.shape[1] < n:
         raise ValueError(f"the windows hold {corpus.tokens.shape[1]} tokens; prefix + suffix need {n}")
     win, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=n,
@@ -590,7 +612,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     title = "8 · Longer texts: unseen distances (docs/method.md §7)"
     meta = ctx.work.load_json("length_gap_meta.json")
     if "skipped" in meta:
-        return skipped_section(title, meta["skipped"], "length")
+        return skipped_section(title, meta["skipped"], "length", **({"hint": meta["hint"]} if "hint" in meta else {}))
     tables, figures, paras, verdict = [], [], [], "The gap probe was not run (option gap=false)."
     res: dict[str, Any] = {"meta": meta}
     findings = [Finding("length", "not run", note="gap probe not run (option gap=false)")]

@@ -440,7 +440,8 @@ def _from_sincos_table(model: Any, hf: Any, name: str, attns: list, n_heads: int
     return RopeSpec(
         model_name=name, n_layers=len(layers), n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head, n_ctx=n_ctx,
         layers=tuple(layers), rope_type="default", qk_norm=False, source=f"HF {arch} sin/cos table",
-        extra={"attn_logit_softcapping": None, "layer_types": [], "architecture": arch},
+        extra={"attn_logit_softcapping": None, "layer_types": [], "architecture": arch,
+               "max_position": min(int(a.embed_positions.shape[0]) for a in attns)},
     )
 
 

@@ -256,3 +256,30 @@ def test_feature_pattern_covers_every_head_of_the_spec(arch, root):
     keys = pat.bands[(pat.bands["which"] == "k")]
     assert set(keys["head"]) == set(range(spec.n_kv_heads))
     assert heads["logit_spread"].notna().all()
+
+
+@pytest.mark.parametrize("arch,backend", HOOK_CELLS, ids=["-".join(c) for c in HOOK_CELLS])
+def test_positions_past_the_context_reach_every_model(arch, backend, root):
+    """The gap probe's position ids run past the trained context. RoPE sees only i − j, so shifting
+    every id by 3·n_ctx changes no NLL — also on models that keep a fixed table of positions (GPT-J,
+    CodeGen: ``embed_positions``) or take no ``position_ids`` (re-rotation hooks then)."""
+    from posgen_tl.experiments.length import span_nll
+
+    got = _loaded_or_refused(arch, backend, root)
+    if got is None:
+        pytest.skip("refused by the matrix")
+    model, spec, _ = got
+    toks = am._tokens(am.SEQ_LEN)
+    far = torch.arange(am.SEQ_LEN) + 3 * spec.n_ctx
+    if "dynamic_max_len" in spec.extra:  # dynamic NTK: the frequencies themselves change past the context
+        from posgen_tl.experiments.length import gap_probe
+        from posgen_tl.maths.rope import RopeError
+
+        with pytest.raises(RopeError, match="dynamic NTK"):
+            gap_probe(model, toks, gaps=(0.0, 1.0), prefix_len=8, suffix_len=8, skip=2, conditions=("vanilla",),
+                      progress=False)
+        return
+    with torch.no_grad():
+        near = span_nll(model, toks, 4)
+        moved = span_nll(model, toks, 4, position_ids=far)
+    torch.testing.assert_close(moved, near, rtol=1e-3, atol=5e-3)  # re-rotation at ~200 positions: float rounding

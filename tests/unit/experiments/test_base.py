@@ -73,11 +73,13 @@ def test_describe_lists_every_option_with_presets():
     ("causal", "causal_config.json", "sample_windows"),
     ("tolerance", "tolerance_meta.json", "sample_windows"),
 ])
-def test_only_a_corpus_error_skips_a_stage(study, meta, target, tmp_path, monkeypatch):
-    """A corpus that cannot give the windows (CorpusError) skips the stage with its reason; any other
+def test_only_a_corpus_or_model_refusal_skips_a_stage(study, meta, target, tmp_path, monkeypatch):
+    """A corpus that cannot give the windows (CorpusError) or a model the library refuses (CaptureError) skips
+    the stage with its reason and a hint that fits it; any other
     error — a bug, a bad option, even a plain ValueError — propagates and writes no 'skipped' record."""
     import importlib
 
+    from posgen_tl.hooks.capture import CaptureError
     from posgen_tl.io.corpus import CorpusError
     from posgen_tl.report.context import Context, OutFolder
 
@@ -91,6 +93,18 @@ def test_only_a_corpus_error_skips_a_stage(study, meta, target, tmp_path, monkey
     assert mod.compute(ctx, mod.Config()) is None
     rec = ctx.work.load_json(meta)
     assert rec["skipped"].endswith("skipped: need at least 2 documents to split analysed/reference, got 1"), rec
+    sec = mod.render(ctx, mod.Config())  # what a reader sees: the reason, and a hint about the corpus
+    assert "need at least 2 documents" in sec.verdict and "corpus of several documents" in sec.paragraphs[0]
+    assert [f.verdict for f in sec.findings] == ["not testable"]
+
+    def model_refuses(*a, **k):
+        raise CaptureError("gptj: hook_attn_scores holds 'post_softmax' values, not pre-softmax logits; logit "
+                           "substitution is impossible on this model")
+
+    monkeypatch.setattr(mod, target, model_refuses)
+    assert mod.compute(ctx, mod.Config()) is None
+    sec = mod.render(ctx, mod.Config())
+    assert "post_softmax" in sec.verdict and "cannot be analysed this way" in sec.paragraphs[0]
 
     def bug(*a, **k):
         raise ValueError("x has shape (3, 32, 1, 16); expected [batch, pos, 4, 16]")
