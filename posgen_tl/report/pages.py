@@ -43,7 +43,10 @@ EARLIER = "v1"
 CORPORA = {
     "pydoc": "the Python standard library's pydoc topics (the language reference: 79 documents of formal prose)",
     "readmes": "the long descriptions of the installed Python distributions (package READMEs: install guides, "
-               "feature lists, changelogs — Markdown/reStructuredText with code; a second genre)",
+               "feature lists, changelogs — Markdown/reStructuredText with code). Chosen as the second corpus because "
+               "its genre differs from the language reference's formal prose while it ships with every Python "
+               "environment, so it is rebuilt offline by `posgen_tl.io.corpus.package_readmes` (each document's "
+               "version and SHA-256 are recorded)",
 }
 
 
