@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
-__all__ = ["Config", "Option", "option", "config_of", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments", "or_skip", "SKIP_HINTS"]
+__all__ = ["Config", "Option", "option", "config_of", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments", "or_skip"]
 
 PRESETS = ("default", "quick", "full")
 _UNSET: Any = object()
@@ -309,19 +309,10 @@ def config_of(cls: type[C], cfg: C | None, overrides: Mapping[str, Any]) -> C:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-#: what a skipped section suggests, by the reason it was skipped
-SKIP_HINTS = {
-    "corpus": "Give a corpus of several documents (a folder of text files, or the default pydoc topics): the global "
-              "k̄ and the reference windows come from documents disjoint from the analysed ones.",
-    "model": "This model cannot be analysed this way (the reason names what is missing); the other sections are "
-             "unaffected.",
-}
-
-
 def or_skip(ctx: Any, meta_file: str, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
     """``fn(*args, **kw)``, or ``None`` after writing ``{"skipped": "<what> skipped: <reason>", "hint": …}``
     to ``meta_file`` in the run's folder (the experiment's render shows a skipped section with the
-    reason and :data:`SKIP_HINTS`' hint) when
+    reason and the hint of :data:`posgen_tl.report.html.SKIP_HINTS`) when
 
     * the corpus cannot give the windows the experiment needs (a :class:`~posgen_tl.io.corpus.CorpusError`:
       e.g. one document, so no disjoint reference documents), or
@@ -334,6 +325,7 @@ def or_skip(ctx: Any, meta_file: str, what: str, fn: Callable[..., Any], *args: 
     from posgen_tl.hooks.capture import CaptureError  # noqa: PLC0415
     from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
     from posgen_tl.maths.rope import RopeError  # noqa: PLC0415
+    from posgen_tl.report.html import SKIP_HINTS  # noqa: PLC0415
 
     try:
         return fn(*args, **kw)

@@ -752,7 +752,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     config = ctx.work.load_json("causal_config.json")
     title = "5 · Does tolerance depend on the pattern? The causal test (docs/method.md §5, §8)"
     if "skipped" in config:
-        return skipped_section(title, config["skipped"], "causal", **({"hint": config["hint"]} if "hint" in config else {}))
+        return skipped_section(title, config["skipped"], "causal", config.get("hint"))
     v, dmg, con = _load(ctx, "verdicts"), _load(ctx, "damage"), _load(ctx, "contrasts")
     inter, summary = _load(ctx, "interaction"), _load(ctx, "summary")
     fam = config["claim_family"]

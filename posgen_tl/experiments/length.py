@@ -70,7 +70,6 @@ class LengthResult:
 # ----------------------------------------------------------------------------- NLL of a span
 
 
-@torch.no_grad()
 def _position_kwargs(model: Any, tokens: Tensor, position_ids: Tensor | None) -> tuple[dict, list]:
     """How a forward gets ``position_ids``: as the forward's own argument, or — where the model keeps
     a fixed table of positions shorter than the ids (GPT-J, CodeGen: ``embed_positions``) or takes no
@@ -86,6 +85,7 @@ def _position_kwargs(model: Any, tokens: Tensor, position_ids: Tensor | None) ->
     return {}, reposition_hooks(model, position_ids)
 
 
+@torch.no_grad()
 def span_nll(
     model: Any, tokens: Int[Tensor, "batch pos"], start: int, stop: int | None = None, *,
     position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"] | None = None, fwd_hooks: Sequence = (),
@@ -612,7 +612,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     title = "8 · Longer texts: unseen distances (docs/method.md §7)"
     meta = ctx.work.load_json("length_gap_meta.json")
     if "skipped" in meta:
-        return skipped_section(title, meta["skipped"], "length", **({"hint": meta["hint"]} if "hint" in meta else {}))
+        return skipped_section(title, meta["skipped"], "length", meta.get("hint"))
     tables, figures, paras, verdict = [], [], [], "The gap probe was not run (option gap=false)."
     res: dict[str, Any] = {"meta": meta}
     findings = [Finding("length", "not run", note="gap probe not run (option gap=false)")]

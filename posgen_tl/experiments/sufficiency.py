@@ -221,7 +221,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     title = "6 · Sufficiency: does f + g carry what the model uses? (docs/method.md §5)"
     meta = ctx.work.load_json("sufficiency_meta.json")
     if "skipped" in meta:
-        return skipped_section(title, meta["skipped"], "sufficiency", **({"hint": meta["hint"]} if "hint" in meta else {}))
+        return skipped_section(title, meta["skipped"], "sufficiency", meta.get("hint"))
     summ = ctx.work.load_df("sufficiency_summary.csv")
     d = summ[summ["estimator"] == "dnll"]
     line = "; ".join(f"{r.source} @ {r.group}: {r.estimate:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"

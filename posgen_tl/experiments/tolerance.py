@@ -484,7 +484,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     meta = ctx.work.load_json("tolerance_meta.json")
     title = "4 · Position tolerance: T1 / T2 (docs/method.md §4)"
     if "skipped" in meta:
-        return skipped_section(title, meta["skipped"], "tolerance", **({"hint": meta["hint"]} if "hint" in meta else {}))
+        return skipped_section(title, meta["skipped"], "tolerance", meta.get("hint"))
     summ = ctx.work.load_df("tolerance_summary.csv")
     con = ctx.work.load_df("t1_t2_contrasts.csv")
     tost = ctx.work.load_df("t1_t2_tost.csv")

@@ -180,7 +180,7 @@ def pre_rotation(
         q_mod, k_mod, attr = info.norm_weight
         w = getattr(model.get_submodule(info.name(layer, q_mod if which == "q" else k_mod).rstrip(".")), attr)
         return (x.to(w.dtype) * w).reshape(batch, pos, -1, d_head)
-    out = x.reshape(batch, pos, -1, d_head) if info.normed_layout == "flat" else _to_bshd(x, info.normed_layout)
+    out = to_heads(x, info.normed_layout, d_head)
     if info.clip_qk is not None:  # HF OLMo: q_proj(h).clamp_(-clip, clip) (OLMoE: after its flat QK-norm)
         out = out.clamp(-info.clip_qk, info.clip_qk)
     return out

@@ -127,12 +127,20 @@ class Section:
     results: dict = field(default_factory=dict)
 
 
-def skipped_section(title: str, reason: str, question: str | None = None,
-                    hint: str = "Give a corpus of several documents (a folder of text files, or the default pydoc "
-                                "topics): the global k̄ and the reference windows come from documents disjoint from "
-                                "the analysed ones.") -> "Section":
-    """The section of an experiment that could not run on this corpus (``reason``), with a hint and —
-    when it answers a summary ``question`` — a "not testable" headline naming the reason."""
+#: what a skipped section suggests, by the reason it was skipped (``posgen_tl.experiments.base.or_skip``)
+SKIP_HINTS = {
+    "corpus": "Give a corpus of several documents (a folder of text files, or the default pydoc topics): the global "
+              "k̄ and the reference windows come from documents disjoint from the analysed ones.",
+    "model": "This model cannot be analysed this way (the reason names what is missing); the other sections are "
+             "unaffected.",
+}
+
+
+def skipped_section(title: str, reason: str, question: str | None = None, hint: str | None = None) -> "Section":
+    """The section of an experiment that could not run (``reason``), with a hint (default: the corpus
+    hint of :data:`SKIP_HINTS`) and — when it answers a summary ``question`` — a "not testable"
+    headline naming the reason."""
+    hint = SKIP_HINTS["corpus"] if hint is None else hint
     findings = [Finding(question, "not testable", note=str(reason))] if question else []
     return Section(title, verdict=reason, paragraphs=[hint], findings=findings, results={"skipped": reason})
 

@@ -28,7 +28,7 @@ import pandas as pd
 from posgen_tl.experiments import registry
 from posgen_tl.report.context import Context, OutFolder
 from posgen_tl.report.html import QUESTIONS, Finding, Section
-from posgen_tl.report.text import md_table, section_markdown
+from posgen_tl.report.text import md_table, section_markdown, sig3
 
 __all__ = ["Run", "find_runs", "study_page", "index_page", "readme_headlines", "fill_block", "pages", "write_pages",
            "main"]
@@ -251,16 +251,12 @@ def agreement(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _signed(x: Any) -> str:
-    from posgen_tl.report.text import sig3  # noqa: PLC0415
-
     t = sig3(x)
     return t if t.startswith(("-", "–")) else "+" + t
 
 
 def _per_fraction(run: Run, layers: str) -> str:
     """``+0.013 (2 %, Holm p 0.0061), …``: destroy − none ΔNLL per swap fraction of one entry."""
-    from posgen_tl.report.text import sig3  # noqa: PLC0415
-
     c = pd.read_csv(run.folder / "causal_contrasts.csv")
     c = c[(c["layers"] == layers) & (c["contrast"] == "destroy − none") & (c["estimator"] == "dnll")].sort_values("frac")
     return ", ".join(f"{_signed(r.estimate)} at p = {r.frac:g} (Holm p {sig3(float(r.p_holm))})"
@@ -272,8 +268,6 @@ def claim_discussion(runs: list[Run]) -> list[str]:
     tables: the hypothesis; each entry's destroy − none AUC and per-fraction ΔNLL, what decided its
     verdict (the intersection–union components, controls that move tolerance by themselves), the
     verdict over the claim on each corpus, and whether the corpora agree."""
-    from posgen_tl.report.text import sig3  # noqa: PLC0415
-
     corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == "causal"))
     tables = {c: claim_table(runs, c)[0] for c in corpora}
     tables = {c: t for c, t in tables.items() if t is not None}
