@@ -624,8 +624,15 @@ def stream_qk(
     if position_ids is not None and not info.position_ids:
         raise CaptureError(
             f"{spec.model_name}: a {info.backend} model's forward takes no position_ids (TransformerLens 3.x "
-            "HookedTransformer); run with posgen_tl.hooks.edits.reposition_hooks(model, position_ids) "
+            "HookedTransformer); run with posgen_tl.hooks.positions.reposition_hooks(model, position_ids) "
             "as extra_hooks instead"
+        )
+    table = spec.extra.get("max_position")
+    if position_ids is not None and table is not None and int(position_ids.max()) >= int(table):
+        raise CaptureError(
+            f"{spec.model_name}: position id {int(position_ids.max())} is past the model's table of {table} positions "
+            "(its sin/cos table is built for max_position_embeddings); run with "
+            "posgen_tl.hooks.positions.reposition_hooks(model, position_ids) as extra_hooks instead"
         )
     need = [info.q_hook, info.k_hook]
     if info.rot_fires:

@@ -279,6 +279,11 @@ def test_positions_past_the_context_reach_every_model(arch, backend, root):
             gap_probe(model, toks, gaps=(0.0, 1.0), prefix_len=8, suffix_len=8, skip=2, conditions=("vanilla",),
                       progress=False)
         return
+    if "max_position" in spec.extra:  # a fixed position table: the capture says how to get there instead of crashing
+        from posgen_tl.hooks.capture import CaptureError, capture_qk
+
+        with pytest.raises(CaptureError, match="past the model's table"):
+            capture_qk(model, toks, [0], position_ids=far)
     with torch.no_grad():
         near = span_nll(model, toks, 4)
         moved = span_nll(model, toks, 4, position_ids=far)
