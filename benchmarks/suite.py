@@ -104,7 +104,8 @@ def _batch_size(seq_len: int) -> int:
 class Bench:
     """The model, the tokens and every step of the suite as a zero-argument callable."""
 
-    def __init__(self, model_name: str, n_seq: int, seq_len: int, batch_size: int | None = None) -> None:
+    def __init__(self, model_name: str, n_seq: int, seq_len: int, batch_size: int | None = None,
+                 device: str = "cpu") -> None:
         import torch
 
         from posgen_tl.hooks.capture import probe_hooks
@@ -112,10 +113,12 @@ class Bench:
         from posgen_tl.io.models import load_model
 
         self.torch = torch
-        self.model = load_model(model_name)
+        self.device = device
+        self.model = load_model(model_name, device=device)
         self.spec, self.info = probe_hooks(self.model)
         self.n_ref = max(1, n_seq // 2)
-        toks = corpus_tokens(self.model, None, seq_len=seq_len, n_seq=n_seq + self.n_ref)
+        # the tokens live where the model does: a CUDA timing never includes a host-to-device copy
+        toks = corpus_tokens(self.model, None, seq_len=seq_len, n_seq=n_seq + self.n_ref).to(device)
         self.tokens, self.ref = toks[:n_seq], toks[n_seq:]
         self.bs = batch_size or _batch_size(seq_len)
         self.n_seq, self.seq_len = n_seq, seq_len
@@ -124,6 +127,12 @@ class Bench:
         self._base = None
         with torch.no_grad():
             self.model(toks[:1, :16])  # warm-up: hook probe done, allocator primed
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (CUDA runs asynchronously: a timer read without it measures
+        only the launches); a no-op on the CPU."""
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize()
 
     # ------------------------------------------------------------ shared inputs (not timed)
 
@@ -309,10 +318,12 @@ def _run_timing(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    b = Bench(spec["model"], spec["n_seq"], spec["seq_len"])
+    b = Bench(spec["model"], spec["n_seq"], spec["seq_len"], device=spec.get("device", "cpu"))
     steps = b.steps()
+    b.sync()
     t = time.perf_counter()
     b.geometry()
+    b.sync()
     geometry_s = time.perf_counter() - t
     b.kbar()
     b.causal_inputs()
@@ -320,8 +331,10 @@ def _run_timing(spec: dict) -> dict:
     for _ in range(spec["repeats"]):
         for name, (fn, _) in steps.items():
             gc.collect()
+            b.sync()
             t = time.perf_counter()
             fn()
+            b.sync()
             times[name].append(time.perf_counter() - t)
     ratios = {}
     for name, (_, n_fwd) in steps.items():
@@ -335,7 +348,7 @@ def _run_memory(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    b = Bench(spec["model"], spec["n_seq"], spec["seq_len"])
+    b = Bench(spec["model"], spec["n_seq"], spec["seq_len"], device=spec.get("device", "cpu"))
     steps = b.steps()
     if spec["step"] not in steps:
         return {"skipped": f"{spec['step']} is not available in this version of posgen_tl"}
@@ -361,7 +374,7 @@ def _run_point(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    b = Bench(spec["model"], spec["n_seq"], spec["seq_len"], spec.get("batch_size"))
+    b = Bench(spec["model"], spec["n_seq"], spec["seq_len"], spec.get("batch_size"), device=spec.get("device", "cpu"))
     fn = b.steps()[spec["step"]][0]
     if spec["step"] == "decomposition":
         b.geometry()
@@ -371,8 +384,10 @@ def _run_point(spec: dict) -> dict:
     rss0 = _status_mib("VmRSS")
     times = []
     for r in range(spec["repeats"]):
+        b.sync()
         t = time.perf_counter()
         fn()
+        b.sync()
         times.append(time.perf_counter() - t)
         if r == 0:
             peak = _status_mib("VmHWM") - rss0 if ok else float("nan")
@@ -493,9 +508,10 @@ def run_suite(args: argparse.Namespace) -> dict:
     cfg = sizes_config(args)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     parts = {p.strip() for p in args.parts.split(",")}
-    base = {"threads": args.threads, "repeats": args.repeats}
+    base = {"threads": args.threads, "repeats": args.repeats, "device": args.device}
     res: dict[str, Any] = {
         "config": {"small": args.small, "models": models, "repeats": args.repeats, "threads": args.threads,
+                   "device": args.device,
                    "report_repeats": args.report_repeats, "parts": sorted(parts), "axes": sorted(args.axes),
                    "skip_memory": args.skip_memory, **cfg, "fracs": FRACS,
                    "target_len": TARGET_LEN},
@@ -747,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--report-repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu",
+                    help="where the model and tokens live (cuda: timers read after torch.cuda.synchronize())")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per worker process, seconds")
     ap.add_argument("--parts", default="sizes,scaling,report",
                     help="which parts to run (comma-separated); run parts as separate jobs and --merge their files")

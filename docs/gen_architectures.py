@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True, help="JSON of every cell (merged across environments)")
     p.add_argument("--readme", default=None, help="README whose architectures block gets the claim")
     p.add_argument("--render-only", action="store_true", help="only re-render from the committed JSON")
+    p.add_argument("--fresh", action="store_true",
+                   help="a JSON of this environment's cells only (not merged), written even when a cell is not OK "
+                        "(exit 1 then): the newest-release check, scripts/check_newest.sh")
     args = p.parse_args(argv)
     if args.render_only:
         import arch_matrix as am
@@ -53,9 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")
         cells = am.run_matrix(Path(tmp), progress=True)
     bad = [c for c in cells if not c.ok]
+    for c in bad:
+        print(f"NOT OK: {c.arch} {c.backend} {c.dtype}: {c.status}", file=sys.stderr)
+    if args.fresh:
+        data = am.merge(None, cells)
+        data["checked"] = time.strftime("%Y-%m-%d")
+        data["not_ok"] = [f"{c.arch} {c.backend} {c.dtype}: {c.status}" for c in bad]
+        Path(args.json).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+        print(f"{len(cells)} cells in {time.time() - t0:.0f} s, {len(bad)} not OK → {args.json}")
+        return 1 if bad else 0
     if bad:
-        for c in bad:
-            print(f"NOT OK: {c.arch} {c.backend} {c.dtype}: {c.status}", file=sys.stderr)
         return 1
     data = am.merge(am.load_json(Path(args.json)), cells)
     Path(args.json).write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")

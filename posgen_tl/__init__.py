@@ -60,8 +60,12 @@ _EXPORTS: dict[str, str] = {
     "causal_study": "experiments.causal",
     "sufficiency": "experiments.sufficiency",
     "gap_probe": "experiments.length",
+    # the gate: analyses run only on layers whose exactness check passed
+    "allow_unchecked": "hooks.gate",
+    "UncheckedModelError": "hooks.gate",
     # errors
     "RopeError": "maths.rope",
+    "IndexRangeError": "maths.rope",
     "CaptureError": "hooks.capture",
     "CorpusError": "io.corpus",
     "ModelLoadError": "io.models",
@@ -72,7 +76,8 @@ _NAMESPACES = ("io", "hooks", "maths", "stats", "experiments", "plot", "report",
 
 #: the common path (≤ 30 names); every name of ``_EXPORTS`` and ``_NAMESPACES`` resolves
 __all__ = [
-    *(n for n in _EXPORTS if n not in ("document_windows", "decompose_with_twin", "feature_pattern_with_twin")),
+    *(n for n in _EXPORTS if n not in ("document_windows", "decompose_with_twin", "feature_pattern_with_twin",
+                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError")),
     "io", "hooks", "maths", "stats", "experiments", "plot",
 ]
 
@@ -109,4 +114,5 @@ if TYPE_CHECKING:  # for editors and type checkers; nothing is imported at run t
     from posgen_tl.io.sampling import document_windows
     from posgen_tl.io.models import ModelLoadError, load_model, random_twin
     from posgen_tl.io.spec import rope_spec
-    from posgen_tl.maths.rope import RopeError
+    from posgen_tl.hooks.gate import UncheckedModelError, allow_unchecked
+    from posgen_tl.maths.rope import IndexRangeError, RopeError

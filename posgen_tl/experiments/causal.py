@@ -381,7 +381,7 @@ def _with_reused(df: pd.DataFrame, reuse: pd.Series, b: Sequence[int], clean: Te
     """``df`` (the frac = 0 rows of one batch) completed by the reused swapped-pass NLLs, in the
     row order of :func:`curve_rows` (frac, seed, sequence)."""
     rows = [df]
-    cl = clean.float().numpy()  # float32 like curve_rows: same rows bit for bit when the passes agree
+    cl = clean.float().cpu().numpy()  # float32 like curve_rows: same rows bit for bit when the passes agree
     for frac in fracs:
         if frac == 0:
             continue
@@ -500,14 +500,14 @@ def _passes(model: Any, ana: Windows, conds: list[Condition], km: dict, base_nll
             df = df.assign(layers=c.group, condition=c.key, kind=c.kind, alpha=c.alpha,
                            draw=[draws[i] for i in df["seq"]], seq=[b[i] for i in df["seq"]])
             frames.append(df)
-            kls.append(pd.DataFrame(dict(layers=c.group, condition=c.key, seq=b, attn_kl=kv.numpy())))
+            kls.append(pd.DataFrame(dict(layers=c.group, condition=c.key, seq=b, attn_kl=kv.cpu().numpy())))
             bar.update(1)
         if on_partial is not None and b is not batches[-1]:
             on_partial(pd.concat(frames, ignore_index=True))
     bar.close()
     info = ana.frame()
     rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
-    rows["base_clean_nll"] = base_nll.numpy()[rows["seq"].to_numpy()]
+    rows["base_clean_nll"] = base_nll.cpu().numpy()[rows["seq"].to_numpy()]
     cols = ["layers", "condition", "kind", "alpha", "draw", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll",
             "delta", "base_clean_nll"]
     kl_df = pd.concat(kls, ignore_index=True).merge(info[["seq", "doc"]], on="seq", how="left")
@@ -548,6 +548,7 @@ def causal_study(
             does not match.
     """
     cfg = base.config_of(Config, cfg, options)
+    base.gate(model, cfg, "the causal study")
     t_start, commit = time.time(), git_commit(short=True)
     spec, _ = probe_hooks(model)
     groups = resolve_groups(cfg.groups, spec.n_layers)

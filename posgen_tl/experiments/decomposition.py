@@ -366,6 +366,7 @@ def decompose_model(
             reference shares documents with the analysed windows.
     """
     cfg = base.config_of(Config, cfg, options)
+    base.gate(model, cfg, "the decomposition")
     kinds, given = k_mean_kinds(cfg.k_mean if k_mean is None else k_mean)
     windows, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
                                    n_ref=cfg.n_ref if "global" in kinds else 0, seed=cfg.seed)

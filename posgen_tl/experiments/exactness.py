@@ -22,6 +22,7 @@ scores, too few entries) — the ``reason`` column says what; such a layer is ne
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
@@ -34,7 +35,7 @@ from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, masked_threshold, model_dtype, probe_hooks, stream_qk
 from posgen_tl.maths.rope import attention_pattern, causal_mask, rotate, rotate_with_table
 
-__all__ = ["exactness_table", "tolerances", "ROT_RTOL", "SCORE_RTOL", "PATTERN_ATOL", "MIN_COMPARED_ENTRIES"]
+__all__ = ["exactness_table", "exceeds", "worst", "non_finite", "tolerances", "ROT_RTOL", "SCORE_RTOL", "PATTERN_ATOL", "MIN_COMPARED_ENTRIES"]
 
 #: tolerances, relative to the largest |value| of the compared tensor (float32 maths)
 ROT_RTOL = 1e-5
@@ -51,6 +52,21 @@ def tolerances(dtype: torch.dtype) -> dict[str, float]:
     the pattern absolute."""
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
     return {"rot": max(ROT_RTOL, 8 * eps), "score": max(SCORE_RTOL, 8 * eps), "pattern": max(PATTERN_ATOL, 8 * eps)}
+
+
+def exceeds(err: float, limit: float) -> bool:
+    """``True`` unless ``err <= limit`` holds: a NaN or infinite error never counts as within tolerance."""
+    return not (math.isfinite(err) and err <= limit)
+
+
+def worst(*errs: float) -> float:
+    """The largest error, NaN if any is NaN (Python's ``max`` silently drops a NaN that is not first)."""
+    return math.nan if any(math.isnan(e) for e in errs) else max(errs)
+
+
+def non_finite(**tensors: Tensor | None) -> list[str]:
+    """The names of the given tensors (``None`` skipped) that hold a NaN or an infinity."""
+    return [name for name, t in tensors.items() if t is not None and not bool(torch.isfinite(t).all())]
 
 
 def exactness_table(
@@ -90,17 +106,26 @@ def exactness_table(
             checks.append(c.table_source)
             tq = rotate_with_table(c.q, c.table_cos, c.table_sin, lr)
             tk = rotate_with_table(c.k, c.table_cos, c.table_sin, lr)
-            eq = max(eq, (rq - tq).abs().max().item(), c.table_format_err * c.q.abs().max().item())
-            ek = max(ek, (rk - tk).abs().max().item(), c.table_format_err * c.k.abs().max().item())
+            eq = worst(eq, (rq - tq).abs().max().item(), c.table_format_err * c.q.abs().max().item())
+            ek = worst(ek, (rk - tk).abs().max().item(), c.table_format_err * c.k.abs().max().item())
         row["rot_check"] = "+".join(checks) or "none"
         row["rot_q_max_err"], row["rot_k_max_err"] = (eq, ek) if checks else (float("nan"), float("nan"))
         row["scores_kind"] = c.scores_kind
         failed, unchecked = [], []
+        visible_scores = None
+        if c.scores is not None and c.scores_kind == "pre_softmax":
+            visible_scores = c.scores[..., causal_mask(c.q.shape[1], sliding_window=lr.sliding_window,
+                                                      device=c.q.device)]
+        bad = non_finite(q=c.q, k=c.k, rot_q=c.rot_q, rot_k=c.rot_k, table_cos=c.table_cos, table_sin=c.table_sin,
+                         scores=visible_scores if c.scores_kind == "pre_softmax" else c.scores, pattern=c.pattern)
+        if bad:
+            failed.append(f"non-finite values (NaN or inf) in the captured {', '.join(bad)}: nothing compared with "
+                          "them can be called equal")
         if not checks:
             unchecked.append("no independent rotation to compare with (hook_rot_q/k, hook_cos/hook_sin and a "
                              "rotary table are all unavailable)")
-        elif max(eq, ek) > tol["rot"] * ref:
-            failed.append(f"rotation differs from {row['rot_check']} by {max(eq, ek) / ref:.3g} (relative)")
+        elif exceeds(worst(eq, ek), tol["rot"] * ref):
+            failed.append(f"rotation differs from {row['rot_check']} by {worst(eq, ek) / ref:.3g} (relative)")
         n = c.q.shape[1]
         m = causal_mask(n, sliding_window=lr.sliding_window, device=c.q.device)
         row.update(score_max_err=float("nan"), score_ref=float("nan"), score_rel_err=float("nan"),
@@ -116,13 +141,13 @@ def exactness_table(
                 p = attention_pattern(w, m, sinks).to(c.scores.dtype)
                 err = (p - c.scores).abs().max().item()  # every entry: masked ones must be 0 in the model too
                 row.update(score_max_err=err, score_ref=1.0, score_rel_err=err, pattern_max_err=err)
-                if err > tol["pattern"]:
+                if exceeds(err, tol["pattern"]):
                     failed.append(f"attention pattern (post-softmax hook_attn_scores) differs by {err:.3g}")
             else:
                 err = (w - c.scores)[..., m].abs().max().item()
                 sref = c.scores[..., m].abs().max().item() + 1e-30
                 row.update(score_max_err=err, score_ref=sref, score_rel_err=err / sref)
-                if err > tol["score"] * sref:
+                if exceeds(err, tol["score"] * sref):
                     failed.append(f"scores differ from hook_attn_scores by {err / sref:.3g} (relative)")
                 if info.scores_masked:
                     hidden = c.scores <= thr
@@ -146,7 +171,7 @@ def exactness_table(
             p = attention_pattern(base, m, sinks).to(c.pattern.dtype)
             perr = (p - c.pattern).abs().max().item()
             row["pattern_max_err"] = perr
-            if perr > tol["pattern"]:
+            if exceeds(perr, tol["pattern"]):
                 failed.append(f"attention pattern differs from hook_pattern by {perr:.3g}"
                               + ("" if sinks is not None else " (learned attention sinks, if any, are not modelled)"))
         status = "failed" if failed else ("not checked" if unchecked else "passed")
@@ -154,7 +179,7 @@ def exactness_table(
         rows.append(row)
 
     stream_qk(model, tokens, check, layers, with_scores=with_scores, batch_size=max(1, tokens.shape[0]),
-              progress="exactness" if progress else False, with_tables=True, with_pattern=with_pattern)
+              progress="exactness" if progress else False, with_tables=True, with_pattern=with_pattern, _gate=False)
     return pd.DataFrame(rows)
 
 

@@ -128,8 +128,8 @@ def decompose_head(
     Args:
         tokens_or_cache: token ids ``[batch, pos]`` (or ``[pos]``), or an ``ActivationCache``
             from ``model.run_with_cache(tokens)`` (then no forward pass is run).
-        layer: the layer.
-        head: the query head (its key group is ``head // (n_heads // n_kv_heads)``).
+        layer: the layer (``-1`` = the last one).
+        head: the query head (``-1`` = the last one; its key group is ``head // (n_heads // n_kv_heads)``).
         k_mean: which mean pre-rotation key ``k̄`` (docs/method.md §2 — it decides what a D3 score
             means): ``"per_sequence"`` (each sequence's own keys, first ``sink`` positions
             excluded; the default), ``"global"`` (one k̄ from ``reference`` tokens of other
@@ -137,13 +137,15 @@ def decompose_head(
         reference: tokens for ``k_mean="global"``; never the analysed tokens.
         sink: the first ``sink`` keys are excluded from the scores (and from k̄).
 
+    Raises:
+        IndexRangeError: ``layer`` or ``head`` outside the model (the message names the valid range).
+
     Returns:
         :class:`HeadDecomposition` — float64 maps ``[query_pos, key_pos]`` of sequence ``seq``
         and a tidy ``scores`` frame (one row per sequence × {D1, D3}).
     """
     spec, _ = probe_hooks(model)
-    if not 0 <= head < spec.n_heads:
-        raise ValueError(f"head={head} out of range: the model has {spec.n_heads} query heads")
+    layer, head = spec.layer_index(layer), spec.head_index(head)
     cap = _capture(model, tokens_or_cache, layer)
     b, n = cap.q.shape[:2]
     if not 0 <= seq < b:

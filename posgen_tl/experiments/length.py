@@ -212,6 +212,7 @@ def gap_probe(
         ``prefix_len + suffix_len``, unknown condition. CaptureError: scores not pre-softmax.
     """
     cfg = base.config_of(Config, cfg, options)
+    base.gate(model, cfg, "the gap probe")
     prefix_len, suffix_len, skip = cfg.gap_layout()
     gaps, delta0, batch_size = cfg.gaps, cfg.delta0, cfg.batch_size
     spec, info = probe_hooks(model)
@@ -243,7 +244,7 @@ def gap_probe(
     tokens = check_tokens(model, win.tokens[:, :n], spec)
     if "disentangled" in conditions:
         k_means = _global_kbar(model, ref, k_means)
-    docs = win.doc_ids.numpy()
+    docs = win.doc_ids.cpu().numpy()
     rows = []
     jobs = [(float(g), c) for g in gaps for c in conditions]
     for frac, cond in tqdm(jobs, desc="gap probe", disable=not progress, leave=False):
@@ -332,6 +333,7 @@ def window_removal(
         ValueError: a model without sliding-window layers; no document long enough.
     """
     cfg = base.config_of(Config, cfg, options)
+    base.gate(model, cfg, "window removal")
     seq_len, n_seq, bucket, delta0 = cfg.window_seq_len, cfg.window_n_seq, cfg.bucket, cfg.delta0
     spec, _ = probe_hooks(model)
     local = local_layers(model)
@@ -361,7 +363,7 @@ def window_removal(
     bad = set(conditions) - set(hooks)
     if bad:
         raise ValueError(f"unknown condition(s) {sorted(bad)}; choose from {sorted(hooks)}")
-    docs = win.doc_ids.numpy()
+    docs = win.doc_ids.cpu().numpy()
     rows = []
     n = tokens.shape[1]
     # tokens 1..window are predicted from positions that see no distance ≥ window: identical in every
@@ -443,7 +445,7 @@ def gap_attention(
     tokens = check_tokens(model, windows.tokens[:, :n], spec)
     layers = list(range(spec.n_layers)) if layers is None else sorted(layers)
     rows_q = torch.arange(prefix_len + skip, n)
-    docs = windows.doc_ids.numpy()
+    docs = windows.doc_ids.cpu().numpy()
     out = []
     for s in tqdm(range(0, tokens.shape[0], batch_size), desc="gap attention", disable=not progress, leave=False):
         b = tokens[s : s + batch_size]
@@ -648,6 +650,16 @@ def render(ctx: Any, cfg: Config) -> Any:
                    results=res)
 
 
+def _holm_or_raw(row: pd.Series) -> float:
+    """The row's Holm-adjusted p where the table has one, else its raw p (NaN where neither was computed:
+    a summary in which no contrast could be tested has no p columns filled)."""
+    for key in ("p_holm", "p"):
+        v = row.get(key)
+        if v is not None and v == v:
+            return float(v)
+    return float("nan")
+
+
 def _findings(summ: pd.DataFrame) -> list:
     """Gap probe: vanilla suffix NLL at the LARGEST gap minus at G = 0 (paired per sequence,
     document-bootstrap CI, Holm-adjusted sign-flip p of the table); the note gives the disentangled −
@@ -659,12 +671,12 @@ def _findings(summ: pd.DataFrame) -> list:
     if d.empty:
         return [Finding("length", "not testable", note="no gap beyond 0 in this run")]
     r = d.sort_values("gap").iloc[-1]
-    p = float(r["p_holm"]) if r["p_holm"] == r["p_holm"] else float(r["p"])
+    p = _holm_or_raw(r)
     note = f"G = {r['gap_frac']:g}·n_ctx vs G = 0"
     dis = summ[(summ["estimator"] == "d_vs_vanilla") & (summ["condition"] == "disentangled") & (summ["gap"] == r["gap"])]
     if len(dis):
         q = dis.iloc[0]
-        pq = float(q["p_holm"]) if q["p_holm"] == q["p_holm"] else float(q["p"])
+        pq = _holm_or_raw(q)
         note += (f"; disentangled − vanilla there {sig3(float(q['estimate']))} [{sig3(float(q['ci_low']))}, "
                  f"{sig3(float(q['ci_high']))}], p = {sig3(pq)}")
     word = ("degrades" if r["estimate"] > 0 else "improves") if p == p and p < 0.05 else "no evidence"

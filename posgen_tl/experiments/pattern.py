@@ -160,9 +160,9 @@ def pattern_frames(
     else:
         sigma, per_seq, glob, blind_seq, blind_g = nan_h, nan_h, nan_h, nan_h, nan_h
     centroid = frequency_centroid(k_stats.energy_share()).cpu()[group]
-    fk = {key: torch.nanmean(forms["k"][key][:, :fast].double(), -1)[group].numpy() for key in ("rho_within", "rho_cross", "stability")}
+    fk = {key: torch.nanmean(forms["k"][key][:, :fast].double(), -1)[group].cpu().numpy() for key in ("rho_within", "rho_cross", "stability")}
     heads = pd.DataFrame({
-        "model": model, "twin": twin, "layer": layer, "head": np.arange(H), "kv_group": group.numpy(),
+        "model": model, "twin": twin, "layer": layer, "head": np.arange(H), "kv_group": group.cpu().numpy(),
         "logit_spread": sigma.cpu().numpy(),
         "pred_d3_err_global": glob.cpu().numpy(),
         "pred_d3_err_per_sequence": per_seq.cpu().numpy(),
@@ -170,7 +170,7 @@ def pattern_frames(
         "blind_d3_err_per_sequence": blind_seq.cpu().numpy(),
         "fast_key_rho_within": fk["rho_within"], "fast_key_rho_cross": fk["rho_cross"],
         "fast_key_stability": fk["stability"],
-        "key_energy_centroid": centroid.numpy(),
+        "key_energy_centroid": centroid.cpu().numpy(),
         "legacy_pattern_score": legacy["legacy_pattern_score"].cpu().numpy(),
         "expected_bound": legacy["expected_bound"].cpu().numpy(),
     })[HEAD_COLUMNS]
@@ -327,6 +327,7 @@ def feature_pattern(
     from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
 
     cfg = base.config_of(Config, cfg, options)
+    base.gate(model, cfg, "the feature pattern")
     sink, batch_size = cfg.sink, cfg.batch_size
     windows, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
                                    n_ref=0 if k_means is not None else cfg.n_ref, seed=cfg.seed)

@@ -98,7 +98,10 @@ def run_experiment(name: str, ctx: Any, cfg: Config) -> tuple[Any, float]:
 def _markdown(name: str, meta: dict[str, Any], sec: Any, files: list[str]) -> str:
     from posgen_tl.report.text import section_markdown  # noqa: PLC0415
 
-    out = [f"# posgen-tl study {name} — {meta['model']}", "",
+    stamp = [f"> **UNCHECKED** — layers whose exactness check did not pass were analysed ({meta['unchecked']}): "
+             "these numbers are not shown to be the model's.", ""] if meta.get("unchecked") else []
+    out = [f"# posgen-tl study {name} — {meta['model']}" + (" — UNCHECKED" if meta.get("unchecked") else ""), "",
+           *stamp,
            f"- command: `{meta['command']}`", f"- git commit: {meta['git_commit']}",
            f"- wall time: {meta['wall_seconds']:.1f} s", f"- configuration: `{json.dumps(meta['config'])}`", ""]
     out += section_markdown(sec, level=2, fold_details=False)
@@ -110,13 +113,15 @@ def _markdown(name: str, meta: dict[str, Any], sec: Any, files: list[str]) -> st
 
 
 def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-135m", preset: str = "default",
-              params: Mapping[str, str] | None = None, command: str | None = None) -> Path:
+              params: Mapping[str, str] | None = None, command: str | None = None,
+              load: Mapping[str, Any] | None = None) -> Path:
     """Run experiment ``name`` (after the experiments it needs, built from the same preset, sizes and
     params) into the folder ``out``; writes its tables and figures and beside them ``<name>.md`` /
     ``<name>.json`` (command, git commit, configuration, wall time, findings, results). Returns the
     markdown's path.
 
-    ``model``: a loaded model or a name for :func:`posgen_tl.io.models.load_model`."""
+    ``model``: a loaded model or a name for :func:`posgen_tl.io.models.load_model` (with ``load``: its
+    ``device``/``dtype``/``unchecked``). The device, dtype and an UNCHECKED stamp are recorded in the outputs."""
     from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
     from posgen_tl.io.provenance import git_commit  # noqa: PLC0415
     from posgen_tl.report.context import Context, OutFolder, atomic_write, jsonable  # noqa: PLC0415
@@ -127,7 +132,7 @@ def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-
     if isinstance(model, (str, Path)):
         from posgen_tl.io.models import load_model  # noqa: PLC0415
 
-        model = load_model(str(model), verbose=True)
+        model = load_model(str(model), verbose=True, **dict(load or {}))
     out = Path(out)
     folder = OutFolder(out)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
@@ -142,9 +147,13 @@ def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-
     files = sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
                    and before.get(p.name) != p.stat().st_mtime_ns and p.suffix in (".csv", ".png", ".json"))
     files = [f for f in files if f != f"{name}.json"]
+    from posgen_tl.hooks.capture import model_device, model_dtype  # noqa: PLC0415
+    from posgen_tl.hooks.gate import unchecked_reason  # noqa: PLC0415
+
     meta = {"study": name, "model": ctx.model_name, "preset": preset,
             "command": command or shlex.join(["posgen-tl", *sys.argv[1:]]), "git_commit": commit,
-            "config": cfg.as_dict(), "wall_seconds": wall}
+            "config": cfg.as_dict(), "wall_seconds": wall, "device": str(model_device(model)),
+            "dtype": str(model_dtype(model)).removeprefix("torch."), "unchecked": unchecked_reason(model)}
     atomic_write(out / f"{name}.md", _markdown(name, meta, sec, files).encode())
     payload = {**meta, "findings": [f.as_dict() for f in sec.findings], "results": sec.results, "files": files}
     atomic_write(out / f"{name}.json", json.dumps(payload, indent=1, default=jsonable).encode())

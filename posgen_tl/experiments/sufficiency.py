@@ -119,6 +119,7 @@ def sufficiency(
         ``summary`` (:func:`sufficiency_summary`).
     """
     cfg = base.config_of(Config, cfg, options)
+    base.gate(model, cfg, "the sufficiency study")
     sources, gamma, delta0, keep_sink, tolerance = cfg.sources, cfg.gamma, cfg.delta0, cfg.keep_sink, cfg.tolerance
     fracs, seeds, batch_size, target_len = cfg.fracs, cfg.seeds, cfg.batch_size, cfg.target()
     spec, _ = probe_hooks(model)
@@ -133,7 +134,7 @@ def sufficiency(
             raise ValueError("pass k_means or reference windows (the global k̄ needs disjoint documents)")
         k_means = reference_key_means(model, ref.tokens, sink=1, progress=False)
     tokens = win.tokens
-    docs = win.doc_ids.numpy()
+    docs = win.doc_ids.cpu().numpy()
     clean = nll_on_target(model, tokens, target_len=target_len, batch_size=batch_size)
     tol_set = {tuple(t) for t in tolerance}
 

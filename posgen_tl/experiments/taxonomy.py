@@ -249,6 +249,7 @@ def head_taxonomy(
         ValueError: a reference set is missing for a token tensor, or the layout does not fit.
     """
     cfg = base.config_of(Config, cfg, options)
+    base.gate(model, cfg, "the head taxonomy")
     n_perm, block, sink, seed, rel_tol = cfg.n_perm, cfg.block, cfg.sink, cfg.seed, cfg.rel_tol
     batch_size = cfg.batch_size
     region_len, n_query = cfg.region()
@@ -324,7 +325,7 @@ def _layer_frame(acc: "_LayerAcc", rope: Any, layer: int, cfg: Config, *, label:
     res = {k: v.cpu().numpy() for k, v in res.items()}
     q_e = acc.q_stats.energy_share().cpu().double()
     k_e = acc.k_stats.energy_share().cpu().double()[kv_head_index(n_h, acc.k_stats.n_heads)]  # → query heads
-    q_c, k_c = frequency_centroid(q_e).numpy(), frequency_centroid(k_e).numpy()
+    q_c, k_c = frequency_centroid(q_e).cpu().numpy(), frequency_centroid(k_e).cpu().numpy()
     sh, sh_sd = _nanmean(acc.share), _nanstd(acc.share)
     head = np.repeat(np.arange(n_h), 1 + n_b)
     band = np.tile(np.arange(-1, n_b), n_h)
@@ -343,8 +344,8 @@ def _layer_frame(acc: "_LayerAcc", rope: Any, layer: int, cfg: Config, *, label:
         positional_std=_nanstd(acc.pos).ravel(), symbolic_std=_nanstd(acc.sym).ravel(),
         n_rows_used=res["n_used"].ravel().astype(int), n_rows_excluded=res["n_excluded"].ravel().astype(int),
         region_mass=mass.ravel(), n_prompts=n_prompts, n_docs=n_docs,
-        q_energy_share=np.where(is_full, nan, q_e.numpy()[head, bi]),
-        k_energy_share=np.where(is_full, nan, k_e.numpy()[head, bi]),
+        q_energy_share=np.where(is_full, nan, q_e.cpu().numpy()[head, bi]),
+        k_energy_share=np.where(is_full, nan, k_e.cpu().numpy()[head, bi]),
         q_centroid=np.where(is_full, q_c[head], nan), k_centroid=np.where(is_full, k_c[head], nan),
         positional_share=np.where(is_full, sh[head], nan),
         positional_share_std=np.where(is_full, sh_sd[head], nan),

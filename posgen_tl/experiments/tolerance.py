@@ -268,10 +268,10 @@ def perturbed_inputs(
     n = toks.shape[1]
     if frac == 0:
         return toks, None
-    perm = sequence_perms(windows, frac, seed, start=1, stop=n - target_len, base_seed=base_seed)
+    perm = sequence_perms(windows, frac, seed, start=1, stop=n - target_len, base_seed=base_seed).to(toks.device)
     if mode == "T1":
         return torch.gather(toks, 1, perm), None
-    return toks, torch.stack([position_ids_for_permutation(p) for p in perm])
+    return toks, torch.stack([position_ids_for_permutation(p) for p in perm]).to(toks.device)
 
 def curve_rows(
     model: Any, windows: Windows, clean: Float[Tensor, "batch"], *, fracs: Sequence[float], seeds: Sequence[int],

@@ -44,11 +44,13 @@ from posgen_tl.maths.rope import (
     rotate_with_table,
     scores_from_rotated,
 )
-from posgen_tl.io.spec import rope_spec
+from posgen_tl.io.spec import live_rope, rope_spec
 
 __all__ = [
     "QKCapture",
     "HookInfo",
+    "self_check",
+    "rotation_tolerance",
     "CaptureError",
     "StopForward",
     "probe_hooks",
@@ -56,6 +58,7 @@ __all__ = [
     "capture_qk",
     "capture_from_cache",
     "check_tokens",
+    "check_position_ids",
     "hooks_attached",
     "model_device",
     "pre_rotation",
@@ -224,6 +227,32 @@ def _forward(model: Any, tokens: Tensor, position_ids: Tensor | None) -> None:
         model(tokens, **kwargs)
 
 
+def check_position_ids(position_ids: Tensor, batch: int, n_pos: int, model_name: str = "model") -> Tensor:
+    """Validate position ids for a ``[batch, n_pos]`` token batch: integer ``[pos]`` or ``[batch, pos]``.
+
+    Raises:
+        CaptureError: multi-stream M-RoPE ids ``[3, batch, pos]`` (Qwen2-VL / Qwen3-VL / Qwen3.5 with images or
+            video: each section of the head rotates by its own stream) — not supported, named; text-only
+            inputs (one stream, which these models spread to every section) are.
+        ValueError: any other shape, a length other than the sequence's, or a non-integer dtype."""
+    if not isinstance(position_ids, Tensor):
+        position_ids = torch.as_tensor(position_ids)
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must be integer ids, got dtype {position_ids.dtype}")
+    if position_ids.ndim == 3 and position_ids.shape[0] in (3, 4):
+        raise CaptureError(
+            f"{model_name}: position_ids of shape {tuple(position_ids.shape)} are multi-stream M-RoPE ids (one stream "
+            "per section of the head: temporal, height, width — Qwen2-VL, Qwen3-VL, Qwen3.5 with images or video); "
+            "posgen_tl rotates every band by one stream of ids and does not support them. Text-only inputs pass one "
+            "stream ([pos] or [batch, pos]), which these models give to every section"
+        )
+    if position_ids.ndim not in (1, 2) or position_ids.shape[-1] != n_pos or \
+            (position_ids.ndim == 2 and position_ids.shape[0] not in (1, batch)):
+        raise ValueError(f"position_ids must be [pos={n_pos}] or [batch={batch}, pos={n_pos}], "
+                         f"got shape {tuple(position_ids.shape)}")
+    return position_ids
+
+
 def check_tokens(model: Any, tokens: Tensor, spec: RopeSpec | None = None) -> Int[Tensor, "batch pos"]:
     """Validate a token batch: integer dtype, 2-D, non-empty, within context and vocab.
 
@@ -348,7 +377,8 @@ def _table_to_bands(cos: Tensor, sin: Tensor, lr: LayerRope) -> tuple[Tensor, Te
 
 def _table_buffer_source(model: Any) -> str:
     """Where the model keeps a fixed rotation table we can index by position (when ``hook_cos`` does not
-    fire): ``"embed_positions"`` (HF GPT-J: ``cat(sin, cos)`` per attention module),
+    fire): ``"embed_positions"`` (HF GPT-J/CodeGen: ``cat(sin, cos)``, per attention module or on the rotary
+    module),
     ``"rotary.cos_cached"`` (a TransformerLens-native bridge), else ``"none"``."""
     inner = getattr(model, "original_model", None)
     if inner is None:
@@ -356,13 +386,13 @@ def _table_buffer_source(model: Any) -> str:
     if getattr(getattr(inner, "rotary", None), "cos_cached", None) is not None:
         return "rotary.cos_cached"
     if hasattr(inner, "config") and hasattr(inner, "named_modules"):
-        from posgen_tl.io.spec import hf_attention_modules  # noqa: PLC0415
+        from posgen_tl.io.spec import sincos_tables  # noqa: PLC0415
 
         try:
-            attns = hf_attention_modules(inner)
+            tables = sincos_tables(inner)
         except RopeError:
             return "none"
-        if attns and isinstance(getattr(attns[0], "embed_positions", None), Tensor):
+        if tables:
             return "embed_positions"
     return "none"
 
@@ -376,9 +406,12 @@ def model_rotation_table(
     src = info.table_source
     inner = getattr(model, "original_model", None)
     if src == "embed_positions":
-        from posgen_tl.io.spec import hf_attention_modules  # noqa: PLC0415
+        from posgen_tl.io.spec import sincos_tables  # noqa: PLC0415
 
-        table = hf_attention_modules(inner)[layer].embed_positions.detach().float()
+        tables = sincos_tables(inner)
+        if tables is None:
+            raise RopeError(f"{type(inner).__name__}: the embed_positions sin/cos table has disappeared")
+        table = tables[layer].detach().float()
         t = table[positions.to(table.device).long()]  # [batch, pos, r] = cat(sin, cos)
         half = t.shape[-1] // 2
         sin, cos = t[..., :half], t[..., half:]
@@ -601,8 +634,12 @@ def stream_qk(
     progress: bool | str = True,
     with_tables: bool = False,
     with_pattern: bool = False,
+    _gate: bool = True,
 ) -> None:
     """Run the model over ``tokens`` in batches and call ``fn(QKCapture)`` per (batch, layer).
+
+    Gated (:func:`posgen_tl.hooks.gate.require_exact`): raises ``UncheckedModelError`` if a requested
+    layer's exactness check did not pass for this model, dtype and device.
 
     ``fn`` runs inside the forward pass, right after the layer's q/k (and scores) are
     available; the capture is dropped afterwards, so memory is one layer of one batch.
@@ -616,11 +653,17 @@ def stream_qk(
     """
     spec, info = probe_hooks(model)
     tokens = check_tokens(model, tokens, spec)
-    layers = list(range(spec.n_layers)) if layers is None else sorted({int(x) % spec.n_layers for x in layers})
+    layers = spec.layer_indices(layers)
     if not layers:
         raise ValueError("no layers selected")
+    if _gate:
+        from posgen_tl.hooks.gate import require_exact  # noqa: PLC0415
+
+        require_exact(model, layers, "reading q/k")
     if with_scores and info.scores_kind == "absent":
         raise CaptureError(f"{spec.model_name}: hook_attn_scores does not fire; scores are unavailable")
+    if position_ids is not None:
+        position_ids = check_position_ids(position_ids, tokens.shape[0], tokens.shape[1], spec.model_name)
     if position_ids is not None and not info.position_ids:
         raise CaptureError(
             f"{spec.model_name}: a {info.backend} model's forward takes no position_ids (TransformerLens 3.x "
@@ -646,6 +689,7 @@ def stream_qk(
             raise CaptureError(f"{spec.model_name}: hook_pattern does not fire; attention patterns are unavailable")
         need.append("hook_pattern")
     last_layer = layers[-1]
+    rot_tol = rotation_tolerance(model_dtype(model))
     n_batches = math.ceil(tokens.shape[0] / batch_size)
     desc = progress if isinstance(progress, str) else "capture"
     bar = tqdm(total=n_batches, desc=desc, disable=not progress, leave=False)
@@ -656,7 +700,8 @@ def stream_qk(
                 pos_arg = None
             else:
                 pid = position_ids.to(batch.device)
-                pos = pid.expand(batch.shape[0], -1) if pid.ndim == 1 else pid[offset : offset + batch.shape[0]]
+                pos = pid.expand(batch.shape[0], -1) if pid.ndim == 1 or pid.shape[0] == 1 and tokens.shape[0] > 1 \
+                    else pid[offset : offset + batch.shape[0]]
                 pos_arg = pos
             store: dict[int, dict[str, Tensor]] = {}
 
@@ -676,7 +721,9 @@ def stream_qk(
                     )
                 d[h] = x
                 if len(d) == len(need):
-                    cap = _make_capture(layer, d, spec.layer(layer).for_positions(pos), info, pos, b_idx, offset)
+                    lr = live_rope(model, spec, layer, spec.layer(layer).for_positions(pos))
+                    cap = _make_capture(layer, d, lr, info, pos, b_idx, offset)
+                    self_check(cap, rot_tol, spec.model_name)
                     if with_tables:
                         _attach_table(model, cap, d, info)
                     del store[layer]
@@ -727,6 +774,40 @@ def release_freed_memory() -> bool:
         return False
     _LIBC.malloc_trim(0)
     return True
+
+
+def rotation_tolerance(dtype: torch.dtype) -> float:
+    """The relative tolerance (to the largest |value|) within which our rotation must reproduce the model's:
+    ``1e-5`` for a float32 model, ``8·eps`` of a bf16/fp16 one (such a model rounds its own rotation)."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    return max(1e-5, 8 * eps)
+
+
+def self_check(cap: QKCapture, rel_tol: float, model_name: str = "model") -> None:
+    """Raise :class:`CaptureError` unless the spec's rotation of the captured pre-rotation q/k at the
+    capture's positions reproduces the model's own rotated q/k (``hook_rot_q``/``hook_rot_k``) within
+    ``rel_tol`` (relative to their largest |value|; a NaN never passes). A capture whose rotation was
+    computed (no hook) has nothing independent to compare with here; the exactness check covers it.
+
+    Every analysis computes from ``cap.q``/``cap.k``/``cap.rope``/``cap.positions``: this makes a RoPE the
+    spec does not reproduce (frequencies that depend on the ids or the length, a rotation hook changed by
+    another hook without the positions) an error instead of wrong numbers."""
+    if cap.rot_source != "hook":
+        return
+    rels = []
+    for pre, rot in ((cap.q, cap.rot_q), (cap.k, cap.rot_k)):
+        ref = float(rot.abs().max())
+        err = float((rotate(pre, cap.positions, cap.rope) - rot).abs().max())
+        rels.append(err / ref if ref > 0 else err)
+    worst = math.nan if any(math.isnan(r) for r in rels) else max(rels)
+    if not worst <= rel_tol:
+        raise CaptureError(
+            f"{model_name} layer {cap.layer}: the rotation the spec gives ({cap.rope.kind}, positions "
+            f"{int(cap.positions.min())}…{int(cap.positions.max())}) differs from the model's own hook_rot_q/hook_rot_k "
+            f"by {worst:.3g} (relative; tolerance {rel_tol:g}); refusing to compute from q/k whose rotation is not "
+            "the model's — a RoPE variant whose frequencies depend on the position ids or the length, or a hook "
+            "that changed the rotated q/k without the positions"
+        )
 
 
 def _make_capture(layer, d, lr, info, pos, b_idx, offset) -> QKCapture:
@@ -797,8 +878,11 @@ def capture_from_cache(model: Any, cache: Any, layer: int) -> QKCapture:
     Raises:
         CaptureError: the cache lacks the hooks (the message names them).
     """
+    from posgen_tl.hooks.gate import require_exact  # noqa: PLC0415
+
     spec, info = probe_hooks(model)
-    layer = int(layer) % spec.n_layers
+    layer = spec.layer_index(layer)
+    require_exact(model, [layer], "reading q/k from a cache")
     need = [info.q_hook, info.k_hook] + (["hook_rot_q", "hook_rot_k"] if info.rot_fires else [])
     keys = set(cache.keys()) if hasattr(cache, "keys") else set()
     d: dict[str, Tensor] = {}
@@ -827,7 +911,9 @@ def capture_from_cache(model: Any, cache: Any, layer: int) -> QKCapture:
     pos = torch.arange(q.shape[1], device=q.device).expand(q.shape[0], -1)
     if info.rot_fires and not ("hook_rot_q" in d and "hook_rot_k" in d):
         info = HookInfo(info.q_hook, info.k_hook, info.normed_layout, False, info.scores_kind, info.attn_prefix)
-    return _make_capture(layer, d, spec.layer(layer).for_positions(pos), info, pos, 0, 0)
+    cap = _make_capture(layer, d, live_rope(model, spec, layer, spec.layer(layer).for_positions(pos)), info, pos, 0, 0)
+    self_check(cap, rotation_tolerance(model_dtype(model)), spec.model_name)
+    return cap
 
 
 def pattern_hooks(
@@ -844,7 +930,7 @@ def pattern_hooks(
     spec, info = probe_hooks(model)
     names = _hook_names(model)
     out = []
-    for layer in sorted({int(x) % spec.n_layers for x in layers}):
+    for layer in spec.layer_indices(layers):
         name = info.name(layer, "hook_pattern")
         if name not in names:
             raise CaptureError(f"{spec.model_name}: no {name} hook: attention patterns are unavailable")

@@ -54,6 +54,7 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
+from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation, probe_hooks, stash_shape, stream_qk, to_heads
 from posgen_tl.maths.band_stats import BandStats
 from posgen_tl.maths.rope import LayerRope, from_bands, to_bands
@@ -367,7 +368,9 @@ def intervention_hooks(
     """
     spec, info = probe_hooks(model)
     layers = range(spec.n_layers) if intervention.layers is None else intervention.layers
-    layers = sorted({int(x) % spec.n_layers for x in layers})
+    layers = spec.layer_indices(layers)
+    if intervention.kind != "noop":
+        require_exact(model, layers, f"the key edit {intervention.kind!r}")
     hook = info.q_hook if intervention.target == "q" else info.k_hook
     # TL 3.x HookedTransformer + QK-norm: the hook sits before the norm weight (see _edit_prescale)
     prescale = info.normed_layout == "flat_prescale"

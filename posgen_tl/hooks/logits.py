@@ -16,7 +16,9 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import pre_rotation_stash, probe_hooks, require_pre_softmax
+from posgen_tl.hooks.capture import check_position_ids, pre_rotation_stash, probe_hooks, require_pre_softmax
+from posgen_tl.hooks.gate import require_exact
+from posgen_tl.io.spec import live_rope
 from posgen_tl.maths.approx_logits import causal_visible, d3_approx_logits, disentangled_logits, distances, exact_logits
 from posgen_tl.maths.approx_logits import lm_infinite_logits, quantile_mask
 from posgen_tl.maths.decompose import fit_additive
@@ -95,14 +97,18 @@ def logit_substitution_hooks(
     spec, info = require_pre_softmax(model, "logit substitution")
     softcap = spec.extra.get("attn_logit_softcapping")
     layers = range(spec.n_layers) if layers is None else layers
+    require_exact(model, layers, "logit substitution")
+    if position_ids is not None and torch.as_tensor(position_ids).ndim > 2:  # M-RoPE streams: a named refusal
+        check_position_ids(position_ids, 0, int(torch.as_tensor(position_ids).shape[-1]), spec.model_name)
     out: HookList = []
-    for layer in sorted({int(x) % spec.n_layers for x in layers}):
+    for layer in spec.layer_indices(layers):
         rope, stash = spec.layer(layer), {}
         if fn is None and not (remove_window and rope.sliding_window is not None):
             continue  # nothing to do on this layer
 
         def scores(w: Tensor, hook: Any, stash=stash, rope=rope, layer=layer) -> Tensor:
             q, k = stash.pop("q"), stash.pop("k")
+            rope = live_rope(model, spec, layer, rope)  # dynamic NTK: the frequencies of THIS forward
             b, n = q.shape[0], q.shape[1]
             pos = torch.arange(n, device=q.device) if position_ids is None else position_ids.to(q.device)
             if pos.shape[-1] != n:

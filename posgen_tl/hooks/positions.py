@@ -15,10 +15,12 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import (CaptureError, StopForward, from_heads, pre_rotation_stash, probe_hooks,
+from posgen_tl.hooks.capture import (CaptureError, check_position_ids, StopForward, from_heads, pre_rotation_stash, probe_hooks,
                                      require_pre_softmax, stash_shape, to_heads)
 from posgen_tl.maths.perturb import capped_scores
-from posgen_tl.maths.rope import LayerRope, rotate, unrotate
+from posgen_tl.hooks.gate import require_exact
+from posgen_tl.io.spec import live_rope
+from posgen_tl.maths.rope import LayerRope, RopeError, rotate, unrotate
 
 __all__ = ["reposition_hooks", "distance_cap_hooks", "final_residual_hook", "StopForward", "stash_shape", "HookList"]
 
@@ -41,6 +43,17 @@ def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, 
     float rounding.
     """
     spec, info = probe_hooks(model)
+    require_exact(model, None, "re-positioning by hooks")
+    if torch.as_tensor(position_ids).ndim > 2:  # M-RoPE streams: a named refusal
+        check_position_ids(position_ids, 0, int(torch.as_tensor(position_ids).shape[-1]), spec.model_name)
+    dyn = spec.extra.get("dynamic_max_len")
+    if dyn is not None and int(torch.as_tensor(position_ids).max()) + 1 > int(dyn):
+        raise RopeError(
+            f"{spec.model_name}: dynamic-NTK RoPE recomputes its frequencies from the largest position id past "
+            f"{dyn}; re-rotating to ids up to {int(torch.as_tensor(position_ids).max())} inside a forward run at "
+            "0…n−1 would not give the frequencies the model would use: pass position_ids to the forward instead "
+            "(a TransformerBridge takes them)"
+        )
     out: HookList = []
 
     def at_rot(x: Tensor, hook: Any, rope: LayerRope) -> Tensor:
@@ -85,11 +98,13 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
     spec, info = require_pre_softmax(model, "recomputing capped logits")
     softcap = spec.extra.get("attn_logit_softcapping")
     layers = range(spec.n_layers) if layers is None else layers
+    require_exact(model, layers, "distance-capped logits")
     out: HookList = []
-    for layer in sorted({int(x) % spec.n_layers for x in layers}):
+    for layer in spec.layer_indices(layers):
         rope, stash = spec.layer(layer), {}
 
-        def scores(w: Tensor, hook: Any, stash=stash, rope=rope) -> Tensor:
+        def scores(w: Tensor, hook: Any, stash=stash, rope=rope, layer=layer) -> Tensor:
+            rope = live_rope(model, spec, layer, rope)  # dynamic NTK: the frequencies of THIS forward
             new = capped_scores(stash["q"], stash["k"], rope, cap)
             if softcap:
                 new = torch.tanh(new / softcap) * softcap

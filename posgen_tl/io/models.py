@@ -277,9 +277,12 @@ def _boot(hf, tok, name: str, device: str | None):
     the placement (an accelerate ``device_map`` dispatch)."""
     from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
 
+    from posgen_tl.io.mend import MENDED, mend_bridge_rotation_dtype, mend_hf_for_bridge  # noqa: PLC0415
+
     native_bos = tokenizer_adds_bos(tok) if tok is not None else False
     if device is not None and getattr(hf, "hf_device_map", None) is None:
         hf = hf.to(device)
+    mended = mend_hf_for_bridge(hf)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -290,6 +293,10 @@ def _boot(hf, tok, name: str, device: str | None):
                 f"{_architecture(hf)} ({type(e).__name__}: {str(e)[:300]})"
             ) from e
     bridge.eval()
+    dtype = next((p.dtype for p in hf.parameters() if p.is_floating_point()), torch.float32)
+    mended += mend_bridge_rotation_dtype(bridge, hf, dtype)
+    if mended:
+        MENDED[id(bridge)] = mended
     NATIVE_BOS[bridge] = native_bos
     return bridge
 
@@ -451,6 +458,7 @@ def load_model(
     verbose: bool = False,
     device_map: str | dict | None = None,
     backend: str = "bridge",
+    unchecked: bool = False,
 ):
     """Return a ``TransformerBridge`` (or ``HookedTransformer``) for a zoo name, a hub name /
     local folder, or a model.
@@ -472,12 +480,26 @@ def load_model(
         backend: ``"bridge"`` (default; TransformerLens 3.9+ and 4.x) or ``"hooked"``
             (a ``HookedTransformer``; TransformerLens 3.x only, zoo models and local HF
             folders, one ``device``), built offline from the same weights.
+        unchecked: let analyses run on layers whose exactness check did not pass (each such call
+            warns; report and study outputs are stamped UNCHECKED). Default: they raise
+            :class:`~posgen_tl.hooks.gate.UncheckedModelError` (see :mod:`posgen_tl.hooks.gate`).
 
     Raises:
         ModelLoadError: unknown name or backend, missing package, a hub/local load that
             failed, ``device`` and ``device_map`` both given, ``backend="hooked"`` under
             TransformerLens 4.x or with a ``device_map``.
     """
+    model = _load(name_or_model, device=device, dtype=dtype, use_cache=use_cache, verbose=verbose,
+                  device_map=device_map, backend=backend)
+    if unchecked:
+        from posgen_tl.hooks.gate import allow_unchecked  # noqa: PLC0415
+
+        allow_unchecked(model, "load_model(..., unchecked=True)")
+    return model
+
+
+def _load(name_or_model: Any, *, device: str | None, dtype: torch.dtype, use_cache: bool, verbose: bool,
+          device_map: str | dict | None, backend: str) -> Any:
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if device_map is not None and device is not None:

@@ -26,14 +26,16 @@ model uses 1e5 (SmolLM2) or 1e4/1e6 (Gemma3).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import weakref
 from typing import Any
 
 import torch
 
 from posgen_tl.maths.rope import LayerRope, RopeError, RopeSpec
 
-__all__ = ["rope_spec", "SUPPORTED_ROPE_TYPES"]
+__all__ = ["rope_spec", "SUPPORTED_ROPE_TYPES", "sincos_tables", "hf_attention_modules", "live_rope"]
 
 #: rope types whose effect lives entirely in ``inv_freq`` and ``attention_scaling``
 #: (so reading them off the rotary module is exact). ``dynamic`` is exact only up to
@@ -57,6 +59,13 @@ def rope_spec(model: Any) -> RopeSpec:
     cfg = getattr(model, "cfg", None)
     pe = getattr(cfg, "positional_embedding_type", None)
     name = _model_name(model)
+    hf_cfg = getattr(getattr(model, "original_model", None), "config", None)
+    if hf_cfg is not None and bool(getattr(hf_cfg, "use_mem_rope", False)):
+        raise RopeError(
+            f"model {name!r} ({type(model.original_model).__name__}): a hybrid of Mamba layers and shared attention "
+            "blocks that apply RoPE (Zamba2, use_mem_rope=True); TransformerLens reports it as positional_embedding_type="
+            f"{pe!r}, and hybrid models are not supported by posgen_tl"
+        )
     if pe is not None and str(pe).lower() not in ("rotary",):
         raise RopeError(
             f"model {name!r} uses positional_embedding_type={pe!r}, not rotary (RoPE): "
@@ -102,6 +111,10 @@ def _attention_of(layer: Any) -> Any | None:
         mod = getattr(layer, nm, None)
         if mod is not None:
             return getattr(mod, "original_component", None) or mod
+    mod = getattr(layer, "temporal_block", None)  # RecurrentGemma: attention OR a recurrent block, by layer
+    mod = getattr(mod, "original_component", None) or mod
+    if mod is not None and "Attention" in type(mod).__name__:
+        return mod
     return None
 
 
@@ -143,16 +156,17 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
         raise RopeError(f"model {name!r} ({arch}): found {len(attn_modules)} attention modules for {n_layers} layers")
     n_heads = int(getattr(text_cfg, "num_attention_heads"))
     n_kv = _kv_heads(attn_modules[0], text_cfg, n_heads)
-    d_head = int(getattr(text_cfg, "head_dim", None) or getattr(text_cfg, "hidden_size") // n_heads)
+    d_head = _head_dim(text_cfg, attn_modules, n_heads, name, arch)
     bridge_cfg = getattr(model, "cfg", None)
     n_ctx = int(getattr(text_cfg, "max_position_embeddings", 0) or getattr(bridge_cfg, "n_ctx", 0))
     rotary = _hf_rotary(hf)
     if rotary is None:
-        if hasattr(attn_modules[0], "embed_positions"):  # GPT-J: a fixed sin|cos table, no inv_freq
+        if sincos_tables(hf, attn_modules) is not None:  # GPT-J / CodeGen: a fixed sin|cos table, no inv_freq
             return _from_sincos_table(model, hf, name, attn_modules, n_heads, n_kv, d_head, n_ctx)
         raise RopeError(
             f"model {name!r} ({arch}): no rotary embedding was found (neither a rotary module with an inv_freq "
-            "buffer nor a GPT-J sin/cos table); is this a RoPE model?"
+            "buffer nor a GPT-J/CodeGen embed_positions sin/cos table, on the attention modules or on a rotary "
+            "module); is this a RoPE model?"
         )
     unmodelled = _unmodelled_attention(text_cfg, arch)
     if unmodelled:
@@ -188,6 +202,8 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
                 "so a spec would give wrong numbers."
             )
         rope_types.add(rtype)
+        if rtype == "dynamic":  # HF recomputes these frequencies in the forward pass (see live_rope)
+            extra.setdefault("dynamic_prefix", {})[i] = prefix
         # the frequencies as built: HF rewrites ``inv_freq`` in place for LongRoPE / dynamic NTK during a
         # forward pass, ``original_inv_freq`` keeps the ones it starts from
         key = f"{prefix}original_inv_freq" if f"{prefix}original_inv_freq" in bufs else f"{prefix}inv_freq"
@@ -245,6 +261,63 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
     )
 
 
+def live_rope(model: Any, spec: RopeSpec, layer: int, lr: LayerRope) -> LayerRope:
+    """``lr`` with the frequencies the model's rotary module holds NOW — on a dynamic-NTK layer, those HF
+    computed for the forward pass under way (HF recomputes ``inv_freq`` from the largest position id,
+    and keeps it across later calls until a short input resets it: the frequencies depend on the ids
+    and on earlier calls, so they are read, never predicted). Every other layer: ``lr`` unchanged.
+
+    Call it inside a forward pass (a hook), after the rotary module ran."""
+    prefix = (spec.extra.get("dynamic_prefix") or {}).get(layer)
+    if prefix is None:
+        return lr
+    rotary = _rotary_of(model)
+    if rotary is None:
+        raise RopeError(f"model {spec.model_name!r}: dynamic-NTK RoPE whose rotary module has disappeared")
+    inv = dict(rotary.named_buffers(recurse=False))[f"{prefix}inv_freq"].detach().float().to(lr.inv_freq.device)
+    a = float(getattr(rotary, f"{prefix}attention_scaling", None) or getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    if inv.shape == lr.inv_freq.shape and bool(torch.equal(inv, lr.inv_freq)) and a == lr.attention_scaling:
+        return lr
+    return dataclasses.replace(lr, inv_freq=inv, attention_scaling=a, kind=f"{lr.kind}+dynamic")
+
+
+_ROTARY_CACHE: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _rotary_of(model: Any) -> Any | None:
+    """The HF rotary module of a bridge (cached per model)."""
+    inner = getattr(model, "original_model", None)
+    if inner is None:
+        return None
+    try:
+        return _ROTARY_CACHE[inner]
+    except KeyError:
+        rot = _ROTARY_CACHE[inner] = _hf_rotary(inner)
+        return rot
+
+
+def _head_dim(text_cfg: Any, attns: list, n_heads: int, name: str, arch: str) -> int:
+    """The head dimension every attention layer uses — each module's own ``head_dim`` where it has one
+    (never a per-layer config attribute read globally: transformers refuses that for Gemma 4).
+
+    Raises:
+        RopeError: layers with different head dimensions (Gemma 4's wider global layers)."""
+    dims = {int(d) for d in (getattr(a, "head_dim", None) for a in attns) if isinstance(d, int) and d > 0}
+    if len(dims) > 1:
+        per = [int(getattr(a, "head_dim", 0) or 0) for a in attns]
+        raise RopeError(
+            f"model {name!r} ({arch}): the head dimension differs between layers ({', '.join(map(str, sorted(dims)))}; "
+            f"per layer {per}); posgen_tl's spec holds one head dimension per model, so this model is not supported"
+        )
+    if dims:
+        return dims.pop()
+    try:
+        d = getattr(text_cfg, "head_dim", None)
+    except Exception:  # noqa: BLE001 — transformers' AmbiguousGlobalPerLayerAttributeError
+        d = None
+    return int(d or getattr(text_cfg, "hidden_size") // n_heads)
+
+
 def _unmodelled_attention(text_cfg: Any, arch: str) -> str | None:
     """A named attention feature whose logits are not ``s·(R_i q)·(R_j k)`` over a causal (+window) mask."""
     if getattr(text_cfg, "kv_lora_rank", None) or getattr(text_cfg, "qk_rope_head_dim", None):
@@ -256,6 +329,10 @@ def _unmodelled_attention(text_cfg: Any, arch: str) -> str | None:
     rp = _rope_params_for(text_cfg, None)
     if isinstance(rp, dict) and rp.get("llama_4_scaling_beta") is not None:
         return "the Llama-4 query scale by position (rope_parameters.llama_4_scaling_beta, Ministral-3)"
+    km = getattr(text_cfg, "key_multiplier", None)
+    if km is not None and float(km) != 1.0:
+        return (f"a key multiplier (config.key_multiplier = {float(km):g}, Falcon-H1: the keys are scaled inside "
+                "the attention, after the hooks posgen_tl reads)")
     return None
 
 
@@ -298,6 +375,16 @@ def _apply_layout(attn: Any, rotary: Any, layer_type: str | None, inv_freq: torc
         ours = rotate(x.transpose(1, 2), pos, lr).transpose(1, 2)
         if (ours - out).abs().max().item() <= 1e-5 * max(1.0, x.abs().max().item()):
             return layout
+    for layout in ("half", "adjacent"):  # the opposite sign: a rotation by −θ (NanoChat's rotate_half)
+        lr = LayerRope(inv_freq=-inv_freq, rotary_dim=2 * n, layout=layout, attention_scaling=a)
+        ours = rotate(x.transpose(1, 2), pos, lr).transpose(1, 2)
+        if (ours - out).abs().max().item() <= 1e-5 * max(1.0, x.abs().max().item()):
+            pairs = "halves (m, m + r/2)" if layout == "half" else "adjacent pairs (2m, 2m + 1)"
+            raise RopeError(
+                f"model {name!r}: its apply_rotary_pos_emb rotates {pairs} by −θ (its rotate_half has the opposite "
+                "sign, as NanoChat's); posgen_tl's bands and periods assume the +θ convention, so this model is not "
+                "supported"
+            )
     raise RopeError(
         f"model {name!r}: its apply_rotary_pos_emb pairs dims neither as halves (m, m + r/2) nor adjacently "
         "(2m, 2m + 1); this RoPE layout is not understood"
@@ -410,16 +497,33 @@ def _longrope_long(rotary: Any, text_cfg: Any, layer_type: str | None, short: to
     return long_inv, int(after)
 
 
+def sincos_tables(hf: Any, attns: list | None = None) -> list[torch.Tensor] | None:
+    """The per-layer ``embed_positions = cat(sin, cos)`` tables of a GPT-J / CodeGen model, wherever the
+    installed transformers keeps them: on each attention module (transformers ≤ 5.23) or on one shared
+    rotary module (``model.rotary_emb.embed_positions``, transformers ≥ 5.24). ``None``: no such table.
+    Each entry is the live buffer ``[n_positions, rotary_dim]`` (not a copy)."""
+    attns = hf_attention_modules(hf) if attns is None else attns
+    own = [getattr(a, "embed_positions", None) for a in attns]
+    if attns and all(isinstance(t, torch.Tensor) for t in own):
+        return own  # type: ignore[return-value]
+    for _, mod in hf.named_modules():
+        buf = dict(mod.named_buffers(recurse=False)).get("embed_positions")
+        if isinstance(buf, torch.Tensor) and buf.ndim == 2:
+            return [buf] * len(attns)
+    return None
+
+
 def _from_sincos_table(model: Any, hf: Any, name: str, attns: list, n_heads: int, n_kv: int, d_head: int,
                        n_ctx: int) -> RopeSpec:
-    """GPT-J: each attention module holds ``embed_positions = cat(sin, cos)`` of
-    ``p · 10000^(−2m/r)`` (``create_sinusoidal_positions``), rotates adjacent pairs (``rotate_every_two``)
-    on the first ``rotary_dim`` dims. Our frequencies are built the same way and checked against the
-    table of every layer (all ``n_positions`` rows)."""
+    """GPT-J / CodeGen: an ``embed_positions = cat(sin, cos)`` table of ``p · 10000^(−2m/r)``
+    (``create_sinusoidal_positions``; per attention module, or one on the model's rotary module — see
+    :func:`sincos_tables`), adjacent pairs rotated (``rotate_every_two``) on the first ``rotary_dim`` dims.
+    Our frequencies are built the same way and checked against the table of every layer (all
+    ``n_positions`` rows)."""
     arch = type(hf).__name__
     layers = []
-    for i, attn in enumerate(attns):
-        table = attn.embed_positions
+    tables = sincos_tables(hf, attns) or []
+    for i, (attn, table) in enumerate(zip(attns, tables)):
         r = int(getattr(attn, "rotary_dim", None) or d_head)
         if table.shape[-1] != r:
             raise RopeError(f"model {name!r} ({arch}) layer {i}: sin/cos table width {table.shape[-1]} != rotary_dim {r}")
@@ -441,7 +545,7 @@ def _from_sincos_table(model: Any, hf: Any, name: str, attns: list, n_heads: int
         model_name=name, n_layers=len(layers), n_heads=n_heads, n_kv_heads=n_kv, d_head=d_head, n_ctx=n_ctx,
         layers=tuple(layers), rope_type="default", qk_norm=False, source=f"HF {arch} sin/cos table",
         extra={"attn_logit_softcapping": None, "layer_types": [], "architecture": arch,
-               "max_position": min(int(a.embed_positions.shape[0]) for a in attns)},
+               "max_position": min(int(t.shape[0]) for t in tables)},
     )
 
 
@@ -477,13 +581,13 @@ def hf_attention_modules(hf: Any, name: str | None = None) -> list:
             obj = getattr(obj, part, None)
             if obj is None:
                 break
-        if isinstance(obj, (nn.ModuleList, list, tuple)) and len(obj) and _attention_of(obj[0]) is not None:
+        if isinstance(obj, (nn.ModuleList, list, tuple)) and len(obj) and any(_attention_of(x) is not None for x in obj):
             layers = obj
             break
     if layers is None:
         for _, mod in hf.named_modules():
             if isinstance(mod, nn.ModuleList) and len(mod) and (n is None or len(mod) == n) \
-                    and _attention_of(mod[0]) is not None:
+                    and any(_attention_of(x) is not None for x in mod):
                 layers = mod
                 break
     label = f"model {name!r} ({arch})" if name else arch
@@ -492,13 +596,33 @@ def hf_attention_modules(hf: Any, name: str | None = None) -> list:
             f"{label}: cannot find the decoder layers (looked for {', '.join(_LAYER_PATHS)} and any "
             f"ModuleList of {n} layers with a {'/'.join(_ATTN_NAMES)} child)"
         )
-    out = []
-    for layer in layers:
-        attn = _attention_of(layer)
-        if attn is None:
-            raise RopeError(f"{label}: a decoder layer without a self-attention module ({'/'.join(_ATTN_NAMES)})")
-        out.append(attn)
+    out = [_attention_of(layer) for layer in layers]
+    other = [i for i, a in enumerate(out) if a is None]
+    if other:
+        kinds = sorted({type(getattr(layers[i], "original_component", None) or layers[i]).__name__ for i in other})
+        mixers = sorted({type(m).__name__ for i in other for nm, m in
+                         (getattr(layers[i], "original_component", None) or layers[i]).named_children()
+                         if any(w in nm.lower() for w in ("mamba", "linear_attn", "conv", "temporal", "mixer", "ssm",
+                                                          "recurrent")) and "norm" not in nm.lower()})
+        raise RopeError(
+            f"{label}: a hybrid model — of its {len(out)} decoder layers, layer(s) {_ranges(other)} are not attention "
+            f"({', '.join(mixers or kinds)}) and layer(s) {_ranges([i for i in range(len(out)) if i not in other])} "
+            "are. "
+            "posgen_tl's analyses need every decoder layer to be RoPE attention, so hybrid models are not supported"
+        )
     return out
+
+
+def _ranges(idx: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2, 5"``."""
+    out, start = [], None
+    for i, x in enumerate(idx):
+        if start is None:
+            start = x
+        if i + 1 == len(idx) or idx[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
 
 
 # ----------------------------------------------------------------------------- native

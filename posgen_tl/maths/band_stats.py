@@ -454,7 +454,7 @@ def stats_frame(
     n = H * B
     frame = {
         "model": [model] * n, "twin": [twin] * n, "layer": [layer] * n, "which": [which] * n,
-        "head": head.reshape(-1).numpy(), "band": band.reshape(-1).numpy(),
+        "head": head.reshape(-1).cpu().numpy(), "band": band.reshape(-1).cpu().numpy(),
     }
     frame.update({k: v.detach().double().reshape(-1).cpu().numpy() for k, v in cols.items()})
     return pd.DataFrame(frame)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 from einops import rearrange
@@ -34,6 +34,7 @@ __all__ = [
     "LayerRope",
     "RopeSpec",
     "RopeError",
+    "IndexRangeError",
     "angles",
     "rotate",
     "unrotate",
@@ -56,6 +57,10 @@ __all__ = [
 
 class RopeError(ValueError):
     """The model has no usable RoPE, or its RoPE variant is not understood."""
+
+
+class IndexRangeError(ValueError, IndexError):
+    """A layer or head index outside the model (the message names the valid range)."""
 
 
 @dataclass(frozen=True)
@@ -178,9 +183,46 @@ class RopeSpec:
             )
 
     def layer(self, layer: int) -> LayerRope:
-        if not -self.n_layers <= layer < self.n_layers:
-            raise IndexError(f"layer {layer} out of range for a {self.n_layers}-layer model")
-        return self.layers[layer]
+        """The :class:`LayerRope` of ``layer`` (``-1`` is the last layer).
+
+        Raises:
+            IndexRangeError: ``layer`` is outside ``-n_layers … n_layers − 1``."""
+        return self.layers[self.layer_index(layer)]
+
+    def layer_index(self, layer: int) -> int:
+        """``layer`` as an index ``0 … n_layers − 1``; negative indices count from the end (``-1`` = last).
+
+        Raises:
+            IndexRangeError: ``layer`` is outside ``-n_layers … n_layers − 1`` (never wrapped)."""
+        i = int(layer)
+        if not -self.n_layers <= i < self.n_layers:
+            raise IndexRangeError(
+                f"layer {i} does not exist in {self.model_name or 'this model'} ({self.n_layers} layers: "
+                f"valid indices 0 … {self.n_layers - 1}, or -{self.n_layers} … -1 from the end)"
+            )
+        return i % self.n_layers
+
+    def layer_indices(self, layers: "Sequence[int] | range | None") -> list[int]:
+        """The sorted distinct layer indices ``layers`` names (``None`` → every layer; negative indices
+        count from the end). Raises :class:`IndexRangeError` for an index outside the model."""
+        if layers is None:
+            return list(range(self.n_layers))
+        return sorted({self.layer_index(x) for x in layers})
+
+    def head_index(self, head: int, *, kv: bool = False) -> int:
+        """``head`` as a query-head (``kv=True``: key/value-head) index; negative counts from the end.
+
+        Raises:
+            IndexRangeError: ``head`` is outside the model's heads."""
+        n = self.n_kv_heads if kv else self.n_heads
+        i = int(head)
+        if not -n <= i < n:
+            what = "key/value head" if kv else "head"
+            raise IndexRangeError(
+                f"{what} {i} does not exist in {self.model_name or 'this model'} ({n} {what}s per layer: valid "
+                f"indices 0 … {n - 1}, or -{n} … -1 from the end)"
+            )
+        return i % n
 
     @property
     def group_size(self) -> int:

@@ -457,7 +457,7 @@ def frequency_usage_frame(
     if e.ndim != 2:
         raise ValueError(f"energy_share must be [head_index, band], got {tuple(e.shape)}")
     n_h, n_b = e.shape
-    cen = frequency_centroid(e).numpy()
+    cen = frequency_centroid(e).cpu().numpy()
     head = np.repeat(np.arange(n_h), n_b)
     return pd.DataFrame(
         dict(
@@ -467,7 +467,7 @@ def frequency_usage_frame(
             which=which,
             head=head,
             band=np.tile(np.arange(n_b), n_h),
-            energy_share=e.numpy().ravel(),
+            energy_share=e.cpu().numpy().ravel(),
             centroid=cen[head],
         )
     )

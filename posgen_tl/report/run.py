@@ -38,6 +38,8 @@ class ReportSettings:
     sizes: dict[str, Any] = field(default_factory=dict)
     params: dict[str, str] = field(default_factory=dict)
     experiments: tuple[str, ...] = registry.REPORT
+    #: ``load_model`` options of a named model (``device``, ``dtype``, ``unchecked``), recorded in the outputs
+    load: dict[str, Any] = field(default_factory=dict)
 
     def configs(self) -> dict[str, Any]:
         """``{experiment: Config}`` — each built by :func:`posgen_tl.experiments.registry.make_config`.
@@ -55,6 +57,18 @@ def full_size_hint(name: str, model_name: str, preset: str) -> str:
             f"posgen-tl study {name} --model {model_name} --full --out results/{name}")
 
 
+def _device(model: Any) -> str:
+    from posgen_tl.hooks.capture import model_device  # noqa: PLC0415
+
+    return str(model_device(model))
+
+
+def _dtype(model: Any) -> str:
+    from posgen_tl.hooks.capture import model_dtype  # noqa: PLC0415
+
+    return str(model_dtype(model)).removeprefix("torch.")
+
+
 def run_report(settings: ReportSettings) -> int:
     """Run every experiment (resuming finished ones) and write the report; returns an exit code."""
     from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
@@ -66,17 +80,24 @@ def run_report(settings: ReportSettings) -> int:
     for stale in ("report.html", "results.json"):
         (out / stale).unlink(missing_ok=True)  # never leave an old, complete-looking report beside a new run
     model_name = settings.model if isinstance(settings.model, str) else type(settings.model).__name__
-    stamp = {"model": model_name, "preset": settings.preset, "configs": {n: c.as_dict() for n, c in configs.items()}}
+    from posgen_tl.hooks.gate import unchecked_reason  # noqa: PLC0415
+
+    placement = {k: str(v).removeprefix("torch.") for k, v in settings.load.items()}
+    stamp = {"model": model_name, "preset": settings.preset, "configs": {n: c.as_dict() for n, c in configs.items()},
+             **({"load": placement} if placement else {})}
     work = Work(out, stamp)
     t0 = time.time()
-    model = load_model(settings.model, verbose=True) if isinstance(settings.model, str) else settings.model
+    model = load_model(settings.model, verbose=True, **settings.load) if isinstance(settings.model, str) \
+        else settings.model
     spec, _ = probe_hooks(model)
+    unchecked = unchecked_reason(model)
     seed = next(iter(configs.values())).seed
     ctx = Context(model, work, spec.model_name, seed=seed)
     timings: dict[str, float] = {}
     sections, findings = [], []
     results: dict[str, Any] = {"model": spec.model_name, "preset": settings.preset, "configs": stamp["configs"],
-                               "stage_seconds": timings}
+                               "stage_seconds": timings, "device": _device(model), "dtype": _dtype(model),
+                               "unchecked": unchecked}
     mods = {n: registry.experiment(n) for n in configs}
     for name, cfg in configs.items():
         if not work.done(name):
@@ -99,11 +120,16 @@ def run_report(settings: ReportSettings) -> int:
     results["total_seconds"] = time.time() - t0
     first = next(iter(configs.values()))
     meta = {"model": spec.model_name, "corpus": first.corpus or "pydoc_data.topics (stdlib)",
-            "preset": settings.preset, "seed": seed, "generated": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "preset": settings.preset, "seed": seed, "device": _device(model), "dtype": _dtype(model),
+            "generated": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if unchecked:
+        meta = {"UNCHECKED": f"layers whose exactness check did not pass were analysed ({unchecked}): these numbers "
+                             "are not shown to be the model's", **meta}
     for f in sorted(work.dir.glob("*.csv")):
         shutil.copyfile(f, out / f.name)
     atomic_write(out / "results.json", json.dumps(results, indent=1, default=jsonable).encode())
-    page = render_html(f"posgen_tl report — {spec.model_name}", meta, sections, findings=findings)
+    title = f"posgen_tl report — {spec.model_name}" + (" — UNCHECKED" if unchecked else "")
+    page = render_html(title, meta, sections, findings=findings)
     atomic_write(out / "report.html", page.encode())
     print(f"[posgen-tl] wrote {out / 'report.html'} ({time.time() - t0:.0f} s)")
     return 0

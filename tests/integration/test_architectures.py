@@ -54,8 +54,8 @@ def test_cell_is_exact_or_a_named_refusal_and_matches_the_table(arch, backend, d
         tol = am.tolerances(am.DTYPES[dtype])
         assert cell.n_compared >= am.MIN_COMPARED
         assert cell.rot_err <= tol["rot"] and cell.score_err <= tol["score"] and cell.pattern_err <= tol["pattern"]
-    else:  # a refusal names the model and what is missing
-        assert arch in cell.status, cell.status
+    else:  # a refusal names the model (its folder, or TransformerLens' name with its HF class) and what is missing
+        assert arch in cell.status or am.ARCHS[arch].family in cell.status, cell.status
     col = am.column(backend)
     committed = COMMITTED["columns"].get(col, {}).get("cells", {}).get(arch, {}).get(dtype, {}).get("status")
     assert committed == cell.status, (
@@ -78,12 +78,35 @@ def test_table_lists_exactly_the_matrix():
 
 
 def _fresh_cell(arch: str, root) -> am.Cell:
-    """One float32 bridge cell from a freshly loaded model (so a monkeypatched library is what runs)."""
+    """One float32 bridge cell from a freshly loaded model (so a monkeypatched library is what runs), with the
+    library's gate opened (``unchecked``): these tests prove the REFERENCE — Hugging Face's own attention and
+    the exactness table — catches a wrong spec, not only the gate in front of the analyses."""
+    import warnings
+
+    from posgen_tl.hooks.gate import UncheckedWarning
+
+    am._MODELS.clear()
+    am.UNCHECKED = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UncheckedWarning)
+            return am.run_cell(am.ARCHS[arch], "bridge", "float32", root)
+    finally:
+        am.UNCHECKED = False
+        am._MODELS.clear()
+
+
+def test_the_gate_refuses_a_wrong_window_before_any_reference(root, monkeypatch):
+    """The same wrong spec as below with the gate closed: a named refusal, never a number."""
+    import posgen_tl.io.spec as spec_mod
+
+    monkeypatch.setattr(spec_mod, "_layer_window", lambda *a, **k: None)
     am._MODELS.clear()
     try:
-        return am.run_cell(am.ARCHS[arch], "bridge", "float32", root)
+        cell = am.run_cell(am.ARCHS["mistral"], "bridge", "float32", root)
     finally:
         am._MODELS.clear()
+    assert cell.status.startswith("refused: mistral") and "layer 0 failed" in cell.status
 
 
 def test_the_reference_is_sensitive_to_a_wrong_window(root, monkeypatch):
@@ -128,12 +151,14 @@ HOOK_CELLS = [(a, b) for a in am.ARCHS for b in am.backends()]
 def _loaded_or_refused(arch: str, backend: str, root):
     """The float32 model and its probe, or ``None`` where the matrix refuses the cell (by name)."""
     from posgen_tl.hooks.capture import CaptureError, probe_hooks
+    from posgen_tl.hooks.gate import require_exact
     from posgen_tl.io.models import ModelLoadError
     from posgen_tl.maths.rope import RopeError
 
     try:
         model = am.load(am.ARCHS[arch], backend, torch.float32, root)
         spec, info = probe_hooks(model)
+        require_exact(model, None, "the matrix's hook tests")  # the gate refuses the cell: nothing to test
     except (RopeError, CaptureError, ModelLoadError) as e:
         assert arch in str(e) or "gpt" in str(e).lower() or str(e), e
         return None

@@ -43,6 +43,24 @@ def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
     assert "layer 0: failed: scores differ (injected)" in out
 
 
+@pytest.mark.parametrize("layers", ["99", "30", "0,30"])
+def test_check_a_layer_outside_the_model_is_exit_2_naming_the_range(capsys, smollm2, layers):
+    """``--layers 99`` on the 30-layer SmolLM2 used to check layer 9 (99 mod 30) and print PASS."""
+    rc = main(["check", "--seq-len", "16", "--n-seq", "1", "--layers", layers])
+    cap = capsys.readouterr()
+    assert rc == 2, cap.out
+    assert "does not exist" in cap.err and "valid indices 0 … 29" in cap.err and "PASS" not in cap.out
+
+
+def test_check_states_its_defaults_in_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["check", "--help"])
+    out = capsys.readouterr().out
+    for needle in ("default: smollm2-135m", "--device", "--dtype", "exit 0 only if every layer passed",
+                   "tokens per compared sequence"):
+        assert needle in out, needle
+
+
 _words = st.sampled_from(["check", "report", "study", "list", "decomposition", "--model", "--seq-len", "--n-seq", "--layers", "--out", "--quick", "-x",
                           "0", "-3", "abc", "1,2", "5-", "--corpus", "", "--seed", "1e9", "x" * 50])
 

@@ -161,3 +161,74 @@ def test_device_map_auto_on_gpu(tiny_folder):
     toks = torch.randint(3, 90, (2, 16))
     res = feature_pattern(model, toks, progress=False)
     assert res.heads["pred_d3_err_per_sequence"].notna().all()
+
+
+#: the measurement tables of a report (per sequence / head / band): equal on every device to float tolerance.
+#: Summaries derived from them (bootstrap CIs, permutation p) are not compared: a tie broken by a 1e-7
+#: difference may move a rank-based p without anything being wrong.
+MEASUREMENTS = ("decomposition.csv", "pattern_heads.csv", "pattern_bands.csv", "heads.csv", "heads_bands.csv",
+                "tolerance_curves.csv", "causal_rows.csv", "causal_kl.csv", "sufficiency_rows.csv",
+                "length_gap_rows.csv")
+
+
+def _tiny_report(root, device: str, seq_len: int = 64):
+    """The quick report of a tiny HF Llama (initialiser range 0.25, so logits are O(1) and nothing ties) on
+    ``device``, with the model loaded the way the CLI's ``--device`` loads it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posgen_tl.report.run import ReportSettings, run_report
+
+    folder = root / "model"
+    if not (folder / "config.json").exists():
+        cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_hidden_layers=3, intermediate_size=64, vocab_size=100, max_position_embeddings=256,
+                          initializer_range=0.25, rope_parameters={"rope_theta": 1000.0, "rope_type": "default"})
+        cfg.architectures = ["LlamaForCausalLM"]
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).save_pretrained(str(folder))
+        tm.tiny_tokenizer().save_pretrained(str(folder))
+    out = root / f"out-{device}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = run_report(ReportSettings(model=str(folder), out=str(out), preset="quick",
+                                       sizes=dict(seq_len=seq_len, n_seq=4), load={"device": device}))
+    assert rc == 0
+    return out
+
+
+def _assert_same_measurements(a, b):
+    import json
+
+    import pandas as pd
+
+    for name in MEASUREMENTS:
+        x, y = pd.read_csv(a / name), pd.read_csv(b / name)
+        assert list(x.columns) == list(y.columns) and len(x) == len(y), name
+        num = [c for c in x.columns if pd.api.types.is_float_dtype(x[c])]
+        assert num, name
+        pd.testing.assert_frame_equal(x[num], y[num], rtol=1e-3, atol=1e-4, obj=name)
+    ra, rb = json.loads((a / "results.json").read_text()), json.loads((b / "results.json").read_text())
+    return ra, rb
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_every_study_of_the_report_runs_on_cuda_and_matches_the_cpu(tmp_path):
+    """The GPU tier: the whole report (every study) with the model on ``cuda`` — tokens built on the CPU,
+    moved by the library — gives the CPU's measurements, and records the device it ran on."""
+    cpu = _tiny_report(tmp_path, "cpu")
+    gpu = _tiny_report(tmp_path, "cuda")
+    rc, rg = _assert_same_measurements(cpu, gpu)
+    assert rc["device"] == "cpu" and rg["device"].startswith("cuda")
+
+
+@pytest.mark.slow
+def test_the_device_comparison_itself_can_fail(tmp_path):
+    """The harness of the GPU tier, run on the CPU twice: equal runs pass; a run at another length (other
+    numbers) fails — so the GPU tier compares something."""
+    a = _tiny_report(tmp_path / "a", "cpu")
+    b = _tiny_report(tmp_path / "b", "cpu")
+    _assert_same_measurements(a, b)
+    c = _tiny_report(tmp_path / "c", "cpu", seq_len=48)
+    with pytest.raises(AssertionError):
+        _assert_same_measurements(a, c)
