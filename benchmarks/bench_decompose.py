@@ -69,8 +69,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     args = ap.parse_args()
 
-    from posgen_tl import load_model
     import posgen_tl.maths.moments as moments
+    from posgen_tl import load_model
     from posgen_tl.experiments import decomposition as dec
     from posgen_tl.hooks.capture import probe_hooks, stream_qk
     from posgen_tl.io.corpus import corpus_tokens

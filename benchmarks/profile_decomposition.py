@@ -26,10 +26,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     import torch
-
-    import posgen_tl.maths.moments as M
-    import posgen_tl.experiments.decomposition as D
     from suite import Bench
+
+    import posgen_tl.experiments.decomposition as D
+    import posgen_tl.maths.moments as M
 
     torch.set_num_threads(a.threads)
     spent: dict[str, float] = collections.defaultdict(float)

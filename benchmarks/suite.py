@@ -52,8 +52,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -155,7 +156,6 @@ class Bench:
 
     def intervention(self):
         from posgen_tl.hooks.edits import Intervention
-
         from posgen_tl.maths.groups import layer_groups
 
         nb, n = self.spec.layer(0).n_bands, self.spec.n_layers

@@ -110,9 +110,9 @@ if TYPE_CHECKING:  # for editors and type checkers; nothing is imported at run t
     from posgen_tl.experiments.tolerance import nll_on_target, transposition_curve
     from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
     from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
-    from posgen_tl.io.corpus import CorpusError, corpus_tokens
-    from posgen_tl.io.sampling import document_windows
-    from posgen_tl.io.models import ModelLoadError, load_model, random_twin
-    from posgen_tl.io.spec import rope_spec
     from posgen_tl.hooks.gate import UncheckedModelError, allow_unchecked
+    from posgen_tl.io.corpus import CorpusError, corpus_tokens
+    from posgen_tl.io.models import ModelLoadError, load_model, random_twin
+    from posgen_tl.io.sampling import document_windows
+    from posgen_tl.io.spec import rope_spec
     from posgen_tl.maths.rope import IndexRangeError, RopeError

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def lazy_modules(package: str, path: list[str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:

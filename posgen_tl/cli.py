@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 __all__ = ["main", "build_parser", "study_config"]
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.print_usage(sys.stderr)
         self.exit(2, f"posgen-tl: error: {message}\n")
 
@@ -118,8 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_check(args: argparse.Namespace) -> int:
     import pandas as pd  # noqa: PLC0415
 
-    from posgen_tl.hooks.capture import model_dtype, probe_hooks  # noqa: PLC0415
-    from posgen_tl.io.corpus import corpus_tokens  # noqa: PLC0415
+    from posgen_tl import compat  # noqa: PLC0415
     from posgen_tl.experiments.exactness import (  # noqa: PLC0415
         MIN_COMPARED_ENTRIES,
         exactness_table,
@@ -127,9 +127,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         verdict,
         window_length,
     )
+    from posgen_tl.hooks.capture import model_dtype, probe_hooks  # noqa: PLC0415
+    from posgen_tl.io.corpus import corpus_tokens  # noqa: PLC0415
     from posgen_tl.io.models import load_model  # noqa: PLC0415
-
-    from posgen_tl import compat  # noqa: PLC0415
 
     t0 = time.time()
     model = load_model(args.model, verbose=True, backend=args.backend, **model_load_options(args))

@@ -30,14 +30,14 @@ import copy
 import functools
 import inspect
 import json
-import math
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -503,7 +503,7 @@ class HFRecorder:
                 return out
 
             patched.append((mod, "eager_attention_forward", orig))
-            setattr(mod, "eager_attention_forward", wrapped)
+            mod.eager_attention_forward = wrapped
         handles = []
         for m in self.attn.values():
             if type(m).__name__ in ("GPTJAttention", "CodeGenAttention") and hasattr(m, "_attn"):

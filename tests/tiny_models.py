@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 import transformer_lens.model_bridge.sources.native  # noqa: F401  (registers boot_native)
 from transformer_lens.config import TransformerBridgeConfig
 from transformer_lens.model_bridge import TransformerBridge

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -159,7 +160,7 @@ class Condition:
         """Its edit is a random draw (C1, C3, C4)."""
         return self.key in RANDOM_CONTROLS
 
-    def with_alpha(self, a: float) -> "Condition":
+    def with_alpha(self, a: float) -> Condition:
         return dataclasses.replace(self, intervention=self.intervention.with_alpha(a))
 
     def draws(self, docs: Sequence[int], seed: int, redraw: bool) -> list[int | None]:
@@ -168,7 +169,7 @@ class Condition:
             return [None] * len(docs)
         return [draw_seed(seed, self.key, d) if redraw else int(self.intervention.seed) for d in docs]
 
-    def for_documents(self, docs: Sequence[int], seed: int, redraw: bool) -> "Condition":
+    def for_documents(self, docs: Sequence[int], seed: int, redraw: bool) -> Condition:
         """This condition with one random draw per document of a batch (``redraw``), else itself."""
         if not (self.random and redraw):
             return self
@@ -313,7 +314,7 @@ class _KL:
         else:
             self.acc[layer] = attention_kl(self.ref[layer], pat)
 
-    def per_sequence(self) -> Float[Tensor, "batch"]:
+    def per_sequence(self) -> Float[Tensor, batch]:
         missing = [lay for lay in self.layers if lay not in self.acc]
         if missing:
             raise RuntimeError(f"attention patterns of layers {missing} were not captured")
@@ -322,7 +323,7 @@ class _KL:
 
 def attention_kl(
     p: Float[Tensor, "batch head_index query_pos key_pos"], q: Float[Tensor, "batch head_index query_pos key_pos"]
-) -> Float[Tensor, "batch"]:
+) -> Float[Tensor, batch]:
     """Mean over heads and query rows ``1..N−1`` of ``KL(p_row ‖ q_row)`` (nats), per sequence.
 
     Causal rows: entries with ``p = 0`` (masked keys) contribute 0; ``q`` is floored at 1e-30
@@ -357,7 +358,7 @@ def condition_rows(
     return pd.DataFrame(rows), clean, kl_vals
 
 
-def _t1_reuse(t12: "T12Result", ana: Windows, *, fracs, seeds, target_len: int, seed: int, mode: str) -> pd.Series:
+def _t1_reuse(t12: T12Result, ana: Windows, *, fracs, seeds, target_len: int, seed: int, mode: str) -> pd.Series:
     """The trained model's T1 NLL per ``(seq, frac, seed)`` of ``t12``, after checking that those
     passes are exactly the ones the ``none`` condition would run. Raises ``ValueError`` naming the
     first mismatch."""

@@ -39,8 +39,9 @@ Tests check every number against the reference functions of :mod:`posgen_tl.math
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -49,14 +50,14 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from posgen_tl.maths.moments import all_fit_moments, d3_moments, geometry, Geometry, scores, Target
-from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
 from posgen_tl.experiments import base
+from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.hooks.edits import feature_means
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows
-from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.decompose import kbar_batched, sequence_key_mean
-from posgen_tl.hooks.edits import feature_means
+from posgen_tl.maths.groups import layer_group
+from posgen_tl.maths.moments import Geometry, Target, all_fit_moments, d3_moments, geometry, scores
 from posgen_tl.maths.rope import angles, expand_kv, rotate, to_bands
 from posgen_tl.report.text import fmt
 
@@ -226,7 +227,7 @@ def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, Ge
         cnt = m.sum()
 
         def mean(x: Tensor) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
-            return (x.reshape(x.shape[0] * x.shape[1], -1) @ m.reshape(-1)) / cnt
+            return (x.reshape(x.shape[0] * x.shape[1], -1) @ m.reshape(-1)) / cnt  # noqa: B023
 
         out[sk] = {"d3_err_mean": mean(err), "d3_bound_mean": mean(bound), "d3_bound_holds": mean(holds.double()),
                    "mu": mean(w)}

@@ -23,8 +23,9 @@ scores, too few entries) — the ``reason`` column says what; such a layer is ne
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd

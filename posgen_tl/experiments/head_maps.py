@@ -26,7 +26,7 @@ from posgen_tl.maths.rope import causal_mask, to_bands
 
 __all__ = ["HeadDecomposition", "decompose_head", "phase_angles", "phase_angles_with_twin"]
 
-KMean = Union[Literal["global", "per_sequence"], Float[Tensor, "kv_head d_head"], Float[Tensor, "d_head"]]
+KMean = Union[Literal["global", "per_sequence"], Float[Tensor, "kv_head d_head"], Float[Tensor, "d_head"]]  # noqa: UP007
 
 
 @dataclass
@@ -59,7 +59,7 @@ class HeadDecomposition:
     f: Float[Tensor, "query_pos key_pos"]
     g: Float[Tensor, "query_pos key_pos"]
     remainder: Float[Tensor, "query_pos key_pos"]
-    a: Float[Tensor, "delta"]
+    a: Float[Tensor, delta]
     mask: Bool[Tensor, "query_pos key_pos"]
     sink: int
     scores: pd.DataFrame
@@ -113,7 +113,7 @@ def _k_means(model: Any, cap: QKCapture, k_mean: KMean, reference: Tensor | None
 
 def decompose_head(
     model: Any,
-    tokens_or_cache: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | Any,
+    tokens_or_cache: Int[Tensor, "batch pos"] | Int[Tensor, pos] | Any,
     layer: int,
     head: int,
     *,

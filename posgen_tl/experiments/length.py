@@ -17,8 +17,9 @@ over documents, Holm-adjusted within one printed table. Fewer than 32 sequences 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -27,18 +28,18 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
-from posgen_tl.hooks.capture import QKCapture, StopForward, check_tokens, probe_hooks, stream_qk
 from posgen_tl.experiments import base
+from posgen_tl.experiments.decomposition import reference_key_means
+from posgen_tl.hooks.capture import QKCapture, StopForward, check_tokens, probe_hooks, stream_qk
+from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, window_removal_hooks
+from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows, sample_windows
 from posgen_tl.maths.approx_logits import d3_approx_logits, exact_logits
 from posgen_tl.maths.decompose import causal_mask, within_row_r
-from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
-from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, window_removal_hooks
 from posgen_tl.maths.perturb import gap_position_ids, nll_from_logits
 from posgen_tl.maths.rope import RopeError
-from posgen_tl.experiments.decomposition import reference_key_means
+from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 
 __all__ = [
     "Config",
@@ -88,7 +89,7 @@ def _position_kwargs(model: Any, tokens: Tensor, position_ids: Tensor | None) ->
 @torch.no_grad()
 def span_nll(
     model: Any, tokens: Int[Tensor, "batch pos"], start: int, stop: int | None = None, *,
-    position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"] | None = None, fwd_hooks: Sequence = (),
+    position_ids: Int[Tensor, pos] | Int[Tensor, "batch pos"] | None = None, fwd_hooks: Sequence = (),
     chunk: int = 256,
 ) -> Float[Tensor, "batch span"]:  # fmt: skip
     """Per-token next-token NLL of the tokens at sequence indices ``[start, stop)`` (float32, CPU).
@@ -454,7 +455,7 @@ def gap_attention(
             pos = gap_position_ids(prefix_len, suffix_len, g).expand(b.shape[0], -1)
 
             def on_qk(c: QKCapture, tag=tag) -> None:
-                d = res.setdefault(c.layer, {})
+                d = res.setdefault(c.layer, {})  # noqa: B023
                 rope = c.rope
                 # the model's own pattern: softmax of its (masked) pre-softmax scores
                 d[f"p_{tag}"] = torch.softmax(c.scores[:, :, rows_q].float(), dim=-1)

@@ -35,8 +35,9 @@ with D3's within-row r across heads, trained and random-init twin apart (never p
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -44,10 +45,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
 from posgen_tl.experiments import base
+from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
 from posgen_tl.io.sampling import Windows, resolve_windows
-from posgen_tl.maths.decompose import causal_mask
 from posgen_tl.maths.band_stats import (
     BandStats,
     distance_weights,
@@ -57,10 +57,11 @@ from posgen_tl.maths.band_stats import (
     within_row_spread,
     within_row_spread_qk,
 )
-from posgen_tl.maths.taxonomy import frequency_centroid
+from posgen_tl.maths.decompose import causal_mask
 from posgen_tl.maths.groups import band_group
 from posgen_tl.maths.rho import SequenceBandSums
 from posgen_tl.maths.rope import LayerRope, kv_head_index, to_bands
+from posgen_tl.maths.taxonomy import frequency_centroid
 from posgen_tl.report.text import fmt
 
 __all__ = [
@@ -220,7 +221,7 @@ class PatternResult:
         twin: str = "trained",
         sink: int | None = None,
         n_splits: int = 16,
-    ) -> "PatternResult":
+    ) -> PatternResult:
         """Rebuild the frames and ``k̄`` from raw accumulator states (``sink``: the states' own by default)."""
         if sink is None:
             sink = int(next(iter(states.values())).get("sink", 0)) if states else 0
@@ -239,7 +240,7 @@ class PatternResult:
         return cls(model, twin, pd.concat(bands, ignore_index=True), pd.concat(heads, ignore_index=True),
                    states, k_means, dict(ropes), max_distance, sink, n_splits)
 
-    def merge(self, other: "PatternResult") -> "PatternResult":
+    def merge(self, other: PatternResult) -> PatternResult:
         """The result of having streamed both corpora (same model, layers, settings and global k̄)."""
         if set(self.states) != set(other.states) or (self.model, self.twin) != (other.model, other.twin):
             raise ValueError("can only merge results of the same model/twin over the same layers")

@@ -15,9 +15,10 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from posgen_tl.experiments.base import PRESETS, Config
 

@@ -19,8 +19,9 @@ Statistics (docs/method.md §8): unit = sequence, clustered by document; documen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -28,16 +29,16 @@ from tqdm.auto import tqdm
 
 from posgen_tl import stats
 from posgen_tl.experiments import base
-from posgen_tl.maths import groups as layer_grouping
-from posgen_tl.maths.groups import group_label
-from posgen_tl.hooks.capture import probe_hooks
-from posgen_tl.io.corpus import CorpusLike
-from posgen_tl.io.sampling import Windows, resolve_windows
-from posgen_tl.hooks.logits import sufficiency_hooks
 from posgen_tl.experiments.decomposition import reference_key_means
 from posgen_tl.experiments.length import LengthResult
-from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 from posgen_tl.experiments.tolerance import nll_on_target, transposition_curve
+from posgen_tl.hooks.capture import probe_hooks
+from posgen_tl.hooks.logits import sufficiency_hooks
+from posgen_tl.io.corpus import CorpusLike
+from posgen_tl.io.sampling import Windows, resolve_windows
+from posgen_tl.maths import groups as layer_grouping
+from posgen_tl.maths.groups import group_label
+from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 
 __all__ = ["Config", "sufficiency_equivalence", "SOURCES", "layer_groups", "sufficiency_hooks_for", "sufficiency", "sufficiency_summary"]
 

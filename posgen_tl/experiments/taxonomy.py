@@ -46,13 +46,15 @@ import torch
 from scipy.stats import mannwhitneyu, spearmanr
 from torch import Tensor
 
-from posgen_tl.maths.groups import layer_group
-from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
 from posgen_tl.experiments import base
+from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.io.models import random_twin
 from posgen_tl.io.sampling import Windows, sample_windows
+from posgen_tl.maths.band_stats import BandStats
 from posgen_tl.maths.decompose import causal_mask as fit_mask
 from posgen_tl.maths.decompose import d3_split
-from posgen_tl.maths.band_stats import BandStats
+from posgen_tl.maths.groups import layer_group
+from posgen_tl.maths.rope import causal_mask, kv_head_index, scores_from_rotated
 from posgen_tl.maths.taxonomy import (
     LABELS,
     LogitScoreSums,
@@ -65,8 +67,6 @@ from posgen_tl.maths.taxonomy import (
     row_spread_threshold,
     taxonomy_label,
 )
-from posgen_tl.io.models import random_twin
-from posgen_tl.maths.rope import causal_mask, kv_head_index, scores_from_rotated
 
 __all__ = [
     "region_layout",
@@ -269,11 +269,11 @@ def head_taxonomy(
     # pass 1: global k̄ per layer and kv-head from the reference windows (sink excluded)
     from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
 
-    k_means = {l: m.float() for l, m in reference_key_means(model, ref, layers, sink=sink, batch_size=4,
+    k_means = {l: m.float() for l, m in reference_key_means(model, ref, layers, sink=sink, batch_size=4,  # noqa: E741
                                                              progress=progress).items()}
     # pass 2: clean + permuted prompts, interleaved per prompt
     paired, perms, nulls = _permuted_prompts(toks, r0, r1, n_perm, block, seed)
-    accs = {l: _LayerAcc(n_p, spec.n_heads, spec.layer(l).n_bands) for l in layers}
+    accs = {l: _LayerAcc(n_p, spec.n_heads, spec.layer(l).n_bands) for l in layers}  # noqa: E741
     per = n_perm + 1
 
     def on_batch(c: QKCapture) -> None:
@@ -287,7 +287,7 @@ def head_taxonomy(
 
     label = model_label or str(getattr(getattr(model, "cfg", None), "model_name", "model"))
     frames = [_layer_frame(accs[l], spec.layer(l), l, cfg, label=label, twin_label=twin_label, n_prompts=n_p,
-                           n_docs=n_docs) for l in layers]
+                           n_docs=n_docs) for l in layers]  # noqa: E741
     return pd.concat(frames, ignore_index=True)
 
 
@@ -310,7 +310,7 @@ def _permuted_prompts(toks: Tensor, r0: int, r1: int, n_perm: int, block: int,
     return torch.stack(seqs), perms, nulls
 
 
-def _layer_frame(acc: "_LayerAcc", rope: Any, layer: int, cfg: Config, *, label: str, twin_label: str,
+def _layer_frame(acc: _LayerAcc, rope: Any, layer: int, cfg: Config, *, label: str, twin_label: str,
                  n_prompts: int, n_docs: int) -> pd.DataFrame:
     """The rows of one layer (full heads at ``band = −1``, then every band) from its accumulators."""
     region_len, n_query = cfg.region()

@@ -13,9 +13,10 @@ its TOST — live in :mod:`posgen_tl.experiments.causal` and decide verdicts onl
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import pandas as pd
 import torch
@@ -24,12 +25,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl.experiments import base
+from posgen_tl.hooks.capture import check_tokens, probe_hooks
+from posgen_tl.hooks.positions import StopForward, distance_cap_hooks, final_residual_hook
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.provenance import git_commit
 from posgen_tl.io.sampling import Windows, sample_windows
-from posgen_tl.report.text import md_table
-from posgen_tl.hooks.positions import StopForward, distance_cap_hooks, final_residual_hook
-from posgen_tl.hooks.capture import check_tokens, probe_hooks
 from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
     nll_from_logits,
@@ -37,6 +37,7 @@ from posgen_tl.maths.perturb import (
     swap_seed,
     word_units,
 )
+from posgen_tl.report.text import md_table
 from posgen_tl.stats.inference import bootstrap_ci
 
 __all__ = [
@@ -115,10 +116,10 @@ def _target_nll(model, batch, target_len, pos, hooks, resid=None, start_at_layer
 @torch.no_grad()
 def nll_on_target(
     model: Any, tokens: Int[Tensor, "batch pos"], *, target_len: int,
-    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
+    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
     fwd_hooks: Hooks = (), batch_size: int = 4,
     resid_at: tuple[int, Float[Tensor, "batch pos d_model"]] | None = None,
-) -> Float[Tensor, "batch"]:  # fmt: skip
+) -> Float[Tensor, batch]:  # fmt: skip
     """Mean next-token NLL of the last ``target_len`` tokens of each sequence (float32, CPU).
 
     Only the span's logits are computed (final residual captured, then unembedded), so a
@@ -274,7 +275,7 @@ def perturbed_inputs(
     return toks, torch.stack([position_ids_for_permutation(p) for p in perm]).to(toks.device)
 
 def curve_rows(
-    model: Any, windows: Windows, clean: Float[Tensor, "batch"], *, fracs: Sequence[float], seeds: Sequence[int],
+    model: Any, windows: Windows, clean: Float[Tensor, batch], *, fracs: Sequence[float], seeds: Sequence[int],
     mode: str, target_len: int, base_seed: int = 0, fwd_hooks: Sequence = (),
 ) -> list[dict]:  # fmt: skip
     """The tolerance curve of one batch: one pass per (frac > 0, seed) of :func:`perturbed_inputs`
@@ -331,7 +332,7 @@ class T12Result:
 
 @torch.no_grad()
 def t1_t2_study(
-    model: Any, corpus: CorpusLike = None, cfg: "Config | None" = None, *, twin: Any = True,
+    model: Any, corpus: CorpusLike = None, cfg: Config | None = None, *, twin: Any = True,
     windows: Windows | None = None, progress: bool = True, **options: Any,
 ) -> T12Result:  # fmt: skip
     """T1/T2 tolerance curves (docs/method.md §4) of the trained model and its random twin.

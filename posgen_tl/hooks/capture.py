@@ -24,8 +24,9 @@ import dataclasses
 import functools
 import math
 import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -33,6 +34,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl import compat
+from posgen_tl.io.spec import live_rope, rope_spec
 from posgen_tl.maths.rope import (
     LayerRope,
     RopeError,
@@ -44,7 +46,6 @@ from posgen_tl.maths.rope import (
     rotate_with_table,
     scores_from_rotated,
 )
-from posgen_tl.io.spec import live_rope, rope_spec
 
 __all__ = [
     "QKCapture",
@@ -189,7 +190,7 @@ def pre_rotation(
     return out
 
 
-_PROBES: "weakref.WeakKeyDictionary[Any, tuple[RopeSpec, HookInfo]]" = weakref.WeakKeyDictionary()
+_PROBES: weakref.WeakKeyDictionary[Any, tuple[RopeSpec, HookInfo]] = weakref.WeakKeyDictionary()
 
 
 def model_device(model: Any) -> torch.device:
@@ -398,7 +399,7 @@ def _table_buffer_source(model: Any) -> str:
 
 
 def model_rotation_table(
-    model: Any, info: "HookInfo", layer: int, positions: Int[Tensor, "batch pos"], lr: LayerRope
+    model: Any, info: HookInfo, layer: int, positions: Int[Tensor, "batch pos"], lr: LayerRope
 ) -> tuple[Float[Tensor, "batch pos band"], Float[Tensor, "batch pos band"], float] | None:
     """The model's OWN per-band ``(cos, sin)`` for ``positions`` from a rotary buffer (``info.table_source``
     ``"embed_positions"`` or ``"rotary.cos_cached"``), with the table's format error; ``None`` where the
@@ -629,7 +630,7 @@ def stream_qk(
     *,
     with_scores: bool = False,
     batch_size: int = 8,
-    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
+    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
     extra_hooks: Sequence[tuple[str, Callable]] = (),
     progress: bool | str = True,
     with_tables: bool = False,
@@ -706,7 +707,7 @@ def stream_qk(
             store: dict[int, dict[str, Tensor]] = {}
 
             def grab(t: Tensor, hook: Any, layer: int, h: str, pos=pos, b_idx=b_idx, offset=offset) -> None:
-                d = store.setdefault(layer, {})
+                d = store.setdefault(layer, {})  # noqa: B023
                 x = t.detach()
                 if h in (info.q_hook, info.k_hook):
                     x = pre_rotation(model, info, layer, "q" if h == info.q_hook else "k", x,
@@ -726,7 +727,7 @@ def stream_qk(
                     self_check(cap, rot_tol, spec.model_name)
                     if with_tables:
                         _attach_table(model, cap, d, info)
-                    del store[layer]
+                    del store[layer]  # noqa: B023
                     fn(cap)
                     if layer == last_layer:
                         raise StopForward

@@ -47,15 +47,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
-from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation, probe_hooks, stash_shape, stream_qk, to_heads
+from posgen_tl.hooks.gate import require_exact
 from posgen_tl.maths.band_stats import BandStats
 from posgen_tl.maths.rope import LayerRope, from_bands, to_bands
 
@@ -138,11 +139,11 @@ class Intervention:
         if not self.label:
             object.__setattr__(self, "label", f"{self.kind} {self.target} bands {_span(self.bands)}")
 
-    def with_alpha(self, alpha: float) -> "Intervention":
+    def with_alpha(self, alpha: float) -> Intervention:
         """A copy at strength ``alpha``."""
         return dataclasses.replace(self, alpha=float(alpha))
 
-    def with_row_seeds(self, seeds: Sequence[int] | None) -> "Intervention":
+    def with_row_seeds(self, seeds: Sequence[int] | None) -> Intervention:
         """A copy whose random draws use ``seeds[i]`` for batch row ``i`` (``None``: ``seed`` for all)."""
         return dataclasses.replace(self, row_seeds=None if seeds is None else tuple(int(s) for s in seeds))
 

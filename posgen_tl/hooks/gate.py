@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -32,11 +33,11 @@ __all__ = ["UncheckedModelError", "UncheckedWarning", "require_exact", "check_re
            "unchecked", "unchecked_reason", "forget"]
 
 #: model → {(dtype, device): the exactness table of the probe}
-_RESULTS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], pd.DataFrame]]" = weakref.WeakKeyDictionary()
+_RESULTS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], pd.DataFrame]] = weakref.WeakKeyDictionary()
 #: model → the reason the user gave for running it unchecked
-_OPT_OUT: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_OPT_OUT: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 #: a forward pass of the check itself is under way (its own captures are not gated)
-_IN_CHECK: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_IN_CHECK: weakref.WeakSet[Any] = weakref.WeakSet()
 
 PROBE_SEQ_LEN = 32
 PROBE_N_SEQ = 2

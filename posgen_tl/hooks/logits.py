@@ -9,8 +9,9 @@ One generic builder (:func:`logit_substitution_hooks`) and small specialisations
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Int
@@ -19,8 +20,15 @@ from torch import Tensor
 from posgen_tl.hooks.capture import check_position_ids, pre_rotation_stash, probe_hooks, require_pre_softmax
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.io.spec import live_rope
-from posgen_tl.maths.approx_logits import causal_visible, d3_approx_logits, disentangled_logits, distances, exact_logits
-from posgen_tl.maths.approx_logits import lm_infinite_logits, quantile_mask
+from posgen_tl.maths.approx_logits import (
+    causal_visible,
+    d3_approx_logits,
+    disentangled_logits,
+    distances,
+    exact_logits,
+    lm_infinite_logits,
+    quantile_mask,
+)
 from posgen_tl.maths.decompose import fit_additive
 from posgen_tl.maths.rope import LayerRope
 
@@ -69,7 +77,7 @@ def _softcap(x: Tensor, cap: float | None) -> Tensor:
 
 def logit_substitution_hooks(
     model: Any, fn: SubstFn | None, layers: Sequence[int] | None = None, *,
-    position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"] | None = None, remove_window: bool = False,
+    position_ids: Int[Tensor, pos] | Int[Tensor, "batch pos"] | None = None, remove_window: bool = False,
 ) -> HookList:  # fmt: skip
     """The generic substitution: rewrite the pre-softmax scores of ``layers`` from captured q/k.
 
@@ -102,7 +110,7 @@ def logit_substitution_hooks(
         check_position_ids(position_ids, 0, int(torch.as_tensor(position_ids).shape[-1]), spec.model_name)
     out: HookList = []
     for layer in spec.layer_indices(layers):
-        rope, stash = spec.layer(layer), {}
+        rope, stash = spec.layer(layer), dict[str, Tensor]()
         if fn is None and not (remove_window and rope.sliding_window is not None):
             continue  # nothing to do on this layer
 

@@ -9,17 +9,27 @@ Each builder returns ``list[(hook_name, fn)]`` for ``model.hooks(fwd_hooks=...)`
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import (CaptureError, check_position_ids, StopForward, from_heads, pre_rotation_stash, probe_hooks,
-                                     require_pre_softmax, stash_shape, to_heads)
-from posgen_tl.maths.perturb import capped_scores
+from posgen_tl.hooks.capture import (
+    CaptureError,
+    StopForward,
+    check_position_ids,
+    from_heads,
+    pre_rotation_stash,
+    probe_hooks,
+    require_pre_softmax,
+    stash_shape,
+    to_heads,
+)
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.io.spec import live_rope
+from posgen_tl.maths.perturb import capped_scores
 from posgen_tl.maths.rope import LayerRope, RopeError, rotate, unrotate
 
 __all__ = ["reposition_hooks", "distance_cap_hooks", "final_residual_hook", "StopForward", "stash_shape", "HookList"]
@@ -32,7 +42,7 @@ def _pos_for(position_ids: Tensor, batch: int, device) -> Tensor:
     return p.expand(batch, -1) if p.ndim == 1 else p
 
 
-def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"]) -> HookList:
+def reposition_hooks(model: Any, position_ids: Int[Tensor, pos] | Int[Tensor, "batch pos"]) -> HookList:
     """T2 by re-rotation: the model runs with positions ``arange``; these hooks make every
     layer's RoPE use ``position_ids`` instead.
 
@@ -101,7 +111,7 @@ def distance_cap_hooks(model: Any, cap: int, layers: Sequence[int] | None = None
     require_exact(model, layers, "distance-capped logits")
     out: HookList = []
     for layer in spec.layer_indices(layers):
-        rope, stash = spec.layer(layer), {}
+        rope, stash = spec.layer(layer), dict[str, Tensor]()
 
         def scores(w: Tensor, hook: Any, stash=stash, rope=rope, layer=layer) -> Tensor:
             rope = live_rope(model, spec, layer, rope)  # dynamic NTK: the frequencies of THIS forward

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Union
 
 import torch
 from jaxtyping import Int
@@ -40,9 +41,9 @@ __all__ = [
 #: the tokenizer's own BOS policy, recorded by :func:`posgen_tl.io.models.load_model` before
 #: TransformerLens wraps the tokenizer (the bridge's tokenizer prepends a BOS that e.g.
 #: SmolLM2's own tokenizer does not add). Lives here so ``models`` imports ``corpus``, never back.
-NATIVE_BOS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+NATIVE_BOS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
-CorpusLike = Union[None, str, os.PathLike, Sequence[str], Tensor]
+CorpusLike = Union[None, str, os.PathLike, Sequence[str], Tensor]  # noqa: UP007
 
 
 class CorpusError(ValueError):

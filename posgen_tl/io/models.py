@@ -25,9 +25,10 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -395,7 +396,7 @@ def _check_hooked_against_hf(model, hf, name: str, n_tokens: int = 8) -> None:
     each checked against its own rotary tables), soft-cap, sinks, RoPE types whose frequencies change
     with the length (dynamic NTK, LongRoPE: a HookedTransformer has one table), and the logits of a few
     tokens. Every refusal names the architecture and what differs."""
-    from posgen_tl.io.spec import spec_from_hf, rope_spec  # noqa: PLC0415
+    from posgen_tl.io.spec import rope_spec, spec_from_hf  # noqa: PLC0415
 
     arch = _architecture(hf)
     label = f"{name}: TransformerLens {_tl_version()}'s HookedTransformer conversion of {arch}"
@@ -636,9 +637,8 @@ def random_twin(model: Any, seed: int = 0):
         if inner is not None and type(inner).__name__ == "NativeModel":
             import copy  # noqa: PLC0415
 
-            from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
-
             import transformer_lens.model_bridge.sources.native  # noqa: F401,PLC0415
+            from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
 
             cfg = copy.deepcopy(model.cfg)
             cfg.seed = seed

@@ -22,8 +22,9 @@ reference is needed only where a global k̄ is computed, and is then asked for b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -85,7 +86,7 @@ class Windows:
         """Number of distinct documents among the windows."""
         return int(self.doc_ids.unique().numel())
 
-    def subset(self, index: Sequence[int] | Tensor) -> "Windows":
+    def subset(self, index: Sequence[int] | Tensor) -> Windows:
         """The windows at ``index`` (same document list)."""
         idx = torch.as_tensor(index, dtype=torch.long)
         return Windows(self.tokens[idx], self.doc_ids[idx], self.starts[idx], self.doc_names)

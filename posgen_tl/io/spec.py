@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-from posgen_tl.maths.rope import LayerRope, RopeError, RopeSpec
+from posgen_tl.maths.rope import LayerRope, Layout, RopeError, RopeSpec
+
+_LAYOUTS: tuple[Layout, ...] = ("half", "adjacent")
 
 __all__ = ["rope_spec", "SUPPORTED_ROPE_TYPES", "sincos_tables", "hf_attention_modules", "live_rope"]
 
@@ -154,7 +156,7 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
     n_layers = int(getattr(text_cfg, "num_hidden_layers", None) or len(attn_modules))
     if len(attn_modules) != n_layers:
         raise RopeError(f"model {name!r} ({arch}): found {len(attn_modules)} attention modules for {n_layers} layers")
-    n_heads = int(getattr(text_cfg, "num_attention_heads"))
+    n_heads = int(text_cfg.num_attention_heads)
     n_kv = _kv_heads(attn_modules[0], text_cfg, n_heads)
     d_head = _head_dim(text_cfg, attn_modules, n_heads, name, arch)
     bridge_cfg = getattr(model, "cfg", None)
@@ -281,7 +283,7 @@ def live_rope(model: Any, spec: RopeSpec, layer: int, lr: LayerRope) -> LayerRop
     return dataclasses.replace(lr, inv_freq=inv, attention_scaling=a, kind=f"{lr.kind}+dynamic")
 
 
-_ROTARY_CACHE: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_ROTARY_CACHE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _rotary_of(model: Any) -> Any | None:
@@ -315,7 +317,7 @@ def _head_dim(text_cfg: Any, attns: list, n_heads: int, name: str, arch: str) ->
         d = getattr(text_cfg, "head_dim", None)
     except Exception:  # noqa: BLE001 — transformers' AmbiguousGlobalPerLayerAttributeError
         d = None
-    return int(d or getattr(text_cfg, "hidden_size") // n_heads)
+    return int(d or text_cfg.hidden_size // n_heads)
 
 
 def _unmodelled_attention(text_cfg: Any, arch: str) -> str | None:
@@ -348,7 +350,7 @@ def _is_nope(attn: Any, text_cfg: Any, layer_type: str | None, arch: str) -> boo
 
 
 def _apply_layout(attn: Any, rotary: Any, layer_type: str | None, inv_freq: torch.Tensor, a: float,
-                  name: str) -> str | None:
+                  name: str) -> Layout | None:
     """The pair layout the model's OWN ``apply_rotary_pos_emb`` (its modeling module's function) uses,
     found by rotating a probe vector with the model's cos/sin and comparing with both layouts — GLM's
     table is half-split (``cat(f, f)``) while its rotation pairs adjacent dims. ``None`` where the
@@ -370,12 +372,12 @@ def _apply_layout(attn: Any, rotary: Any, layer_type: str | None, inv_freq: torc
         return None
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         return None
-    for layout in ("half", "adjacent"):
+    for layout in _LAYOUTS:
         lr = LayerRope(inv_freq=inv_freq, rotary_dim=2 * n, layout=layout, attention_scaling=a)
         ours = rotate(x.transpose(1, 2), pos, lr).transpose(1, 2)
         if (ours - out).abs().max().item() <= 1e-5 * max(1.0, x.abs().max().item()):
             return layout
-    for layout in ("half", "adjacent"):  # the opposite sign: a rotation by −θ (NanoChat's rotate_half)
+    for layout in _LAYOUTS:  # the opposite sign: a rotation by −θ (NanoChat's rotate_half)
         lr = LayerRope(inv_freq=-inv_freq, rotary_dim=2 * n, layout=layout, attention_scaling=a)
         ours = rotate(x.transpose(1, 2), pos, lr).transpose(1, 2)
         if (ours - out).abs().max().item() <= 1e-5 * max(1.0, x.abs().max().item()):
@@ -411,7 +413,7 @@ def _rotary_cos_sin(rotary: Any, layer_type: str | None, positions: torch.Tensor
     return cos.reshape(-1, cos.shape[-1]).float().cpu(), sin.reshape(-1, sin.shape[-1]).float().cpu()
 
 
-def _hf_layout(rotary: Any, layer_type: str | None, n_bands: int, bridge_cfg: Any, name: str) -> str:
+def _hf_layout(rotary: Any, layer_type: str | None, n_bands: int, bridge_cfg: Any, name: str) -> Layout:
     """``"half"`` or ``"adjacent"``, read from the model's own cos table: HF duplicates the band
     frequencies as halves (``cat(f, f)``: pairs ``(m, m + r/2)``, Llama/NeoX) or interleaves them
     (``repeat_interleave(f, 2)``: pairs ``(2m, 2m+1)``, Cohere); a half-width table (GPT-OSS) is
@@ -743,7 +745,7 @@ def _from_tl_config(model: Any, name: str) -> RopeSpec:
     cfg = model.cfg
     d_head = int(cfg.d_head)
     rotary_dim = int(getattr(cfg, "rotary_dim", None) or d_head)
-    layout = "adjacent" if getattr(cfg, "rotary_adjacent_pairs", False) else "half"
+    layout: Layout = "adjacent" if getattr(cfg, "rotary_adjacent_pairs", False) else "half"
     blocks = list(model.blocks)
     attns = [blk.attn for blk in blocks]
     kinds = ["local" if getattr(a, "attn_type", "global") == "local" else "global" for a in attns]

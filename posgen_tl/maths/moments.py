@@ -12,8 +12,8 @@ Pure tensor maths (no model); the experiment that uses it is :mod:`posgen_tl.exp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from jaxtyping import Float

@@ -70,7 +70,7 @@ class SequenceBandSums:
     def update(
         self,
         x: Float[Tensor, "batch pos head_index d_head"],
-        docs: Int[Tensor, "batch"],
+        docs: Int[Tensor, batch],
         mask: Bool[Tensor, "batch pos"] | None = None,
     ) -> None:
         """Append one row per sequence of ``x`` (positions where ``mask`` is False ignored)."""
@@ -89,7 +89,7 @@ class SequenceBandSums:
         self.sum_z = torch.cat([self.sum_z, (z * w).sum(1).cpu()])
         self.sum_abs2 = torch.cat([self.sum_abs2, ((z.real.square() + z.imag.square()) * w).sum(1).cpu()])
 
-    def merge(self, other: "SequenceBandSums") -> "SequenceBandSums":
+    def merge(self, other: SequenceBandSums) -> SequenceBandSums:
         """A new accumulator holding both sets of sequences (inputs unchanged)."""
         if (self.n_heads, self.rotary_dim, self.layout) != (other.n_heads, other.rotary_dim, other.layout):
             raise ValueError("cannot merge SequenceBandSums of different heads / rotary_dim / layout")
@@ -180,7 +180,7 @@ class SequenceBandSums:
         return state
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "SequenceBandSums":
+    def from_state_dict(cls, state: dict) -> SequenceBandSums:
         out = cls(state["n_heads"], state["rotary_dim"], state["layout"])
         for key in _STATE_KEYS:
             setattr(out, key, state[key].clone())
@@ -193,7 +193,7 @@ class SequenceBandSums:
 
 def rho_forms(
     x: Float[Tensor, "batch pos head_index d_head"],
-    docs: Int[Tensor, "batch"],
+    docs: Int[Tensor, batch],
     rotary_dim: int,
     layout: Layout,
     mask: Bool[Tensor, "batch pos"] | None = None,

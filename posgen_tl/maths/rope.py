@@ -19,8 +19,9 @@ Conventions (docs/method.md §1)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 from einops import rearrange
@@ -124,7 +125,7 @@ class LayerRope:
                 f"long_inv_freq has shape {tuple(self.long_inv_freq.shape)}; expected {tuple(self.inv_freq.shape)}"
             )
 
-    def for_positions(self, positions: Tensor) -> "LayerRope":
+    def for_positions(self, positions: Tensor) -> LayerRope:
         """The single-frequency-set rope a forward pass with these position ids uses: ``self`` unless
         LongRoPE, where the long factors apply when ``max(positions) + 1 > long_after`` (as HF's
         ``longrope_frequency_update``: one choice for the whole batch)."""
@@ -140,11 +141,11 @@ class LayerRope:
         return self.rotary_dim // 2
 
     @property
-    def theta(self) -> Float[Tensor, "band"]:
+    def theta(self) -> Float[Tensor, band]:
         """Angular frequency per band in radians per position (``inv_freq / position_scale``)."""
         return self.inv_freq.double() / self.position_scale
 
-    def to(self, device: torch.device | str) -> "LayerRope":
+    def to(self, device: torch.device | str) -> LayerRope:
         return dataclasses.replace(
             self,
             inv_freq=self.inv_freq.to(device),
@@ -202,7 +203,7 @@ class RopeSpec:
             )
         return i % self.n_layers
 
-    def layer_indices(self, layers: "Sequence[int] | range | None") -> list[int]:
+    def layer_indices(self, layers: Sequence[int] | range | None) -> list[int]:
         """The sorted distinct layer indices ``layers`` names (``None`` → every layer; negative indices
         count from the end). Raises :class:`IndexRangeError` for an index outside the model."""
         if layers is None:
@@ -232,7 +233,7 @@ class RopeSpec:
         """The kv-group (key/value head) read by query head ``head`` (:func:`kv_head_index`)."""
         return int(kv_head_index(self.n_heads, self.n_kv_heads)[head])
 
-    def describe(self) -> "list[dict]":
+    def describe(self) -> list[dict]:
         """One dict per layer (for a DataFrame): kind, rotary dim, base-equivalent, window."""
         rows = []
         for i, lr in enumerate(self.layers):
@@ -359,7 +360,7 @@ def _apply(x: Tensor, cos: Tensor, sin: Tensor, rope: LayerRope) -> Tensor:
 
 def rotate(
     x: Float[Tensor, "*batch pos head_index d_head"],
-    positions: Int[Tensor, "*batch pos"] | Int[Tensor, "pos"],
+    positions: Int[Tensor, "*batch pos"] | Int[Tensor, pos],
     rope: LayerRope,
 ) -> Float[Tensor, "*batch pos head_index d_head"]:
     """Apply RoPE at ``positions``: returns ``a·R_p x`` per position, same shape as ``x``.
@@ -390,7 +391,7 @@ def rotate_with_table(
 
 def unrotate(
     x: Float[Tensor, "*batch pos head_index d_head"],
-    positions: Int[Tensor, "*batch pos"] | Int[Tensor, "pos"],
+    positions: Int[Tensor, "*batch pos"] | Int[Tensor, pos],
     rope: LayerRope,
 ) -> Float[Tensor, "*batch pos head_index d_head"]:
     """Inverse of :func:`rotate`: ``R_{−p} x / a`` (undoes the attention scaling too)."""
@@ -410,7 +411,7 @@ def rotate_bands(
     return z * torch.polar(torch.ones_like(phase), phase)
 
 
-def rotation_matrix(p: float, rope: LayerRope, d_head: int, dtype=torch.float64) -> Tensor:
+def rotation_matrix(p: float, rope: LayerRope, d_head: int, dtype: torch.dtype = torch.float64) -> Tensor:
     """Dense ``[d_head, d_head]`` matrix of ``R_p`` (without attention scaling); for tests."""
     eye = torch.eye(d_head, dtype=dtype)
     rows = rotate(eye[:, None, None, :], torch.full((d_head, 1), p, dtype=torch.float64), _plain(rope, dtype))
@@ -418,7 +419,7 @@ def rotation_matrix(p: float, rope: LayerRope, d_head: int, dtype=torch.float64)
     return rows[:, 0, 0, :].T
 
 
-def relative_rotation_matrix(delta: float, rope: LayerRope, d_head: int, dtype=torch.float64) -> Tensor:
+def relative_rotation_matrix(delta: float, rope: LayerRope, d_head: int, dtype: torch.dtype = torch.float64) -> Tensor:
     """Dense ``R_delta`` (``delta = j − i``) so that ``q_iᵀ R_{j−i} k_j = (R_i q_i)·(R_j k_j)``."""
     return rotation_matrix(delta, rope, d_head, dtype)
 
@@ -445,7 +446,7 @@ def expand_kv(
     return k.index_select(-2, kv_head_index(n_heads, k.shape[-2], device=k.device))
 
 
-def kv_head_index(n_heads: int, n_kv_heads: int, device: torch.device | str | None = None) -> Int[Tensor, "head_index"]:
+def kv_head_index(n_heads: int, n_kv_heads: int, device: torch.device | str | None = None) -> Int[Tensor, head_index]:
     """The kv head each query head reads: ``idx[h] = h // (n_heads // n_kv_heads)`` (HF's ``repeat_kv``:
     consecutive query heads share a group), as an int64 ``[head_index]`` tensor — the ONE place of the
     package that maps query heads to kv heads (:func:`expand_kv`, ``RopeSpec.kv_group``, per-group
@@ -494,7 +495,7 @@ def scores_from_prerotation(
     return (w * rope.score_scale).to(q.dtype)
 
 
-def band_periods(rope: LayerRope) -> Float[Tensor, "band"]:
+def band_periods(rope: LayerRope) -> Float[Tensor, band]:
     """Period ``2π/θ_m`` in positions for each band (band 0 shortest)."""
     return 2 * torch.pi / rope.theta
 
@@ -524,7 +525,7 @@ def causal_mask(
 def attention_pattern(
     w: Float[Tensor, "*batch head_index query_pos key_pos"],
     mask: Bool[Tensor, "query_pos key_pos"],
-    sinks: Float[Tensor, "head_index"] | None = None,
+    sinks: Float[Tensor, head_index] | None = None,
 ) -> Float[Tensor, "*batch head_index query_pos key_pos"]:
     """The attention pattern the model computes from pre-softmax logits ``w`` (soft-cap already
     applied): softmax over the keys ``mask`` leaves visible, masked entries exactly 0.

@@ -133,7 +133,7 @@ def null_variance(
     x_hat: Float[Tensor, "... query_pos key_pos"],
     y_hat: Float[Tensor, "... query_pos key_pos"],
     weights: Float[Tensor, "... query_pos"],
-) -> Float[Tensor, "..."]:
+) -> Float[Tensor, ...]:
     """Exact permutation variance of ``Σ_a w_a · x̂_a·ŷ_a[σ]`` over a uniform random σ.
 
     For row-centred vectors, ``Cov_σ(x·y[σ], u·v[σ]) = (x·u)(y·v)/(n−1)`` (n = key count)
@@ -178,7 +178,7 @@ class LogitScoreSums:
     n_used: Tensor
     n_excluded: Tensor
 
-    def __add__(self, other: "LogitScoreSums") -> "LogitScoreSums":
+    def __add__(self, other: LogitScoreSums) -> LogitScoreSums:
         return LogitScoreSums(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def finalize(self, quantile: float = 0.95) -> dict[str, Tensor]:
@@ -423,7 +423,7 @@ def positional_share(
 
 def frequency_centroid(
     energy_share: Float[Tensor, "head_index band"],
-) -> Float[Tensor, "head_index"]:
+) -> Float[Tensor, head_index]:
     """Energy-weighted mean band index per head: ``Σ_m m·e_m / Σ_m e_m`` (0 = fastest band).
 
     Returns:

@@ -20,21 +20,21 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 =========================  ===========================================================
 """
 
+from posgen_tl.plot.causal import plot_causal_conditions as causal_conditions
 from posgen_tl.plot.decomposition import plot_head_maps as head_maps
 from posgen_tl.plot.decomposition import plot_r_by_layer as r_by_layer
-from posgen_tl.plot.taxonomy import plot_frequency_usage as frequency_usage
-from posgen_tl.plot.taxonomy import plot_label_counts as label_counts
-from posgen_tl.plot.taxonomy import plot_positional_symbolic_plane as positional_symbolic_plane
-from posgen_tl.plot.taxonomy import plot_taxonomy_vs_share as taxonomy_vs_share
+from posgen_tl.plot.gap_attention import plot_gap_heads as gap_heads
+from posgen_tl.plot.length import plot_gap_probe as gap_probe
+from posgen_tl.plot.length import plot_window_removal as window_removal
 from posgen_tl.plot.pattern import plot_band_heatmaps as band_heatmaps
 from posgen_tl.plot.pattern import plot_pattern_distribution as pattern_distribution
 from posgen_tl.plot.pattern import plot_pattern_vs_d3 as pattern_vs_d3
 from posgen_tl.plot.pattern import plot_phase_histogram as phase_histogram
-from posgen_tl.plot.causal import plot_causal_conditions as causal_conditions
-from posgen_tl.plot.gap_attention import plot_gap_heads as gap_heads
-from posgen_tl.plot.length import plot_gap_probe as gap_probe
 from posgen_tl.plot.sufficiency import plot_sufficiency as sufficiency
-from posgen_tl.plot.length import plot_window_removal as window_removal
+from posgen_tl.plot.taxonomy import plot_frequency_usage as frequency_usage
+from posgen_tl.plot.taxonomy import plot_label_counts as label_counts
+from posgen_tl.plot.taxonomy import plot_positional_symbolic_plane as positional_symbolic_plane
+from posgen_tl.plot.taxonomy import plot_taxonomy_vs_share as taxonomy_vs_share
 from posgen_tl.plot.tolerance import plot_length as length_buckets
 from posgen_tl.plot.tolerance import plot_tolerance_curves as tolerance_curves
 

@@ -9,7 +9,8 @@ Jupyter shows it exactly once as the cell's value); nothing is computed, shown o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -64,7 +65,7 @@ def plot_r_by_layer(
     return fig
 
 
-def plot_head_maps(result: "HeadDecomposition", *, show_a: bool = True) -> Figure:
+def plot_head_maps(result: HeadDecomposition, *, show_a: bool = True) -> Figure:
     """Figure-1 view of one head: logits W, positional f, semantic g and the remainder
     W − f − g on one colour scale (causal entries only, the rest blank), plus D1's distance
     term ``a[i−j]`` if ``show_a``.

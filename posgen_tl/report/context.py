@@ -104,7 +104,7 @@ class Context:
     experiment hands to a later one in the same run (e.g. the T1 curve the causal test reuses)."""
 
     model: Any
-    work: "Work"
+    work: Work
     model_name: str
     seed: int = 0
     shared: dict = field(default_factory=dict)

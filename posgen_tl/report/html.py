@@ -136,7 +136,7 @@ SKIP_HINTS = {
 }
 
 
-def skipped_section(title: str, reason: str, question: str | None = None, hint: str | None = None) -> "Section":
+def skipped_section(title: str, reason: str, question: str | None = None, hint: str | None = None) -> Section:
     """The section of an experiment that could not run (``reason``), with a hint (default: the corpus
     hint of :data:`SKIP_HINTS`) and — when it answers a summary ``question`` — a "not testable"
     headline naming the reason."""

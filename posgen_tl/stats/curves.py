@@ -26,7 +26,8 @@ mean of its sequences' AUCs: one estimator, whichever order.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -157,7 +158,7 @@ class Family:
                 raise ValueError(f"entry {e.key!r}: n_docs must be an integer ≥ 2, got {e.n_docs}")
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "Family":
+    def from_config(cls, cfg: dict) -> Family:
         """Family from a config mapping (a run's ``claim_family``): keys ``entries`` (list of
         ``{model, layers, controls, n_docs}``), ``damage_margin_rel``, ``controls_redrawn_per_document``
         and optionally ``order``, ``alpha``, ``damage_rule``. Raises ``ValueError`` naming a missing key."""

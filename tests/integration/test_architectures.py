@@ -12,10 +12,9 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import arch_matrix as am
 import pytest
 import torch
-
-import arch_matrix as am
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 COMMITTED = am.load_json(DOCS / "architectures.json") or {"columns": {}, "archs": {}}

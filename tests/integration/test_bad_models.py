@@ -7,10 +7,10 @@ from __future__ import annotations
 import shutil
 import warnings
 
+import arch_matrix as am
 import pytest
 import torch
 
-import arch_matrix as am
 import posgen_tl as pg
 from posgen_tl.cli import main
 from posgen_tl.experiments.exactness import MIN_COMPARED_ENTRIES, exactness_table

@@ -12,9 +12,9 @@ import importlib.util
 import warnings
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from posgen_tl.io.models import ModelLoadError, _boot, load_model, random_twin
 
 needs_accelerate = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
@@ -122,9 +122,9 @@ def test_zoo_model_with_device_map(from_pretrained_calls):
 def _analyses(model, toks):
     from posgen_tl.experiments.causal import Condition, condition_rows
     from posgen_tl.experiments.decomposition import decompose_model
-    from posgen_tl.io.sampling import as_windows as _tensor_windows
     from posgen_tl.experiments.pattern import feature_pattern
     from posgen_tl.hooks.edits import Intervention, key_means
+    from posgen_tl.io.sampling import as_windows as _tensor_windows
 
     dec = decompose_model(model, toks[:-1], reference=toks[-1:], batch_size=2, progress=False)
     pat = feature_pattern(model, toks[:-1], progress=False)

@@ -15,12 +15,12 @@ import sys
 import warnings
 from pathlib import Path
 
+import dist_worker as W
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-import dist_worker as W
 from posgen_tl import distributed as D
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,15 +8,15 @@ import shutil
 import warnings
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
-from posgen_tl.io import models as zoo
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
+from posgen_tl.io import models as zoo
 from posgen_tl.io.corpus import CorpusError, corpus_tokens, load_texts, tokenize_corpus
 from posgen_tl.io.models import ModelLoadError, load_model
-from posgen_tl.maths.rope import RopeError
 from posgen_tl.io.spec import rope_spec
+from posgen_tl.maths.rope import RopeError
 
 
 def test_absolute_position_model_refused():

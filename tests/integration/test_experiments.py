@@ -16,9 +16,9 @@ matplotlib.use("Agg")
 
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
+import tiny_models as tm  # noqa: E402
 import torch  # noqa: E402
 
-import tiny_models as tm  # noqa: E402
 import posgen_tl  # noqa: E402
 from posgen_tl.cli import build_parser, main, study_config  # noqa: E402
 from posgen_tl.experiments import registry  # noqa: E402

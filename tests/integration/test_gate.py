@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import warnings
 
+import arch_matrix as am
 import pytest
 import torch
 
-import arch_matrix as am
 import posgen_tl as pg
 from posgen_tl.hooks.gate import UncheckedModelError, UncheckedWarning, check_result
 

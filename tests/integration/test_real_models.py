@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posgen_tl.hooks.capture import capture_qk, probe_hooks
 from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.maths.rope import causal_mask
-from posgen_tl.maths.rope import rotate
+from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.maths.rope import causal_mask, rotate
 
 pytestmark = pytest.mark.real
 
@@ -78,4 +77,4 @@ def test_gemma3_window_respected_beyond_512(gemma3):
         m = causal_mask(600, sliding_window=c.rope.sliding_window)
         err = (c.logits() - c.scores)[..., m].abs().max()
         assert err <= SCORE_RTOL * c.scores[..., m].abs().max()
-        assert bool((m.sum(-1)[-1] == (512 if layer == 0 else 600)))
+        assert bool(m.sum(-1)[-1] == (512 if layer == 0 else 600))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from posgen_tl import decompose_model, feature_pattern, random_twin
-from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
 from posgen_tl.experiments.exactness import exactness_table
+from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
 from posgen_tl.maths.rope import LayerRope, RopeError, RopeSpec
 
 

@@ -138,7 +138,6 @@ def test_report_renders_in_headless_chromium(quick_report, tmp_path):
 
 def test_cli_quick_report(tmp_path, smollm2):
     from posgen_tl.cli import main
-
     from posgen_tl.io.corpus import default_texts
 
     corpus = tmp_path / "corpus.txt"  # a user's own text file (here: reversed pydoc documents)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import warnings
 
+import arch_matrix as am
 import pytest
 import torch
-
-import arch_matrix as am
 
 N = 24
 IDS = 100 + torch.arange(N)  # past max_position_embeddings = 64 and past LongRoPE's 16

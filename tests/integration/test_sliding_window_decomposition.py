@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import warnings
 
+import arch_matrix as am
 import pytest
 import torch
 
-import arch_matrix as am
 from posgen_tl.experiments.decomposition import decompose_model
 from posgen_tl.maths.decompose import fit_additive, score_maps
 
@@ -47,7 +47,7 @@ def _hf_maps(folder, tokens):
 
         q_pre, k_pre = unrot(q), unrot(k)
         kbar = k_pre[:, :, SINK:].mean(2, keepdim=True)  # [b, g, 1, d]
-        expand = lambda t: t.repeat_interleave(rep, dim=1)  # noqa: E731 — HF's repeat_kv
+        expand = lambda t: t.repeat_interleave(rep, dim=1)  # noqa: B023, E731 — HF's repeat_kv
         w = rec.scores()
         f = rec.scaling * q @ expand(rot(kbar.expand_as(k_pre))).transpose(-1, -2)
         g = rec.scaling * q_pre @ expand(k_pre - kbar).transpose(-1, -2)

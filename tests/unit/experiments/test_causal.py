@@ -5,18 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from posgen_tl.experiments import causal as ca
 from posgen_tl.experiments import tolerance as tol
-from posgen_tl.io.sampling import sample_windows
 from posgen_tl.experiments.tolerance import nll_on_target
 from posgen_tl.hooks.capture import capture_qk, probe_hooks
 from posgen_tl.hooks.edits import Intervention, change_vectors, key_means
+from posgen_tl.io.sampling import sample_windows
 from posgen_tl.maths.perturb import position_ids_for_permutation
 from posgen_tl.maths.rope import to_bands
-
 
 # ----------------------------------------------------------------------------- fixtures
 

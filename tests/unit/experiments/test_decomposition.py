@@ -10,9 +10,9 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
+import tiny_models as tm  # noqa: E402
 import torch  # noqa: E402
 
-import tiny_models as tm  # noqa: E402
 from posgen_tl.experiments.decomposition import (  # noqa: E402
     decompose_model,
     decompose_with_twin,
@@ -21,8 +21,8 @@ from posgen_tl.experiments.decomposition import (  # noqa: E402
 )
 from posgen_tl.hooks.capture import capture_qk, probe_hooks  # noqa: E402
 from posgen_tl.io.sampling import Windows, sample_windows  # noqa: E402
-from posgen_tl.maths.groups import layer_group  # noqa: E402
 from posgen_tl.maths.decompose import causal_mask, d3_bound, d3_split, fit_additive, score_maps, sequence_key_mean  # noqa: E402
+from posgen_tl.maths.groups import layer_group  # noqa: E402
 
 COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
            "sink_excluded", "r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds"]
@@ -59,7 +59,7 @@ def test_columns_shape_and_layer_groups(tiny):
     assert set(df.seq) == set(range(N_SEQ)) and set(df.twin) == {"trained"}
     assert df[df.estimator != "D3"][["d3_err_mean", "d3_bound_mean", "d3_bound_holds"]].isna().all().all()
     assert df[df.estimator == "D3"]["d3_bound_mean"].notna().all()
-    assert all(g == layer_group(l, spec.n_layers) for l, g in zip(df.layer, df.layer_group))
+    assert all(g == layer_group(l, spec.n_layers) for l, g in zip(df.layer, df.layer_group))  # noqa: E741
     assert set(_run(tiny, sink=0).sink_excluded) == {False}
 
 

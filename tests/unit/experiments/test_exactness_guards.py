@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_models as tm
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import tiny_models as tm
 from posgen_tl.experiments.exactness import exactness_table, exceeds, verdict, worst
 from posgen_tl.maths.rope import IndexRangeError
 

@@ -11,7 +11,7 @@ from posgen_tl.experiments import length, sufficiency
 def _gap(value, lo, hi, p_holm, dis_value=-0.5):
     rows = [dict(condition="vanilla", gap=g, gap_frac=g / 100, estimator="d_vs_gap0", estimate=v, ci_low=l, ci_high=h,
                  p=p_holm / 4, p_holm=p_holm, n_seq=40, n_docs=40)
-            for g, v, l, h in ((100, 0.01, -0.1, 0.1), (200, value, lo, hi))]
+            for g, v, l, h in ((100, 0.01, -0.1, 0.1), (200, value, lo, hi))]  # noqa: E741
     rows.append(dict(condition="disentangled", gap=200, gap_frac=2.0, estimator="d_vs_vanilla", estimate=dis_value,
                      ci_low=dis_value - 0.1, ci_high=dis_value + 0.1, p=0.001, p_holm=0.004, n_seq=40, n_docs=40))
     return pd.DataFrame(rows)

@@ -9,14 +9,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from posgen_tl import plot
 from posgen_tl.experiments.head_maps import decompose_head, phase_angles, phase_angles_with_twin
 from posgen_tl.hooks.capture import capture_qk, probe_hooks
 from posgen_tl.maths.decompose import d3_split, fit_additive, score_maps
-from posgen_tl.maths.rope import causal_mask, expand_kv
+from posgen_tl.maths.rope import causal_mask
 
 N_POS = 20
 

@@ -6,7 +6,18 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from tiny_models import hf_gemma3, hf_llama, native
 
+from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks
+from posgen_tl.hooks.edits import enforce_hooks, key_means
+from posgen_tl.hooks.logits import (
+    disentangled_hooks,
+    lm_infinite_hooks,
+    local_layers,
+    logit_substitution_hooks,
+    sufficiency_hooks,
+    window_removal_hooks,
+)
 from posgen_tl.maths.approx_logits import (
     causal_visible,
     d3_approx_logits,
@@ -15,14 +26,9 @@ from posgen_tl.maths.approx_logits import (
     lm_infinite_logits,
     quantile_mask,
 )
-from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks
 from posgen_tl.maths.decompose import d3_logits, d3_split
-from posgen_tl.hooks.edits import enforce_hooks, key_means
-from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, logit_substitution_hooks, sufficiency_hooks, window_removal_hooks
 from posgen_tl.maths.perturb import capped_scores, gap_position_ids
 from posgen_tl.maths.rope import LayerRope
-
-from tiny_models import hf_gemma3, hf_llama, native
 
 
 @pytest.fixture(scope="module")

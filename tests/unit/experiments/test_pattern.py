@@ -8,9 +8,9 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
+import tiny_models as tm  # noqa: E402
 import torch  # noqa: E402
 
-import tiny_models as tm  # noqa: E402
 from posgen_tl.experiments.pattern import (  # noqa: E402
     BAND_COLUMNS,
     HEAD_COLUMNS,
@@ -209,8 +209,8 @@ def test_pred_error_global_matches_direct_computation(llama):
     rotation factors, recomputed by hand from captured q/k; ρ forms from the per-sequence sums."""
     from posgen_tl.experiments.decomposition import reference_key_means
     from posgen_tl.hooks.capture import capture_qk
-    from posgen_tl.maths.decompose import causal_mask
     from posgen_tl.maths.band_stats import distance_weights
+    from posgen_tl.maths.decompose import causal_mask
     from posgen_tl.maths.rho import rho_forms
     from posgen_tl.maths.rope import expand_kv, to_bands
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from posgen_tl.experiments.taxonomy import (
     HEAD_COLUMNS,
     head_table,

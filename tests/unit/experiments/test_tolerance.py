@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
-from posgen_tl.hooks.edits import Intervention, key_means
-from posgen_tl.hooks.positions import distance_cap_hooks, reposition_hooks
 from posgen_tl.experiments import tolerance as tol
 from posgen_tl.hooks.capture import CaptureError
+from posgen_tl.hooks.positions import distance_cap_hooks, reposition_hooks
 from posgen_tl.maths.perturb import adjacent_swap_permutation, nll_from_logits, position_ids_for_permutation
 
 MAKERS = {"native": lambda: tm.native(), "llama": lambda: tm.hf_llama()[0], "gemma3": lambda: tm.hf_gemma3()[0]}

@@ -5,13 +5,12 @@ from __future__ import annotations
 import sys
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
-from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
 from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.maths.rope import causal_mask
-from posgen_tl.maths.rope import RopeError, expand_kv, rotate, scores_from_prerotation
+from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+from posgen_tl.maths.rope import RopeError, causal_mask, expand_kv, rotate, scores_from_prerotation
 
 TINY = {
     "native_adjacent_gqa_partial": lambda: tm.native(rotary_dim=6, n_heads=4, n_kv=2, d_head=8),
@@ -73,7 +72,7 @@ def test_recomputed_scores_match_model_on_local_and_global_layers():
     model, _ = tm.hf_gemma3()
     toks = torch.randint(3, 90, (1, 10))
     caps = capture_qk(model, toks, with_scores=True)
-    for layer, c in caps.items():
+    for layer, c in caps.items():  # noqa: B007
         m = causal_mask(10, sliding_window=c.rope.sliding_window)
         w = c.logits()
         assert torch.allclose(w[..., m], c.scores[..., m], rtol=0, atol=1e-5 * c.scores[..., m].abs().max())
@@ -118,7 +117,6 @@ def test_stream_returns_freed_heap_after_each_batch(monkeypatch):
     import platform  # noqa: PLC0415
 
     import posgen_tl.hooks.capture as cap  # noqa: PLC0415
-
     from posgen_tl.hooks.gate import check_result  # noqa: PLC0415
 
     model = tm.native(n_layers=2)

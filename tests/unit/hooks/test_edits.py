@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
-from posgen_tl.hooks.edits import Intervention, change_vectors, destroy_hooks, enforce_hooks, intervention_hooks, key_means, noop_hooks
-from posgen_tl.hooks.positions import reposition_hooks
 from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.hooks.edits import (
+    Intervention,
+    change_vectors,
+    destroy_hooks,
+    enforce_hooks,
+    intervention_hooks,
+    key_means,
+    noop_hooks,
+)
+from posgen_tl.hooks.positions import reposition_hooks
 from posgen_tl.maths.rope import to_bands
 
 MAKERS = {"native": lambda: tm.native(), "llama": lambda: tm.hf_llama()[0], "gemma3": lambda: tm.hf_gemma3()[0]}

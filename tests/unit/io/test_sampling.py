@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from posgen_tl.io.corpus import CorpusError
 from posgen_tl.io.sampling import (
     Windows,

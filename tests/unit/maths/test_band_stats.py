@@ -40,7 +40,7 @@ def _coords(m: int, rotary_dim: int, layout: str) -> tuple[int, int]:
 def _assert_stats_close(a: BandStats, b: BandStats, tol: float = 1e-10) -> None:
     for name in STATS:
         torch.testing.assert_close(getattr(a, name)(), getattr(b, name)(), rtol=tol, atol=tol,
-                                   equal_nan=True, msg=lambda m: f"{name}: {m}")
+                                   equal_nan=True, msg=lambda m: f"{name}: {m}")  # noqa: B023
 
 
 # ----------------------------------------------------------------------------- offsets / layouts

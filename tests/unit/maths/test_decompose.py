@@ -17,11 +17,11 @@ from posgen_tl.maths.decompose import (
     d3_bound,
     d3_logits,
     d3_split,
-    sequence_key_mean,
     fit_additive,
     pearson_r,
     r_squared,
     score_maps,
+    sequence_key_mean,
     within_row_r,
 )
 from posgen_tl.maths.rope import (

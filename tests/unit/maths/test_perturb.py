@@ -19,8 +19,8 @@ from posgen_tl.maths.perturb import (
     span_mean,
     word_units,
 )
-from posgen_tl.stats.inference import bootstrap_ci, slope_ci
 from posgen_tl.maths.rope import LayerRope, relative_rotation_matrix, rotate, scores_from_rotated
+from posgen_tl.stats.inference import bootstrap_ci, slope_ci
 
 
 def make_rope(layout="half", rotary_dim=8, base=100.0, scaling=1.0, score_scale=0.3) -> LayerRope:

@@ -14,7 +14,6 @@ from posgen_tl.maths.groups import band_group
 from posgen_tl.maths.rho import SequenceBandSums, rho_forms
 from posgen_tl.maths.rope import from_bands, to_bands
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/unit/maths/conftest.py
 
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from posgen_tl.maths.rope import causal_mask
+from posgen_tl.maths.rope import LayerRope, causal_mask, expand_kv, rotate, scores_from_rotated
 from posgen_tl.maths.taxonomy import (
     LABELS,
     band_logits,
@@ -24,7 +24,6 @@ from posgen_tl.maths.taxonomy import (
     row_spread_threshold,
     taxonomy_label,
 )
-from posgen_tl.maths.rope import LayerRope, expand_kv, rotate, scores_from_rotated
 
 
 def make_rope(layout="half", rotary_dim=8, score_scale=0.25) -> LayerRope:

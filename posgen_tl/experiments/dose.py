@@ -1,0 +1,113 @@
+"""The dose–response run of causal verdicts v3 (docs/method.md §5, §8; the verdict: :mod:`posgen_tl.stats.dose`).
+
+Every condition (destroy and each control) runs at a grid of strengths on the same windows and the same
+swaps. Per window: the unedited clean NLL and its swapped passes are computed ONCE and are every
+condition's α = 0 point; per condition and α > 0 one clean pass (its damage) and one pass per swap
+fraction and seed. A random control keeps one draw per document across its strengths (a dose curve of
+one edit), drawn afresh for every document.
+
+:func:`dose_rows` returns the passes; :func:`dose_units` turns them into one row per document × condition
+× strength — damage, tolerance loss against the condition's own clean NLL, and against the unedited
+one — the input of :func:`posgen_tl.stats.dose.common_damage_contrasts`.
+
+Still to come (issue #36): the study around it (the pilot on reference documents that declares the
+damage levels and each control's grid, the power calculation, resumable runs, the pages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from posgen_tl.experiments.causal import Condition, condition_rows
+from posgen_tl.experiments.tolerance import curve_rows, nll_on_target
+from posgen_tl.io.sampling import Windows
+from posgen_tl.stats.curves import document_units
+
+__all__ = ["dose_rows", "dose_units", "strength_grid"]
+
+#: strengths relative to a condition's tuned point: ×0.25 … ×4 (docs/method.md §5 v3)
+RELATIVE_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def strength_grid(tuned: float, relative: Sequence[float] = RELATIVE_GRID, *, alpha_max: float | None = None) -> tuple[float, ...]:
+    """The strengths of one condition: ``tuned × relative`` (capped at ``alpha_max``, duplicates dropped), α = 0
+    first. Raises ``ValueError`` for a non-positive tuned strength or grid."""
+    if not tuned > 0 or not relative or min(relative) <= 0:
+        raise ValueError(f"need a positive tuned strength and grid, got {tuned!r}, {tuple(relative)!r}")
+    grid = sorted({round(min(tuned * r, alpha_max) if alpha_max else tuned * r, 12) for r in relative})
+    return (0.0, *grid)
+
+
+def dose_rows(
+    model: Any, windows: Windows, conditions: Sequence[Condition], strengths: Mapping[str, Sequence[float]], *,
+    k_means: dict | None, target_len: int, fracs: Sequence[float], seeds: Sequence[int], base_seed: int = 0,
+    seed: int = 0, redraw: bool = True, batch_size: int = 4, progress: bool = True,
+) -> pd.DataFrame:  # fmt: skip
+    """Every condition at every strength on ``windows`` (T1 swaps, the same for all).
+
+    Returns one row per window × condition × strength × (frac, seed): ``seq`` (window index), ``doc``,
+    ``condition``, ``alpha``, ``frac``, ``seed``, ``clean_nll`` (the condition's own), ``base_clean_nll``
+    (unedited), ``nll``, ``delta`` (= nll − clean_nll) and ``delta_unedited`` (= nll − base_clean_nll).
+    The α = 0 rows of every condition are the unedited passes (computed once).
+
+    Raises:
+        ValueError: a condition without strengths, a strength < 0, or no α > 0."""
+    for c in conditions:
+        grid = [float(x) for x in strengths.get(c.key, ())]
+        if not grid or min(grid) < 0 or max(grid) <= 0:
+            raise ValueError(f"condition {c.key!r}: strengths must be ≥ 0 with at least one > 0, got {grid}")
+    n = len(windows)
+    passes = sum(len([a for a in strengths[c.key] if a > 0]) for c in conditions) + 1
+    bar = tqdm(total=passes * ((n + batch_size - 1) // batch_size), desc="dose–response", disable=not progress,
+               leave=False)
+    frames = []
+    try:
+        for b0 in range(0, n, batch_size):
+            idx = list(range(b0, min(n, b0 + batch_size)))
+            w = windows.subset(idx)
+            docs = w.doc_ids.tolist()
+            base = nll_on_target(model, w.tokens, target_len=target_len, batch_size=len(idx))
+            zero = pd.DataFrame(curve_rows(model, w, base, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
+                                           base_seed=base_seed))
+            bar.update(1)
+            for c in conditions:
+                frames.append(zero.assign(condition=c.key, alpha=0.0))
+                for a in sorted(float(x) for x in strengths[c.key] if float(x) > 0):
+                    cd = c.with_alpha(a).for_documents(docs, seed, redraw)
+                    df, _, _ = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
+                                              seeds=seeds, base_seed=base_seed)
+                    frames.append(df.assign(condition=c.key, alpha=a))
+                    bar.update(1)
+            for f in frames[-sum(1 + len([a for a in strengths[c.key] if a > 0]) for c in conditions):]:
+                f["base_clean_nll"] = base.cpu().numpy()[f["seq"].to_numpy()]
+                f["doc"] = np.asarray(docs)[f["seq"].to_numpy()]
+                f["seq"] = f["seq"] + b0
+    finally:
+        bar.close()
+    rows = pd.concat(frames, ignore_index=True)
+    rows["delta_unedited"] = rows["nll"] - rows["base_clean_nll"]
+    return rows
+
+
+def dose_units(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per document × condition × strength (sequences of a document averaged, seeds first): ``damage`` (mean
+    clean-NLL increase over the unedited model, nats), ``tolerance`` (area under the ΔNLL-over-p curve
+    against the condition's own clean NLL, nats × p) and ``tolerance_unedited`` (the same area against the
+    unedited clean NLL, the curve starting at the damage at p = 0)."""
+    u = document_units(rows, by=("condition", "alpha"), value="delta")
+    wide = u[u["estimator"].isin(["auc", "damage"])].pivot_table(index=["doc", "condition", "alpha"],
+                                                                  columns="estimator", values="value")
+    fr = np.asarray(u.attrs["fracs"], dtype=float)
+    x = np.concatenate([[0.0], fr])
+    curve = rows[rows["frac"] > 0].groupby(["condition", "alpha", "doc", "seq", "frac"])["delta_unedited"].mean()
+    per_doc = curve.groupby(["condition", "alpha", "doc", "frac"]).mean().unstack("frac")[list(fr)]
+    dmg = wide["damage"].reorder_levels(["condition", "alpha", "doc"]).reindex(per_doc.index).to_numpy()
+    y = np.column_stack([dmg, per_doc.to_numpy()])
+    tol_u = pd.Series(np.trapezoid(y, x, axis=1), index=per_doc.index).reorder_levels(["doc", "condition", "alpha"])
+    out = wide.rename(columns={"auc": "tolerance"}).assign(tolerance_unedited=tol_u.reindex(wide.index).to_numpy())
+    return out.reset_index()[["doc", "condition", "alpha", "damage", "tolerance", "tolerance_unedited"]]

@@ -1,0 +1,34 @@
+"""The habits CI keeps: ruff's lint and mypy pass on the whole repository (configuration in pyproject.toml;
+the modules that still carry type debt are listed there, and the list only shrinks)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str) -> str:
+    exe = Path(sys.executable).parent / name
+    path = str(exe) if exe.exists() else shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: it is part of the test extras (pip install -e '.[test]')")
+    return path
+
+
+def test_ruff_lint_passes():
+    r = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_mypy_passes_and_the_type_debt_only_shrinks():
+    r = subprocess.run([_tool("mypy"), "posgen_tl"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    text = (ROOT / "pyproject.toml").read_text()
+    debt = text.split("ignore_errors = true")[0].rsplit("module = [", 1)[1]
+    assert debt.count('"posgen_tl.') <= 24, "a module joined the type-debt list in pyproject.toml"
