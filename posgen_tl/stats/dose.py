@@ -130,11 +130,16 @@ def curves_at_levels(rows: pd.DataFrame, levels: Sequence[float] | np.ndarray, *
         raise ValueError(f"dose rows need columns {sorted(need)}; missing {sorted(need - set(rows.columns))}")
     if rows.duplicated(["doc", "condition", "alpha"]).any():
         raise ValueError("dose rows hold a (doc, condition, alpha) twice: average the sequences of a document first")
-    out = []
-    for (doc, cond), g in rows.sort_values("alpha").groupby(["doc", "condition"], sort=False):
-        t = tolerance_at(g["damage"].to_numpy(), g["tolerance"].to_numpy(), levels, interpolation=interpolation)
-        out.append(pd.DataFrame({"doc": doc, "condition": cond, "level": np.asarray(levels, float), "tolerance": t}))
-    return pd.concat(out, ignore_index=True)
+    lv = np.asarray(levels, float)
+    srt = rows.sort_values(["doc", "condition", "alpha"], kind="mergesort")
+    dmg, tol = srt["damage"].to_numpy(float), srt["tolerance"].to_numpy(float)
+    keys = srt[["doc", "condition"]].to_numpy()
+    starts = np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]).any(axis=1)])
+    ends = np.r_[starts[1:], len(srt)]
+    vals = [tolerance_at(dmg[a:b], tol[a:b], lv, interpolation=interpolation) for a, b in zip(starts, ends)]
+    k = lv.size
+    return pd.DataFrame({"doc": np.repeat(keys[starts, 0], k), "condition": np.repeat(keys[starts, 1], k),
+                         "level": np.tile(lv, len(starts)), "tolerance": np.concatenate(vals) if vals else []})
 
 
 def _unedited(rows: pd.DataFrame) -> pd.Series:
