@@ -138,8 +138,8 @@ def teardown() -> None:
 
 
 def shard_documents(
-    doc_ids: Int[Tensor, batch] | Windows, world_size: int, rank: int
-) -> Int[Tensor, local]:
+    doc_ids: Int[Tensor, "batch"] | Windows, world_size: int, rank: int
+) -> Int[Tensor, "local"]:
     """Indices of the windows that ``rank`` analyses: whole documents, balanced by window count.
 
     Documents are sorted by (window count descending, id) and each goes to the rank holding the
@@ -171,7 +171,7 @@ def shard_documents(
     return keep.nonzero().flatten()
 
 
-def _shard_rows(n: int, world_size: int, rank: int) -> Int[Tensor, local]:
+def _shard_rows(n: int, world_size: int, rank: int) -> Int[Tensor, "local"]:
     """Contiguous near-equal row split (for reference sets, whose documents do not matter)."""
     bounds = [round(i * n / world_size) for i in range(world_size + 1)]
     return torch.arange(bounds[rank], bounds[rank + 1])
@@ -290,7 +290,7 @@ def merge_means(
     return {k: v["s"] / total for k, v in red.items()}
 
 
-def gather_frame(df: pd.DataFrame, index: Int[Tensor, local] | None = None, *, column: str = "seq",
+def gather_frame(df: pd.DataFrame, index: Int[Tensor, "local"] | None = None, *, column: str = "seq",
                  what: str = "rows") -> pd.DataFrame:
     """Concatenate every rank's ``df`` (rank order) on every rank.
 

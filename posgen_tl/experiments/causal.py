@@ -314,7 +314,7 @@ class _KL:
         else:
             self.acc[layer] = attention_kl(self.ref[layer], pat)
 
-    def per_sequence(self) -> Float[Tensor, batch]:
+    def per_sequence(self) -> Float[Tensor, "batch"]:
         missing = [lay for lay in self.layers if lay not in self.acc]
         if missing:
             raise RuntimeError(f"attention patterns of layers {missing} were not captured")
@@ -323,7 +323,7 @@ class _KL:
 
 def attention_kl(
     p: Float[Tensor, "batch head_index query_pos key_pos"], q: Float[Tensor, "batch head_index query_pos key_pos"]
-) -> Float[Tensor, batch]:
+) -> Float[Tensor, "batch"]:
     """Mean over heads and query rows ``1..N−1`` of ``KL(p_row ‖ q_row)`` (nats), per sequence.
 
     Causal rows: entries with ``p = 0`` (masked keys) contribute 0; ``q`` is floored at 1e-30

@@ -59,7 +59,7 @@ class HeadDecomposition:
     f: Float[Tensor, "query_pos key_pos"]
     g: Float[Tensor, "query_pos key_pos"]
     remainder: Float[Tensor, "query_pos key_pos"]
-    a: Float[Tensor, delta]
+    a: Float[Tensor, "delta"]
     mask: Bool[Tensor, "query_pos key_pos"]
     sink: int
     scores: pd.DataFrame
@@ -113,7 +113,7 @@ def _k_means(model: Any, cap: QKCapture, k_mean: KMean, reference: Tensor | None
 
 def decompose_head(
     model: Any,
-    tokens_or_cache: Int[Tensor, "batch pos"] | Int[Tensor, pos] | Any,
+    tokens_or_cache: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | Any,
     layer: int,
     head: int,
     *,

@@ -89,7 +89,7 @@ def _position_kwargs(model: Any, tokens: Tensor, position_ids: Tensor | None) ->
 @torch.no_grad()
 def span_nll(
     model: Any, tokens: Int[Tensor, "batch pos"], start: int, stop: int | None = None, *,
-    position_ids: Int[Tensor, pos] | Int[Tensor, "batch pos"] | None = None, fwd_hooks: Sequence = (),
+    position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"] | None = None, fwd_hooks: Sequence = (),
     chunk: int = 256,
 ) -> Float[Tensor, "batch span"]:  # fmt: skip
     """Per-token next-token NLL of the tokens at sequence indices ``[start, stop)`` (float32, CPU).

@@ -116,10 +116,10 @@ def _target_nll(model, batch, target_len, pos, hooks, resid=None, start_at_layer
 @torch.no_grad()
 def nll_on_target(
     model: Any, tokens: Int[Tensor, "batch pos"], *, target_len: int,
-    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
+    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     fwd_hooks: Hooks = (), batch_size: int = 4,
     resid_at: tuple[int, Float[Tensor, "batch pos d_model"]] | None = None,
-) -> Float[Tensor, batch]:  # fmt: skip
+) -> Float[Tensor, "batch"]:  # fmt: skip
     """Mean next-token NLL of the last ``target_len`` tokens of each sequence (float32, CPU).
 
     Only the span's logits are computed (final residual captured, then unembedded), so a
@@ -275,7 +275,7 @@ def perturbed_inputs(
     return toks, torch.stack([position_ids_for_permutation(p) for p in perm]).to(toks.device)
 
 def curve_rows(
-    model: Any, windows: Windows, clean: Float[Tensor, batch], *, fracs: Sequence[float], seeds: Sequence[int],
+    model: Any, windows: Windows, clean: Float[Tensor, "batch"], *, fracs: Sequence[float], seeds: Sequence[int],
     mode: str, target_len: int, base_seed: int = 0, fwd_hooks: Sequence = (),
 ) -> list[dict]:  # fmt: skip
     """The tolerance curve of one batch: one pass per (frac > 0, seed) of :func:`perturbed_inputs`

@@ -630,7 +630,7 @@ def stream_qk(
     *,
     with_scores: bool = False,
     batch_size: int = 8,
-    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
+    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     extra_hooks: Sequence[tuple[str, Callable]] = (),
     progress: bool | str = True,
     with_tables: bool = False,

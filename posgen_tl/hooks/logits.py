@@ -77,7 +77,7 @@ def _softcap(x: Tensor, cap: float | None) -> Tensor:
 
 def logit_substitution_hooks(
     model: Any, fn: SubstFn | None, layers: Sequence[int] | None = None, *,
-    position_ids: Int[Tensor, pos] | Int[Tensor, "batch pos"] | None = None, remove_window: bool = False,
+    position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"] | None = None, remove_window: bool = False,
 ) -> HookList:  # fmt: skip
     """The generic substitution: rewrite the pre-softmax scores of ``layers`` from captured q/k.
 

@@ -42,7 +42,7 @@ def _pos_for(position_ids: Tensor, batch: int, device) -> Tensor:
     return p.expand(batch, -1) if p.ndim == 1 else p
 
 
-def reposition_hooks(model: Any, position_ids: Int[Tensor, pos] | Int[Tensor, "batch pos"]) -> HookList:
+def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"]) -> HookList:
     """T2 by re-rotation: the model runs with positions ``arange``; these hooks make every
     layer's RoPE use ``position_ids`` instead.
 

@@ -122,7 +122,7 @@ def exact_logits(
     q: Float[Tensor, "batch pos head_index d_head"],
     k: Float[Tensor, "batch pos kv_head d_head"],
     rope: LayerRope,
-    positions: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
+    positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     *,
     dtype: torch.dtype = torch.float64,
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
@@ -138,7 +138,7 @@ def lm_infinite_logits(
     cap: int,
     *,
     n_sink: int = 0,
-    positions: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
+    positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     lambda_window: int | None = None,
     sink_capped: bool = False,
     dtype: torch.dtype = torch.float64,
@@ -189,7 +189,7 @@ def d3_approx_logits(
     *,
     delta0: int = 0,
     cap: int | None = None,
-    positions: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
+    positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
     """``f(q_i, min(d, cap)) + g_Δ0(q_i, k_j)`` for every causal entry (D3 at offset ``delta0``).
@@ -226,7 +226,7 @@ def disentangled_logits(
     *,
     delta0: int = 0,
     n_sink: int = 0,
-    positions: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
+    positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
     """Exact logits for ``d ≤ cap`` and for the first ``n_sink`` keys; ``f(q_i, cap) + g_Δ0(q_i, k_j)``

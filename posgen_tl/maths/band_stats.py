@@ -178,7 +178,7 @@ class BandStats:
         """``E|z_m|²`` per head and band."""
         return _div(self.sum_abs2, self.n)
 
-    def pass_energy(self) -> Float[Tensor, head_index]:
+    def pass_energy(self) -> Float[Tensor, "head_index"]:
         """``E‖x_pass‖²`` per head (dims ``>= rotary_dim``; 0 without partial rotary)."""
         return _div(self.pass_abs2, self.n)
 
@@ -186,7 +186,7 @@ class BandStats:
         """``E|z_m|² / Σ_m E|z_m|²`` (rotated bands only); rows sum to 1."""
         return _div(self.sum_abs2, self.sum_abs2.sum(-1, keepdim=True))
 
-    def pass_energy_share(self) -> Float[Tensor, head_index]:
+    def pass_energy_share(self) -> Float[Tensor, "head_index"]:
         """``E‖x_pass‖² / E‖x‖²`` per head."""
         return _div(self.pass_abs2, self.sum_abs2.sum(-1) + self.pass_abs2)
 
@@ -249,7 +249,7 @@ def band_stats(
 
 def distance_weights(
     rope: LayerRope, max_distance: int, chunk: int = 4096, *, sink: int = 0
-) -> Float[Tensor, band]:
+) -> Float[Tensor, "band"]:
     """Entry-weighted mean rotation factor ``w_m = Σ_Δ c_Δ·2|sin(Δ·θ_m/2)| / Σ_Δ c_Δ`` (float64).
 
     The average runs over the causal entries of a map of ``n = max_distance + 1`` positions
@@ -276,7 +276,7 @@ def distance_weights(
 
 def within_row_spread(
     W: Float[Tensor, "batch head_index query_pos key_pos"], mask: Bool[Tensor, "query_pos key_pos"]
-) -> tuple[Float[Tensor, head_index], Float[Tensor, ""]]:
+) -> tuple[Float[Tensor, "head_index"], Float[Tensor, ""]]:
     """Mergeable sums of the within-row logit spread: ``(Σ (W_ij − mean_i W)², n_entries)``.
 
     Sums over the batch and every row with ``>= 2`` masked entries (row means over the mask);
@@ -304,7 +304,7 @@ def within_row_spread_qk(
     sink: int = 0,
     sliding_window: int | None = None,
     block: int = 32,
-) -> tuple[Float[Tensor, head_index], Float[Tensor, ""]]:
+) -> tuple[Float[Tensor, "head_index"], Float[Tensor, ""]]:
     """:func:`within_row_spread` of ``W = s·rot_q·rot_kᵀ`` under ``causal_mask(n, sink=, sliding_window=)``,
     without building the ``n × n`` maps.
 
@@ -370,8 +370,8 @@ def within_row_spread_qk(
 def predicted_d3_error(
     q_energy: Float[Tensor, "head_index band"],
     k_res_energy: Float[Tensor, "kv_head band"],
-    weights: Float[Tensor, band],
-    logit_spread: Float[Tensor, head_index],
+    weights: Float[Tensor, "band"],
+    logit_spread: Float[Tensor, "head_index"],
     scale: float = 1.0,
 ) -> dict[str, Tensor]:
     """Rotation-aware pattern score: predicted relative D3 error per query head (module docstring).
@@ -428,7 +428,7 @@ def pattern_scores(
     }
 
 
-def fast_band_offset(k_stats: BandStats, n_fast: int) -> Float[Tensor, head_index]:
+def fast_band_offset(k_stats: BandStats, n_fast: int) -> Float[Tensor, "head_index"]:
     """Mean offset ratio ``ρ`` over the ``n_fast`` fastest bands (band 0 fastest), NaN-skipping."""
     if not 1 <= n_fast <= k_stats.n_bands:
         raise ValueError(f"n_fast must be in [1, {k_stats.n_bands}], got {n_fast}")

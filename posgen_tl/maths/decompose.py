@@ -329,7 +329,7 @@ def d3_bound(
     k_mean: Float[Tensor, "head_index d_head"] | Float[Tensor, "batch head_index d_head"],
     positions: Int[Tensor, "batch pos"],
     rope: LayerRope,
-    rows: Int[Tensor, n_rows] | None = None,
+    rows: Int[Tensor, "n_rows"] | None = None,
     max_chunk_bytes: int = 64 * 2**20,
     delta0: float = 0,
 ) -> Float[Tensor, "batch head_index n_rows key_pos"]:

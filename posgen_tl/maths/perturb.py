@@ -65,8 +65,8 @@ def _sample_disjoint_pairs(n_items: int, k: int, gen: torch.Generator) -> list[i
 
 def adjacent_swap_permutation(
     n_pos: int, frac: float, *, start: int = 0, stop: int | None = None, seed: int = 0,
-    units: Int[Tensor, pos] | None = None,
-) -> Int[Tensor, pos]:  # fmt: skip
+    units: Int[Tensor, "pos"] | None = None,
+) -> Int[Tensor, "pos"]:  # fmt: skip
     """T1: swap a fraction of adjacent token (or word) pairs inside the window ``[start, stop)``.
 
     Definition. Let the window hold ``L`` items (tokens, or words when ``units`` is given).
@@ -124,7 +124,7 @@ def adjacent_swap_permutation(
     return perm
 
 
-def word_units(tokens_text: list[str], *, special_tokens: Iterable[str] = ()) -> Int[Tensor, pos]:
+def word_units(tokens_text: list[str], *, special_tokens: Iterable[str] = ()) -> Int[Tensor, "pos"]:
     """Word id per token, from the tokens' strings (as the tokenizer spells them).
 
     A new word starts at token 0 and at every token whose first character is whitespace
@@ -147,20 +147,20 @@ def word_units(tokens_text: list[str], *, special_tokens: Iterable[str] = ()) ->
 
 
 def apply_permutation(
-    tokens: Int[Tensor, "*batch pos"], perm: Int[Tensor, pos]
+    tokens: Int[Tensor, "*batch pos"], perm: Int[Tensor, "pos"]
 ) -> Int[Tensor, "*batch pos"]:
     """Reorder the last axis: returns ``tokens[..., perm]`` (same shape)."""
     return tokens[..., perm.to(tokens.device)]
 
 
-def inverse_permutation(perm: Int[Tensor, pos]) -> Int[Tensor, pos]:
+def inverse_permutation(perm: Int[Tensor, "pos"]) -> Int[Tensor, "pos"]:
     """``perm_inv`` with ``perm_inv[perm[n]] = n``: the new index of the token at old index t."""
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.shape[0], device=perm.device, dtype=perm.dtype)
     return inv
 
 
-def position_ids_for_permutation(perm: Int[Tensor, pos]) -> Int[Tensor, pos]:
+def position_ids_for_permutation(perm: Int[Tensor, "pos"]) -> Int[Tensor, "pos"]:
     """T2 position ids: tokens stay in place, token ``t`` gets position ``perm_inv[t]``.
 
     Under T1 the token at old index ``t`` sits at new index ``perm_inv[t]``; T2 keeps the
@@ -233,7 +233,7 @@ def nll_from_logits(
 def span_mean(
     nll: Float[Tensor, "batch pos_minus_1"], start: int, stop: int | None = None, *,
     coords: Literal["tokens", "nll"] = "tokens",
-) -> Float[Tensor, batch]:  # fmt: skip
+) -> Float[Tensor, "batch"]:  # fmt: skip
     """Mean NLL over a span, per sequence.
 
     ``coords="tokens"`` (default): ``[start, stop)`` are positions of the PREDICTED tokens in
@@ -265,7 +265,7 @@ def capped_scores(
     k: Float[Tensor, "batch pos head_index d_head"],
     rope: LayerRope,
     cap: int,
-    positions: Int[Tensor, "batch pos"] | Int[Tensor, pos] | None = None,
+    positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
     """T3: causal attention logits with the relative distance capped (LM-Infinite style).
 
@@ -311,7 +311,7 @@ def capped_scores(
 # ----------------------------------------------------------------------------- gap probe (§7)
 
 
-def gap_position_ids(prefix_len: int, suffix_len: int, gap: int, *, offset: int = 0) -> Int[Tensor, pos]:
+def gap_position_ids(prefix_len: int, suffix_len: int, gap: int, *, offset: int = 0) -> Int[Tensor, "pos"]:
     """Position ids of a prefix ‖ suffix sequence whose suffix is moved ``gap`` positions away.
 
     Prefix ids ``offset .. offset + |P| − 1``; suffix ids ``offset + |P| + gap .. offset + |P| + gap + |S| − 1``.

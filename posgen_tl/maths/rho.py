@@ -70,7 +70,7 @@ class SequenceBandSums:
     def update(
         self,
         x: Float[Tensor, "batch pos head_index d_head"],
-        docs: Int[Tensor, batch],
+        docs: Int[Tensor, "batch"],
         mask: Bool[Tensor, "batch pos"] | None = None,
     ) -> None:
         """Append one row per sequence of ``x`` (positions where ``mask`` is False ignored)."""
@@ -193,7 +193,7 @@ class SequenceBandSums:
 
 def rho_forms(
     x: Float[Tensor, "batch pos head_index d_head"],
-    docs: Int[Tensor, batch],
+    docs: Int[Tensor, "batch"],
     rotary_dim: int,
     layout: Layout,
     mask: Bool[Tensor, "batch pos"] | None = None,

@@ -141,7 +141,7 @@ class LayerRope:
         return self.rotary_dim // 2
 
     @property
-    def theta(self) -> Float[Tensor, band]:
+    def theta(self) -> Float[Tensor, "band"]:
         """Angular frequency per band in radians per position (``inv_freq / position_scale``)."""
         return self.inv_freq.double() / self.position_scale
 
@@ -360,7 +360,7 @@ def _apply(x: Tensor, cos: Tensor, sin: Tensor, rope: LayerRope) -> Tensor:
 
 def rotate(
     x: Float[Tensor, "*batch pos head_index d_head"],
-    positions: Int[Tensor, "*batch pos"] | Int[Tensor, pos],
+    positions: Int[Tensor, "*batch pos"] | Int[Tensor, "pos"],
     rope: LayerRope,
 ) -> Float[Tensor, "*batch pos head_index d_head"]:
     """Apply RoPE at ``positions``: returns ``a·R_p x`` per position, same shape as ``x``.
@@ -391,7 +391,7 @@ def rotate_with_table(
 
 def unrotate(
     x: Float[Tensor, "*batch pos head_index d_head"],
-    positions: Int[Tensor, "*batch pos"] | Int[Tensor, pos],
+    positions: Int[Tensor, "*batch pos"] | Int[Tensor, "pos"],
     rope: LayerRope,
 ) -> Float[Tensor, "*batch pos head_index d_head"]:
     """Inverse of :func:`rotate`: ``R_{−p} x / a`` (undoes the attention scaling too)."""
@@ -446,7 +446,7 @@ def expand_kv(
     return k.index_select(-2, kv_head_index(n_heads, k.shape[-2], device=k.device))
 
 
-def kv_head_index(n_heads: int, n_kv_heads: int, device: torch.device | str | None = None) -> Int[Tensor, head_index]:
+def kv_head_index(n_heads: int, n_kv_heads: int, device: torch.device | str | None = None) -> Int[Tensor, "head_index"]:
     """The kv head each query head reads: ``idx[h] = h // (n_heads // n_kv_heads)`` (HF's ``repeat_kv``:
     consecutive query heads share a group), as an int64 ``[head_index]`` tensor — the ONE place of the
     package that maps query heads to kv heads (:func:`expand_kv`, ``RopeSpec.kv_group``, per-group
@@ -495,7 +495,7 @@ def scores_from_prerotation(
     return (w * rope.score_scale).to(q.dtype)
 
 
-def band_periods(rope: LayerRope) -> Float[Tensor, band]:
+def band_periods(rope: LayerRope) -> Float[Tensor, "band"]:
     """Period ``2π/θ_m`` in positions for each band (band 0 shortest)."""
     return 2 * torch.pi / rope.theta
 
@@ -525,7 +525,7 @@ def causal_mask(
 def attention_pattern(
     w: Float[Tensor, "*batch head_index query_pos key_pos"],
     mask: Bool[Tensor, "query_pos key_pos"],
-    sinks: Float[Tensor, head_index] | None = None,
+    sinks: Float[Tensor, "head_index"] | None = None,
 ) -> Float[Tensor, "*batch head_index query_pos key_pos"]:
     """The attention pattern the model computes from pre-softmax logits ``w`` (soft-cap already
     applied): softmax over the keys ``mask`` leaves visible, masked entries exactly 0.

@@ -423,7 +423,7 @@ def positional_share(
 
 def frequency_centroid(
     energy_share: Float[Tensor, "head_index band"],
-) -> Float[Tensor, head_index]:
+) -> Float[Tensor, "head_index"]:
     """Energy-weighted mean band index per head: ``Σ_m m·e_m / Σ_m e_m`` (0 = fastest band).
 
     Returns:

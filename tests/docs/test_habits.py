@@ -32,3 +32,16 @@ def test_mypy_passes_and_the_type_debt_only_shrinks():
     text = (ROOT / "pyproject.toml").read_text()
     debt = text.split("ignore_errors = true")[0].rsplit("module = [", 1)[1]
     assert debt.count('"posgen_tl.') <= 24, "a module joined the type-debt list in pyproject.toml"
+
+
+def test_jaxtyping_shapes_stay_strings():
+    """A jaxtyping shape that lost its quotes (ruff's UP037 fix unquotes ``"pos"``) is a bare name, not a shape:
+    F821 is off for jaxtyping, so nothing else would notice."""
+    import re
+
+    bad = []
+    for f in [*ROOT.glob("posgen_tl/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/**/*.py")]:
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if re.search(r"\b(Float|Int|Bool|Complex|Shaped|Num)\[[\w.]+, [A-Za-z_]\w*\]", line):
+                bad.append(f"{f.relative_to(ROOT)}:{i}")
+    assert not bad, bad
