@@ -142,6 +142,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"RoPE: type={spec.rope_type}  source={spec.source}  layers={spec.n_layers}  heads={spec.n_heads}  "
         f"kv_heads={spec.n_kv_heads}  d_head={spec.d_head}  n_ctx={spec.n_ctx}  qk_norm={spec.qk_norm}"
     )
+    from posgen_tl.io.mend import MENDED  # noqa: PLC0415
+
+    for line in MENDED.get(model, []):
+        print(f"mended for this transformers/TransformerLens pair: {line}")
     print(
         f"hooks: pre-rotation q/k from {info.q_hook}/{info.k_hook}; hook_rot_q/k "
         f"{'fire' if info.rot_fires else 'do NOT fire (rotation computed from the spec)'}; "

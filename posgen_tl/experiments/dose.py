@@ -75,18 +75,19 @@ def dose_rows(
             zero = pd.DataFrame(curve_rows(model, w, base, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
                                            base_seed=base_seed))
             bar.update(1)
+            batch = []
             for c in conditions:
-                frames.append(zero.assign(condition=c.key, alpha=0.0))
+                batch.append(zero.assign(condition=c.key, alpha=0.0))
                 for a in sorted(float(x) for x in strengths[c.key] if float(x) > 0):
                     cd = c.with_alpha(a).for_documents(docs, seed, redraw)
                     df, _, _ = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
                                               seeds=seeds, base_seed=base_seed)
-                    frames.append(df.assign(condition=c.key, alpha=a))
+                    batch.append(df.assign(condition=c.key, alpha=a))
                     bar.update(1)
-            for f in frames[-sum(1 + len([a for a in strengths[c.key] if a > 0]) for c in conditions):]:
-                f["base_clean_nll"] = base.cpu().numpy()[f["seq"].to_numpy()]
-                f["doc"] = np.asarray(docs)[f["seq"].to_numpy()]
-                f["seq"] = f["seq"] + b0
+            b = pd.concat(batch, ignore_index=True)
+            local = b["seq"].to_numpy()
+            frames.append(b.assign(base_clean_nll=base.cpu().numpy()[local], doc=np.asarray(docs)[local],
+                                   seq=local + b0))
     finally:
         bar.close()
     rows = pd.concat(frames, ignore_index=True)

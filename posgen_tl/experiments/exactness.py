@@ -33,13 +33,21 @@ import torch
 from torch import Tensor
 
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, masked_threshold, model_dtype, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import (
+    ROT_RTOL,
+    QKCapture,
+    masked_threshold,
+    model_dtype,
+    probe_hooks,
+    rotation_tolerance,
+    stream_qk,
+)
 from posgen_tl.maths.rope import attention_pattern, causal_mask, rotate, rotate_with_table
 
 __all__ = ["exactness_table", "exceeds", "worst", "non_finite", "tolerances", "ROT_RTOL", "SCORE_RTOL", "PATTERN_ATOL", "MIN_COMPARED_ENTRIES"]
 
-#: tolerances, relative to the largest |value| of the compared tensor (float32 maths)
-ROT_RTOL = 1e-5
+#: tolerances, relative to the largest |value| of the compared tensor (float32 maths); ROT_RTOL is the
+#: capture's own (hooks.capture), which every capture checks its rotation against
 SCORE_RTOL = 1e-5
 PATTERN_ATOL = 1e-5
 #: a layer passes only after comparing at least this many unmasked score entries (batch × heads × entries)
@@ -52,7 +60,7 @@ def tolerances(dtype: torch.dtype) -> dict[str, float]:
     its precision; captures are float32). Rotation and scores are relative to the largest |value|,
     the pattern absolute."""
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    return {"rot": max(ROT_RTOL, 8 * eps), "score": max(SCORE_RTOL, 8 * eps), "pattern": max(PATTERN_ATOL, 8 * eps)}
+    return {"rot": rotation_tolerance(dtype), "score": max(SCORE_RTOL, 8 * eps), "pattern": max(PATTERN_ATOL, 8 * eps)}
 
 
 def exceeds(err: float, limit: float) -> bool:

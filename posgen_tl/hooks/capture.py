@@ -60,6 +60,7 @@ __all__ = [
     "capture_from_cache",
     "check_tokens",
     "check_position_ids",
+    "refuse_multistream",
     "hooks_attached",
     "model_device",
     "pre_rotation",
@@ -240,18 +241,25 @@ def check_position_ids(position_ids: Tensor, batch: int, n_pos: int, model_name:
         position_ids = torch.as_tensor(position_ids)
     if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
         raise ValueError(f"position_ids must be integer ids, got dtype {position_ids.dtype}")
-    if position_ids.ndim == 3 and position_ids.shape[0] in (3, 4):
-        raise CaptureError(
-            f"{model_name}: position_ids of shape {tuple(position_ids.shape)} are multi-stream M-RoPE ids (one stream "
-            "per section of the head: temporal, height, width — Qwen2-VL, Qwen3-VL, Qwen3.5 with images or video); "
-            "posgen_tl rotates every band by one stream of ids and does not support them. Text-only inputs pass one "
-            "stream ([pos] or [batch, pos]), which these models give to every section"
-        )
+    refuse_multistream(position_ids, model_name)
     if position_ids.ndim not in (1, 2) or position_ids.shape[-1] != n_pos or \
             (position_ids.ndim == 2 and position_ids.shape[0] not in (1, batch)):
         raise ValueError(f"position_ids must be [pos={n_pos}] or [batch={batch}, pos={n_pos}], "
                          f"got shape {tuple(position_ids.shape)}")
     return position_ids
+
+
+def refuse_multistream(position_ids: Any, model_name: str = "model") -> None:
+    """Raise :class:`CaptureError` for multi-stream M-RoPE ids ``[3 or 4, batch, pos]`` (see
+    :func:`check_position_ids`); any other ids pass."""
+    shape = tuple(torch.as_tensor(position_ids).shape)
+    if len(shape) == 3 and shape[0] in (3, 4):
+        raise CaptureError(
+            f"{model_name}: position_ids of shape {shape} are multi-stream M-RoPE ids (one stream "
+            "per section of the head: temporal, height, width — Qwen2-VL, Qwen3-VL, Qwen3.5 with images or video); "
+            "posgen_tl rotates every band by one stream of ids and does not support them. Text-only inputs pass one "
+            "stream ([pos] or [batch, pos]), which these models give to every section"
+        )
 
 
 def check_tokens(model: Any, tokens: Tensor, spec: RopeSpec | None = None) -> Int[Tensor, "batch pos"]:
@@ -777,11 +785,15 @@ def release_freed_memory() -> bool:
     return True
 
 
+#: relative rotation tolerance of a float32 model (the exactness check's too)
+ROT_RTOL = 1e-5
+
+
 def rotation_tolerance(dtype: torch.dtype) -> float:
     """The relative tolerance (to the largest |value|) within which our rotation must reproduce the model's:
     ``1e-5`` for a float32 model, ``8·eps`` of a bf16/fp16 one (such a model rounds its own rotation)."""
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    return max(1e-5, 8 * eps)
+    return max(ROT_RTOL, 8 * eps)
 
 
 def self_check(cap: QKCapture, rel_tol: float, model_name: str = "model") -> None:

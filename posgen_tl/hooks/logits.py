@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import check_position_ids, pre_rotation_stash, probe_hooks, require_pre_softmax
+from posgen_tl.hooks.capture import pre_rotation_stash, probe_hooks, refuse_multistream, require_pre_softmax
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.io.spec import live_rope
 from posgen_tl.maths.approx_logits import (
@@ -106,8 +106,8 @@ def logit_substitution_hooks(
     softcap = spec.extra.get("attn_logit_softcapping")
     layers = range(spec.n_layers) if layers is None else layers
     require_exact(model, layers, "logit substitution")
-    if position_ids is not None and torch.as_tensor(position_ids).ndim > 2:  # M-RoPE streams: a named refusal
-        check_position_ids(position_ids, 0, int(torch.as_tensor(position_ids).shape[-1]), spec.model_name)
+    if position_ids is not None:
+        refuse_multistream(position_ids, spec.model_name)
     out: HookList = []
     for layer in spec.layer_indices(layers):
         rope, stash = spec.layer(layer), dict[str, Tensor]()

@@ -19,10 +19,10 @@ from torch import Tensor
 from posgen_tl.hooks.capture import (
     CaptureError,
     StopForward,
-    check_position_ids,
     from_heads,
     pre_rotation_stash,
     probe_hooks,
+    refuse_multistream,
     require_pre_softmax,
     stash_shape,
     to_heads,
@@ -54,8 +54,7 @@ def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, 
     """
     spec, info = probe_hooks(model)
     require_exact(model, None, "re-positioning by hooks")
-    if torch.as_tensor(position_ids).ndim > 2:  # M-RoPE streams: a named refusal
-        check_position_ids(position_ids, 0, int(torch.as_tensor(position_ids).shape[-1]), spec.model_name)
+    refuse_multistream(position_ids, spec.model_name)
     dyn = spec.extra.get("dynamic_max_len")
     if dyn is not None and int(torch.as_tensor(position_ids).max()) + 1 > int(dyn):
         raise RopeError(

@@ -24,14 +24,15 @@ attention of the same weights, in float32, bfloat16 and float16.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
 
 __all__ = ["mend_hf_for_bridge", "mend_bridge_rotation_dtype", "MENDED"]
 
-#: what was mended on a bridge (``MENDED[id(bridge)]``: a list of one-line descriptions)
-MENDED: dict[int, list[str]] = {}
+#: what was mended on a bridge (``MENDED[bridge]``: one-line descriptions; ``posgen-tl check`` prints them)
+MENDED: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictionary()
 
 _TABLE_ATTENTIONS = ("GPTJAttention", "CodeGenAttention")
 
@@ -41,28 +42,21 @@ def mend_hf_for_bridge(hf: Any) -> list[str]:
     TransformerLens' bridge reads, where the installed transformers keeps them elsewhere (≥ 5.24).
 
     Returns one line per mend applied (empty where nothing was needed)."""
-    from posgen_tl.io.spec import hf_attention_modules  # noqa: PLC0415
+    from posgen_tl.io.spec import hf_attention_modules, sincos_tables  # noqa: PLC0415
     from posgen_tl.maths.rope import RopeError  # noqa: PLC0415
 
     try:
         attns = hf_attention_modules(hf)
     except RopeError:
         return []
-    attns = [a for a in attns if type(a).__name__ in _TABLE_ATTENTIONS]
-    if not attns:
+    if not any(type(a).__name__ in _TABLE_ATTENTIONS for a in attns):
         return []
-    shared = None
-    for _, mod in hf.named_modules():
-        buf = dict(mod.named_buffers(recurse=False)).get("embed_positions")
-        if isinstance(buf, torch.Tensor) and mod not in attns:
-            shared = buf
-            break
+    found = sincos_tables(hf, attns)
+    tables: list[torch.Tensor | None] = list(found) if found is not None else [None] * len(attns)
     done = []
-    for a in attns:
-        if not isinstance(getattr(a, "embed_positions", None), torch.Tensor):
-            if shared is None:
-                continue
-            a.register_buffer("embed_positions", shared, persistent=False)
+    for a, table in zip(attns, tables):
+        if not isinstance(getattr(a, "embed_positions", None), torch.Tensor) and table is not None:
+            a.register_buffer("embed_positions", table, persistent=False)
             done.append(f"{type(a).__name__}.embed_positions = the rotary module's table")
         if getattr(a, "scale_attn", None) is None and getattr(a, "scaling", None):
             a.scale_attn = torch.tensor(1.0 / float(a.scaling), dtype=torch.float32)

@@ -297,7 +297,7 @@ def _boot(hf, tok, name: str, device: str | None):
     dtype = next((p.dtype for p in hf.parameters() if p.is_floating_point()), torch.float32)
     mended += mend_bridge_rotation_dtype(bridge, hf, dtype)
     if mended:
-        MENDED[id(bridge)] = mended
+        MENDED[bridge] = mended
     NATIVE_BOS[bridge] = native_bos
     return bridge
 

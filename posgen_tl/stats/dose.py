@@ -245,7 +245,7 @@ def dose_verdict(contrasts: pd.DataFrame, design: DoseDesign) -> dict[str, Any]:
     if all(np.isfinite(sds)) and min(ns) >= 2:
         out["mde_iut"] = iut_mde(sds, min(ns), alpha=a)
     unreachable = [c for c in controls if not by.loc[f"{iv} − {c}", "coverage_min"] >= design.min_coverage]
-    if main["coverage_min"] < design.min_coverage:
+    if not main["coverage_min"] >= design.min_coverage:  # NaN (no document at all) included
         unreachable.insert(0, iv)
     if unreachable:
         cov = ", ".join(f"{c} ({by.loc[f'{iv} − {c}' if c != iv else f'{iv} − {base}', 'coverage_min']:.0%})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import warnings
 
+import numpy as np
 import pytest
 import tiny_models as tm
 import torch
@@ -206,6 +207,7 @@ def _assert_same_measurements(a, b):
         assert list(x.columns) == list(y.columns) and len(x) == len(y), name
         num = [c for c in x.columns if pd.api.types.is_float_dtype(x[c])]
         assert num, name
+        assert np.isfinite(x[num].to_numpy()).any(), f"{name}: no finite measurement to compare"
         pd.testing.assert_frame_equal(x[num], y[num], rtol=1e-3, atol=1e-4, obj=name)
     ra, rb = json.loads((a / "results.json").read_text()), json.loads((b / "results.json").read_text())
     return ra, rb
