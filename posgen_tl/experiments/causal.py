@@ -225,7 +225,10 @@ def resolve_groups(groups: Sequence[str], n_layers: int) -> dict[str, list[int]]
     return out
 
 
-def _bands(spec: Any, layers: Sequence[int], fast: Sequence[int] | None, slow: Sequence[int] | None):
+def entry_bands(spec: Any, layers: Sequence[int], fast: Sequence[int] | None, slow: Sequence[int] | None
+                ) -> tuple[int, list[int], list[int]]:
+    """``(n_bands, fast, slow)`` of an entry: the first / last quarter of the bands unless given (band 0 =
+    fastest). Raises ValueError for a band out of range or an empty set."""
     nb = spec.layer(layers[0]).n_bands
     q = max(1, nb // 4)
     fast = list(range(q)) if fast is None else [int(b) for b in fast]
@@ -568,7 +571,7 @@ def causal_study(
     t0 = time.time()
     conds, matching, bands = [Condition("none", None)], [], {}
     for label, layers in groups.items():
-        nb, fast_b, slow_b = _bands(spec, layers, fast, slow)
+        nb, fast_b, slow_b = entry_bands(spec, layers, fast, slow)
         bands[label] = dict(layers=layers, n_bands=nb, fast=fast_b, slow=slow_b)
         cs, m = _match_on_reference(model, build_conditions(layers, fast_b, slow_b, alpha=cfg.alpha,
                                                             controls=cfg.controls, seed=cfg.seed, group=label),

@@ -10,8 +10,8 @@ one edit), drawn afresh for every document.
 × strength — damage, tolerance loss against the condition's own clean NLL, and against the unedited
 one — the input of :func:`posgen_tl.stats.dose.common_damage_contrasts`.
 
-Still to come (issue #36): the study around it (the pilot on reference documents that declares the
-damage levels and each control's grid, the power calculation, resumable runs, the pages).
+The study around it — the pilot that declares the levels and grids, the power, resumable runs — is
+:mod:`posgen_tl.experiments.causal_dose`.
 """
 
 from __future__ import annotations
@@ -43,26 +43,37 @@ def strength_grid(tuned: float, relative: Sequence[float] = RELATIVE_GRID, *, al
     return (0.0, *grid)
 
 
+def _grid(strengths: Mapping[Any, Sequence[float]], c: Condition) -> list[float]:
+    """The strengths of condition ``c``: keyed ``(group, key)`` or, for a single group, ``key``."""
+    return [float(x) for x in strengths.get((c.group, c.key), strengths.get(c.key, ()))]
+
+
 def dose_rows(
-    model: Any, windows: Windows, conditions: Sequence[Condition], strengths: Mapping[str, Sequence[float]], *,
+    model: Any, windows: Windows, conditions: Sequence[Condition], strengths: Mapping[Any, Sequence[float]], *,
     k_means: dict | None, target_len: int, fracs: Sequence[float], seeds: Sequence[int], base_seed: int = 0,
     seed: int = 0, redraw: bool = True, batch_size: int = 4, progress: bool = True,
 ) -> pd.DataFrame:  # fmt: skip
     """Every condition at every strength on ``windows`` (T1 swaps, the same for all).
 
+    ``strengths``: per condition, keyed ``(condition.group, condition.key)`` (several layer groups in one
+    run) or ``condition.key`` (one group).
+
     Returns one row per window × condition × strength × (frac, seed): ``seq`` (window index), ``doc``,
-    ``condition``, ``alpha``, ``frac``, ``seed``, ``clean_nll`` (the condition's own), ``base_clean_nll``
+    ``layers`` (the condition's group), ``condition``, ``alpha``, ``frac``, ``seed``, ``clean_nll`` (the condition's own), ``base_clean_nll``
     (unedited), ``nll``, ``delta`` (= nll − clean_nll) and ``delta_unedited`` (= nll − base_clean_nll).
-    The α = 0 rows of every condition are the unedited passes (computed once).
+    The α = 0 rows of every condition are the unedited passes (computed once per batch for all groups).
 
     Raises:
         ValueError: a condition without strengths, a strength < 0, or no α > 0."""
+    grids = {(c.group, c.key): _grid(strengths, c) for c in conditions}
+    if len(grids) < len(conditions):
+        raise ValueError("two conditions share a (group, key): give each layer group its own label")
     for c in conditions:
-        grid = [float(x) for x in strengths.get(c.key, ())]
+        grid = grids[(c.group, c.key)]
         if not grid or min(grid) < 0 or max(grid) <= 0:
             raise ValueError(f"condition {c.key!r}: strengths must be ≥ 0 with at least one > 0, got {grid}")
     n = len(windows)
-    passes = sum(len([a for a in strengths[c.key] if a > 0]) for c in conditions) + 1
+    passes = sum(len([a for a in grids[(c.group, c.key)] if a > 0]) for c in conditions) + 1
     bar = tqdm(total=passes * ((n + batch_size - 1) // batch_size), desc="dose–response", disable=not progress,
                leave=False)
     frames = []
@@ -77,12 +88,12 @@ def dose_rows(
             bar.update(1)
             batch = []
             for c in conditions:
-                batch.append(zero.assign(condition=c.key, alpha=0.0))
-                for a in sorted(float(x) for x in strengths[c.key] if float(x) > 0):
+                batch.append(zero.assign(layers=c.group, condition=c.key, alpha=0.0))
+                for a in sorted(x for x in grids[(c.group, c.key)] if x > 0):
                     cd = c.with_alpha(a).for_documents(docs, seed, redraw)
                     df, _, _ = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
                                               seeds=seeds, base_seed=base_seed)
-                    batch.append(df.assign(condition=c.key, alpha=a))
+                    batch.append(df.assign(layers=c.group, condition=c.key, alpha=a))
                     bar.update(1)
             b = pd.concat(batch, ignore_index=True)
             local = b["seq"].to_numpy()
@@ -96,6 +107,17 @@ def dose_rows(
 
 
 def dose_units(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per layer group (``layers``) × document × condition × strength (see :func:`_group_units`)."""
+    if "layers" not in rows.columns or rows["layers"].nunique() <= 1:
+        out = _group_units(rows)
+        label = rows["layers"].iloc[0] if "layers" in rows.columns and len(rows) else ""
+        return out.assign(layers=label)[["layers", *out.columns]]
+    return pd.concat([_group_units(r).assign(layers=g) for g, r in rows.groupby("layers", sort=False)],
+                     ignore_index=True)[["layers", "doc", "condition", "alpha", "damage", "tolerance",
+                                         "tolerance_unedited"]]
+
+
+def _group_units(rows: pd.DataFrame) -> pd.DataFrame:
     """Per document × condition × strength (sequences of a document averaged, seeds first): ``damage`` (mean
     clean-NLL increase over the unedited model, nats), ``tolerance`` (area under the ΔNLL-over-p curve
     against the condition's own clean NLL, nats × p) and ``tolerance_unedited`` (the same area against the

@@ -22,14 +22,18 @@ from typing import Any
 
 from posgen_tl.experiments.base import PRESETS, Config
 
-__all__ = ["ORDER", "REPORT", "SIZES", "experiment", "names", "make_config", "split_params", "run_study",
+__all__ = ["ORDER", "REPORT", "PROTOCOL", "SIZES", "experiment", "names", "make_config", "split_params", "run_study",
            "run_experiment"]
 
 #: every experiment, in the order the report runs and numbers them
-ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "sufficiency", "taxonomy", "length",
-         "gap_attention")
-#: the experiments ``posgen-tl report`` runs (``gap_attention`` needs a taxonomy table: a study of its own)
-REPORT = ORDER[:-1]
+ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "causal_dose", "sufficiency", "taxonomy",
+         "length", "gap_attention")
+#: the experiments ``posgen-tl report`` runs (``gap_attention`` needs a taxonomy table: a study of its own;
+#: ``causal_dose``, a pilot and a grid of strengths, is a long study of its own)
+REPORT = tuple(n for n in ORDER if n not in ("gap_attention", "causal_dose"))
+#: the experiments in the protocol shape: ``run(model, cfg, *, checkpoint=…) -> Result``, ``render(result)``,
+#: ``save(result, folder)`` / ``load(folder)`` (the others still ``compute(ctx, cfg)`` / ``render(ctx, cfg)``)
+PROTOCOL = ("causal_dose",)
 #: the options every Config has (``base.Config``): the report's size flags set them for every experiment
 SIZES = ("n_seq", "seq_len", "seed", "corpus", "twin")
 #: size flags an experiment does not take from the report (it keeps its own default); e.g. the exactness
@@ -88,9 +92,24 @@ def make_config(name: str, preset: str = "default", params: Mapping[str, str] | 
 
 
 def run_experiment(name: str, ctx: Any, cfg: Config) -> tuple[Any, float]:
-    """``compute`` then ``render`` of one experiment in ``ctx``; returns ``(Section, seconds of compute)``."""
+    """``compute`` then ``render`` of one experiment in ``ctx``; returns ``(Section, seconds of compute)``.
+
+    A :data:`PROTOCOL` experiment runs ``run(ctx.model, cfg, checkpoint=<folder>/.partial)`` (an interrupted
+    study continues from the checkpoint; it is removed once the Result is saved), ``save`` and ``render``."""
     mod = experiment(name)
     t0 = time.time()
+    if name in PROTOCOL:
+        import shutil  # noqa: PLC0415
+
+        partial = ctx.work.dir / ".partial"
+        result = mod.run(ctx.model, cfg, checkpoint=partial)
+        seconds = time.time() - t0
+        mod.save(result, ctx.work.dir)
+        shutil.rmtree(partial, ignore_errors=True)
+        sec = mod.render(result)
+        for i, (png, _) in enumerate(sec.figures):
+            (ctx.work.dir / f"fig_{name}_{i}.png").write_bytes(png)
+        return sec, seconds
     mod.compute(ctx, cfg)
     seconds = time.time() - t0
     return mod.render(ctx, cfg), seconds

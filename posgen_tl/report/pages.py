@@ -105,8 +105,12 @@ def _section(run: Run) -> Section:
     if key not in _RENDERED:
         if len(_RENDERED) > 256:
             _RENDERED.clear()
-        ctx = Context(model=None, work=OutFolder(run.folder), model_name=run.model, seed=0)
-        _RENDERED[key] = registry.experiment(run.study).render(ctx, _config(run))
+        mod = registry.experiment(run.study)
+        if run.study in registry.PROTOCOL:
+            _RENDERED[key] = mod.render(mod.load(run.folder))
+        else:
+            ctx = Context(model=None, work=OutFolder(run.folder), model_name=run.model, seed=0)
+            _RENDERED[key] = mod.render(ctx, _config(run))
     return _RENDERED[key]
 
 

@@ -1,0 +1,654 @@
+"""The causal test, version 3 (docs/method.md §5, §8): dose–response curves compared at COMMON damage.
+
+Does position tolerance depend on the fast-band key offset? In each declared layer group (one ENTRY of
+the claim) the intervention ``destroy`` and the controls C1–C4 (:data:`posgen_tl.experiments.causal.CONTROLS`)
+each run at a GRID of strengths on the same analysed windows and the same swaps; per document, condition
+and strength the run measures the damage (clean-NLL increase of the untouched target over the unedited
+model) and the tolerance loss (area under ΔNLL over the swap fraction, against the condition's own clean
+NLL; the same area against the unedited clean NLL is kept beside it). Destroy and a control are compared
+only where both did the same damage, each document's curve interpolated (:mod:`posgen_tl.stats.dose`).
+
+The protocol of one run (:func:`run`):
+
+1. analysed windows and windows of DISJOINT reference documents (:func:`posgen_tl.io.sampling.sample_windows`);
+   ``k̄`` from the reference windows' context part;
+2. the PILOT, on the reference windows only (:func:`pilot`): each control's strength tuned to destroy's
+   damage there (the grid's centre), every condition's grid ``tuned × relative`` (×0.25 … ×4 by default),
+   the dose rows of the whole grid, the common damage levels (the quartiles of destroy's per-document
+   damage at its tuned strength, unless declared), the per-document spread of every required contrast and
+   from it the minimum detectable effect of the whole intersection–union test at the declared n
+   (:func:`posgen_tl.stats.dose.iut_mde`, at α / the claim's size) and the n that would reach the smallest
+   effect of interest; the seconds per window;
+3. every condition at every strength on the analysed windows, batch by batch — with a ``checkpoint``
+   folder each finished batch is kept, so an interrupted run continues where it stopped;
+4. per entry: the contrasts at common damage, the verdict (:func:`posgen_tl.stats.dose.dose_verdict`),
+   the family adjustment over the declared claim, and the tolerance-vs-damage curves of the figure.
+
+:func:`run` returns a frozen :class:`Result` (its tables, config and metadata; no file is written but the
+checkpoint), :func:`render` turns a Result into a report section, :func:`save` / :func:`load` keep one in a
+folder. No regression across documents and no single matched strength enter the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from posgen_tl.experiments import base
+from posgen_tl.experiments.causal import CONTROLS, Condition, build_conditions, entry_bands, match_alpha, resolve_groups
+from posgen_tl.experiments.dose import dose_rows, dose_units, strength_grid
+from posgen_tl.experiments.tolerance import SwapOptions, nll_on_target, windows_fingerprint
+from posgen_tl.hooks.edits import intervention_hooks, key_means
+from posgen_tl.io.sampling import Windows
+from posgen_tl.stats.curves import doc_bootstrap
+from posgen_tl.stats.dose import DoseDesign, common_damage_contrasts, curves_at_levels, dose_verdict, iut_mde
+
+__all__ = ["NAME", "ABOUT", "NEEDS", "Config", "Pilot", "Result", "pilot", "run", "render", "save", "load",
+           "family_adjust", "needed_n"]
+
+NAME = "causal_dose"
+ABOUT = ("does T1 tolerance depend on the fast-band key offset? destroy and controls C1–C4 as dose–response "
+         "curves, compared at common damage (docs/method.md §5, §8 v3)")
+NEEDS: tuple[str, ...] = ()
+#: the tables of a Result, in the order a page shows them
+TABLES = ("verdicts", "contrasts", "contrasts_unedited", "power", "grids", "curves", "units", "pilot_units")
+#: the largest strength a grid may reach, per edit kind: rephase turns k̄ by α·φ (α = 1 is a full random
+#: rotation); the other edits scale a change and are capped only to stay finite
+STRENGTH_CAP = {"rephase": 1.0}
+DEFAULT_CAP = 32.0
+
+
+@dataclass(frozen=True)
+class Config(SwapOptions):
+    """Options of the dose–response causal test. Everything the verdict depends on — entries, controls,
+    grid, levels (or the rule that declares them from the pilot), α, coverage, the claim's family and
+    the smallest effect of interest — is fixed here, before the run."""
+
+    NAME: ClassVar[str] = NAME
+    fracs: tuple[float, ...] = base.option((0.0, 0.1, 0.2), "swap fractions p (fraction of disjoint adjacent pairs "
+                                           "swapped; must include 0)", "floats", quick=(0.0, 0.2))
+    n_ref: int = base.option(16, "windows of the disjoint reference documents: the global k̄ and the pilot "
+                                 "(strength grids, damage levels, power)", "int", quick=4)
+    groups: tuple[str, ...] = base.option(("middle",), "layer groups whose keys are edited, one claim entry each: "
+                                          "early, middle, late or a range such as 10-19", "names",
+                                          full=("middle", "late"))
+    controls: tuple[str, ...] = base.option(CONTROLS, "controls of docs/method.md §5, from C1,C2,C3,C4 (every one is "
+                                            "required by the verdict)", "names", quick=("C1",))
+    alpha: float = base.option(0.5, "destroy's tuned strength (each control is tuned to its damage on the pilot)",
+                               "float")
+    relative: tuple[float, ...] = base.option((0.25, 1.0, 4.0), "each condition's strengths relative to its tuned "
+                                              "strength (α = 0 is added)", "floats")
+    levels: tuple[float, ...] = base.option((), "common damage levels (nats), declared; empty: the quartiles of "
+                                            "destroy's per-document damage at its tuned strength on the pilot "
+                                            "(documents it damages)",
+                                            "floats")
+    effect: float = base.option(0.001, "smallest effect of interest (nats × p): the power target", "float")
+    test_alpha: float = base.option(0.05, "level α of the claim (family-wise over the declared claim)", "float")
+    min_coverage: float = base.option(0.75, "share of documents whose curves must bracket every level", "float")
+    match_steps: int = base.option(3, "damage evaluations per control when tuning its strength on the pilot",
+                                   "int", quick=2, full=5)
+    claim: tuple[str, ...] = base.option((), "the claim's declared family as model:group entries; default: this "
+                                         "run's entries. Entries of other runs bound the adjustment (Bonferroni)",
+                                         "names")
+    batch_size: int = base.batch_option(4)
+
+    def check(self) -> None:
+        """Raise ValueError naming the option: fewer than 3 sequences, a target that does not fit, fractions
+        without 0 and a p > 0, a grid without a point below and above the tuned strength, levels that are
+        not positive, a non-positive effect, α or coverage outside (0, 1)."""
+        if self.n_seq < 3:
+            raise ValueError(f"{NAME}: n_seq={self.n_seq}: a contrast needs at least 3 documents")
+        if not 0 < self.target() < self.seq_len - 2:
+            raise ValueError(f"{NAME}: target_len={self.target()} must be in (0, {self.seq_len - 2})")
+        if 0 not in self.fracs or not any(f > 0 for f in self.fracs):
+            raise ValueError(f"{NAME}: fracs must include 0 and at least one p > 0, got {list(self.fracs)}")
+        rel = [float(r) for r in self.relative]
+        if not rel or min(rel) <= 0 or min(rel) >= 1 or max(rel) <= 1:
+            raise ValueError(f"{NAME}: relative={rel}: the grid needs strengths below and above the tuned one (×1)")
+        if any(not float(x) > 0 for x in self.levels):
+            raise ValueError(f"{NAME}: levels must be positive damages in nats, got {list(self.levels)}")
+        if not self.effect > 0:
+            raise ValueError(f"{NAME}: effect must be a positive smallest effect of interest, got {self.effect}")
+        if not 0 < self.test_alpha < 1 or not 0 < self.min_coverage <= 1:
+            raise ValueError(f"{NAME}: test_alpha must be in (0, 1) and min_coverage in (0, 1], got "
+                             f"{self.test_alpha}, {self.min_coverage}")
+
+    def claim_size(self, n_entries: int) -> int:
+        """The size of the declared family: the claim's entries, or this run's ``n_entries``."""
+        return max(len(self.claim), n_entries)
+
+
+# ----------------------------------------------------------------------------- pilot
+
+
+@dataclass(frozen=True)
+class Pilot:
+    """What the pilot on the reference windows declares before the analysed documents are looked at.
+
+    Attributes:
+        grids: per entry (``layers``) × condition: ``tuned`` (its strength at destroy's damage), ``reached``
+            (the tuning found destroy's damage below the cap), ``reference_damage`` (its damage there),
+            ``destroy_damage``, ``cap`` and ``strengths`` (the grid, α = 0 first, ``;``-joined).
+        units: the pilot's dose units (:func:`posgen_tl.experiments.dose.dose_units`).
+        levels: per entry, the common damage levels (nats).
+        sds: per entry, the per-document sd of every required contrast on the pilot (nats × p).
+        seconds_per_window: wall seconds of the pilot's dose rows per window (all entries, the whole grid).
+    """
+
+    grids: pd.DataFrame
+    units: pd.DataFrame
+    levels: dict[str, tuple[float, ...]]
+    sds: dict[str, dict[str, float]]
+    seconds_per_window: float
+
+    def strengths(self) -> dict[tuple[str, str], tuple[float, ...]]:
+        """``{(entry, condition): grid}``."""
+        return {(r.layers, r.condition): tuple(float(x) for x in str(r.strengths).split(";"))
+                for r in self.grids.itertuples()}
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (:meth:`from_dict` inverts it)."""
+        return dict(grids=self.grids.to_dict("records"), units=self.units.to_dict("records"),
+                    levels={k: list(v) for k, v in self.levels.items()}, sds=self.sds,
+                    seconds_per_window=self.seconds_per_window)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Pilot:
+        return cls(pd.DataFrame(d["grids"]), pd.DataFrame(d["units"]),
+                   {k: tuple(float(x) for x in v) for k, v in d["levels"].items()},
+                   {k: {c: float(s) for c, s in v.items()} for k, v in d["sds"].items()}, float(d["seconds_per_window"]))
+
+
+def _cap(c: Condition) -> float:
+    return STRENGTH_CAP.get(c.kind, DEFAULT_CAP)
+
+
+def _mean_damage(model: Any, cond: Condition, ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Config) -> float:
+    """Mean clean-NLL damage of ``cond`` on the reference windows (random controls drawn per document)."""
+    out = []
+    for s in range(0, len(ref), cfg.batch_size):
+        w = ref.subset(range(s, min(s + cfg.batch_size, len(ref))))
+        cd = cond.for_documents(w.doc_ids.tolist(), cfg.seed, True)
+        if cd.intervention is None:
+            raise ValueError("the unedited condition has no damage to tune")
+        out.append(nll_on_target(model, w.tokens, target_len=cfg.target(), batch_size=len(w),
+                                 fwd_hooks=intervention_hooks(model, cd.intervention, km)))
+    return float((torch.cat(out) - ref_base).mean())
+
+
+def _tune(model: Any, conds: list[Condition], ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Config,
+          progress: bool) -> list[dict[str, Any]]:
+    """Each condition's tuned strength: destroy's is ``cfg.alpha``; a control's brings its mean damage on the
+    reference windows to destroy's (:func:`posgen_tl.experiments.causal.match_alpha`)."""
+    target = _mean_damage(model, conds[0], ref, ref_base, km, cfg)
+    rows = [dict(layers=conds[0].group, condition="destroy", tuned=conds[0].alpha, reached=True,
+                 reference_damage=target, destroy_damage=target, cap=_cap(conds[0]))]
+    for c in conds[1:]:
+        def damage(a: float, c: Condition = c) -> float:
+            return _mean_damage(model, c.with_alpha(a), ref, ref_base, km, cfg)
+
+        m = match_alpha(damage, target, start=c.alpha, alpha_max=_cap(c), max_steps=cfg.match_steps)
+        rows.append(dict(layers=c.group, condition=c.key, tuned=m["alpha"], reached=m["reached"],
+                         reference_damage=m["damage"], destroy_damage=target, cap=_cap(c)))
+        if progress:
+            miss = "" if m["reached"] else f" — destroy's damage not reached in {m['n_evals']} evaluations (α ≤ {_cap(c):g})"
+            tqdm.write(f"[{NAME}] pilot {c.group} {c.key}: tuned α={m['alpha']:.4g}, damage {m['damage']:.4g} "
+                       f"(destroy {target:.4g}){miss}")
+    return rows
+
+
+def needed_n(sds: Sequence[float], effect: float, *, alpha: float, power: float = 0.8, n_max: int = 100_000) -> int | None:
+    """The smallest number of documents at which :func:`posgen_tl.stats.dose.iut_mde` is at most ``effect``
+    (``None`` when even ``n_max`` is not enough or the sds are unusable)."""
+    s = [float(x) for x in sds]
+    if not s or not all(np.isfinite(s)):
+        return None
+    if iut_mde(s, n_max, alpha=alpha, power=power) > effect:
+        return None
+    lo, hi = 2, n_max
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if iut_mde(s, mid, alpha=alpha, power=power) <= effect:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _design(levels: Sequence[float], cfg: Config, controls: Sequence[str]) -> DoseDesign:
+    return DoseDesign(levels=tuple(float(x) for x in levels), alpha=cfg.test_alpha, min_coverage=cfg.min_coverage,
+                      controls=tuple(controls), seed=cfg.seed)
+
+
+def _required(contrasts: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
+    want = ["destroy − none", *(f"destroy − {c}" for c in controls)]
+    return contrasts.set_index("contrast").loc[want]
+
+
+def pilot(
+    model: Any, ref: Windows, k_means: dict, conditions: Mapping[str, list[Condition]], cfg: Config, *,
+    progress: bool = True,
+) -> Pilot:  # fmt: skip
+    """The pilot on the REFERENCE windows (never the analysed ones): tuned strengths and grids, the dose rows
+    of the grid, the declared levels and the per-document spread of every required contrast.
+
+    ``conditions``: per entry label, ``[destroy, *controls]`` (:func:`posgen_tl.experiments.causal.build_conditions`).
+    Returns a :class:`Pilot`.
+
+    Raises:
+        ValueError: a reference set of fewer than 3 documents (no spread to plan with)."""
+    if ref.n_docs < 3:
+        raise ValueError(f"{NAME}: the pilot needs reference windows from at least 3 documents, got {ref.n_docs} "
+                         "(raise n_ref, or give a corpus with more documents)")
+    ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size)
+    rows: list[dict[str, Any]] = []
+    for conds in conditions.values():
+        rows += _tune(model, conds, ref, ref_base, k_means, cfg, progress)
+    grids = pd.DataFrame(rows)
+    grids["strengths"] = [";".join(f"{a:.6g}" for a in strength_grid(r.tuned, cfg.relative, alpha_max=r.cap))
+                          for r in grids.itertuples()]
+    flat = [c for cs in conditions.values() for c in cs]
+    strengths = {(r.layers, r.condition): tuple(float(x) for x in r.strengths.split(";")) for r in grids.itertuples()}
+    t0 = time.time()
+    pr = dose_rows(model, ref, flat, strengths, k_means=k_means, target_len=cfg.target(), fracs=cfg.fracs,
+                   seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=cfg.batch_size, progress=progress)
+    seconds = (time.time() - t0) / len(ref)
+    units = dose_units(pr)
+    levels: dict[str, tuple[float, ...]] = {}
+    sds: dict[str, dict[str, float]] = {}
+    for label, conds in conditions.items():
+        u = units[units["layers"] == label]
+        d = u[(u["condition"] == "destroy") & np.isclose(u["alpha"], conds[0].alpha)]["damage"].to_numpy(float)
+        if cfg.levels:
+            lv = tuple(float(x) for x in cfg.levels)
+        elif np.any(d > 0):
+            lv = tuple(float(x) for x in np.quantile(d[d > 0], [0.25, 0.5, 0.75]))
+        else:
+            raise ValueError(f"{NAME}: destroy does no damage to any pilot document in {label} at α = "
+                             f"{conds[0].alpha:g}: declare levels or raise alpha")
+        levels[label] = lv
+        ctl = [c.key for c in conds[1:]]
+        con = common_damage_contrasts(u, _design(lv, cfg, ctl))
+        sds[label] = {k: float(v) for k, v in _required(con, ctl)["sd"].items()}
+    return Pilot(grids, units, levels, sds, seconds)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+class _Checkpoint:
+    """A folder that keeps a run's pilot and finished batches (atomic writes).
+
+    Two keys guard it: the PILOT key (the config but ``n_seq``, the model, the reference windows) and the RUN
+    key (the whole config and the analysed windows too). Another pilot key is refused (another design); the
+    same pilot with another run key (e.g. the n chosen from the pilot's power) keeps the pilot and drops the
+    batches."""
+
+    def __init__(self, folder: str | Path, fingerprint: dict[str, Any]):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        f = self.dir / "fingerprint.json"
+        pilot_fp = {k: v for k, v in fingerprint.items() if k != "analysed"}
+        pilot_fp["config"] = {k: v for k, v in fingerprint["config"].items() if k != "n_seq"}
+        key = dict(pilot=json.dumps(pilot_fp, sort_keys=True, default=str),
+                   run=json.dumps(fingerprint, sort_keys=True, default=str))
+        if f.exists():
+            old = json.loads(f.read_text())
+            if old.get("pilot") != key["pilot"]:
+                raise ValueError(f"{NAME}: the checkpoint {self.dir} belongs to another run (config, model or "
+                                 "reference windows differ); give a new folder or delete it")
+            if old.get("run") != key["run"]:
+                for b in self.dir.glob("batch_*"):
+                    b.unlink()
+        self._write(f, json.dumps(key))
+
+    def _write(self, path: Path, text: str) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+    def pilot(self) -> Pilot | None:
+        f = self.dir / "pilot.json"
+        return Pilot.from_dict(json.loads(f.read_text())) if f.exists() else None
+
+    def save_pilot(self, p: Pilot) -> None:
+        self._write(self.dir / "pilot.json", json.dumps(p.as_dict(), default=float))
+
+    def batch(self, b0: int) -> pd.DataFrame | None:
+        f = self.dir / f"batch_{b0:06d}.csv"
+        return pd.read_csv(f) if f.exists() else None
+
+    def save_batch(self, b0: int, rows: pd.DataFrame, meta: dict[str, Any]) -> None:
+        tmp = self.dir / f"batch_{b0:06d}.csv.tmp"
+        rows.to_csv(tmp, index=False)
+        tmp.replace(self.dir / f"batch_{b0:06d}.csv")
+        self._write(self.dir / f"batch_{b0:06d}.json", json.dumps(meta, default=str))
+
+    def batch_meta(self) -> list[dict[str, Any]]:
+        return [json.loads(f.read_text()) for f in sorted(self.dir.glob("batch_*.json"))]
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class Result:
+    """The outcome of :func:`run`.
+
+    Attributes:
+        tables: ``verdicts`` (one row per entry: the verdict, destroy − none's effect/interval/p, the
+            intersection–union p and its binding contrast, the family-adjusted p, the MDE at the declared n),
+            ``contrasts`` / ``contrasts_unedited`` (:func:`posgen_tl.stats.dose.common_damage_contrasts` per
+            entry, tolerance against the edited / the unedited clean NLL), ``power`` (per entry: the pilot's
+            MDE at this n, the n that reaches ``effect``), ``grids`` (the pilot's strengths), ``curves``
+            (per entry × condition × damage: mean tolerance over the documents that bracket it, 95 %
+            document-bootstrap band, coverage — the figure's data), ``units`` (per entry × document ×
+            condition × strength: damage and both tolerances) and ``pilot_units``.
+        config: the Config's options (``Config.as_dict``).
+        meta: model, windows' fingerprint, documents, levels, wall times, the commits of the batches.
+    """
+
+    tables: dict[str, pd.DataFrame]
+    config: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> pd.DataFrame:
+        return self.tables[name]
+
+
+def family_adjust(p: Sequence[float], m: int) -> tuple[np.ndarray, str]:
+    """Adjust the entries' p-values ``p`` for a declared family of ``m`` ≥ len(p) entries: Holm when the
+    run holds the whole family, else the Bonferroni bound ``min(1, m·p)`` (the other entries' p are not
+    known to this run). Returns ``(adjusted, method text)``; NaN stays NaN."""
+    x = np.asarray(p, dtype=float)
+    if m < len(x):
+        raise ValueError(f"the declared family ({m}) is smaller than this run's {len(x)} entries")
+    if m > len(x):
+        return np.minimum(1.0, x * m), f"Bonferroni bound over the declared claim of {m} entries"
+    out = np.full_like(x, np.nan)
+    ok = np.flatnonzero(np.isfinite(x))
+    order = ok[np.argsort(x[ok], kind="mergesort")]
+    running = 0.0
+    for i, j in enumerate(order):
+        running = max(running, min(1.0, (len(ok) - i) * x[j]))
+        out[j] = running
+    return out, f"Holm over the {m} entries of this run"
+
+
+def _curves(u: pd.DataFrame, levels: Sequence[float], *, points: int = 24, seed: int = 0) -> pd.DataFrame:
+    """The figure's data for one entry: each condition's tolerance read at ``points`` damages from 0 to the
+    largest declared level × 2, averaged over the documents whose curve brackets the damage; the unedited
+    model (``none``) is the one row at damage 0."""
+    top = 2.0 * max(levels)
+    grid = np.linspace(top / points, top, points)
+    at = curves_at_levels(u, grid)
+    n = u["doc"].nunique()
+    zero = u[u["alpha"] == 0].groupby("doc")["tolerance"].mean().to_numpy(float)
+    lo0, hi0 = doc_bootstrap(zero, n_boot=2000, seed=seed)
+    out = [dict(condition="none", damage=0.0, tolerance=float(zero.mean()), ci_low=float(np.ravel(lo0)[0]),
+                ci_high=float(np.ravel(hi0)[0]), n_docs=int(zero.size), coverage=1.0)]
+    for (cond, lv), g in at.groupby(["condition", "level"], sort=True):
+        x = g["tolerance"].dropna().to_numpy(float)
+        lo, hi = doc_bootstrap(x, n_boot=2000, seed=seed) if x.size >= 3 else (np.array([np.nan]), np.array([np.nan]))
+        out.append(dict(condition=cond, damage=float(lv), tolerance=float(x.mean()) if x.size else np.nan,
+                        ci_low=float(np.ravel(lo)[0]), ci_high=float(np.ravel(hi)[0]), n_docs=int(x.size),
+                        coverage=x.size / n))
+    return pd.DataFrame(out)
+
+
+def _entry_tables(label: str, u: pd.DataFrame, levels: Sequence[float], controls: Sequence[str], cfg: Config,
+                  m: int) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    design = _design(levels, cfg, controls)
+    con = common_damage_contrasts(u, design)
+    con_u = common_damage_contrasts(u.assign(tolerance=u["tolerance_unedited"]), design)
+    v = dose_verdict(con, design)
+    main = con.set_index("contrast").loc["destroy − none"]
+    req = _required(con, controls)
+    sds = req["sd"].to_numpy(float)
+    n = int(req["n_docs"].min())
+    mde = iut_mde(sds, n, alpha=cfg.test_alpha / m) if np.all(np.isfinite(sds)) and n >= 2 else np.nan
+    row = dict(layers=label, verdict=v["verdict"], estimate=main["estimate"], ci_low=main["ci_low"],
+               ci_high=main["ci_high"], p=main["p"], p_iut=v["p_iut"], binding=v["binding"], mde=mde,
+               n_docs=int(u["doc"].nunique()), levels=";".join(f"{x:.4g}" for x in levels), reason=v["reason"],
+               unreachable=",".join(v["unreachable"]), self_moving=",".join(v["self_moving"]))
+    return row, con.assign(layers=label), con_u.assign(layers=label), _curves(u, levels, seed=cfg.seed).assign(layers=label)
+
+
+def _verdicts(rows: list[dict[str, Any]], cfg: Config, m: int) -> pd.DataFrame:
+    v = pd.DataFrame(rows)
+    adj, how = family_adjust(v["p_iut"].to_numpy(float), m)
+    v["p_family"], v["p_family_method"] = adj, how
+    demote = (v["verdict"] == "depends") & ~(v["p_family"] < cfg.test_alpha)
+    v.loc[demote, "reason"] = v.loc[demote, "reason"] + f"; not below α = {cfg.test_alpha:g} after the adjustment ({how})"
+    v.loc[demote, "verdict"] = "not detected"
+    return v
+
+
+def _fingerprint(cfg: Config, model_name: str, ana: Windows, ref: Windows) -> dict[str, Any]:
+    return dict(config=cfg.as_dict(), model=model_name, analysed=windows_fingerprint(ana),
+                reference=windows_fingerprint(ref))
+
+
+def run(
+    model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: tuple[Windows, Windows] | None = None,
+    checkpoint: str | Path | None = None, progress: bool = True, **options: Any,
+) -> Result:  # fmt: skip
+    """The dose–response causal test on ``model`` (steps in the module's docstring).
+
+    Args:
+        cfg: :class:`Config` (default ``Config()``) with ``options`` applied.
+        corpus: the documents (default ``cfg.corpus``, the pydoc topics when that is ``None``).
+        windows: pre-built ``(analysed, reference)`` windows from disjoint documents.
+        checkpoint: a folder that keeps the pilot and every finished batch; a rerun with the same config,
+            model and windows continues from it (another run's folder is refused).
+
+    Returns:
+        :class:`Result`.
+
+    Raises:
+        UncheckedModelError: the model has not passed the exactness check (the gate).
+        ValueError: bad options (named), overlapping reference and analysed documents, a foreign checkpoint.
+    """
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.io.provenance import git_commit  # noqa: PLC0415
+    from posgen_tl.io.sampling import sample_windows  # noqa: PLC0415
+
+    cfg = base.config_of(Config, cfg, options)
+    cfg.check()
+    base.gate(model, cfg, f"the {NAME} study")
+    t_start, commit = time.time(), git_commit(short=True)
+    spec, _ = probe_hooks(model)
+    entries = resolve_groups(cfg.groups, spec.n_layers)
+    if windows is None:
+        ana, ref_opt = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
+                                      seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
+        assert ref_opt is not None
+        ref = ref_opt
+    else:
+        ana, ref = windows
+    if set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist()):
+        raise ValueError("reference and analysed windows share documents")
+    ck = None if checkpoint is None else _Checkpoint(checkpoint, _fingerprint(cfg, spec.model_name, ana, ref))
+    layers = sorted({x for g in entries.values() for x in g})
+    km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - cfg.target()], layers, batch_size=cfg.batch_size)
+    conditions: dict[str, list[Condition]] = {}
+    bands: dict[str, dict[str, Any]] = {}
+    for label, lay in entries.items():
+        nb, fast, slow = entry_bands(spec, lay, None, None)
+        bands[label] = dict(layers=lay, n_bands=nb, fast=fast, slow=slow)
+        conditions[label] = build_conditions(lay, fast, slow, alpha=cfg.alpha, controls=cfg.controls, seed=cfg.seed,
+                                             group=label)
+    t0 = time.time()
+    plan = ck.pilot() if ck is not None else None
+    if plan is None:
+        plan = pilot(model, ref, km, conditions, cfg, progress=progress)
+        if ck is not None:
+            ck.save_pilot(plan)
+    pilot_s = time.time() - t0
+    strengths = plan.strengths()
+    flat = [c for cs in conditions.values() for c in cs]
+    frames, t0 = [], time.time()
+    starts = list(range(0, len(ana), cfg.batch_size))
+    for b0 in tqdm(starts, desc=f"{NAME} batches", disable=not progress):
+        got = ck.batch(b0) if ck is not None else None
+        if got is None:
+            tb = time.time()
+            w = ana.subset(range(b0, min(b0 + cfg.batch_size, len(ana))))
+            got = dose_rows(model, w, flat, strengths, k_means=km, target_len=cfg.target(), fracs=cfg.fracs,
+                            seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=len(w), progress=False)
+            got["seq"] = got["seq"] + b0
+            if ck is not None:
+                ck.save_batch(b0, got, dict(commit=commit, seconds=time.time() - tb, windows=len(w)))
+        frames.append(got)
+    passes_s = time.time() - t0
+    rows = pd.concat(frames, ignore_index=True)
+    units = dose_units(rows)
+    m = cfg.claim_size(len(entries))
+    vrows, cons, cons_u, curves, power = [], [], [], [], []
+    for label, conds in conditions.items():
+        ctl = [c.key for c in conds[1:]]
+        row, con, con_u, cur = _entry_tables(label, units[units["layers"] == label], plan.levels[label], ctl, cfg, m)
+        vrows.append(row)
+        cons.append(con)
+        cons_u.append(con_u)
+        curves.append(cur)
+        sds = list(plan.sds[label].values())
+        n = ana.n_docs
+        ok = all(np.isfinite(sds))
+        power.append(dict(layers=label, n_docs=n, family=m, alpha_per_entry=cfg.test_alpha / m, effect=cfg.effect,
+                          pilot_mde=iut_mde(sds, n, alpha=cfg.test_alpha / m) if ok else np.nan,
+                          n_needed=needed_n(sds, cfg.effect, alpha=cfg.test_alpha / m) if ok else None,
+                          pilot_docs=int(plan.units["doc"].nunique()),
+                          **{f"sd {k}": v for k, v in plan.sds[label].items()}))
+    pw = pd.DataFrame(power)
+    pw["powered"] = pw["pilot_mde"] <= pw["effect"]
+    batches: list[dict[str, Any]] = ck.batch_meta() if ck is not None else [dict(commit=commit)]
+    meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs, n_ref=len(ref), ref_docs=ref.n_docs,
+                windows_sha1=windows_fingerprint(ana), entries=bands, target_len=cfg.target(),
+                levels={k: list(v) for k, v in plan.levels.items()}, family=m,
+                commits=sorted({b.get("commit") or "" for b in batches}), commit=commit,
+                seconds_per_window_pilot=plan.seconds_per_window,
+                wall_s=dict(pilot_s=pilot_s, passes_s=passes_s, total_s=time.time() - t_start,
+                            batches_s=float(sum(b.get("seconds", 0.0) for b in batches))))
+    tables = dict(verdicts=_verdicts(vrows, cfg, m), contrasts=pd.concat(cons, ignore_index=True),
+                  contrasts_unedited=pd.concat(cons_u, ignore_index=True), power=pw, grids=plan.grids,
+                  curves=pd.concat(curves, ignore_index=True), units=units, pilot_units=plan.units)
+    return Result(tables, cfg.as_dict(), meta)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def save(result: Result, folder: str | Path) -> list[Path]:
+    """Write ``result`` into ``folder``: ``causal_dose_<table>.csv`` per table and ``causal_dose_result.json``
+    (config and meta). Returns the written paths."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, df in result.tables.items():
+        p = out / f"{NAME}_{name}.csv"
+        df.to_csv(p, index=False)
+        paths.append(p)
+    p = out / f"{NAME}_result.json"
+    p.write_text(json.dumps(dict(config=result.config, meta=result.meta, tables=list(result.tables)), indent=1,
+                            default=lambda x: x.item() if hasattr(x, "item") else str(x)))
+    return [*paths, p]
+
+
+def load(folder: str | Path) -> Result:
+    """The :class:`Result` :func:`save` wrote into ``folder``.
+
+    Raises:
+        FileNotFoundError: no ``causal_dose_result.json`` there."""
+    d = Path(folder)
+    info = json.loads((d / f"{NAME}_result.json").read_text())
+    tables = {n: pd.read_csv(d / f"{NAME}_{n}.csv", keep_default_na=True) for n in info["tables"]}
+    for t in tables.values():  # empty text cells read back as NaN
+        for col in ("unreachable", "self_moving", "binding"):
+            if col in t.columns:
+                t[col] = t[col].fillna("")
+    return Result(tables, info["config"], info["meta"])
+
+
+# ----------------------------------------------------------------------------- render
+
+
+def _fmt(x: Any) -> str:
+    from posgen_tl.report.text import sig3  # noqa: PLC0415
+
+    return sig3(x)
+
+
+def headline(v: pd.Series) -> str:
+    """One entry's verdict in one sentence, its effect, interval and p from ONE contrast (destroy − none at the
+    common damage levels) and the verdict's own p labelled beside it."""
+    eff = (f"destroy − none at common damage {_fmt(v['estimate'])} nats × p [{_fmt(v['ci_low'])}, "
+           f"{_fmt(v['ci_high'])}], sign-flip p = {_fmt(v['p'])}")
+    if v["verdict"] == "depends":
+        tail = f"intersection–union p = {_fmt(v['p_iut'])} ({v['binding']}), adjusted {_fmt(v['p_family'])}"
+    elif v["verdict"] == "not detected":
+        tail = f"MDE of the whole test {_fmt(v['mde'])} nats × p at n = {int(v['n_docs'])}"
+    else:
+        tail = str(v["reason"])
+    return f"{v['layers']}: {v['verdict']} — {eff}; {tail}"
+
+
+def render(result: Result) -> Any:
+    """The report section of a :class:`Result`: the verdict per entry, the tolerance-vs-damage figure per
+    entry, the power and the pilot's grids, the contrasts at common damage."""
+    from posgen_tl.plot.causal_dose import plot_dose_curves  # noqa: PLC0415
+    from posgen_tl.report.html import Finding, Section, figure_to_png  # noqa: PLC0415
+
+    t, meta, cfg = result.tables, result.meta, result.config
+    v = t["verdicts"]
+    figs = []
+    for label in v["layers"]:
+        fig = plot_dose_curves(t["curves"][t["curves"]["layers"] == label], meta["levels"][label],
+                               title=f"{meta['model']} {label}: tolerance loss vs damage")
+        figs.append((figure_to_png(fig), f"{label}: tolerance loss (AUC of ΔNLL over p, nats × p) against damage (clean-NLL "
+                                   "increase, nats), one curve per condition, 95 % document-bootstrap band; dotted: "
+                                   "the declared common damage levels"))
+    pw = t["power"]
+    power_text = "; ".join(
+        f"{r.layers}: MDE {_fmt(r.pilot_mde)} at n = {r.n_docs} documents vs the smallest effect of interest "
+        f"{_fmt(r.effect)} — " + ("powered" if r.powered else
+                                  f"NOT powered (n ≈ {r.n_needed} would be)" if r.n_needed else "NOT powered")
+        for r in pw.itertuples())
+    findings = [Finding("causal", str(r["verdict"]), effect=float(r["estimate"]),
+                        what=f"destroy − none at common damage, {r['layers']} (nats × p)",
+                        ci=(float(r["ci_low"]), float(r["ci_high"])), p=float(r["p"]), n=int(r["n_docs"]),
+                        note=str(r["reason"])) for _, r in v.iterrows()]
+    show = v[["layers", "verdict", "estimate", "ci_low", "ci_high", "p", "p_iut", "binding", "p_family", "mde",
+              "n_docs", "levels"]]
+    return Section(
+        "5 · Does tolerance depend on the pattern? Dose–response at common damage (docs/method.md §5, §8)",
+        verdict="; ".join(headline(r) for _, r in v.iterrows()),
+        paragraphs=[
+            f"{meta['n_seq']} windows from {meta['n_docs']} documents; the pilot ran on {meta['n_ref']} windows of "
+            f"{meta['ref_docs']} other documents. Every condition (destroy and controls {', '.join(cfg['controls'])}) "
+            f"ran at strengths ×{', ×'.join(f'{r:g}' for r in cfg['relative'])} of its tuned strength plus α = 0, "
+            f"on the same swaps (p ∈ {list(cfg['fracs'])}).",
+            "Rule (declared before the run): per document, each curve of tolerance loss against damage is read at the "
+            "declared common damage levels by interpolation only; 'depends' needs destroy − none AND destroy − every "
+            "control (at common damage) to reject in one direction by exact sign-flip over documents (the largest p "
+            f"binds), then the family adjustment ({v['p_family_method'].iloc[0]}). A control that brackets a level for "
+            f"fewer than {cfg['min_coverage']:.0%} of documents or moves tolerance by itself makes the entry 'not "
+            "testable'. 'not detected' is not evidence of no effect: the MDE says what this n could detect.",
+            f"Power (pilot): {power_text}.",
+        ],
+        tables=[("Verdict per entry (effect, interval and p: destroy − none at common damage)", show),
+                ("Contrasts at common damage (tolerance against the edited clean NLL)", t["contrasts"]),
+                ("Power from the pilot", pw)],
+        details=[("Strength grids from the pilot", t["grids"]),
+                 ("Contrasts at common damage, tolerance against the UNEDITED clean NLL", t["contrasts_unedited"])],
+        figures=figs, findings=findings,
+        results=dict(verdicts=v.to_dict("records"), power=pw.to_dict("records"), meta=meta))
