@@ -299,7 +299,7 @@ def match_alpha(
                 trace=trace)
 
 
-class _KL:
+class AttentionKL:
     """Attention-change accumulator: KL(clean ‖ edited) of attention rows in ``layers``.
 
     ``reference`` mode stores the clean patterns of a batch; ``compare`` mode adds per-sequence
@@ -339,7 +339,7 @@ def attention_kl(
 def condition_rows(
     model: Any, windows: Windows, cond: Condition, *, k_means: dict | None, target_len: int,
     fracs: Sequence[float], seeds: Sequence[int], mode: str = "T1", base_seed: int = 0,
-    kl: _KL | None = None, base: Tensor | None = None,
+    kl: AttentionKL | None = None, base: Tensor | None = None,
 ) -> tuple[pd.DataFrame, Tensor, Tensor | None]:  # fmt: skip
     """Rows of one condition on one batch of windows: the clean pass (with attention capture
     when ``kl`` is given) and one pass per (frac > 0, seed).
@@ -486,7 +486,7 @@ def _passes(model: Any, ana: Windows, conds: list[Condition], km: dict, base_nll
     n, target = len(ana), cfg.target()
     batches = [list(range(s, min(s + cfg.batch_size, n))) for s in range(0, n, cfg.batch_size)]
     union = sorted({x for c in conds if c.intervention is not None for x in c.intervention.layers})
-    kl = _KL(union)
+    kl = AttentionKL(union)
     frames, kls = [], []
     bar = tqdm(total=len(batches) * len(conds), desc="causal", disable=not progress)
     for b in batches:

@@ -60,7 +60,8 @@ ABOUT = ("does T1 tolerance depend on the fast-band key offset? destroy and cont
          "curves, compared at common damage (docs/method.md §5, §8 v3)")
 NEEDS: tuple[str, ...] = ()
 #: the tables of a Result, in the order a page shows them
-TABLES = ("verdicts", "contrasts", "contrasts_unedited", "power", "grids", "curves", "units", "pilot_units")
+TABLES = ("verdicts", "contrasts", "contrasts_unedited", "power", "grids", "conditions", "curves", "units",
+          "pilot_units")
 #: the largest strength a grid may reach, per edit kind: rephase turns k̄ by α·φ (α = 1 is a full random
 #: rotation); the other edits scale a change and are capped only to stay finite
 STRENGTH_CAP = {"rephase": 1.0}
@@ -325,7 +326,7 @@ class _Checkpoint:
 
     def batch(self, b0: int) -> pd.DataFrame | None:
         f = self.dir / f"batch_{b0:06d}.csv"
-        return pd.read_csv(f) if f.exists() else None
+        return pd.read_csv(f, float_precision="round_trip") if f.exists() else None
 
     def save_batch(self, b0: int, rows: pd.DataFrame, meta: dict[str, Any]) -> None:
         tmp = self.dir / f"batch_{b0:06d}.csv.tmp"
@@ -350,6 +351,8 @@ class Result:
             ``contrasts`` / ``contrasts_unedited`` (:func:`posgen_tl.stats.dose.common_damage_contrasts` per
             entry, tolerance against the edited / the unedited clean NLL), ``power`` (per entry: the pilot's
             MDE at this n, the n that reaches ``effect``), ``grids`` (the pilot's strengths), ``curves``
+            ``conditions`` (per entry × condition × strength: documents, mean damage, mean attention KL in the
+            edited layers, mean tolerance and its sd over documents), ``curves``
             (per entry × condition × damage: mean tolerance over the documents that bracket it, 95 %
             document-bootstrap band, coverage — the figure's data), ``units`` (per entry × document ×
             condition × strength: damage and both tolerances) and ``pilot_units``.
@@ -368,7 +371,8 @@ class Result:
 def family_adjust(p: Sequence[float], m: int) -> tuple[np.ndarray, str]:
     """Adjust the entries' p-values ``p`` for a declared family of ``m`` ≥ len(p) entries: Holm when the
     run holds the whole family, else the Bonferroni bound ``min(1, m·p)`` (the other entries' p are not
-    known to this run). Returns ``(adjusted, method text)``; NaN stays NaN."""
+    known to this run). Returns ``(adjusted, method text)``; NaN (a not-testable entry) stays NaN and still
+    counts in the family."""
     x = np.asarray(p, dtype=float)
     if m < len(x):
         raise ValueError(f"the declared family ({m}) is smaller than this run's {len(x)} entries")
@@ -379,7 +383,7 @@ def family_adjust(p: Sequence[float], m: int) -> tuple[np.ndarray, str]:
     order = ok[np.argsort(x[ok], kind="mergesort")]
     running = 0.0
     for i, j in enumerate(order):
-        running = max(running, min(1.0, (len(ok) - i) * x[j]))
+        running = max(running, min(1.0, (len(x) - i) * x[j]))
         out[j] = running
     return out, f"Holm over the {m} entries of this run"
 
@@ -529,6 +533,9 @@ def run(
                           n_needed=needed_n(sds, cfg.effect, alpha=cfg.test_alpha / m) if ok else None,
                           pilot_docs=int(plan.units["doc"].nunique()),
                           **{f"sd {k}": v for k, v in plan.sds[label].items()}))
+    summary = (units.groupby(["layers", "condition", "alpha"], sort=True)
+               .agg(n_docs=("doc", "nunique"), damage=("damage", "mean"), attn_kl=("attn_kl", "mean"),
+                    tolerance=("tolerance", "mean"), tolerance_sd=("tolerance", "std")).reset_index())
     pw = pd.DataFrame(power)
     pw["powered"] = pw["pilot_mde"] <= pw["effect"]
     batches: list[dict[str, Any]] = ck.batch_meta() if ck is not None else [dict(commit=commit)]
@@ -541,6 +548,7 @@ def run(
                             batches_s=float(sum(b.get("seconds", 0.0) for b in batches))))
     tables = dict(verdicts=_verdicts(vrows, cfg, m), contrasts=pd.concat(cons, ignore_index=True),
                   contrasts_unedited=pd.concat(cons_u, ignore_index=True), power=pw, grids=plan.grids,
+                  conditions=summary,
                   curves=pd.concat(curves, ignore_index=True), units=units, pilot_units=plan.units)
     return Result(tables, cfg.as_dict(), meta)
 
@@ -571,7 +579,7 @@ def load(folder: str | Path) -> Result:
         FileNotFoundError: no ``causal_dose_result.json`` there."""
     d = Path(folder)
     info = json.loads((d / f"{NAME}_result.json").read_text())
-    tables = {n: pd.read_csv(d / f"{NAME}_{n}.csv", keep_default_na=True) for n in info["tables"]}
+    tables = {n: pd.read_csv(d / f"{NAME}_{n}.csv", float_precision="round_trip") for n in info["tables"]}
     for t in tables.values():  # empty text cells read back as NaN
         for col in ("unreachable", "self_moving", "binding"):
             if col in t.columns:
@@ -648,7 +656,9 @@ def render(result: Result) -> Any:
         tables=[("Verdict per entry (effect, interval and p: destroy − none at common damage)", show),
                 ("Contrasts at common damage (tolerance against the edited clean NLL)", t["contrasts"]),
                 ("Power from the pilot", pw)],
-        details=[("Strength grids from the pilot", t["grids"]),
+        details=[("Per condition and strength: damage, attention change (KL of attention rows in the edited "
+                  "layers, nats) and tolerance loss, means over documents", t["conditions"]),
+                 ("Strength grids from the pilot", t["grids"]),
                  ("Contrasts at common damage, tolerance against the UNEDITED clean NLL", t["contrasts_unedited"])],
         figures=figs, findings=findings,
         results=dict(verdicts=v.to_dict("records"), power=pw.to_dict("records"), meta=meta))

@@ -23,8 +23,9 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from posgen_tl.experiments.causal import Condition, condition_rows
+from posgen_tl.experiments.causal import AttentionKL, Condition, condition_rows
 from posgen_tl.experiments.tolerance import curve_rows, nll_on_target
+from posgen_tl.hooks.capture import pattern_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.curves import document_units
 
@@ -73,6 +74,10 @@ def dose_rows(
         if not grid or min(grid) < 0 or max(grid) <= 0:
             raise ValueError(f"condition {c.key!r}: strengths must be ≥ 0 with at least one > 0, got {grid}")
     n = len(windows)
+    edited = {(c.group, c.key): list(c.intervention.layers or ()) for c in conditions if c.intervention is not None}
+    if any(not v for v in edited.values()):
+        raise ValueError("every condition of a dose–response run edits named layers (Intervention.layers)")
+    union = sorted({x for v in edited.values() for x in v})
     passes = sum(len([a for a in grids[(c.group, c.key)] if a > 0]) for c in conditions) + 1
     bar = tqdm(total=passes * ((n + batch_size - 1) // batch_size), desc="dose–response", disable=not progress,
                leave=False)
@@ -82,18 +87,22 @@ def dose_rows(
             idx = list(range(b0, min(n, b0 + batch_size)))
             w = windows.subset(idx)
             docs = w.doc_ids.tolist()
-            base = nll_on_target(model, w.tokens, target_len=target_len, batch_size=len(idx))
+            kl = AttentionKL(union)  # the unedited patterns of this batch, then each condition's change from them
+            base = nll_on_target(model, w.tokens, target_len=target_len, batch_size=len(idx),
+                                 fwd_hooks=pattern_hooks(model, union, kl))
             zero = pd.DataFrame(curve_rows(model, w, base, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
                                            base_seed=base_seed))
             bar.update(1)
             batch = []
             for c in conditions:
-                batch.append(zero.assign(layers=c.group, condition=c.key, alpha=0.0))
+                batch.append(zero.assign(layers=c.group, condition=c.key, alpha=0.0, attn_kl=0.0))
                 for a in sorted(x for x in grids[(c.group, c.key)] if x > 0):
                     cd = c.with_alpha(a).for_documents(docs, seed, redraw)
-                    df, _, _ = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
-                                              seeds=seeds, base_seed=base_seed)
-                    batch.append(df.assign(layers=c.group, condition=c.key, alpha=a))
+                    kl.layers = edited.get((c.group, c.key), union)
+                    df, _, kv = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
+                                               seeds=seeds, base_seed=base_seed, kl=kl)
+                    akl = kv.cpu().numpy().astype(np.float64)[df["seq"].to_numpy()] if kv is not None else np.nan
+                    batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=akl))
                     bar.update(1)
             b = pd.concat(batch, ignore_index=True)
             local = b["seq"].to_numpy()
@@ -102,6 +111,8 @@ def dose_rows(
     finally:
         bar.close()
     rows = pd.concat(frames, ignore_index=True)
+    for col in ("clean_nll", "nll", "delta", "base_clean_nll"):  # float64: a checkpoint's CSV reads back the same
+        rows[col] = rows[col].astype(np.float64)
     rows["delta_unedited"] = rows["nll"] - rows["base_clean_nll"]
     return rows
 
@@ -112,14 +123,13 @@ def dose_units(rows: pd.DataFrame) -> pd.DataFrame:
         out = _group_units(rows)
         label = rows["layers"].iloc[0] if "layers" in rows.columns and len(rows) else ""
         return out.assign(layers=label)[["layers", *out.columns]]
-    return pd.concat([_group_units(r).assign(layers=g) for g, r in rows.groupby("layers", sort=False)],
-                     ignore_index=True)[["layers", "doc", "condition", "alpha", "damage", "tolerance",
-                                         "tolerance_unedited"]]
+    parts = [_group_units(r).assign(layers=g) for g, r in rows.groupby("layers", sort=False)]
+    return pd.concat(parts, ignore_index=True)[["layers", *parts[0].columns.drop("layers")]]
 
 
 def _group_units(rows: pd.DataFrame) -> pd.DataFrame:
     """Per document × condition × strength (sequences of a document averaged, seeds first): ``damage`` (mean
-    clean-NLL increase over the unedited model, nats), ``tolerance`` (area under the ΔNLL-over-p curve
+    clean-NLL increase over the unedited model, nats), ``attn_kl`` (when the rows have it), ``tolerance`` (area under the ΔNLL-over-p curve
     against the condition's own clean NLL, nats × p) and ``tolerance_unedited`` (the same area against the
     unedited clean NLL, the curve starting at the damage at p = 0)."""
     u = document_units(rows, by=("condition", "alpha"), value="delta")
@@ -133,4 +143,9 @@ def _group_units(rows: pd.DataFrame) -> pd.DataFrame:
     y = np.column_stack([dmg, per_doc.to_numpy()])
     tol_u = pd.Series(np.trapezoid(y, x, axis=1), index=per_doc.index).reorder_levels(["doc", "condition", "alpha"])
     out = wide.rename(columns={"auc": "tolerance"}).assign(tolerance_unedited=tol_u.reindex(wide.index).to_numpy())
-    return out.reset_index()[["doc", "condition", "alpha", "damage", "tolerance", "tolerance_unedited"]]
+    cols = ["doc", "condition", "alpha", "damage", "tolerance", "tolerance_unedited"]
+    if "attn_kl" in rows.columns:  # per sequence (repeated over its fractions): sequences first, then the document
+        seq_kl = rows.groupby(["doc", "condition", "alpha", "seq"])["attn_kl"].mean()
+        out["attn_kl"] = seq_kl.groupby(["doc", "condition", "alpha"]).mean().reindex(out.index).to_numpy()
+        cols.append("attn_kl")
+    return out.reset_index()[cols]

@@ -109,7 +109,7 @@ def test_match_alpha():
 def test_noop_bit_identical_and_kl_zero(llama):
     ana, ref = _windows(llama)
     km = key_means(llama, ref.tokens[:, :-6])
-    kl = ca._KL([1, 2])
+    kl = ca.AttentionKL([1, 2])
     none = ca.Condition("none", None)
     noop = ca.Condition("noop", Intervention("noop", layers=[1, 2]))
     a, ca_clean, _ = ca.condition_rows(llama, ana, none, k_means=km, target_len=6, fracs=(0, 0.2), seeds=(0, 1), kl=kl)

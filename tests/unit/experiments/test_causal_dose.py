@@ -1,0 +1,164 @@
+"""The dose–response causal test (posgen_tl.experiments.causal_dose, docs/method.md §5, §8 v3): the pilot sees
+only the reference documents, every grid brackets its tuned strength, an interrupted run continues to the same
+numbers, a result survives save/load, the family adjustment and the power plan are right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import tiny_models as tm
+import torch
+
+from posgen_tl.experiments import causal_dose as cd
+from posgen_tl.experiments import dose as dose_mod
+from posgen_tl.io.sampling import sample_windows
+from posgen_tl.stats.dose import iut_mde
+
+OPTS = dict(n_seq=8, seq_len=24, target_len=6, fracs=(0.0, 0.1, 0.3), groups=("1", "2"), n_ref=5, alpha=3.0,
+            levels=(2e-5, 5e-5), batch_size=4, match_steps=2, progress=False)
+
+
+def _corpus(n_docs=16, seed=0):
+    g = np.random.default_rng(seed)
+    return [" ".join(f"t{int(x)}" for x in g.integers(3, 99, int(g.integers(40, 90)))) for _ in range(n_docs)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return tm.hf_llama(n_layers=3)[0]
+
+
+@pytest.fixture(scope="module")
+def result(llama):
+    return cd.run(llama, corpus=_corpus(), **OPTS)
+
+
+def test_every_grid_brackets_its_tuned_strength(result):
+    g = result["grids"]
+    assert set(g["condition"]) == {"destroy", "C1", "C2", "C3", "C4"} and set(g["layers"]) == {"L1", "L2"}
+    for r in g.itertuples():
+        s = [float(x) for x in r.strengths.split(";")]
+        assert s[0] == 0.0 and s == sorted(s)
+        assert min(s[1:]) < r.tuned or r.tuned == 0  # a point below …
+        assert max(s) > r.tuned or r.tuned == r.cap  # … and above, unless at the cap
+        assert max(s) <= r.cap
+
+
+def test_rows_cover_the_whole_grid_on_every_document(result):
+    u = result["units"]
+    grid = {(r.layers, r.condition): len(r.strengths.split(";")) for r in result["grids"].itertuples()}
+    got = u.groupby(["layers", "condition"])["alpha"].nunique().to_dict()
+    assert got == grid
+    assert (u.groupby(["layers", "condition", "alpha"])["doc"].nunique() == u["doc"].nunique()).all()
+
+
+def test_the_pilot_never_sees_the_analysed_documents(llama, monkeypatch):
+    seen: list[set] = []
+    real = dose_mod.dose_rows
+
+    def spy(model, windows, *a, **k):
+        seen.append(set(windows.doc_ids.tolist()))
+        return real(model, windows, *a, **k)
+
+    monkeypatch.setattr(cd, "dose_rows", spy)
+    ana, ref = sample_windows(llama, _corpus(), n_seq=8, seq_len=24, n_ref=5, seed=0)
+    cd.run(llama, windows=(ana, ref), **{**OPTS, "groups": ("2",), "controls": ("C2",)})
+    assert seen[0] == set(ref.doc_ids.tolist())  # the first call is the pilot's
+    assert all(s <= set(ana.doc_ids.tolist()) for s in seen[1:]) and len(seen) == 1 + 2  # two analysed batches
+
+
+def test_an_interrupted_run_continues_to_the_same_numbers(llama, tmp_path, monkeypatch):
+    kw = {**OPTS, "groups": ("2",), "controls": ("C1", "C2")}
+    whole = cd.run(llama, corpus=_corpus(), **kw)
+    calls = {"n": 0}
+    real = dose_mod.dose_rows
+
+    def dies_on_the_second_batch(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:  # pilot, batch 1, then batch 2 is interrupted
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(cd, "dose_rows", dies_on_the_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
+    assert (tmp_path / "ck" / "pilot.json").exists() and len(list((tmp_path / "ck").glob("batch_*.csv"))) == 1
+    calls["n"] = 0
+    monkeypatch.setattr(cd, "dose_rows", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
+    resumed = cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
+    assert calls["n"] == 1  # only the missing batch ran: no pilot, no first batch
+    for name in ("verdicts", "contrasts", "units"):
+        pd.testing.assert_frame_equal(resumed[name], whole[name], check_exact=False, rtol=1e-9, atol=1e-12)
+
+
+def test_a_checkpoint_of_another_design_is_refused(llama, tmp_path):
+    kw = {**OPTS, "groups": ("2",), "controls": ("C2",), "n_seq": 4}
+    cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
+    with pytest.raises(ValueError, match="belongs to another run"):
+        cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **{**kw, "alpha": 2.0})
+    # the same design with another n keeps the pilot and drops the batches
+    cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **{**kw, "n_seq": 6})
+    assert len(list((tmp_path / "ck").glob("batch_*.csv"))) == 2
+
+
+def test_save_load_render_round_trip(result, tmp_path):
+    cd.save(result, tmp_path)
+    back = cd.load(tmp_path)
+    for name in result.tables:
+        pd.testing.assert_frame_equal(back[name], result[name], check_dtype=False, check_exact=False, rtol=1e-12)
+    sec, sec2 = cd.render(result), cd.render(back)
+    assert sec.verdict == sec2.verdict and len(sec.figures) == 2  # one figure per entry
+    v = result["verdicts"].iloc[0]
+    # the headline's effect, interval and p are destroy − none's, side by side
+    line = cd.headline(v)
+    assert line.startswith(f"{v['layers']}: {v['verdict']} — destroy − none at common damage")
+    assert f"p = {cd._fmt(v['p'])}" in line and f"[{cd._fmt(v['ci_low'])}, {cd._fmt(v['ci_high'])}]" in line
+    assert sec.findings[0].p == pytest.approx(v["p"]) and sec.findings[0].effect == pytest.approx(v["estimate"])
+
+
+def test_unreachable_levels_make_the_entry_not_testable(result):
+    v = result["verdicts"]
+    # levels of 2e-5 / 5e-5 nats are beyond what these controls reach on a random tiny model
+    assert set(v["verdict"]) == {"not testable"} and v["unreachable"].str.len().gt(0).all()
+
+
+def test_family_adjustment():
+    adj, _ = cd.family_adjust([0.01, 0.04, np.nan], 3)  # a not-testable entry still counts in the family
+    assert np.allclose(adj[:2], [0.03, 0.04]) and np.isnan(adj[2])
+    adj, how = cd.family_adjust([0.01, 0.04], 2)
+    assert how == "Holm over the 2 entries of this run" and np.allclose(adj, [0.02, 0.04])
+    adj, how = cd.family_adjust([0.03, 0.01], 2)
+    assert np.allclose(adj, [0.03, 0.02])  # step-down keeps the order
+    adj, how = cd.family_adjust([0.01, 0.3], 4)
+    assert how == "Bonferroni bound over the declared claim of 4 entries" and np.allclose(adj, [0.04, 1.0])
+    with pytest.raises(ValueError, match="smaller than"):
+        cd.family_adjust([0.1, 0.2, 0.3], 2)
+
+
+def test_a_depends_above_the_family_level_is_not_detected():
+    rows = [dict(layers="L1", verdict="depends", p_iut=0.03, reason="r"), dict(layers="L2", verdict="depends",
+                                                                                p_iut=0.001, reason="r")]
+    v = cd._verdicts(rows, cd.Config(), 4)
+    assert list(v["verdict"]) == ["not detected", "depends"] and np.allclose(v["p_family"], [0.12, 0.004])
+    assert "after the adjustment" in v.loc[0, "reason"]
+
+
+def test_needed_n_is_the_smallest_n_that_reaches_the_effect():
+    sds = [0.0015, 0.002, 0.0018]
+    n = cd.needed_n(sds, 0.0011, alpha=0.0125)
+    assert iut_mde(sds, n, alpha=0.0125) <= 0.0011 < iut_mde(sds, n - 1, alpha=0.0125)
+    assert cd.needed_n([np.nan], 0.001, alpha=0.05) is None
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(relative=(1.0, 2.0)), "below and above"),
+    (dict(levels=(0.1, -1.0)), "levels must be positive"),
+    (dict(effect=0.0), "effect must be"),
+    (dict(n_seq=2), "at least 3 documents"),
+    (dict(fracs=(0.1, 0.2)), "must include 0"),
+])
+def test_bad_options_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        cd.Config(**kw).check()
