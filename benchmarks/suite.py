@@ -146,7 +146,7 @@ class Bench:
 
     def causal_inputs(self):
         if self._km is None:
-            from posgen_tl.experiments.tolerance import nll_on_target
+            from posgen_tl.engine.swaps import nll_on_target
             from posgen_tl.hooks.edits import key_means
 
             n = self.tokens.shape[1]
@@ -202,15 +202,15 @@ class Bench:
         feature_pattern(self.model, self.tokens, batch_size=self.bs, progress=False)
 
     def tolerance_curve(self) -> None:
-        from posgen_tl.experiments.tolerance import transposition_curve
+        from posgen_tl.engine.swaps import transposition_curve
 
         transposition_curve(self.model, self.tokens, fracs=FRACS, seeds=(0,), target_len=TARGET_LEN,
                             modes=("T1",), batch_size=self.bs, progress=False)
 
     def causal_condition(self) -> None:
-        """One condition of the causal study (:func:`posgen_tl.experiments.causal.condition_rows`): the clean
+        """One condition of the causal study (:func:`posgen_tl.engine.conditions.condition_rows`): the clean
         pass under the intervention and one pass per swap fraction > 0."""
-        from posgen_tl.experiments.causal import Condition, condition_rows
+        from posgen_tl.engine.conditions import Condition, condition_rows
         from posgen_tl.io.sampling import Windows
 
         km, _ = self.causal_inputs()
@@ -301,8 +301,8 @@ def _sufficiency_step(b: Bench):
 
     if importlib.util.find_spec("posgen_tl.experiments.sufficiency") is None:
         return None
+    from posgen_tl.engine.swaps import nll_on_target
     from posgen_tl.experiments.sufficiency import sufficiency_hooks_for
-    from posgen_tl.experiments.tolerance import nll_on_target
 
     n = b.spec.n_layers
     layers = list(range(n // 3, (2 * n) // 3))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -267,9 +268,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("posgen-tl: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, RuntimeError, OSError, ImportError) as e:
+    except _refusals() as e:  # a named refusal or a bad input: one clear line
         print(f"posgen-tl: error: {e}", file=sys.stderr)
         return 2
+    except Exception:  # anything else is a bug: its traceback, then a line that says so
+        traceback.print_exc()
+        print("posgen-tl: internal error (a bug in posgen_tl or a library it calls): the traceback above says where; "
+              "please report it with the command", file=sys.stderr)
+        return 3
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """The exceptions the CLI prints as one line: bad options and inputs (ValueError, the corpus', RoPE and shard
+    errors), files (OSError), and the library's named refusals (capture, gate, model loading, versions)."""
+    from posgen_tl.compat import TransformerLensVersionError  # noqa: PLC0415
+    from posgen_tl.distributed import DistributedRunError  # noqa: PLC0415
+    from posgen_tl.hooks.capture import CaptureError  # noqa: PLC0415
+    from posgen_tl.io.models import ModelLoadError  # noqa: PLC0415
+
+    return (ValueError, OSError, CaptureError, ModelLoadError, TransformerLensVersionError, DistributedRunError)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -428,7 +428,7 @@ def tolerance_distributed(
     mode: str = "T1", batch_size: int = 4, sink: int = 1, base_seed: int = 0,
 ) -> pd.DataFrame:  # fmt: skip
     """Per-sequence T1/T2 rows of the unmodified model (``none``) and of each intervention, documents
-    sharded: :func:`posgen_tl.experiments.causal.condition_rows` on each rank's windows in batches
+    sharded: :func:`posgen_tl.engine.conditions.condition_rows` on each rank's windows in batches
     (swaps seeded per document and window start, so they do not depend on the sharding).
 
     ``k_means`` (needed by interventions) defaults to the mean key of the analysed windows' context
@@ -436,7 +436,7 @@ def tolerance_distributed(
     Returns ``condition, kind, alpha, seq, doc, frac, seed, clean_nll, nll, delta`` (``seq`` =
     index into ``windows``), on every rank, ordered by condition, frac, seed, seq.
     """
-    from posgen_tl.experiments.causal import Condition, condition_rows  # noqa: PLC0415
+    from posgen_tl.engine.conditions import Condition, condition_rows  # noqa: PLC0415
     from posgen_tl.hooks.edits import key_means  # noqa: PLC0415
 
     loc, idx = _local(windows)

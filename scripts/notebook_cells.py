@@ -99,32 +99,34 @@ logits bit-identical.
         same = model(tokens[:1])
 assert torch.equal(clean, same)
 torch.equal(clean, same)'''),
-        md("""## 3. Controls that do the same damage, and a verdict that survives an exact test
+        md("""## 3. Controls compared at the same damage, and a verdict that survives an exact test
 The intervention raised the clean NLL. Any change that damages the model may also change its
-tolerance — so `pg.causal_study` compares it with four controls (C1 the same change in random bands,
-C2 the offset removed in slow bands, C3 the offset rephased, C4 same-norm noise in the same bands),
-each at the intervention's damage (its own strength is searched), and with no intervention. Sequences
-come from many documents; k̄ and the controls' strengths from other, disjoint documents; swaps are drawn
-per (sequence, seed); the random controls are drawn afresh for every document."""),
+tolerance — so `pg.causal_study` runs the intervention and controls (C1 the same change in random bands,
+C2 the offset removed in slow bands, C3 the offset rephased, C4 same-norm noise in the same bands) each
+at a GRID of strengths, and compares their tolerance only where they did the same damage: every
+document's curve of tolerance loss against damage is read at common damage levels, by interpolation.
+A pilot on other, disjoint documents sets each grid and the levels before the analysed documents are
+looked at; the random controls are drawn afresh for every document."""),
         code('''res = pg.causal_study(model, n_seq=max(n_seq, 4), seq_len=seq_len, target_len=target, fracs=fracs,
                       groups=("10-11",) if SMALL else ("middle",), controls=("C1",) if SMALL else ("C1", "C2", "C3", "C4"),
                       n_ref=4, match_steps=2 if SMALL else 5, progress=False)
-s = res.tables["summary"]
-s[s.estimator.isin(["damage", "attn_kl", "auc"])][["layers", "condition", "estimator", "estimate", "ci_low", "ci_high"]]'''),
-        code('''res.tables["verdicts"][["layers", "estimate", "ci_low", "ci_high", "p", "p_kind", "counted_controls",
-                         "excluded_controls", "mde", "n_docs", "verdict"]]'''),
+res["conditions"]'''),
+        code('''label = res["verdicts"]["layers"].iloc[0]
+pg.plot.dose_curves(res["curves"][res["curves"]["layers"] == label], res.meta["levels"][label], title=label)'''),
+        code('''res["verdicts"][["layers", "verdict", "estimate", "ci_low", "ci_high", "p", "p_iut", "binding", "mde",
+                 "n_docs", "reason"]]'''),
         md("""**✎ Exercise 3.** The verdict says `depends` only if destroy changes tolerance (its area under the
-ΔNLL-over-p curve differs from the unedited model's) AND differs, in the same direction, from every
-control at equal damage — the largest of those p-values must be below 0.05. With 4 documents, what do
-you expect, and why is "no evidence" not the same as "no effect"?
+ΔNLL-over-p curve differs from the unedited model's at the common damage levels) AND differs, in the
+same direction, from every control at the same damage — the largest of those p-values must be below
+0.05. With 4 documents, what do you expect, and why is "not detected" not the same as "no effect"?
 
 *Answer:* with 4 documents the smallest exact two-sided sign-flip p is 2/16 = 0.125, so "depends" is
-impossible (and the table says "exploratory"); "no evidence" only says the data cannot separate the two —
-the `mde` column gives the effect this n could have detected. The documentation's results pages have the
-powered runs.
+impossible; "not detected" only says the data cannot separate the two — the `mde` column gives the
+effect this n could have detected, and a control whose curve never reaches a level makes the entry "not
+testable" instead of being dropped. The documentation's results pages have the powered runs.
 
-**✎ Exercise 4 (open).** Repeat at `alpha=1.0`. The damage grows a lot; what happens to every curve,
-and why is editing at that strength a floor effect?"""),
+**✎ Exercise 4 (open).** Look at the figure: where do the control curves lie relative to destroy's at
+the dotted damage levels? Repeat with `relative=(0.5, 1.0, 2.0)`: which levels stop being bracketed?"""),
     ]
 
 

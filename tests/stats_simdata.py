@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from posgen_tl.stats.verdicts import Family, FamilyEntry
-
 CONTROLS = ("C1", "C2", "C3", "C4")
 
 
@@ -34,13 +32,3 @@ def entry_units(rng, *, model="m", layers="L1-2", n_docs=32, gamma=-0.02, delta=
             rows.append(pd.DataFrame(dict(model=model, layers=layers, condition=c, doc=np.arange(n_docs),
                                           estimator=est, frac=np.nan, value=v, n_seqs=seqs_per_doc)))
     return pd.concat(rows, ignore_index=True)
-
-
-def family_of(n_entries=4, n_docs=32, **kw) -> Family:
-    entries = tuple(FamilyEntry(f"m{i // 2}", f"L{i % 2}", CONTROLS, n_docs) for i in range(n_entries))
-    return Family(entries, kw.pop("margin", 0.10), kw.pop("redrawn", True), **kw)
-
-
-def family_units(rng, family: Family, **kw) -> pd.DataFrame:
-    return pd.concat([entry_units(rng, model=e.model, layers=e.layers, n_docs=e.n_docs, **kw) for e in family.entries],
-                     ignore_index=True)  # fmt: skip

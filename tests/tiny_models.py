@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import transformer_lens.model_bridge.sources.native  # noqa: F401  (registers boot_native)
 from transformer_lens.config import TransformerBridgeConfig
@@ -114,3 +115,9 @@ def hooked(seed: int = 0, randomize_norms: bool = True, cls=None, **overrides):
                 blk.attn.q_norm.w.normal_(1.0, 0.5)
                 blk.attn.k_norm.w.normal_(1.0, 0.5)
     return model
+
+
+def token_corpus(n_docs: int = 14, seed: int = 0) -> list[str]:
+    """``n_docs`` documents of 40–89 random words ``t3`` … ``t98`` (in a tiny tokenizer's vocabulary), seeded."""
+    g = np.random.default_rng(seed)
+    return [" ".join(f"t{int(x)}" for x in g.integers(3, 99, int(g.integers(40, 90)))) for _ in range(n_docs)]

@@ -1,817 +1,688 @@
-"""The causal test of docs/method.md §5, judged by the version-2 rule of docs/method.md §8.
+"""The causal test, version 3 (docs/method.md §5, §8): dose–response curves compared at COMMON damage.
 
-Does position tolerance depend on the fast-band key offset beyond what damage explains? In each
-declared layer group (each one ENTRY of the claim), the intervention ``destroy`` (remove ``k̄^(m)``
-from the pre-rotation keys in the fast bands, strength ``alpha``) is compared with the unedited
-model and with four controls, each brought to destroy's clean-NLL damage by its own strength:
+Does position tolerance depend on the fast-band key offset? In each declared layer group (one ENTRY of
+the claim) the intervention ``destroy`` and the controls C1–C4 (:data:`posgen_tl.engine.conditions.CONTROLS`)
+each run at a GRID of strengths on the same analysed windows and the same swaps; per document, condition
+and strength the run measures the damage (clean-NLL increase of the untouched target over the unedited
+model) and the tolerance loss (area under ΔNLL over the swap fraction, against the condition's own clean
+NLL; the same area against the unedited clean NLL is kept beside it). Destroy and a control are compared
+only where both did the same damage, each document's curve interpolated (:mod:`posgen_tl.stats.dose`).
 
-- C1 ``random_bands``: the same per-token change moved to random other bands, random phases;
-- C2 ``destroy`` in the slow bands;
-- C3 ``rephase``: the fast-band offset turned by a random angle per band (keeps |k̄|, ρ);
-- C4 ``noise``: same-norm random-phase noise in the same fast bands.
+The protocol of one run (:func:`run`):
 
-What makes it version 2 (the options are :class:`Config`):
+1. analysed windows and windows of DISJOINT reference documents (:func:`posgen_tl.io.sampling.sample_windows`);
+   ``k̄`` from the reference windows' context part;
+2. the PILOT, on the reference windows only (:func:`pilot`): each control's strength tuned to destroy's
+   damage there (the grid's centre), every condition's grid ``tuned × relative`` (×0.25 … ×4 by default),
+   the dose rows of the whole grid, the common damage levels (the quartiles of destroy's per-document
+   damage at its tuned strength, unless declared), the per-document spread of every required contrast and
+   from it the minimum detectable effect of the whole intersection–union test at the declared n
+   (:func:`posgen_tl.stats.dose.iut_mde`, at α / the claim's size) and the n that would reach the smallest
+   effect of interest; the seconds per window;
+3. every condition at every strength on the analysed windows, batch by batch — with a ``checkpoint``
+   folder each finished batch is kept, so an interrupted run continues where it stopped;
+4. per entry: the contrasts at common damage, the verdict (:func:`posgen_tl.stats.dose.dose_verdict`),
+   the family adjustment over the declared claim, and the tolerance-vs-damage curves of the figure.
 
-- tolerance is summarised per swap fraction and by the AREA under the ΔNLL-over-p curve (primary;
-  a slope that weighs small p negatively is reported, secondary only): :mod:`posgen_tl.stats.curves`;
-- each control's strength is tuned on the REFERENCE documents (out of sample), and its damage is
-  then tested for equivalence on the analysed documents (TOST, margin declared in the config),
-  else the contrast is damage-adjusted;
-- the random controls (C1, C3, C4) are drawn afresh for every document (``redraw_controls``);
-- "depends" is an intersection–union test — destroy ≠ none AND destroy beyond every counted
-  control in the same direction, p = the largest required p — adjusted over the run's entries and
-  bounded over the declared claim (:func:`posgen_tl.stats.verdicts.causal_verdict`); a control that
-  moves tolerance by itself against destroy is reported, never counted as evidence.
-
-Sampling (docs/method.md §4): :func:`posgen_tl.io.sampling.sample_windows`; the global ``k̄`` and the
-damage matching use the reference documents (context part for k̄). Swaps: ``p`` counts swapped
-disjoint adjacent PAIRS of the context (≈ 2p of its tokens move); each sequence's permutation is
-seeded by (base seed, document, window start, seed index) — the same under every condition.
-
-Prefix sharing: ``TransformerBridge.forward(start_at_layer=)`` reproduces the target NLL from a
-cached residual but still runs the earlier blocks (TransformerLens 4.3), so it saves nothing
-(:func:`forward_costs`); the recipe shares the clean ``none`` passes instead (reused from the T1
-curve of a tolerance study on the same windows when one is given).
+:func:`run` returns a frozen :class:`Result` (its tables, config and metadata; no file is written but the
+checkpoint), :func:`render` turns a Result into a report section, :func:`save` / :func:`load` keep one in a
+folder. No regression across documents and no single matched strength enter the verdict.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float, Int
-from torch import Tensor
 from tqdm.auto import tqdm
 
+from posgen_tl.engine.conditions import CONTROLS, Condition, build_conditions, entry_bands, match_alpha, resolve_groups
+from posgen_tl.engine.dose import dose_rows, dose_units, strength_grid
+from posgen_tl.engine.swaps import SwapOptions, nll_on_target, windows_fingerprint
 from posgen_tl.experiments import base
-from posgen_tl.experiments.tolerance import SwapOptions, T12Result, curve_rows, nll_on_target, windows_fingerprint
-from posgen_tl.hooks.capture import pattern_hooks, probe_hooks
-from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
-from posgen_tl.io.corpus import CorpusLike
-from posgen_tl.io.provenance import git_commit
+from posgen_tl.hooks.edits import intervention_hooks, key_means
 from posgen_tl.io.sampling import Windows, sample_windows
-from posgen_tl.stats import curves, verdicts
+from posgen_tl.stats.curves import doc_bootstrap
+from posgen_tl.stats.dose import DoseDesign, common_damage_contrasts, curves_at_levels, dose_verdict, iut_mde
 
-__all__ = [
-    "Config",
-    "CONTROLS",
-    "RANDOM_CONTROLS",
-    "Condition",
-    "CausalResult",
-    "build_conditions",
-    "resolve_groups",
-    "draw_seed",
-    "match_alpha",
-    "attention_kl",
-    "condition_rows",
-    "causal_study",
-    "causal_tables",
-    "claim_family",
-    "forward_costs",
-]
+__all__ = ["NAME", "ABOUT", "NEEDS", "Config", "Pilot", "Result", "pilot", "run", "render", "save", "load",
+           "family_adjust", "needed_n", "causal_study", "headline", "run_or_skip"]
 
-CONTROLS = ("C1", "C2", "C3", "C4")
-#: the controls whose edit is a random draw (bands and phases, phases, noise)
-RANDOM_CONTROLS = ("C1", "C3", "C4")
-CONTROL_TEXT = {
-    "none": "no intervention",
-    "destroy": "destroy the fast-band key offset (k ← k − α·k̄)",
-    "C1": "C1: the destroy change moved to random other bands, random phase per token",
-    "C2": "C2: destroy the key offset in the slow bands",
-    "C3": "C3: rephase the fast-band offset (k̄ turned by α·φ_m; keeps |k̄|, ρ)",
-    "C4": "C4: same-norm random-phase noise in the fast bands",
-}
+NAME = "causal"
+ABOUT = ("does T1 tolerance depend on the fast-band key offset? destroy and controls C1–C4 as dose–response "
+         "curves, compared at common damage (docs/method.md §5, §8 v3)")
+NEEDS: tuple[str, ...] = ()
+TITLE = "5 · Does tolerance depend on the pattern? Dose–response at common damage (docs/method.md §5, §8)"
+#: the tables of a Result, in the order a page shows them
+TABLES = ("verdicts", "contrasts", "contrasts_unedited", "power", "grids", "conditions", "curves", "units",
+          "pilot_units")
+#: the largest strength a grid may reach, per edit kind: rephase turns k̄ by α·φ (α = 1 is a full random
+#: rotation); the other edits scale a change and are capped only to stay finite
+STRENGTH_CAP = {"rephase": 1.0}
+DEFAULT_CAP = 32.0
 
 
 @dataclass(frozen=True)
 class Config(SwapOptions):
-    """Options of the causal test (docs/method.md §5, judged by §8 v2). Everything the verdict depends on —
-    the groups (entries), the controls, the damage margin, the claim's family — is declared here,
-    before the run."""
+    """Options of the dose–response causal test. Everything the verdict depends on — entries, controls,
+    grid, levels (or the rule that declares them from the pilot), α, coverage, the claim's family and
+    the smallest effect of interest — is fixed here, before the run."""
 
-    NAME: ClassVar[str] = "causal"
-    n_ref: int = base.option(8, "windows of the disjoint reference documents: the global k̄ (their context part) and "
-                                "each control's damage matching (out of sample)", "int", quick=4)
+    NAME: ClassVar[str] = NAME
+    fracs: tuple[float, ...] = base.option((0.0, 0.2), "swap fractions p (fraction of disjoint adjacent pairs "
+                                           "swapped; must include 0)", "floats", quick=(0.0, 0.2),
+                                           full=(0.0, 0.1, 0.2))
+    n_ref: int = base.option(8, "windows of the disjoint reference documents: the global k̄ and the pilot "
+                                 "(strength grids, damage levels, power)", "int", quick=4, full=16)
     groups: tuple[str, ...] = base.option(("middle",), "layer groups whose keys are edited, one claim entry each: "
                                           "early, middle, late or a range such as 10-19", "names",
                                           full=("middle", "late"))
-    controls: tuple[str, ...] = base.option(("C1", "C2"), "controls of docs/method.md §5, from C1,C2,C3,C4 (each is required)",
-                                            "names", quick=("C1",), full=CONTROLS)
-    alpha: float = base.option(0.5, "strength of 'destroy' (each control's own α is tuned to its damage)", "float")
-    match_steps: int = base.option(3, "damage evaluations per control when tuning its α on the reference windows",
+    controls: tuple[str, ...] = base.option(("C1", "C2"), "controls of docs/method.md §5, from C1,C2,C3,C4 (every one "
+                                            "is required by the verdict)", "names", quick=("C1",), full=CONTROLS)
+    alpha: float = base.option(0.5, "destroy's tuned strength (each control is tuned to its damage on the pilot)",
+                               "float")
+    relative: tuple[float, ...] = base.option((0.25, 1.0, 4.0), "each condition's strengths relative to its tuned "
+                                              "strength (α = 0 is added)", "floats")
+    levels: tuple[float, ...] = base.option((), "common damage levels (nats), declared; empty: the quartiles of "
+                                            "destroy's per-document damage at its tuned strength on the pilot "
+                                            "(documents it damages)",
+                                            "floats")
+    effect: float = base.option(0.001, "smallest effect of interest (nats × p): the power target", "float")
+    test_alpha: float = base.option(0.05, "level α of the claim (family-wise over the declared claim)", "float")
+    min_coverage: float = base.option(0.75, "share of documents whose curves must bracket every level", "float")
+    match_steps: int = base.option(3, "damage evaluations per control when tuning its strength on the pilot",
                                    "int", quick=2, full=5)
-    redraw_controls: bool = base.option(True, "draw the random controls (C1 bands, C3 phases, C4 noise) afresh for "
-                                              "every document", "bool")
-    damage_margin: float = base.option(0.10, "TOST margin on clean-NLL damage, relative to destroy's (±)", "float")
-    damage_rule: str = base.option("tost_or_adjust", "an unmatched control is analysed by the damage-adjusted "
-                                   "contrast (tost_or_adjust), blocks 'depends' (tost), or every control is "
-                                   "adjusted (adjust)", "text")
-    claim: tuple[str, ...] = base.option((), "the claim's declared family as model:group entries (e.g. "
-                                         "smollm2-135m:middle,gemma3-270m:middle); default: this run's groups. "
-                                         "Entries of other runs bound the adjustment (Bonferroni) until all are run",
+    claim: tuple[str, ...] = base.option((), "the claim's declared family as model:group entries; default: this "
+                                         "run's entries. Entries of other runs bound the adjustment (Bonferroni)",
                                          "names")
     batch_size: int = base.batch_option(4)
 
     def check(self) -> None:
-        """Raise ValueError naming the option: fewer than 3 sequences, a target that does not fit,
-        fractions without 0 and one p > 0, an undeclared damage margin or an unknown damage rule."""
+        """Raise ValueError naming the option: fewer than 3 sequences, a target that does not fit, fractions
+        without 0 and a p > 0, a grid without a point below and above the tuned strength, levels that are
+        not positive, a non-positive effect, α or coverage outside (0, 1)."""
         if self.n_seq < 3:
-            raise ValueError(f"causal: n_seq={self.n_seq}: a contrast needs at least 3 sequences")
+            raise ValueError(f"{NAME}: n_seq={self.n_seq}: a contrast needs at least 3 documents")
         if not 0 < self.target() < self.seq_len - 2:
-            raise ValueError(f"causal: target_len={self.target()} must be in (0, {self.seq_len - 2})")
-        if sum(1 for f in self.fracs if f > 0) < 1 or 0 not in self.fracs:
-            raise ValueError(f"causal: fracs must include 0 and at least one p > 0, got {list(self.fracs)}")
-        if not 0 < self.damage_margin < 1:
-            raise ValueError(f"causal: damage_margin must be declared in (0, 1), got {self.damage_margin}")
-        if self.damage_rule not in verdicts.DAMAGE_RULES:
-            raise ValueError(f"causal: damage_rule must be one of {verdicts.DAMAGE_RULES}, got {self.damage_rule!r}")
+            raise ValueError(f"{NAME}: target_len={self.target()} must be in (0, {self.seq_len - 2})")
+        if 0 not in self.fracs or not any(f > 0 for f in self.fracs):
+            raise ValueError(f"{NAME}: fracs must include 0 and at least one p > 0, got {list(self.fracs)}")
+        rel = [float(r) for r in self.relative]
+        if not rel or min(rel) <= 0 or min(rel) >= 1 or max(rel) <= 1:
+            raise ValueError(f"{NAME}: relative={rel}: the grid needs strengths below and above the tuned one (×1)")
+        if any(not float(x) > 0 for x in self.levels):
+            raise ValueError(f"{NAME}: levels must be positive damages in nats, got {list(self.levels)}")
+        if not self.effect > 0:
+            raise ValueError(f"{NAME}: effect must be a positive smallest effect of interest, got {self.effect}")
+        if not 0 < self.test_alpha < 1 or not 0 < self.min_coverage <= 1:
+            raise ValueError(f"{NAME}: test_alpha must be in (0, 1) and min_coverage in (0, 1], got "
+                             f"{self.test_alpha}, {self.min_coverage}")
+
+    def claim_size(self, n_entries: int) -> int:
+        """The size of the declared family: the claim's entries, or this run's ``n_entries``."""
+        return max(len(self.claim), n_entries)
 
 
-# ----------------------------------------------------------------------------- conditions
+# ----------------------------------------------------------------------------- pilot
 
 
 @dataclass(frozen=True)
-class Condition:
-    """One condition of the factorial design: ``key`` (``none``, ``destroy``, ``C1``…), the edit
-    (``None`` for ``none``), the entry (layer group label, ``""`` for ``none``) it belongs to, and
-    the largest strength its matching may try."""
-
-    key: str
-    intervention: Intervention | None
-    group: str = ""
-    alpha_max: float = 8.0
-
-    @property
-    def kind(self) -> str:
-        return "none" if self.intervention is None else self.intervention.kind
-
-    @property
-    def alpha(self) -> float:
-        return 0.0 if self.intervention is None else float(self.intervention.alpha)
-
-    @property
-    def random(self) -> bool:
-        """Its edit is a random draw (C1, C3, C4)."""
-        return self.key in RANDOM_CONTROLS
-
-    def with_alpha(self, a: float) -> Condition:
-        return dataclasses.replace(self, intervention=self.intervention.with_alpha(a))
-
-    def draws(self, docs: Sequence[int], seed: int, redraw: bool) -> list[int | None]:
-        """The draw id (the seed of its random edit) of each document; ``None`` for a fixed edit."""
-        if not self.random:
-            return [None] * len(docs)
-        return [draw_seed(seed, self.key, d) if redraw else int(self.intervention.seed) for d in docs]
-
-    def for_documents(self, docs: Sequence[int], seed: int, redraw: bool) -> Condition:
-        """This condition with one random draw per document of a batch (``redraw``), else itself."""
-        if not (self.random and redraw):
-            return self
-        return dataclasses.replace(self, intervention=self.intervention.with_row_seeds(self.draws(docs, seed, redraw)))
-
-
-def draw_seed(seed: int, control: str, doc: int) -> int:
-    """The seed of control ``control``'s random draw for document ``doc`` (base ``seed``): a fresh draw
-    per document and control, the same in every pass over that document."""
-    return 1_000_003 * (int(seed) + 1) + 7_919 * (CONTROLS.index(control) + 1) + int(doc)
-
-
-def build_conditions(
-    layers: Sequence[int], fast: Sequence[int], slow: Sequence[int], *, alpha: float = 0.5,
-    controls: Sequence[str] = CONTROLS, seed: int = 0, group: str = "",
-) -> list[Condition]:  # fmt: skip
-    """``destroy`` (fast bands, strength ``alpha``) and the requested controls at a starting strength
-    (each control's α is tuned later, :func:`match_alpha`), all editing ``layers``; the unedited
-    ``none`` is shared by every group and built by the recipe."""
-    bad = [c for c in controls if c not in CONTROLS]
-    if bad:
-        raise ValueError(f"unknown controls {bad}; choose from {CONTROLS}")
-    lay = list(layers)
-    make = {
-        "C1": lambda: Intervention("random_bands", fast, layers=lay, alpha=alpha, base="destroy", seed=seed + 1, label="C1"),
-        "C2": lambda: Intervention("destroy", slow, layers=lay, alpha=1.0, label="C2"),
-        "C3": lambda: Intervention("rephase", fast, layers=lay, alpha=1.0, seed=seed + 2, label="C3"),
-        "C4": lambda: Intervention("noise", fast, layers=lay, alpha=alpha, seed=seed + 3, label="C4"),
-    }
-    out = [Condition("destroy", Intervention("destroy", fast, layers=lay, alpha=alpha, label="destroy"), group)]
-    return out + [Condition(c, make[c](), group, alpha_max=1.0 if c == "C3" else 8.0) for c in controls]
-
-
-def resolve_groups(groups: Sequence[str], n_layers: int) -> dict[str, list[int]]:
-    """``{entry label: layers}`` of the declared groups (``"middle"`` → ``"L10-19"`` on a 30-layer model).
-
-    Raises:
-        ValueError: no group, an unknown group name, two groups with the same layers."""
-    out: dict[str, list[int]] = {}
-    for g in groups:
-        text = str(g).strip()
-        text = text[1:] if text[:1] in ("L", "l") and text[1:2].isdigit() else text  # "L10-19" as the tables print it
-        try:
-            layers = base.resolve_layers(base.parse_value("layers", text), n_layers)
-        except ValueError as e:
-            raise ValueError(f"layer group {g!r}: expected early, middle, late or layers like 10-19 ({e})") from None
-        label = verdicts.layers_label(layers)
-        if label in out:
-            raise ValueError(f"groups {list(groups)} name the layers {label} twice")
-        out[label] = layers
-    if not out:
-        raise ValueError("no layer group to edit (option groups)")
-    return out
-
-
-def entry_bands(spec: Any, layers: Sequence[int], fast: Sequence[int] | None, slow: Sequence[int] | None
-                ) -> tuple[int, list[int], list[int]]:
-    """``(n_bands, fast, slow)`` of an entry: the first / last quarter of the bands unless given (band 0 =
-    fastest). Raises ValueError for a band out of range or an empty set."""
-    nb = spec.layer(layers[0]).n_bands
-    q = max(1, nb // 4)
-    fast = list(range(q)) if fast is None else [int(b) for b in fast]
-    slow = list(range(nb - q, nb)) if slow is None else [int(b) for b in slow]
-    for nm, b in (("fast", fast), ("slow", slow)):
-        if not b or min(b) < 0 or max(b) >= nb:
-            raise ValueError(f"{nm} bands {b} out of range for {nb} bands")
-    return nb, fast, slow
-
-
-def _batches(windows: Windows, batch_size: int) -> list[Windows]:
-    """``windows`` in consecutive batches of ``batch_size`` (a random control's draws are set per batch)."""
-    return [windows.subset(range(s, min(s + batch_size, len(windows)))) for s in range(0, len(windows), batch_size)]
-
-
-def _hooks(model: Any, cond: Condition, km: dict) -> list:
-    return [] if cond.intervention is None else intervention_hooks(model, cond.intervention, km)
-
-
-# ----------------------------------------------------------------------------- matching and passes
-
-
-def match_alpha(
-    damage_fn: Callable[[float], float], target: float, *, start: float = 1.0, alpha_max: float = 8.0,
-    max_steps: int = 5, rel_tol: float = 0.05,
-) -> dict[str, Any]:  # fmt: skip
-    """Find ``alpha`` with ``damage_fn(alpha) ≈ target`` (damage assumed to grow with alpha).
-
-    Bracketing (``start``, then doubling up to ``alpha_max``) and false-position (secant inside
-    the bracket; a bisection step where it stalls), at most ``max_steps`` evaluations in all.
-    Stops when ``|damage − target| ≤ rel_tol·|target|``.
-
-    Returns:
-        dict ``alpha`` (best found), ``damage`` (its damage), ``target``, ``n_evals``,
-        ``reached`` (the bracket contained the target — False when even ``alpha_max`` did less
-        damage: the control is then reported UNMATCHED), ``trace`` (list of (alpha, damage)).
-    """
-    trace: list[tuple[float, float]] = []
-
-    def ev(a: float) -> float:
-        d = float(damage_fn(a))
-        trace.append((a, d))
-        return d
-
-    tol = rel_tol * max(abs(target), 1e-4)
-    lo, d_lo = 0.0, 0.0
-    hi = min(start, alpha_max)
-    d_hi = ev(hi)
-    while d_hi < target and hi < alpha_max and len(trace) < max_steps:
-        lo, d_lo = hi, d_hi
-        hi = min(2 * hi, alpha_max)
-        d_hi = ev(hi)
-    reached = d_hi >= target
-    side = 0
-    while reached and abs(trace[-1][1] - target) > tol and len(trace) < max_steps:
-        t = (target - d_lo) / (d_hi - d_lo) if d_hi > d_lo else 0.5
-        t = min(max(t, 0.1), 0.9) if side == 0 else 0.5  # Illinois-like guard: bisect after a repeat
-        a = lo + t * (hi - lo)
-        d = ev(a)
-        if d < target:
-            side = 1 if side == -1 else -1 if side == 0 else 0
-            lo, d_lo = a, d
-        else:
-            side = 1 if side == 1 else 0
-            hi, d_hi = a, d
-    best = min(trace, key=lambda ad: abs(ad[1] - target))
-    return dict(alpha=best[0], damage=best[1], target=float(target), n_evals=len(trace), reached=bool(reached),
-                trace=trace)
-
-
-class AttentionKL:
-    """Attention-change accumulator: KL(clean ‖ edited) of attention rows in ``layers``.
-
-    ``reference`` mode stores the clean patterns of a batch; ``compare`` mode adds per-sequence
-    mean KL over heads, query rows ``1..N−1`` (row 0, the sink/BOS row, excluded) and layers."""
-
-    def __init__(self, layers: Sequence[int]):
-        self.layers = list(layers)
-        self.ref: dict[int, Tensor] = {}
-        self.acc: dict[int, Tensor] = {}
-        self.mode = "reference"
-
-    def __call__(self, layer: int, pat: Float[Tensor, "batch head_index query_pos key_pos"]) -> None:
-        if self.mode == "reference":
-            self.ref[layer] = pat
-        else:
-            self.acc[layer] = attention_kl(self.ref[layer], pat)
-
-    def per_sequence(self) -> Float[Tensor, "batch"]:
-        missing = [lay for lay in self.layers if lay not in self.acc]
-        if missing:
-            raise RuntimeError(f"attention patterns of layers {missing} were not captured")
-        return torch.stack([self.acc[lay] for lay in self.layers]).mean(0)
-
-
-def attention_kl(
-    p: Float[Tensor, "batch head_index query_pos key_pos"], q: Float[Tensor, "batch head_index query_pos key_pos"]
-) -> Float[Tensor, "batch"]:
-    """Mean over heads and query rows ``1..N−1`` of ``KL(p_row ‖ q_row)`` (nats), per sequence.
-
-    Causal rows: entries with ``p = 0`` (masked keys) contribute 0; ``q`` is floored at 1e-30
-    where ``p > 0``. Row 0 (a single key: KL ≡ 0) is excluded."""
-    p, q = p[:, :, 1:].double(), q[:, :, 1:].double()
-    kl = (torch.xlogy(p, p) - torch.xlogy(p, q.clamp_min(1e-30))).sum(-1)
-    return kl.clamp_min(0).mean((1, 2)).float()
-
-
-def condition_rows(
-    model: Any, windows: Windows, cond: Condition, *, k_means: dict | None, target_len: int,
-    fracs: Sequence[float], seeds: Sequence[int], mode: str = "T1", base_seed: int = 0,
-    kl: AttentionKL | None = None, base: Tensor | None = None,
-) -> tuple[pd.DataFrame, Tensor, Tensor | None]:  # fmt: skip
-    """Rows of one condition on one batch of windows: the clean pass (with attention capture
-    when ``kl`` is given) and one pass per (frac > 0, seed).
-
-    Returns ``(rows, clean_nll [batch], kl [batch] or None)``; rows have ``seq`` = position in
-    ``windows`` (the caller maps it to global ids), ``frac, seed, clean_nll, nll, delta``."""
-    hooks = _hooks(model, cond, k_means)
-    bs = windows.tokens.shape[0]
-    kl_vals = None
-    extra = [] if kl is None else pattern_hooks(model, kl.layers, kl)
-    if kl is not None:
-        kl.mode = "reference" if cond.key == "none" else "compare"
-        kl.acc = {}
-    clean = nll_on_target(model, windows.tokens, target_len=target_len, fwd_hooks=hooks + extra, batch_size=bs)
-    if kl is not None:
-        kl_vals = torch.zeros(bs) if cond.key == "none" else kl.per_sequence()
-    rows = curve_rows(model, windows, clean, fracs=fracs, seeds=seeds, mode=mode, target_len=target_len,
-                      base_seed=base_seed, fwd_hooks=hooks)
-    return pd.DataFrame(rows), clean, kl_vals
-
-
-def _t1_reuse(t12: T12Result, ana: Windows, *, fracs, seeds, target_len: int, seed: int, mode: str) -> pd.Series:
-    """The trained model's T1 NLL per ``(seq, frac, seed)`` of ``t12``, after checking that those
-    passes are exactly the ones the ``none`` condition would run. Raises ``ValueError`` naming the
-    first mismatch."""
-    c = t12.config
-    checks = [("mode", mode, "T1"), ("seed", seed, c.get("seed")), ("target_len", target_len, c.get("target_len")),
-              ("n_seq", len(ana), c.get("n_seq")), ("seq_len", int(ana.tokens.shape[1]), c.get("seq_len"))]
-    for name, mine, theirs in checks:
-        if mine != theirs:
-            raise ValueError(f"t12 cannot stand in for the 'none' passes: {name} is {mine!r} here, {theirs!r} in t12")
-    r = t12.rows[(t12.rows["twin"] == "trained") & (t12.rows["mode"] == "T1")]
-    want = {(float(f), int(s)) for f in fracs if f > 0 for s in seeds}
-    have = set(zip(r["frac"].astype(float), r["seed"].astype(int)))
-    if not want <= have:
-        raise ValueError(f"t12 lacks the (frac, seed) passes {sorted(want - have)} of this run")
-    if c.get("windows_sha1") != windows_fingerprint(ana):
-        raise ValueError("t12 was computed on other windows (the SHA-1 of their tokens differs or is not recorded)")
-    return r.set_index(["seq", "frac", "seed"])["nll"]
-
-
-def _with_reused(df: pd.DataFrame, reuse: pd.Series, b: Sequence[int], clean: Tensor, fracs, seeds) -> pd.DataFrame:
-    """``df`` (the frac = 0 rows of one batch) completed by the reused swapped-pass NLLs, in the
-    row order of :func:`curve_rows` (frac, seed, sequence)."""
-    rows = [df]
-    cl = clean.float().cpu().numpy()  # float32 like curve_rows: same rows bit for bit when the passes agree
-    for frac in fracs:
-        if frac == 0:
-            continue
-        for sd in seeds:
-            nll = np.array([reuse.loc[(g, float(frac), int(sd))] for g in b], dtype=np.float32)
-            rows.append(pd.DataFrame(dict(seq=range(len(b)), frac=float(frac), seed=int(sd), clean_nll=cl.astype(float),
-                                          nll=nll.astype(float), delta=(nll - cl).astype(float))))
-    return pd.concat(rows, ignore_index=True)
-
-
-@torch.no_grad()
-def forward_costs(model: Any, tokens: Int[Tensor, "batch pos"], layer: int, *, target_len: int = 64,
-                  repeats: int = 1) -> dict[str, float]:  # fmt: skip
-    """Seconds per sequence forward: full (target-only unembedding), the prefix
-    ``stop_at_layer=layer``, and the rest from the cached residual (``start_at_layer=layer``),
-    plus ``max_abs_diff`` between the full and the resumed target NLL.
-
-    Uses :func:`posgen_tl.experiments.tolerance.nll_on_target` (``start_at_layer`` passes through
-    its ``forward_kwargs``)."""
-    n = tokens.shape[0]
-    out: dict[str, float] = {}
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        full = nll_on_target(model, tokens, target_len=target_len, batch_size=n)
-    out["full_s_per_seq"] = (time.perf_counter() - t0) / (repeats * n)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        resid = model(tokens, stop_at_layer=layer)
-    out["prefix_s_per_seq"] = (time.perf_counter() - t0) / (repeats * n)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        resumed = nll_on_target(model, tokens, target_len=target_len, batch_size=n, resid_at=(layer, resid))
-    out["resumed_s_per_seq"] = (time.perf_counter() - t0) / (repeats * n)
-    out["max_abs_diff"] = float((full - resumed).abs().max())
-    out["layer"] = layer
-    out["seq_len"] = int(tokens.shape[1])
-    return out
-
-
-# ----------------------------------------------------------------------------- the recipe
-
-
-@dataclass
-class CausalResult:
-    """Output of :func:`causal_study`.
+class Pilot:
+    """What the pilot on the reference windows declares before the analysed documents are looked at.
 
     Attributes:
-        rows: per (condition, sequence, frac, seed): ``model, layers`` (the entry; ``""`` for the
-            shared ``none``), ``condition, kind, alpha, draw`` (the seed of a random control's draw
-            for that document, else NaN), ``seq, doc, doc_name, frac, seed, clean_nll, nll, delta,
-            base_clean_nll`` (the unedited clean NLL of that sequence).
-        kl: per (condition, sequence): ``attn_kl`` — mean KL(clean ‖ edited) of attention rows in the
-            edited layers (nats).
-        matching: per control: the α tuned on the reference windows, its damage there, destroy's.
-        tables: :func:`causal_tables` — ``verdicts, components, damage, adjusted, contrasts,
-            summary, interaction``.
-        config: sizes, groups, bands, seeds, controls, margin, the claim, corpus, commit, wall times.
+        grids: per entry (``layers``) × condition: ``tuned`` (its strength at destroy's damage), ``reached``
+            (the tuning found destroy's damage below the cap), ``reference_damage`` (its damage there),
+            ``destroy_damage``, ``cap`` and ``strengths`` (the grid, α = 0 first, ``;``-joined).
+        units: the pilot's dose units (:func:`posgen_tl.engine.dose.dose_units`).
+        levels: per entry, the common damage levels (nats).
+        sds: per entry, the per-document sd of every required contrast on the pilot (nats × p).
+        seconds_per_window: wall seconds of the pilot's dose rows per window (all entries, the whole grid).
     """
 
-    rows: pd.DataFrame
-    kl: pd.DataFrame
-    matching: pd.DataFrame
-    tables: dict[str, pd.DataFrame]
-    config: dict = field(default_factory=dict)
+    grids: pd.DataFrame
+    units: pd.DataFrame
+    levels: dict[str, tuple[float, ...]]
+    sds: dict[str, dict[str, float]]
+    seconds_per_window: float
+
+    def strengths(self) -> dict[tuple[str, str], tuple[float, ...]]:
+        """``{(entry, condition): grid}``."""
+        return {(r.layers, r.condition): tuple(float(x) for x in str(r.strengths).split(";"))
+                for r in self.grids.itertuples()}
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (:meth:`from_dict` inverts it)."""
+        return dict(grids=self.grids.to_dict("records"), units=self.units.to_dict("records"),
+                    levels={k: list(v) for k, v in self.levels.items()}, sds=self.sds,
+                    seconds_per_window=self.seconds_per_window)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Pilot:
+        return cls(pd.DataFrame(d["grids"]), pd.DataFrame(d["units"]),
+                   {k: tuple(float(x) for x in v) for k, v in d["levels"].items()},
+                   {k: {c: float(s) for c, s in v.items()} for k, v in d["sds"].items()}, float(d["seconds_per_window"]))
 
 
-def _match_on_reference(model: Any, conds: list[Condition], ref: Windows, ref_base: Tensor, km: dict, cfg: Config,
-                        progress: bool) -> tuple[list[Condition], list[dict]]:
-    """Tune every control's α so that its mean clean-NLL damage on the REFERENCE windows equals
-    destroy's there (:func:`match_alpha`); the analysed documents are never looked at."""
-    def damage(cond: Condition) -> float:
-        nll = torch.cat([nll_on_target(model, w.tokens, target_len=cfg.target(), batch_size=len(w), fwd_hooks=_hooks(
-            model, cond.for_documents(w.doc_ids.tolist(), cfg.seed, cfg.redraw_controls), km))
-            for w in _batches(ref, cfg.batch_size)])  # fmt: skip
-        return float((nll - ref_base).mean())
+def _cap(c: Condition) -> float:
+    return STRENGTH_CAP.get(c.kind, DEFAULT_CAP)
 
-    target = damage(conds[0])
-    out = [conds[0]]
-    rows = [dict(layers=conds[0].group, condition="destroy", alpha=conds[0].alpha, reference_damage=target,
-                 destroy_reference_damage=target, n_evals=1, reached=True)]
+
+def _mean_damage(model: Any, cond: Condition, ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Config) -> float:
+    """Mean clean-NLL damage of ``cond`` on the reference windows (random controls drawn per document)."""
+    out = []
+    for s in range(0, len(ref), cfg.batch_size):
+        w = ref.subset(range(s, min(s + cfg.batch_size, len(ref))))
+        cd = cond.for_documents(w.doc_ids.tolist(), cfg.seed, True)
+        if cd.intervention is None:
+            raise ValueError("the unedited condition has no damage to tune")
+        out.append(nll_on_target(model, w.tokens, target_len=cfg.target(), batch_size=len(w),
+                                 fwd_hooks=intervention_hooks(model, cd.intervention, km)))
+    return float((torch.cat(out) - ref_base).mean())
+
+
+def _tune(model: Any, conds: list[Condition], ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Config,
+          progress: bool) -> list[dict[str, Any]]:
+    """Each condition's tuned strength: destroy's is ``cfg.alpha``; a control's brings its mean damage on the
+    reference windows to destroy's (:func:`posgen_tl.engine.conditions.match_alpha`)."""
+    target = _mean_damage(model, conds[0], ref, ref_base, km, cfg)
+    rows = [dict(layers=conds[0].group, condition="destroy", tuned=conds[0].alpha, reached=True,
+                 reference_damage=target, destroy_damage=target, cap=_cap(conds[0]))]
     for c in conds[1:]:
-        m = match_alpha(lambda a, c=c: damage(c.with_alpha(a)), target, start=c.alpha, alpha_max=c.alpha_max,
-                        max_steps=cfg.match_steps)
-        out.append(c.with_alpha(m["alpha"]))
-        rows.append(dict(layers=c.group, condition=c.key, alpha=m["alpha"], reference_damage=m["damage"],
-                         destroy_reference_damage=target, n_evals=m["n_evals"], reached=m["reached"]))
+        def damage(a: float, c: Condition = c) -> float:
+            return _mean_damage(model, c.with_alpha(a), ref, ref_base, km, cfg)
+
+        m = match_alpha(damage, target, start=c.alpha, alpha_max=_cap(c), max_steps=cfg.match_steps)
+        rows.append(dict(layers=c.group, condition=c.key, tuned=m["alpha"], reached=m["reached"],
+                         reference_damage=m["damage"], destroy_damage=target, cap=_cap(c)))
         if progress:
-            tqdm.write(f"[causal] {c.group} {c.key}: alpha={m['alpha']:.4g} reference damage={m['damage']:.4f} "
-                       f"(destroy {target:.4f}, {m['n_evals']} evals{'' if m['reached'] else ', NOT REACHED'})")
-    return out, rows
+            miss = "" if m["reached"] else f" — destroy's damage not reached in {m['n_evals']} evaluations (α ≤ {_cap(c):g})"
+            tqdm.write(f"[{NAME}] pilot {c.group} {c.key}: tuned α={m['alpha']:.4g}, damage {m['damage']:.4g} "
+                       f"(destroy {target:.4g}){miss}")
+    return rows
 
 
-def _passes(model: Any, ana: Windows, conds: list[Condition], km: dict, base_nll: Tensor, cfg: Config,
-            reuse: pd.Series | None, on_partial: Callable[[pd.DataFrame], None] | None,
-            progress: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Every condition on every batch: its clean pass (attention KL against ``none`` in its edited
-    layers) and one pass per (frac > 0, seed). Returns ``(rows, kl)`` (see :class:`CausalResult`)."""
-    n, target = len(ana), cfg.target()
-    batches = [list(range(s, min(s + cfg.batch_size, n))) for s in range(0, n, cfg.batch_size)]
-    union = sorted({x for c in conds if c.intervention is not None for x in c.intervention.layers})
-    kl = AttentionKL(union)
-    frames, kls = [], []
-    bar = tqdm(total=len(batches) * len(conds), desc="causal", disable=not progress)
-    for b in batches:
-        w = ana.subset(b)
-        docs = w.doc_ids.tolist()
-        for c in conds:
-            kl.layers = union if c.key == "none" else list(c.intervention.layers)
-            shared = reuse is not None and c.key == "none"
-            cd = c.for_documents(docs, cfg.seed, cfg.redraw_controls)
-            df, clean, kv = condition_rows(model, w, cd, k_means=km, target_len=target, fracs=(0.0,) if shared else
-                                           cfg.fracs, seeds=cfg.seeds, base_seed=cfg.seed, kl=kl)  # fmt: skip
-            if shared:  # the swapped passes of `none` are the trained T1 curve of this run's tolerance study
-                df = _with_reused(df, reuse, b, clean, cfg.fracs, cfg.seeds)
-            draws = dict(zip(range(len(b)), c.draws(docs, cfg.seed, cfg.redraw_controls)))
-            df = df.assign(layers=c.group, condition=c.key, kind=c.kind, alpha=c.alpha,
-                           draw=[draws[i] for i in df["seq"]], seq=[b[i] for i in df["seq"]])
-            frames.append(df)
-            kls.append(pd.DataFrame(dict(layers=c.group, condition=c.key, seq=b, attn_kl=kv.cpu().numpy())))
-            bar.update(1)
-        if on_partial is not None and b is not batches[-1]:
-            on_partial(pd.concat(frames, ignore_index=True))
-    bar.close()
-    info = ana.frame()
-    rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
-    rows["base_clean_nll"] = base_nll.cpu().numpy()[rows["seq"].to_numpy()]
-    cols = ["layers", "condition", "kind", "alpha", "draw", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll",
-            "delta", "base_clean_nll"]
-    kl_df = pd.concat(kls, ignore_index=True).merge(info[["seq", "doc"]], on="seq", how="left")
-    return rows[cols], kl_df
+def needed_n(sds: Sequence[float], effect: float, *, alpha: float, power: float = 0.8, n_max: int = 100_000) -> int | None:
+    """The smallest number of documents at which :func:`posgen_tl.stats.dose.iut_mde` is at most ``effect``
+    (``None`` when even ``n_max`` is not enough or the sds are unusable)."""
+    s = [float(x) for x in sds]
+    if not s or not all(np.isfinite(s)):
+        return None
+    if iut_mde(s, n_max, alpha=alpha, power=power) > effect:
+        return None
+    lo, hi = 2, n_max
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if iut_mde(s, mid, alpha=alpha, power=power) <= effect:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
-def causal_study(
-    model: Any, corpus: CorpusLike = None, cfg: Config | None = None, *, fast: Sequence[int] | None = None,
-    slow: Sequence[int] | None = None, windows: tuple[Windows, Windows] | None = None,
-    on_partial: Callable[[pd.DataFrame], None] | None = None, progress: bool = True, t12: T12Result | None = None,
-    **options: Any,
-) -> CausalResult:  # fmt: skip
-    """The causal test of docs/method.md §5 with controls C1–C4, judged by docs/method.md §8 v2.
+def _design(levels: Sequence[float], cfg: Config, controls: Sequence[str]) -> DoseDesign:
+    return DoseDesign(levels=tuple(float(x) for x in levels), alpha=cfg.test_alpha, min_coverage=cfg.min_coverage,
+                      controls=tuple(controls), seed=cfg.seed)
 
-    Steps: (1) analysed windows and disjoint reference windows (:func:`posgen_tl.io.sampling.sample_windows`);
-    k̄ of every edited layer from the reference windows' context part; (2) the unedited clean NLL of
-    both; (3) per layer group, each control's α tuned to destroy's damage on the REFERENCE windows
-    (:func:`match_alpha`, ≤ ``match_steps`` evaluations; random controls drawn per reference
-    document); (4) every condition on the analysed windows: its clean pass (attention KL in its
-    layers) and one pass per (frac > 0, seed), random controls drawn afresh per document; (5) the
-    verdict tables (:func:`causal_tables`). ``on_partial(rows)`` receives the rows so far after every
-    batch but the last (a long run writes them as they come).
+
+def _required(contrasts: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
+    want = ["destroy − none", *(f"destroy − {c}" for c in controls)]
+    return contrasts.set_index("contrast").loc[want]
+
+
+def pilot(
+    model: Any, ref: Windows, k_means: dict, conditions: Mapping[str, list[Condition]], cfg: Config, *,
+    progress: bool = True,
+) -> Pilot:  # fmt: skip
+    """The pilot on the REFERENCE windows (never the analysed ones): tuned strengths and grids, the dose rows
+    of the grid, the declared levels and the per-document spread of every required contrast.
+
+    ``conditions``: per entry label, ``[destroy, *controls]`` (:func:`posgen_tl.engine.conditions.build_conditions`).
+    Returns a :class:`Pilot` (with fewer than 3 reference documents its spreads are NaN: no power can be planned,
+    and the power table says so)."""
+    ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size)
+    rows: list[dict[str, Any]] = []
+    for conds in conditions.values():
+        rows += _tune(model, conds, ref, ref_base, k_means, cfg, progress)
+    grids = pd.DataFrame(rows)
+    grids["strengths"] = [";".join(f"{a:.6g}" for a in strength_grid(r.tuned, cfg.relative, alpha_max=r.cap))
+                          for r in grids.itertuples()]
+    flat = [c for cs in conditions.values() for c in cs]
+    strengths = {(r.layers, r.condition): tuple(float(x) for x in r.strengths.split(";")) for r in grids.itertuples()}
+    t0 = time.time()
+    pr = dose_rows(model, ref, flat, strengths, k_means=k_means, target_len=cfg.target(), fracs=cfg.fracs,
+                   seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=cfg.batch_size, progress=progress)
+    seconds = (time.time() - t0) / len(ref)
+    units = dose_units(pr)
+    levels: dict[str, tuple[float, ...]] = {}
+    sds: dict[str, dict[str, float]] = {}
+    for label, conds in conditions.items():
+        u = units[units["layers"] == label]
+        d = u[(u["condition"] == "destroy") & np.isclose(u["alpha"], conds[0].alpha)]["damage"].to_numpy(float)
+        if cfg.levels:
+            lv = tuple(float(x) for x in cfg.levels)
+        elif np.any(d > 0):
+            lv = tuple(float(x) for x in np.quantile(d[d > 0], [0.25, 0.5, 0.75]))
+        else:
+            raise ValueError(f"{NAME}: destroy does no damage to any pilot document in {label} at α = "
+                             f"{conds[0].alpha:g}: declare levels or raise alpha")
+        levels[label] = lv
+        ctl = [c.key for c in conds[1:]]
+        con = common_damage_contrasts(u, _design(lv, cfg, ctl))
+        sds[label] = {k: float(v) for k, v in _required(con, ctl)["sd"].items()}
+    return Pilot(grids, units, levels, sds, seconds)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+class _Checkpoint:
+    """A folder that keeps a run's pilot and finished batches (atomic writes).
+
+    Two keys guard it: the PILOT key (the config but ``n_seq``, the model, the reference windows) and the RUN
+    key (the whole config and the analysed windows too). Another pilot key is refused (another design); the
+    same pilot with another run key (e.g. the n chosen from the pilot's power) keeps the pilot and drops the
+    batches."""
+
+    def __init__(self, folder: str | Path, fingerprint: dict[str, Any]):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        f = self.dir / "fingerprint.json"
+        pilot_fp = {k: v for k, v in fingerprint.items() if k != "analysed"}
+        pilot_fp["config"] = {k: v for k, v in fingerprint["config"].items() if k != "n_seq"}
+        key = dict(pilot=json.dumps(pilot_fp, sort_keys=True, default=str),
+                   run=json.dumps(fingerprint, sort_keys=True, default=str))
+        if f.exists():
+            old = json.loads(f.read_text())
+            if old.get("pilot") != key["pilot"]:
+                raise ValueError(f"{NAME}: the checkpoint {self.dir} belongs to another run (config, model or "
+                                 "reference windows differ); give a new folder or delete it")
+            if old.get("run") != key["run"]:
+                for b in self.dir.glob("batch_*"):
+                    b.unlink()
+        self._write(f, json.dumps(key))
+
+    def _write(self, path: Path, text: str) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+    def pilot(self) -> Pilot | None:
+        f = self.dir / "pilot.json"
+        return Pilot.from_dict(json.loads(f.read_text())) if f.exists() else None
+
+    def save_pilot(self, p: Pilot) -> None:
+        self._write(self.dir / "pilot.json", json.dumps(p.as_dict(), default=float))
+
+    def batch(self, b0: int) -> pd.DataFrame | None:
+        f = self.dir / f"batch_{b0:06d}.csv"
+        return pd.read_csv(f, float_precision="round_trip") if f.exists() else None
+
+    def save_batch(self, b0: int, rows: pd.DataFrame, meta: dict[str, Any]) -> None:
+        tmp = self.dir / f"batch_{b0:06d}.csv.tmp"
+        rows.to_csv(tmp, index=False)
+        tmp.replace(self.dir / f"batch_{b0:06d}.csv")
+        self._write(self.dir / f"batch_{b0:06d}.json", json.dumps(meta, default=str))
+
+    def batch_meta(self) -> list[dict[str, Any]]:
+        return [json.loads(f.read_text()) for f in sorted(self.dir.glob("batch_*.json"))]
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class Result:
+    """The outcome of :func:`run`.
+
+    Attributes:
+        tables: ``verdicts`` (one row per entry: the verdict, destroy − none's effect/interval/p, the
+            intersection–union p and its binding contrast, the family-adjusted p, the MDE at the declared n),
+            ``contrasts`` / ``contrasts_unedited`` (:func:`posgen_tl.stats.dose.common_damage_contrasts` per
+            entry, tolerance against the edited / the unedited clean NLL), ``power`` (per entry: the pilot's
+            MDE at this n, ``n_needed`` the n that reaches ``effect`` — NaN when none up to 100 000 does), ``grids`` (the pilot's strengths), ``curves``
+            ``conditions`` (per entry × condition × strength: documents, mean damage, mean attention KL in the
+            edited layers, mean tolerance and its sd over documents), ``curves``
+            (per entry × condition × damage: mean tolerance over the documents that bracket it, 95 %
+            document-bootstrap band, coverage — the figure's data), ``units`` (per entry × document ×
+            condition × strength: damage and both tolerances) and ``pilot_units``.
+        config: the Config's options (``Config.as_dict``).
+        meta: model, windows' fingerprint, documents, levels, wall times, the commits of the batches.
+    """
+
+    tables: dict[str, pd.DataFrame]
+    config: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> pd.DataFrame:
+        return self.tables[name]
+
+
+def family_adjust(p: Sequence[float], m: int) -> tuple[np.ndarray, str]:
+    """Adjust the entries' p-values ``p`` for a declared family of ``m`` ≥ len(p) entries: Holm when the
+    run holds the whole family, else the Bonferroni bound ``min(1, m·p)`` (the other entries' p are not
+    known to this run). Returns ``(adjusted, method text)``; NaN (a not-testable entry) stays NaN and still
+    counts in the family."""
+    x = np.asarray(p, dtype=float)
+    if m < len(x):
+        raise ValueError(f"the declared family ({m}) is smaller than this run's {len(x)} entries")
+    if m > len(x):
+        return np.minimum(1.0, x * m), f"Bonferroni bound over the declared claim of {m} entries"
+    out = np.full_like(x, np.nan)
+    ok = np.flatnonzero(np.isfinite(x))
+    order = ok[np.argsort(x[ok], kind="mergesort")]
+    running = 0.0
+    for i, j in enumerate(order):
+        running = max(running, min(1.0, (len(x) - i) * x[j]))
+        out[j] = running
+    return out, f"Holm over the {m} entries of this run"
+
+
+def _curves(u: pd.DataFrame, levels: Sequence[float], *, points: int = 24, seed: int = 0) -> pd.DataFrame:
+    """The figure's data for one entry: each condition's tolerance read at ``points`` damages from 0 to the
+    largest declared level × 2, averaged over the documents whose curve brackets the damage; the unedited
+    model (``none``) is the one row at damage 0."""
+    top = 2.0 * max(levels)
+    grid = np.linspace(top / points, top, points)
+    at = curves_at_levels(u, grid)
+    n = u["doc"].nunique()
+    zero = u[u["alpha"] == 0].groupby("doc")["tolerance"].mean().to_numpy(float)
+    lo0, hi0 = doc_bootstrap(zero, n_boot=2000, seed=seed)
+    out = [dict(condition="none", damage=0.0, tolerance=float(zero.mean()), ci_low=float(np.ravel(lo0)[0]),
+                ci_high=float(np.ravel(hi0)[0]), n_docs=int(zero.size), coverage=1.0)]
+    for (cond, lv), g in at.groupby(["condition", "level"], sort=True):
+        x = g["tolerance"].dropna().to_numpy(float)
+        lo, hi = doc_bootstrap(x, n_boot=2000, seed=seed) if x.size >= 3 else (np.array([np.nan]), np.array([np.nan]))
+        out.append(dict(condition=cond, damage=float(lv), tolerance=float(x.mean()) if x.size else np.nan,
+                        ci_low=float(np.ravel(lo)[0]), ci_high=float(np.ravel(hi)[0]), n_docs=int(x.size),
+                        coverage=x.size / n))
+    return pd.DataFrame(out)
+
+
+def _entry_tables(label: str, u: pd.DataFrame, levels: Sequence[float], controls: Sequence[str], cfg: Config,
+                  m: int) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    design = _design(levels, cfg, controls)
+    con = common_damage_contrasts(u, design)
+    con_u = common_damage_contrasts(u.assign(tolerance=u["tolerance_unedited"]), design)
+    v = dose_verdict(con, design)
+    main = con.set_index("contrast").loc["destroy − none"]
+    req = _required(con, controls)
+    sds = req["sd"].to_numpy(float)
+    n = int(req["n_docs"].min())
+    mde = iut_mde(sds, n, alpha=cfg.test_alpha / m) if np.all(np.isfinite(sds)) and n >= 2 else np.nan
+    row = dict(layers=label, verdict=v["verdict"], estimate=main["estimate"], ci_low=main["ci_low"],
+               ci_high=main["ci_high"], p=main["p"], p_iut=v["p_iut"], binding=v["binding"], mde=mde,
+               n_docs=int(u["doc"].nunique()), levels=";".join(f"{x:.4g}" for x in levels), reason=v["reason"],
+               unreachable=",".join(v["unreachable"]), self_moving=",".join(v["self_moving"]))
+    return row, con.assign(layers=label), con_u.assign(layers=label), _curves(u, levels, seed=cfg.seed).assign(layers=label)
+
+
+def _verdicts(rows: list[dict[str, Any]], cfg: Config, m: int) -> pd.DataFrame:
+    v = pd.DataFrame(rows)
+    adj, how = family_adjust(v["p_iut"].to_numpy(float), m)
+    v["p_family"], v["p_family_method"] = adj, how
+    demote = (v["verdict"] == "depends") & ~(v["p_family"] < cfg.test_alpha)
+    v.loc[demote, "reason"] = v.loc[demote, "reason"] + f"; not below α = {cfg.test_alpha:g} after the adjustment ({how})"
+    v.loc[demote, "verdict"] = "not detected"
+    return v
+
+
+def _fingerprint(cfg: Config, model_name: str, ana: Windows, ref: Windows) -> dict[str, Any]:
+    return dict(config=cfg.as_dict(), model=model_name, analysed=windows_fingerprint(ana),
+                reference=windows_fingerprint(ref))
+
+
+def run(
+    model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: tuple[Windows, Windows] | None = None,
+    checkpoint: str | Path | None = None, progress: bool = True, **options: Any,
+) -> Result:  # fmt: skip
+    """The dose–response causal test on ``model`` (steps in the module's docstring).
 
     Args:
         cfg: :class:`Config` (default ``Config()``) with ``options`` applied.
-        fast: band indices edited as fast (default: the first quarter of the bands; band 0 = fastest).
-        slow: band indices kept as slow (default: the last quarter of the bands).
-        windows: pre-built ``(analysed, reference)`` windows (default: sampled by ``cfg``).
-        t12: a T1/T2 result (:func:`posgen_tl.experiments.tolerance.t1_t2_study`) of the same model
-            on the same analysed windows, fractions, seeds and target: ``none`` then runs only its
-            clean pass and takes its swapped NLLs from the trained T1 rows (a mismatch raises).
+        corpus: the documents (default ``cfg.corpus``, the pydoc topics when that is ``None``).
+        windows: pre-built ``(analysed, reference)`` windows from disjoint documents.
+        checkpoint: a folder that keeps the pilot and every finished batch; a rerun with the same config,
+            model and windows continues from it (another run's folder is refused).
 
     Returns:
-        :class:`CausalResult`.
+        :class:`Result`.
 
     Raises:
-        ValueError: bad options (named), overlapping reference/analysed documents, a ``t12`` that
-            does not match.
+        UncheckedModelError: the model has not passed the exactness check (the gate).
+        ValueError: bad options (named), overlapping reference and analysed documents, a foreign checkpoint.
     """
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.io.provenance import git_commit  # noqa: PLC0415
+
     cfg = base.config_of(Config, cfg, options)
-    base.gate(model, cfg, "the causal study")
+    cfg.check()
+    base.gate(model, cfg, f"the {NAME} study")
     t_start, commit = time.time(), git_commit(short=True)
     spec, _ = probe_hooks(model)
-    groups = resolve_groups(cfg.groups, spec.n_layers)
-    ana, ref = windows if windows is not None else sample_windows(
-        model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref,
-        seed=cfg.seed)
+    entries = resolve_groups(cfg.groups, spec.n_layers)
+    if windows is None:
+        ana, ref_opt = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
+                                      seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
+        assert ref_opt is not None
+        ref = ref_opt
+    else:
+        ana, ref = windows
     if set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist()):
         raise ValueError("reference and analysed windows share documents")
-    reuse = None if t12 is None else _t1_reuse(t12, ana, fracs=cfg.fracs, seeds=cfg.seeds, target_len=cfg.target(),
-                                               seed=cfg.seed, mode="T1")
-    target, times = cfg.target(), {}
-    km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - target], sorted({x for g in groups.values() for x in g}),
-                   batch_size=cfg.batch_size)
-    base_nll = nll_on_target(model, ana.tokens, target_len=target, batch_size=cfg.batch_size)
-    ref_base = nll_on_target(model, ref.tokens, target_len=target, batch_size=cfg.batch_size)
+    ck = None if checkpoint is None else _Checkpoint(checkpoint, _fingerprint(cfg, spec.model_name, ana, ref))
+    layers = sorted({x for g in entries.values() for x in g})
+    km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - cfg.target()], layers, batch_size=cfg.batch_size)
+    conditions: dict[str, list[Condition]] = {}
+    bands: dict[str, dict[str, Any]] = {}
+    for label, lay in entries.items():
+        nb, fast, slow = entry_bands(spec, lay, None, None)
+        bands[label] = dict(layers=lay, n_bands=nb, fast=fast, slow=slow)
+        conditions[label] = build_conditions(lay, fast, slow, alpha=cfg.alpha, controls=cfg.controls, seed=cfg.seed,
+                                             group=label)
     t0 = time.time()
-    conds, matching, bands = [Condition("none", None)], [], {}
-    for label, layers in groups.items():
-        nb, fast_b, slow_b = entry_bands(spec, layers, fast, slow)
-        bands[label] = dict(layers=layers, n_bands=nb, fast=fast_b, slow=slow_b)
-        cs, m = _match_on_reference(model, build_conditions(layers, fast_b, slow_b, alpha=cfg.alpha,
-                                                            controls=cfg.controls, seed=cfg.seed, group=label),
-                                    ref, ref_base, km, cfg, progress)
-        conds += cs
-        matching += m
-    times["match_s"] = time.time() - t0
-    t0 = time.time()
-    rows, kl = _passes(model, ana, conds, km, base_nll, cfg, reuse, on_partial, progress)
-    times["passes_s"] = time.time() - t0
-    config = dict(cfg.as_dict(), model=spec.model_name, target_len=target, n_seq=len(ana), n_docs=ana.n_docs,
-                  n_ref=len(ref), ref_docs=sorted(set(ref.doc_ids.tolist())), entries=bands,
-                  none_swaps_from_t12=reuse is not None, commit=commit,
-                  windows_sha1=windows_fingerprint(ana), claim_family=claim_family(cfg, spec.model_name, groups,
-                                                                                   ana.n_docs),
-                  swaps="p = fraction of disjoint adjacent pairs of the context swapped: ≈ 2p of the tokens move; "
-                        "per-(sequence, seed) permutations")  # fmt: skip
-    tables = causal_tables(rows, kl, config)
-    config["wall_s"] = {**times, "total_s": time.time() - t_start}
-    return CausalResult(rows, kl, pd.DataFrame(matching), tables, config)
+    plan = ck.pilot() if ck is not None else None
+    if plan is None:
+        plan = pilot(model, ref, km, conditions, cfg, progress=progress)
+        if ck is not None:
+            ck.save_pilot(plan)
+    pilot_s = time.time() - t0
+    strengths = plan.strengths()
+    flat = [c for cs in conditions.values() for c in cs]
+    frames, t0 = [], time.time()
+    starts = list(range(0, len(ana), cfg.batch_size))
+    for b0 in tqdm(starts, desc=f"{NAME} batches", disable=not progress):
+        got = ck.batch(b0) if ck is not None else None
+        if got is None:
+            tb = time.time()
+            w = ana.subset(range(b0, min(b0 + cfg.batch_size, len(ana))))
+            got = dose_rows(model, w, flat, strengths, k_means=km, target_len=cfg.target(), fracs=cfg.fracs,
+                            seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=len(w), progress=False)
+            got["seq"] = got["seq"] + b0
+            if ck is not None:
+                ck.save_batch(b0, got, dict(commit=commit, seconds=time.time() - tb, windows=len(w)))
+        frames.append(got)
+    passes_s = time.time() - t0
+    rows = pd.concat(frames, ignore_index=True)
+    units = dose_units(rows)
+    m = cfg.claim_size(len(entries))
+    vrows, cons, cons_u, curves, power = [], [], [], [], []
+    for label, conds in conditions.items():
+        ctl = [c.key for c in conds[1:]]
+        row, con, con_u, cur = _entry_tables(label, units[units["layers"] == label], plan.levels[label], ctl, cfg, m)
+        vrows.append(row)
+        cons.append(con)
+        cons_u.append(con_u)
+        curves.append(cur)
+        sds = list(plan.sds[label].values())
+        n = ana.n_docs
+        ok = all(np.isfinite(sds))
+        power.append(dict(layers=label, n_docs=n, family=m, alpha_per_entry=cfg.test_alpha / m, effect=cfg.effect,
+                          pilot_mde=iut_mde(sds, n, alpha=cfg.test_alpha / m) if ok else np.nan,
+                          n_needed=float(needed_n(sds, cfg.effect, alpha=cfg.test_alpha / m) or np.nan) if ok
+                          else np.nan,
+                          pilot_docs=int(plan.units["doc"].nunique()),
+                          **{f"sd {k}": v for k, v in plan.sds[label].items()}))
+    summary = (units.groupby(["layers", "condition", "alpha"], sort=True)
+               .agg(n_docs=("doc", "nunique"), damage=("damage", "mean"), attn_kl=("attn_kl", "mean"),
+                    tolerance=("tolerance", "mean"), tolerance_sd=("tolerance", "std")).reset_index())
+    pw = pd.DataFrame(power)
+    pw["powered"] = pw["pilot_mde"] <= pw["effect"]
+    batches: list[dict[str, Any]] = ck.batch_meta() if ck is not None else [dict(commit=commit)]
+    meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs, n_ref=len(ref), ref_docs=ref.n_docs,
+                windows_sha1=windows_fingerprint(ana), entries=bands, target_len=cfg.target(),
+                levels={k: list(v) for k, v in plan.levels.items()}, family=m,
+                commits=sorted({b.get("commit") or "" for b in batches}), commit=commit,
+                seconds_per_window_pilot=plan.seconds_per_window,
+                wall_s=dict(pilot_s=pilot_s, passes_s=passes_s, total_s=time.time() - t_start,
+                            batches_s=float(sum(b.get("seconds", 0.0) for b in batches))))
+    tables = dict(verdicts=_verdicts(vrows, cfg, m), contrasts=pd.concat(cons, ignore_index=True),
+                  contrasts_unedited=pd.concat(cons_u, ignore_index=True), power=pw, grids=plan.grids,
+                  conditions=summary,
+                  curves=pd.concat(curves, ignore_index=True), units=units, pilot_units=plan.units)
+    return Result(tables, cfg.as_dict(), meta)
 
 
-# ----------------------------------------------------------------------------- verdict tables
+def run_or_skip(model: Any, cfg: Config, **kw: Any) -> Result:
+    """:func:`run`, or — when the corpus cannot give the windows (``CorpusError``) or the library refuses the
+    model by name (``CaptureError``, ``RopeError``) — a Result whose ``meta["skipped"]`` says why (no tables):
+    what a report or study shows as a skipped section. Any other error propagates."""
+    from posgen_tl.hooks.capture import CaptureError  # noqa: PLC0415
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.maths.rope import RopeError  # noqa: PLC0415
+    from posgen_tl.report.html import SKIP_HINTS  # noqa: PLC0415
 
-
-def claim_family(cfg: Config, model_name: str, groups: dict[str, list[int]], n_docs: int) -> dict:
-    """The claim's family as declared by ``cfg`` before the run (the ``claim_family`` of the run's
-    config): this run's entries (``model`` × each group) with their controls and document count, the
-    damage margin, whether random controls are redrawn per document, and the declared size of the
-    whole claim (``cfg.claim``: entries of other runs included)."""
-    mine = [f"{model_name}:{label}" for label in groups]
-    claim = [str(c) for c in cfg.claim] or mine
-    return dict(entries=[dict(model=model_name, layers=label, controls=list(cfg.controls), n_docs=int(n_docs))
-                         for label in groups],
-                damage_margin_rel=float(cfg.damage_margin), controls_redrawn_per_document=bool(cfg.redraw_controls),
-                damage_rule=cfg.damage_rule, order="holm", claim=claim, claim_size=max(len(claim), len(mine)))
-
-
-def _units_rows(rows: pd.DataFrame, model: str) -> pd.DataFrame:
-    """The rows each entry's units are built from: its conditions plus the shared ``none``."""
-    edited = rows[rows["condition"] != "none"]
-    none = rows[rows["condition"] == "none"]
-    parts = [edited] + [none.assign(layers=g) for g in edited["layers"].unique()]
-    return pd.concat(parts, ignore_index=True).assign(model=model)
-
-
-def causal_tables(rows: pd.DataFrame, kl: pd.DataFrame, config: dict) -> dict[str, pd.DataFrame]:
-    """Every table of the causal test from its rows (pure; also what a re-analysis calls):
-
-    * ``verdicts`` — one row per entry: destroy − none AUC (estimate, 95 % CIs), the
-      intersection–union ``p``, ``p_holm`` over this run's entries, ``p_claim`` (Bonferroni bound over
-      the declared claim until its other entries are run; equal to ``p_holm`` when the run covers
-      the claim), counted / excluded controls, MDE, verdict, label;
-    * ``components`` / ``damage`` / ``adjusted`` — what the rule looked at (:func:`posgen_tl.stats.verdicts.causal_verdict`);
-    * ``contrasts`` — per fraction, AUC and slope: destroy − none, destroy − Ck, Ck − none
-      (:func:`posgen_tl.stats.verdicts.tolerance_contrasts`);
-    * ``summary`` — per entry and condition: damage, attention KL, ΔNLL per fraction, AUC, slope
-      (document means with bootstrap and t intervals; descriptive);
-    * ``interaction`` — with two or more entries, first vs each later one: (destroy − none) per
-      document compared on the same documents.
-    """
-    model = config["model"]
-    fam_cfg = config["claim_family"]
-    family = verdicts.Family.from_config(fam_cfg)
-    urows = _units_rows(rows, model)
-    units = curves.document_units(urows, by=("model", "layers", "condition"))
-    draws = urows.assign(draw=urows["draw"].astype("Int64").astype(str).where(urows["draw"].notna(), "fixed"))
-    res = verdicts.causal_verdict(units, family, draws=verdicts.control_draws(draws[draws["condition"].isin(RANDOM_CONTROLS)]))
-    v = res.verdicts.copy()
-    m = int(fam_cfg["claim_size"])
-    v["claim_size"] = m
-    v["p_claim"] = np.minimum(1.0, v["p"] * m) if m > len(v) else v["p_holm"]
-    v["p_claim_method"] = (f"Bonferroni bound over the declared claim of {m} entries (its other entries are other runs)"
-                           if m > len(v) else v["p_adj_method"])
-    v = claim_verdicts(v, family.alpha)
-    contrasts = verdicts.tolerance_contrasts(units, family_size=m)
-    kl_units = _kl_units(kl, model)
-    summary = curves.unit_summary(pd.concat([units, kl_units], ignore_index=True), by=("model", "layers", "condition"))
-    labels = list(units["layers"].unique())
-    inter = [verdicts.interaction_contrast(units, {"model": model, "layers": labels[0]}, {"model": model, "layers": g})
-             for g in labels[1:]]
-    return dict(verdicts=v, components=res.components, damage=res.damage, adjusted=res.adjusted, contrasts=contrasts,
-                summary=summary, interaction=pd.concat(inter, ignore_index=True) if inter else pd.DataFrame())
-
-
-def claim_verdicts(v: pd.DataFrame, alpha: float) -> pd.DataFrame:
-    """``v`` with each verdict read at the level of the declared claim: an entry that passes over this
-    run's entries (``p_holm``) but not over the claim (``p_claim ≥ alpha``, the run covering only part
-    of it) reads "no evidence", and its label says why. Idempotent."""
-    out = v.copy()
-    weak = out["verdict"].astype(str).str.startswith("depends") & ~(out["p_claim"] < alpha)
-    out.loc[weak, "verdict"] = out.loc[weak, "verdict"].str.replace("depends", "no evidence", n=1)
-    out.loc[weak, "label"] = [f"p over the declared claim = {p:.3g} ≥ {alpha:g} ({m}); " + str(lab)
-                              for p, m, lab in zip(out.loc[weak, "p_claim"], out.loc[weak, "p_claim_method"],
-                                                   out.loc[weak, "label"])]  # fmt: skip
-    return out
-
-
-def _kl_units(kl: pd.DataFrame, model: str) -> pd.DataFrame:
-    """Attention KL per (entry, condition, document) as units (estimator ``attn_kl``, nats); ``none``'s
-    KL is 0 by definition and is repeated for every entry."""
-    edited = kl[kl["condition"] != "none"]
-    none = kl[kl["condition"] == "none"]
-    k = pd.concat([edited] + [none.assign(layers=g) for g in edited["layers"].unique()], ignore_index=True)
-    g = k.groupby(["layers", "condition", "doc"], sort=False)["attn_kl"]
-    out = g.mean().reset_index().rename(columns={"attn_kl": "value"})
-    out["n_seqs"] = g.size().to_numpy()
-    return out.assign(model=model, estimator="attn_kl", frac=np.nan)
-
-
-# ----------------------------------------------------------------------------- report / study
-
-
-NAME = "causal"
-ABOUT = ("does T1 tolerance depend on the fast-band key offset beyond damage? destroy vs damage-matched controls "
-         "C1–C4, per-fraction and AUC contrasts, intersection–union verdict (docs/method.md §5, §8)")
-NEEDS: tuple[str, ...] = ()
-TABLES = ("verdicts", "components", "damage", "adjusted", "contrasts", "summary", "interaction")
-
-
-def _reusable_t12(ctx: Any, cfg: Config) -> T12Result | None:
-    """The T1/T2 result of this run's tolerance study, when its swapped passes are exactly the ones
-    the ``none`` condition would run (same windows, fractions, seeds, target); else None."""
-    t12 = ctx.shared.get("t12")
-    if t12 is None:
-        return None
-    c = t12.config
-    same = (c.get("n_seq") == cfg.n_seq and c.get("seq_len") == cfg.seq_len and c.get("seed") == cfg.seed
-            and c.get("target_len") == cfg.target() and set(cfg.fracs) <= set(c.get("fracs", []))
-            and set(cfg.seeds) <= set(c.get("seeds", [])))
-    return t12 if same else None
-
-
-def compute(ctx: Any, cfg: Config) -> None:
-    """The causal test; writes its rows, KL, matching, every verdict table, its configuration and a
-    figure (partial rows while it runs, removed when it completes)."""
-    from posgen_tl.plot.causal import plot_causal_conditions  # noqa: PLC0415
-
-    windows = base.or_skip(ctx, "causal_config.json", "causal test", sample_windows, ctx.model, cfg.corpus,
-                           n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
-    if windows is None:
-        return
-    ana, ref = windows
-    res = causal_study(ctx.model, cfg.corpus, cfg, windows=(ana, ref), t12=_reusable_t12(ctx, cfg),
-                       on_partial=lambda rows: ctx.work.save_df("causal_partial_rows.csv", rows))
-    ctx.work.path("causal_partial_rows.csv").unlink(missing_ok=True)  # complete now: no partial table beside
-    ctx.work.save_df("causal_rows.csv", res.rows)
-    ctx.work.save_df("causal_kl.csv", res.kl)
-    ctx.work.save_df("causal_matching.csv", res.matching)
-    for name in TABLES:
-        ctx.work.save_df(f"causal_{name}.csv", res.tables[name])
-    ctx.work.save_json("causal_config.json", res.config)
-    ctx.work.save_fig("fig_causal.png", plot_causal_conditions(res.tables["summary"], res.tables["contrasts"],
-                                                               title=ctx.model_name))
-
-
-def _load(ctx: Any, name: str) -> pd.DataFrame:
     try:
-        return ctx.work.load_df(f"causal_{name}.csv")
-    except pd.errors.EmptyDataError:  # an empty table (e.g. no interaction with one entry) is written headerless
-        return pd.DataFrame()
+        return run(model, cfg, **kw)
+    except (CorpusError, CaptureError, RopeError) as e:
+        kind = "corpus" if isinstance(e, CorpusError) else "model"
+        return Result({}, cfg.as_dict(), {"skipped": f"the causal study skipped: {e}", "hint": SKIP_HINTS[kind]})
 
 
-def _condition_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """Per entry and condition: damage, attention KL, ΔNLL per fraction, AUC and slope as
-    'estimate [ci_low, ci_high]' (95 % document bootstrap)."""
-    s = summary.copy()
-    s["what"] = np.where(s["estimator"] == "dnll", "ΔNLL@" + s["frac"].map(lambda f: f"{f:g}"), s["estimator"])
-    s["cell"] = [f"{e:.4g} [{lo:.3g}, {hi:.3g}]" for e, lo, hi in zip(s["estimate"], s["ci_low"], s["ci_high"])]
-    order = ["damage", "attn_kl", *sorted({w for w in s["what"] if w.startswith("ΔNLL")}, key=lambda w: float(w[5:])),
-             "auc", "slope"]
-    t = s.pivot_table(index=["layers", "condition"], columns="what", values="cell", aggfunc="first", sort=False)
-    t = t[[c for c in order if c in t.columns]].reset_index()
-    n = s.groupby(["layers", "condition"], sort=False)["n_docs"].first().reset_index()
-    return t.merge(n, on=["layers", "condition"])
+def causal_study(model: Any, corpus: Any = None, cfg: Config | None = None, **options: Any) -> Result:
+    """The library's name for :func:`run` (``pg.causal_study(model, corpus, **options)``): the dose–response
+    causal test. Returns its :class:`Result`."""
+    return run(model, cfg, corpus=corpus, **options)
 
 
-def render(ctx: Any, cfg: Config) -> Any:
-    """The report section: the verdict per entry, the conditions, damage equivalence, the per-fraction
-    and AUC contrasts, the interaction between entries, and the figure."""
-    from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
-
-    config = ctx.work.load_json("causal_config.json")
-    title = "5 · Does tolerance depend on the pattern? The causal test (docs/method.md §5, §8)"
-    if "skipped" in config:
-        return skipped_section(title, config["skipped"], "causal", config.get("hint"))
-    v, dmg, con = _load(ctx, "verdicts"), _load(ctx, "damage"), _load(ctx, "contrasts")
-    inter, summary = _load(ctx, "interaction"), _load(ctx, "summary")
-    fam = config["claim_family"]
-    v = claim_verdicts(v, verdicts.Family.from_config(fam).alpha)
-    verdict = "; ".join(f"{r.layers}: {r.verdict} (destroy − none AUC {r.estimate:+.3g} nats × p "
-                        f"[{r.ci_low:+.3g}, {r.ci_high:+.3g}], intersection–union p = {r.p:.3g}, p over the claim "
-                        f"= {r.p_claim:.3g})" for r in v.itertuples())  # fmt: skip
-    vcols = ["layers", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind", "p_holm", "p_claim", "p_claim_method",
-             "counted_controls", "excluded_controls", "mde", "n_docs", "n_seqs", "verdict", "label"]
-    ccols = ["layers", "contrast", "estimator", "frac", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind",
-             "p_holm", "holm_scope", "mde", "n_docs", "label"]
-    dcols = ["layers", "control", "estimate", "ci_low", "ci_high", "ci_level", "p", "damage", "control_damage",
-             "margin_rel", "matched", "n_docs"]
-    paras = [
-        f"{config['n_seq']} sequences from {config['n_docs']} documents; keys edited per entry: "
-        + "; ".join(f"{k} (fast bands {e['fast']}, slow bands {e['slow']})" for k, e in config["entries"].items())
-        + f". destroy = remove the fast-band key offset at α = {config['alpha']}; controls {config['controls']} each tuned "
-        f"to destroy's damage on {config['n_ref']} windows of the reference documents (never the analysed ones); "
-        f"random controls drawn {'afresh per document' if config['redraw_controls'] else 'once'}. Swap fractions "
-        f"p ∈ {config['fracs']} (≈ 2p of the context tokens move), seeds {config['seeds']}, target {config['target_len']} "
-        "tokens.",
-        f"Rule (declared before the run): 'depends' only if destroy ≠ none on the AUC AND destroy differs from EVERY "
-        f"counted control in the same direction — each control's damage matched by TOST at ±{fam['damage_margin_rel']:g} "
-        "of destroy's, else the contrast is damage-adjusted (per-document regression on the damage gap); p = the "
-        "largest required p (intersection–union); Holm over this run's entries; the claim declares "
-        f"{fam['claim_size']} entries ({', '.join(fam['claim'])}). A control that moves tolerance by itself against "
-        "destroy is reported and not counted. The AUC (area under ΔNLL over p from p = 0) is the primary summary; "
-        "the slope, which weighs small p negatively, is secondary. 'no evidence' is not evidence of no effect: the MDE "
-        "column says what this n could detect.",
-    ]
-    tables = [("Verdict per entry (intersection–union; p_claim over the declared claim)", v[[c for c in vcols if c in v]]),
-              ("Per entry and condition: damage, attention KL, ΔNLL per fraction, AUC, slope (mean [95 % document "
-               "bootstrap])", _condition_table(summary)),
-              ("Damage: each control vs destroy, TOST on the ratio (90 % Fieller interval of ratio − 1)",
-               dmg[[c for c in dcols if c in dmg]]),
-              ("Contrasts per fraction (Holm over the fractions), AUC and slope", con[[c for c in ccols if c in con]])]
-    if len(inter):
-        tables.append(("Interaction between entries on the same documents: (destroy − none) first − later", inter))
-    expl = config["n_docs"] < curves.EXPLORATORY_MIN_DOCS
-    return Section(title + (" — EXPLORATORY (fewer than 32 documents)" if expl else ""), verdict=verdict,
-                   paragraphs=paras, tables=tables,
-                   details=[("Components of each verdict", _load(ctx, "components")),
-                            ("Controls' strengths tuned on the reference windows", _load(ctx, "matching"))],
-                   figures=[(ctx.work.path("fig_causal.png").read_bytes(), "ΔNLL over the swap fraction per condition "
-                             "(document means, 95 % bootstrap), and each contrast's AUC with its interval")],
-                   findings=_findings(v), results={"exploratory": bool(expl), "verdicts": v.to_dict("records")})
+# ----------------------------------------------------------------------------- files
 
 
-def _findings(v: pd.DataFrame) -> list:
-    """One headline per entry: the verdict, destroy − none AUC with its 95 % interval, the p over the
-    declared claim, n = documents."""
-    from posgen_tl.report.html import Finding  # noqa: PLC0415
+def save(result: Result, folder: str | Path) -> list[Path]:
+    """Write ``result`` into ``folder``: ``causal_<table>.csv`` per table and ``causal_result.json``
+    (config and meta). Returns the written paths."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, df in result.tables.items():
+        p = out / f"{NAME}_{name}.csv"
+        df.to_csv(p, index=False)
+        paths.append(p)
+    p = out / f"{NAME}_result.json"
+    p.write_text(json.dumps(dict(config=result.config, meta=result.meta, tables=list(result.tables)), indent=1,
+                            default=lambda x: x.item() if hasattr(x, "item") else str(x)))
+    return [*paths, p]
 
-    return [Finding("causal", str(r.verdict).replace(" (exploratory)", ""), float(r.estimate),
-                    f"destroy − none AUC {r.layers} (nats × p)", (float(r.ci_low), float(r.ci_high)), float(r.p_claim),
-                    int(r.n_docs), note=f"{r.layers}; intersection–union p {r.p:.3g}; {r.p_claim_method}")
-            for r in v.itertuples()]
+
+def load(folder: str | Path) -> Result:
+    """The :class:`Result` :func:`save` wrote into ``folder``.
+
+    Raises:
+        FileNotFoundError: no ``causal_result.json`` there."""
+    d = Path(folder)
+    info = json.loads((d / f"{NAME}_result.json").read_text())
+    tables = {n: pd.read_csv(d / f"{NAME}_{n}.csv", float_precision="round_trip") for n in info["tables"]}
+    for t in tables.values():  # empty text cells read back as NaN
+        for col in ("unreachable", "self_moving", "binding"):
+            if col in t.columns:
+                t[col] = t[col].fillna("")
+    return Result(tables, info["config"], info["meta"])
+
+
+# ----------------------------------------------------------------------------- render
+
+
+def _fmt(x: Any) -> str:
+    from posgen_tl.report.text import sig3  # noqa: PLC0415
+
+    return sig3(x)
+
+
+def headline(v: pd.Series) -> str:
+    """One entry's verdict in one sentence, its effect, interval and p from ONE contrast (destroy − none at the
+    common damage levels) and the verdict's own p labelled beside it."""
+    eff = (f"destroy − none at common damage {_fmt(v['estimate'])} nats × p [{_fmt(v['ci_low'])}, "
+           f"{_fmt(v['ci_high'])}], sign-flip p = {_fmt(v['p'])}")
+    if v["verdict"] == "depends":
+        tail = f"intersection–union p = {_fmt(v['p_iut'])} ({v['binding']}), adjusted {_fmt(v['p_family'])}"
+    elif v["verdict"] == "not detected":
+        tail = f"MDE of the whole test {_fmt(v['mde'])} nats × p at n = {int(v['n_docs'])}"
+    else:
+        tail = str(v["reason"])
+    return f"{v['layers']}: {v['verdict']} — {eff}; {tail}"
+
+
+def render(result: Result) -> Any:
+    """The report section of a :class:`Result`: the verdict per entry, the tolerance-vs-damage figure per
+    entry, the power and the pilot's grids, the contrasts at common damage."""
+    from posgen_tl.plot.causal import plot_dose_curves  # noqa: PLC0415
+    from posgen_tl.report.html import Finding, Section, figure_to_png  # noqa: PLC0415
+
+    t, meta, cfg = result.tables, result.meta, result.config
+    if "skipped" in meta:
+        from posgen_tl.report.html import skipped_section  # noqa: PLC0415
+
+        return skipped_section(TITLE, meta["skipped"], "causal", meta.get("hint"))
+    v = t["verdicts"]
+    figs = []
+    for label in v["layers"]:
+        fig = plot_dose_curves(t["curves"][t["curves"]["layers"] == label], meta["levels"][label],
+                               title=f"{meta['model']} {label}: tolerance loss vs damage")
+        figs.append((figure_to_png(fig), f"{label}: tolerance loss (AUC of ΔNLL over p, nats × p) against damage (clean-NLL "
+                                   "increase, nats), one curve per condition, 95 % document-bootstrap band; dotted: "
+                                   "the declared common damage levels"))
+    pw = t["power"]
+    power_text = "; ".join(
+        f"{r.layers}: MDE {_fmt(r.pilot_mde)} at n = {r.n_docs} documents vs the smallest effect of interest "
+        f"{_fmt(r.effect)} — " + ("powered" if r.powered else
+                                  f"NOT powered (n ≈ {int(r.n_needed)} would be)" if np.isfinite(r.n_needed)
+                                  else "NOT powered")
+        for r in pw.itertuples())
+    findings = [Finding("causal", str(r["verdict"]), effect=float(r["estimate"]),
+                        what=f"destroy − none at common damage, {r['layers']} (nats × p)",
+                        ci=(float(r["ci_low"]), float(r["ci_high"])), p=float(r["p"]), n=int(r["n_docs"]),
+                        note=str(r["reason"])) for _, r in v.iterrows()]
+    show = v[["layers", "verdict", "estimate", "ci_low", "ci_high", "p", "p_iut", "binding", "p_family", "mde",
+              "n_docs", "levels"]]
+    return Section(
+        TITLE,
+        verdict="; ".join(headline(r) for _, r in v.iterrows()),
+        paragraphs=[
+            f"{meta['n_seq']} windows from {meta['n_docs']} documents; the pilot ran on {meta['n_ref']} windows of "
+            f"{meta['ref_docs']} other documents. Every condition (destroy and controls {', '.join(cfg['controls'])}) "
+            f"ran at strengths ×{', ×'.join(f'{r:g}' for r in cfg['relative'])} of its tuned strength plus α = 0, "
+            f"on the same swaps (p ∈ {list(cfg['fracs'])}).",
+            "Rule (declared before the run): per document, each curve of tolerance loss against damage is read at the "
+            "declared common damage levels by interpolation only; 'depends' needs destroy − none AND destroy − every "
+            "control (at common damage) to reject in one direction by exact sign-flip over documents (the largest p "
+            f"binds), then the family adjustment ({v['p_family_method'].iloc[0]}). A control that brackets a level for "
+            f"fewer than {cfg['min_coverage']:.0%} of documents or moves tolerance by itself makes the entry 'not "
+            "testable'. 'not detected' is not evidence of no effect: the MDE says what this n could detect.",
+            f"Power (pilot): {power_text}.",
+        ],
+        tables=[("Verdict per entry (effect, interval and p: destroy − none at common damage)", show),
+                ("Contrasts at common damage (tolerance against the edited clean NLL)", t["contrasts"]),
+                ("Power from the pilot", pw)],
+        details=[("Per condition and strength: damage, attention change (KL of attention rows in the edited "
+                  "layers, nats) and tolerance loss, means over documents", t["conditions"]),
+                 ("Strength grids from the pilot", t["grids"]),
+                 ("Contrasts at common damage, tolerance against the UNEDITED clean NLL", t["contrasts_unedited"])],
+        figures=figs, findings=findings,
+        results=dict(verdicts=v.to_dict("records"), power=pw.to_dict("records"), meta=meta))

@@ -13,14 +13,14 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 ``pattern_vs_d3(merged)``  :func:`posgen_tl.experiments.pattern.link_to_decomposition`
 ``phase_histogram(df)``    :func:`posgen_tl.experiments.head_maps.phase_angles_with_twin`
 ``tolerance_curves(df)``   :func:`posgen_tl.stats.curves.curve_summary`
-``causal_conditions(df)``  :func:`posgen_tl.causal_study` ``.conditions``
+``dose_curves(df, levels)`` :func:`posgen_tl.causal_study` ``["curves"]`` (one entry)
 ``length_buckets(df)``     :func:`posgen_tl.experiments.tolerance.length_summary`
 ``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.experiments.length`, :mod:`posgen_tl.experiments.sufficiency`
 ``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``, ``label_counts``: :func:`posgen_tl.head_taxonomy`
 =========================  ===========================================================
 """
 
-from posgen_tl.plot.causal import plot_causal_conditions as causal_conditions
+from posgen_tl.plot.causal import plot_dose_curves as dose_curves
 from posgen_tl.plot.decomposition import plot_head_maps as head_maps
 from posgen_tl.plot.decomposition import plot_r_by_layer as r_by_layer
 from posgen_tl.plot.gap_attention import plot_gap_heads as gap_heads
@@ -40,7 +40,7 @@ from posgen_tl.plot.tolerance import plot_tolerance_curves as tolerance_curves
 
 __all__ = [
     "band_heatmaps",
-    "causal_conditions",
+    "dose_curves",
     "frequency_usage",
     "head_maps",
     "label_counts",

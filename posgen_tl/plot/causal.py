@@ -1,48 +1,50 @@
-"""Figures of the causal test (:mod:`posgen_tl.experiments.causal`): tables in, a Figure out."""
+"""Figure of the dose–response causal test (:mod:`posgen_tl.experiments.causal`): a table in, a Figure out."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-__all__ = ["plot_causal_conditions"]
+__all__ = ["plot_dose_curves", "MIN_COVERAGE_SHOWN"]
 
 _COLORS = {"none": "black", "destroy": "tab:red", "C1": "tab:blue", "C2": "tab:green", "C3": "tab:purple",
            "C4": "tab:orange"}
 
+#: a curve is drawn only where at least this share of the documents bracket the damage (elsewhere its mean
+#: would be that of a few documents that happen to reach it)
+MIN_COVERAGE_SHOWN = 0.5
 
-def plot_causal_conditions(summary: pd.DataFrame, contrasts: pd.DataFrame, *, title: str = "") -> Figure:
-    """Top row, one panel per entry: mean ΔNLL over the swap fraction p for every condition (document
-    means with their 95 % bootstrap band; p = 0 is 0 by construction). Bottom row: each contrast's
-    AUC (destroy − none, destroy − Ck, Ck − none; nats × p) with its 95 % interval, zero marked.
 
-    ``summary``: the ``summary`` table of :func:`posgen_tl.experiments.causal.causal_tables`;
-    ``contrasts``: its ``contrasts`` table.
-    """
-    entries = list(dict.fromkeys(summary["layers"]))
-    fig, axes = plt.subplots(2, len(entries), figsize=(5.5 * len(entries), 7.5), squeeze=False)
-    for j, entry in enumerate(entries):
-        ax = axes[0, j]
-        s = summary[(summary["layers"] == entry) & (summary["estimator"] == "dnll")]
-        for cond, g in s.groupby("condition", sort=False):
-            g = g.sort_values("frac")
-            x = np.r_[0.0, g["frac"].to_numpy(float)]
-            y, lo, hi = (np.r_[0.0, g[c].to_numpy(float)] for c in ("estimate", "ci_low", "ci_high"))
-            col = _COLORS.get(str(cond), None)
-            ax.plot(x, y, marker="o", label=str(cond), color=col)
-            ax.fill_between(x, lo, hi, alpha=0.12, color=col)
-        ax.set(xlabel="swap fraction p", ylabel="ΔNLL (nats)", title=f"{title} {entry}".strip())
-        ax.legend(fontsize=8)
-        ax = axes[1, j]
-        c = contrasts[(contrasts["layers"] == entry) & (contrasts["estimator"] == "auc")].reset_index(drop=True)
-        yy = np.arange(len(c))
-        err = np.vstack([(c["estimate"] - c["ci_low"]).to_numpy(float), (c["ci_high"] - c["estimate"]).to_numpy(float)])
-        ax.errorbar(c["estimate"], yy, xerr=err, fmt="o", color="tab:red")
-        ax.axvline(0, color="grey", lw=0.8)
-        ax.set_yticks(yy, c["contrast"])
-        ax.set(xlabel="AUC contrast (nats × p), 95 % document bootstrap", title="contrasts")
+def plot_dose_curves(curves: pd.DataFrame, levels: Sequence[float], *, title: str = "") -> Figure:
+    """One entry: each condition's mean tolerance loss (nats × p) against damage (nats) with its 95 %
+    document-bootstrap band, drawn where ≥ :data:`MIN_COVERAGE_SHOWN` of the documents bracket the damage;
+    the unedited model (``none``, damage 0) as a horizontal line with its band; the declared common damage
+    levels as dotted vertical lines.
+
+    ``curves``: the ``curves`` table of :class:`posgen_tl.experiments.causal.Result` for ONE entry
+    (columns ``condition, damage, tolerance, ci_low, ci_high, coverage``)."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    none = curves[curves["condition"] == "none"]
+    if len(none):
+        r = none.iloc[0]
+        ax.axhline(r["tolerance"], color=_COLORS["none"], lw=1, label="none (unedited)")
+        ax.axhspan(r["ci_low"], r["ci_high"], color=_COLORS["none"], alpha=0.08)
+    for cond, g in curves[curves["condition"] != "none"].groupby("condition", sort=True):
+        g = g[g["coverage"] >= MIN_COVERAGE_SHOWN].sort_values("damage")
+        if g.empty:
+            continue
+        col = _COLORS.get(str(cond))
+        ax.plot(g["damage"], g["tolerance"], marker="o", ms=3, color=col, label=str(cond),
+                lw=2 if cond == "destroy" else 1.2)
+        ax.fill_between(g["damage"], g["ci_low"], g["ci_high"], color=col, alpha=0.15)
+    for i, lv in enumerate(levels):
+        ax.axvline(float(lv), color="grey", ls=":", lw=1, label="common damage levels" if i == 0 else None)
+    ax.set(xlabel="damage: clean-NLL increase (nats)", ylabel="tolerance loss: AUC of ΔNLL over p (nats × p)",
+           title=title)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     plt.close(fig)
     return fig

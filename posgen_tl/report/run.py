@@ -103,14 +103,21 @@ def run_report(settings: ReportSettings) -> int:
         if not work.done(name):
             print(f"[posgen-tl] {name} ...", flush=True)
             ts = time.time()
-            mods[name].compute(ctx, cfg)
+            if name in registry.PROTOCOL:  # run → Result (its files are prefixed by its name; resumable checkpoint)
+                partial = work.path(f".partial_{name}")
+                result = mods[name].run_or_skip(model, cfg, checkpoint=partial)
+                mods[name].save(result, work.dir)
+                shutil.rmtree(partial, ignore_errors=True)
+            else:
+                mods[name].compute(ctx, cfg)
             work.mark(name)
             timings[name] = time.time() - ts
             print(f"[posgen-tl] {name}: {timings[name]:.0f} s", flush=True)
         else:
             print(f"[posgen-tl] {name}: already done (resuming)")
     for name, cfg in configs.items():
-        sec = mods[name].render(ctx, cfg)
+        sec = mods[name].render(mods[name].load(work.dir)) if name in registry.PROTOCOL \
+            else mods[name].render(ctx, cfg)
         if settings.preset != "full":
             sec.paragraphs.append(full_size_hint(name, model_name, settings.preset))
         sections.append(sec)

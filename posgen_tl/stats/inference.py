@@ -631,8 +631,8 @@ def verdict_table(
 ) -> pd.DataFrame:  # fmt: skip
     """docs/method.md §8 version 1 rule (slope contrasts, CI-overlap damage matching), kept for its callers.
 
-    Superseded by :func:`posgen_tl.stats.verdicts.causal_verdict` (docs/method.md §8 version 2: AUC primary,
-    intersection–union over the controls, TOST damage matching, a pre-declared family).
+    Superseded twice (docs/method.md §8): the causal verdict is :func:`posgen_tl.stats.dose.dose_verdict`
+    (dose–response curves compared at common damage).
 
     Per contrast (``d`` per sequence, averaged within each document first: every statistic of a
     row is on DOCUMENT means, the unit that is resampled and flipped):

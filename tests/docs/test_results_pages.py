@@ -88,63 +88,100 @@ def test_agreement_says_yes_only_for_the_same_verdict_and_names_an_exploratory_r
     bad = pages.agreement(_headlines(corpus=["pydoc", "readmes"], verdict=["depends", "no evidence"]))
     assert bad["replicated"].tolist() == ["NO — the corpora disagree"]
     assert pages.agreement(_headlines(corpus=["pydoc"], verdict=["depends"])).empty  # one corpus: nothing to compare
+    tiny = pages.agreement(_headlines(corpus=["pydoc", "readmes"], verdict=["depends", "depends"], n=[12, 12],
+                                      exploratory=[True, True]))
+    assert tiny["replicated"].tolist() == ["same verdict; not a replication (pydoc and readmes: fewer than 32 documents)"]
 
 
-def test_causal_headline_quotes_the_claim_table_not_its_run(tmp_path):
-    """An entry's headline p is its Holm p over the WHOLE declared claim (the claim table's), which differs
-    from its run's own Bonferroni bound once a second entry is small."""
-    runs = [r for r in pages.find_runs(RESULTS) if r.study == "causal" and r.corpus == "pydoc"]
-    if len(runs) < 2:
-        pytest.skip("the causal runs of both models are not committed")
+CLAIM = ("smollm2-135m:L1", "smollm2-135m:L2", "gemma3-270m:L1", "gemma3-270m:L2")
+
+
+@pytest.fixture(scope="module")
+def dose_result():
+    """A small dose–response Result (a tiny model's; its verdict rows are rewritten by each test)."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tiny_models as tm
+
+    from posgen_tl.experiments import causal as cd
+
+    torch.manual_seed(0)
+    return cd.run(tm.hf_llama(n_layers=3)[0], corpus=tm.token_corpus(16), n_seq=6, seq_len=20, target_len=5, fracs=(0.0, 0.3),
+                  groups=("1", "2"), controls=("C1",), n_ref=5, alpha=3.0, levels=(2e-5,), match_steps=1,
+                  claim=CLAIM, progress=False)
+
+
+def _dose_run(result, folder: Path, model: str, p_iut: dict[str, float]) -> None:
+    """``result`` saved as the causal_dose run of ``model`` in ``folder``, each entry's verdict set to 'depends' with
+    the intersection–union p given (an entry missing from ``p_iut`` stays as measured)."""
+    import dataclasses as dc
+    import json
+
+    from posgen_tl.experiments import causal as cd
+
+    v = result["verdicts"].copy()
+    for layers, p in p_iut.items():
+        v.loc[v["layers"] == layers, ["verdict", "p_iut", "binding", "reason"]] = [
+            "depends", p, "destroy − C1", f"destroy − none and destroy − every control reject (largest p {p})"]
+    res = dc.replace(result, tables={**result.tables, "verdicts": v}, meta={**result.meta, "model": model})
+    folder.mkdir(parents=True)
+    files = [p.name for p in cd.save(res, folder)]
+    meta = dict(study="causal", model=model, preset="default", command="posgen-tl study causal …",
+                git_commit="0" * 40, config=res.config, wall_seconds=1.0, files=files)
+    (folder / "causal.json").write_text(json.dumps(meta))
+
+
+def test_causal_headline_quotes_the_claim_table_not_its_run(tmp_path, dose_result):
+    """An entry's headline verdict is the claim's (Holm over the WHOLE declared claim), its effect, interval and p
+    those of destroy − none, with the intersection–union and family p labelled beside them."""
     res = tmp_path / "results"
-    for r in runs:
-        shutil.copytree(r.folder, res / r.model / r.corpus / r.study)
-    vpath = res / "smollm2-135m" / "pydoc" / "causal" / "causal_verdicts.csv"
-    v = pd.read_csv(vpath)
-    v.loc[v["layers"] == "L20-29", "p"] = 0.01
-    v.to_csv(vpath, index=False)
+    _dose_run(dose_result, res / "smollm2-135m" / "pydoc" / "causal", "smollm2-135m", {"L1": 0.001, "L2": 0.02})
+    _dose_run(dose_result, res / "gemma3-270m" / "pydoc" / "causal", "gemma3-270m", {"L1": 0.004})
     runs = pages.find_runs(res)
     table, method = pages.claim_table(runs, "pydoc")
     assert method.startswith("Holm over the 4 entries")
-    ps = table["p"].to_numpy()
-    assert table.loc["smollm2-135m:L20-29", "p_family"] == pytest.approx(3 * 0.01)  # second smallest of 4: × 3
-    assert table.loc["gemma3-270m:L12-17", "p_family"] == pytest.approx(4 * ps.min())
+    assert table.loc["smollm2-135m:L1", "p_family"] == pytest.approx(4 * 0.001)
+    assert table.loc["gemma3-270m:L1", "p_family"] == pytest.approx(3 * 0.004)
+    assert table.loc["smollm2-135m:L2", "p_family"] == pytest.approx(2 * 0.02)
+    assert table.loc["smollm2-135m:L2", "verdict"] == "depends (exploratory)"  # 0.04 < 0.05, 6 documents
+    assert table.loc["gemma3-270m:L2", "verdict"].startswith(str(dose_result["verdicts"].iloc[1]["verdict"]))
     head = pages._headline_frame(runs)
-    row = head[(head["model"] == "smollm2-135m") & head["what"].str.contains("L20-29")].iloc[0]
-    assert row["p"] == pytest.approx(0.03) and row["verdict"] == "depends"
+    row = head[(head["model"] == "smollm2-135m") & head["what"].str.contains("L2")].iloc[0]
+    own = dose_result["verdicts"].set_index("layers").loc["L2"]
+    assert row["p"] == pytest.approx(own["p"]) and row["effect"] == pytest.approx(own["estimate"])
+    assert row["verdict"] == "depends"
     text = pages.readme_headlines(runs)
-    assert "p = 0.03 " in text and text.count("depends") == 2
+    assert "[causal](docs/results/causal.md)" in text
 
 
-def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path):
-    """The 'where the claim holds' section is written from the claim tables of both corpora: an entry holds
-    only where both say 'depends'; a second corpus that disagrees withdraws it."""
-    runs = [r for r in pages.find_runs(RESULTS) if r.study == "causal" and r.corpus == "pydoc"]
-    if len(runs) < 2:
-        pytest.skip("the causal runs of both models are not committed")
+def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path, dose_result):
+    """An entry holds only where both corpora's claim tables say 'depends'; a second corpus that disagrees
+    withdraws it."""
     res = tmp_path / "results"
-    for r in runs:
-        for corpus in ("pydoc", "readmes"):
-            shutil.copytree(r.folder, res / r.model / corpus / r.study)
+    for corpus in ("pydoc", "readmes"):
+        _dose_run(dose_result, res / "smollm2-135m" / corpus / "causal", "smollm2-135m", {"L1": 0.001})
     text = "\n".join(pages.claim_discussion(pages.find_runs(res)))
-    holds = pages.claim_table(pages.find_runs(res), "pydoc")[0]
-    depends = [e for e, v in holds["verdict"].items() if v == "depends"]
-    assert depends, "the committed runs have no 'depends' entry to check against"
-    for e in holds.index:
-        model, layers = e.split(":")
-        line = next(x for x in text.splitlines() if x.startswith(f"- **{model}, layers {layers}**"))
-        assert ("the claim holds here" in line) == (e in depends), line
-    assert f"the claim holds (both corpora) for {', '.join(depends)}" in text
-    # the second corpus loses the effect: nothing holds any more, and the page says the corpora disagree
-    model, layers = depends[0].split(":")
-    vpath = res / model / "readmes" / "causal" / "causal_verdicts.csv"
-    v = pd.read_csv(vpath)
-    v.loc[v["layers"] == layers, "p"] = 0.5
-    v.to_csv(vpath, index=False)
+    line = next(x for x in text.splitlines() if x.startswith("- **smollm2-135m, layers L1**"))
+    assert "the claim holds here" in line
+    assert "the claim holds (both corpora) for smollm2-135m:L1" in text
+    assert "not run yet: gemma3-270m:L1, gemma3-270m:L2" in text and "- **gemma3-270m, layers L1** — not run yet." in text
+    shutil.rmtree(res / "smollm2-135m" / "readmes")
+    _dose_run(dose_result, res / "smollm2-135m" / "readmes" / "causal", "smollm2-135m", {"L1": 0.5})
     text = "\n".join(pages.claim_discussion(pages.find_runs(res)))
-    assert "the claim holds" not in text.replace("where the causal claim holds", "")
-    assert f"- **{model}, layers {layers}** — the corpora disagree: not claimed." in text
-    # the per-fraction destroy − none changes are quoted from the run's contrasts table
-    c = pd.read_csv(res / model / "pydoc" / "causal" / "causal_contrasts.csv")
-    first = c[(c["layers"] == layers) & (c["contrast"] == "destroy − none") & (c["estimator"] == "dnll")].iloc[0]
-    assert f"at p = {first['frac']:g} (Holm p" in text and pages._signed(first["estimate"]) in text
+    assert "- **smollm2-135m, layers L1** — the corpora disagree: not claimed." in text
+
+
+def test_withdrawn_runs_print_no_number_and_give_no_headline():
+    old = pages.withdrawn_runs(RESULTS, "causal")
+    if not old:
+        pytest.skip("no withdrawn runs committed")
+    text, figs = pages.study_page("causal", [], old)
+    assert pages.WITHDRAWN["causal"][1] in text and not figs
+    part = text.split("## Earlier runs (v2, withdrawn)", 1)[1]
+    tables = [x for x in part.splitlines() if x.startswith("| ")]
+    assert tables and all(x.count("|") == 4 for x in tables)  # layers, verdict word, documents: nothing else
+    assert not any(r.study == "causal" for r, _ in pages._findings(pages.find_runs(RESULTS)))  # no v3 run yet
+    assert all(f"`results/v2/{r.model}/{r.corpus}/causal/`" in text for r in old)

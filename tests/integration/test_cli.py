@@ -26,6 +26,30 @@ def test_check_unknown_model_is_one_line_error(capsys):
     assert rc == 2 and "unknown model 'definitely-not-a-model'" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("exc,rc,traceback_shown", [
+    (TypeError("unsupported operand"), 3, True),  # a bug: its traceback, then a line saying so
+    (KeyError("layers"), 3, True),
+    ("capture", 2, False),  # a named refusal: one line
+    (ValueError("n_seq must be positive"), 2, False),
+])
+def test_a_bug_shows_its_traceback_and_a_refusal_one_line(monkeypatch, capsys, exc, rc, traceback_shown):
+    import posgen_tl.cli as cli
+    from posgen_tl.hooks.capture import CaptureError
+
+    err_obj = CaptureError("layer 3: no hook_rot_k") if exc == "capture" else exc
+
+    def boom(*a, **k):
+        raise err_obj
+
+    monkeypatch.setattr(cli, "_cmd_check", boom)
+    assert main(["check", "--model", "smollm2-135m"]) == rc
+    err = capsys.readouterr().err
+    assert ("Traceback (most recent call last)" in err) == traceback_shown
+    assert ("internal error" in err) == traceback_shown and str(err_obj) in err
+    if not traceback_shown:
+        assert err.strip().count("\n") == 0 and err.startswith("posgen-tl: error: ")
+
+
 def test_check_fails_nonzero_when_a_check_fails(monkeypatch, capsys, smollm2):
     import posgen_tl.experiments.exactness as ex
 

@@ -121,7 +121,7 @@ def test_zoo_model_with_device_map(from_pretrained_calls):
 
 
 def _analyses(model, toks):
-    from posgen_tl.experiments.causal import Condition, condition_rows
+    from posgen_tl.engine.conditions import Condition, condition_rows
     from posgen_tl.experiments.decomposition import decompose_model
     from posgen_tl.experiments.pattern import feature_pattern
     from posgen_tl.hooks.edits import Intervention, key_means

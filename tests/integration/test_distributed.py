@@ -95,7 +95,7 @@ def test_single_process_helpers_are_identity():
 @pytest.fixture(scope="module")
 def reference():
     """Single-process tables from the recipes themselves (not the distributed wrappers)."""
-    from posgen_tl.experiments.causal import Condition, condition_rows
+    from posgen_tl.engine.conditions import Condition, condition_rows
     from posgen_tl.experiments.decomposition import decompose_model
     from posgen_tl.experiments.pattern import feature_pattern
     from posgen_tl.hooks.edits import key_means

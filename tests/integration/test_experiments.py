@@ -110,9 +110,9 @@ def test_each_study_subcommand_shows_its_options(capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["study", "taxonomy", "--layers", "ten"], "layers='ten'"),
     (["study", "taxonomy", "--layers", "19-10"], "backwards"),
-    (["study", "causal", "--n-seq", "2"], "causal: n_seq=2: a contrast needs at least 3 sequences"),
-    (["report", "--n-seq", "2"], "causal: n_seq=2: a contrast needs at least 3 sequences"),
-    (["study", "causal", "--damage-margin", "0"], "damage_margin must be declared in (0, 1)"),
+    (["study", "causal", "--n-seq", "2"], "causal: n_seq=2: a contrast needs at least 3 documents"),
+    (["report", "--n-seq", "2"], "causal: n_seq=2: a contrast needs at least 3 documents"),
+    (["study", "causal", "--relative", "1,2"], "the grid needs strengths below and above the tuned one"),
     (["study", "tolerance", "--quick", "--full"], "choose one preset"),
     (["report", "--param", "nope=1"], "no experiment of this run has an option 'nope'"),
     (["report", "--param", "heads.n_ref=2"], "unknown experiment 'heads'"),
@@ -175,7 +175,10 @@ def test_every_experiment_analyses_the_same_windows(tiny, corpus, tmp_path, monk
     for name in ("decomposition", "taxonomy", "causal", "sufficiency"):
         current["name"] = name
         cfg = registry.make_config(name, "quick", {"n_ref": "2"} if name != "taxonomy" else {"n_ref": "2"}, sizes)
-        registry.experiment(name).compute(ctx, cfg)
+        if name in registry.PROTOCOL:
+            registry.experiment(name).run(tiny, cfg, progress=False)
+        else:
+            registry.experiment(name).compute(ctx, cfg)
     keys = {}
     for name, calls in seen.items():
         ana, ref = calls[0]
@@ -256,15 +259,16 @@ def test_study_options_reach_the_recipe(tiny, corpus, tmp_path, capsys):
                                        "0,0.3", "--match-steps", "1", "--n-ref", "2", "--n-seq", "4", "--seq-len",
                                        "32", "--corpus", corpus["folder"]])
     md = registry.run_study("causal", cfg, out, model=tiny, preset=preset, params=params, command="posgen-tl study causal …")
-    conf = json.loads((out / "causal_config.json").read_text())
-    assert conf["groups"] == ["1"] and conf["controls"] == ["C1"] and conf["fracs"] == [0.0, 0.3]
-    assert list(conf["entries"]) == ["L1"] and conf["n_ref"] == 2 and conf["match_steps"] == 1
-    rows = pd.read_csv(out / "causal_rows.csv")
-    assert set(rows["condition"]) == {"none", "destroy", "C1"} and set(rows["frac"]) == {0.0, 0.3}
-    assert set(rows.loc[rows["condition"] != "none", "layers"]) == {"L1"}
     rec = json.loads((out / "causal.json").read_text())
-    assert rec["config"]["groups"] == ["1"] and rec["config"]["match_steps"] == 1
-    assert "Verdict per entry" in md.read_text()
+    conf = rec["config"]
+    assert conf["groups"] == ["1"] and conf["controls"] == ["C1"] and conf["fracs"] == [0.0, 0.3]
+    assert conf["n_ref"] == 2 and conf["match_steps"] == 1
+    units = pd.read_csv(out / "causal_units.csv")
+    assert set(units["condition"]) == {"destroy", "C1"} and set(units["layers"]) == {"L1"}
+    grids = pd.read_csv(out / "causal_grids.csv")
+    assert set(grids["condition"]) == {"destroy", "C1"} and (grids["strengths"].str.count(";") == 3).all()
+    assert not (out / ".partial").exists()  # the checkpoint goes once the Result is saved
+    assert "Verdict per entry" in md.read_text() and "fig_causal_0.png" in rec["files"]
 
 
 def test_gap_attention_study_uses_the_taxonomy_table(tiny, corpus, tmp_path):

@@ -70,7 +70,6 @@ def test_describe_lists_every_option_with_presets():
 @pytest.mark.parametrize("study,meta,target", [
     ("sufficiency", "sufficiency_meta.json", "sufficiency"),
     ("length", "length_gap_meta.json", "gap_probe"),
-    ("causal", "causal_config.json", "sample_windows"),
     ("tolerance", "tolerance_meta.json", "sample_windows"),
 ])
 def test_only_a_corpus_or_model_refusal_skips_a_stage(study, meta, target, tmp_path, monkeypatch):

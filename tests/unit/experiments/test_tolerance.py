@@ -121,9 +121,9 @@ def test_figures_return_figures(llama):
     per contrast) and returns a closed Figure."""
     from matplotlib.figure import Figure
 
-    from posgen_tl.plot.causal import plot_causal_conditions
+    from posgen_tl.plot.causal import plot_dose_curves
     from posgen_tl.plot.tolerance import plot_length, plot_tolerance_curves
-    from posgen_tl.stats import curves, verdicts
+    from posgen_tl.stats import curves
 
     df = pd.concat([_rows("none", "none", 1.0, 0.0), _rows("destroy", "destroy", 0.5, 0.2),
                     _rows("C1", "random_bands", 0.5, 0.1)], ignore_index=True)
@@ -132,11 +132,15 @@ def test_figures_return_figures(llama):
     summary = curves.unit_summary(units, by=("model", "layers", "condition"))
     fig = plot_tolerance_curves(summary[summary["condition"] != "C1"].rename(columns={"condition": "mode"}))
     assert isinstance(fig, Figure) and len(fig.axes[0].get_lines()) >= 2
-    con = verdicts.tolerance_contrasts(units)
-    fig = plot_causal_conditions(summary, con)
-    assert isinstance(fig, Figure) and len(fig.axes) == 2
-    assert len(fig.axes[0].get_lines()) == 3  # none, destroy, C1
-    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == list(con[con["estimator"] == "auc"]["contrast"])
+    curves_t = pd.DataFrame(dict(condition=["none", "destroy", "destroy", "C1", "C1", "C1"],
+                                 damage=[0.0, 0.1, 0.2, 0.1, 0.2, 0.3], tolerance=[0.03, 0.04, 0.05, 0.035, 0.04, 0.045],
+                                 ci_low=0.0, ci_high=0.1, coverage=[1.0, 1.0, 0.9, 1.0, 0.8, 0.3]))
+    fig = plot_dose_curves(curves_t, levels=[0.1, 0.2])
+    assert isinstance(fig, Figure) and len(fig.axes) == 1
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}
+    assert {"none (unedited)", "destroy", "C1", "common damage levels"} <= set(lines)
+    assert list(lines["C1"].get_xdata()) == [0.1, 0.2]  # the damage only 30 % of documents reach is not drawn
+    assert sum(1 for ln in fig.axes[0].get_lines() if ln.get_linestyle() == ":") == 2  # one line per level
     L = pd.DataFrame(dict(cap=[None, None, 4, 4], seq=[0, 1, 0, 1], bucket_start=[1, 1, 1, 1], nll=[3.0, 3.1, 3.2, 3.3]))
     assert isinstance(plot_length(tol.length_summary(L)), Figure)
 

@@ -11,7 +11,7 @@ one edit), drawn afresh for every document.
 one — the input of :func:`posgen_tl.stats.dose.common_damage_contrasts`.
 
 The study around it — the pilot that declares the levels and grids, the power, resumable runs — is
-:mod:`posgen_tl.experiments.causal_dose`.
+:mod:`posgen_tl.experiments.causal`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from posgen_tl.experiments.causal import AttentionKL, Condition, condition_rows
-from posgen_tl.experiments.tolerance import curve_rows, nll_on_target
+from posgen_tl.engine.conditions import AttentionKL, Condition, condition_rows
+from posgen_tl.engine.swaps import curve_rows, nll_on_target
 from posgen_tl.hooks.capture import pattern_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.curves import document_units
@@ -148,4 +148,6 @@ def _group_units(rows: pd.DataFrame) -> pd.DataFrame:
         seq_kl = rows.groupby(["doc", "condition", "alpha", "seq"])["attn_kl"].mean()
         out["attn_kl"] = seq_kl.groupby(["doc", "condition", "alpha"]).mean().reindex(out.index).to_numpy()
         cols.append("attn_kl")
-    return out.reset_index()[cols]
+    out = out.reset_index()[cols]
+    out.columns.name = None
+    return out

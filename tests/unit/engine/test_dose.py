@@ -8,8 +8,8 @@ import pytest
 import tiny_models as tm
 import torch
 
-from posgen_tl.experiments.causal import build_conditions
-from posgen_tl.experiments.dose import dose_rows, dose_units, strength_grid
+from posgen_tl.engine.conditions import build_conditions
+from posgen_tl.engine.dose import dose_rows, dose_units, strength_grid
 from posgen_tl.hooks.edits import key_means
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.dose import DoseDesign, common_damage_contrasts

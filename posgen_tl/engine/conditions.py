@@ -1,0 +1,274 @@
+"""The conditions of the causal test (docs/method.md §5) and their passes: the intervention ``destroy`` and the
+controls C1–C4 as :class:`Condition` objects, their per-document random draws, the layer groups (entries) and
+band sets they edit, the tuning of a strength to a damage (:func:`match_alpha`), the attention change
+(:class:`AttentionKL`) and one condition's clean and swapped passes (:func:`condition_rows`). Not an experiment.
+
+- C1 ``random_bands``: the same per-token change moved to random other bands, random phases;
+- C2 ``destroy`` in the slow bands;
+- C3 ``rephase``: the fast-band offset turned by a random angle per band (keeps |k̄|, ρ);
+- C4 ``noise``: same-norm random-phase noise in the same fast bands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from posgen_tl.engine.swaps import curve_rows, nll_on_target
+from posgen_tl.experiments import base
+from posgen_tl.hooks.capture import pattern_hooks
+from posgen_tl.hooks.edits import Intervention, intervention_hooks
+from posgen_tl.io.sampling import Windows
+from posgen_tl.stats.verdicts import layers_label
+
+__all__ = ["CONTROLS", "RANDOM_CONTROLS", "CONTROL_TEXT", "Condition", "draw_seed", "build_conditions",
+           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "attention_kl", "condition_rows"]
+
+
+CONTROLS = ("C1", "C2", "C3", "C4")
+
+
+#: the controls whose edit is a random draw (bands and phases, phases, noise)
+RANDOM_CONTROLS = ("C1", "C3", "C4")
+
+
+CONTROL_TEXT = {
+    "none": "no intervention",
+    "destroy": "destroy the fast-band key offset (k ← k − α·k̄)",
+    "C1": "C1: the destroy change moved to random other bands, random phase per token",
+    "C2": "C2: destroy the key offset in the slow bands",
+    "C3": "C3: rephase the fast-band offset (k̄ turned by α·φ_m; keeps |k̄|, ρ)",
+    "C4": "C4: same-norm random-phase noise in the fast bands",
+}
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One condition of the factorial design: ``key`` (``none``, ``destroy``, ``C1``…), the edit
+    (``None`` for ``none``), the entry (layer group label, ``""`` for ``none``) it belongs to, and
+    the largest strength its matching may try."""
+
+    key: str
+    intervention: Intervention | None
+    group: str = ""
+    alpha_max: float = 8.0
+
+    @property
+    def kind(self) -> str:
+        return "none" if self.intervention is None else self.intervention.kind
+
+    @property
+    def alpha(self) -> float:
+        return 0.0 if self.intervention is None else float(self.intervention.alpha)
+
+    @property
+    def random(self) -> bool:
+        """Its edit is a random draw (C1, C3, C4)."""
+        return self.key in RANDOM_CONTROLS
+
+    def edit(self) -> Intervention:
+        """The condition's edit. Raises ValueError for the unedited ``none``."""
+        if self.intervention is None:
+            raise ValueError(f"condition {self.key!r} edits nothing")
+        return self.intervention
+
+    def with_alpha(self, a: float) -> Condition:
+        """This condition at strength ``a``."""
+        return dataclasses.replace(self, intervention=self.edit().with_alpha(a))
+
+    def draws(self, docs: Sequence[int], seed: int, redraw: bool) -> list[int | None]:
+        """The draw id (the seed of its random edit) of each document; ``None`` for a fixed edit."""
+        if not self.random:
+            return [None] * len(docs)
+        return [draw_seed(seed, self.key, d) if redraw else int(self.edit().seed) for d in docs]
+
+    def for_documents(self, docs: Sequence[int], seed: int, redraw: bool) -> Condition:
+        """This condition with one random draw per document of a batch (``redraw``), else itself."""
+        if not (self.random and redraw):
+            return self
+        seeds = [draw_seed(seed, self.key, d) for d in docs]
+        return dataclasses.replace(self, intervention=self.edit().with_row_seeds(seeds))
+
+
+def draw_seed(seed: int, control: str, doc: int) -> int:
+    """The seed of control ``control``'s random draw for document ``doc`` (base ``seed``): a fresh draw
+    per document and control, the same in every pass over that document."""
+    return 1_000_003 * (int(seed) + 1) + 7_919 * (CONTROLS.index(control) + 1) + int(doc)
+
+
+def build_conditions(
+    layers: Sequence[int], fast: Sequence[int], slow: Sequence[int], *, alpha: float = 0.5,
+    controls: Sequence[str] = CONTROLS, seed: int = 0, group: str = "",
+) -> list[Condition]:  # fmt: skip
+    """``destroy`` (fast bands, strength ``alpha``) and the requested controls at a starting strength
+    (each control's α is tuned later, :func:`match_alpha`), all editing ``layers``; the unedited
+    ``none`` is shared by every group and built by the recipe."""
+    bad = [c for c in controls if c not in CONTROLS]
+    if bad:
+        raise ValueError(f"unknown controls {bad}; choose from {CONTROLS}")
+    lay = list(layers)
+    make = {
+        "C1": lambda: Intervention("random_bands", fast, layers=lay, alpha=alpha, base="destroy", seed=seed + 1, label="C1"),
+        "C2": lambda: Intervention("destroy", slow, layers=lay, alpha=1.0, label="C2"),
+        "C3": lambda: Intervention("rephase", fast, layers=lay, alpha=1.0, seed=seed + 2, label="C3"),
+        "C4": lambda: Intervention("noise", fast, layers=lay, alpha=alpha, seed=seed + 3, label="C4"),
+    }
+    out = [Condition("destroy", Intervention("destroy", fast, layers=lay, alpha=alpha, label="destroy"), group)]
+    return out + [Condition(c, make[c](), group, alpha_max=1.0 if c == "C3" else 8.0) for c in controls]
+
+
+def resolve_groups(groups: Sequence[str], n_layers: int) -> dict[str, list[int]]:
+    """``{entry label: layers}`` of the declared groups (``"middle"`` → ``"L10-19"`` on a 30-layer model).
+
+    Raises:
+        ValueError: no group, an unknown group name, two groups with the same layers."""
+    out: dict[str, list[int]] = {}
+    for g in groups:
+        text = str(g).strip()
+        text = text[1:] if text[:1] in ("L", "l") and text[1:2].isdigit() else text  # "L10-19" as the tables print it
+        try:
+            layers = base.resolve_layers(base.parse_value("layers", text), n_layers)
+        except ValueError as e:
+            raise ValueError(f"layer group {g!r}: expected early, middle, late or layers like 10-19 ({e})") from None
+        label = layers_label(layers)
+        if label in out:
+            raise ValueError(f"groups {list(groups)} name the layers {label} twice")
+        out[label] = layers
+    if not out:
+        raise ValueError("no layer group to edit (option groups)")
+    return out
+
+
+def entry_bands(spec: Any, layers: Sequence[int], fast: Sequence[int] | None, slow: Sequence[int] | None
+                ) -> tuple[int, list[int], list[int]]:
+    """``(n_bands, fast, slow)`` of an entry: the first / last quarter of the bands unless given (band 0 =
+    fastest). Raises ValueError for a band out of range or an empty set."""
+    nb = spec.layer(layers[0]).n_bands
+    q = max(1, nb // 4)
+    fast = list(range(q)) if fast is None else [int(b) for b in fast]
+    slow = list(range(nb - q, nb)) if slow is None else [int(b) for b in slow]
+    for nm, b in (("fast", fast), ("slow", slow)):
+        if not b or min(b) < 0 or max(b) >= nb:
+            raise ValueError(f"{nm} bands {b} out of range for {nb} bands")
+    return nb, fast, slow
+
+
+def _hooks(model: Any, cond: Condition, km: dict | None) -> list:
+    return [] if cond.intervention is None else intervention_hooks(model, cond.intervention, km)
+
+
+def match_alpha(
+    damage_fn: Callable[[float], float], target: float, *, start: float = 1.0, alpha_max: float = 8.0,
+    max_steps: int = 5, rel_tol: float = 0.05,
+) -> dict[str, Any]:  # fmt: skip
+    """Find ``alpha`` with ``damage_fn(alpha) ≈ target`` (damage assumed to grow with alpha).
+
+    Bracketing (``start``, then doubling up to ``alpha_max``) and false-position (secant inside
+    the bracket; a bisection step where it stalls), at most ``max_steps`` evaluations in all.
+    Stops when ``|damage − target| ≤ rel_tol·|target|``.
+
+    Returns:
+        dict ``alpha`` (best found), ``damage`` (its damage), ``target``, ``n_evals``,
+        ``reached`` (the bracket contained the target — False when even ``alpha_max`` did less
+        damage: the control is then reported UNMATCHED), ``trace`` (list of (alpha, damage)).
+    """
+    trace: list[tuple[float, float]] = []
+
+    def ev(a: float) -> float:
+        d = float(damage_fn(a))
+        trace.append((a, d))
+        return d
+
+    tol = rel_tol * max(abs(target), 1e-4)
+    lo, d_lo = 0.0, 0.0
+    hi = min(start, alpha_max)
+    d_hi = ev(hi)
+    while d_hi < target and hi < alpha_max and len(trace) < max_steps:
+        lo, d_lo = hi, d_hi
+        hi = min(2 * hi, alpha_max)
+        d_hi = ev(hi)
+    reached = d_hi >= target
+    side = 0
+    while reached and abs(trace[-1][1] - target) > tol and len(trace) < max_steps:
+        t = (target - d_lo) / (d_hi - d_lo) if d_hi > d_lo else 0.5
+        t = min(max(t, 0.1), 0.9) if side == 0 else 0.5  # Illinois-like guard: bisect after a repeat
+        a = lo + t * (hi - lo)
+        d = ev(a)
+        if d < target:
+            side = 1 if side == -1 else -1 if side == 0 else 0
+            lo, d_lo = a, d
+        else:
+            side = 1 if side == 1 else 0
+            hi, d_hi = a, d
+    best = min(trace, key=lambda ad: abs(ad[1] - target))
+    return dict(alpha=best[0], damage=best[1], target=float(target), n_evals=len(trace), reached=bool(reached),
+                trace=trace)
+
+
+class AttentionKL:
+    """Attention-change accumulator: KL(clean ‖ edited) of attention rows in ``layers``.
+
+    ``reference`` mode stores the clean patterns of a batch; ``compare`` mode adds per-sequence
+    mean KL over heads, query rows ``1..N−1`` (row 0, the sink/BOS row, excluded) and layers."""
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = list(layers)
+        self.ref: dict[int, Tensor] = {}
+        self.acc: dict[int, Tensor] = {}
+        self.mode = "reference"
+
+    def __call__(self, layer: int, pat: Float[Tensor, "batch head_index query_pos key_pos"]) -> None:
+        if self.mode == "reference":
+            self.ref[layer] = pat
+        else:
+            self.acc[layer] = attention_kl(self.ref[layer], pat)
+
+    def per_sequence(self) -> Float[Tensor, "batch"]:
+        missing = [lay for lay in self.layers if lay not in self.acc]
+        if missing:
+            raise RuntimeError(f"attention patterns of layers {missing} were not captured")
+        return torch.stack([self.acc[lay] for lay in self.layers]).mean(0)
+
+
+def attention_kl(
+    p: Float[Tensor, "batch head_index query_pos key_pos"], q: Float[Tensor, "batch head_index query_pos key_pos"]
+) -> Float[Tensor, "batch"]:
+    """Mean over heads and query rows ``1..N−1`` of ``KL(p_row ‖ q_row)`` (nats), per sequence.
+
+    Causal rows: entries with ``p = 0`` (masked keys) contribute 0; ``q`` is floored at 1e-30
+    where ``p > 0``. Row 0 (a single key: KL ≡ 0) is excluded."""
+    p, q = p[:, :, 1:].double(), q[:, :, 1:].double()
+    kl = (torch.xlogy(p, p) - torch.xlogy(p, q.clamp_min(1e-30))).sum(-1)
+    return kl.clamp_min(0).mean((1, 2)).float()
+
+
+def condition_rows(
+    model: Any, windows: Windows, cond: Condition, *, k_means: dict | None, target_len: int,
+    fracs: Sequence[float], seeds: Sequence[int], mode: str = "T1", base_seed: int = 0,
+    kl: AttentionKL | None = None, base: Tensor | None = None,
+) -> tuple[pd.DataFrame, Tensor, Tensor | None]:  # fmt: skip
+    """Rows of one condition on one batch of windows: the clean pass (with attention capture
+    when ``kl`` is given) and one pass per (frac > 0, seed).
+
+    Returns ``(rows, clean_nll [batch], kl [batch] or None)``; rows have ``seq`` = position in
+    ``windows`` (the caller maps it to global ids), ``frac, seed, clean_nll, nll, delta``."""
+    hooks = _hooks(model, cond, k_means)
+    bs = windows.tokens.shape[0]
+    kl_vals = None
+    extra = [] if kl is None else pattern_hooks(model, kl.layers, kl)
+    if kl is not None:
+        kl.mode = "reference" if cond.key == "none" else "compare"
+        kl.acc = {}
+    clean = nll_on_target(model, windows.tokens, target_len=target_len, fwd_hooks=hooks + extra, batch_size=bs)
+    if kl is not None:
+        kl_vals = torch.zeros(bs) if cond.key == "none" else kl.per_sequence()
+    rows = curve_rows(model, windows, clean, fracs=fracs, seeds=seeds, mode=mode, target_len=target_len,
+                      base_seed=base_seed, fwd_hooks=hooks)
+    return pd.DataFrame(rows), clean, kl_vals
