@@ -246,7 +246,8 @@ def pilot(
 
     ``conditions``: per entry label, ``[destroy, *controls]`` (:func:`posgen_tl.engine.conditions.build_conditions`).
     Returns a :class:`Pilot` (with fewer than 3 reference documents its spreads are NaN: no power can be planned,
-    and the power table says so)."""
+    and the power table says so; when destroy damages no pilot document and no levels are declared, the entry's
+    levels are empty and the entry is "not testable", :data:`NO_LEVELS`)."""
     ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size)
     rows: list[dict[str, Any]] = []
     for conds in conditions.values():
@@ -270,13 +271,15 @@ def pilot(
             lv = tuple(float(x) for x in cfg.levels)
         elif np.any(d > 0):
             lv = tuple(float(x) for x in np.quantile(d[d > 0], [0.25, 0.5, 0.75]))
-        else:
-            raise ValueError(f"{NAME}: destroy does no damage to any pilot document in {label} at α = "
-                             f"{conds[0].alpha:g}: declare levels or raise alpha")
+        else:  # no level can be declared: the entry will be "not testable" (NO_LEVELS says why)
+            lv = ()
         levels[label] = lv
         ctl = [c.key for c in conds[1:]]
-        con = common_damage_contrasts(u, _design(lv, cfg, ctl))
-        sds[label] = {k: float(v) for k, v in _required(con, ctl)["sd"].items()}
+        if lv:
+            con = common_damage_contrasts(u, _design(lv, cfg, ctl))
+            sds[label] = {k: float(v) for k, v in _required(con, ctl)["sd"].items()}
+        else:
+            sds[label] = {k: float("nan") for k in ["destroy − none", *(f"destroy − {c}" for c in ctl)]}
     return Pilot(grids, units, levels, sds, seconds)
 
 
@@ -406,8 +409,23 @@ def _curves(u: pd.DataFrame, levels: Sequence[float], *, points: int = 24, seed:
     return pd.DataFrame(out)
 
 
+#: the columns of a contrasts table (:func:`posgen_tl.stats.dose.common_damage_contrasts`, with the entry)
+CONTRAST_COLUMNS = ["contrast", "n_docs", "coverage_min", "coverage", "estimate", "ci_low", "ci_high", "p", "p_kind",
+                    "sd", "layers"]
+#: why an entry without levels is not testable
+NO_LEVELS = ("destroy did no damage to any pilot document at its tuned strength, so no common damage level could be "
+             "declared; declare levels or raise alpha")
+
+
 def _entry_tables(label: str, u: pd.DataFrame, levels: Sequence[float], controls: Sequence[str], cfg: Config,
                   m: int) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    if not levels:
+        row = dict(layers=label, verdict="not testable", estimate=np.nan, ci_low=np.nan, ci_high=np.nan, p=np.nan,
+                   p_iut=np.nan, binding="", mde=np.nan, n_docs=int(u["doc"].nunique()), levels="", reason=NO_LEVELS,
+                   unreachable="", self_moving="")
+        empty = pd.DataFrame(columns=CONTRAST_COLUMNS)
+        return row, empty, empty.copy(), pd.DataFrame(columns=["condition", "damage", "tolerance", "ci_low",
+                                                               "ci_high", "n_docs", "coverage", "layers"])
     design = _design(levels, cfg, controls)
     con = common_damage_contrasts(u, design)
     con_u = common_damage_contrasts(u.assign(tolerance=u["tolerance_unedited"]), design)

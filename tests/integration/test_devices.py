@@ -168,7 +168,7 @@ def test_device_map_auto_on_gpu(tiny_folder):
 #: Summaries derived from them (bootstrap CIs, permutation p) are not compared: a tie broken by a 1e-7
 #: difference may move a rank-based p without anything being wrong.
 MEASUREMENTS = ("decomposition.csv", "pattern_heads.csv", "pattern_bands.csv", "heads.csv", "heads_bands.csv",
-                "tolerance_curves.csv", "causal_rows.csv", "causal_kl.csv", "sufficiency_rows.csv",
+                "tolerance_curves.csv", "causal_units.csv", "sufficiency_rows.csv",
                 "length_gap_rows.csv")
 
 

@@ -194,3 +194,14 @@ def test_a_corpus_or_model_refusal_is_a_skipped_result(refusal, monkeypatch, tmp
     monkeypatch.setattr(cd, "sample_windows", bad)
     with pytest.raises(ValueError, match="a bad option"):
         cd.run_or_skip(None, cd.Config(), progress=False)
+
+
+def test_an_entry_without_levels_is_not_testable(result):
+    """Destroy that damages no pilot document leaves no level to declare: the entry is 'not testable' with the
+    reason, its contrast tables are empty but keep their columns (they save and load), and nothing is invented."""
+    u = result["units"][result["units"]["layers"] == "L1"]
+    row, con, con_u, cur = cd._entry_tables("L1", u, (), ["C1", "C3"], cd.Config(), 2)
+    assert row["verdict"] == "not testable" and row["reason"] == cd.NO_LEVELS and np.isnan(row["p_iut"])
+    assert con.empty and list(con.columns) == cd.CONTRAST_COLUMNS and cur.empty
+    v = cd._verdicts([row], cd.Config(), 2)
+    assert v.loc[0, "verdict"] == "not testable" and np.isnan(v.loc[0, "p_family"])
