@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         e = ss.add_parser(name, help=mod.ABOUT, description=f"{mod.ABOUT}. Options (defaults; presets):\n"
                           + mod.Config.describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_model_flags(e)
-        e.add_argument("--out", default=None, help=f"output folder (default: study_{name})")
+        resumes = (" An interrupted run continues from OUT/.partial when started again with the same options "
+                   "(removed once the study is written).") if name in registry.PROTOCOL else ""
+        e.add_argument("--out", default=None, help=f"output folder (default: study_{name}).{resumes}")
         e.add_argument("--preset", choices=registry.presets(), default=None)
         e.add_argument("--quick", action="store_true", help="the 'quick' preset (a smoke run)")
         e.add_argument("--full", action="store_true", help="the 'full' preset (the powered sizes)")

@@ -105,6 +105,7 @@ def test_each_study_subcommand_shows_its_options(capsys):
         main(["study", "causal", "--help"])
     out = capsys.readouterr().out
     assert "--controls" in out and "--match-steps" in out and "quick 2" in out
+    assert "An interrupted run continues from OUT/.partial" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("argv,needle", [
