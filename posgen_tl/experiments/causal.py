@@ -48,7 +48,7 @@ from posgen_tl.engine.dose import dose_rows, dose_units, strength_grid
 from posgen_tl.engine.swaps import SwapOptions, nll_on_target, windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.edits import intervention_hooks, key_means
-from posgen_tl.io.sampling import Windows, sample_windows
+from posgen_tl.io.sampling import Windows, check_disjoint, sample_windows
 from posgen_tl.stats.curves import doc_bootstrap
 from posgen_tl.stats.dose import DoseDesign, common_damage_contrasts, curves_at_levels, dose_verdict, iut_mde
 
@@ -99,9 +99,10 @@ class Config(SwapOptions):
     min_coverage: float = base.option(0.75, "share of documents whose curves must bracket every level", "float")
     match_steps: int = base.option(3, "damage evaluations per control when tuning its strength on the pilot",
                                    "int", quick=2, full=5)
-    claim: tuple[str, ...] = base.option((), "the claim's declared family as model:group entries; default: this "
-                                         "run's entries. Entries of other runs bound the adjustment (Bonferroni)",
-                                         "names")
+    claim: tuple[str, ...] = base.option((), "the claim's declared family as model:group entries (this model's may "
+                                         "name groups, e.g. middle; other models' need labels, e.g. L6-11); must "
+                                         "hold this run's entries; default: this run's entries. Entries of other "
+                                         "runs bound the adjustment (Bonferroni)", "names")
     batch_size: int = base.batch_option(4)
 
     def check(self) -> None:
@@ -115,8 +116,9 @@ class Config(SwapOptions):
         if 0 not in self.fracs or not any(f > 0 for f in self.fracs):
             raise ValueError(f"{NAME}: fracs must include 0 and at least one p > 0, got {list(self.fracs)}")
         rel = [float(r) for r in self.relative]
-        if not rel or min(rel) <= 0 or min(rel) >= 1 or max(rel) <= 1:
-            raise ValueError(f"{NAME}: relative={rel}: the grid needs strengths below and above the tuned one (×1)")
+        if not rel or min(rel) <= 0 or min(rel) >= 1 or max(rel) <= 1 or 1.0 not in rel:
+            raise ValueError(f"{NAME}: relative={rel}: the grid needs the tuned strength (1) and strengths below and "
+                             "above it")
         if any(not float(x) > 0 for x in self.levels):
             raise ValueError(f"{NAME}: levels must be positive damages in nats, got {list(self.levels)}")
         if not self.effect > 0:
@@ -125,9 +127,32 @@ class Config(SwapOptions):
             raise ValueError(f"{NAME}: test_alpha must be in (0, 1) and min_coverage in (0, 1], got "
                              f"{self.test_alpha}, {self.min_coverage}")
 
-    def claim_size(self, n_entries: int) -> int:
-        """The size of the declared family: the claim's entries, or this run's ``n_entries``."""
-        return max(len(self.claim), n_entries)
+    def claim_entries(self, model: str, entries: Sequence[str], n_layers: int) -> tuple[list[str], bool]:
+        """The declared family as ``model:L…`` labels and whether this run holds all of it.
+
+        ``claim`` entries of this ``model`` may name groups (``smollm2-135m:middle``) or labels (``…:L10-19``);
+        other models' entries must be labels. Default: this run's ``entries``.
+
+        Raises:
+            ValueError: an entry without ``model:``, an entry repeated, or one of this run's entries missing from
+            the claim (a run may only adjust over a family it belongs to)."""
+        mine = [f"{model}:{e}" for e in entries]
+        if not self.claim:
+            return mine, True
+        out: list[str] = []
+        for c in self.claim:
+            mdl, sep, grp = str(c).partition(":")
+            if not sep or not mdl or not grp:
+                raise ValueError(f"{NAME}: claim entry {c!r}: expected model:group (e.g. {mine[0]})")
+            if mdl == model:
+                grp = next(iter(resolve_groups((grp,), n_layers)))
+            out.append(f"{mdl}:{grp}")
+        if len(set(out)) < len(out):
+            raise ValueError(f"{NAME}: the claim names an entry twice: {out}")
+        missing = [e for e in mine if e not in out]
+        if missing:
+            raise ValueError(f"{NAME}: this run's entries {missing} are not in the declared claim {out}")
+        return out, set(out) == set(mine)
 
 
 # ----------------------------------------------------------------------------- pilot
@@ -325,17 +350,20 @@ class _Checkpoint:
         self._write(self.dir / "pilot.json", json.dumps(p.as_dict(), default=float))
 
     def batch(self, b0: int) -> pd.DataFrame | None:
-        f = self.dir / f"batch_{b0:06d}.csv"
-        return pd.read_csv(f, float_precision="round_trip") if f.exists() else None
+        """The rows of a finished batch (its record and its rows both written), else None."""
+        f, rec = self.dir / f"batch_{b0:06d}.csv", self.dir / f"batch_{b0:06d}.json"
+        return pd.read_csv(f, float_precision="round_trip") if f.exists() and rec.exists() else None
 
     def save_batch(self, b0: int, rows: pd.DataFrame, meta: dict[str, Any]) -> None:
+        """The batch's record (commit, seconds), then its rows: the rows mark the batch finished."""
+        self._write(self.dir / f"batch_{b0:06d}.json", json.dumps(meta, default=str))
         tmp = self.dir / f"batch_{b0:06d}.csv.tmp"
         rows.to_csv(tmp, index=False)
         tmp.replace(self.dir / f"batch_{b0:06d}.csv")
-        self._write(self.dir / f"batch_{b0:06d}.json", json.dumps(meta, default=str))
 
     def batch_meta(self) -> list[dict[str, Any]]:
-        return [json.loads(f.read_text()) for f in sorted(self.dir.glob("batch_*.json"))]
+        return [json.loads(f.read_text()) for f in sorted(self.dir.glob("batch_*.json"))
+                if f.with_suffix(".csv").exists()]
 
 
 # ----------------------------------------------------------------------------- the run
@@ -421,8 +449,8 @@ def _entry_tables(label: str, u: pd.DataFrame, levels: Sequence[float], controls
                   m: int) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     if not levels:
         row = dict(layers=label, verdict="not testable", estimate=np.nan, ci_low=np.nan, ci_high=np.nan, p=np.nan,
-                   p_iut=np.nan, binding="", mde=np.nan, n_docs=int(u["doc"].nunique()), levels="", reason=NO_LEVELS,
-                   unreachable="", self_moving="")
+                   p_iut=np.nan, p_test=np.nan, iut_rejects=False, binding="", mde=np.nan, mde_n=0,
+                   n_docs=int(u["doc"].nunique()), levels="", reason=NO_LEVELS, unreachable="", self_moving="")
         empty = pd.DataFrame(columns=CONTRAST_COLUMNS)
         return row, empty, empty.copy(), pd.DataFrame(columns=["condition", "damage", "tolerance", "ci_low",
                                                                "ci_high", "n_docs", "coverage", "layers"])
@@ -435,16 +463,25 @@ def _entry_tables(label: str, u: pd.DataFrame, levels: Sequence[float], controls
     sds = req["sd"].to_numpy(float)
     n = int(req["n_docs"].min())
     mde = iut_mde(sds, n, alpha=cfg.test_alpha / m) if np.all(np.isfinite(sds)) and n >= 2 else np.nan
+    # the p that enters the family: the intersection–union p only where every required contrast points the way
+    # destroy − none does (a test that cannot say "depends" must not take a small p into Holm's ranking)
+    same = v["direction"] != 0 and all(np.sign(x) == v["direction"] for x in req["estimate"])
+    p_test = v["p_iut"] if (same or not np.isfinite(v["p_iut"])) else 1.0
+    reason = str(v["reason"])
+    if v["verdict"] == "not detected":
+        reason = reason.split("; the intersection–union test's MDE")[0] + (
+            f"; the whole test's MDE at α/{m} is {mde:.3g} nats × p with n = {n}" if np.isfinite(mde) else "")
     row = dict(layers=label, verdict=v["verdict"], estimate=main["estimate"], ci_low=main["ci_low"],
-               ci_high=main["ci_high"], p=main["p"], p_iut=v["p_iut"], binding=v["binding"], mde=mde,
-               n_docs=int(u["doc"].nunique()), levels=";".join(f"{x:.4g}" for x in levels), reason=v["reason"],
+               ci_high=main["ci_high"], p=main["p"], p_iut=v["p_iut"], p_test=p_test,
+               iut_rejects=v["verdict"] == "depends", binding=v["binding"], mde=mde, mde_n=n,
+               n_docs=int(u["doc"].nunique()), levels=";".join(f"{x:.4g}" for x in levels), reason=reason,
                unreachable=",".join(v["unreachable"]), self_moving=",".join(v["self_moving"]))
     return row, con.assign(layers=label), con_u.assign(layers=label), _curves(u, levels, seed=cfg.seed).assign(layers=label)
 
 
 def _verdicts(rows: list[dict[str, Any]], cfg: Config, m: int) -> pd.DataFrame:
     v = pd.DataFrame(rows)
-    adj, how = family_adjust(v["p_iut"].to_numpy(float), m)
+    adj, how = family_adjust(v["p_test"].to_numpy(float), m)
     v["p_family"], v["p_family_method"] = adj, how
     demote = (v["verdict"] == "depends") & ~(v["p_family"] < cfg.test_alpha)
     v.loc[demote, "reason"] = v.loc[demote, "reason"] + f"; not below α = {cfg.test_alpha:g} after the adjustment ({how})"
@@ -486,6 +523,7 @@ def run(
     t_start, commit = time.time(), git_commit(short=True)
     spec, _ = probe_hooks(model)
     entries = resolve_groups(cfg.groups, spec.n_layers)
+    claim, whole = cfg.claim_entries(spec.model_name, list(entries), spec.n_layers)  # before any work
     if windows is None:
         ana, ref_opt = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
                                       seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
@@ -493,8 +531,7 @@ def run(
         ref = ref_opt
     else:
         ana, ref = windows
-    if set(ana.doc_ids.tolist()) & set(ref.doc_ids.tolist()):
-        raise ValueError("reference and analysed windows share documents")
+    check_disjoint(ana, ref)
     ck = None if checkpoint is None else _Checkpoint(checkpoint, _fingerprint(cfg, spec.model_name, ana, ref))
     layers = sorted({x for g in entries.values() for x in g})
     km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - cfg.target()], layers, batch_size=cfg.batch_size)
@@ -530,7 +567,7 @@ def run(
     passes_s = time.time() - t0
     rows = pd.concat(frames, ignore_index=True)
     units = dose_units(rows)
-    m = cfg.claim_size(len(entries))
+    m = len(claim)
     vrows, cons, cons_u, curves, power = [], [], [], [], []
     for label, conds in conditions.items():
         ctl = [c.key for c in conds[1:]]
@@ -541,7 +578,7 @@ def run(
         curves.append(cur)
         sds = list(plan.sds[label].values())
         n = ana.n_docs
-        ok = all(np.isfinite(sds))
+        ok = bool(sds) and all(np.isfinite(sds)) and n >= 2
         power.append(dict(layers=label, n_docs=n, family=m, alpha_per_entry=cfg.test_alpha / m, effect=cfg.effect,
                           pilot_mde=iut_mde(sds, n, alpha=cfg.test_alpha / m) if ok else np.nan,
                           n_needed=float(needed_n(sds, cfg.effect, alpha=cfg.test_alpha / m) or np.nan) if ok
@@ -554,7 +591,7 @@ def run(
     pw = pd.DataFrame(power)
     pw["powered"] = pw["pilot_mde"] <= pw["effect"]
     batches: list[dict[str, Any]] = ck.batch_meta() if ck is not None else [dict(commit=commit)]
-    meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs, n_ref=len(ref), ref_docs=ref.n_docs,
+    meta = dict(model=spec.model_name, claim=claim, n_seq=len(ana), n_docs=ana.n_docs, n_ref=len(ref), ref_docs=ref.n_docs,
                 windows_sha1=windows_fingerprint(ana), entries=bands, target_len=cfg.target(),
                 levels={k: list(v) for k, v in plan.levels.items()}, family=m,
                 commits=sorted({b.get("commit") or "" for b in batches}), commit=commit,
@@ -641,7 +678,8 @@ def headline(v: pd.Series) -> str:
     if v["verdict"] == "depends":
         tail = f"intersection–union p = {_fmt(v['p_iut'])} ({v['binding']}), adjusted {_fmt(v['p_family'])}"
     elif v["verdict"] == "not detected":
-        tail = f"MDE of the whole test {_fmt(v['mde'])} nats × p at n = {int(v['n_docs'])}"
+        tail = (f"intersection–union p = {_fmt(v['p_iut'])} ({v['binding']}); MDE of the whole test "
+                f"{_fmt(v['mde'])} nats × p at n = {int(v['mde_n'])}")
     else:
         tail = str(v["reason"])
     return f"{v['layers']}: {v['verdict']} — {eff}; {tail}"
@@ -668,6 +706,8 @@ def render(result: Result) -> Any:
                                    "the declared common damage levels"))
     pw = t["power"]
     power_text = "; ".join(
+        f"{r.layers}: power not computable (the pilot's spreads are undefined: too few reference documents or no "
+        "declarable level)" if not np.isfinite(r.pilot_mde) else
         f"{r.layers}: MDE {_fmt(r.pilot_mde)} at n = {r.n_docs} documents vs the smallest effect of interest "
         f"{_fmt(r.effect)} — " + ("powered" if r.powered else
                                   f"NOT powered (n ≈ {int(r.n_needed)} would be)" if np.isfinite(r.n_needed)

@@ -207,31 +207,36 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
     """The causal claim of ``corpus``'s :data:`CLAIM_STUDY` runs: one row per declared entry (model × layer group)
     with its run's destroy − none at common damage (``estimate``, ``ci_low``, ``ci_high``, ``p``), its
     intersection–union ``p_iut`` and binding contrast, the run's own verdict (``run_verdict``), ``p_family`` (Holm
-    over the WHOLE declared claim; entries not run count as p = 1, and not-testable ones too, which keeps the
-    adjustment valid) and the claim's ``verdict``.
+    over the WHOLE declared claim of each entry's ``p_test`` — its intersection–union p, or 1 where its contrasts
+    point different ways; entries not run or not testable count as p = 1, which keeps the adjustment valid) and
+    the claim's ``verdict``: "depends" where the entry's own test rejected (``iut_rejects``, before any family
+    step) and ``p_family`` < the runs' α.
 
     Returns ``(table indexed by entry, method text)``; ``(None, reason)`` when no run declares a claim or the runs
     declare different claims."""
     from posgen_tl.stats.verdicts import family_adjust  # noqa: PLC0415
 
-    rows, claims = [], set()
+    rows, claims, alphas = [], set(), set()
     for r in (r for r in runs if r.corpus == corpus and r.study == CLAIM_STUDY):
         claim = tuple(r.meta["config"].get("claim") or ())
         if not claim:
             continue
-        claims.add(claim)
+        claims.add(tuple(json.loads((r.folder / f"{CLAIM_STUDY}_result.json").read_text())["meta"].get("claim")
+                         or claim))
+        alphas.add(float(r.meta["config"].get("test_alpha", 0.05)))
         v = pd.read_csv(r.folder / f"{CLAIM_STUDY}_verdicts.csv")
         rows += [dict(entry=f"{r.model}:{x.layers}", model=r.model, layers=x.layers, estimate=x.estimate,
-                      ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, p_iut=x.p_iut, binding=x.binding,
-                      run_verdict=x.verdict, mde=x.mde, n_docs=x.n_docs) for x in v.itertuples()]  # fmt: skip
+                      ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, p_iut=x.p_iut, p_test=x.p_test,
+                      iut_rejects=bool(x.iut_rejects), binding=x.binding, run_verdict=x.verdict, mde=x.mde,
+                      n_docs=x.n_docs) for x in v.itertuples()]  # fmt: skip
     if not rows:
         return None, "no run declares a claim"
-    if len(claims) != 1:
-        return None, "The runs declare different claims: no family verdict."
-    claim = list(next(iter(claims)))
+    if len(claims) != 1 or len(alphas) != 1:
+        return None, "The runs declare different claims (or levels α): no family verdict."
+    claim, alpha = list(next(iter(claims))), next(iter(alphas))
     df = pd.DataFrame(rows).set_index("entry").reindex(claim)
     missing = [e for e in claim if pd.isna(df.loc[e, "run_verdict"])]
-    p_adj, method = family_adjust(df["p_iut"].fillna(1.0).to_numpy(), "holm", claim)
+    p_adj, method = family_adjust(df["p_test"].fillna(1.0).to_numpy(), "holm", claim)
     df["p_family"] = p_adj
     verdicts = []
     for e, q, rv, n in zip(claim, p_adj, df["run_verdict"], df["n_docs"].fillna(0)):
@@ -240,7 +245,8 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
         elif rv == "not testable":
             verdicts.append("not testable")
         else:
-            verdicts.append(("depends" if rv == "depends" and q < 0.05 else "not detected")
+            rejects = bool(df.loc[e, "iut_rejects"])  # the entry's own test, before any family adjustment
+            verdicts.append(("depends" if rejects and q < alpha else "not detected")
                             + (" (exploratory)" if n < 32 else ""))
     df["verdict"] = verdicts
     return df, method + (f" (not run: {', '.join(missing)}, counted as p = 1)" if missing else "")

@@ -111,7 +111,7 @@ def dose_result():
     torch.manual_seed(0)
     return cd.run(tm.hf_llama(n_layers=3)[0], corpus=tm.token_corpus(16), n_seq=6, seq_len=20, target_len=5, fracs=(0.0, 0.3),
                   groups=("1", "2"), controls=("C1",), n_ref=5, alpha=3.0, levels=(2e-5,), match_steps=1,
-                  claim=CLAIM, progress=False)
+                  progress=False)
 
 
 def _dose_run(result, folder: Path, model: str, p_iut: dict[str, float]) -> None:
@@ -124,9 +124,11 @@ def _dose_run(result, folder: Path, model: str, p_iut: dict[str, float]) -> None
 
     v = result["verdicts"].copy()
     for layers, p in p_iut.items():
-        v.loc[v["layers"] == layers, ["verdict", "p_iut", "binding", "reason"]] = [
-            "depends", p, "destroy − C1", f"destroy − none and destroy − every control reject (largest p {p})"]
-    res = dc.replace(result, tables={**result.tables, "verdicts": v}, meta={**result.meta, "model": model})
+        v.loc[v["layers"] == layers, ["verdict", "p_iut", "p_test", "iut_rejects", "binding", "reason"]] = [
+            "depends", p, p, True, "destroy − C1", f"destroy − none and destroy − every control reject (largest p {p})"]
+    res = dc.replace(result, tables={**result.tables, "verdicts": v}, meta={**result.meta, "model": model,
+                                                                           "claim": list(CLAIM)},
+                     config={**result.config, "claim": list(CLAIM)})
     folder.mkdir(parents=True)
     files = [p.name for p in cd.save(res, folder)]
     meta = dict(study="causal", model=model, preset="default", command="posgen-tl study causal …",

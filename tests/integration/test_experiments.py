@@ -113,7 +113,7 @@ def test_each_study_subcommand_shows_its_options(capsys):
     (["study", "taxonomy", "--layers", "19-10"], "backwards"),
     (["study", "causal", "--n-seq", "2"], "causal: n_seq=2: a contrast needs at least 3 documents"),
     (["report", "--n-seq", "2"], "causal: n_seq=2: a contrast needs at least 3 documents"),
-    (["study", "causal", "--relative", "1,2"], "the grid needs strengths below and above the tuned one"),
+    (["study", "causal", "--relative", "1,2"], "the grid needs the tuned strength (1) and strengths below and above it"),
     (["study", "tolerance", "--quick", "--full"], "choose one preset"),
     (["report", "--param", "nope=1"], "no experiment of this run has an option 'nope'"),
     (["report", "--param", "heads.n_ref=2"], "unknown experiment 'heads'"),

@@ -138,8 +138,8 @@ def test_family_adjustment():
 
 
 def test_a_depends_above_the_family_level_is_not_detected():
-    rows = [dict(layers="L1", verdict="depends", p_iut=0.03, reason="r"), dict(layers="L2", verdict="depends",
-                                                                                p_iut=0.001, reason="r")]
+    rows = [dict(layers="L1", verdict="depends", p_iut=0.03, p_test=0.03, reason="r"),
+            dict(layers="L2", verdict="depends", p_iut=0.001, p_test=0.001, reason="r")]
     v = cd._verdicts(rows, cd.Config(), 4)
     assert list(v["verdict"]) == ["not detected", "depends"] and np.allclose(v["p_family"], [0.12, 0.004])
     assert "after the adjustment" in v.loc[0, "reason"]
@@ -154,6 +154,7 @@ def test_needed_n_is_the_smallest_n_that_reaches_the_effect():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(relative=(1.0, 2.0)), "below and above"),
+    (dict(relative=(0.5, 2.0)), "the tuned strength \\(1\\)"),
     (dict(levels=(0.1, -1.0)), "levels must be positive"),
     (dict(effect=0.0), "effect must be"),
     (dict(n_seq=2), "at least 3 documents"),
@@ -205,3 +206,16 @@ def test_an_entry_without_levels_is_not_testable(result):
     assert con.empty and list(con.columns) == cd.CONTRAST_COLUMNS and cur.empty
     v = cd._verdicts([row], cd.Config(), 2)
     assert v.loc[0, "verdict"] == "not testable" and np.isnan(v.loc[0, "p_family"])
+
+
+def test_the_claim_must_hold_the_run_and_names_its_groups():
+    cfg = cd.Config(claim=("m:middle", "other:L6-11"))
+    claim, whole = cfg.claim_entries("m", ["L10-19"], 30)
+    assert claim == ["m:L10-19", "other:L6-11"] and not whole  # a larger family: the Bonferroni bound
+    assert cd.Config().claim_entries("m", ["L10-19", "L20-29"], 30) == (["m:L10-19", "m:L20-29"], True)
+    with pytest.raises(ValueError, match="not in the declared claim"):
+        cd.Config(claim=("other:L6-11", "other:L12-17")).claim_entries("m", ["L10-19"], 30)
+    with pytest.raises(ValueError, match="twice"):
+        cd.Config(claim=("m:middle", "m:L10-19")).claim_entries("m", ["L10-19"], 30)
+    with pytest.raises(ValueError, match="expected model:group"):
+        cd.Config(claim=("middle",)).claim_entries("m", ["L10-19"], 30)
