@@ -134,8 +134,8 @@ class Config(SwapOptions):
         other models' entries must be labels. Default: this run's ``entries``.
 
         Raises:
-            ValueError: an entry without ``model:``, an entry repeated, or one of this run's entries missing from
-            the claim (a run may only adjust over a family it belongs to)."""
+            ValueError: an entry without ``model:``, an entry repeated, or one of this run's entries missing
+                from the claim (a run may only adjust over a family it belongs to)."""
         mine = [f"{model}:{e}" for e in entries]
         if not self.claim:
             return mine, True
