@@ -23,12 +23,6 @@ def _corpus(n_docs=14, seed=0):
     return tm.token_corpus(n_docs, seed)
 
 
-@pytest.fixture(scope="module")
-def llama():
-    torch.manual_seed(0)
-    return tm.hf_llama(n_layers=3)[0]
-
-
 def _windows(model, n_seq=6, seq_len=24, n_ref=3):
     return sample_windows(model, _corpus(), n_seq=n_seq, seq_len=seq_len, n_ref=n_ref, seed=0)
 

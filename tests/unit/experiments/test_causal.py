@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import tiny_models as tm
-import torch
 
 from posgen_tl.engine import dose as dose_mod
 from posgen_tl.experiments import causal as cd
@@ -21,12 +20,6 @@ OPTS = dict(n_seq=8, seq_len=20, target_len=5, fracs=(0.0, 0.3), groups=("1", "2
 
 def _corpus(n_docs=16, seed=0):
     return tm.token_corpus(n_docs, seed)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    torch.manual_seed(0)
-    return tm.hf_llama(n_layers=3)[0]
 
 
 @pytest.fixture(scope="module")
