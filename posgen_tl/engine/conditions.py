@@ -12,6 +12,7 @@ band sets they edit, the tuning of a strength to a damage (:func:`match_alpha`),
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -170,8 +171,11 @@ def match_alpha(
 ) -> dict[str, Any]:  # fmt: skip
     """Find ``alpha`` with ``damage_fn(alpha) ≈ target`` (damage assumed to grow with alpha).
 
-    Bracketing (``start``, then doubling up to ``alpha_max``) and false-position (secant inside
-    the bracket; a bisection step where it stalls), at most ``max_steps`` evaluations in all.
+    Bracketing from ``start`` upwards, then false-position (secant inside the bracket; a bisection
+    step where it stalls), at most ``max_steps`` evaluations in all. Each bracketing step grows α by
+    ``√(target / damage)·1.25`` — the factor that reaches the target if damage grows like α², as a
+    small edit's does — clipped to ×2 … ×8 (×8 while the damage is still 0), never past
+    ``alpha_max``; so a control that needs α ≈ 25 is bracketed in three evaluations, not six.
     Stops when ``|damage − target| ≤ rel_tol·|target|``.
 
     Returns:
@@ -192,7 +196,8 @@ def match_alpha(
     d_hi = ev(hi)
     while d_hi < target and hi < alpha_max and len(trace) < max_steps:
         lo, d_lo = hi, d_hi
-        hi = min(2 * hi, alpha_max)
+        grow = 8.0 if d_hi <= 0 else min(max(math.sqrt(target / d_hi) * 1.25, 2.0), 8.0)
+        hi = min(grow * hi, alpha_max)
         d_hi = ev(hi)
     reached = d_hi >= target
     side = 0

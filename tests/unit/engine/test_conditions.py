@@ -77,6 +77,16 @@ def test_match_alpha():
     assert not m["reached"]  # unreachable: reported, never hidden
 
 
+def test_match_alpha_brackets_a_far_target_in_three_evaluations():
+    # a slow-band control: damage ≈ 1e-3·α² needs α ≈ 22.6 to reach 0.51 nats (measured shape: C2 on SmolLM2)
+    f = lambda a: 1e-3 * a**2  # noqa: E731
+    m = ca.match_alpha(f, 0.51, start=1.0, alpha_max=32.0, max_steps=3)
+    assert m["reached"], m["trace"]  # doubling (1, 2, 4) would have stopped at damage 0.016
+    assert [a for a, _ in m["trace"]][:2] == [1.0, 8.0]  # damage 0.001 → ×8 (the clip), not ×2
+    m = ca.match_alpha(lambda a: 0.0, 0.5, start=1.0, alpha_max=32.0, max_steps=6)
+    assert not m["reached"] and max(a for a, _ in m["trace"]) == 32.0  # never past the cap
+
+
 def test_noop_bit_identical_and_kl_zero(llama):
     ana, ref = _windows(llama)
     km = key_means(llama, ref.tokens[:, :-6])
