@@ -18,6 +18,8 @@ stays light. Data flows one way through them:
   ``perturb``, ``groups`` (layer groups), ``approx_logits``;
 * ``pg.stats`` — sign-flip tests, bootstrap, Holm, TOST, verdicts;
 * ``pg.experiments`` — one module per experiment, each owning its ``Config``;
+* ``pg.patching`` — activation patching over positions, in TransformerLens' idiom
+  (``pg.patching.get_act_patch_pos_term(model, pg.patching.Swaps(0.1), tokens, metric, k_means=...)``);
 * ``pg.plot``, ``pg.report``, the ``posgen-tl`` command (``pg.cli``).
 """
 
@@ -72,13 +74,15 @@ _EXPORTS: dict[str, str] = {
 }
 
 #: subpackages and modules reachable as ``pg.NAME`` (imported on first access)
-_NAMESPACES = ("io", "hooks", "maths", "stats", "experiments", "plot", "report", "cli", "compat", "distributed")
+_NAMESPACES = ("io", "hooks", "maths", "stats", "experiments", "patching", "plot", "report", "cli", "compat",
+               "distributed")
 
 #: the common path (≤ 30 names); every name of ``_EXPORTS`` and ``_NAMESPACES`` resolves
 __all__ = [
     *(n for n in _EXPORTS if n not in ("document_windows", "decompose_with_twin", "feature_pattern_with_twin",
-                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError")),
-    "io", "hooks", "maths", "stats", "experiments", "plot",
+                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError",
+                                       "intervention_hooks")),
+    "io", "hooks", "maths", "stats", "experiments", "patching", "plot",
 ]
 
 

@@ -22,7 +22,7 @@ def test_top_level_is_small_and_resolves():
     assert len(set(pg.__all__)) == len(pg.__all__)
     for name in pg.__all__:
         assert getattr(pg, name) is not None, name
-    for ns in ("io", "hooks", "maths", "stats", "experiments", "plot", "report", "compat"):
+    for ns in ("io", "hooks", "maths", "stats", "experiments", "patching", "plot", "report", "compat"):
         assert getattr(pg, ns).__name__ == f"posgen_tl.{ns}"
     assert pg.plot.head_maps.__module__ == "posgen_tl.plot.decomposition"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):

@@ -1,0 +1,343 @@
+"""Activation patching over positions (posgen_tl.patching, posgen_tl.hooks.patching) on tiny models.
+
+The checks the method demands (docs/method.md §9): a patch of a run into itself changes nothing; patching every
+head's rotated q and k restores the other run exactly; f + g + remainder patched together give the source's
+logits; the uniform shift of all ids moves nothing; GQA kv heads reach exactly their group; both backends.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import tiny_models as tm
+import torch
+
+import posgen_tl.patching as P
+from posgen_tl import compat
+from posgen_tl.hooks.capture import CaptureError, probe_hooks
+from posgen_tl.hooks.edits import key_means
+from posgen_tl.hooks.patching import patch_hooks, record_hooks
+from posgen_tl.hooks.positions import reposition_hooks
+from posgen_tl.maths.rope import IndexRangeError
+
+N, T = 24, 6
+
+
+def _sharpen(model, q: float = 8.0, unembed: float = 10.0):
+    """Scale W_Q and the unembedding so attention is sharp and the output not uniform: a random init barely uses
+    positions, and a corruption must do measurable damage for the checks below to compare anything."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("q_proj" in name or name.endswith("W_Q")) and "bias" not in name:
+                p.mul_(q)
+            if "lm_head" in name or name.endswith("W_U"):
+                p.mul_(unembed)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return _sharpen(tm.hf_llama(n_layers=3)[0])
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, 99, (2, N), generator=g)
+
+
+@pytest.fixture(scope="module")
+def k_means(model):
+    g = torch.Generator().manual_seed(2)
+    return key_means(model, torch.randint(3, 99, (4, N), generator=g))
+
+
+def _all(model, quantity):
+    spec, _ = probe_hooks(model)
+    n = spec.n_kv_heads if quantity == "rot_k" else spec.n_heads
+    return {layer: torch.ones(1, N, n, dtype=torch.bool) for layer in range(spec.n_layers)}
+
+
+def _metric_with(model, tokens, metric, hooks):
+    with model.hooks(fwd_hooks=hooks):
+        return metric(model(tokens))
+
+
+def _record(model, tokens, quantities, middle=()):
+    """Record ``quantities`` in one run with ``middle`` (re-positioning) hooks: ``{quantity: store}``."""
+    stores, before, after = {}, [], []
+    for q in quantities:
+        stores[q] = {}
+        rec = record_hooks(model, q, range(probe_hooks(model)[0].n_layers), stores[q])
+        before, after = before + rec.before, after + rec.after
+    with model.hooks(fwd_hooks=[*before, *middle, *after]):
+        model(tokens)
+    return stores
+
+
+@pytest.mark.parametrize("quantity", ["rot_q", "rot_k", "pattern", "pos_term", "sem_term", "remainder"])
+def test_patching_a_run_into_itself_changes_nothing(model, tokens, k_means, quantity):
+    metric = P.target_nll(tokens, T)
+    clean = _metric_with(model, tokens, metric, [])
+    store = _record(model, tokens, [quantity])[quantity]
+    ph = patch_hooks(model, quantity, _all(model, quantity), store, k_means=k_means)
+    got = _metric_with(model, tokens, metric, ph.around())
+    if quantity in ("rot_q", "rot_k", "pattern"):
+        assert torch.equal(got, clean)  # bit for bit
+    else:  # W − term + term with the term recomputed in float64: equal to float32 rounding
+        torch.testing.assert_close(got, clean, rtol=0, atol=1e-5)
+
+
+def test_patching_every_heads_rotated_q_and_k_restores_the_other_run_exactly(model, tokens):
+    metric = P.target_nll(tokens, T)
+    ids = P.Swaps(0.3).position_ids(N, n_seq=2, keep_last=T)
+    rep = reposition_hooks(model, ids)
+    clean = _metric_with(model, tokens, metric, [])
+    corrupted = _metric_with(model, tokens, metric, rep)
+    assert (corrupted - clean).abs().max() > 1e-3  # the corruption does damage (else the test proves nothing)
+    # denoising: clean q/k into the corrupted run
+    st = _record(model, tokens, ["rot_q", "rot_k"])
+    hooks = [*rep]
+    for q in ("rot_q", "rot_k"):
+        hooks += patch_hooks(model, q, _all(model, q), st[q]).after
+    assert torch.equal(_metric_with(model, tokens, metric, hooks), clean)
+    # only q (or only k) does not restore it: the check compares something
+    only_q = [*rep, *patch_hooks(model, "rot_q", _all(model, "rot_q"), st["rot_q"]).after]
+    assert not torch.equal(_metric_with(model, tokens, metric, only_q), clean)
+    # noising: corrupted q/k into the clean run gives the corrupted run
+    st_c = _record(model, tokens, ["rot_q", "rot_k"], middle=rep)
+    hooks = []
+    for q in ("rot_q", "rot_k"):
+        hooks += patch_hooks(model, q, _all(model, q), st_c[q]).after
+    assert torch.equal(_metric_with(model, tokens, metric, hooks), corrupted)
+
+
+def _scores_at(model, layer, tokens, hooks):
+    out = {}
+
+    def grab(x, hook):
+        out["w"] = x.detach().clone()
+
+    with model.hooks(fwd_hooks=[*hooks, (f"blocks.{layer}.attn.hook_attn_scores", grab)]):
+        model(tokens)
+    return out["w"]
+
+
+def test_pos_sem_and_remainder_together_give_the_sources_logits(model, tokens, k_means):
+    layer = 2
+    ids = P.Swaps(0.3).position_ids(N, n_seq=2, keep_last=T)
+    rep = reposition_hooks(model, ids)
+    w_clean = _scores_at(model, layer, tokens, [])
+    w_corr = _scores_at(model, layer, tokens, rep)
+    st = _record(model, tokens, ["pos_term", "sem_term", "remainder"])
+    mask = {layer: torch.ones(1, N, 4, dtype=torch.bool)}
+    before, after = [], []
+    for q in ("pos_term", "sem_term", "remainder"):
+        h = patch_hooks(model, q, mask, st[q], k_means=k_means, base_positions=ids)
+        before += h.before
+        after += h.after
+    w = _scores_at(model, layer, tokens, [*before, *rep, *after])
+    vis = torch.isfinite(w_clean)
+    assert torch.equal(vis, torch.isfinite(w))  # masked keys stay masked
+    torch.testing.assert_close(w[vis], w_clean[vis], rtol=1e-5, atol=1e-5)
+    assert (w_corr[vis] - w_clean[vis]).abs().max() > 1e-2  # the corrupted logits were elsewhere
+    # one term alone does not: the positional term carries a part of the difference
+    h = patch_hooks(model, "pos_term", mask, st["pos_term"], k_means=k_means, base_positions=ids)
+    w_f = _scores_at(model, layer, tokens, h.around(rep))
+    assert 1e-3 < (w_f[vis] - w_corr[vis]).abs().max()
+    assert (w_f[vis] - w_clean[vis]).abs().max() > 1e-3
+
+
+def test_layer_zero_sem_term_is_a_no_op_and_pos_plus_remainder_equals_rotated_qk(model, tokens, k_means):
+    """In layer 0 the pre-rotation q/k of both runs are the same (same tokens, no position in the embedding): g is
+    identical, so a g patch changes nothing and f + remainder carry ALL of the difference — as rot_q + rot_k do."""
+    metric = P.target_nll(tokens, T)
+    corr = P.Swaps(0.3)
+    only0 = [{0: list(range(4))}]
+    sw_g = P.patch_sweep(model, corr, tokens, metric, quantity="sem_term", groups=only0, k_means=k_means)
+    torch.testing.assert_close(sw_g.values[0], sw_g.corrupted, rtol=0, atol=1e-6)
+    ids = sw_g.position_ids
+    rep = reposition_hooks(model, ids)
+    st = _record(model, tokens, ["pos_term", "remainder", "rot_q", "rot_k"])
+    m0 = {0: torch.ones(1, N, 4, dtype=torch.bool)}
+    before, after = [], []
+    for q in ("pos_term", "remainder"):
+        h = patch_hooks(model, q, m0, st[q], k_means=k_means, base_positions=ids)
+        before, after = before + h.before, after + h.after
+    terms = _metric_with(model, tokens, metric, [*before, *rep, *after])
+    qk = [*rep, *patch_hooks(model, "rot_q", m0, st["rot_q"]).after,
+          *patch_hooks(model, "rot_k", {0: torch.ones(1, N, 2, dtype=torch.bool)}, st["rot_k"]).after]
+    torch.testing.assert_close(terms, _metric_with(model, tokens, metric, qk), rtol=0, atol=1e-5)
+    assert (terms - sw_g.corrupted).abs().max() > 1e-4
+
+
+def test_uniform_shift_moves_no_metric(model, tokens, k_means):
+    metric = P.target_nll(tokens, T)
+    b = P.baselines(model, P.Shift(500), tokens, metric)
+    torch.testing.assert_close(b["corrupted"], b["clean"], rtol=0, atol=2e-4)
+    for q in ("pos_term", "sem_term", "pattern"):  # quantities that depend on ids only through distances
+        m = P.generic_position_patch(model, P.Shift(500), tokens, metric, quantity=q, k_means=k_means, verbose=False)
+        torch.testing.assert_close(m, b["clean"].expand_as(m), rtol=0, atol=2e-4)
+    # rotated queries alone are NOT shift-invariant: a patched q rotated at the clean ids meets keys rotated at the
+    # shifted ids, so that head's every distance moves by the shift (documented in posgen_tl.patching)
+    m = P.get_act_patch_rot_q(model, P.Shift(500), tokens, metric, verbose=False)
+    assert (m - b["clean"]).abs().max() > 1e-3
+    # while a real corruption moves it (the comparison above can fail)
+    s = P.baselines(model, P.Swaps(0.3), tokens, metric)
+    assert (s["corrupted"] - s["clean"]).abs().max() > 1e-3
+
+
+def test_sweep_agrees_with_one_patch_per_forward_and_has_tl_shapes(model, tokens, k_means):
+    metric = P.target_nll(tokens, T)
+    corr = P.Swaps(0.3)
+    stacked = P.get_act_patch_rot_q(model, corr, tokens, metric, verbose=False)
+    assert stacked.shape == (3, 4, 2)  # [n_layers, n_heads, batch]
+    one = P.get_act_patch_rot_q(model, corr, tokens, metric, verbose=False, replicas=1)
+    torch.testing.assert_close(stacked, one, rtol=0, atol=1e-5)  # batch stacking is only a layout
+    kv = P.get_act_patch_rot_k(model, corr, tokens, metric, verbose=False)
+    assert kv.shape == (3, 2, 2)  # kv heads
+    lay = P.get_act_patch_layer(model, corr, tokens, lambda lg: metric(lg).mean(), layers=[1, 2], verbose=False)
+    assert lay.shape == (3,) and math.isnan(float(lay[0])) and not torch.isnan(lay[1:]).any()
+    # noising a head moves the clean run toward the corrupted one; the recovery is 0…1-scaled per document
+    b = P.baselines(model, corr, tokens, metric)
+    rec = P.normalised_recovery(stacked, b["clean"], b["corrupted"])
+    assert rec.shape == stacked.shape and torch.isfinite(rec).all()
+    assert torch.isnan(P.normalised_recovery(torch.ones(2), torch.ones(2), torch.ones(2))).all()
+
+
+def test_gqa_kv_head_reaches_exactly_its_group(model, tokens):
+    layer = 1
+    ids = P.Swaps(0.3).position_ids(N, n_seq=2, keep_last=T)
+    rep = reposition_hooks(model, ids)
+    st = _record(model, tokens, ["rot_k"])
+    w_corr = _scores_at(model, layer, tokens, rep)
+    mask = torch.zeros(1, N, 2, dtype=torch.bool)
+    mask[:, :, 1] = True  # kv head 1 serves query heads 2 and 3 (4 heads, 2 kv heads)
+    w = _scores_at(model, layer, tokens, [*rep, *patch_hooks(model, "rot_k", {layer: mask}, st["rot_k"]).after])
+    assert torch.equal(w[:, :2], w_corr[:, :2])
+    vis = torch.isfinite(w_corr[:, 2:])
+    assert (w[:, 2:][vis] - w_corr[:, 2:][vis]).abs().max() > 1e-3
+
+
+def test_patch_hooks_are_removed_also_on_an_exception(model, tokens):
+    before = sum(len(hp._forward_hooks) for hp in model.hook_dict.values())
+
+    def boom(logits):
+        raise RuntimeError("metric failed")
+
+    with pytest.raises(RuntimeError, match="metric failed"):
+        P.get_act_patch_rot_q(model, P.Swaps(0.3), tokens, boom, verbose=False)
+    assert sum(len(hp._forward_hooks) for hp in model.hook_dict.values()) == before
+
+
+def test_bad_input_is_named(model, tokens, k_means):
+    metric = P.target_nll(tokens, T)
+    with pytest.raises(IndexRangeError, match="layer 7"):
+        P.get_act_patch_rot_q(model, P.Swaps(0.3), tokens, metric, layers=[7], verbose=False)
+    with pytest.raises(IndexRangeError, match="head 9"):
+        P.get_act_patch_heads(model, P.Swaps(0.3), tokens, metric, [(0, 9)])
+    with pytest.raises(ValueError, match="scalar or one value per sequence"):
+        P.get_act_patch_rot_q(model, P.Swaps(0.3), tokens, lambda lg: lg[..., :2].mean(-1), verbose=False)
+    with pytest.raises(ValueError, match="non-finite"):
+        P.get_act_patch_rot_q(model, P.Swaps(0.3), tokens, lambda lg: lg.sum() * math.inf, verbose=False)
+    with pytest.raises(ValueError, match="unchanged"):  # 0.01 of 17 pairs rounds to no swap at all
+        P.get_act_patch_rot_q(model, P.Swaps(0.01), tokens, metric, verbose=False)
+    with pytest.raises(ValueError, match="same length"):
+        P.baselines(model, P.IdMap(torch.arange(N + 3)), tokens, metric)
+    with pytest.raises(ValueError, match="unchanged"):
+        P.baselines(model, P.IdMap(torch.arange(N)), tokens, metric)
+    with pytest.raises(ValueError, match="k̄|k_means"):
+        P.get_act_patch_pos_term(model, P.Swaps(0.3), tokens, metric, verbose=False)
+    with pytest.raises(ValueError, match="direction"):
+        P.get_act_patch_rot_q(model, P.Swaps(0.3), tokens, metric, direction="backwards", verbose=False)
+    with pytest.raises(ValueError, match="unknown patched quantity"):
+        P.generic_position_patch(model, P.Swaps(0.3), tokens, metric, quantity="rot_v", verbose=False)
+    with pytest.raises(ValueError, match="positive integer"):
+        P.Shift(0)
+
+
+def test_corruptions_ids():
+    ids = P.Swaps(0.25, seed=3).position_ids(20, n_seq=3, keep_last=5)
+    assert ids.shape == (3, 20)
+    assert (ids[:, 15:] == torch.arange(15, 20)).all() and (ids[:, 0] == 0).all()  # target and BOS stay
+    assert all(sorted(r.tolist()) == list(range(20)) for r in ids)  # a permutation of the ids
+    assert not torch.equal(ids[0], ids[1])  # drawn per sequence
+    g = P.Gap(100).position_ids(10, keep_last=3)[0]
+    assert g.tolist() == [0, 1, 2, 3, 4, 5, 6, 107, 108, 109]
+    assert (P.Shift(7).position_ids(5)[0] == torch.arange(7, 12)).all()
+    assert "null control" in str(P.Shift(7)) and "p = 0.25" in str(P.Swaps(0.25, seed=3))
+
+
+def test_native_bridge_rotated_qk_by_the_pre_rotation_hook_and_terms_refused():
+    """A TransformerLens-native bridge fires no hook_rot_* and its hook_attn_scores are post-softmax: rotated q/k
+    are patched at the pre-rotation hook (exactly), the logit terms are refused by name."""
+    m = tm.native(n_layers=2)
+    toks = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    metric = P.target_nll(toks, 4)
+    ids = P.Swaps(0.3).position_ids(16, n_seq=2, keep_last=4)
+    rep = reposition_hooks(m, ids)
+    clean = _metric_with(m, toks, metric, [])
+    st = {q: {} for q in ("rot_q", "rot_k")}
+    for q in st:
+        with m.hooks(fwd_hooks=record_hooks(m, q, [0, 1], st[q]).around()):
+            m(toks)
+    spec, _ = probe_hooks(m)
+    hooks = [*rep]
+    for q in st:
+        n = spec.n_kv_heads if q == "rot_k" else spec.n_heads
+        hooks += patch_hooks(m, q, {layer: torch.ones(1, 16, n, dtype=torch.bool) for layer in (0, 1)}, st[q]).after
+    torch.testing.assert_close(_metric_with(m, toks, metric, hooks), clean, rtol=0, atol=1e-5)
+    assert (_metric_with(m, toks, metric, rep) - clean).abs().max() > 0  # the corruption changed something
+    with pytest.raises(CaptureError, match="not pre-softmax"):
+        P.get_act_patch_pos_term(m, P.Swaps(0.3), toks, metric, k_means={0: torch.zeros(2, 8)}, verbose=False)
+
+
+@pytest.mark.skipif(not compat.has_hooked_transformer(), reason="needs TransformerLens 3.x (HookedTransformer)")
+def test_hooked_transformer_gqa_restores_exactly():
+    m = _sharpen(tm.hooked(n_key_value_heads=2, n_layers=2))
+    toks = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    metric = P.target_nll(toks, 4)
+    ids = P.Swaps(0.3).position_ids(16, n_seq=2, keep_last=4)
+    rep = reposition_hooks(m, ids)
+    clean = _metric_with(m, toks, metric, [])
+    st = {q: {} for q in ("rot_q", "rot_k")}
+    for q in st:
+        with m.hooks(fwd_hooks=record_hooks(m, q, [0, 1], st[q]).around()):
+            m(toks)
+    hooks = [*rep]
+    for q, n in (("rot_q", 4), ("rot_k", 2)):
+        hooks += patch_hooks(m, q, {layer: torch.ones(1, 16, n, dtype=torch.bool) for layer in (0, 1)}, st[q]).after
+    assert torch.equal(_metric_with(m, toks, metric, hooks), clean)
+    kv = P.get_act_patch_rot_k(m, P.Swaps(0.3), toks, metric, verbose=False)
+    assert kv.shape == (2, 2, 2)
+
+
+def test_gemma3_qk_norm_sliding_window_restores_and_reconstructs():
+    """QK-norm, MQA, local layers with a window of 4 keys: rotated q/k restore the clean run bit for bit, and the
+    three logit terms give the clean logits of a local layer with the window's masked keys left masked."""
+    m = _sharpen(tm.hf_gemma3()[0])
+    toks = torch.randint(3, 99, (2, 16), generator=torch.Generator().manual_seed(0))
+    metric = P.target_nll(toks, 4)
+    ids = P.Swaps(0.3).position_ids(16, n_seq=2, keep_last=4)
+    rep = reposition_hooks(m, ids)
+    clean = _metric_with(m, toks, metric, [])
+    assert (_metric_with(m, toks, metric, rep) - clean).abs().max() > 1e-4
+    st = _record(m, toks, ["rot_q", "rot_k", "pos_term", "sem_term", "remainder"])
+    hooks = [*rep]
+    for q, n in (("rot_q", 2), ("rot_k", 1)):
+        hooks += patch_hooks(m, q, {layer: torch.ones(1, 16, n, dtype=torch.bool) for layer in range(3)}, st[q]).after
+    assert torch.equal(_metric_with(m, toks, metric, hooks), clean)
+    km = key_means(m, torch.randint(3, 99, (3, 16), generator=torch.Generator().manual_seed(5)))
+    w_clean = _scores_at(m, 0, toks, [])
+    before, after = [], []
+    for q in ("pos_term", "sem_term", "remainder"):
+        h = patch_hooks(m, q, {0: torch.ones(1, 16, 2, dtype=torch.bool)}, st[q], k_means=km, base_positions=ids)
+        before, after = before + h.before, after + h.after
+    w = _scores_at(m, 0, toks, [*before, *rep, *after])
+    i = torch.arange(16)
+    vis = ((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 4)).expand_as(w)  # causal, inside the window
+    vis = vis & torch.isfinite(w_clean)  # (this bridge masks after hook_attn_scores; others before it)
+    torch.testing.assert_close(w[vis], w_clean[vis], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isfinite(w), torch.isfinite(w_clean))
