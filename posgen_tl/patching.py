@@ -53,7 +53,7 @@ from posgen_tl.maths.perturb import (
 )
 
 __all__ = [
-    "QUANTITIES", "Corruption", "Swaps", "Gap", "IdMap", "Shift", "target_nll", "Group", "PatchSweep", "generic_position_patch",
+    "QUANTITIES", "Corruption", "Swaps", "Gap", "IdMap", "Shift", "target_nll", "target_metrics", "Group", "PatchSweep", "generic_position_patch",
     "patch_sweep", "get_act_patch_rot_q", "get_act_patch_rot_k", "get_act_patch_pos_term", "get_act_patch_sem_term",
     "get_act_patch_pattern", "get_act_patch_layer", "get_act_patch_heads", "baselines", "normalised_recovery",
 ]  # fmt: skip
@@ -219,6 +219,42 @@ def target_nll(tokens: Int[Tensor, "batch pos"], target_len: int) -> Metric:
     return metric
 
 
+@torch.no_grad()
+def target_metrics(model: Any, tokens: Int[Tensor, "batch pos"], target_len: int) -> Metric:
+    """The study's metric: per sequence ``[nll, kl_to_clean]`` (``[batch, 2]``, ``outputs`` names them) — the target
+    span's mean NLL (:func:`target_nll`) and the mean KL(clean ‖ run) of its next-token distributions, the second
+    metric reported beside the first (a patch can restore the NLL while moving the distribution elsewhere).
+    Runs one clean forward for the reference distributions."""
+    spec, _ = probe_hooks(model)
+    tokens = check_tokens(model, tokens, spec)
+    nll = target_nll(tokens, target_len)
+    n = tokens.shape[1]
+    clean = _run_logits(model, tokens, [], nll.logit_rows).float().log_softmax(-1)  # type: ignore[attr-defined]
+
+    def metric(logits: Tensor) -> Tensor:
+        lg = logits[:, n - target_len - 1 : n - 1] if logits.shape[1] == n else logits
+        lp = lg.float().log_softmax(-1)
+        kl = (clean.exp() * (clean - lp)).sum(-1).mean(-1)
+        return torch.stack([nll(lg), kl], -1)
+
+    metric.target_len = target_len  # type: ignore[attr-defined]
+    metric.logit_rows = nll.logit_rows  # type: ignore[attr-defined]
+    metric.outputs = ("nll", "kl_to_clean")  # type: ignore[attr-defined]
+    return metric
+
+
+def _run_logits(model: Any, batch: Tensor, hooks: list, rows: tuple[int, int] | None) -> Tensor:
+    """Logits of a forward with ``hooks``: only ``rows`` (start, stop) where the model lets the final residual be read."""
+    store: dict = {}
+    fin = final_residual_hook(model, store, *rows) if rows is not None else None
+    with model.hooks(fwd_hooks=hooks + ([fin] if fin else [])):
+        try:
+            logits = model(batch)
+        except StopForward:
+            return model.unembed(store["resid"])
+    return logits if rows is None else logits[:, rows[0] : rows[1]]
+
+
 # ----------------------------------------------------------------------------- groups
 
 
@@ -245,10 +281,14 @@ class PatchSweep:
     corruption: str
 
 
-def _check_metric(v: Any, n_seq: int) -> Tensor:
+def _check_metric(v: Any, n_seq: int, outputs: Sequence[str] | None = None) -> Tensor:
     if not isinstance(v, Tensor):
         v = torch.as_tensor(v)
-    if v.ndim > 1 or (v.ndim == 1 and v.shape[0] != n_seq):
+    want = (n_seq, len(outputs)) if outputs else None
+    if want is not None and tuple(v.shape) != want:
+        raise ValueError(f"the metric returned shape {tuple(v.shape)}: it declares outputs {list(outputs or [])}, so "
+                         f"it must return [{n_seq}, {len(outputs or [])}]")
+    if want is None and (v.ndim > 1 or (v.ndim == 1 and v.shape[0] != n_seq)):
         raise ValueError(f"the metric returned shape {tuple(v.shape)}: it must return a scalar or one value per "
                          f"sequence [{n_seq}]")
     if not bool(torch.isfinite(v).all()):
@@ -259,17 +299,10 @@ def _check_metric(v: Any, n_seq: int) -> Tensor:
 
 def _run_metric(model: Any, tokens: Tensor, metric: Metric, hooks: list, n_rep: int) -> Tensor:
     """The metric of each replica of a forward on ``tokens`` repeated ``n_rep`` times: ``[replica, *metric]``."""
-    rows = getattr(metric, "logit_rows", None)
-    batch = tokens.repeat(n_rep, 1)
-    store: dict = {}
-    fin = final_residual_hook(model, store, *rows) if rows is not None else None
-    with model.hooks(fwd_hooks=hooks + ([fin] if fin else [])):
-        try:
-            logits = model(batch)
-        except StopForward:
-            logits = model.unembed(store["resid"])
+    logits = _run_logits(model, tokens.repeat(n_rep, 1), hooks, getattr(metric, "logit_rows", None))
     b = tokens.shape[0]
-    return torch.stack([_check_metric(metric(logits[r * b : (r + 1) * b]), b) for r in range(n_rep)])
+    outs = getattr(metric, "outputs", None)
+    return torch.stack([_check_metric(metric(logits[r * b : (r + 1) * b]), b, outs) for r in range(n_rep)])
 
 
 def _groups_masks(groups: Sequence[Group], n_pos: int, n_idx: int, spec: Any, kv: bool) -> dict[int, Tensor]:

@@ -27,12 +27,12 @@ __all__ = ["ORDER", "REPORT", "PROTOCOL", "SIZES", "experiment", "names", "make_
 
 #: every experiment, in the order the report runs and numbers them
 ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "sufficiency", "taxonomy", "length",
-         "gap_attention")
+         "patching", "gap_attention")
 #: the experiments ``posgen-tl report`` runs (``gap_attention`` needs a taxonomy table: a study of its own)
-REPORT = ORDER[:-1]
+REPORT = tuple(n for n in ORDER if n != "gap_attention")
 #: the experiments in the protocol shape: ``run(model, cfg, *, checkpoint=…) -> Result``, ``render(result)``,
 #: ``save(result, folder)`` / ``load(folder)`` (the others still ``compute(ctx, cfg)`` / ``render(ctx, cfg)``)
-PROTOCOL = ("causal",)
+PROTOCOL = ("causal", "patching")
 #: the options every Config has (``base.Config``): the report's size flags set them for every experiment
 SIZES = ("n_seq", "seq_len", "seed", "corpus", "twin")
 #: size flags an experiment does not take from the report (it keeps its own default); e.g. the exactness

@@ -15,6 +15,7 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 ``tolerance_curves(df)``   :func:`posgen_tl.stats.curves.curve_summary`
 ``dose_curves(df, levels)`` :func:`posgen_tl.causal_study` ``["curves"]`` (one entry)
 ``length_buckets(df)``     :func:`posgen_tl.experiments.tolerance.length_summary`
+``patching_heatmap(df)``   ``posgen_tl.experiments.patching.run(...)["heads"]`` (one quantity and direction)
 ``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.experiments.length`, :mod:`posgen_tl.experiments.sufficiency`
 ``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``, ``label_counts``: :func:`posgen_tl.head_taxonomy`
 =========================  ===========================================================
@@ -26,6 +27,7 @@ from posgen_tl.plot.decomposition import plot_r_by_layer as r_by_layer
 from posgen_tl.plot.gap_attention import plot_gap_heads as gap_heads
 from posgen_tl.plot.length import plot_gap_probe as gap_probe
 from posgen_tl.plot.length import plot_window_removal as window_removal
+from posgen_tl.plot.patching import plot_patching_heatmap as patching_heatmap
 from posgen_tl.plot.pattern import plot_band_heatmaps as band_heatmaps
 from posgen_tl.plot.pattern import plot_pattern_distribution as pattern_distribution
 from posgen_tl.plot.pattern import plot_pattern_vs_d3 as pattern_vs_d3
@@ -47,6 +49,7 @@ __all__ = [
     "gap_heads",
     "gap_probe",
     "length_buckets",
+    "patching_heatmap",
     "sufficiency",
     "pattern_distribution",
     "pattern_vs_d3",

@@ -29,6 +29,7 @@ QUESTIONS: dict[str, str] = {
     "causal": "Does tolerance depend on the pattern? (§5, primary contrast)",
     "taxonomy": "Do positional/symbolic heads line up with D3's positional share? (§6)",
     "length": "Do unseen distances hurt, and does the split help? (§7)",
+    "patching": "Which heads carry the damage of perturbed positions? (§9, patching)",
 }
 
 #: tables with more rows than this are folded in <details> (their caption stays visible)

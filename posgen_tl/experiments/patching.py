@@ -1,0 +1,397 @@
+"""Where does the damage of perturbed positions live? Activation patching per head (docs/method.md §9).
+
+Each analysed window runs clean (ids ``0 … n−1``) and corrupted (the same tokens at perturbed ids: T2 swaps of a
+fraction of adjacent pairs, a gap past the trained context before the target span, or the null uniform shift);
+per (quantity, direction) every head of the chosen layers is patched alone, and every layer as a whole
+(:mod:`posgen_tl.patching`). The metric is the target span's NLL, with the KL to the clean run's next-token
+distributions beside it.
+
+Per document the EFFECT of a patch is the part of the damage it accounts for — denoising (clean → corrupted):
+``corrupted − patched``; noising (corrupted → clean): ``patched − clean`` — in nats; a head's normalised
+recovery is the ratio of its mean effect to the mean damage ``corrupted − clean`` (a ratio of means: a document
+with no damage adds nothing instead of dividing by zero), with a document-bootstrap interval. Heads are tested
+together: max-T sign-flip over documents (:func:`posgen_tl.stats.familywise.maxt_signflip`), so the list of
+significant heads holds a false one with probability ≤ α. Where the corruption did no damage distinguishable
+from 0 the recovery is undefined and is not drawn.
+
+:func:`run` returns a frozen :class:`Result`; :func:`render` turns it into a report section; :func:`save` /
+:func:`load` keep one in a folder; with ``checkpoint`` each finished batch of windows is kept, so an
+interrupted run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from posgen_tl import patching as P
+from posgen_tl.engine.swaps import windows_fingerprint
+from posgen_tl.experiments import base
+from posgen_tl.hooks.capture import probe_hooks
+from posgen_tl.hooks.edits import key_means
+from posgen_tl.hooks.patching import TERMS
+from posgen_tl.io.provenance import git_commit
+from posgen_tl.io.sampling import Windows, check_disjoint, sample_windows
+from posgen_tl.stats.familywise import maxt_signflip
+from posgen_tl.stats.inference import bootstrap_ci
+
+__all__ = ["NAME", "ABOUT", "NEEDS", "TITLE", "TABLES", "Config", "Result", "run", "run_or_skip", "save", "load",
+           "render", "corruption_of"]
+
+NAME = "patching"
+ABOUT = ("which heads carry the damage of perturbed positions? activation patching of rotated q/k, the positional "
+         "term f and the semantic term g per head between clean and T2-swapped (or gap) ids (docs/method.md §9)")
+NEEDS: tuple[str, ...] = ()
+TITLE = "9 · Where does the damage of perturbed positions live? Activation patching per head (docs/method.md §9)"
+#: the tables of a Result, in the order a page shows them
+TABLES = ("heads", "layers", "baselines", "units")
+CORRUPTIONS = ("swaps", "gap", "shift")
+DIRECTIONS = ("denoising", "noising")
+
+
+@dataclass(frozen=True)
+class Config(base.Config):
+    """Options of the patching sweep: the corruption, the patched quantities and directions, the layers, n."""
+
+    NAME: ClassVar[str] = NAME
+    n_seq: int = base.option(8, "analysed sequences (windows of distinct documents first)", "int", quick=4, full=32)
+    target_len: int = base.option(0, "tokens at the end whose NLL is the metric (tokens never change); 0 = min(32, "
+                                     "seq_len / 4)", "count")
+    corruption: str = base.option("swaps", "the corrupted run's ids: swaps (T2: a fraction of adjacent pairs swapped "
+                                           "in the ids), gap (the target span moved past the trained context) or "
+                                           "shift (every id + 1000: the null control)", "text")
+    frac: float = base.option(0.2, "swaps: fraction of disjoint adjacent pairs swapped (≈ 2·frac of the tokens move)",
+                              "float")
+    gap: int = base.option(0, "gap: positions between the context and the target span; 0 = the model's trained "
+                              "context length", "count")
+    quantities: tuple[str, ...] = base.option(("pos_term",), "patched quantities, from rot_q, rot_k, pos_term "
+                                              "(f only), sem_term (g only), remainder, pattern", "names",
+                                              full=("rot_q", "rot_k", "pos_term", "sem_term"))
+    directions: tuple[str, ...] = base.option(("denoising",), "denoising (clean → corrupted: sufficiency) and/or "
+                                              "noising (corrupted → clean: necessity)", "names",
+                                              full=("denoising", "noising"))
+    layers: str | tuple[int, ...] = base.option("every5", "layers whose heads are patched (every5: every 5th and "
+                                                "the last)", "layers", full="all")
+    n_ref: int = base.n_ref_option(4, quick=2, full=8)
+    test_alpha: float = base.option(0.05, "family-wise level α of the significant-head list (per map)", "float")
+    n_perm: int = base.option(20_000, "sign vectors of the max-T test when 2^documents exceeds it", "int")
+    replicas: int = base.option(0, "patches per forward, stacked in the batch (0 = the heads of one layer)", "count")
+    batch_size: int = base.batch_option(2)
+
+    def check(self) -> None:
+        """Raise ValueError naming the option: fewer than 3 sequences, an unknown corruption, quantity or direction, a
+        swap fraction outside (0, 0.5], a target that does not fit, α outside (0, 1)."""
+        if self.n_seq < 3:
+            raise ValueError(f"{NAME}: n_seq={self.n_seq}: a test over documents needs at least 3")
+        if self.corruption not in CORRUPTIONS:
+            raise ValueError(f"{NAME}: corruption={self.corruption!r}; one of {', '.join(CORRUPTIONS)}")
+        bad = [q for q in self.quantities if q not in P.QUANTITIES]
+        if bad or not self.quantities:
+            raise ValueError(f"{NAME}: quantities {bad or '(none)'}; choose from {', '.join(P.QUANTITIES)}")
+        badd = [d for d in self.directions if d not in DIRECTIONS]
+        if badd or not self.directions:
+            raise ValueError(f"{NAME}: directions {badd or '(none)'}; choose from {', '.join(DIRECTIONS)}")
+        if self.corruption == "swaps" and not 0 < self.frac <= 0.5:
+            raise ValueError(f"{NAME}: frac={self.frac} must be in (0, 0.5]")
+        if not 0 < self.target() < self.seq_len - 2:
+            raise ValueError(f"{NAME}: target_len={self.target()} must be in (0, {self.seq_len - 2})")
+        if not 0 < self.test_alpha < 1:
+            raise ValueError(f"{NAME}: test_alpha={self.test_alpha} must be in (0, 1)")
+
+    def target(self) -> int:
+        """The target length in tokens (``target_len``, or ``min(32, seq_len // 4)`` when it is 0)."""
+        return self.target_len or min(32, self.seq_len // 4)
+
+
+def corruption_of(cfg: Config, n_ctx: int) -> P.Corruption:
+    """The :class:`posgen_tl.patching.Corruption` a Config names (``gap = 0``: the trained context ``n_ctx``)."""
+    if cfg.corruption == "swaps":
+        return P.Swaps(cfg.frac, seed=cfg.seed)
+    if cfg.corruption == "gap":
+        return P.Gap(cfg.gap or int(n_ctx))
+    return P.Shift(1000)
+
+
+@dataclass(frozen=True)
+class Result:
+    """A patching sweep: ``tables`` (:data:`TABLES`: tidy DataFrames), ``config`` (the Config as a dict) and
+    ``meta`` (model, documents, corruption, p kind, wall time, commit; ``skipped`` when it could not run)."""
+
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> pd.DataFrame:
+        return self.tables[name]
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def _batch_rows(model: Any, w: Windows, cfg: Config, corr: P.Corruption, layers: list[int], km: dict | None,
+                n_idx: dict[str, int]) -> list[dict[str, Any]]:
+    """Unit rows of one batch of windows: per document × (quantity, direction, level, layer, head) the patched
+    metrics and both baselines."""
+    toks = w.tokens
+    metric = P.target_metrics(model, toks, cfg.target())
+    docs, starts = w.doc_ids.tolist(), w.starts.tolist()
+    rows: list[dict[str, Any]] = []
+    for q in cfg.quantities:
+        heads = [{layer: [h]} for layer in layers for h in range(n_idx[q])]
+        whole = [{layer: list(range(n_idx[q]))} for layer in layers]
+        for d in cfg.directions:
+            sw = P.patch_sweep(model, corr, toks, metric, quantity=q, groups=heads + whole, direction=d,  # type: ignore[arg-type]
+                               k_means=km if q in TERMS else None, doc_ids=docs, starts=starts,
+                               replicas=cfg.replicas or None)
+            labels = [("head", layer, h) for layer in layers for h in range(n_idx[q])] + \
+                     [("layer", layer, -1) for layer in layers]
+            for g, (level, layer, h) in enumerate(labels):
+                for i in range(len(w)):
+                    rows.append(dict(doc=int(docs[i]), seq=i, quantity=q, direction=d, level=level, layer=layer,
+                                     head=h, nll=float(sw.values[g, i, 0]), kl=float(sw.values[g, i, 1]),
+                                     clean_nll=float(sw.clean[i, 0]), corrupted_nll=float(sw.corrupted[i, 0]),
+                                     corrupted_kl=float(sw.corrupted[i, 1])))
+    return rows
+
+
+def _effects(u: pd.DataFrame) -> pd.DataFrame:
+    den = u["direction"] == "denoising"
+    return u.assign(damage=u["corrupted_nll"] - u["clean_nll"],
+                    effect=np.where(den, u["corrupted_nll"] - u["nll"], u["nll"] - u["clean_nll"]))
+
+
+def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """``heads`` and ``layers`` tables: per patch the mean effect, its interval, the normalised recovery, the KL,
+    the max-T family-wise p over the map (all heads of one (quantity, direction), or all layers)."""
+    u = _effects(u)
+    out: dict[str, list[pd.DataFrame]] = {"head": [], "layer": []}
+    kind = ""
+    for (level, q, d), g in u.groupby(["level", "quantity", "direction"], sort=False):
+        piv = g.pivot_table(index="doc", columns=["layer", "head"], values="effect", aggfunc="mean")
+        dmg = g.groupby("doc")["damage"].mean().reindex(piv.index).to_numpy()
+        fw = maxt_signflip(piv.to_numpy(), n_perm=cfg.n_perm, seed=cfg.seed)
+        kind = fw["p_kind"]
+        kl = g.groupby(["layer", "head"])["kl"].mean()
+        rows = []
+        for j, (layer, h) in enumerate(piv.columns):
+            e = piv.iloc[:, j].to_numpy()
+            m, lo, hi = bootstrap_ci(e, seed=cfg.seed)
+            rec, rlo, rhi = _ratio_ci(e, dmg, seed=cfg.seed)
+            rows.append(dict(quantity=q, direction=d, layer=int(layer), head=int(h), n_docs=len(e), effect=m,
+                             ci_low=lo, ci_high=hi, ci_level=0.95, recovery=rec, recovery_low=rlo, recovery_high=rhi,
+                             kl=float(kl.loc[(layer, h)]), t=float(fw["t"][j]), p_fwe=float(fw["p_fwe"][j]),
+                             p_kind=fw["p_kind"], significant=bool(fw["p_fwe"][j] <= cfg.test_alpha)))
+        out[str(level)].append(pd.DataFrame(rows))
+    cat = {k: pd.concat(v, ignore_index=True) if v else pd.DataFrame() for k, v in out.items()}
+    if len(cat["layer"]):
+        cat["layer"] = cat["layer"].drop(columns="head")
+    return cat["head"], cat["layer"], kind
+
+
+def _ratio_ci(e: np.ndarray, dmg: np.ndarray, *, seed: int, n_boot: int = 10_000) -> tuple[float, float, float]:
+    """``mean(e) / mean(dmg)`` with a 95 % document-bootstrap interval (NaN where the damage's interval holds 0:
+    recovery is undefined without damage)."""
+    m_d, lo_d, hi_d = bootstrap_ci(dmg, seed=seed)
+    if not (lo_d > 0 or hi_d < 0):
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(e), size=(n_boot, len(e)))
+    r = e[idx].mean(1) / dmg[idx].mean(1)
+    return float(e.mean() / dmg.mean()), float(np.quantile(r, 0.025)), float(np.quantile(r, 0.975))
+
+
+def _baselines(u: pd.DataFrame) -> pd.DataFrame:
+    b = u.drop_duplicates("doc")[["doc", "clean_nll", "corrupted_nll", "corrupted_kl"]].copy()
+    b["damage"] = b["corrupted_nll"] - b["clean_nll"]
+    return b.reset_index(drop=True)
+
+
+class _Checkpoint:
+    """Finished batches of one run in a folder: ``fingerprint.json`` (the design) and ``batch_NNNNNN.csv``."""
+
+    def __init__(self, folder: str | Path, fingerprint: dict[str, Any]):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fp = self.dir / "fingerprint.json"
+        if fp.exists() and json.loads(fp.read_text()) != fingerprint:
+            raise ValueError(f"{self.dir} holds a checkpoint of another patching design (config, model or windows "
+                             "differ); remove it or choose another output folder")
+        fp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+
+    def get(self, i: int) -> pd.DataFrame | None:
+        p = self.dir / f"batch_{i:06d}.csv"
+        return pd.read_csv(p, float_precision="round_trip") if p.exists() else None
+
+    def put(self, i: int, rows: pd.DataFrame) -> None:
+        tmp = self.dir / f".batch_{i:06d}.tmp"
+        rows.to_csv(tmp, index=False)
+        tmp.replace(self.dir / f"batch_{i:06d}.csv")
+
+
+@torch.no_grad()
+def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: Windows | None = None,
+        checkpoint: str | Path | None = None, progress: bool = True, **options: Any) -> Result:
+    """The sweep on ``windows`` (default: ``cfg.n_seq`` windows of distinct documents of ``corpus``; the global k̄
+    from ``cfg.n_ref`` windows of other documents when a logit term is patched). ``options`` change single
+    options of ``cfg`` (default :class:`Config`). Returns a :class:`Result`.
+
+    Raises:
+        CorpusError: the corpus cannot give the windows. CaptureError: the model cannot deliver a quantity.
+        ValueError: a checkpoint of another design in ``checkpoint``."""
+    cfg = base.config_of(Config, cfg, options)
+    t0 = time.time()
+    spec, _ = probe_hooks(model)
+    layers = base.resolve_layers(cfg.layers, spec.n_layers)
+    need_km = any(q in TERMS for q in cfg.quantities)
+    ref: Windows | None = None
+    if windows is None or need_km:
+        ana, ref = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
+                                  seq_len=cfg.seq_len, n_ref=cfg.n_ref if need_km else 0, seed=cfg.seed)
+    if windows is not None:
+        ana = windows
+        if ref is not None:
+            check_disjoint(ana, ref)
+    km = key_means(model, ref.tokens, layers, batch_size=cfg.batch_size) if need_km and ref is not None else None
+    corr = corruption_of(cfg, spec.n_ctx)
+    n_idx = {q: spec.n_kv_heads if q == "rot_k" else spec.n_heads for q in cfg.quantities}
+    fp = dict(config=cfg.as_dict(), model=spec.model_name, windows=windows_fingerprint(ana), layers=layers)
+    ck = _Checkpoint(checkpoint, fp) if checkpoint is not None else None
+    parts = []
+    starts = list(range(0, len(ana), cfg.batch_size))
+    for i, s in enumerate(tqdm(starts, desc=f"{NAME} batches", disable=not progress)):
+        got = ck.get(i) if ck is not None else None
+        if got is None:
+            w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
+            got = pd.DataFrame(_batch_rows(model, w, cfg, corr, layers, km, n_idx))
+            got["seq"] += s
+            if ck is not None:
+                ck.put(i, got)
+        parts.append(got)
+    units = pd.concat(parts, ignore_index=True)
+    heads, lay, kind = _summaries(units, cfg)
+    b = _baselines(units)
+    dm, dlo, dhi = bootstrap_ci(b["damage"].to_numpy(), seed=cfg.seed)
+    meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs, corruption=str(corr), layers=layers,
+                target_len=cfg.target(), p_kind=kind, damage=dict(mean=dm, ci_low=dlo, ci_high=dhi),
+                damage_detected=bool(dlo > 0 or dhi < 0), commit=git_commit(), wall_s=time.time() - t0,
+                n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads)
+    return Result(dict(heads=heads, layers=lay, baselines=b, units=units), cfg.as_dict(), meta)
+
+
+def run_or_skip(model: Any, cfg: Config, **kw: Any) -> Result:
+    """:func:`run`, or a Result whose ``meta["skipped"]`` says why when the corpus cannot give the windows or the
+    model cannot deliver a quantity (named refusals). Any other error propagates."""
+    from posgen_tl.hooks.capture import CaptureError  # noqa: PLC0415
+    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
+    from posgen_tl.maths.rope import RopeError  # noqa: PLC0415
+    from posgen_tl.report.html import SKIP_HINTS  # noqa: PLC0415
+
+    try:
+        return run(model, cfg, **kw)
+    except (CorpusError, CaptureError, RopeError) as e:
+        kind = "corpus" if isinstance(e, CorpusError) else "model"
+        return Result({}, cfg.as_dict(), {"skipped": f"the patching study skipped: {e}", "hint": SKIP_HINTS[kind]})
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def save(result: Result, folder: str | Path) -> list[Path]:
+    """Write ``result`` into ``folder``: ``patching_<table>.csv`` per table and ``patching_result.json``."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, df in result.tables.items():
+        p = out / f"{NAME}_{name}.csv"
+        df.to_csv(p, index=False)
+        paths.append(p)
+    p = out / f"{NAME}_result.json"
+    p.write_text(json.dumps(dict(config=result.config, meta=result.meta, tables=list(result.tables)), indent=1,
+                            default=lambda x: x.item() if hasattr(x, "item") else str(x)))
+    return [*paths, p]
+
+
+def load(folder: str | Path) -> Result:
+    """The :class:`Result` :func:`save` wrote into ``folder``."""
+    d = Path(folder)
+    info = json.loads((d / f"{NAME}_result.json").read_text())
+    tables = {n: pd.read_csv(d / f"{NAME}_{n}.csv", float_precision="round_trip") for n in info["tables"]}
+    return Result(tables, info["config"], info["meta"])
+
+
+# ----------------------------------------------------------------------------- render
+
+_WORDS = {"rot_q": "rotated queries", "rot_k": "rotated keys", "pos_term": "positional term f",
+          "sem_term": "semantic term g", "remainder": "remainder W − f − g", "pattern": "attention pattern"}
+
+
+def ranked(heads: pd.DataFrame, k: int = 10) -> pd.DataFrame:
+    """The ``k`` heads with the largest mean effect of each map, with word headers (what a page shows)."""
+    rows = []
+    for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
+        top = g.sort_values("effect", ascending=False).head(k)
+        for r in top.itertuples():
+            rows.append({"patched": _WORDS.get(str(q), str(q)), "direction": d, "layer": r.layer, "head": r.head,
+                         "effect (nats)": r.effect, "95 % interval": f"[{r.ci_low:.3g}, {r.ci_high:.3g}]",
+                         "recovery": r.recovery, "KL to clean": r.kl, "family-wise p (max-T)": r.p_fwe,
+                         "significant": "yes" if r.significant else "no"})
+    return pd.DataFrame(rows)
+
+
+def _sentence(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> str:
+    dmg = meta["damage"]
+    parts = [f"{meta['corruption']} raised the target NLL by {dmg['mean']:.3g} nats [{dmg['ci_low']:.3g}, "
+             f"{dmg['ci_high']:.3g}] over {meta['n_docs']} documents"
+             + ("" if meta["damage_detected"] else " — no damage distinguishable from 0, so no recovery is defined "
+                "(the maps show the effects in nats)")]
+    for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
+        sig = g[g["significant"]].sort_values("effect", ascending=False)
+        names = ", ".join(f"L{r.layer}H{r.head}" for r in sig.head(5).itertuples())
+        more = f" and {len(sig) - 5} more" if len(sig) > 5 else ""
+        parts.append(f"{_WORDS.get(str(q), q)} ({d}): {len(sig)} of {len(g)} heads significant at family-wise α = "
+                     f"{alpha:g}" + (f" ({names}{more})" if len(sig) else ""))
+    return "; ".join(parts) + "."
+
+
+def render(result: Result) -> Any:
+    """The report section: one sentence with the damage and the significant heads per map, a layer × head heatmap
+    of normalised recovery per map (fixed −1 … 1 scale, family-wise significant heads outlined), the ranked heads,
+    the per-layer patches."""
+    from posgen_tl.plot.patching import plot_patching_heatmap  # noqa: PLC0415
+    from posgen_tl.report.html import Finding, Section, figure_to_png, skipped_section  # noqa: PLC0415
+
+    t, meta, cfg = result.tables, result.meta, result.config
+    if "skipped" in meta:
+        return skipped_section(TITLE, meta["skipped"], None, meta.get("hint"))
+    heads = t["heads"]
+    figs = []
+    for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
+        fig = plot_patching_heatmap(g, n_layers=meta["n_layers"],
+                                    title=f"{meta['model']}: {_WORDS.get(str(q), q)} patched ({d})")
+        figs.append((figure_to_png(fig), f"Normalised recovery per head, {_WORDS.get(str(q), q)}, {d}; outlined: "
+                                         f"significant at family-wise α = {cfg['test_alpha']:g} (max-T sign-flip over "
+                                         "documents)"))
+    sentence = _sentence(heads, meta, cfg["test_alpha"])
+    findings = [Finding("patching", f"{int(g['significant'].sum())} heads", effect=float(g["effect"].max()),
+                        what=f"largest per-head effect, {_WORDS.get(str(q), q)} {d} (nats)", n=int(meta["n_docs"]))
+                for (q, d), g in heads.groupby(["quantity", "direction"], sort=False)]
+    return Section(
+        TITLE, verdict=sentence,
+        paragraphs=[f"{meta['n_seq']} windows of {meta['n_docs']} documents; clean ids 0 … n−1, corrupted: "
+                    f"{meta['corruption']}; metric: mean NLL of the last {meta['target_len']} tokens (tokens never "
+                    "change), KL to the clean run beside it. Effect = the part of the damage a patch accounts for "
+                    "(denoising: corrupted − patched; noising: patched − clean); recovery = mean effect / mean "
+                    f"damage. p: {meta['p_kind']}, over every head of a map."],
+        tables=[("Heads with the largest effect per map", ranked(heads)),
+                ("Whole layers patched (all heads together)", t["layers"])],
+        details=[("Every head", heads), ("Per document: clean and corrupted NLL", t["baselines"])],
+        figures=figs, findings=findings,
+        results=dict(meta=meta, significant=heads[heads["significant"]].to_dict("records")))

@@ -1,0 +1,140 @@
+"""The patching study (posgen_tl.experiments.patching, docs/method.md §9): its tables agree with the per-document
+rows they summarise, an interrupted run continues to the same numbers, a result survives save/load, the figure
+shows what it says, bad options are named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import tiny_models as tm
+import torch
+from matplotlib.patches import Rectangle
+
+from posgen_tl.experiments import patching as pe
+from posgen_tl.plot.patching import plot_patching_heatmap
+
+OPTS = dict(n_seq=5, seq_len=24, target_len=6, quantities=("rot_q", "pos_term"), directions=("denoising", "noising"),
+            layers=(1, 2), n_ref=3, n_perm=2000, batch_size=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """A tiny Llama whose attention is sharp (W_Q × 8) and output not uniform (unembedding × 10), so that the
+    swaps do measurable damage."""
+    torch.manual_seed(0)
+    m = tm.hf_llama(n_layers=3)[0]
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "q_proj" in name:
+                p.mul_(8.0)
+            if "lm_head" in name:
+                p.mul_(10.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def result(sharp):
+    return pe.run(sharp, corpus=tm.token_corpus(14), **OPTS)
+
+
+def test_tables_summarise_the_document_rows(result):
+    u, h = result["units"], result["heads"]
+    # every document × (quantity, direction) × (2 layers × 4 heads + 2 whole layers)
+    assert len(u) == 5 * 2 * 2 * (2 * 4 + 2)
+    assert len(h) == 2 * 2 * 2 * 4 and set(h["layer"]) == {1, 2}
+    row = h[(h["quantity"] == "pos_term") & (h["direction"] == "denoising") & (h["layer"] == 2) & (h["head"] == 1)]
+    g = u[(u["quantity"] == "pos_term") & (u["direction"] == "denoising") & (u["level"] == "head")
+          & (u["layer"] == 2) & (u["head"] == 1)].sort_values("doc")
+    effect = (g["corrupted_nll"] - g["nll"]).to_numpy()
+    damage = (g["corrupted_nll"] - g["clean_nll"]).to_numpy()
+    assert row["effect"].iloc[0] == pytest.approx(effect.mean(), rel=1e-9)
+    if result.meta["damage_detected"]:
+        assert row["recovery"].iloc[0] == pytest.approx(effect.mean() / damage.mean(), rel=1e-9)
+    # noising: the effect is patched − clean
+    nz = u[(u["direction"] == "noising") & (u["level"] == "head")]
+    hn = h[h["direction"] == "noising"].set_index(["quantity", "layer", "head"])["effect"]
+    means = (nz["nll"] - nz["clean_nll"]).groupby([nz["quantity"], nz["layer"], nz["head"]]).mean()
+    pd.testing.assert_series_equal(hn.sort_index(), means.sort_index(), check_names=False, rtol=1e-9)
+    assert (h["p_fwe"].between(0, 1)).all() and h["p_kind"].iloc[0] == "exact sign-flip max-T (2^5)"
+    assert result.meta["damage"]["mean"] > 0  # the swaps did damage on this model
+
+
+def test_the_corrupted_and_clean_runs_are_the_baselines_of_every_row(result):
+    u = result["units"]
+    per_doc = u.groupby("doc")[["clean_nll", "corrupted_nll"]].nunique()
+    assert (per_doc == 1).all().all()  # one clean and one corrupted value per document, whatever was patched
+
+
+def test_an_interrupted_run_continues_to_the_same_numbers(sharp, tmp_path, monkeypatch):
+    kw = {**OPTS, "quantities": ("rot_q",), "directions": ("denoising",)}
+    whole = pe.run(sharp, corpus=tm.token_corpus(14), **kw)
+    real, calls = pe._batch_rows, {"n": 0}
+
+    def dies_on_the_second(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(pe, "_batch_rows", dies_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        pe.run(sharp, corpus=tm.token_corpus(14), checkpoint=tmp_path / "ck", **kw)
+    assert len(list((tmp_path / "ck").glob("batch_*.csv"))) == 1
+    calls["n"] = 0
+    monkeypatch.setattr(pe, "_batch_rows", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
+    resumed = pe.run(sharp, corpus=tm.token_corpus(14), checkpoint=tmp_path / "ck", **kw)
+    assert calls["n"] == 2  # batches 2 and 3 of 3; the first came from the checkpoint
+    for name in ("heads", "layers", "units"):
+        pd.testing.assert_frame_equal(resumed[name], whole[name], check_exact=False, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="another patching design"):
+        pe.run(sharp, corpus=tm.token_corpus(14), checkpoint=tmp_path / "ck", **{**kw, "frac": 0.3})
+
+
+def test_save_load_render_round_trip(result, tmp_path):
+    pe.save(result, tmp_path)
+    back = pe.load(tmp_path)
+    for name in result.tables:
+        pd.testing.assert_frame_equal(back[name], result[name], check_dtype=False, check_exact=False, rtol=1e-12)
+    sec = pe.render(back)
+    assert len(sec.figures) == 4  # one map per (quantity, direction)
+    d = result.meta["damage"]
+    assert sec.verdict.startswith(f"T2 swaps (p = 0.2, seed 0) raised the target NLL by {d['mean']:.3g} nats")
+    assert "positional term f (noising): " in sec.verdict and "heads significant at family-wise α = 0.05" in sec.verdict
+    top = pe.ranked(result["heads"], k=3)
+    assert list(top.columns[:4]) == ["patched", "direction", "layer", "head"] and len(top) == 4 * 3
+    first = top.iloc[0]
+    best = result["heads"][(result["heads"]["quantity"] == "rot_q") & (result["heads"]["direction"] == "denoising")]
+    assert first["effect (nats)"] == pytest.approx(best["effect"].max())
+
+
+def test_heatmap_shows_a_fixed_scale_and_outlines_the_significant_heads():
+    heads = pd.DataFrame([dict(layer=la, head=h, recovery=(la - h) / 2, effect=0.01 * (la - h), significant=(la, h) in
+                               {(0, 1), (2, 0)}) for la in range(3) for h in range(4)])
+    fig = plot_patching_heatmap(heads, n_layers=4, title="t")
+    ax = fig.axes[0]
+    im = ax.images[0]
+    assert im.get_clim() == (-1.0, 1.0)  # fixed scale, whatever the data's range
+    arr = np.ma.filled(im.get_array().astype(float), np.nan)
+    assert arr.shape == (4, 4) and np.isnan(arr[3]).all() and not np.isnan(arr[:3]).any()  # a layer not patched: blank
+    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert sorted((b.get_y() + 0.5, b.get_x() + 0.5) for b in boxes) == [(0.0, 1.0), (2.0, 0.0)]
+    assert "normalised recovery" in fig.axes[1].get_ylabel()
+    # no damage: recovery undefined everywhere → the effect in nats on its own symmetric scale, labelled so
+    fig2 = plot_patching_heatmap(heads.assign(recovery=np.nan), n_layers=3)
+    assert fig2.axes[0].images[0].get_clim() == (-0.03, 0.03) and "recovery undefined" in fig2.axes[1].get_ylabel()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(n_seq=2), "at least 3"), (dict(corruption="scramble"), "corruption"), (dict(quantities=("v",)), "quantities"),
+    (dict(directions=("sideways",)), "directions"), (dict(frac=0.7), "frac"), (dict(test_alpha=1.5), "test_alpha"),
+])
+def test_bad_options_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        pe.Config(**kw)
+
+
+def test_gap_corruption_defaults_to_the_trained_context():
+    c = pe.corruption_of(pe.Config(corruption="gap"), n_ctx=2048)
+    assert c.gap == 2048 and "gap of 2048" in str(c)
+    assert "null control" in str(pe.corruption_of(pe.Config(corruption="shift"), 2048))
