@@ -111,6 +111,7 @@ def main() -> None:
     length_nb = getattr(cells, "length_nb", None)  # notebook 4, "longer texts", when it is supplied
     if length_nb is not None:
         books["04_longer_texts.ipynb"] = length_nb(md, code, SETUP)
+    books["05_patching_positions.ipynb"] = cells.positions_patching_nb(md, code, SETUP)
     HERE.mkdir(exist_ok=True)
     for name, cells_ in books.items():
         nb = nbf.v4.new_notebook()

@@ -190,3 +190,81 @@ suf = sufficiency.sufficiency(model, None, n_seq=n_seq, seq_len=2 * half, target
 suf.summary[suf.summary.estimator == "dnll"].round(3)
 plot_sufficiency(suf.summary)'''),
     ]
+
+
+def positions_patching_nb(md, code, SETUP):
+    """Notebook 5: activation patching over positions — which heads carry the damage of swapped position ids."""
+
+    def solution(s: str):
+        c = code(s)
+        c.metadata["jupyter"] = {"source_hidden": True}  # collapsed: expand to read the solution
+        return c
+
+    return [
+        md("""
+# 5 · Patching positions: which heads carry the damage of swapped position ids? (course exercise)
+
+Activation patching localises a behaviour: run the model on a clean and a corrupted input, carry one
+activation from one run into the other, and see how much of the difference it brings along. Here the two
+runs see the **same tokens**; only their **position ids** differ (docs/method.md §9). So the runs are
+aligned token by token, and we can ask of every head: does its *positional* part repair the damage?
+
+- **clean**: ids `0 … n−1`; **corrupted**: the same swaps of adjacent pairs as notebook 3's T2, applied to the ids;
+- **denoising** (clean → corrupted) measures sufficiency, **noising** (corrupted → clean) necessity;
+- patched quantities: rotated queries/keys, or one term of the logits `W = f + g + remainder` —
+  `f = s·q_iᵀR_{p_j−p_i}k̄` (positional: depends on q and the distance only) and `g = s·q_iᵀ(k_j − k̄)` (semantic)."""),
+        code(SETUP),
+        code('''model = pg.load_model("smollm2-135m")
+n_seq, seq_len, target = (3, 64, 16) if SMALL else (8, 128, 32)
+layers = [10, 20] if SMALL else list(range(0, 30, 3))
+ana, ref = pg.io.sampling.sample_windows(model, None, n_seq=n_seq, seq_len=seq_len, n_ref=4)   # disjoint documents
+tokens = ana.tokens
+k_means = pg.key_means(model, ref.tokens, layers)           # the global k̄ of each layer, from OTHER documents
+corrupted = pg.patching.Swaps(0.2)                         # T2: 20 % of adjacent pairs swapped in the ids
+metric = pg.patching.target_nll(tokens, target)            # NLL of the last `target` tokens, per sequence
+base = pg.patching.baselines(model, corrupted, tokens, metric)
+base'''),
+        md("""The corrupted run's NLL is higher: the swapped ids did damage. Now patch every head's positional
+term f from the clean run into the corrupted one — TransformerLens' `get_act_patch_*` idiom, one value per
+(layer, head) and sequence."""),
+        code('''f_map = pg.patching.get_act_patch_pos_term(model, corrupted, tokens, metric, k_means=k_means, layers=layers)
+recovery = pg.patching.normalised_recovery(f_map.mean(-1), base["clean"].mean(), base["corrupted"].mean())
+recovery[layers]        # 1 = this head's f alone repairs all the damage; 0 = nothing'''),
+        md("""## The study: many documents, a family-wise head list, the map
+
+One head's number from three documents is noise until tested. `pg.experiments.patching.run` samples windows
+of distinct documents, patches every head and every whole layer, and tests all heads of a map together
+(max-T sign-flip over documents): the outlined heads hold a false one with probability ≤ 5 %."""),
+        code('''res = pg.experiments.patching.run(model, n_seq=n_seq, seq_len=seq_len, target_len=target, layers=tuple(layers),
+                                  quantities=("pos_term", "sem_term"), progress=False)
+print(pg.experiments.patching.render(res).verdict)'''),
+        code('''heads = res["heads"]
+pg.plot.patching_heatmap(heads[heads["quantity"] == "pos_term"], n_layers=30, title="positional term f, denoising")'''),
+        code('''pg.experiments.patching.ranked(heads, k=5)'''),
+        md("""**✎ Exercise 1 (the null control).** Shift *every* id by 1000. Under RoPE no distance changes, so no
+metric may move: check that the corrupted run equals the clean one, and that the f-patch map is flat. Then
+patch the rotated queries alone under the same shift — why do they move the NLL? *(Solution below: expand.)*"""),
+        solution('''shift = pg.patching.Shift(1000)
+b0 = pg.patching.baselines(model, shift, tokens, metric)
+f0 = pg.patching.get_act_patch_pos_term(model, shift, tokens, metric, k_means=k_means, layers=layers[:1])
+q0 = pg.patching.get_act_patch_rot_q(model, shift, tokens, metric, layers=layers[:1])
+print("corrupted − clean:", (b0["corrupted"] - b0["clean"]).abs().max().item())
+print("f patch − clean:  ", (f0[layers[0]] - b0["clean"]).abs().max().item())
+print("rot_q patch − clean:", (q0[layers[0]] - b0["clean"]).abs().max().item())
+# f depends on the ids only through distances: flat. A rotated query carries ABSOLUTE angles: patched into the
+# shifted run it meets keys rotated 1000 positions further, so that head's every distance moves by 1000.'''),
+        md("""**✎ Exercise 2 (f or g?).** Compare the positional-term map with the semantic-term map. Which term
+carries the repair, and in which layers? Does the whole-layer patch (`res["layers"]`) exceed the best single
+head — backup heads hiding single-head effects?"""),
+        solution('''lay = res["layers"]
+best = heads.groupby("quantity")["effect"].max()
+print(lay[["quantity", "layer", "effect", "ci_low", "ci_high", "recovery", "p_fwe"]])
+print("best single head per quantity:", best.to_dict())'''),
+        md("""**✎ Exercise 3 (necessity).** Run the study with `directions=("noising",)`: which heads' positional term,
+carried from the corrupted run into the clean one, does the damage by itself? Are they the heads that repaired
+it? *(With the layer as the unit, not the head: heads of one layer share their input.)*"""),
+        solution('''noise = pg.experiments.patching.run(model, n_seq=n_seq, seq_len=seq_len, target_len=target,
+                                    layers=tuple(layers), directions=("noising",), progress=False)
+both = heads[heads["quantity"] == "pos_term"].merge(noise["heads"], on=["layer", "head"], suffixes=("_den", "_noise"))
+both.groupby("layer")[["effect_den", "effect_noise"]].mean()'''),
+    ]
