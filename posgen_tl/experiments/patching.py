@@ -165,7 +165,8 @@ def _batch_rows(model: Any, w: Windows, cfg: Config, corr: P.Corruption, layers:
 def _effects(u: pd.DataFrame) -> pd.DataFrame:
     den = u["direction"] == "denoising"
     return u.assign(damage=u["corrupted_nll"] - u["clean_nll"],
-                    effect=np.where(den, u["corrupted_nll"] - u["nll"], u["nll"] - u["clean_nll"]))
+                    effect=np.where(den, u["corrupted_nll"] - u["nll"], u["nll"] - u["clean_nll"]),
+                    kl_effect=np.where(den, u["corrupted_kl"] - u["kl"], u["kl"]))
 
 
 def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame, str]:
@@ -179,7 +180,7 @@ def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame
         dmg = g.groupby("doc")["damage"].mean().reindex(piv.index).to_numpy()
         fw = maxt_signflip(piv.to_numpy(), n_perm=cfg.n_perm, seed=cfg.seed)
         kind = fw["p_kind"]
-        kl = g.groupby(["layer", "head"])["kl"].mean()
+        kl = g.groupby(["layer", "head"])["kl_effect"].mean()
         rows = []
         for j, (layer, h) in enumerate(piv.columns):
             e = piv.iloc[:, j].to_numpy()
@@ -187,7 +188,7 @@ def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame
             rec, rlo, rhi = _ratio_ci(e, dmg, seed=cfg.seed)
             rows.append(dict(quantity=q, direction=d, layer=int(layer), head=int(h), n_docs=len(e), effect=m,
                              ci_low=lo, ci_high=hi, ci_level=0.95, recovery=rec, recovery_low=rlo, recovery_high=rhi,
-                             kl=float(kl.loc[(layer, h)]), t=float(fw["t"][j]), p_fwe=float(fw["p_fwe"][j]),
+                             kl_effect=float(kl.loc[(layer, h)]), t=float(fw["t"][j]), p_fwe=float(fw["p_fwe"][j]),
                              p_kind=fw["p_kind"], significant=bool(fw["p_fwe"][j] <= cfg.test_alpha)))
         out[str(level)].append(pd.DataFrame(rows))
     cat = {k: pd.concat(v, ignore_index=True) if v else pd.DataFrame() for k, v in out.items()}
@@ -341,7 +342,7 @@ def ranked(heads: pd.DataFrame, k: int = 10) -> pd.DataFrame:
         for r in top.itertuples():
             rows.append({"patched": _WORDS.get(str(q), str(q)), "direction": d, "layer": r.layer, "head": r.head,
                          "effect (nats)": r.effect, "95 % interval": f"[{r.ci_low:.3g}, {r.ci_high:.3g}]",
-                         "recovery": r.recovery, "KL to clean": r.kl, "family-wise p (max-T)": r.p_fwe,
+                         "recovery": r.recovery, "KL effect (nats)": r.kl_effect, "family-wise p (max-T)": r.p_fwe,
                          "significant": "yes" if r.significant else "no"})
     return pd.DataFrame(rows)
 
@@ -387,9 +388,10 @@ def render(result: Result) -> Any:
         TITLE, verdict=sentence,
         paragraphs=[f"{meta['n_seq']} windows of {meta['n_docs']} documents; clean ids 0 … n−1, corrupted: "
                     f"{meta['corruption']}; metric: mean NLL of the last {meta['target_len']} tokens (tokens never "
-                    "change), KL to the clean run beside it. Effect = the part of the damage a patch accounts for "
-                    "(denoising: corrupted − patched; noising: patched − clean); recovery = mean effect / mean "
-                    f"damage. p: {meta['p_kind']}, over every head of a map."],
+                    "change). Effect = the part of the damage a patch accounts for (denoising: corrupted − patched; "
+                    "noising: patched − clean); recovery = mean effect / mean damage; KL effect = the same for the "
+                    "KL of the target's next-token distributions to the clean run's (denoising: KL removed; "
+                    f"noising: KL added). p: {meta['p_kind']}, over every head of a map."],
         tables=[("Heads with the largest effect per map", ranked(heads)),
                 ("Whole layers patched (all heads together)", t["layers"])],
         details=[("Every head", heads), ("Per document: clean and corrupted NLL", t["baselines"])],

@@ -116,7 +116,8 @@ def test_heatmap_shows_a_fixed_scale_and_outlines_the_significant_heads():
     im = ax.images[0]
     assert im.get_clim() == (-1.0, 1.0)  # fixed scale, whatever the data's range
     arr = np.ma.filled(im.get_array().astype(float), np.nan)
-    assert arr.shape == (4, 4) and np.isnan(arr[3]).all() and not np.isnan(arr[:3]).any()  # a layer not patched: blank
+    assert arr.shape == (3, 4) and not np.isnan(arr).any()  # one row per patched layer
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "1", "2"] and "3 of 4 layers" in ax.get_ylabel()
     boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
     assert sorted((b.get_y() + 0.5, b.get_x() + 0.5) for b in boxes) == [(0.0, 1.0), (2.0, 0.0)]
     assert "normalised recovery" in fig.axes[1].get_ylabel()
