@@ -1,0 +1,81 @@
+"""Benchmark: a patching sweep (docs/method.md §9) as a ratio to a plain forward pass over the same tokens.
+
+    python benchmarks/bench_patching.py [--model smollm2-135m] [--n-seq 4] [--seq-len 128] [--layers 3]
+                                        [--out benchmarks/results_patching.json]
+
+In one process, on the same tokens (1 thread): (1) a plain forward ``model(tokens)``; (2) a per-head map of
+``rot_q`` and of ``pos_term`` over ``--layers`` layers with the heads of a layer stacked in the batch
+(``replicas`` = heads per layer) and (3) the same ``rot_q`` map one head per forward (``replicas=1``). Each
+is reported as seconds and as forward-equivalents (seconds / plain forward); the per-head cost is the map's
+forward-equivalents over the number of heads patched. A map of one (quantity, direction) also runs the
+clean and the corrupted baselines and one source forward: 3 forward-equivalents of fixed cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+
+def timed(fn, repeat: int = 1) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--n-seq", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=3, help="layers patched (the middle ones)")
+    ap.add_argument("--out", default="benchmarks/results_patching.json")
+    args = ap.parse_args()
+
+    import posgen_tl.patching as P
+    from posgen_tl.hooks.capture import probe_hooks
+    from posgen_tl.hooks.edits import key_means
+    from posgen_tl.io.models import load_model
+    from posgen_tl.io.sampling import sample_windows
+
+    model = load_model(args.model)
+    spec, _ = probe_hooks(model)
+    ana, ref = sample_windows(model, None, n_seq=args.n_seq, seq_len=args.seq_len, n_ref=2)
+    tokens = ana.tokens
+    mid = spec.n_layers // 2
+    layers = list(range(mid, mid + args.layers))
+    km = key_means(model, ref.tokens, layers)
+    metric = P.target_nll(tokens, args.seq_len // 4)
+    corr = P.Swaps(0.2)
+    with torch.no_grad():
+        model(tokens)  # warm-up
+        plain = timed(lambda: model(tokens), repeat=3)
+    n_heads = spec.n_heads * len(layers)
+    out = {"model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len, "layers": layers,
+           "heads_patched": n_heads, "threads": torch.get_num_threads(), "plain_forward_s": plain}
+    runs = {
+        "rot_q_stacked": lambda: P.get_act_patch_rot_q(model, corr, tokens, metric, layers=layers, verbose=False),
+        "rot_q_one_head_per_forward": lambda: P.get_act_patch_rot_q(model, corr, tokens, metric, layers=layers,
+                                                                    verbose=False, replicas=1),
+        "pos_term_stacked": lambda: P.get_act_patch_pos_term(model, corr, tokens, metric, layers=layers,
+                                                             k_means=km, verbose=False),
+    }
+    for name, fn in runs.items():
+        s = timed(fn)
+        out[name] = {"seconds": s, "forward_equivalents": s / plain, "per_head_forward_equivalents": s / plain / n_heads}
+        print(f"{name}: {s:.1f} s = {s / plain:.1f} plain forwards ({s / plain / n_heads:.2f} per head)", flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
