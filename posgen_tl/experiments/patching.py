@@ -180,7 +180,7 @@ def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame
         dmg = g.groupby("doc")["damage"].mean().reindex(piv.index).to_numpy()
         fw = maxt_signflip(piv.to_numpy(), n_perm=cfg.n_perm, seed=cfg.seed)
         kind = fw["p_kind"]
-        kl = g.groupby(["layer", "head"])["kl_effect"].mean()
+        kl = g.groupby(["doc", "layer", "head"])["kl_effect"].mean().groupby(["layer", "head"]).mean()  # per doc
         rows = []
         for j, (layer, h) in enumerate(piv.columns):
             e = piv.iloc[:, j].to_numpy()
@@ -189,7 +189,8 @@ def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame
             rows.append(dict(quantity=q, direction=d, layer=int(layer), head=int(h), n_docs=len(e), effect=m,
                              ci_low=lo, ci_high=hi, ci_level=0.95, recovery=rec, recovery_low=rlo, recovery_high=rhi,
                              kl_effect=float(kl.loc[(layer, h)]), t=float(fw["t"][j]), p_fwe=float(fw["p_fwe"][j]),
-                             p_kind=fw["p_kind"], significant=bool(fw["p_fwe"][j] <= cfg.test_alpha)))
+                             p_kind=fw["p_kind"], significant=bool(fw["p_fwe"][j] <= cfg.test_alpha),
+                             sign="repairs" if m > 0 else "worsens"))
         out[str(level)].append(pd.DataFrame(rows))
     cat = {k: pd.concat(v, ignore_index=True) if v else pd.DataFrame() for k, v in out.items()}
     if len(cat["layer"]):
@@ -210,9 +211,11 @@ def _ratio_ci(e: np.ndarray, dmg: np.ndarray, *, seed: int, n_boot: int = 10_000
 
 
 def _baselines(u: pd.DataFrame) -> pd.DataFrame:
-    b = u.drop_duplicates("doc")[["doc", "clean_nll", "corrupted_nll", "corrupted_kl"]].copy()
+    """Per document (its windows averaged, as everywhere): clean and corrupted NLL, the corrupted run's KL, damage."""
+    w = u.drop_duplicates("seq")[["doc", "seq", "clean_nll", "corrupted_nll", "corrupted_kl"]]
+    b = w.groupby("doc", sort=True)[["clean_nll", "corrupted_nll", "corrupted_kl"]].mean().reset_index()
     b["damage"] = b["corrupted_nll"] - b["clean_nll"]
-    return b.reset_index(drop=True)
+    return b
 
 
 class _Checkpoint:
@@ -263,7 +266,12 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     km = key_means(model, ref.tokens, layers, batch_size=cfg.batch_size) if need_km and ref is not None else None
     corr = corruption_of(cfg, spec.n_ctx)
     n_idx = {q: spec.n_kv_heads if q == "rot_k" else spec.n_heads for q in cfg.quantities}
-    fp = dict(config=cfg.as_dict(), model=spec.model_name, windows=windows_fingerprint(ana), layers=layers)
+    from posgen_tl.hooks.capture import model_dtype  # noqa: PLC0415
+
+    design = {k: v for k, v in cfg.as_dict().items() if k not in ("test_alpha", "n_perm")}  # statistics only
+    fp = dict(config=design, model=spec.model_name, dtype=str(model_dtype(model)), windows=windows_fingerprint(ana),
+              docs=ana.doc_ids.tolist(), starts=ana.starts.tolist(), layers=layers,
+              reference=windows_fingerprint(ref) if ref is not None and km is not None else None)
     ck = _Checkpoint(checkpoint, fp) if checkpoint is not None else None
     parts = []
     starts = list(range(0, len(ana), cfg.batch_size))
@@ -343,7 +351,7 @@ def ranked(heads: pd.DataFrame, k: int = 10) -> pd.DataFrame:
             rows.append({"patched": _WORDS.get(str(q), str(q)), "direction": d, "layer": r.layer, "head": r.head,
                          "effect (nats)": r.effect, "95 % interval": f"[{r.ci_low:.3g}, {r.ci_high:.3g}]",
                          "recovery": r.recovery, "KL effect (nats)": r.kl_effect, "family-wise p (max-T)": r.p_fwe,
-                         "significant": "yes" if r.significant else "no"})
+                         "significant": (r.sign if r.significant else "no")})
     return pd.DataFrame(rows)
 
 
@@ -355,10 +363,13 @@ def _sentence(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> str:
                 "(the maps show the effects in nats)")]
     for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
         sig = g[g["significant"]].sort_values("effect", ascending=False)
-        names = ", ".join(f"L{r.layer}H{r.head}" for r in sig.head(5).itertuples())
-        more = f" and {len(sig) - 5} more" if len(sig) > 5 else ""
-        parts.append(f"{_WORDS.get(str(q), q)} ({d}): {len(sig)} of {len(g)} heads significant at family-wise α = "
-                     f"{alpha:g}" + (f" ({names}{more})" if len(sig) else ""))
+        pos, neg = sig[sig["effect"] > 0], sig[sig["effect"] <= 0]
+        names = ", ".join(f"L{r.layer}H{r.head}" for r in pos.head(5).itertuples())
+        more = f" and {len(pos) - 5} more" if len(pos) > 5 else ""
+        what = "account for part of the damage" if d == "denoising" else "do part of the damage alone"
+        parts.append(f"{_WORDS.get(str(q), q)} ({d}): {len(pos)} of {len(g)} heads significantly {what} at "
+                     f"family-wise α = {alpha:g}" + (f" ({names}{more})" if len(pos) else "")
+                     + (f", {len(neg)} significantly the opposite" if len(neg) else ""))
     return "; ".join(parts) + "."
 
 
@@ -381,7 +392,8 @@ def render(result: Result) -> Any:
                                          f"significant at family-wise α = {cfg['test_alpha']:g} (max-T sign-flip over "
                                          "documents)"))
     sentence = _sentence(heads, meta, cfg["test_alpha"])
-    findings = [Finding("patching", f"{int(g['significant'].sum())} heads", effect=float(g["effect"].max()),
+    findings = [Finding("patching", f"{int((g['significant'] & (g['effect'] > 0)).sum())} heads",
+                        effect=float(g["effect"].max()),
                         what=f"largest per-head effect, {_WORDS.get(str(q), q)} {d} (nats)", n=int(meta["n_docs"]))
                 for (q, d), g in heads.groupby(["quantity", "direction"], sort=False)]
     return Section(

@@ -25,6 +25,7 @@ knows hook names.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -33,7 +34,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation_stash, probe_hooks, to_heads
+from posgen_tl.hooks.capture import CaptureError, from_heads, model_device, pre_rotation_stash, probe_hooks, to_heads
 from posgen_tl.maths.decompose import d3_split
 
 __all__ = ["QUANTITIES", "TERMS", "Hooks", "PatchSite", "patch_site", "record_hooks", "patch_hooks", "term_maps"]
@@ -96,6 +97,10 @@ def patch_site(model: Any, quantity: str) -> PatchSite:
         if not info.pattern_fires:
             raise CaptureError(f"{spec.model_name}: hook_pattern does not fire on this model; the attention pattern "
                                "cannot be patched (patch rot_q/rot_k or a logit term instead)")
+        if not _pattern_writes_reach(model, info):
+            raise CaptureError(f"{spec.model_name}: hook_pattern fires after the attention output is computed (a "
+                               "value written there is discarded), so the attention pattern cannot be patched; "
+                               "patch rot_q/rot_k or a logit term instead")
         return PatchSite(quantity, "hook_pattern", "scores", False)
     if info.scores_kind != "pre_softmax":
         raise CaptureError(f"{spec.model_name}: hook_attn_scores holds {info.scores_kind!r} values, not pre-softmax "
@@ -104,6 +109,29 @@ def patch_site(model: Any, quantity: str) -> PatchSite:
         raise CaptureError(f"{spec.model_name}: the model soft-caps its attention logits (tanh), so they are not the "
                            f"sum f + g + remainder; patching the logit term {quantity!r} would not be exact")
     return PatchSite(quantity, "hook_attn_scores", "scores", False)
+
+
+_PATTERN_WRITES: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def _pattern_writes_reach(model: Any, info: Any) -> bool:
+    """Does a value written into layer 0's ``hook_pattern`` change the model's output? (Probed once per model with
+    two 8-token forwards: the pattern replaced by uniform attention over the visible keys, and unchanged.)"""
+    if model in _PATTERN_WRITES:
+        return _PATTERN_WRITES[model]
+    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 50)
+    toks = (torch.arange(8) * 7 % max(2, min(vocab, 1000))).unsqueeze(0).to(model_device(model))
+
+    def uniform(x: Tensor, hook: Any) -> Tensor:
+        vis = torch.tril(torch.ones(x.shape[-2:], dtype=x.dtype, device=x.device)).expand_as(x)
+        return vis / vis.sum(-1, keepdim=True)
+
+    plain = model(toks)
+    with model.hooks(fwd_hooks=[(info.name(0, "hook_pattern"), uniform)]):
+        written = model(toks)
+    _PATTERN_WRITES[model] = not torch.equal(plain, written)
+    return _PATTERN_WRITES[model]
 
 
 def _as_bshd(x: Tensor, site: PatchSite, d_head: int) -> Tensor:
@@ -214,9 +242,13 @@ def patch_hooks(
                     rope: Any = rope) -> Tensor:
             q, k = stash.pop("q"), stash.pop("k")
             n_rep, n = mask.shape[0], w.shape[-1]
+            src = source[layer]
+            if src["q"].shape[0] * n_rep != q.shape[0] or src["q"].shape[1:] != q.shape[1:]:
+                raise ValueError(f"layer {layer}: the recorded q {tuple(src['q'].shape)} is not one replica of this "
+                                 f"forward's {tuple(q.shape)} in {n_rep} replicas: clean and corrupted runs must be "
+                                 "aligned")
             km = k_means[layer].to(q.device)
             pos_b = _positions(base_positions, q.shape[0] // n_rep, n, q.device).repeat(n_rep, 1)
-            src = source[layer]
             pos_s = _positions(source_positions, src["q"].shape[0], n, q.device)
             t_src = term_maps(src["q"].to(q.device), src["k"].to(q.device), km, pos_s, rope, quantity)
             t_base = _replicas(term_maps(q, k, km, pos_b, rope, quantity), n_rep)
@@ -234,4 +266,6 @@ def _positions(p: Tensor | None, batch: int, n: int, device: Any) -> Tensor:
     if p is None:
         return torch.arange(n, device=device).expand(batch, n)
     p = p.to(device)
+    if p.shape[-1] != n or (p.ndim == 2 and p.shape[0] != batch):
+        raise ValueError(f"position ids of shape {tuple(p.shape)} do not fit {batch} sequences of {n} tokens")
     return p.expand(batch, n) if p.ndim == 1 else p

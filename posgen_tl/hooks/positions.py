@@ -129,11 +129,14 @@ def final_residual_hook(model: Any, store: dict, start: int, stop: int) -> tuple
     """``(name, fn)`` on the final norm's output: stores ``x[:, start:stop]`` in ``store['resid']``
     and raises :class:`StopForward` (so no full-vocabulary logits are computed).
 
-    Returns ``None`` when the model has no ``ln_final.hook_out`` or no ``unembed`` (then
-    compute full logits instead).
+    Returns ``None`` when the model has no ``ln_final.hook_out`` or no ``unembed``, or soft-caps its
+    output logits after the unembedding (Gemma2: ``final_logit_softcapping``, which ``model.unembed``
+    alone would skip) — then compute full logits instead.
     """
     name = "ln_final.hook_out"
     if name not in getattr(model, "hook_dict", {}) or not hasattr(model, "unembed"):
+        return None
+    if probe_hooks(model)[0].extra.get("final_logit_softcapping"):
         return None
 
     def fn(x: Tensor, hook: Any) -> None:

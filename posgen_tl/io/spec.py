@@ -241,7 +241,8 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
              if isinstance(getattr(m, "sinks", None), torch.Tensor)}
     q_norm = any(hasattr(m, "q_norm") or hasattr(m, "q_layernorm") for m in attn_modules)
     extra.update({"attn_logit_softcapping": softcap, "layer_types": layer_types, "architecture": arch,
-                  "clip_qkv": getattr(text_cfg, "clip_qkv", None)})
+                  "clip_qkv": getattr(text_cfg, "clip_qkv", None),
+                  "final_logit_softcapping": getattr(text_cfg, "final_logit_softcapping", None) or None})
     if sinks:
         extra["attention_sinks"] = sinks
     if "dynamic" in rope_types:
@@ -664,7 +665,8 @@ def _from_native(model: Any, native: Any, name: str) -> RopeSpec:
         rope_type=rtype,
         qk_norm=False,
         source="TransformerLens native rotary",
-        extra={"attn_logit_softcapping": (float(cfg.attn_scores_soft_cap) if cfg.attn_scores_soft_cap > 0 else None)},
+        extra={"attn_logit_softcapping": (float(cfg.attn_scores_soft_cap) if cfg.attn_scores_soft_cap > 0 else None),
+               "final_logit_softcapping": _output_cap(cfg)},
     )
 
 
@@ -772,7 +774,8 @@ def _from_tl_config(model: Any, name: str) -> RopeSpec:
         layers.append(lr)
     n_heads = int(cfg.n_heads)
     softcap = float(getattr(cfg, "attn_scores_soft_cap", -1.0) or -1.0)
-    extra: dict[str, Any] = {"attn_logit_softcapping": softcap if softcap > 0 else None}
+    extra: dict[str, Any] = {"attn_logit_softcapping": softcap if softcap > 0 else None,
+                             "final_logit_softcapping": _output_cap(cfg)}
     if getattr(cfg, "use_attention_sinks", False):  # learned per-head sink logits joining each softmax row
         extra["attention_sinks"] = {i: a.sinks.detach().float().cpu().clone() for i, a in enumerate(attns)}
     if getattr(cfg, "use_dynamic_ntk_rope", False) or getattr(cfg, "use_logn_attn", False):
@@ -791,3 +794,9 @@ def _from_tl_config(model: Any, name: str) -> RopeSpec:
         source="HookedTransformer config, checked against its rotary tables",
         extra=extra,
     )
+
+
+def _output_cap(cfg: Any) -> float | None:
+    """A TransformerLens config's soft-cap of the output logits (``output_logits_soft_cap``; ``None`` when off)."""
+    cap = float(getattr(cfg, "output_logits_soft_cap", -1.0) or -1.0)
+    return cap if cap > 0 else None

@@ -35,8 +35,8 @@ def maxt_signflip(x: Any, *, n_perm: int = 20_000, seed: int = 0, chunk: int = 2
 
     Args:
         x: ``[n_docs, n_tests]`` per-document effects (one row per document, NaN-free).
-        n_perm: random sign vectors when ``2^n_docs`` exceeds it (and ``n_docs > 16``); otherwise every
-            sign vector is enumerated (exact).
+        n_perm: random sign vectors when ``2^n_docs`` exceeds both it and ``2^16``; otherwise every sign
+            vector is enumerated (exact).
 
     Returns:
         dict ``t`` (``[n_tests]`` one-sample t, 0 where a test's documents agree exactly), ``p_fwe``
@@ -56,7 +56,7 @@ def maxt_signflip(x: Any, *, n_perm: int = 20_000, seed: int = 0, chunk: int = 2
         raise ValueError(f"{n} documents: a sign-flip test needs at least 3")
     sumsq = (a**2).sum(0)
     t_obs = _t(a.sum(0), sumsq, n)
-    exact = n <= _ENUMERATE_UP_TO and 2**n <= max(n_perm, 2**_ENUMERATE_UP_TO)
+    exact = 2**n <= max(n_perm, 2**_ENUMERATE_UP_TO)  # every sign vector, when they are no more than the draws
     exceed = np.zeros(m)
     total = 0
     rng = np.random.default_rng(seed)

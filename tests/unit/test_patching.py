@@ -114,6 +114,21 @@ def test_patching_every_heads_rotated_q_and_k_restores_the_other_run_exactly(mod
     assert torch.equal(_metric_with(model, tokens, metric, hooks), corrupted)
 
 
+@pytest.mark.parametrize("which", ["llama", "gemma3"])
+def test_patching_every_heads_pattern_restores_the_other_run(model, tokens, which):
+    """A pattern write must reach the model (a backend that fires hook_pattern after computing its output would
+    discard it silently): every layer's pattern from the clean run makes the corrupted run the clean one."""
+    m = model if which == "llama" else _sharpen(tm.hf_gemma3()[0])
+    metric = P.target_nll(tokens, T)
+    ids = P.Swaps(0.3).position_ids(N, n_seq=2, keep_last=T)
+    rep = reposition_hooks(m, ids)
+    clean = _metric_with(m, tokens, metric, [])
+    assert (_metric_with(m, tokens, metric, rep) - clean).abs().max() > 1e-4
+    st = _record(m, tokens, ["pattern"])["pattern"]
+    hooks = [*rep, *patch_hooks(m, "pattern", _all(m, "pattern"), st).after]
+    torch.testing.assert_close(_metric_with(m, tokens, metric, hooks), clean, rtol=0, atol=1e-6)
+
+
 def _scores_at(model, layer, tokens, hooks):
     out = {}
 
@@ -148,6 +163,42 @@ def test_pos_sem_and_remainder_together_give_the_sources_logits(model, tokens, k
     w_f = _scores_at(model, layer, tokens, h.around(rep))
     assert 1e-3 < (w_f[vis] - w_corr[vis]).abs().max()
     assert (w_f[vis] - w_clean[vis]).abs().max() > 1e-3
+
+
+def test_noising_terms_give_the_corrupted_logits(model, tokens, k_means):
+    """The mirror: f, g and the remainder recorded in the corrupted run (source ids = the corrupted ones) and
+    written into the clean run give the corrupted run's logits at that layer."""
+    layer = 1
+    ids = P.Swaps(0.3).position_ids(N, n_seq=2, keep_last=T)
+    rep = reposition_hooks(model, ids)
+    w_corr = _scores_at(model, layer, tokens, rep)
+    st = _record(model, tokens, ["pos_term", "sem_term", "remainder"], middle=rep)
+    mask = {layer: torch.ones(1, N, 4, dtype=torch.bool)}
+    before, after = [], []
+    for q in ("pos_term", "sem_term", "remainder"):
+        h = patch_hooks(model, q, mask, st[q], k_means=k_means, source_positions=ids)
+        before, after = before + h.before, after + h.after
+    w = _scores_at(model, layer, tokens, [*before, *after])
+    vis = torch.isfinite(w_corr)
+    torch.testing.assert_close(w[vis], w_corr[vis], rtol=1e-5, atol=1e-5)
+    # the positional term alone, with the ids mixed up (source at the clean ids), lands elsewhere
+    h = patch_hooks(model, "pos_term", mask, st["pos_term"], k_means=k_means)
+    w_bad = _scores_at(model, layer, tokens, h.around())
+    h = patch_hooks(model, "pos_term", mask, st["pos_term"], k_means=k_means, source_positions=ids)
+    w_f = _scores_at(model, layer, tokens, h.around())
+    assert (w_bad[vis] - w_f[vis]).abs().max() > 1e-3
+
+
+def test_stacked_term_patches_equal_one_patch_per_forward(model, tokens, k_means):
+    metric = P.target_nll(tokens, T)
+    for d in ("denoising", "noising"):
+        a = P.get_act_patch_pos_term(model, P.Swaps(0.3), tokens, metric, k_means=k_means, layers=[1], direction=d,
+                                     verbose=False)
+        b = P.get_act_patch_pos_term(model, P.Swaps(0.3), tokens, metric, k_means=k_means, layers=[1], direction=d,
+                                     verbose=False, replicas=1)
+        assert torch.isnan(a[[0, 2]]).all() and torch.isnan(b[[0, 2]]).all()  # layers not patched
+        torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-5)
+        assert a[1].std() > 0  # heads differ: a mix-up of replicas would show
 
 
 def test_layer_zero_sem_term_is_a_no_op_and_pos_plus_remainder_equals_rotated_qk(model, tokens, k_means):
@@ -200,10 +251,14 @@ def test_sweep_agrees_with_one_patch_per_forward_and_has_tl_shapes(model, tokens
     assert kv.shape == (3, 2, 2)  # kv heads
     lay = P.get_act_patch_layer(model, corr, tokens, lambda lg: metric(lg).mean(), layers=[1, 2], verbose=False)
     assert lay.shape == (3,) and math.isnan(float(lay[0])) and not torch.isnan(lay[1:]).any()
-    # noising a head moves the clean run toward the corrupted one; the recovery is 0…1-scaled per document
+    # the recovery is (corrupted − patched) / (corrupted − clean) per document; noising: (patched − clean) / …
     b = P.baselines(model, corr, tokens, metric)
     rec = P.normalised_recovery(stacked, b["clean"], b["corrupted"])
     assert rec.shape == stacked.shape and torch.isfinite(rec).all()
+    torch.testing.assert_close(rec, (b["corrupted"] - stacked) / (b["corrupted"] - b["clean"]))
+    noised = P.get_act_patch_rot_q(model, corr, tokens, metric, verbose=False, direction="noising", layers=[2])
+    rec_n = P.normalised_recovery(noised[2], b["clean"], b["corrupted"], direction="noising")
+    torch.testing.assert_close(rec_n, (noised[2] - b["clean"]) / (b["corrupted"] - b["clean"]))
     assert torch.isnan(P.normalised_recovery(torch.ones(2), torch.ones(2), torch.ones(2))).all()
 
 

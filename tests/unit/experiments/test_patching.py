@@ -51,6 +51,8 @@ def test_tables_summarise_the_document_rows(result):
     assert row["effect"].iloc[0] == pytest.approx(effect.mean(), rel=1e-9)
     if result.meta["damage_detected"]:
         assert row["recovery"].iloc[0] == pytest.approx(effect.mean() / damage.mean(), rel=1e-9)
+    else:  # no detectable damage: recovery undefined everywhere, never a number
+        assert h["recovery"].isna().all() and h["recovery_low"].isna().all()
     # noising: the effect is patched − clean
     nz = u[(u["direction"] == "noising") & (u["level"] == "head")]
     hn = h[h["direction"] == "noising"].set_index(["quantity", "layer", "head"])["effect"]
@@ -58,6 +60,15 @@ def test_tables_summarise_the_document_rows(result):
     pd.testing.assert_series_equal(hn.sort_index(), means.sort_index(), check_names=False, rtol=1e-9)
     assert (h["p_fwe"].between(0, 1)).all() and h["p_kind"].iloc[0] == "exact sign-flip max-T (2^5)"
     assert result.meta["damage"]["mean"] > 0  # the swaps did damage on this model
+
+
+def test_recovery_is_a_ratio_of_means_with_a_bootstrap_interval_and_undefined_without_damage():
+    rng = np.random.default_rng(0)
+    dmg = rng.normal(1.0, 0.2, 20)
+    eff = 0.3 * dmg + rng.normal(0, 0.02, 20)
+    r, lo, hi = pe._ratio_ci(eff, dmg, seed=0)
+    assert r == pytest.approx(eff.mean() / dmg.mean()) and lo < r < hi and hi - lo < 0.1
+    assert all(np.isnan(pe._ratio_ci(eff, rng.normal(0, 1, 20), seed=0)))  # damage's interval holds 0
 
 
 def test_the_corrupted_and_clean_runs_are_the_baselines_of_every_row(result):
@@ -100,7 +111,8 @@ def test_save_load_render_round_trip(result, tmp_path):
     assert len(sec.figures) == 4  # one map per (quantity, direction)
     d = result.meta["damage"]
     assert sec.verdict.startswith(f"T2 swaps (p = 0.2, seed 0) raised the target NLL by {d['mean']:.3g} nats")
-    assert "positional term f (noising): " in sec.verdict and "heads significant at family-wise α = 0.05" in sec.verdict
+    assert "positional term f (noising): " in sec.verdict and "do part of the damage alone at family-wise α = 0.05" \
+        in sec.verdict and "heads significantly account for part of the damage" in sec.verdict
     top = pe.ranked(result["heads"], k=3)
     assert list(top.columns[:4]) == ["patched", "direction", "layer", "head"] and len(top) == 4 * 3
     first = top.iloc[0]
