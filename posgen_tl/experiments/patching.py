@@ -54,6 +54,8 @@ TITLE = "9 · Where does the damage of perturbed positions live? Activation patc
 #: the tables of a Result, in the order a page shows them
 TABLES = ("heads", "layers", "baselines", "units")
 CORRUPTIONS = ("swaps", "gap", "shift")
+#: the suffix of a logit term's random-k̄ control in the tables (``pos_term (random k̄)``)
+RANDOM = " (random k̄)"
 DIRECTIONS = ("denoising", "noising")
 
 
@@ -82,6 +84,9 @@ class Config(base.Config):
                                                 "the last)", "layers", full="all")
     n_ref: int = base.n_ref_option(4, quick=2, full=8)
     test_alpha: float = base.option(0.05, "family-wise level α of the significant-head list (per map)", "float")
+    random_control: bool = base.option(True, "beside each logit term, the same patch with k̄ replaced by a random "
+                                             "vector of the same norm per kv head (a term patch can have effects of "
+                                             "its own)", "bool", quick=False)
     n_perm: int = base.option(20_000, "sign vectors of the max-T test when 2^documents exceeds it", "int")
     replicas: int = base.option(0, "patches per forward, stacked in the batch (0 = the heads of one layer)", "count")
     batch_size: int = base.batch_option(2)
@@ -136,26 +141,40 @@ class Result:
 # ----------------------------------------------------------------------------- the sweep
 
 
+def random_means(k_means: dict[int, torch.Tensor], seed: int) -> dict[int, torch.Tensor]:
+    """The control's k̄: per layer and kv head a random direction (seeded by ``seed`` and the layer) with the norm of
+    that head's k̄ — the same patch along a direction the model did not learn."""
+    out = {}
+    for layer, km in k_means.items():
+        g = torch.Generator().manual_seed(int(seed) * 1009 + int(layer))
+        u = torch.randn(km.shape, generator=g, dtype=torch.float64)
+        out[layer] = (u / u.norm(dim=-1, keepdim=True) * km.double().norm(dim=-1, keepdim=True)).to(km.dtype)
+    return out
+
+
 def _batch_rows(model: Any, w: Windows, cfg: Config, corr: P.Corruption, layers: list[int], km: dict | None,
-                n_idx: dict[str, int]) -> list[dict[str, Any]]:
+                n_idx: dict[str, int], km_random: dict | None = None) -> list[dict[str, Any]]:
     """Unit rows of one batch of windows: per document × (quantity, direction, level, layer, head) the patched
     metrics and both baselines."""
     toks = w.tokens
     metric = P.target_metrics(model, toks, cfg.target())
     docs, starts = w.doc_ids.tolist(), w.starts.tolist()
     rows: list[dict[str, Any]] = []
-    for q in cfg.quantities:
+    jobs = [(q, q, km) for q in cfg.quantities]
+    if km_random is not None:
+        jobs += [(q + RANDOM, q, km_random) for q in cfg.quantities if q in TERMS]
+    for label, q, means in jobs:
         heads = [{layer: [h]} for layer in layers for h in range(n_idx[q])]
         whole = [{layer: list(range(n_idx[q]))} for layer in layers]
         for d in cfg.directions:
             sw = P.patch_sweep(model, corr, toks, metric, quantity=q, groups=heads + whole, direction=d,  # type: ignore[arg-type]
-                               k_means=km if q in TERMS else None, doc_ids=docs, starts=starts,
+                               k_means=means if q in TERMS else None, doc_ids=docs, starts=starts,
                                replicas=cfg.replicas or None)
             labels = [("head", layer, h) for layer in layers for h in range(n_idx[q])] + \
                      [("layer", layer, -1) for layer in layers]
             for g, (level, layer, h) in enumerate(labels):
                 for i in range(len(w)):
-                    rows.append(dict(doc=int(docs[i]), seq=i, quantity=q, direction=d, level=level, layer=layer,
+                    rows.append(dict(doc=int(docs[i]), seq=i, quantity=label, direction=d, level=level, layer=layer,
                                      head=h, nll=float(sw.values[g, i, 0]), kl=float(sw.values[g, i, 1]),
                                      clean_nll=float(sw.clean[i, 0]), corrupted_nll=float(sw.corrupted[i, 0]),
                                      corrupted_kl=float(sw.corrupted[i, 1])))
@@ -264,8 +283,9 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         if ref is not None:
             check_disjoint(ana, ref)
     km = key_means(model, ref.tokens, layers, batch_size=cfg.batch_size) if need_km and ref is not None else None
+    km_random = random_means(km, cfg.seed) if km is not None and cfg.random_control else None
     corr = corruption_of(cfg, spec.n_ctx)
-    n_idx = {q: spec.n_kv_heads if q == "rot_k" else spec.n_heads for q in cfg.quantities}
+    n_idx = {q: spec.n_kv_heads if q == "rot_k" else spec.n_heads for q in cfg.quantities}  # by quantity
     from posgen_tl.hooks.capture import model_dtype  # noqa: PLC0415
 
     design = {k: v for k, v in cfg.as_dict().items() if k not in ("test_alpha", "n_perm")}  # statistics only
@@ -279,7 +299,7 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         got = ck.get(i) if ck is not None else None
         if got is None:
             w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
-            got = pd.DataFrame(_batch_rows(model, w, cfg, corr, layers, km, n_idx))
+            got = pd.DataFrame(_batch_rows(model, w, cfg, corr, layers, km, n_idx, km_random))
             got["seq"] += s
             if ck is not None:
                 ck.put(i, got)
@@ -340,6 +360,7 @@ def load(folder: str | Path) -> Result:
 
 _WORDS = {"rot_q": "rotated queries", "rot_k": "rotated keys", "pos_term": "positional term f",
           "sem_term": "semantic term g", "remainder": "remainder W − f − g", "pattern": "attention pattern"}
+_WORDS.update({k + RANDOM: v + " with a random k̄ (control)" for k, v in list(_WORDS.items())})
 
 
 def ranked(heads: pd.DataFrame, k: int = 10) -> pd.DataFrame:

@@ -40,9 +40,13 @@ def result(sharp):
 
 def test_tables_summarise_the_document_rows(result):
     u, h = result["units"], result["heads"]
-    # every document × (quantity, direction) × (2 layers × 4 heads + 2 whole layers)
-    assert len(u) == 5 * 2 * 2 * (2 * 4 + 2)
-    assert len(h) == 2 * 2 * 2 * 4 and set(h["layer"]) == {1, 2}
+    # every document × (rot_q, pos_term, its random-k̄ control) × direction × (2 layers × 4 heads + 2 whole layers)
+    assert len(u) == 5 * 3 * 2 * (2 * 4 + 2)
+    assert len(h) == 3 * 2 * 2 * 4 and set(h["layer"]) == {1, 2}
+    assert set(h["quantity"]) == {"rot_q", "pos_term", "pos_term" + pe.RANDOM}
+    f, r = (h[h["quantity"] == q].set_index(["direction", "layer", "head"])["effect"] for q in ("pos_term",
+                                                                                              "pos_term" + pe.RANDOM))
+    assert not np.allclose(f.to_numpy(), r.loc[f.index].to_numpy())  # another k̄, another patch
     row = h[(h["quantity"] == "pos_term") & (h["direction"] == "denoising") & (h["layer"] == 2) & (h["head"] == 1)]
     g = u[(u["quantity"] == "pos_term") & (u["direction"] == "denoising") & (u["level"] == "head")
           & (u["layer"] == 2) & (u["head"] == 1)].sort_values("doc")
@@ -108,13 +112,14 @@ def test_save_load_render_round_trip(result, tmp_path):
     for name in result.tables:
         pd.testing.assert_frame_equal(back[name], result[name], check_dtype=False, check_exact=False, rtol=1e-12)
     sec = pe.render(back)
-    assert len(sec.figures) == 4  # one map per (quantity, direction)
+    assert len(sec.figures) == 6  # one map per (quantity, direction), the control's included
     d = result.meta["damage"]
     assert sec.verdict.startswith(f"T2 swaps (p = 0.2, seed 0) raised the target NLL by {d['mean']:.3g} nats")
     assert "positional term f (noising): " in sec.verdict and "do part of the damage alone at family-wise α = 0.05" \
         in sec.verdict and "heads significantly account for part of the damage" in sec.verdict
     top = pe.ranked(result["heads"], k=3)
-    assert list(top.columns[:4]) == ["patched", "direction", "layer", "head"] and len(top) == 4 * 3
+    assert list(top.columns[:4]) == ["patched", "direction", "layer", "head"] and len(top) == 6 * 3
+    assert "positional term f with a random k̄ (control)" in set(top["patched"])
     first = top.iloc[0]
     best = result["heads"][(result["heads"]["quantity"] == "rot_q") & (result["heads"]["direction"] == "denoising")]
     assert first["effect (nats)"] == pytest.approx(best["effect"].max())
@@ -145,6 +150,14 @@ def test_heatmap_shows_a_fixed_scale_and_outlines_the_significant_heads():
 def test_bad_options_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         pe.Config(**kw)
+
+
+def test_random_means_keep_each_heads_norm_and_change_its_direction():
+    km = {3: torch.randn(2, 16, dtype=torch.float32)}
+    r = pe.random_means(km, seed=0)[3]
+    torch.testing.assert_close(r.norm(dim=-1), km[3].norm(dim=-1))
+    assert (torch.nn.functional.cosine_similarity(r, km[3], dim=-1).abs() < 0.9).all()
+    assert torch.equal(r, pe.random_means(km, seed=0)[3]) and not torch.equal(r, pe.random_means(km, seed=1)[3])
 
 
 def test_gap_corruption_defaults_to_the_trained_context():
