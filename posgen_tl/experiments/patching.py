@@ -89,7 +89,7 @@ class Config(base.Config):
                                              "its own)", "bool", quick=False)
     n_perm: int = base.option(20_000, "sign vectors of the max-T test when 2^documents exceeds it", "int")
     replicas: int = base.option(0, "patches per forward, stacked in the batch (0 = the heads of one layer)", "count")
-    batch_size: int = base.batch_option(2)
+    batch_size: int = base.batch_option(4)
 
     def check(self) -> None:
         """Raise ValueError naming the option: fewer than 3 sequences, an unknown corruption, quantity or direction, a
