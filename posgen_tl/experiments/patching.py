@@ -52,7 +52,7 @@ ABOUT = ("which heads carry the damage of perturbed positions? activation patchi
 NEEDS: tuple[str, ...] = ()
 TITLE = "9 · Where does the damage of perturbed positions live? Activation patching per head (docs/method.md §9)"
 #: the tables of a Result, in the order a page shows them
-TABLES = ("heads", "layers", "baselines", "units")
+TABLES = ("heads", "layers", "baselines", "units", "twin")
 CORRUPTIONS = ("swaps", "gap", "shift")
 #: the suffix of a logit term's random-k̄ control in the tables (``pos_term (random k̄)``)
 RANDOM = " (random k̄)"
@@ -308,11 +308,35 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     heads, lay, kind = _summaries(units, cfg)
     b = _baselines(units)
     dm, dlo, dhi = bootstrap_ci(b["damage"].to_numpy(), seed=cfg.seed)
+    tables = dict(heads=heads, layers=lay, baselines=b, units=units)
+    twin_meta = None
+    if cfg.twin:
+        tables["twin"] = _twin_damage(model, ana, corr, cfg)
+        tm_, tlo, thi = bootstrap_ci(tables["twin"]["damage"].to_numpy(), seed=cfg.seed)
+        twin_meta = dict(mean=tm_, ci_low=tlo, ci_high=thi)
     meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs, corruption=str(corr), layers=layers,
                 target_len=cfg.target(), p_kind=kind, damage=dict(mean=dm, ci_low=dlo, ci_high=dhi),
                 damage_detected=bool(dlo > 0 or dhi < 0), commit=git_commit(), wall_s=time.time() - t0,
-                n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads)
-    return Result(dict(heads=heads, layers=lay, baselines=b, units=units), cfg.as_dict(), meta)
+                n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, twin_damage=twin_meta)
+    return Result(tables, cfg.as_dict(), meta)
+
+
+def _twin_damage(model: Any, ana: Windows, corr: P.Corruption, cfg: Config) -> pd.DataFrame:
+    """The same corruption on the random-init twin: per document clean and corrupted NLL and the damage (a twin
+    that does not use positions takes no damage, and a recovery would divide noise by ≈ 0: it gets no map)."""
+    from posgen_tl.io.models import random_twin  # noqa: PLC0415
+
+    twin = random_twin(model, cfg.seed)
+    rows = []
+    for s in range(0, len(ana), cfg.batch_size):
+        w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
+        b = P.baselines(twin, corr, w.tokens, P.target_nll(w.tokens, cfg.target()), doc_ids=w.doc_ids.tolist(),
+                        starts=w.starts.tolist())
+        rows += [dict(doc=int(d), clean_nll=float(c), corrupted_nll=float(k)) for d, c, k in
+                 zip(w.doc_ids.tolist(), b["clean"], b["corrupted"])]
+    t = pd.DataFrame(rows).groupby("doc", sort=True).mean().reset_index()
+    t["damage"] = t["corrupted_nll"] - t["clean_nll"]
+    return t
 
 
 def run_or_skip(model: Any, cfg: Config, **kw: Any) -> Result:
@@ -382,6 +406,10 @@ def _sentence(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> str:
              f"{dmg['ci_high']:.3g}] over {meta['n_docs']} documents"
              + ("" if meta["damage_detected"] else " — no damage distinguishable from 0, so no recovery is defined "
                 "(the maps show the effects in nats)")]
+    tw = meta.get("twin_damage")
+    if tw:
+        parts.append(f"on the random-init twin the same corruption did {tw['mean']:.3g} nats [{tw['ci_low']:.3g}, "
+                     f"{tw['ci_high']:.3g}] (a recovery there would divide by ≈ 0: no map)")
     for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
         sig = g[g["significant"]].sort_values("effect", ascending=False)
         pos, neg = sig[sig["effect"] > 0], sig[sig["effect"] <= 0]
@@ -427,6 +455,7 @@ def render(result: Result) -> Any:
                     f"noising: KL added). p: {meta['p_kind']}, over every head of a map."],
         tables=[("Heads with the largest effect per map", ranked(heads)),
                 ("Whole layers patched (all heads together)", t["layers"])],
-        details=[("Every head", heads), ("Per document: clean and corrupted NLL", t["baselines"])],
+        details=[("Every head", heads), ("Per document: clean and corrupted NLL", t["baselines"]),
+                 *([("The random-init twin, per document: clean and corrupted NLL", t["twin"])] if "twin" in t else [])],
         figures=figs, findings=findings,
         results=dict(meta=meta, significant=heads[heads["significant"]].to_dict("records")))

@@ -75,6 +75,18 @@ def test_recovery_is_a_ratio_of_means_with_a_bootstrap_interval_and_undefined_wi
     assert all(np.isnan(pe._ratio_ci(eff, rng.normal(0, 1, 20), seed=0)))  # damage's interval holds 0
 
 
+def test_the_random_twins_damage_is_shown_beside_and_gets_no_map(result):
+    tw = result["twin"]
+    assert len(tw) == 5 and np.isfinite(tw["damage"]).all()
+    d = result.meta["twin_damage"]
+    assert d["mean"] == pytest.approx(tw["damage"].mean(), rel=1e-9)
+    # a fresh init barely uses positions: far less damage than the (sharpened) trained stand-in
+    assert abs(d["mean"]) < abs(result.meta["damage"]["mean"])
+    sec = pe.render(result)
+    assert f"on the random-init twin the same corruption did {d['mean']:.3g} nats" in sec.verdict
+    assert all("twin" not in cap for _, cap in sec.figures)
+
+
 def test_the_corrupted_and_clean_runs_are_the_baselines_of_every_row(result):
     u = result["units"]
     per_doc = u.groupby("doc")[["clean_nll", "corrupted_nll"]].nunique()
