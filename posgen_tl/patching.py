@@ -326,7 +326,7 @@ def patch_sweep(
     """Patch ``quantity`` of each group of heads, one group per replica, and return every metric (:class:`PatchSweep`).
 
     ``direction="denoising"``: base = the corrupted run, source = the clean run; ``"noising"``: the reverse.
-    One source forward records the quantity in every layer the groups touch; then ``ceil(len(groups) /
+    The source run's baseline forward records the quantity in every layer the groups touch; then ``ceil(len(groups) /
     replicas)`` forwards of ``replicas`` stacked copies of the batch each patch one group per copy (default
     ``replicas``: the number of heads per layer). The logit terms need ``k_means`` (the global mean
     pre-rotation key per layer, :func:`posgen_tl.hooks.edits.key_means` on reference documents).
@@ -353,13 +353,17 @@ def patch_sweep(
                          "posgen_tl.hooks.edits.key_means on reference documents)")
     ids = corrupted.position_ids(n, n_seq=b, doc_ids=doc_ids, starts=starts,
                                  keep_last=int(getattr(metric, "target_len", 0))).to(tokens.device)
-    clean_m, corr_m = _baselines(model, tokens, metric, ids)
-    # the base run is the one patched; the source run is recorded once
+    # the base run is the one patched; the source run is recorded once, in its own baseline forward
     src_ids, base_ids = (None, ids) if direction == "denoising" else (ids, None)
     store: dict[int, Any] = {}
     rec = record_hooks(model, quantity, layers, store)
-    with model.hooks(fwd_hooks=rec.around(reposition_hooks(model, src_ids) if src_ids is not None else [])):
-        model(tokens)
+    rep = reposition_hooks(model, ids)
+    if direction == "denoising":
+        clean_m = _run_metric(model, tokens, metric, rec.around(), 1)[0]
+        corr_m = _run_metric(model, tokens, metric, list(rep), 1)[0]
+    else:
+        clean_m = _run_metric(model, tokens, metric, [], 1)[0]
+        corr_m = _run_metric(model, tokens, metric, rec.around(rep), 1)[0]
     n_rep = max(1, int(replicas or spec.n_heads))
     out = []
     for s in tqdm(range(0, len(groups), n_rep), desc=f"patching {quantity}", disable=not verbose, leave=False):
