@@ -52,7 +52,7 @@ ABOUT = ("which heads carry the damage of perturbed positions? activation patchi
 NEEDS: tuple[str, ...] = ()
 TITLE = "9 · Where does the damage of perturbed positions live? Activation patching per head (docs/method.md §9)"
 #: the tables of a Result, in the order a page shows them
-TABLES = ("heads", "layers", "baselines", "units", "twin")
+TABLES = ("heads", "layers", "baselines", "units", "twin", "taxonomy_link")
 CORRUPTIONS = ("swaps", "gap", "shift")
 #: the suffix of a logit term's random-k̄ control in the tables (``pos_term (random k̄)``)
 RANDOM = " (random k̄)"
@@ -84,6 +84,9 @@ class Config(base.Config):
                                                 "the last)", "layers", full="all")
     n_ref: int = base.n_ref_option(4, quick=2, full=8)
     test_alpha: float = base.option(0.05, "family-wise level α of the significant-head list (per map)", "float")
+    taxonomy: str | None = base.option(None, "heads.csv of a taxonomy study of this model: test whether its positional "
+                                             "heads carry more effect than its symbolic heads, with the layer as the "
+                                             "unit", "text")
     random_control: bool = base.option(True, "beside each logit term, the same patch with k̄ replaced by a random "
                                              "vector of the same norm per kv head (a term patch can have effects of "
                                              "its own)", "bool", quick=False)
@@ -110,6 +113,8 @@ class Config(base.Config):
             raise ValueError(f"{NAME}: target_len={self.target()} must be in (0, {self.seq_len - 2})")
         if not 0 < self.test_alpha < 1:
             raise ValueError(f"{NAME}: test_alpha={self.test_alpha} must be in (0, 1)")
+        if self.taxonomy is not None and not Path(self.taxonomy).is_file():
+            raise ValueError(f"{NAME}: taxonomy={self.taxonomy!r} is not a file (a taxonomy study's heads.csv)")
 
     def target(self) -> int:
         """The target length in tokens (``target_len``, or ``min(32, seq_len // 4)`` when it is 0)."""
@@ -309,6 +314,8 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     b = _baselines(units)
     dm, dlo, dhi = bootstrap_ci(b["damage"].to_numpy(), seed=cfg.seed)
     tables = dict(heads=heads, layers=lay, baselines=b, units=units)
+    if cfg.taxonomy:
+        tables["taxonomy_link"] = taxonomy_link(heads, pd.read_csv(cfg.taxonomy), seed=cfg.seed)
     twin_meta = None
     if cfg.twin:
         tables["twin"] = _twin_damage(model, ana, corr, cfg)
@@ -319,6 +326,38 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
                 damage_detected=bool(dlo > 0 or dhi < 0), commit=git_commit(), wall_s=time.time() - t0,
                 n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, twin_damage=twin_meta)
     return Result(tables, cfg.as_dict(), meta)
+
+
+def taxonomy_link(heads: pd.DataFrame, labels: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
+    """Do the heads a taxonomy labels ``positional`` carry more patching effect than its ``symbolic`` heads? Per map
+    (quantity, direction), per layer holding both kinds among the patched heads: mean effect of its positional heads
+    − mean effect of its symbolic heads; the LAYER is the unit (heads of one layer share their input and are not
+    independent): mean over layers, 95 % bootstrap over layers, exact sign-flip over layers.
+
+    ``labels``: ``layer, head, label`` (a taxonomy study's ``heads.csv``; rows of its random twin are ignored).
+    Returns one row per map: ``quantity, direction, n_layers, estimate, ci_low, ci_high, ci_level, p, p_kind``
+    (``n_layers < 3``: no test, NaN)."""
+    from posgen_tl.stats.inference import sign_flip  # noqa: PLC0415
+
+    missing = {"layer", "head", "label"} - set(labels.columns)
+    if missing:
+        raise ValueError(f"the taxonomy table lacks the column(s) {sorted(missing)} (a taxonomy study's heads.csv has them)")
+    lab = labels[labels["twin"] == "trained"] if "twin" in labels.columns else labels
+    lab = lab[["layer", "head", "label"]]
+    rows = []
+    for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
+        m = g.merge(lab, on=["layer", "head"])
+        per = m[m["label"].isin(["positional", "symbolic"])].groupby(["layer", "label"])["effect"].mean().unstack()
+        per = per.dropna() if {"positional", "symbolic"} <= set(per.columns) else per.iloc[0:0]
+        diff = (per["positional"] - per["symbolic"]).to_numpy() if len(per) else np.array([])
+        row: dict[str, Any] = dict(quantity=q, direction=d, n_layers=len(diff), estimate=np.nan, ci_low=np.nan,
+                                   ci_high=np.nan, ci_level=0.95, p=np.nan, p_kind="too few layers with both kinds")
+        if len(diff) >= 3:
+            est, lo, hi = bootstrap_ci(diff, seed=seed)
+            p, kind = sign_flip(diff)
+            row.update(estimate=est, ci_low=lo, ci_high=hi, p=p, p_kind=kind)
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def _twin_damage(model: Any, ana: Windows, corr: P.Corruption, cfg: Config) -> pd.DataFrame:
@@ -454,7 +493,9 @@ def render(result: Result) -> Any:
                     "KL of the target's next-token distributions to the clean run's (denoising: KL removed; "
                     f"noising: KL added). p: {meta['p_kind']}, over every head of a map."],
         tables=[("Heads with the largest effect per map", ranked(heads)),
-                ("Whole layers patched (all heads together)", t["layers"])],
+                ("Whole layers patched (all heads together)", t["layers"]),
+                *([("Positional − symbolic heads (taxonomy labels), mean effect per layer; the layer is the unit",
+                    t["taxonomy_link"])] if "taxonomy_link" in t else [])],
         details=[("Every head", heads), ("Per document: clean and corrupted NLL", t["baselines"]),
                  *([("The random-init twin, per document: clean and corrupted NLL", t["twin"])] if "twin" in t else [])],
         figures=figs, findings=findings,

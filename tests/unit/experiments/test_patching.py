@@ -172,6 +172,28 @@ def test_random_means_keep_each_heads_norm_and_change_its_direction():
     assert torch.equal(r, pe.random_means(km, seed=0)[3]) and not torch.equal(r, pe.random_means(km, seed=1)[3])
 
 
+def test_taxonomy_link_uses_the_layer_as_the_unit():
+    rng = np.random.default_rng(0)
+    heads, labels = [], []
+    for layer in range(8):
+        for h in range(6):
+            kind = "positional" if h < 2 else "symbolic" if h < 5 else "mixed"
+            eff = (0.1 if kind == "positional" else 0.0) + rng.normal(0, 0.01)
+            heads.append(dict(quantity="pos_term", direction="denoising", layer=layer, head=h, effect=eff))
+            labels.append(dict(twin="trained", layer=layer, head=h, label=kind))
+            labels.append(dict(twin="random", layer=layer, head=h, label="symbolic"))  # the twin's rows: ignored
+    link = pe.taxonomy_link(pd.DataFrame(heads), pd.DataFrame(labels))
+    r = link.iloc[0]
+    assert r["n_layers"] == 8 and r["estimate"] == pytest.approx(0.1, abs=0.01) and r["p"] == pytest.approx(2 / 256)
+    assert r["p_kind"].startswith("exact") and r["ci_low"] > 0.09
+    few = pe.taxonomy_link(pd.DataFrame(heads)[lambda d: d["layer"] < 2], pd.DataFrame(labels))
+    assert few.iloc[0]["n_layers"] == 2 and np.isnan(few.iloc[0]["p"])  # 2 layers: no test
+    with pytest.raises(ValueError, match="label"):
+        pe.taxonomy_link(pd.DataFrame(heads), pd.DataFrame(labels).drop(columns="label"))
+    with pytest.raises(ValueError, match="not a file"):
+        pe.Config(taxonomy="/nonexistent/heads.csv")
+
+
 def test_gap_corruption_defaults_to_the_trained_context():
     c = pe.corruption_of(pe.Config(corruption="gap"), n_ctx=2048)
     assert c.gap == 2048 and "gap of 2048" in str(c)
