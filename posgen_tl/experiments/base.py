@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-__all__ = ["Config", "Option", "option", "config_of", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments", "or_skip"]
+__all__ = ["Config", "Option", "option", "config_of", "save_tables", "load_tables", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments", "or_skip"]
 
 PRESETS = ("default", "quick", "full")
 _UNSET: Any = object()
@@ -346,3 +346,42 @@ def or_skip(ctx: Any, meta_file: str, what: str, fn: Callable[..., Any], *args: 
         kind = "corpus" if isinstance(e, CorpusError) else "model"
         ctx.work.save_json(meta_file, {"skipped": f"{what} skipped: {e}", "hint": SKIP_HINTS[kind]})
         return None
+
+
+# ----------------------------------------------------------------------------- a Result's files
+
+
+def save_tables(name: str, tables: Mapping[str, Any], config: Mapping[str, Any], meta: Mapping[str, Any],
+                folder: Any) -> list[Any]:
+    """Write a protocol experiment's Result into ``folder``: ``<name>_<table>.csv`` per table and
+    ``<name>_result.json`` (config, meta, the table names). Returns the written paths."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for table, df in tables.items():
+        p = out / f"{name}_{table}.csv"
+        df.to_csv(p, index=False)
+        paths.append(p)
+    p = out / f"{name}_result.json"
+    p.write_text(json.dumps(dict(config=dict(config), meta=dict(meta), tables=list(tables)), indent=1,
+                            default=lambda x: x.item() if hasattr(x, "item") else str(x)))
+    return [*paths, p]
+
+
+def load_tables(name: str, folder: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(tables, config, meta)`` that :func:`save_tables` wrote into ``folder`` (floats read back exactly).
+
+    Raises:
+        FileNotFoundError: no ``<name>_result.json`` there."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import pandas as pd  # noqa: PLC0415
+
+    d = Path(folder)
+    info = json.loads((d / f"{name}_result.json").read_text())
+    tables = {n: pd.read_csv(d / f"{name}_{n}.csv", float_precision="round_trip") for n in info["tables"]}
+    return tables, info["config"], info["meta"]

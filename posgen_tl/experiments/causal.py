@@ -633,17 +633,7 @@ def causal_study(model: Any, corpus: Any = None, cfg: Config | None = None, **op
 def save(result: Result, folder: str | Path) -> list[Path]:
     """Write ``result`` into ``folder``: ``causal_<table>.csv`` per table and ``causal_result.json``
     (config and meta). Returns the written paths."""
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, df in result.tables.items():
-        p = out / f"{NAME}_{name}.csv"
-        df.to_csv(p, index=False)
-        paths.append(p)
-    p = out / f"{NAME}_result.json"
-    p.write_text(json.dumps(dict(config=result.config, meta=result.meta, tables=list(result.tables)), indent=1,
-                            default=lambda x: x.item() if hasattr(x, "item") else str(x)))
-    return [*paths, p]
+    return base.save_tables(NAME, result.tables, result.config, result.meta, folder)
 
 
 def load(folder: str | Path) -> Result:
@@ -651,14 +641,12 @@ def load(folder: str | Path) -> Result:
 
     Raises:
         FileNotFoundError: no ``causal_result.json`` there."""
-    d = Path(folder)
-    info = json.loads((d / f"{NAME}_result.json").read_text())
-    tables = {n: pd.read_csv(d / f"{NAME}_{n}.csv", float_precision="round_trip") for n in info["tables"]}
+    tables, config, meta = base.load_tables(NAME, folder)
     for t in tables.values():  # empty text cells read back as NaN
         for col in ("unreachable", "self_moving", "binding"):
             if col in t.columns:
                 t[col] = t[col].fillna("")
-    return Result(tables, info["config"], info["meta"])
+    return Result(tables, config, meta)
 
 
 # ----------------------------------------------------------------------------- render

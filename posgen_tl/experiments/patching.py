@@ -398,25 +398,12 @@ def run_or_skip(model: Any, cfg: Config, **kw: Any) -> Result:
 
 def save(result: Result, folder: str | Path) -> list[Path]:
     """Write ``result`` into ``folder``: ``patching_<table>.csv`` per table and ``patching_result.json``."""
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, df in result.tables.items():
-        p = out / f"{NAME}_{name}.csv"
-        df.to_csv(p, index=False)
-        paths.append(p)
-    p = out / f"{NAME}_result.json"
-    p.write_text(json.dumps(dict(config=result.config, meta=result.meta, tables=list(result.tables)), indent=1,
-                            default=lambda x: x.item() if hasattr(x, "item") else str(x)))
-    return [*paths, p]
+    return base.save_tables(NAME, result.tables, result.config, result.meta, folder)
 
 
 def load(folder: str | Path) -> Result:
     """The :class:`Result` :func:`save` wrote into ``folder``."""
-    d = Path(folder)
-    info = json.loads((d / f"{NAME}_result.json").read_text())
-    tables = {n: pd.read_csv(d / f"{NAME}_{n}.csv", float_precision="round_trip") for n in info["tables"]}
-    return Result(tables, info["config"], info["meta"])
+    return Result(*base.load_tables(NAME, folder))
 
 
 # ----------------------------------------------------------------------------- render

@@ -325,26 +325,31 @@ def test_corruptions_ids():
     assert "null control" in str(P.Shift(7)) and "p = 0.25" in str(P.Swaps(0.25, seed=3))
 
 
+def _qk_restore(m, n_pos=16):
+    """(clean metric, corrupted metric, metric with every layer's rotated q and k patched clean → corrupted), on a
+    model ``m`` of any backend: 2 sequences of ``n_pos`` tokens, T2 swaps of 30 % of the pairs."""
+    toks = torch.randint(0, 50, (2, n_pos), generator=torch.Generator().manual_seed(0))
+    metric = P.target_nll(toks, 4)
+    ids = P.Swaps(0.3).position_ids(n_pos, n_seq=2, keep_last=4)
+    rep = reposition_hooks(m, ids)
+    spec, _ = probe_hooks(m)
+    st = _record(m, toks, ["rot_q", "rot_k"])
+    hooks = [*rep]
+    for q in st:
+        n = spec.n_kv_heads if q == "rot_k" else spec.n_heads
+        full = {layer: torch.ones(1, n_pos, n, dtype=torch.bool) for layer in range(spec.n_layers)}
+        hooks += patch_hooks(m, q, full, st[q]).after
+    return (_metric_with(m, toks, metric, []), _metric_with(m, toks, metric, rep),
+            _metric_with(m, toks, metric, hooks), toks, metric)
+
+
 def test_native_bridge_rotated_qk_by_the_pre_rotation_hook_and_terms_refused():
     """A TransformerLens-native bridge fires no hook_rot_* and its hook_attn_scores are post-softmax: rotated q/k
     are patched at the pre-rotation hook (exactly), the logit terms are refused by name."""
     m = tm.native(n_layers=2)
-    toks = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
-    metric = P.target_nll(toks, 4)
-    ids = P.Swaps(0.3).position_ids(16, n_seq=2, keep_last=4)
-    rep = reposition_hooks(m, ids)
-    clean = _metric_with(m, toks, metric, [])
-    st = {q: {} for q in ("rot_q", "rot_k")}
-    for q in st:
-        with m.hooks(fwd_hooks=record_hooks(m, q, [0, 1], st[q]).around()):
-            m(toks)
-    spec, _ = probe_hooks(m)
-    hooks = [*rep]
-    for q in st:
-        n = spec.n_kv_heads if q == "rot_k" else spec.n_heads
-        hooks += patch_hooks(m, q, {layer: torch.ones(1, 16, n, dtype=torch.bool) for layer in (0, 1)}, st[q]).after
-    torch.testing.assert_close(_metric_with(m, toks, metric, hooks), clean, rtol=0, atol=1e-5)
-    assert (_metric_with(m, toks, metric, rep) - clean).abs().max() > 0  # the corruption changed something
+    clean, corrupted, patched, toks, metric = _qk_restore(m)
+    torch.testing.assert_close(patched, clean, rtol=0, atol=1e-5)
+    assert (corrupted - clean).abs().max() > 0  # the corruption changed something
     with pytest.raises(CaptureError, match="not pre-softmax"):
         P.get_act_patch_pos_term(m, P.Swaps(0.3), toks, metric, k_means={0: torch.zeros(2, 8)}, verbose=False)
 
@@ -352,19 +357,8 @@ def test_native_bridge_rotated_qk_by_the_pre_rotation_hook_and_terms_refused():
 @pytest.mark.skipif(not compat.has_hooked_transformer(), reason="needs TransformerLens 3.x (HookedTransformer)")
 def test_hooked_transformer_gqa_restores_exactly():
     m = _sharpen(tm.hooked(n_key_value_heads=2, n_layers=2))
-    toks = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
-    metric = P.target_nll(toks, 4)
-    ids = P.Swaps(0.3).position_ids(16, n_seq=2, keep_last=4)
-    rep = reposition_hooks(m, ids)
-    clean = _metric_with(m, toks, metric, [])
-    st = {q: {} for q in ("rot_q", "rot_k")}
-    for q in st:
-        with m.hooks(fwd_hooks=record_hooks(m, q, [0, 1], st[q]).around()):
-            m(toks)
-    hooks = [*rep]
-    for q, n in (("rot_q", 4), ("rot_k", 2)):
-        hooks += patch_hooks(m, q, {layer: torch.ones(1, 16, n, dtype=torch.bool) for layer in (0, 1)}, st[q]).after
-    assert torch.equal(_metric_with(m, toks, metric, hooks), clean)
+    clean, corrupted, patched, toks, metric = _qk_restore(m)
+    assert torch.equal(patched, clean) and (corrupted - clean).abs().max() > 1e-4
     kv = P.get_act_patch_rot_k(m, P.Swaps(0.3), toks, metric, verbose=False)
     assert kv.shape == (2, 2, 2)
 
