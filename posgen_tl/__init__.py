@@ -77,12 +77,11 @@ _EXPORTS: dict[str, str] = {
 _NAMESPACES = ("io", "hooks", "maths", "stats", "experiments", "patching", "plot", "report", "cli", "compat",
                "distributed")
 
-#: the common path (≤ 30 names); every name of ``_EXPORTS`` and ``_NAMESPACES`` resolves
+#: the common path (≤ 30 names); every name of ``_EXPORTS`` and ``_NAMESPACES`` resolves (``pg.patching`` too)
 __all__ = [
     *(n for n in _EXPORTS if n not in ("document_windows", "decompose_with_twin", "feature_pattern_with_twin",
-                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError",
-                                       "intervention_hooks")),
-    "io", "hooks", "maths", "stats", "experiments", "patching", "plot",
+                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError")),
+    "io", "hooks", "maths", "stats", "experiments", "plot",
 ]
 
 

@@ -432,6 +432,10 @@ def _sentence(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> str:
              f"{dmg['ci_high']:.3g}] over {meta['n_docs']} documents"
              + ("" if meta["damage_detected"] else " — no damage distinguishable from 0, so no recovery is defined "
                 "(the maps show the effects in nats)")]
+    n = int(meta["n_docs"])
+    if 2 / 2**n > alpha:  # exact max-T: the identity and its mirror tie, so p ≥ 2/2^n
+        parts.append(f"with {n} documents the smallest family-wise p a head can reach is 2/2^{n} = {2 / 2**n:.3g} > "
+                     f"α = {alpha:g}: no head can be significant at this n")
     tw = meta.get("twin_damage")
     if tw:
         parts.append(f"on the random-init twin the same corruption did {tw['mean']:.3g} nats [{tw['ci_low']:.3g}, "

@@ -127,6 +127,7 @@ def test_save_load_render_round_trip(result, tmp_path):
     assert len(sec.figures) == 6  # one map per (quantity, direction), the control's included
     d = result.meta["damage"]
     assert sec.verdict.startswith(f"T2 swaps (p = 0.2, seed 0) raised the target NLL by {d['mean']:.3g} nats")
+    assert "with 5 documents the smallest family-wise p a head can reach is 2/2^5 = 0.0625 > α = 0.05" in sec.verdict
     assert "positional term f (noising): " in sec.verdict and "do part of the damage alone at family-wise α = 0.05" \
         in sec.verdict and "heads significantly account for part of the damage" in sec.verdict
     top = pe.ranked(result["heads"], k=3)
