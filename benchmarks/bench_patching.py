@@ -60,7 +60,9 @@ def main() -> None:
         model(tokens)  # warm-up
         plain = timed(lambda: model(tokens), repeat=3)
     n_heads = spec.n_heads * len(layers)
-    out = {"model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len, "layers": layers,
+    from posgen_tl.io.provenance import git_commit
+
+    out = {"commit": git_commit(), "model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len, "layers": layers,
            "heads_patched": n_heads, "threads": torch.get_num_threads(), "plain_forward_s": plain}
     runs = {
         "rot_q_stacked": lambda: P.get_act_patch_rot_q(model, corr, tokens, metric, layers=layers, verbose=False),
