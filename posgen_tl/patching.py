@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -270,6 +270,8 @@ class PatchSweep:
         values: the metric with each group patched, ``[group]`` or ``[group, batch]``.
         clean / corrupted: the metric of the two unpatched runs (``[]`` or ``[batch]``).
         position_ids: the corrupted run's ids ``[batch, pos]``; ``direction``, ``quantity``, ``corruption``.
+        source: what the source run recorded (``{layer: tensor}``, or the pre-rotation q/k of a logit term),
+            reusable by another sweep of the same batch (``reuse=``).
     """
 
     values: Tensor
@@ -279,6 +281,7 @@ class PatchSweep:
     direction: str
     quantity: str
     corruption: str
+    source: dict = field(default_factory=dict, repr=False)
 
 
 def _check_metric(v: Any, n_seq: int, outputs: Sequence[str] | None = None) -> Tensor:
@@ -321,7 +324,7 @@ def patch_sweep(
     model: Any, corrupted: Corruption, clean: Int[Tensor, "batch pos"], metric: Metric, *, quantity: str,
     groups: Sequence[Group], direction: Direction = "denoising", k_means: Mapping[int, Tensor] | None = None,
     doc_ids: Sequence[int] | None = None, starts: Sequence[int] | None = None, replicas: int | None = None,
-    verbose: bool = False,
+    verbose: bool = False, reuse: PatchSweep | None = None,
 ) -> PatchSweep:  # fmt: skip
     """Patch ``quantity`` of each group of heads, one group per replica, and return every metric (:class:`PatchSweep`).
 
@@ -330,6 +333,9 @@ def patch_sweep(
     replicas)`` forwards of ``replicas`` stacked copies of the batch each patch one group per copy (default
     ``replicas``: the number of heads per layer). The logit terms need ``k_means`` (the global mean
     pre-rotation key per layer, :func:`posgen_tl.hooks.edits.key_means` on reference documents).
+    ``reuse``: an earlier sweep of the same batch, quantity kind, direction and corrupted ids (e.g. the same
+    logit term with another k̄: the recorded q/k do not depend on k̄) — its baselines and recording are taken
+    instead of two forwards.
 
     Raises:
         ValueError: an unknown quantity or direction, an empty group list, a metric that returns a non-scalar
@@ -358,7 +364,12 @@ def patch_sweep(
     store: dict[int, Any] = {}
     rec = record_hooks(model, quantity, layers, store)
     rep = reposition_hooks(model, ids)
-    if direction == "denoising":
+    if reuse is not None:
+        if (reuse.quantity, reuse.direction) != (quantity, direction) or not torch.equal(reuse.position_ids, ids.cpu()) \
+                or not set(layers) <= set(reuse.source):
+            raise ValueError("reuse= needs a sweep of the same quantity, direction, corrupted ids and layers")
+        store, clean_m, corr_m = reuse.source, reuse.clean, reuse.corrupted
+    elif direction == "denoising":
         clean_m = _run_metric(model, tokens, metric, rec.around(), 1)[0]
         corr_m = _run_metric(model, tokens, metric, list(rep), 1)[0]
     else:
@@ -373,7 +384,7 @@ def patch_sweep(
                          source_positions=src_ids)
         base_rep = reposition_hooks(model, base_ids.repeat(len(part), 1)) if base_ids is not None else []
         out.append(_run_metric(model, tokens, metric, ph.around(base_rep), len(part)))
-    return PatchSweep(torch.cat(out), clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted))
+    return PatchSweep(torch.cat(out), clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted), store)
 
 
 def _baselines(model: Any, tokens: Tensor, metric: Metric, ids: Tensor) -> tuple[Tensor, Tensor]:

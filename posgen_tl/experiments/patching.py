@@ -168,13 +168,15 @@ def _batch_rows(model: Any, w: Windows, cfg: Config, corr: P.Corruption, layers:
     jobs = [(q, q, km) for q in cfg.quantities]
     if km_random is not None:
         jobs += [(q + RANDOM, q, km_random) for q in cfg.quantities if q in TERMS]
+    done: dict[tuple[str, str], P.PatchSweep] = {}  # a control reuses its term's recording and baselines
     for label, q, means in jobs:
         heads = [{layer: [h]} for layer in layers for h in range(n_idx[q])]
         whole = [{layer: list(range(n_idx[q]))} for layer in layers]
         for d in cfg.directions:
             sw = P.patch_sweep(model, corr, toks, metric, quantity=q, groups=heads + whole, direction=d,  # type: ignore[arg-type]
                                k_means=means if q in TERMS else None, doc_ids=docs, starts=starts,
-                               replicas=cfg.replicas or None)
+                               replicas=cfg.replicas or None, reuse=done.get((q, d)))
+            done.setdefault((q, d), sw)
             labels = [("head", layer, h) for layer in layers for h in range(n_idx[q])] + \
                      [("layer", layer, -1) for layer in layers]
             for g, (level, layer, h) in enumerate(labels):

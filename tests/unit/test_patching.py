@@ -390,3 +390,18 @@ def test_gemma3_qk_norm_sliding_window_restores_and_reconstructs():
     vis = vis & torch.isfinite(w_clean)  # (this bridge masks after hook_attn_scores; others before it)
     torch.testing.assert_close(w[vis], w_clean[vis], rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.isfinite(w), torch.isfinite(w_clean))
+
+
+def test_a_sweep_reusing_another_ones_recording_gives_the_same_numbers(model, tokens, k_means):
+    metric = P.target_nll(tokens, T)
+    groups = [{1: [h]} for h in range(4)]
+    first = P.patch_sweep(model, P.Swaps(0.3), tokens, metric, quantity="pos_term", groups=groups, k_means=k_means)
+    other = {1: -k_means[1]}  # another k̄ (the random control's case): the recorded q/k do not depend on it
+    fresh = P.patch_sweep(model, P.Swaps(0.3), tokens, metric, quantity="pos_term", groups=groups, k_means=other)
+    reused = P.patch_sweep(model, P.Swaps(0.3), tokens, metric, quantity="pos_term", groups=groups, k_means=other,
+                           reuse=first)
+    assert torch.equal(reused.values, fresh.values) and torch.equal(reused.clean, fresh.clean)
+    assert not torch.equal(fresh.values, first.values)
+    with pytest.raises(ValueError, match="reuse"):
+        P.patch_sweep(model, P.Swaps(0.3), tokens, metric, quantity="pos_term", groups=groups, k_means=k_means,
+                      direction="noising", reuse=first)
