@@ -31,7 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-__all__ = ["Config", "Option", "option", "config_of", "save_tables", "load_tables", "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments", "or_skip"]
+__all__ = ["Config", "Option", "option", "config_of", "Result", "run_or_skip", "save_tables", "load_tables", "n_ref_option",
+           "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments"]
 
 PRESETS = ("default", "quick", "full")
 _UNSET: Any = object()
@@ -322,10 +323,32 @@ def config_of(cls: type[C], cfg: C | None, overrides: Mapping[str, Any]) -> C:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def or_skip(ctx: Any, meta_file: str, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """``fn(*args, **kw)``, or ``None`` after writing ``{"skipped": "<what> skipped: <reason>", "hint": …}``
-    to ``meta_file`` in the run's folder (the experiment's render shows a skipped section with the
-    reason and the hint of :data:`posgen_tl.report.html.SKIP_HINTS`) when
+@dataclass(frozen=True)
+class Result:
+    """What an experiment's ``run`` returns: its ``tables`` (tidy DataFrames by name — everything its figures
+    and its section need), its ``config`` (the Config's options as a dict, overrides included) and ``meta``
+    (model, documents, wall time, commit, …). A stage that could not run is a Result too: no tables and
+    ``meta["skipped"]`` saying why (:attr:`skipped`). Each experiment subclasses it to document its tables."""
+
+    tables: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.tables[name]
+
+    @property
+    def skipped(self) -> str | None:
+        """Why the stage did not run (``None`` when it ran)."""
+        return self.meta.get("skipped")
+
+
+R = TypeVar("R", bound=Result)
+
+
+def run_or_skip(run: Callable[..., R], result: type[R], what: str, model: Any, cfg: Any, **kw: Any) -> R:
+    """``run(model, cfg, **kw)``, or a ``result`` with no tables whose ``meta`` holds ``skipped`` ("<what> skipped:
+    <reason>") and a ``hint`` (:data:`posgen_tl.report.html.SKIP_HINTS`) when
 
     * the corpus cannot give the windows the experiment needs (a :class:`~posgen_tl.io.corpus.CorpusError`:
       e.g. one document, so no disjoint reference documents), or
@@ -341,47 +364,83 @@ def or_skip(ctx: Any, meta_file: str, what: str, fn: Callable[..., Any], *args: 
     from posgen_tl.report.html import SKIP_HINTS  # noqa: PLC0415
 
     try:
-        return fn(*args, **kw)
+        return run(model, cfg, **kw)
     except (CorpusError, CaptureError, RopeError) as e:
         kind = "corpus" if isinstance(e, CorpusError) else "model"
-        ctx.work.save_json(meta_file, {"skipped": f"{what} skipped: {e}", "hint": SKIP_HINTS[kind]})
-        return None
+        return result({}, cfg.as_dict(), {"skipped": f"{what} skipped: {e}", "hint": SKIP_HINTS[kind]})
+
+
+def twin_of(model: Any, twin: Any, seed: int) -> Any:
+    """The random-init twin a ``run`` uses: ``twin`` itself (a model), ``twin()`` (a callable that gives the
+    report's shared one), or a fresh :func:`posgen_tl.io.models.random_twin` of ``model`` when ``None``."""
+    import torch  # noqa: PLC0415
+
+    if twin is None:
+        from posgen_tl.io.models import random_twin  # noqa: PLC0415
+
+        return random_twin(model, seed)
+    return twin if isinstance(twin, torch.nn.Module) or not callable(twin) else twin()
 
 
 # ----------------------------------------------------------------------------- a Result's files
 
 
 def save_tables(name: str, tables: Mapping[str, Any], config: Mapping[str, Any], meta: Mapping[str, Any],
-                folder: Any) -> list[Any]:
-    """Write a protocol experiment's Result into ``folder``: ``<name>_<table>.csv`` per table and
-    ``<name>_result.json`` (config, meta, the table names). Returns the written paths."""
+                folder: Any, files: Mapping[str, str] | None = None) -> list[Any]:
+    """Write a Result into ``folder``: each table as a CSV (``files[table]`` where given, else
+    ``<name>_<table>.csv``) and ``<name>_result.json`` (config, meta, the table names and their files).
+    Returns the written paths."""
     import json  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths, names = [], {}
     for table, df in tables.items():
-        p = out / f"{name}_{table}.csv"
+        names[table] = (files or {}).get(table, f"{name}_{table}.csv")
+        p = out / names[table]
         df.to_csv(p, index=False)
         paths.append(p)
     p = out / f"{name}_result.json"
-    p.write_text(json.dumps(dict(config=dict(config), meta=dict(meta), tables=list(tables)), indent=1,
+    p.write_text(json.dumps(dict(config=dict(config), meta=dict(meta), tables=list(tables), files=names), indent=1,
                             default=lambda x: x.item() if hasattr(x, "item") else str(x)))
     return [*paths, p]
 
 
-def load_tables(name: str, folder: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def load_tables(name: str, folder: Any, files: Mapping[str, str] | None = None,
+                legacy_meta: str | Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(tables, config, meta)`` that :func:`save_tables` wrote into ``folder`` (floats read back exactly).
 
+    A folder written before the experiment had a Result (no ``<name>_result.json``) is read from its table
+    ``files`` (those present), its meta from ``legacy_meta`` (one JSON file; or ``{key: file}``, giving
+    ``meta[key]`` per file present, a ``skipped`` record lifted to the top) and its config from the study's
+    ``<name>.json``.
+
     Raises:
-        FileNotFoundError: no ``<name>_result.json`` there."""
+        FileNotFoundError: neither a ``<name>_result.json`` nor any of ``files`` there."""
     import json  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
     import pandas as pd  # noqa: PLC0415
 
     d = Path(folder)
-    info = json.loads((d / f"{name}_result.json").read_text())
-    tables = {n: pd.read_csv(d / f"{name}_{n}.csv", float_precision="round_trip") for n in info["tables"]}
-    return tables, info["config"], info["meta"]
+    f = d / f"{name}_result.json"
+    if f.exists():
+        info = json.loads(f.read_text())
+        where = info.get("files") or {t: f"{name}_{t}.csv" for t in info["tables"]}
+        tables = {t: pd.read_csv(d / where[t], float_precision="round_trip") for t in info["tables"]}
+        return tables, info["config"], info["meta"]
+    present = {t: d / fn for t, fn in (files or {}).items() if (d / fn).exists()}
+    metas = {"": legacy_meta} if isinstance(legacy_meta, str) else dict(legacy_meta or {})
+    found = {k: json.loads((d / fn).read_text()) for k, fn in metas.items() if (d / fn).exists()}
+    if not present and not found:
+        raise FileNotFoundError(f"no {name} result in {d} (neither {f.name} nor {', '.join((files or {}).values())})")
+    tables = {t: pd.read_csv(p, float_precision="round_trip") for t, p in present.items()}
+    meta: dict[str, Any] = dict(found.get("", {})) if "" in metas else dict(found)
+    for sub in list(found.values()) if "" not in metas else []:
+        for key in ("skipped", "hint"):
+            if key in sub:
+                meta[key] = sub[key]
+    study = d / f"{name}.json"
+    config = json.loads(study.read_text()).get("config", {}) if study.exists() else {}
+    return tables, config, meta

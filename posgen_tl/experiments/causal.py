@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -369,8 +369,7 @@ class _Checkpoint:
 # ----------------------------------------------------------------------------- the run
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(base.Result):
     """The outcome of :func:`run`.
 
     Attributes:
@@ -387,13 +386,6 @@ class Result:
         config: the Config's options (``Config.as_dict``).
         meta: model, windows' fingerprint, documents, levels, wall times, the commits of the batches.
     """
-
-    tables: dict[str, pd.DataFrame]
-    config: dict[str, Any]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> pd.DataFrame:
-        return self.tables[name]
 
 
 def family_adjust(p: Sequence[float], m: int) -> tuple[np.ndarray, str]:
@@ -606,19 +598,9 @@ def run(
 
 
 def run_or_skip(model: Any, cfg: Config, **kw: Any) -> Result:
-    """:func:`run`, or — when the corpus cannot give the windows (``CorpusError``) or the library refuses the
-    model by name (``CaptureError``, ``RopeError``) — a Result whose ``meta["skipped"]`` says why (no tables):
-    what a report or study shows as a skipped section. Any other error propagates."""
-    from posgen_tl.hooks.capture import CaptureError  # noqa: PLC0415
-    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
-    from posgen_tl.maths.rope import RopeError  # noqa: PLC0415
-    from posgen_tl.report.html import SKIP_HINTS  # noqa: PLC0415
-
-    try:
-        return run(model, cfg, **kw)
-    except (CorpusError, CaptureError, RopeError) as e:
-        kind = "corpus" if isinstance(e, CorpusError) else "model"
-        return Result({}, cfg.as_dict(), {"skipped": f"the causal study skipped: {e}", "hint": SKIP_HINTS[kind]})
+    """:func:`run`, or a Result whose ``meta["skipped"]`` says why when the corpus cannot give the windows or the
+    library refuses the model by name (:func:`posgen_tl.experiments.base.run_or_skip`). Any other error propagates."""
+    return base.run_or_skip(run, Result, "the causal study", model, cfg, **kw)
 
 
 def causal_study(model: Any, corpus: Any = None, cfg: Config | None = None, **options: Any) -> Result:
@@ -630,23 +612,26 @@ def causal_study(model: Any, corpus: Any = None, cfg: Config | None = None, **op
 # ----------------------------------------------------------------------------- files
 
 
+#: text columns whose empty cells read back as "" (not NaN)
+TEXT_COLUMNS = ("unreachable", "self_moving", "binding")
+
+
 def save(result: Result, folder: str | Path) -> list[Path]:
-    """Write ``result`` into ``folder``: ``causal_<table>.csv`` per table and ``causal_result.json``
-    (config and meta). Returns the written paths."""
-    return base.save_tables(NAME, result.tables, result.config, result.meta, folder)
+    """:func:`posgen_tl.experiments.registry.save` of this experiment: ``causal_<table>.csv`` per table and
+    ``causal_result.json`` (config and meta) in ``folder``. Returns the written paths."""
+    from posgen_tl.experiments import registry  # noqa: PLC0415
+
+    return registry.save(NAME, result, folder)
 
 
 def load(folder: str | Path) -> Result:
-    """The :class:`Result` :func:`save` wrote into ``folder``.
+    """The :class:`Result` :func:`save` wrote into ``folder`` (:func:`posgen_tl.experiments.registry.load`).
 
     Raises:
-        FileNotFoundError: no ``causal_result.json`` there."""
-    tables, config, meta = base.load_tables(NAME, folder)
-    for t in tables.values():  # empty text cells read back as NaN
-        for col in ("unreachable", "self_moving", "binding"):
-            if col in t.columns:
-                t[col] = t[col].fillna("")
-    return Result(tables, config, meta)
+        FileNotFoundError: no result of this experiment there."""
+    from posgen_tl.experiments import registry  # noqa: PLC0415
+
+    return registry.load(NAME, folder)
 
 
 # ----------------------------------------------------------------------------- render

@@ -43,6 +43,9 @@ from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 
 __all__ = [
     "Config",
+    "Result",
+    "run",
+    "render",
     "LengthResult",
     "span_nll",
     "gap_probe",
@@ -574,28 +577,41 @@ ABOUT = ("longer texts: gap probe and (sliding-window models) window removal, va
 NEEDS: tuple[str, ...] = ()
 
 
-def compute(ctx: Any, cfg: Config) -> None:
-    """The gap probe and, on a model with sliding-window layers, window removal; writes rows,
-    summaries, configurations and figures."""
-    from posgen_tl.plot.length import plot_gap_probe, plot_window_removal  # noqa: PLC0415
+class Result(base.Result):
+    """The outcome of :func:`run`.
 
-    meta: dict[str, Any] = {}
+    Attributes:
+        tables: ``gap_rows`` / ``gap_summary`` (:func:`gap_probe`: per sequence × condition × gap, and
+            :func:`gap_summary`) where the gap probe ran; ``window_rows`` / ``window_summary``
+            (:func:`window_removal`) on a model with sliding-window layers.
+        config: the Config's options. meta: ``model``; ``gap`` (the probe's settings, or ``{"gap": False}``) and
+            ``window`` (window removal's settings, where it ran).
+    """
+
+
+#: the tables' files in a study folder (the names published runs already carry)
+FILES = {"gap_rows": "length_gap_rows.csv", "gap_summary": "length_gap_summary.csv",
+         "window_rows": "length_window_rows.csv", "window_summary": "length_window_summary.csv"}
+LEGACY_META = {"gap": "length_gap_meta.json", "window": "length_window_meta.json"}
+
+
+def run(model: Any, cfg: Config | None = None, *, corpus: CorpusLike | Windows = None, progress: bool = True,
+        **options: Any) -> Result:
+    """The gap probe (:func:`gap_probe`) and, on a model with sliding-window layers, window removal
+    (:func:`window_removal`), as ``cfg`` (with ``options`` applied) asks. Returns their :class:`Result`."""
+    cfg = base.config_of(Config, cfg, options)
+    corpus = cfg.corpus if corpus is None else corpus
+    tables: dict[str, pd.DataFrame] = {}
+    meta: dict[str, Any] = {"model": probe_hooks(model)[0].model_name, "gap": {"gap": False}}
     if cfg.gap:
-        res = base.or_skip(ctx, "length_gap_meta.json", "longer-texts stage", gap_probe, ctx.model, cfg.corpus, cfg)
-        if res is None:
-            return
-        ctx.work.save_df("length_gap_rows.csv", res.rows)
-        ctx.work.save_df("length_gap_summary.csv", res.summary)
-        meta = res.config
-        ctx.work.save_fig("fig_length_gap.png", plot_gap_probe(res.summary, title=f"Gap probe — {ctx.model_name}"))
-    ctx.work.save_json("length_gap_meta.json", meta if meta else {"gap": False})
-    if local_layers(ctx.model) and cfg.window:
-        wr = window_removal(ctx.model, cfg.corpus, cfg)
-        ctx.work.save_df("length_window_rows.csv", wr.rows)
-        ctx.work.save_df("length_window_summary.csv", wr.summary)
-        ctx.work.save_json("length_window_meta.json", wr.config)
-        ctx.work.save_fig("fig_length_window.png", plot_window_removal(wr.summary,
-                                                                       title=f"Window removal — {ctx.model_name}"))
+        res = gap_probe(model, corpus, cfg, progress=progress)
+        tables.update(gap_rows=res.rows, gap_summary=res.summary)
+        meta["gap"] = res.config
+    if local_layers(model) and cfg.window:
+        wr = window_removal(model, corpus, cfg, progress=progress)
+        tables.update(window_rows=wr.rows, window_summary=wr.summary)
+        meta["window"] = wr.config
+    return Result(tables, cfg.as_dict(), meta)
 
 
 def _verdict_gap(summ: pd.DataFrame) -> str:
@@ -608,25 +624,27 @@ def _verdict_gap(summ: pd.DataFrame) -> str:
             f"[{top['ci_low']:+.3f}, {top['ci_high']:+.3f}] — the model {word} at that gap.")
 
 
-def render(ctx: Any, cfg: Config) -> Any:
+def render(result: Result) -> Any:
     """The report section: suffix NLL per gap and condition, window removal by position bucket, figures."""
-    from posgen_tl.report.html import Finding, Section, skipped_section  # noqa: PLC0415
+    from posgen_tl.plot.length import plot_gap_probe, plot_window_removal  # noqa: PLC0415
+    from posgen_tl.report.html import Finding, Section, figure_to_png, skipped_section  # noqa: PLC0415
 
     title = "8 · Longer texts: unseen distances (docs/method.md §7)"
-    meta = ctx.work.load_json("length_gap_meta.json")
-    if "skipped" in meta:
-        return skipped_section(title, meta["skipped"], "length", meta.get("hint"))
+    if result.skipped:
+        return skipped_section(title, result.skipped, "length", result.meta.get("hint"))
+    meta, t = result.meta.get("gap", {}), result.tables
+    name = result.meta.get("model") or meta.get("model", "")
     tables, figures, paras, verdict = [], [], [], "The gap probe was not run (option gap=false)."
     res: dict[str, Any] = {"meta": meta}
     findings = [Finding("length", "not run", note="gap probe not run (option gap=false)")]
-    if meta.get("gap", True) is not False:
-        summ = ctx.work.load_df("length_gap_summary.csv")
+    if "gap_summary" in t:
+        summ = t["gap_summary"]
         cols = ["condition", "gap_frac", "gap", "estimator", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind",
                 "p_holm", "n_docs", "n_seqs", "label"]
         tables.append(("Suffix NLL per gap and condition; d_vs_gap0 / d_vs_vanilla are paired changes "
                        "(document-bootstrap CI, sign-flip p, Holm)", summ[[c for c in cols if c in summ.columns]]))
-        figures.append((ctx.work.path("fig_length_gap.png").read_bytes(), "Suffix NLL vs gap G, vanilla / LM-Infinite / "
-                        "disentangled"))
+        figures.append((figure_to_png(plot_gap_probe(summ, title=f"Gap probe — {name}")),
+                        "Suffix NLL vs gap G, vanilla / LM-Infinite / disentangled"))
         res["gap"] = summ.to_dict("records")
         verdict = _verdict_gap(summ)
         findings = _findings(summ)
@@ -639,13 +657,12 @@ def render(ctx: Any, cfg: Config) -> Any:
             f"f(q, C) + g_Δ0 (Δ0 = {meta['delta0']}, global k̄ from disjoint documents). Where no distance exceeds C "
             "both are exact no-ops. The random twin is not shown: its NLL is near log|V| at every gap, so a gap "
             "effect there means nothing.")
-    if ctx.work.path("length_window_summary.csv").exists():
-        wsum = ctx.work.load_df("length_window_summary.csv")
-        wmeta = ctx.work.load_json("length_window_meta.json")
+    if "window_summary" in t:
+        wsum, wmeta = t["window_summary"], result.meta.get("window", {})
         tables.append((f"Window removal ({wmeta['seq_len']} tokens, local layers {wmeta['local_layers']}): NLL by "
                        "position bucket; d_vs_window = paired change vs the trained window", wsum))
-        figures.append((ctx.work.path("fig_length_window.png").read_bytes(), "NLL by position, local layers with / "
-                        "without the window"))
+        figures.append((figure_to_png(plot_window_removal(wsum, title=f"Window removal — {name}")),
+                        "NLL by position, local layers with / without the window"))
         res["window"] = wsum.to_dict("records")
     return Section(title, verdict=verdict, paragraphs=paras, tables=tables, figures=figures, findings=findings,
                    results=res)

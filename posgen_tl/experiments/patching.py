@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -130,17 +130,10 @@ def corruption_of(cfg: Config, n_ctx: int) -> P.Corruption:
     return P.Shift(1000)
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(base.Result):
     """A patching sweep: ``tables`` (:data:`TABLES`: tidy DataFrames), ``config`` (the Config as a dict) and
     ``meta`` (model, documents, corruption, p kind, wall time, commit; ``skipped`` when it could not run)."""
 
-    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> pd.DataFrame:
-        return self.tables[name]
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -382,30 +375,29 @@ def _twin_damage(model: Any, ana: Windows, corr: P.Corruption, cfg: Config) -> p
 
 def run_or_skip(model: Any, cfg: Config, **kw: Any) -> Result:
     """:func:`run`, or a Result whose ``meta["skipped"]`` says why when the corpus cannot give the windows or the
-    model cannot deliver a quantity (named refusals). Any other error propagates."""
-    from posgen_tl.hooks.capture import CaptureError  # noqa: PLC0415
-    from posgen_tl.io.corpus import CorpusError  # noqa: PLC0415
-    from posgen_tl.maths.rope import RopeError  # noqa: PLC0415
-    from posgen_tl.report.html import SKIP_HINTS  # noqa: PLC0415
-
-    try:
-        return run(model, cfg, **kw)
-    except (CorpusError, CaptureError, RopeError) as e:
-        kind = "corpus" if isinstance(e, CorpusError) else "model"
-        return Result({}, cfg.as_dict(), {"skipped": f"the patching study skipped: {e}", "hint": SKIP_HINTS[kind]})
+    library refuses the model by name (:func:`posgen_tl.experiments.base.run_or_skip`). Any other error propagates."""
+    return base.run_or_skip(run, Result, "the patching study", model, cfg, **kw)
 
 
 # ----------------------------------------------------------------------------- files
 
 
 def save(result: Result, folder: str | Path) -> list[Path]:
-    """Write ``result`` into ``folder``: ``patching_<table>.csv`` per table and ``patching_result.json``."""
-    return base.save_tables(NAME, result.tables, result.config, result.meta, folder)
+    """:func:`posgen_tl.experiments.registry.save` of this experiment: ``patching_<table>.csv`` per table and
+    ``patching_result.json`` (config and meta) in ``folder``. Returns the written paths."""
+    from posgen_tl.experiments import registry  # noqa: PLC0415
+
+    return registry.save(NAME, result, folder)
 
 
 def load(folder: str | Path) -> Result:
-    """The :class:`Result` :func:`save` wrote into ``folder``."""
-    return Result(*base.load_tables(NAME, folder))
+    """The :class:`Result` :func:`save` wrote into ``folder`` (:func:`posgen_tl.experiments.registry.load`).
+
+    Raises:
+        FileNotFoundError: no result of this experiment there."""
+    from posgen_tl.experiments import registry  # noqa: PLC0415
+
+    return registry.load(NAME, folder)
 
 
 # ----------------------------------------------------------------------------- render
@@ -463,7 +455,7 @@ def render(result: Result) -> Any:
 
     t, meta, cfg = result.tables, result.meta, result.config
     if "skipped" in meta:
-        return skipped_section(TITLE, meta["skipped"], None, meta.get("hint"))
+        return skipped_section(TITLE, meta["skipped"], NAME, meta.get("hint"))
     heads = t["heads"]
     figs = []
     for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):

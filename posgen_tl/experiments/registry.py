@@ -23,7 +23,7 @@ from typing import Any
 from posgen_tl.experiments.base import PRESETS, Config
 
 __all__ = ["ORDER", "REPORT", "PROTOCOL", "SIZES", "experiment", "names", "make_config", "split_params", "run_study",
-           "run_experiment"]
+           "run_experiment", "run", "run_or_skip", "save", "load"]
 
 #: every experiment, in the order the report runs and numbers them
 ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "sufficiency", "taxonomy", "length",
@@ -32,7 +32,7 @@ ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "suffic
 REPORT = tuple(n for n in ORDER if n != "gap_attention")
 #: the experiments in the protocol shape: ``run(model, cfg, *, checkpoint=…) -> Result``, ``render(result)``,
 #: ``save(result, folder)`` / ``load(folder)`` (the others still ``compute(ctx, cfg)`` / ``render(ctx, cfg)``)
-PROTOCOL = ("causal", "patching")
+PROTOCOL = ("causal", "patching", "sufficiency", "length")
 #: the options every Config has (``base.Config``): the report's size flags set them for every experiment
 SIZES = ("n_seq", "seq_len", "seed", "corpus", "twin")
 #: size flags an experiment does not take from the report (it keeps its own default); e.g. the exactness
@@ -90,6 +90,65 @@ def make_config(name: str, preset: str = "default", params: Mapping[str, str] | 
     return cls.from_text(dict(params or {}), preset, **typed)
 
 
+def run(name: str, model: Any, cfg: Config | None = None, **kw: Any) -> Any:
+    """``experiment(name).run(model, cfg, **kw)`` — the library's one door to every experiment
+    (``pg.run("sufficiency", model, cfg)``); returns the experiment's Result."""
+    return experiment(name).run(model, cfg, **kw)
+
+
+def run_or_skip(name: str, model: Any, cfg: Config, **kw: Any) -> Any:
+    """:func:`run`, or a Result with ``meta["skipped"]`` when the corpus cannot give the windows or the library
+    refuses the model by name (:func:`posgen_tl.experiments.base.run_or_skip`); any other error propagates."""
+    from posgen_tl.experiments import base  # noqa: PLC0415
+
+    mod = experiment(name)
+    return base.run_or_skip(mod.run, mod.Result, f"the {name} study", model, cfg, **kw)
+
+
+def save(name: str, result: Any, folder: str | Path) -> list[Path]:
+    """Write experiment ``name``'s Result into ``folder`` (its tables as CSVs, named by the module's ``FILES``
+    where it has them, and ``<name>_result.json``). Returns the written paths."""
+    from posgen_tl.experiments import base  # noqa: PLC0415
+
+    mod = experiment(name)
+    return base.save_tables(name, result.tables, result.config, result.meta, folder, getattr(mod, "FILES", None))
+
+
+def load(name: str, folder: str | Path) -> Any:
+    """The Result of experiment ``name`` that :func:`save` (or a study run before the Result existed) wrote into
+    ``folder``. Text columns the module lists in ``TEXT_COLUMNS`` read back as ``""`` where empty.
+
+    Raises:
+        FileNotFoundError: no result of ``name`` there."""
+    from posgen_tl.experiments import base  # noqa: PLC0415
+
+    mod = experiment(name)
+    tables, config, meta = base.load_tables(name, folder, getattr(mod, "FILES", None), getattr(mod, "LEGACY_META", None))
+    for t in tables.values():
+        for col in getattr(mod, "TEXT_COLUMNS", ()):
+            if col in t.columns:
+                t[col] = t[col].fillna("")
+    return mod.Result(tables, config, meta)
+
+
+def inputs(name: str, *, checkpoint: Path | None = None, twin: Any = None,
+           upstream: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The keyword inputs a report or study passes to experiment ``name``'s ``run``, as far as it takes them:
+    ``checkpoint`` (a folder that makes it resumable), ``twin`` (a callable giving the shared random-init twin)
+    and the Results of its ``NEEDS`` (keyword ``upstream``)."""
+    import inspect  # noqa: PLC0415
+
+    params = inspect.signature(experiment(name).run).parameters
+    out: dict[str, Any] = {}
+    if checkpoint is not None and "checkpoint" in params:
+        out["checkpoint"] = checkpoint
+    if twin is not None and "twin" in params:
+        out["twin"] = twin
+    if upstream and "upstream" in params:
+        out["upstream"] = dict(upstream)
+    return out
+
+
 def run_experiment(name: str, ctx: Any, cfg: Config) -> tuple[Any, float]:
     """``compute`` then ``render`` of one experiment in ``ctx``; returns ``(Section, seconds of compute)``.
 
@@ -101,9 +160,12 @@ def run_experiment(name: str, ctx: Any, cfg: Config) -> tuple[Any, float]:
         import shutil  # noqa: PLC0415
 
         partial = ctx.work.dir / ".partial"
-        result = mod.run_or_skip(ctx.model, cfg, checkpoint=partial)
+        result = run_or_skip(name, ctx.model, cfg, **inputs(name, checkpoint=partial, twin=ctx.twin,
+                                                           upstream=getattr(ctx, "results", None)))
         seconds = time.time() - t0
-        mod.save(result, ctx.work.dir)
+        save(name, result, ctx.work.dir)
+        if hasattr(ctx, "results"):
+            ctx.results[name] = result
         shutil.rmtree(partial, ignore_errors=True)
         sec = mod.render(result)
         for i, (png, _) in enumerate(sec.figures):

@@ -31,7 +31,6 @@ from posgen_tl import stats
 from posgen_tl.engine.swaps import nll_on_target, transposition_curve
 from posgen_tl.experiments import base
 from posgen_tl.experiments.decomposition import reference_key_means
-from posgen_tl.experiments.length import LengthResult
 from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.logits import sufficiency_hooks
 from posgen_tl.io.corpus import CorpusLike
@@ -40,7 +39,8 @@ from posgen_tl.maths import groups as layer_grouping
 from posgen_tl.maths.groups import group_label
 from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 
-__all__ = ["Config", "sufficiency_equivalence", "SOURCES", "layer_groups", "sufficiency_hooks_for", "sufficiency", "sufficiency_summary"]
+__all__ = ["Config", "Result", "run", "render", "sufficiency", "sufficiency_equivalence", "SOURCES", "layer_groups",
+           "sufficiency_hooks_for", "sufficiency_summary"]
 
 SOURCES = ("d3", "d3_quantile", "d1", "wrong_kbar")
 
@@ -99,11 +99,36 @@ class Config(base.Config):
         return self.target_len or min(64, self.seq_len // 4)
 
 
-def sufficiency(
-    model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, *,
+class Result(base.Result):
+    """The outcome of :func:`run`.
+
+    Attributes:
+        tables: ``rows`` (per source × group × sequence: ``source, group, layers, seq, doc, doc_name, clean_nll, nll,
+            dnll`` and, for the measured tolerance pairs, ``slope, clean_slope, dslope``), ``summary``
+            (:func:`sufficiency_summary`) and ``equivalence`` (:func:`sufficiency_equivalence` at the declared margin).
+        config: the Config's options. meta: model, documents, sizes, the layer groups, the k̄ kind.
+    """
+
+    @property
+    def rows(self) -> pd.DataFrame:
+        return self.tables["rows"]
+
+    @property
+    def summary(self) -> pd.DataFrame:
+        return self.tables["summary"]
+
+
+#: the tables' files in a study folder (the names published runs already carry)
+FILES = {"rows": "sufficiency_rows.csv", "summary": "sufficiency_summary.csv",
+         "equivalence": "sufficiency_equivalence.csv"}
+LEGACY_META = "sufficiency_meta.json"
+
+
+def run(
+    model: Any, cfg: Config | None = None, *, corpus: CorpusLike | Windows = None,
     groups: dict[str, Sequence[int]] | None = None, k_means: dict | None = None, reference: Windows | None = None,
     progress: bool = True, **options: Any,
-) -> LengthResult:  # fmt: skip
+) -> Result:  # fmt: skip
     """Substitute ``W ← f + g_Δ0`` (and the controls) in layer groups; clean NLL and tolerance.
 
     Args:
@@ -111,13 +136,12 @@ def sufficiency(
             :data:`SOURCES`), ``gamma`` (the per-row quantile of ``d3_quantile``), ``tolerance``
             (``(source, group)`` pairs whose T1 tolerance slope is measured, plus the unmodified
             model — each costs ``len(fracs)·len(seeds)`` forward passes), ``delta0``, ``keep_sink``.
+        corpus: a corpus or ready :class:`~posgen_tl.io.sampling.Windows` (default ``cfg.corpus``).
         groups: ``{label: layers}`` (default :func:`layer_groups`: the layer thirds + all).
         k_means: global k̄ per layer (default: ``n_ref`` windows of disjoint documents).
 
     Returns:
-        :class:`~posgen_tl.experiments.length.LengthResult` with ``rows`` (``source, group, layers, seq,
-        doc, doc_name, clean_nll, nll, dnll`` and, for measured pairs, ``slope, dslope``) and
-        ``summary`` (:func:`sufficiency_summary`).
+        :class:`Result` (tables ``rows``, ``summary``, ``equivalence``).
     """
     cfg = base.config_of(Config, cfg, options)
     base.gate(model, cfg, "the sufficiency study")
@@ -160,10 +184,20 @@ def sufficiency(
                 r.update(slope=float(sl[i]), clean_slope=float(clean_slope[i]), dslope=float(sl[i] - clean_slope[i]))
             rows.append(r)
     df = pd.DataFrame(rows)
-    cfg = dict(model=spec.model_name, n_seq=len(win), n_docs=win.n_docs, seq_len=tokens.shape[1], target_len=target_len,
-               gamma=gamma, delta0=delta0, keep_sink=keep_sink, k_mean="global (disjoint documents)",
-               fracs=list(fracs), seeds=list(seeds), groups={k: list(v) for k, v in groups.items()})
-    return LengthResult(df, sufficiency_summary(df), cfg)
+    meta = dict(model=spec.model_name, n_seq=len(win), n_docs=win.n_docs, seq_len=tokens.shape[1],
+                target_len=target_len, gamma=gamma, delta0=delta0, keep_sink=keep_sink,
+                k_mean="global (disjoint documents)", fracs=list(fracs), seeds=list(seeds),
+                groups={k: list(v) for k, v in groups.items()})
+    tables = {"rows": df, "summary": sufficiency_summary(df), "equivalence": sufficiency_equivalence(df, cfg.margin)}
+    return Result(tables, cfg.as_dict(), meta)
+
+
+def sufficiency(model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, **kw: Any) -> Result:
+    """:func:`run` with the corpus as the second argument (the library's earlier name, kept as an alias)."""
+    return run(model, cfg, corpus=corpus, **kw)
+
+
+
 
 
 def sufficiency_equivalence(rows: pd.DataFrame, margin: float) -> pd.DataFrame:
@@ -202,34 +236,22 @@ ABOUT = "substitute the logits by f + g (D3, global k̄) per layer group, with D
 NEEDS: tuple[str, ...] = ()
 
 
-def compute(ctx: Any, cfg: Config) -> None:
-    """Substitution per layer group and source; writes rows, the summary, the configuration and a figure."""
-    from posgen_tl.plot.sufficiency import plot_sufficiency  # noqa: PLC0415
-
-    res = base.or_skip(ctx, "sufficiency_meta.json", "sufficiency stage", sufficiency, ctx.model, cfg.corpus, cfg)
-    if res is None:
-        return
-    ctx.work.save_df("sufficiency_rows.csv", res.rows)
-    ctx.work.save_df("sufficiency_summary.csv", res.summary)
-    ctx.work.save_df("sufficiency_equivalence.csv", sufficiency_equivalence(res.rows, cfg.margin))
-    ctx.work.save_json("sufficiency_meta.json", res.config)
-    ctx.work.save_fig("fig_sufficiency.png", plot_sufficiency(res.summary, title=f"Sufficiency — {ctx.model_name}"))
-
-
-def render(ctx: Any, cfg: Config) -> Any:
+def render(result: Result) -> Any:
     """The report section: ΔNLL per source and layer group, beside the controls, and the figure."""
-    from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
+    from posgen_tl.plot.sufficiency import plot_sufficiency  # noqa: PLC0415
+    from posgen_tl.report.html import Section, figure_to_png, skipped_section  # noqa: PLC0415
 
     title = "6 · Sufficiency: does f + g carry what the model uses? (docs/method.md §5)"
-    meta = ctx.work.load_json("sufficiency_meta.json")
-    if "skipped" in meta:
-        return skipped_section(title, meta["skipped"], "sufficiency", meta.get("hint"))
-    summ = ctx.work.load_df("sufficiency_summary.csv")
+    meta = result.meta
+    if result.skipped:
+        return skipped_section(title, result.skipped, "sufficiency", meta.get("hint"))
+    summ = result.tables["summary"]
     d = summ[summ["estimator"] == "dnll"]
     line = "; ".join(f"{r.source} @ {r.group}: {r.estimate:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
                      for r in d.itertuples() if r.source == "d3")
     cols = ["source", "group", "estimator", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind", "p_holm",
             "n_docs", "n_seqs", "label"]
+    fig = plot_sufficiency(summ, title=f"Sufficiency — {meta.get('model', '')}")
     return Section(
         title,
         verdict=f"ΔNLL (last {meta['target_len']} tokens) when the logits are replaced by f + g_Δ0: {line}.",
@@ -242,10 +264,9 @@ def render(ctx: Any, cfg: Config) -> Any:
         tables=[("ΔNLL and clean NLL per source and layer group (document-bootstrap CI, sign-flip p, Holm)",
                  summ[[c for c in cols if c in summ.columns]]),
                 ("Does the substitution barely move the NLL? TOST within the declared margin (90 % interval)",
-                 ctx.work.load_df("sufficiency_equivalence.csv")[["source", "group", "estimate", "ci_low", "ci_high",
-                                                                  "ci_level", "p", "margin", "verdict", "n_docs"]])],
-        figures=[(ctx.work.path("fig_sufficiency.png").read_bytes(), "ΔNLL by layer group: D3 substitution vs the D1 and "
-                  "wrong-k̄ controls")],
+                 result.tables["equivalence"][["source", "group", "estimate", "ci_low", "ci_high", "ci_level", "p",
+                                               "margin", "verdict", "n_docs"]])],
+        figures=[(figure_to_png(fig), "ΔNLL by layer group: D3 substitution vs the D1 and wrong-k̄ controls")],
         findings=_findings(summ),
         results={"sufficiency": summ.to_dict("records"), "meta": meta},
     )

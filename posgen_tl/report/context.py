@@ -99,15 +99,15 @@ class OutFolder(Work):
 
 @dataclass
 class Context:
-    """What an experiment's ``compute`` / ``render`` get in a report or a study run: the model, its
-    random twin (built once, seeded), the folder to write into, and ``shared`` — results one
-    experiment hands to a later one in the same run (e.g. the T1 curve the causal test reuses)."""
+    """What a report or a study run holds while it runs experiments: the model, its random twin (built once,
+    seeded), the folder to write into, and ``results`` — the Results of the experiments already run, by name
+    (what a later experiment's ``run`` takes as ``upstream``)."""
 
     model: Any
     work: Work
     model_name: str
     seed: int = 0
-    shared: dict = field(default_factory=dict)
+    results: dict = field(default_factory=dict)
     _twin: Any = None
 
     def twin(self) -> Any:

@@ -107,7 +107,7 @@ def _section(run: Run) -> Section:
             _RENDERED.clear()
         mod = registry.experiment(run.study)
         if run.study in registry.PROTOCOL:
-            _RENDERED[key] = mod.render(mod.load(run.folder))
+            _RENDERED[key] = mod.render(registry.load(run.study, run.folder))
         else:
             ctx = Context(model=None, work=OutFolder(run.folder), model_name=run.model, seed=0)
             _RENDERED[key] = mod.render(ctx, _config(run))

@@ -103,10 +103,12 @@ def run_report(settings: ReportSettings) -> int:
         if not work.done(name):
             print(f"[posgen-tl] {name} ...", flush=True)
             ts = time.time()
-            if name in registry.PROTOCOL:  # run → Result (its files are prefixed by its name; resumable checkpoint)
+            if name in registry.PROTOCOL:  # run → Result (saved into the work folder; resumable checkpoint)
                 partial = work.path(f".partial_{name}")
-                result = mods[name].run_or_skip(model, cfg, checkpoint=partial)
-                mods[name].save(result, work.dir)
+                upstream = {d: registry.load(d, work.dir) for d in mods[name].NEEDS}
+                result = registry.run_or_skip(name, model, cfg, **registry.inputs(
+                    name, checkpoint=partial, twin=ctx.twin, upstream=upstream))
+                registry.save(name, result, work.dir)
                 shutil.rmtree(partial, ignore_errors=True)
             else:
                 mods[name].compute(ctx, cfg)
@@ -116,7 +118,7 @@ def run_report(settings: ReportSettings) -> int:
         else:
             print(f"[posgen-tl] {name}: already done (resuming)")
     for name, cfg in configs.items():
-        sec = mods[name].render(mods[name].load(work.dir)) if name in registry.PROTOCOL \
+        sec = mods[name].render(registry.load(name, work.dir)) if name in registry.PROTOCOL \
             else mods[name].render(ctx, cfg)
         if settings.preset != "full":
             sec.paragraphs.append(full_size_hint(name, model_name, settings.preset))

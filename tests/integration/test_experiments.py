@@ -177,7 +177,7 @@ def test_every_experiment_analyses_the_same_windows(tiny, corpus, tmp_path, monk
         current["name"] = name
         cfg = registry.make_config(name, "quick", {"n_ref": "2"} if name != "taxonomy" else {"n_ref": "2"}, sizes)
         if name in registry.PROTOCOL:
-            registry.experiment(name).run(tiny, cfg, progress=False)
+            registry.run(name, tiny, cfg, progress=False)
         else:
             registry.experiment(name).compute(ctx, cfg)
     keys = {}

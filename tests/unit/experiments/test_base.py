@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from posgen_tl.experiments import base
+from posgen_tl.experiments import base, registry
 
 
 @dataclass(frozen=True)
@@ -67,32 +67,28 @@ def test_describe_lists_every_option_with_presets():
         base.parse_assignments(["a=1", "a=2"])
 
 
-@pytest.mark.parametrize("study,meta,target", [
-    ("sufficiency", "sufficiency_meta.json", "sufficiency"),
-    ("length", "length_gap_meta.json", "gap_probe"),
-    ("tolerance", "tolerance_meta.json", "sample_windows"),
-])
-def test_only_a_corpus_or_model_refusal_skips_a_stage(study, meta, target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("study", [n for n in registry.ORDER if n in registry.PROTOCOL])
+def test_only_a_corpus_or_model_refusal_skips_a_stage(study, tmp_path, monkeypatch):
     """A corpus that cannot give the windows (CorpusError) or a model the library refuses (CaptureError) skips
-    the stage with its reason and a hint that fits it; any other
-    error — a bug, a bad option, even a plain ValueError — propagates and writes no 'skipped' record."""
-    import importlib
-
+    the stage: a Result with no tables whose status names the reason, which survives save/load and renders as a
+    skipped section with a hint that fits it; any other error — a bug, a bad option, even a plain ValueError —
+    propagates and gives no Result."""
     from posgen_tl.hooks.capture import CaptureError
     from posgen_tl.io.corpus import CorpusError
-    from posgen_tl.report.context import Context, OutFolder
 
-    mod = importlib.import_module(f"posgen_tl.experiments.{study}")
-    ctx = Context(model=None, work=OutFolder(tmp_path), model_name="m")
+    mod = registry.experiment(study)
 
     def corpus_fails(*a, **k):
         raise CorpusError("need at least 2 documents to split analysed/reference, got 1")
 
-    monkeypatch.setattr(mod, target, corpus_fails)
-    assert mod.compute(ctx, mod.Config()) is None
-    rec = ctx.work.load_json(meta)
-    assert rec["skipped"].endswith("skipped: need at least 2 documents to split analysed/reference, got 1"), rec
-    sec = mod.render(ctx, mod.Config())  # what a reader sees: the reason, and a hint about the corpus
+    monkeypatch.setattr(mod, "run", corpus_fails)
+    res = registry.run_or_skip(study, None, mod.Config())
+    assert res.tables == {} and res.skipped.endswith("skipped: need at least 2 documents to split analysed/reference, "
+                                                     "got 1"), res.meta
+    registry.save(study, res, tmp_path)
+    back = registry.load(study, tmp_path)
+    assert back.skipped == res.skipped and back.config == res.config
+    sec = mod.render(back)  # what a reader sees: the reason, and a hint about the corpus
     assert "need at least 2 documents" in sec.verdict and "corpus of several documents" in sec.paragraphs[0]
     assert [f.verdict for f in sec.findings] == ["not testable"]
 
@@ -100,16 +96,13 @@ def test_only_a_corpus_or_model_refusal_skips_a_stage(study, meta, target, tmp_p
         raise CaptureError("gptj: hook_attn_scores holds 'post_softmax' values, not pre-softmax logits; logit "
                            "substitution is impossible on this model")
 
-    monkeypatch.setattr(mod, target, model_refuses)
-    assert mod.compute(ctx, mod.Config()) is None
-    sec = mod.render(ctx, mod.Config())
+    monkeypatch.setattr(mod, "run", model_refuses)
+    sec = mod.render(registry.run_or_skip(study, None, mod.Config()))
     assert "post_softmax" in sec.verdict and "cannot be analysed this way" in sec.paragraphs[0]
 
     def bug(*a, **k):
         raise ValueError("x has shape (3, 32, 1, 16); expected [batch, pos, 4, 16]")
 
-    ctx.work.path(meta).unlink()
-    monkeypatch.setattr(mod, target, bug)
+    monkeypatch.setattr(mod, "run", bug)
     with pytest.raises(ValueError, match="expected"):
-        mod.compute(ctx, mod.Config())
-    assert not ctx.work.path(meta).exists()
+        registry.run_or_skip(study, None, mod.Config())
