@@ -123,15 +123,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     import pandas as pd  # noqa: PLC0415
 
     from posgen_tl import compat  # noqa: PLC0415
-    from posgen_tl.experiments.exactness import (  # noqa: PLC0415
-        MIN_COMPARED_ENTRIES,
-        exactness_table,
-        tolerances,
-        verdict,
-        window_length,
-    )
-    from posgen_tl.hooks.capture import model_dtype, probe_hooks  # noqa: PLC0415
-    from posgen_tl.io.corpus import corpus_tokens  # noqa: PLC0415
+    from posgen_tl.experiments import exactness  # noqa: PLC0415
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
     from posgen_tl.io.models import load_model  # noqa: PLC0415
 
     t0 = time.time()
@@ -158,25 +151,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     groups = desc.groupby(["kind", "rotary_dim", "theta_slowest", "score_scale", "sliding_window"], dropna=False)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(groups["layer"].apply(lambda s: ",".join(map(str, s))).reset_index().rename(columns={"layer": "layers"}).to_string(index=False))
-    seq_len, note = window_length(spec, args.seq_len)
-    if note:
-        print(note)
-    tokens = corpus_tokens(model, None, seq_len=seq_len, n_seq=args.n_seq)
-    table = exactness_table(model, tokens, layers)
-    cols = ["layer", "kind", "rot_check", "rot_q_max_err", "rot_k_max_err", "scores_kind", "score_max_err",
-            "score_rel_err", "mask_mismatch", "pattern_max_err", "n_compared", "status"]
-    with pd.option_context("display.width", 220, "display.max_rows", 200, "display.float_format", "{:.3g}".format):
-        print(table.reindex(columns=cols).to_string(index=False))
-    ok, line = verdict(table)
-    for row in table.itertuples() if not ok and len(table) else ():
-        if row.status != "passed":
-            print(f"layer {row.layer}: {row.status}: {row.reason}")
-    tol = tolerances(model_dtype(model))
-    print(
-        f"exactness ({args.n_seq}×{seq_len} tokens of pydoc prose; a layer passes after comparing ≥ "
-        f"{MIN_COMPARED_ENTRIES} unmasked score entries and its rotation against the model's own; tolerances: "
-        f"rotation {tol['rot']:g}, scores {tol['score']:g} relative to max |value|, pattern {tol['pattern']:g}): {line}"
-    )
+    result = exactness.run(model, exactness.Config(n_seq=args.n_seq, seq_len=args.seq_len, layers=tuple(layers)))
+    print(exactness.text(result))
+    ok, _ = exactness.verdict(result.table)
     return 0 if ok else 1
 
 

@@ -12,6 +12,7 @@ exists.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -116,6 +117,8 @@ def main() -> None:
     for name, cells_ in books.items():
         nb = nbf.v4.new_notebook()
         nb.cells = cells_
+        for i, c in enumerate(nb.cells):  # stable ids: a regeneration changes only what changed
+            c["id"] = hashlib.sha1(f"{name}:{i}:{c['source']}".encode()).hexdigest()[:8]
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         nbf.write(nb, HERE / name)
         print("wrote", HERE / name)

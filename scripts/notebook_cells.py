@@ -75,7 +75,7 @@ margin its Config declares.
 the causal order among context tokens, so T1 − T2 is a causal-order effect, not "tokens vs ids"."""),
         code('''t12 = pg.experiments.tolerance.t1_t2_study(model, n_seq=max(n_seq, 4), seq_len=seq_len, target_len=target,
                                           fracs=fracs, twin=not SMALL, progress=False)
-print(t12.config["note"])
+print(t12.meta["note"])
 t12.equivalence[["twin", "t1_auc", "t2_auc", "estimate", "ci_low", "ci_high", "ci_level", "margin", "p", "verdict"]]'''),
         md("""## 2. An intervention is just a list of hooks
 `Intervention("destroy", bands=...)` removes each key's token-invariant offset k̄ in the chosen bands

@@ -372,10 +372,11 @@ def run_or_skip(run: Callable[..., R], result: type[R], what: str, model: Any, c
 
 def twin_of(model: Any, twin: Any, seed: int) -> Any:
     """The random-init twin a ``run`` uses: ``twin`` itself (a model), ``twin()`` (a callable that gives the
-    report's shared one), or a fresh :func:`posgen_tl.io.models.random_twin` of ``model`` when ``None``."""
+    report's shared one), or a fresh :func:`posgen_tl.io.models.random_twin` of ``model`` when ``None`` or ``True``
+    (``False`` is the caller's business: no twin runs)."""
     import torch  # noqa: PLC0415
 
-    if twin is None:
+    if twin is None or twin is True:
         from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
         return random_twin(model, seed)

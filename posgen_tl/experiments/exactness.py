@@ -44,7 +44,7 @@ from posgen_tl.hooks.capture import (
 )
 from posgen_tl.maths.rope import attention_pattern, causal_mask, rotate, rotate_with_table
 
-__all__ = ["exactness_table", "exceeds", "worst", "non_finite", "tolerances", "ROT_RTOL", "SCORE_RTOL", "PATTERN_ATOL", "MIN_COMPARED_ENTRIES"]
+__all__ = ["Config", "Result", "run", "render", "text", "verdict", "window_length", "exactness_table", "exceeds", "worst", "non_finite", "tolerances", "ROT_RTOL", "SCORE_RTOL", "PATTERN_ATOL", "MIN_COMPARED_ENTRIES"]
 
 #: tolerances, relative to the largest |value| of the compared tensor (float32 maths); ROT_RTOL is the
 #: capture's own (hooks.capture), which every capture checks its rotation against
@@ -223,16 +223,56 @@ def window_length(spec: Any, seq_len: int) -> tuple[int, str]:
                     f"({', '.join(map(str, windows))} tokens) must mask keys for the mask to be checked")
 
 
-def run(model: Any, cfg: Config | None = None, **overrides: Any) -> pd.DataFrame:
+class Result(base.Result):
+    """The outcome of :func:`run`: ``tables["layers"]`` (:func:`exactness_table`, one row per layer), the Config's
+    options and ``meta`` (model, the compared windows' length and why it was raised, dtype, tolerances)."""
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return self.tables["layers"]
+
+
+#: the table's file in a study folder (the name published runs already carry)
+FILES = {"layers": "exactness.csv"}
+
+
+def run(model: Any, cfg: Config | None = None, *, progress: bool = True, **overrides: Any) -> Result:
     """:func:`exactness_table` on ``cfg.n_seq`` consecutive chunks of the corpus, each
-    :func:`window_length` tokens long. Returns the table (one row per layer)."""
+    :func:`window_length` tokens long, on the layers ``cfg.layers`` selects. Returns its :class:`Result`."""
+    from posgen_tl.hooks.capture import model_dtype  # noqa: PLC0415
     from posgen_tl.io.corpus import corpus_tokens  # noqa: PLC0415
 
     cfg = base.config_of(Config, cfg, overrides)
     spec = probe_hooks(model)[0]
-    seq_len, _ = window_length(spec, cfg.seq_len)
+    seq_len, note = window_length(spec, cfg.seq_len)
+    layers = base.resolve_layers(cfg.layers, spec.n_layers)  # an index outside the model: a named error, first
     tokens = corpus_tokens(model, cfg.corpus, seq_len=seq_len, n_seq=cfg.n_seq)
-    return exactness_table(model, tokens, base.resolve_layers(cfg.layers, spec.n_layers), progress=True)
+    table = exactness_table(model, tokens, layers, progress=progress)
+    dtype = model_dtype(model)
+    meta = dict(model=spec.model_name, n_seq=int(tokens.shape[0]), seq_len=seq_len, seq_len_note=note,
+                dtype=str(dtype).removeprefix("torch."), tolerances=tolerances(dtype),
+                min_compared_entries=MIN_COMPARED_ENTRIES)
+    return Result({"layers": table}, cfg.as_dict(), meta)
+
+
+def text(result: Result) -> str:
+    """What ``posgen-tl check`` prints of a :class:`Result`: the per-layer table, the reason of every layer that
+    did not pass, and one closing line with the sizes, the tolerances and PASS/FAIL."""
+    table, meta = result.tables["layers"], result.meta
+    cols = ["layer", "kind", "rot_check", "rot_q_max_err", "rot_k_max_err", "scores_kind", "score_max_err",
+            "score_rel_err", "mask_mismatch", "pattern_max_err", "n_compared", "status"]
+    lines = [meta["seq_len_note"]] if meta.get("seq_len_note") else []
+    with pd.option_context("display.width", 220, "display.max_rows", 200, "display.float_format", "{:.3g}".format):
+        lines.append(table.reindex(columns=cols).to_string(index=False))
+    ok, line = verdict(table)
+    lines += [f"layer {r.layer}: {r.status}: {r.reason}" for r in table.itertuples() if r.status != "passed"]
+    tol = meta["tolerances"]
+    lines.append(f"exactness ({meta['n_seq']}×{meta['seq_len']} tokens of "
+                 f"{'pydoc prose' if not result.config.get('corpus') else result.config['corpus']}; a layer passes after "
+                 f"comparing ≥ {meta['min_compared_entries']} unmasked score entries and its rotation against the "
+                 f"model's own; tolerances: rotation {tol['rot']:g}, scores {tol['score']:g} relative to max |value|, "
+                 f"pattern {tol['pattern']:g}): {line}")
+    return "\n".join(lines)
 
 
 def verdict(table: pd.DataFrame) -> tuple[bool, str]:
@@ -247,14 +287,13 @@ def verdict(table: pd.DataFrame) -> tuple[bool, str]:
     return False, f"FAIL ({n_un} layer(s) not checked, {len(bad) - n_un} failed)"
 
 
-def compute(ctx: Any, cfg: Config) -> None:
-    ctx.work.save_df("exactness.csv", run(ctx.model, cfg))
+def render(result: Result) -> Any:
+    """The report section: PASS on every layer (the table folded away), or which layers failed and why."""
+    from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
 
-
-def render(ctx: Any, cfg: Config) -> Any:
-    from posgen_tl.report.html import Section  # noqa: PLC0415
-
-    df = ctx.work.load_df("exactness.csv")
+    if result.skipped:
+        return skipped_section("1 · Exactness of captured q/k", result.skipped, None, result.meta.get("hint"))
+    df = result.tables["layers"]
     ok, line = verdict(df)
     res = {"passed": ok, "status_counts": df["status"].value_counts().to_dict(),
            "min_compared": int(df["n_compared"].min()),

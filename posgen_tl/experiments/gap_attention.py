@@ -17,7 +17,7 @@ import pandas as pd
 from posgen_tl.experiments import base
 from posgen_tl.experiments import length as L
 
-__all__ = ["Config", "NAME", "compute", "render"]
+__all__ = ["Config", "Result", "NAME", "run", "render"]
 
 NAME = "gap_attention"
 ABOUT = "attention change per head under the gap, positional vs symbolic heads (docs/method.md §7 item 4)"
@@ -44,33 +44,49 @@ class Config(base.Config):
         return pre, suf, self.skip or min(16, suf // 4)
 
 
-def compute(ctx: Any, cfg: Config) -> None:
-    """Per-head attention change under the gap; writes the rows, the class contrasts and the settings."""
+class Result(base.Result):
+    """The outcome of :func:`run`: ``tables`` ``rows`` (per sequence × layer × head: the attention change under the
+    gap, :func:`posgen_tl.experiments.length.gap_attention`) and ``summary`` (the positional − symbolic contrasts,
+    :func:`posgen_tl.experiments.length.head_class_test`); ``meta``: documents, the gap, the layout, the classes."""
+
+
+#: the tables' files in a study folder (the names published runs already carry)
+FILES = {"rows": "gap_attention_rows.csv", "summary": "gap_attention_summary.csv"}
+LEGACY_META = "gap_attention_meta.json"
+
+
+def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, progress: bool = True, **options: Any) -> Result:
+    """Per-head attention change under the gap and its positional − symbolic contrasts (``cfg`` with ``options``
+    applied; head classes from ``cfg.classes``, a taxonomy study's ``heads.csv``). Returns its :class:`Result`."""
     from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
     from posgen_tl.io.sampling import sample_windows  # noqa: PLC0415
 
+    cfg = base.config_of(Config, cfg, options)
     pre, suf, skip = cfg.gap_layout()
-    win, ref = sample_windows(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=pre + suf, n_ref=cfg.n_ref, seed=cfg.seed)
-    km = reference_key_means(ctx.model, ref.tokens, sink=1, progress=False)
-    n_ctx = int(ctx.model.cfg.n_ctx)
-    rows = L.gap_attention(ctx.model, win, prefix_len=pre, suffix_len=suf, gap=int(round(cfg.gap * n_ctx)), k_means=km,
-                           skip=skip)
-    classes = L.classes_from_taxonomy(pd.read_csv(cfg.classes)) if cfg.classes else None
-    ctx.work.save_df("gap_attention_rows.csv", rows)
-    ctx.work.save_df("gap_attention_summary.csv", L.head_class_test(rows, classes))
-    ctx.work.save_json("gap_attention_meta.json", dict(n_seq=len(win), n_docs=win.n_docs, gap=cfg.gap, n_ctx=n_ctx,
-                                                       prefix_len=pre, suffix_len=suf, classes=cfg.classes))
+    classes = L.classes_from_taxonomy(pd.read_csv(cfg.classes)) if cfg.classes else None  # a bad table: before work
+    win, ref = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=pre + suf,
+                              n_ref=cfg.n_ref, seed=cfg.seed)
+    assert ref is not None
+    km = reference_key_means(model, ref.tokens, sink=1, progress=False)
+    n_ctx = int(model.cfg.n_ctx)
+    rows = L.gap_attention(model, win, prefix_len=pre, suffix_len=suf, gap=int(round(cfg.gap * n_ctx)), k_means=km,
+                           skip=skip, progress=progress)
+    meta = dict(n_seq=len(win), n_docs=win.n_docs, gap=cfg.gap, n_ctx=n_ctx, prefix_len=pre, suffix_len=suf,
+                classes=cfg.classes)
+    return Result({"rows": rows, "summary": L.head_class_test(rows, classes)}, cfg.as_dict(), meta)
 
 
-def render(ctx: Any, cfg: Config) -> Any:
+def render(result: Result) -> Any:
     """The section: the positional − symbolic contrasts of the attention change."""
-    from posgen_tl.report.html import Section  # noqa: PLC0415
+    from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
 
-    summ = ctx.work.load_df("gap_attention_summary.csv")
-    meta = ctx.work.load_json("gap_attention_meta.json")
+    title = "Attention change under the gap, by head class (docs/method.md §7, seed 003)"
+    if result.skipped:
+        return skipped_section(title, result.skipped, None, result.meta.get("hint"))
+    summ, meta = result.tables["summary"], result.meta
     src = summ["classes"].iloc[0] if len(summ) else "?"
     return Section(
-        "Attention change under the gap, by head class (docs/method.md §7, seed 003)",
+        title,
         verdict=(f"G = {meta['gap']:g}·n_ctx; head classes: {src} ({int(summ['n_heads_positional'].iloc[0])} "
                  f"positional, {int(summ['n_heads_symbolic'].iloc[0])} symbolic heads)." if len(summ) else "no contrast"),
         paragraphs=[f"{meta['n_seq']} sequences from {meta['n_docs']} documents: prefix {meta['prefix_len']} ‖ suffix "

@@ -13,8 +13,7 @@ its TOST — live in :mod:`posgen_tl.experiments.causal` and decide verdicts onl
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pandas as pd
@@ -37,13 +36,14 @@ from posgen_tl.experiments import base
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.provenance import git_commit
 from posgen_tl.io.sampling import Windows, sample_windows
-from posgen_tl.report.text import md_table
 
 __all__ = [
     "Config",
     "DEFAULT_FRACS",
     "SwapOptions",
-    "T12Result",
+    "Result",
+    "run",
+    "render",
     "t1_t2_study",
     "curve_rows",
     "perturbed_inputs",
@@ -73,35 +73,48 @@ class Config(SwapOptions):
 # ----------------------------------------------------------------------------- T1 / T2
 
 
-@dataclass
-class T12Result:
-    """Output of :func:`t1_t2_study`.
+class Result(base.Result):
+    """The outcome of :func:`run`.
 
     Attributes:
-        rows: per (twin, mode, sequence, frac, seed): ``twin, mode, seq, doc, doc_name, frac, seed,
-            clean_nll, nll, delta``.
-        units: per document (:func:`posgen_tl.stats.curves.document_units`, ``condition`` = the mode):
-            ΔNLL per fraction, AUC (primary), slope (secondary).
-        summary: per twin and mode, the document-level summary of those (95 % bootstrap, t-interval).
-        contrasts: per twin, T1 − T2 per fraction (Holm over the fractions), AUC and slope, with
-            sign-flip p over documents.
-        equivalence: per twin, TOST of the T1 − T2 AUC within the margin declared in the config.
-        config: sizes, fractions, seeds, margin (and where it was declared), equivariance note, commit.
+        tables: ``curves`` (per twin × mode × sequence × fraction × seed: ``twin, mode, seq, doc, doc_name, frac,
+            seed, clean_nll, nll, delta``); ``units`` (per document, :func:`posgen_tl.stats.curves.document_units`,
+            ``condition`` = the mode: ΔNLL per fraction, AUC (primary), slope (secondary)); ``summary`` (per twin
+            and mode, the document-level summary of those: 95 % bootstrap, t-interval); ``contrasts`` (per twin,
+            T1 − T2 per fraction with Holm over the fractions, AUC and slope, sign-flip p over documents);
+            ``tost`` (per twin, TOST of the T1 − T2 AUC within the declared margin).
+        config: the Config's options. meta: model, sizes, fractions, seeds, the margin and where it was declared,
+            the equivariance note, commit, wall times.
     """
 
-    rows: pd.DataFrame
-    units: pd.DataFrame
-    summary: pd.DataFrame
-    contrasts: pd.DataFrame
-    equivalence: pd.DataFrame
-    config: dict = field(default_factory=dict)
+    @property
+    def rows(self) -> pd.DataFrame:
+        return self.tables["curves"]
+
+    @property
+    def summary(self) -> pd.DataFrame:
+        return self.tables["summary"]
+
+    @property
+    def contrasts(self) -> pd.DataFrame:
+        return self.tables["contrasts"]
+
+    @property
+    def equivalence(self) -> pd.DataFrame:
+        return self.tables["tost"]
+
+
+#: the tables' files in a study folder (the names published runs already carry)
+FILES = {"curves": "tolerance_curves.csv", "units": "tolerance_units.csv", "summary": "tolerance_summary.csv",
+         "contrasts": "t1_t2_contrasts.csv", "tost": "t1_t2_tost.csv"}
+LEGACY_META = "tolerance_meta.json"
 
 
 @torch.no_grad()
-def t1_t2_study(
-    model: Any, corpus: CorpusLike = None, cfg: Config | None = None, *, twin: Any = True,
+def run(
+    model: Any, cfg: Config | None = None, *, corpus: CorpusLike = None, twin: Any = None,
     windows: Windows | None = None, progress: bool = True, **options: Any,
-) -> T12Result:  # fmt: skip
+) -> Result:  # fmt: skip
     """T1/T2 tolerance curves (docs/method.md §4) of the trained model and its random twin.
 
     ``cfg`` (:class:`Config`, with ``options`` applied) sets the sizes, fractions and seeds. Same
@@ -112,14 +125,15 @@ def t1_t2_study(
     with the equivariance note: T1 − T2 is the causal-order effect.
 
     Args:
-        twin: ``True`` (build :func:`posgen_tl.io.models.random_twin` with ``cfg.seed``), a prebuilt
-            twin, or ``False``/``None``. ``windows``: analysed windows (default: sampled by ``cfg``).
+        twin: the random-init twin (a model, or a callable that gives one); ``None``/``True`` builds
+            :func:`posgen_tl.io.models.random_twin` with ``cfg.seed``; none runs when ``twin`` is ``False`` or
+            ``cfg.twin`` is false.
+        windows: analysed windows (default: sampled by ``cfg`` from ``corpus``, default ``cfg.corpus``).
 
     Returns:
-        :class:`T12Result`.
+        :class:`Result` (tables ``curves``, ``units``, ``summary``, ``contrasts``, ``tost``).
     """
     from posgen_tl import stats  # noqa: PLC0415
-    from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
     cfg = base.config_of(Config, cfg, options)
     seq_len, seed, batch_size, fracs, seeds = cfg.seq_len, cfg.seed, cfg.batch_size, cfg.fracs, cfg.seeds
@@ -128,10 +142,8 @@ def t1_t2_study(
     ana = windows if windows is not None else sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=seq_len,
                                                              seed=seed)[0]
     models = [("trained", model, tuple(seeds))]
-    if twin is True:
-        twin = random_twin(model, seed)
-    if twin is not None and twin is not False:
-        models.append(("random", twin, tuple(twin_seeds or seeds)))
+    if cfg.twin and twin is not False:
+        models.append(("random", base.twin_of(model, twin, seed), tuple(twin_seeds or seeds)))
     n = len(ana)
     batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
     info = ana.frame()
@@ -164,55 +176,22 @@ def t1_t2_study(
                               what="T1 − T2 AUC (nats × p)")
         eq.append(e.assign(twin=t_name, t1_auc=float(w["T1"].mean()), t2_auc=float(w["T2"].mean())))
     margin_rule = f"±{cfg.t12_margin:g} nats × p on the T1 − T2 AUC, declared in the config before the run"
-    config = dict(n_seq=n, n_docs=ana.n_docs, seq_len=int(ana.tokens.shape[1]), target_len=target_len,
+    from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
+
+    meta = dict(model=probe_hooks(model)[0].model_name, n_seq=n, n_docs=ana.n_docs, seq_len=int(ana.tokens.shape[1]),
+                target_len=target_len,
                   fracs=list(map(float, fracs)), seeds=list(map(int, seeds)),
                   twin_seeds=[list(s) for nm, _, s in models if nm == "random"], margin=cfg.t12_margin,
                   margin_rule=margin_rule,
                   note=stats.EQUIVARIANCE_NOTE, commit=commit, seed=seed, windows_sha1=windows_fingerprint(ana),
                   wall_s={**times, "total_s": time.time() - t_start})  # fmt: skip
-    return T12Result(rows, units, summary, contrasts, pd.concat(eq, ignore_index=True), config)
-
-# ----------------------------------------------------------------------------- T1 / T2 outputs
-
-
-def t12_markdown(result: T12Result, title: str = "T1 / T2") -> str:
-    """Markdown: AUC, slope and ΔNLL per p (trained and twin), the T1 − T2 contrasts, the TOST table
-    and the equivariance note."""
-    c = result.config
-    s, k = result.summary, result.contrasts
-    cols = ["twin", "condition", "estimator", "frac", "estimate", "ci_low", "ci_high", "ci_level", "n_docs", "n_seqs"]
-    lines = [f"## {title}", "",
-             f"{c['n_seq']} sequences from {c['n_docs']} documents × {c['seq_len']} tokens, target {c['target_len']}; "
-             f"p ∈ {c['fracs']} = fraction of disjoint adjacent pairs swapped (≈ 2p of the context tokens move), "
-             f"independent per (sequence, seed); seeds {c['seeds']} (twin {c['twin_seeds']}). Intervals: 95 % document "
-             "bootstrap.", "",
-             md_table(s, cols), "",
-             md_table(k, ["twin", "contrast", "estimator", "frac", "estimate", "ci_low", "ci_high", "p", "p_kind", "p_holm"]),
-             "", f"T1 − T2 AUC, TOST equivalence at {c['margin_rule']}:", "",
-             md_table(result.equivalence, ["twin", "t1_auc", "t2_auc", "estimate", "ci_low", "ci_high", "ci_level", "p",
-                                           "verdict", "n_docs"]), "",
-             "> " + c["note"], "",
-             "Wall times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in c["wall_s"].items()) + f"; commit {c['commit']}.", ""]  # fmt: skip
-    return "\n".join(lines)
+    tables = dict(curves=rows, units=units, summary=summary, contrasts=contrasts, tost=pd.concat(eq, ignore_index=True))
+    return Result(tables, cfg.as_dict(), meta)
 
 
-def write_t12_outputs(result: T12Result, out_dir: str | Path, tag: str = "t12") -> dict[str, Path]:
-    """Write ``{tag}_rows.csv``, ``{tag}_summary.csv``, ``{tag}_contrasts.csv``, ``{tag}_tost.csv``,
-    ``{tag}_config.json`` and ``{tag}.md``; returns the paths."""
-    import json  # noqa: PLC0415
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {n: out / f"{tag}_{n}.csv" for n in ("rows", "summary", "contrasts", "tost")}
-    paths.update(config=out / f"{tag}_config.json", md=out / f"{tag}.md")
-    result.rows.to_csv(paths["rows"], index=False)
-    result.summary.to_csv(paths["summary"], index=False)
-    result.contrasts.to_csv(paths["contrasts"], index=False)
-    result.equivalence.to_csv(paths["tost"], index=False)
-    paths["config"].write_text(json.dumps(result.config, indent=1, default=str))
-    paths["md"].write_text(t12_markdown(result, f"T1 / T2 ({tag})"))
-    return paths
-
+def t1_t2_study(model: Any, corpus: CorpusLike = None, cfg: Config | None = None, **kw: Any) -> Result:
+    """:func:`run` with the corpus as the second argument (the library's earlier name, kept as an alias)."""
+    return run(model, cfg, corpus=corpus, **kw)
 
 # ----------------------------------------------------------------------------- report / study
 
@@ -222,46 +201,24 @@ ABOUT = "T1/T2 position tolerance of the trained model beside its random twin, w
 NEEDS: tuple[str, ...] = ()
 
 
-def compute(ctx: Any, cfg: Config) -> None:
-    """T1/T2 curves (trained + twin, TOST); writes the rows, the summary, the TOST table and a figure,
-    and hands the result to a causal test of the same run (``ctx.shared["t12"]``)."""
-    from posgen_tl.plot.tolerance import plot_tolerance_curves  # noqa: PLC0415
-
-    windows = base.or_skip(ctx, "tolerance_meta.json", "tolerance study", sample_windows, ctx.model, cfg.corpus,
-                           n_seq=cfg.n_seq, seq_len=cfg.seq_len, seed=cfg.seed)
-    if windows is None:
-        return
-    ana, _ = windows
-    t12 = t1_t2_study(ctx.model, cfg.corpus, cfg, twin=ctx.twin() if cfg.twin else None, windows=ana)
-    ctx.shared["t12"] = t12
-    ctx.work.save_df("tolerance_curves.csv", t12.rows)
-    ctx.work.save_df("tolerance_summary.csv", t12.summary)
-    ctx.work.save_df("t1_t2_contrasts.csv", t12.contrasts)
-    ctx.work.save_df("t1_t2_tost.csv", t12.equivalence)
-    ctx.work.save_fig("fig_tolerance.png", plot_tolerance_curves(t12.summary, hue="twin", title=ctx.model_name))
-    ctx.work.save_json("tolerance_meta.json", {"n_seq": len(ana), "n_docs": ana.n_docs, "target_len": cfg.target(),
-                                               "fracs": cfg.fracs, "seeds": cfg.seeds, **{k: t12.config[k] for k in (
-                                                   "margin_rule", "note")}})
-
-
-def render(ctx: Any, cfg: Config) -> Any:
+def render(result: Result) -> Any:
     """The report section: T1/T2 ΔNLL per fraction, AUC and slope beside the twin, T1 − T2 contrasts,
     the TOST of T1 − T2 at the declared margin, the figure."""
-    from posgen_tl.report.html import Section, skipped_section  # noqa: PLC0415
+    from posgen_tl.plot.tolerance import plot_tolerance_curves  # noqa: PLC0415
+    from posgen_tl.report.html import Section, figure_to_png, skipped_section  # noqa: PLC0415
 
-    meta = ctx.work.load_json("tolerance_meta.json")
+    meta, t = result.meta, result.tables
     title = "4 · Position tolerance: T1 / T2 (docs/method.md §4)"
-    if "skipped" in meta:
-        return skipped_section(title, meta["skipped"], "tolerance", meta.get("hint"))
-    summ = ctx.work.load_df("tolerance_summary.csv")
-    con = ctx.work.load_df("t1_t2_contrasts.csv")
-    tost = ctx.work.load_df("t1_t2_tost.csv")
+    if result.skipped:
+        return skipped_section(title, result.skipped, "tolerance", meta.get("hint"))
+    summ, con, tost = t["summary"], t["contrasts"], t["tost"]
     tr = tost[tost["twin"] == "trained"].iloc[0]
     expl = meta["n_docs"] < 32
     cols = ["twin", "condition", "estimator", "frac", "units", "estimate", "ci_low", "ci_high", "ci_level", "t_low",
             "t_high", "n_docs", "n_seqs"]
     ccols = ["twin", "contrast", "estimator", "frac", "estimate", "ci_low", "ci_high", "ci_level", "p", "p_kind", "p_holm",
              "holm_scope", "n_docs"]
+    fig = plot_tolerance_curves(summ, hue="twin", title=meta.get("model", ""))
     return Section(
         title + (" — EXPLORATORY (fewer than 32 documents)" if expl else ""),
         verdict=(f"Trained model: T1 AUC {tr['t1_auc']:.3g} vs T2 AUC {tr['t2_auc']:.3g} nats × p; T1 − T2 "
@@ -275,9 +232,9 @@ def render(ctx: Any, cfg: Config) -> Any:
                  "vs random twin", summ[[c for c in cols if c in summ]]),
                 ("T1 − T2 on the same documents (sign-flip p; Holm over the fractions)", con[[c for c in ccols if c in con]]),
                 ("T1 − T2 AUC: TOST equivalence at the declared margin", tost)],
-        figures=[(ctx.work.path("fig_tolerance.png").read_bytes(), "ΔNLL vs swap fraction: T1 and T2, trained vs random "
-                  "twin (document means, 95 % bootstrap)")],
-        findings=_findings(ctx.work.load_df("tolerance_curves.csv")),
+        figures=[(figure_to_png(fig), "ΔNLL vs swap fraction: T1 and T2, trained vs random twin (document means, 95 % "
+                  "bootstrap)")],
+        findings=_findings(t["curves"]),
         results={"exploratory": expl, "t1_t2": tost.to_dict("records")},
     )
 

@@ -120,8 +120,9 @@ def test_t1_t2_study(llama, tmp_path):
                           progress=False)
     assert set(res.rows["twin"]) == {"trained", "random"} and set(res.rows["mode"]) == {"T1", "T2"}
     assert res.rows["doc"].notna().all() and len(res.equivalence) == 2
-    assert res.config["margin"] > 0 and "Equivariance" in res.config["note"]
-    assert "Equivariance" in tstudy.write_t12_outputs(res, tmp_path)["md"].read_text()
+    assert res.meta["margin"] > 0 and "Equivariance" in res.meta["note"]
+    assert set(res.tables) == {"curves", "units", "summary", "contrasts", "tost"} and res.config["n_seq"] == 6
+    assert set(res["units"]["twin"]) == {"trained", "random"}
 
 
 @pytest.mark.real
