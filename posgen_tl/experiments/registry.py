@@ -32,7 +32,7 @@ ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "suffic
 REPORT = tuple(n for n in ORDER if n != "gap_attention")
 #: the experiments in the protocol shape: ``run(model, cfg, *, checkpoint=…) -> Result``, ``render(result)``,
 #: ``save(result, folder)`` / ``load(folder)`` (the others still ``compute(ctx, cfg)`` / ``render(ctx, cfg)``)
-PROTOCOL = ("exactness", "tolerance", "causal", "sufficiency", "length", "patching", "gap_attention")
+PROTOCOL = ("exactness", "tolerance", "causal", "sufficiency", "taxonomy", "length", "patching", "gap_attention")
 #: the options every Config has (``base.Config``): the report's size flags set them for every experiment
 SIZES = ("n_seq", "seq_len", "seed", "corpus", "twin")
 #: size flags an experiment does not take from the report (it keeps its own default); e.g. the exactness

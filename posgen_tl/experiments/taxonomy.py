@@ -482,46 +482,65 @@ ABOUT = "positional vs symbolic head taxonomy, trained beside the random twin (d
 NEEDS: tuple[str, ...] = ()
 
 
-def compute(ctx: Any, cfg: Config) -> None:
-    """Classify every head (and every band as a 2-D head) of the trained model and its twin; writes
-    the head, band and link tables, the label counts and four figures."""
+class Result(base.Result):
+    """The outcome of :func:`run`.
+
+    Attributes:
+        tables: ``heads`` (:func:`head_table`: one row per twin × layer × head), ``bands`` (the band rows of
+            :func:`head_taxonomy`: each RoPE band as a 2-D head), ``link`` (:func:`share_by_class`: D3 positional
+            share of positional vs symbolic heads) and ``band_counts`` (:func:`label_counts` per band).
+        config: the Config's options. meta: model, the windows' source, the region layout, prompts, documents,
+            layers, ``min_score``.
+    """
+
+
+#: the tables' files in a study folder (the names published runs already carry)
+FILES = {"heads": "heads.csv", "bands": "heads_bands.csv", "link": "heads_link.csv",
+         "band_counts": "heads_band_counts.csv"}
+LEGACY_META = "heads_meta.json"
+
+
+def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, twin: Any = None, progress: bool = True,
+        **options: Any) -> Result:
+    """Classify every head (and every band as a 2-D head) of the trained model and — unless ``cfg.twin`` is false
+    or ``twin`` is ``False`` — of its random twin (``twin``: a model or a callable giving one; ``None`` builds it) on
+    the same prompts. Returns the :class:`Result`."""
     from posgen_tl.io.sampling import sample_or_chunks  # noqa: PLC0415
+
+    cfg = base.config_of(Config, cfg, options)
+    tokens, ref, source = sample_or_chunks(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
+                                           seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
+    spec = probe_hooks(model)[0]
+    if cfg.twin and twin is not False:
+        df = head_taxonomy_with_twin(model, tokens, ref, cfg, twin=base.twin_of(model, twin, cfg.seed),
+                                     progress=progress)
+    else:
+        df = head_taxonomy(model, tokens, ref, cfg, model_label=spec.model_name, progress=progress)
+    region, n_query = cfg.region()
+    meta = {"model": spec.model_name, "source": source, "region_len": region, "n_query": n_query, "n_perm": cfg.n_perm,
+            "block": cfg.block, "n_prompts": len(tokens), "n_docs": int(df["n_docs"].iloc[0]),
+            "n_layers": spec.n_layers, "min_score": float(df["min_score"].iloc[0])}
+    tables = {"heads": head_table(df), "bands": df[df["band"] >= 0].reset_index(drop=True), "link": share_by_class(df),
+              "band_counts": label_counts(df, by_band=True)}
+    return Result(tables, cfg.as_dict(), meta)
+
+
+def render(result: Result) -> Any:
+    """The report section: label counts beside the twin, scores, the link to D3's positional share, figures."""
     from posgen_tl.plot.taxonomy import (  # noqa: PLC0415
         plot_frequency_usage,
         plot_label_counts,
         plot_positional_symbolic_plane,
         plot_taxonomy_vs_share,
     )
+    from posgen_tl.report.html import Section, figure_to_png, skipped_section  # noqa: PLC0415
 
-    tokens, ref, source = sample_or_chunks(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
-                                           n_ref=cfg.n_ref, seed=cfg.seed)
-    if cfg.twin:
-        df = head_taxonomy_with_twin(ctx.model, tokens, ref, cfg, twin=ctx.twin())
-    else:
-        df = head_taxonomy(ctx.model, tokens, ref, cfg, model_label=ctx.model_name)
-    heads = head_table(df)
-    region, n_query = cfg.region()
-    ctx.work.save_df("heads.csv", heads)
-    ctx.work.save_df("heads_bands.csv", df[df["band"] >= 0])
-    ctx.work.save_df("heads_link.csv", share_by_class(df))
-    ctx.work.save_json("heads_meta.json", {"source": source, "region_len": region, "n_query": n_query,
-                                           "n_perm": cfg.n_perm, "block": cfg.block, "n_prompts": len(tokens),
-                                           "n_docs": int(df["n_docs"].iloc[0]), "n_layers": int(ctx.model.cfg.n_layers),
-                                           "min_score": float(df["min_score"].iloc[0])})
-    ctx.work.save_fig("fig_heads_plane.png", plot_positional_symbolic_plane(heads))
-    ctx.work.save_fig("fig_heads_bands.png", plot_label_counts(df))
-    ctx.work.save_fig("fig_heads_freq.png", plot_frequency_usage(df))  # band rows: head × band heat map
-    ctx.work.save_fig("fig_heads_share.png", plot_taxonomy_vs_share(heads))
-    ctx.work.save_df("heads_band_counts.csv", label_counts(df, by_band=True))
-
-
-def render(ctx: Any, cfg: Config) -> Any:
-    """The report section: label counts beside the twin, scores, the link to D3's positional share, figures."""
-    from posgen_tl.report.html import Section  # noqa: PLC0415
-
-    heads = ctx.work.load_df("heads.csv").assign(band=-1)
-    link = ctx.work.load_df("heads_link.csv")
-    meta = ctx.work.load_json("heads_meta.json")
+    title = "7 · Head taxonomy: positional vs symbolic heads (docs/method.md §6)"
+    if result.skipped:
+        return skipped_section(title, result.skipped, "taxonomy", result.meta.get("hint"))
+    t, meta = result.tables, result.meta
+    heads, link = t["heads"].assign(band=-1), t["link"]
+    both = pd.concat([heads, t["bands"]], ignore_index=True) if "bands" in t else heads
     counts = label_counts(heads).pivot(index="twin", columns="label", values="n")
     counts = counts[[c for c in LABELS if c in counts]].astype(int).reset_index()
     scores = heads.groupby("twin", sort=False).agg(
@@ -533,11 +552,10 @@ def render(ctx: Any, cfg: Config) -> Any:
         k_centroid=("k_centroid", "median"), region_mass=("region_mass", "median")).reset_index()
     tr = counts[counts["twin"] == "random"]
     both_twin = int(tr["both"].iloc[0]) if len(tr) and "both" in tr else 0
-    band_counts = (ctx.work.load_df("heads_band_counts.csv").groupby(["twin", "label"], sort=False)["n"].sum()
+    band_counts = (t["band_counts"].groupby(["twin", "label"], sort=False)["n"].sum()
                    .unstack(fill_value=0).reindex(columns=list(LABELS), fill_value=0).reset_index())
-    png = ctx.work.path
     return Section(
-        "7 · Head taxonomy: positional vs symbolic heads (docs/method.md §6)",
+        title,
         verdict=("Label counts (trained vs random twin): " + "; ".join(
             f"{r['twin']}: " + ", ".join(f"{k} {int(r[k])}" for k in counts.columns if k != "twin")
             for _, r in counts.iterrows()) + f". Random-twin heads on 'both': {both_twin}."),
@@ -559,18 +577,20 @@ def render(ctx: Any, cfg: Config) -> Any:
         details=[("Head labels by layer third", labels_by_layer_group(heads, meta.get("n_layers"))),
                  ("Band labels: each RoPE band alone as a 2-D head, counts over layer × head × band", band_counts),
                  ("Spearman ρ of (positional − symbolic) with the D3 positional share, across heads", agreement_table(heads))],
-        figures=[(png("fig_heads_plane.png").read_bytes(), "Positional vs symbolic score per head, coloured by label, "
-                  "trained vs twin"),
-                 (png("fig_heads_bands.png").read_bytes(), "Labels of each RoPE band taken alone as a 2-D head, trained vs twin"),
-                 (png("fig_heads_freq.png").read_bytes(), "RoPE frequency usage: key energy share per (layer, head) × "
-                  "band (log scale), trained vs twin"),
-                 (png("fig_heads_share.png").read_bytes(), "D3 positional share by head label, trained vs twin")],
-        findings=_findings(link, cfg),
+        figures=[(figure_to_png(plot_positional_symbolic_plane(heads)), "Positional vs symbolic score per head, "
+                  "coloured by label, trained vs twin"),
+                 (figure_to_png(plot_label_counts(both)), "Labels of each RoPE band taken alone as a 2-D head, trained "
+                  "vs twin"),
+                 (figure_to_png(plot_frequency_usage(both)), "RoPE frequency usage: key energy share per (layer, head) "
+                  "× band (log scale), trained vs twin"),
+                 (figure_to_png(plot_taxonomy_vs_share(heads, link)), "D3 positional share by head label, trained vs "
+                  "twin")],
+        findings=_findings(link, exploratory=int(meta.get("n_prompts", result.config.get("n_seq", 0))) < 32),
         results={"counts": counts.to_dict("records"), "link": link.to_dict("records"), "meta": meta},
     )
 
 
-def _findings(link: pd.DataFrame, cfg: Config) -> list:
+def _findings(link: pd.DataFrame, *, exploratory: bool) -> list:
     """D3 positional share of positional vs symbolic heads (trained model): the difference of the class
     medians and the Mann–Whitney p of :func:`share_by_class`; heads are the unit — descriptive."""
     from posgen_tl.report.html import Finding  # noqa: PLC0415
@@ -583,6 +603,6 @@ def _findings(link: pd.DataFrame, cfg: Config) -> list:
     p = float(r["p"])
     word = "shares differ" if p == p and p < 0.05 else "no evidence"
     return [Finding("taxonomy", word, float(r["median_a"]) - float(r["median_b"]),
-                    f"median share {r['class_a']} − {r['class_b']}", None, p, n, exploratory=cfg.n_seq < 32,
+                    f"median share {r['class_a']} − {r['class_b']}", None, p, n, exploratory=exploratory,
                     note=f"n = heads ({int(r['n_a'])} {r['class_a']}, {int(r['n_b'])} {r['class_b']}); Mann–Whitney, "
                          "descriptive")]

@@ -107,14 +107,13 @@ def plot_frequency_usage(bands_or_head_df: pd.DataFrame, *, which: str = "k") ->
     return fig
 
 
-def plot_taxonomy_vs_share(head_df: pd.DataFrame) -> Figure:
+def plot_taxonomy_vs_share(head_df: pd.DataFrame, link: pd.DataFrame | None = None) -> Figure:
     """D3 positional share ``V(f)/(V(f)+V(g))`` (global k̄) per head, grouped by label (strip
-    plot with medians); one panel per twin. The Mann–Whitney test of positional vs symbolic
-    heads (:func:`posgen_tl.experiments.taxonomy.share_by_class`) is in each title."""
-    from posgen_tl.experiments.taxonomy import share_by_class  # noqa: PLC0415
-
+    plot with medians); one panel per twin. ``link``: the Mann–Whitney test of positional vs symbolic
+    heads (:func:`posgen_tl.experiments.taxonomy.share_by_class`, a taxonomy Result's ``link`` table),
+    written in each title where given (a figure draws; it does not compute the test)."""
     df = _heads(head_df)
-    link = share_by_class(df)
+    link = pd.DataFrame(columns=["twin"]) if link is None else link
     twins = _twins(df)
     fig, axes = plt.subplots(1, len(twins), figsize=(4.6 * len(twins), 4.2), squeeze=False, sharey=True)
     rng = np.random.default_rng(0)

@@ -179,6 +179,11 @@ def test_figures(llama):
         panels = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
         assert len(panels) == 2, fn.__name__  # trained beside random
         plt.close(fig)
+    from posgen_tl.experiments.taxonomy import share_by_class
+
+    titles = [ax.get_title() for ax in plot_taxonomy_vs_share(df, share_by_class(df)).axes]
+    assert all("Mann–Whitney pos vs sym p=" in t for t in titles), titles  # the test it is given, in each title
+    assert not any("Mann–Whitney" in ax.get_title() for ax in plot_taxonomy_vs_share(df).axes)  # none computed
 
 
 @pytest.mark.real
