@@ -45,6 +45,8 @@ _EXPORTS: dict[str, str] = {
     "capture_qk": "hooks.capture",
     "stream_qk": "hooks.capture",
     "exactness_table": "experiments.exactness",
+    # every experiment, one door: pg.run(NAME, model, cfg) -> its Result (posgen_tl.experiments.registry)
+    "run": "experiments.registry",
     # decomposition (docs/method.md §2)
     "decompose_head": "experiments.head_maps",
     "decompose_model": "experiments.decomposition",
@@ -80,7 +82,7 @@ _NAMESPACES = ("io", "hooks", "maths", "stats", "experiments", "patching", "plot
 #: the common path (≤ 30 names); every name of ``_EXPORTS`` and ``_NAMESPACES`` resolves (``pg.patching`` too)
 __all__ = [
     *(n for n in _EXPORTS if n not in ("document_windows", "decompose_with_twin", "feature_pattern_with_twin",
-                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError")),
+                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError", "gap_probe")),
     "io", "hooks", "maths", "stats", "experiments", "plot",
 ]
 
@@ -108,6 +110,7 @@ if TYPE_CHECKING:  # for editors and type checkers; nothing is imported at run t
     from posgen_tl.experiments.head_maps import decompose_head
     from posgen_tl.experiments.length import gap_probe
     from posgen_tl.experiments.pattern import feature_pattern, feature_pattern_with_twin
+    from posgen_tl.experiments.registry import run
     from posgen_tl.experiments.sufficiency import sufficiency
     from posgen_tl.experiments.taxonomy import head_taxonomy
     from posgen_tl.experiments.tolerance import nll_on_target, transposition_curve

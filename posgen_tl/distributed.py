@@ -331,14 +331,14 @@ def key_means_distributed(
     model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | None = None, *, sink: int = 1,
     batch_size: int = 4, shard: bool = True,
 ) -> dict[int, Float[Tensor, "kv_head d_head"]]:  # fmt: skip
-    """The D3 ``k̄`` (:func:`posgen_tl.experiments.decomposition.reference_key_means`) over ``tokens``,
+    """The D3 ``k̄`` (:func:`posgen_tl.hooks.edits.reference_key_means`) over ``tokens``,
     rows split across ranks (a mean does not care about documents), merged by token count.
 
     Returns ``{layer: [kv_head, d_head]}`` float64 on CPU, equal on every rank (and, to float64
     rounding, to the single-process value). ``shard=False``: every rank uses all rows.
     """
-    from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
     from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
+    from posgen_tl.hooks.edits import reference_key_means  # noqa: PLC0415
 
     spec, _ = probe_hooks(model)
     d = current()

@@ -148,8 +148,9 @@ Two fixes from LM-Infinite are hooks on the attention scores: **LM-Infinite** cl
 `f(q_i, C) + g_Δ0(q_i, k_j)` — the decomposition of notebook 1 with a global mean key `k̄`."""),
         code(SETUP),
         code('''length, sufficiency = pg.experiments.length, pg.experiments.sufficiency
+gap_heads = pg.experiments.gap_attention
 sample_windows = pg.io.sampling.sample_windows
-reference_key_means = pg.experiments.decomposition.reference_key_means
+reference_key_means = pg.hooks.edits.reference_key_means
 lm_infinite_hooks = pg.hooks.logits.lm_infinite_hooks
 gap_position_ids = pg.maths.perturb.gap_position_ids
 plot_gap_heads, plot_gap_probe, plot_sufficiency = pg.plot.gap_heads, pg.plot.gap_probe, pg.plot.sufficiency
@@ -179,8 +180,8 @@ plot_gap_probe(res.summary[res.summary.condition != "disentangled"])'''),
 Seed 003 predicts symbolic heads extrapolate better than positional ones. Without the §6 taxonomy at
 hand we group heads by a stated proxy: D3's positional share of the within-row logit variance."""),
         code('''km = reference_key_means(model, ref.tokens)  # global k̄ from the reference documents
-heads = length.gap_attention(model, win, prefix_len=half, suffix_len=half, k_means=km, skip=min(16, half // 4))
-length.head_class_test(heads).round(3)
+heads = gap_heads.gap_attention(model, win, prefix_len=half, suffix_len=half, k_means=km, skip=min(16, half // 4))
+gap_heads.head_class_test(heads).round(3)
 plot_gap_heads(heads)'''),
         md("""## 4. Sufficiency: replace the logits by f + g in a layer group
 If `f + g` carries what the model uses, NLL barely moves; the D1 fit and a wrong `k̄` are the controls."""),

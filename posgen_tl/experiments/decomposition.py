@@ -47,12 +47,11 @@ import numpy as np
 import pandas as pd
 import torch
 from einops import rearrange
-from jaxtyping import Float, Int
 from torch import Tensor
 
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
-from posgen_tl.hooks.edits import feature_means
+from posgen_tl.hooks.edits import feature_means, reference_key_means  # noqa: F401 (the name stays importable here)
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths.decompose import kbar_batched, sequence_key_mean
@@ -80,25 +79,6 @@ _BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative t
 
 
 # ----------------------------------------------------------------------------- tokens, k̄
-
-
-def reference_key_means(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"] | Windows,
-    layers: Sequence[int] | None = None,
-    *,
-    sink: int = 1,
-    batch_size: int = 4,
-    progress: bool = True,
-    extra_hooks: Sequence = (),
-) -> dict[int, Float[Tensor, "kv_head d_head"]]:
-    """Mean PRE-rotation key ``k̄`` per layer and kv-group over ``tokens`` (positions ``< sink``
-    excluded): :func:`posgen_tl.hooks.edits.feature_means` in float64 (``tokens`` may be
-    :class:`~posgen_tl.io.corpus.Windows`). Returns ``{layer: Float[Tensor, "kv_head d_head"]}`` float64."""
-    if isinstance(tokens, Windows):
-        tokens = tokens.tokens
-    return feature_means(model, tokens, layers, sink=sink, target="k", batch_size=batch_size,
-                         progress="k̄ reference" if progress else False, extra_hooks=extra_hooks, dtype=torch.float64)
 
 
 
@@ -442,30 +422,62 @@ ABOUT = "D1/D2/D3 decompositions, trained beside the random twin (docs/method.md
 NEEDS: tuple[str, ...] = ()
 
 
-def compute(ctx: Any, cfg: Config) -> None:
-    """Decompose every head of the trained model and its twin on the sampled windows; writes
-    ``decomposition.csv``, ``decomposition_summary.csv``, ``windows.json`` and two figures."""
+class Result(base.Result):
+    """The outcome of :func:`run`.
+
+    Attributes:
+        tables: ``rows`` (:func:`decompose_model` rows of the trained model and its twin), ``summary``
+            (:func:`summarize_decomposition`), and one head's maps for the figure — ``head_maps``, ``head_a``,
+            ``head_scores`` (:meth:`~posgen_tl.experiments.head_maps.HeadDecomposition.to_tables`).
+        config: the Config's options. meta: model, how the windows were taken (``note``), sizes, the analysed and
+            reference documents.
+    """
+
+    @property
+    def rows(self) -> pd.DataFrame:
+        return self.tables["rows"]
+
+    def head(self) -> Any:
+        """The :class:`~posgen_tl.experiments.head_maps.HeadDecomposition` the figure shows (None if not kept)."""
+        from posgen_tl.experiments.head_maps import HeadDecomposition  # noqa: PLC0415
+
+        t = self.tables
+        return HeadDecomposition.from_tables(t["head_maps"], t["head_a"], t["head_scores"]) if "head_maps" in t else None
+
+
+#: the tables' files in a study folder (the names published runs already carry)
+FILES = {"rows": "decomposition.csv", "summary": "decomposition_summary.csv", "head_maps": "decomposition_head_maps.csv",
+         "head_a": "decomposition_head_a.csv", "head_scores": "decomposition_head_scores.csv"}
+LEGACY_META = "windows.json"
+
+
+def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, twin: Any = None, progress: bool = True,
+        **options: Any) -> Result:
+    """Decompose every head of the trained model and — unless ``cfg.twin`` is false or ``twin`` is ``False`` — of
+    its random twin (``twin``: a model or a callable giving one; ``None`` builds it) on the same windows, and one
+    head's maps (the middle analysed layer, head 0, first window, global k̄) for the figure. Returns the
+    :class:`Result`."""
     from posgen_tl.experiments.head_maps import decompose_head  # noqa: PLC0415
     from posgen_tl.io.sampling import sample_or_chunks  # noqa: PLC0415
-    from posgen_tl.plot.decomposition import plot_head_maps, plot_r_by_layer  # noqa: PLC0415
 
-    windows, ref, note = sample_or_chunks(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
-                                          n_ref=cfg.n_ref, seed=cfg.seed)
-    if cfg.twin:
-        df = decompose_with_twin(ctx.model, windows, cfg, twin=ctx.twin(), reference=ref)
+    cfg = base.config_of(Config, cfg, options)
+    windows, ref, note = sample_or_chunks(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
+                                          seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
+    if cfg.twin and twin is not False:
+        df = decompose_with_twin(model, windows, cfg, twin=base.twin_of(model, twin, cfg.seed), reference=ref,
+                                 progress=progress)
     else:
-        df = decompose_model(ctx.model, windows, cfg, reference=ref)
-    ctx.work.save_df("decomposition.csv", df)
-    ctx.work.save_df("decomposition_summary.csv", summarize_decomposition(df))
-    ctx.work.save_json("windows.json", {"note": note, "n_seq": len(windows), "n_ref": len(ref),
-                                        "analysed_docs": df.attrs.get("analysed_docs", []),
-                                        "reference_docs": df.attrs.get("reference_docs", [])})
-    ctx.work.save_fig("fig_decomposition_r.png", plot_r_by_layer(df))
-    layer = int(sorted(df["layer"].unique())[len(df["layer"].unique()) // 2])
+        df = decompose_model(model, windows, cfg, reference=ref, progress=progress)
+    layers = sorted(df["layer"].unique())
     toks = windows.tokens
-    head = decompose_head(ctx.model, toks[:1, : min(128, toks.shape[1])], layer, 0, k_mean="global",
-                          reference=ref.tokens)
-    ctx.work.save_fig("fig_decomposition_maps.png", plot_head_maps(head))
+    head = decompose_head(model, toks[:1, : min(128, toks.shape[1])], int(layers[len(layers) // 2]), 0,
+                          k_mean="global", reference=ref.tokens)
+    ht = head.to_tables()
+    meta = {"model": probe_hooks(model)[0].model_name, "note": note, "n_seq": len(windows), "n_ref": len(ref),
+            "analysed_docs": df.attrs.get("analysed_docs", []), "reference_docs": df.attrs.get("reference_docs", [])}
+    tables = {"rows": df, "summary": summarize_decomposition(df), "head_maps": ht["maps"], "head_a": ht["a"],
+              "head_scores": ht["scores"]}
+    return Result(tables, cfg.as_dict(), meta)
 
 
 def _d3_means(df: pd.DataFrame) -> dict:
@@ -495,13 +507,21 @@ def _verdict(means: dict) -> str:
     return v1 + v2
 
 
-def render(ctx: Any, cfg: Config) -> Any:
+def render(result: Result) -> Any:
     """The report section (and the study's markdown): verdict, per-group table, figures, headline."""
-    from posgen_tl.report.html import Section  # noqa: PLC0415
+    from posgen_tl.plot.decomposition import plot_head_maps, plot_r_by_layer  # noqa: PLC0415
+    from posgen_tl.report.html import Section, figure_to_png, skipped_section  # noqa: PLC0415
 
-    summ = ctx.work.load_df("decomposition_summary.csv")
-    df = ctx.work.load_df("decomposition.csv")
-    note = ctx.work.load_json("windows.json")["note"]
+    title = "2 · Attention logits = positional + semantic? (docs/method.md §2)"
+    if result.skipped:
+        return skipped_section(title, result.skipped, "decomposition", result.meta.get("hint"))
+    summ, df, note = result.tables["summary"], result.tables["rows"], result.meta["note"]
+    figures = [(figure_to_png(plot_r_by_layer(df)), "Per-layer mean r and within-row r per estimator and k̄ kind, "
+                "trained (solid) vs random twin (dashed)")]
+    head = result.head()
+    if head is not None:
+        figures.append((figure_to_png(plot_head_maps(head)), "One head: logits W, positional f, semantic g, remainder "
+                        "W−f−g (global k̄ from the reference windows)"))
     means = _d3_means(df)
     nan3 = (float("nan"),) * 3
     res: dict[str, Any] = {}
@@ -516,7 +536,7 @@ def render(ctx: Any, cfg: Config) -> Any:
     res["bound_holds_min"] = held
     d1_t, d1_r = means.get(("D1", "none"), {}).get("trained", nan3), means.get(("D1", "none"), {}).get("random", nan3)
     return Section(
-        "2 · Attention logits = positional + semantic? (docs/method.md §2)",
+        title,
         verdict=_verdict(means),
         paragraphs=[note] + lines + [
             f"D1 (free additive fit) within-row r: {fmt(d1_t[1])} trained vs {fmt(d1_r[1])} random — a high additive-fit r "
@@ -527,10 +547,7 @@ def render(ctx: Any, cfg: Config) -> Any:
             "of it the random twin already reaches with a per-sequence k̄."],
         tables=[("Mean ± std over heads × sequences, first key (sink) excluded — both k̄ kinds, trained beside its random twin",
                  _compact(summ))],
-        figures=[(ctx.work.path("fig_decomposition_r.png").read_bytes(), "Per-layer mean r and within-row r per "
-                  "estimator and k̄ kind, trained (solid) vs random twin (dashed)"),
-                 (ctx.work.path("fig_decomposition_maps.png").read_bytes(), "One head: logits W, positional f, semantic "
-                  "g, remainder W−f−g (global k̄ from the reference windows)")],
+        figures=figures,
         findings=_findings(df),
         results=res,
     )

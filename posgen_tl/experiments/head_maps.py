@@ -72,6 +72,35 @@ class HeadDecomposition:
             raise KeyError(f"no {estimator} scores (have {sorted(self.scores['estimator'].unique())})")
         return float(row[metric].iloc[0])
 
+    def to_tables(self) -> dict[str, pd.DataFrame]:
+        """The maps as tidy tables (what a Result saves; :meth:`from_tables` reads them back exactly):
+        ``maps`` (one row per query × key: ``query, key, attended, W, f, g, remainder``), ``a`` (``delta, a``)
+        and ``scores``; the scalars (layer, head, kv head, sequence, k̄ kind, sink, model) ride on ``maps``."""
+        n_q, n_k = self.W.shape
+        qi, kj = np.meshgrid(np.arange(n_q), np.arange(n_k), indexing="ij")
+        maps = pd.DataFrame({"query": qi.ravel(), "key": kj.ravel(), "attended": self.mask.numpy().ravel(),
+                             **{n: getattr(self, n).double().numpy().ravel() for n in ("W", "f", "g", "remainder")}})
+        maps = maps.assign(layer=self.layer, head=self.head, kv_head=self.kv_head, seq=self.seq,
+                           k_mean_kind=self.k_mean_kind, sink=self.sink, model_name=self.model_name)
+        return {"maps": maps, "a": pd.DataFrame({"delta": np.arange(len(self.a)), "a": self.a.double().numpy()}),
+                "scores": self.scores}
+
+    @classmethod
+    def from_tables(cls, maps: pd.DataFrame, a: pd.DataFrame, scores: pd.DataFrame) -> HeadDecomposition:
+        """The :class:`HeadDecomposition` :meth:`to_tables` wrote (float64 maps, bit for bit after a
+        round-trip CSV read)."""
+        n_q, n_k = int(maps["query"].max()) + 1, int(maps["key"].max()) + 1
+
+        def grid(col: str) -> Tensor:
+            return torch.from_numpy(maps[col].to_numpy(np.float64).reshape(n_q, n_k).copy())
+
+        r = maps.iloc[0]
+        return cls(layer=int(r["layer"]), head=int(r["head"]), kv_head=int(r["kv_head"]), seq=int(r["seq"]),
+                   k_mean_kind=str(r["k_mean_kind"]), W=grid("W"), f=grid("f"), g=grid("g"),
+                   remainder=grid("remainder"), a=torch.from_numpy(a["a"].to_numpy(np.float64).copy()),
+                   mask=torch.from_numpy(maps["attended"].to_numpy(bool).reshape(n_q, n_k).copy()),
+                   sink=int(r["sink"]), scores=scores, model_name="" if pd.isna(r["model_name"]) else str(r["model_name"]))
+
     def _repr_html_(self) -> str:  # a notebook cell ending in ``res`` shows the score table
         return (f"<p>layer {self.layer}, head {self.head} (kv head {self.kv_head}), k̄: {self.k_mean_kind}, "
                 f"first {self.sink} key(s) excluded from the scores</p>" + self.scores.to_html(index=False))

@@ -29,14 +29,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl.experiments import base
-from posgen_tl.experiments.decomposition import reference_key_means
-from posgen_tl.hooks.capture import QKCapture, StopForward, check_tokens, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
+from posgen_tl.hooks.edits import reference_key_means
 from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, window_removal_hooks
 from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows, sample_windows
-from posgen_tl.maths.approx_logits import d3_approx_logits, exact_logits
-from posgen_tl.maths.decompose import causal_mask, within_row_r
 from posgen_tl.maths.perturb import gap_position_ids, nll_from_logits
 from posgen_tl.maths.rope import RopeError
 from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
@@ -52,9 +50,6 @@ __all__ = [
     "gap_summary",
     "window_removal",
     "window_summary",
-    "gap_attention",
-    "head_class_test",
-    "classes_from_taxonomy",
     "CONDITIONS",
 ]
 
@@ -405,167 +400,6 @@ def window_summary(rows: pd.DataFrame) -> pd.DataFrame:
             out.append({**base, "estimator": "d_vs_window",
                         **contrast_row((m["nll"] - m["nll_w"]).to_numpy(), m["doc"].to_numpy())})
     return finish_table(pd.DataFrame(out))
-
-
-# ----------------------------------------------------------------------------- mechanism link
-
-
-def _var_within(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean within-row variance of ``x`` over ``mask`` entries: ``[batch, head]``."""
-    mf = mask.double()
-    x = torch.where(mask, x, 0.0)  # off-mask entries may be -inf
-    cnt = mf.sum(-1).clamp(min=1)
-    xm = (x * mf).sum(-1) / cnt
-    v = (((x - xm[..., None]) * mf) ** 2).sum(-1) / cnt
-    rows = (mask.sum(-1) >= 2).double()
-    return (v * rows).sum(-1) / rows.sum(-1).clamp(min=1)
-
-
-@torch.no_grad()
-def gap_attention(
-    model: Any, windows: Windows, *, prefix_len: int, suffix_len: int, gap: int | None = None,
-    k_means: dict, skip: int = 16, sink: int = 1, layers: Sequence[int] | None = None, batch_size: int = 1,
-    progress: bool = True,
-) -> pd.DataFrame:  # fmt: skip
-    """Per (sequence, layer, head): how attention changes when the suffix is moved ``gap`` ids away.
-
-    Two passes per batch (G = 0 and G = ``gap``, default ``2·n_ctx``) capture the attention pattern
-    of the suffix query rows ``[|P| + skip, |P| + |S|)`` and the layer's pre-rotation q/k:
-
-    * ``kl`` — mean over those rows of ``KL(p_G ‖ p_0)`` (nats; upstream layers' changes included);
-    * ``mass_far_0`` / ``mass_far_gap`` — attention mass on the prefix keys ``[sink, |P|)``;
-    * ``f_share`` — at G = 0, within-row variance of D3's ``f`` over that of ``f`` plus ``g``
-      (global k̄; rows over causal keys ``≥ sink``): the head-class proxy of :func:`head_class_test`;
-    * ``r_far`` / ``r_far_0`` — D3 within-row r (W vs f + g, global k̄) on the far entries (suffix
-      rows × prefix keys ``≥ sink``) at G = ``gap`` and at G = 0; ``r_near`` on suffix × suffix keys.
-      With ``gap ≥ n_ctx`` every far entry lies beyond the trained context.
-
-    Entries a sliding window hides are excluded. Returns a tidy DataFrame with ``seq, doc, layer,
-    head`` and the columns above.
-    """
-    spec, _ = probe_hooks(model)
-    gap = 2 * spec.n_ctx if gap is None else int(gap)
-    n = prefix_len + suffix_len
-    tokens = check_tokens(model, windows.tokens[:, :n], spec)
-    layers = list(range(spec.n_layers)) if layers is None else sorted(layers)
-    rows_q = torch.arange(prefix_len + skip, n)
-    docs = windows.doc_ids.cpu().numpy()
-    out = []
-    for s in tqdm(range(0, tokens.shape[0], batch_size), desc="gap attention", disable=not progress, leave=False):
-        b = tokens[s : s + batch_size]
-        res: dict[int, dict[str, Tensor]] = {}
-        for tag, g in (("0", 0), ("gap", gap)):
-            pos = gap_position_ids(prefix_len, suffix_len, g).expand(b.shape[0], -1)
-
-            def on_qk(c: QKCapture, tag=tag) -> None:
-                d = res.setdefault(c.layer, {})  # noqa: B023
-                rope = c.rope
-                # the model's own pattern: softmax of its (masked) pre-softmax scores
-                d[f"p_{tag}"] = torch.softmax(c.scores[:, :, rows_q].float(), dim=-1)
-                km = k_means[c.layer]
-                W = exact_logits(c.q, c.k, rope, c.positions, dtype=torch.float32)
-                approx = d3_approx_logits(c.q, c.k, km, rope, positions=c.positions, dtype=torch.float32)
-                kbar = km.float().expand(c.k.shape[0], c.k.shape[1], -1, -1)
-                f = d3_approx_logits(c.q, kbar, km, rope, positions=c.positions, dtype=torch.float32)  # k := k̄ → g = 0
-                m = causal_mask(n, sink=sink, sliding_window=rope.sliding_window, device=c.q.device)
-                far = torch.zeros_like(m)
-                far[prefix_len + skip :, sink:prefix_len] = True
-                far &= m
-                near = torch.zeros_like(m)
-                near[prefix_len + skip :, prefix_len:] = True
-                near &= m
-                d[f"r_far_{tag}"] = within_row_r(W, approx, far) if far.any() else torch.full(W.shape[:2], torch.nan)
-                if tag == "0":
-                    vf, vg = _var_within(f.double(), m), _var_within((approx - f).double(), m)
-                    d["f_share"] = vf / (vf + vg)
-                else:
-                    d["r_near"] = within_row_r(W, approx, near)
-
-            stream_qk(model, b, on_qk, layers, with_scores=True, batch_size=b.shape[0], position_ids=pos,
-                      progress=False)
-        for layer in layers:
-            d = res[layer]
-            p0, pg = d["p_0"].clamp(min=1e-12), d["p_gap"].clamp(min=1e-12)
-            kl = (d["p_gap"] * (pg.log() - p0.log())).sum(-1).mean(-1)  # b h
-            m0 = d["p_0"][..., sink:prefix_len].sum(-1).mean(-1)
-            mg = d["p_gap"][..., sink:prefix_len].sum(-1).mean(-1)
-            for i in range(b.shape[0]):
-                for h in range(kl.shape[1]):
-                    out.append(dict(seq=s + i, doc=int(docs[s + i]), layer=layer, head=h, gap=gap,
-                                    kl=float(kl[i, h]), mass_far_0=float(m0[i, h]), mass_far_gap=float(mg[i, h]),
-                                    f_share=float(d["f_share"][i, h]), r_far=float(d["r_far_gap"][i, h]),
-                                    r_far_0=float(d["r_far_0"][i, h]), r_near=float(d["r_near"][i, h])))
-    return pd.DataFrame(out)
-
-
-def classes_from_taxonomy(heads: pd.DataFrame, *, twin: str = "trained") -> pd.DataFrame:
-    """Head classes ``layer, head, head_class`` from a docs/method.md §6 taxonomy table (one row per head,
-    e.g. :func:`posgen_tl.experiments.taxonomy.head_table` or ``heads_<model>.csv``): heads labelled
-    ``positional`` or ``symbolic`` keep their label; ``both``/``neither``/excluded heads are left
-    out (they belong to neither side of the contrast). Rows of ``twin`` only when the table has a
-    ``twin`` column.
-
-    Raises:
-        ValueError: a needed column is missing, the twin has no rows, or a (layer, head) repeats.
-    """
-    need = {"layer", "head", "label"}
-    if not need <= set(heads.columns):
-        raise ValueError(f"taxonomy table lacks columns {sorted(need - set(heads.columns))}; "
-                         "give the per-head table of the §6 taxonomy (columns layer, head, label)")
-    t = heads[heads["twin"] == twin] if "twin" in heads.columns else heads
-    if t.empty:
-        raise ValueError(f"taxonomy table has no rows for twin {twin!r} (present: {sorted(set(heads['twin']))})")
-    if t.duplicated(["layer", "head"]).any():
-        raise ValueError("taxonomy table has repeated (layer, head) rows for one model")
-    t = t[t["label"].isin(["positional", "symbolic"])]
-    return t[["layer", "head"]].assign(head_class=t["label"].to_numpy()).reset_index(drop=True)
-
-
-def head_class_test(rows: pd.DataFrame, classes: pd.DataFrame | None = None, *, threshold: float = 0.5) -> pd.DataFrame:
-    """Seed 003's prediction: symbolic heads' attention changes LESS under the gap than positional ones'.
-
-    ``classes``: a DataFrame ``layer, head, head_class`` (e.g. from the §6 taxonomy). Without it
-    the PROXY is used: ``positional`` if the head's mean D3 ``f_share`` (share of within-row logit
-    variance carried by the positional term f, global k̄) is ``≥ threshold``, else ``symbolic`` —
-    a decomposition-based stand-in, not the §6 permutation taxonomy.
-
-    Per sequence, the mean over heads of each class is taken; the contrast
-    ``d = positional − symbolic`` (of ``kl`` and of ``|mass_far_gap − mass_far_0|``) is tested over
-    sequences clustered by document (sign-flip p, bootstrap CI, Holm over the table). A positive
-    ``d`` supports the prediction. Also reported: mean D3 within-row r on far vs the same entries at
-    G = 0, per class.
-
-    Returns:
-        Tidy DataFrame ``estimator, value, ci_low, ci_high, t_low, t_high, p, p_holm, n_seq, n_docs,
-        n_heads_positional, n_heads_symbolic, classes``.
-    """
-    df = rows.copy()
-    df["d_mass"] = (df["mass_far_gap"] - df["mass_far_0"]).abs()
-    if classes is None:
-        share = df.groupby(["layer", "head"])["f_share"].mean()
-        cls = (share >= threshold).map({True: "positional", False: "symbolic"}).rename("head_class").reset_index()
-        source = f"proxy: mean D3 f_share ≥ {threshold} → positional"
-    else:
-        cls, source = classes[["layer", "head", "head_class"]], "taxonomy"
-    df = df.merge(cls, on=["layer", "head"])
-    n_cls = cls["head_class"].value_counts()
-    per = df.groupby(["seq", "doc", "head_class"])[["kl", "d_mass", "r_far", "r_far_0"]].mean().unstack("head_class")
-    out = []
-    if {"positional", "symbolic"} <= set(cls["head_class"]):
-        docs = per.index.get_level_values("doc").to_numpy()
-        for col in ("kl", "d_mass"):
-            d = (per[(col, "positional")] - per[(col, "symbolic")]).to_numpy()
-            out.append(dict(estimator=f"{col}: positional − symbolic", **contrast_row(d, docs)))
-        for c in ("positional", "symbolic"):
-            d = (per[("r_far", c)] - per[("r_far_0", c)]).to_numpy()
-            ok = np.isfinite(d)
-            if ok.sum() >= 2:
-                out.append(dict(estimator=f"D3 r_far − r_far(G=0): {c}", **contrast_row(d[ok], docs[ok])))
-    res = finish_table(pd.DataFrame(out)) if out else pd.DataFrame(out)
-    res["n_heads_positional"] = int(n_cls.get("positional", 0))
-    res["n_heads_symbolic"] = int(n_cls.get("symbolic", 0))
-    res["classes"] = source
-    return res
 
 
 # ----------------------------------------------------------------------------- report / study

@@ -325,7 +325,7 @@ def feature_pattern(
     Returns:
         :class:`PatternResult`; rotation weights use ``max_distance = seq_len − 1``.
     """
-    from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
+    from posgen_tl.hooks.edits import reference_key_means  # noqa: PLC0415
 
     cfg = base.config_of(Config, cfg, options)
     base.gate(model, cfg, "the feature pattern")
@@ -496,27 +496,49 @@ ABOUT = "feature pattern in the RoPE planes and its link to D3 (docs/method.md �
 NEEDS: tuple[str, ...] = ("decomposition",)  # links its heads to the decomposition's rows
 
 
-def compute(ctx: Any, cfg: Config) -> None:
-    """Band statistics and pattern scores of the trained model beside its twin, on the windows the
-    decomposition uses; writes the band / head tables, the link to D3 and four figures."""
-    from posgen_tl.io.sampling import sample_or_chunks  # noqa: PLC0415
-    from posgen_tl.plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3  # noqa: PLC0415
+class Result(base.Result):
+    """The outcome of :func:`run`.
 
-    windows, ref, _ = sample_or_chunks(ctx.model, cfg.corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len, n_ref=cfg.n_ref,
-                                       seed=cfg.seed)
-    tw = feature_pattern_with_twin(ctx.model, windows, cfg, reference=ref, twin=ctx.twin())
+    Attributes:
+        tables: ``bands`` (every twin × layer × head × q/k × band row: ρ in three forms, energy shares), ``heads``
+            (per-head pattern scores), ``rho_groups`` (:func:`rho_by_band_group`), ``link`` (heads joined to the
+            decomposition's D3 rows) and ``link_summary`` (:func:`link_to_decomposition`: Spearman per twin, k̄
+            kind and score).
+        config: the Config's options. meta: model, sizes.
+    """
+
+
+#: the tables' files in a study folder (the names published runs already carry)
+FILES = {"bands": "pattern_bands.csv", "heads": "pattern_heads.csv", "rho_groups": "pattern_rho_by_band_group.csv",
+         "link": "pattern_vs_d3.csv", "link_summary": "pattern_vs_d3_summary.csv"}
+
+
+def run(model: Any, cfg: Config | None = None, *, upstream: dict[str, Any] | None = None, corpus: Any = None,
+        twin: Any = None, progress: bool = True, **options: Any) -> Result:
+    """Band statistics and pattern scores of the trained model beside its random twin (``twin``: a model or a
+    callable giving one; ``None`` builds it), on the windows the decomposition uses, linked to the decomposition's
+    heads. ``upstream["decomposition"]``: the decomposition's Result on the same windows (:data:`NEEDS`;
+    ``pg.run("pattern", model)`` runs it first). Returns the :class:`Result`.
+
+    Raises:
+        ValueError: no decomposition Result in ``upstream``."""
+    from posgen_tl.io.sampling import sample_or_chunks  # noqa: PLC0415
+
+    cfg = base.config_of(Config, cfg, options)
+    dec = (upstream or {}).get("decomposition")
+    if dec is None or "rows" not in dec.tables:
+        raise ValueError("the pattern experiment links its heads to a decomposition on the same windows: pass "
+                         "upstream={'decomposition': <its Result>}, or call pg.run('pattern', model, cfg), which runs it")
+    windows, ref, _ = sample_or_chunks(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
+                                       seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
+    tw = feature_pattern_with_twin(model, windows, cfg, reference=ref, twin=base.twin_of(model, twin, cfg.seed),
+                                   progress=progress)
     bands = tw.bands
-    ctx.work.save_df("pattern_bands.csv", bands)  # every (twin, layer, head, q/k, band) row: the tables' source
-    ctx.work.save_df("pattern_heads.csv", tw.heads)
-    ctx.work.save_df("pattern_rho_by_band_group.csv", rho_by_band_group(bands))
-    ctx.work.save_fig("fig_pattern_k_rho_cross.png", plot_band_heatmaps(bands, which="k", stat="rho_cross"))
-    ctx.work.save_fig("fig_pattern_k_rho_within.png", plot_band_heatmaps(bands, which="k", stat="rho_within"))
-    ctx.work.save_fig("fig_pattern_k_energy.png", plot_band_heatmaps(bands, which="k", stat="energy_share"))
-    dec = ctx.work.load_df("decomposition.csv")
-    merged, summary = link_to_decomposition(tw.heads, dec, on=("twin", "layer", "head"))
-    ctx.work.save_df("pattern_vs_d3.csv", merged)
-    ctx.work.save_df("pattern_vs_d3_summary.csv", summary)
-    ctx.work.save_fig("fig_pattern_vs_d3.png", plot_pattern_vs_d3(merged, k_mean="global"))
+    merged, summary = link_to_decomposition(tw.heads, dec.tables["rows"], on=("twin", "layer", "head"))
+    tables = {"bands": bands, "heads": tw.heads, "rho_groups": rho_by_band_group(bands), "link": merged,
+              "link_summary": summary}
+    meta = {"model": probe_hooks(model)[0].model_name, "n_seq": len(windows), "n_docs": windows.n_docs}
+    return Result(tables, cfg.as_dict(), meta)
 
 
 def rho_by_band_group(bands: pd.DataFrame) -> pd.DataFrame:
@@ -570,13 +592,16 @@ def _paragraphs(groups: pd.DataFrame) -> list[str]:
     ]
 
 
-def render(ctx: Any, cfg: Config) -> Any:
+def render(result: Result) -> Any:
     """The report section: ρ by band group, per-head medians, the pattern ↔ D3 link, four figures."""
-    from posgen_tl.report.html import Section  # noqa: PLC0415
+    from posgen_tl.plot.pattern import plot_band_heatmaps, plot_pattern_vs_d3  # noqa: PLC0415
+    from posgen_tl.report.html import Section, figure_to_png, skipped_section  # noqa: PLC0415
 
-    heads = ctx.work.load_df("pattern_heads.csv")
-    summary = ctx.work.load_df("pattern_vs_d3_summary.csv")
-    groups = ctx.work.load_df("pattern_rho_by_band_group.csv")
+    title = "3 · The feature pattern in the RoPE planes (docs/method.md §3)"
+    if result.skipped:
+        return skipped_section(title, result.skipped, "pattern", result.meta.get("hint"))
+    t = result.tables
+    heads, summary, groups, bands = t["heads"], t["link_summary"], t["rho_groups"], t["bands"]
     cols = ["logit_spread", "pred_d3_err_global", "pred_d3_err_per_sequence", "fast_key_rho_within", "fast_key_rho_cross",
             "fast_key_stability"]
     tab = heads.groupby("twin")[cols].median()
@@ -589,29 +614,30 @@ def render(ctx: Any, cfg: Config) -> Any:
                f"random twin separately: {fmt(rd[0])} (p = {rd[1]:.2g}, n = {rd[2]}). Never pooled: two clusters would "
                f"manufacture a correlation. Controls (trained): rotation-blind {fmt(blind[0])}, 1/σ(W) alone {fmt(inv[0])} — "
                "the rotation weighting adds information only where the score beats them.")
-    png = ctx.work.path
+    n_seq = int(result.config.get("n_seq") or result.meta.get("n_seq", 0))
     return Section(
-        "3 · The feature pattern in the RoPE planes (docs/method.md §3)",
+        title,
         verdict=verdict,
         paragraphs=_paragraphs(groups),
         tables=[("Key ρ in three forms by band group (mean over layers × kv heads × bands; stability: median; energy: "
                  "share of each head's key energy in the group)", groups),
                 ("Per-head pattern statistics (median over heads), trained vs random twin", tab),
                 ("Pattern score ↔ D3 within-row r across heads, each twin and k̄ kind apart", summary)],
-        figures=[(png("fig_pattern_k_rho_cross.png").read_bytes(), "Key ρ_cross (cross-fitted over document halves), "
-                  "band × layer, trained vs twin, same colour scale"),
-                 (png("fig_pattern_k_rho_within.png").read_bytes(), "Key ρ_within (token-invariance inside a text), "
-                  "trained vs twin"),
-                 (png("fig_pattern_k_energy.png").read_bytes(), "Key band energy share (RoPE frequency usage), trained vs twin"),
-                 (png("fig_pattern_vs_d3.png").read_bytes(), "Pattern score (predicted relative D3 error, global k̄) vs D3 "
-                  "within-row r per head")],
-        findings=_findings(ctx.work.load_df("pattern_vs_d3.csv"), cfg),
+        figures=[(figure_to_png(plot_band_heatmaps(bands, which="k", stat="rho_cross")), "Key ρ_cross (cross-fitted "
+                  "over document halves), band × layer, trained vs twin, same colour scale"),
+                 (figure_to_png(plot_band_heatmaps(bands, which="k", stat="rho_within")), "Key ρ_within "
+                  "(token-invariance inside a text), trained vs twin"),
+                 (figure_to_png(plot_band_heatmaps(bands, which="k", stat="energy_share")), "Key band energy share "
+                  "(RoPE frequency usage), trained vs twin"),
+                 (figure_to_png(plot_pattern_vs_d3(t["link"], k_mean="global")), "Pattern score (predicted relative "
+                  "D3 error, global k̄) vs D3 within-row r per head")],
+        findings=_findings(t["link"], n_seq),
         results={"rho_by_band_group": groups.to_dict("records"), "heads": tab.to_dict("records"),
                  "link": summary.to_dict("records")},
     )
 
 
-def _findings(merged: pd.DataFrame, cfg: Config) -> list:
+def _findings(merged: pd.DataFrame, n_seq: int) -> list:
     """Spearman ρ of the rotation-aware pattern score (predicted relative D3 error, global k̄) with D3
     within-row r across TRAINED heads (docs/method.md §3: within the trained model, never pooled with the
     twin); heads are the unit — descriptive (docs/method.md §8)."""
@@ -624,4 +650,4 @@ def _findings(merged: pd.DataFrame, cfg: Config) -> list:
     rho, ci, p, n = rank_correlation(t["pred_d3_err_global"].to_numpy(float), t["r_within"].to_numpy(float))
     word = "related" if p == p and p < 0.05 else "no evidence"
     return [Finding("pattern", word, rho, "Spearman ρ(pred. D3 error, D3 r) over heads", ci, p, n,
-                    exploratory=cfg.n_seq < 32, note="n = heads (descriptive); sequences per head: " + str(cfg.n_seq))]
+                    exploratory=n_seq < 32, note="n = heads (descriptive); sequences per head: " + str(n_seq))]

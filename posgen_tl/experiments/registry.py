@@ -1,11 +1,14 @@
-"""Every experiment, by name — what ``posgen-tl study NAME``, ``posgen-tl report`` and the docs derive
-from. Nothing here defines an experiment: each module of :mod:`posgen_tl.experiments` does (its
-``Config``, ``compute``, ``render``, ``NAME``, ``ABOUT``, ``NEEDS``), and this module only lists them
-in report order, builds their configs from command-line text, and runs one or all of them.
+"""Every experiment, by name — what ``posgen-tl study NAME``, ``posgen-tl report``, the library's
+``pg.run(NAME, model, cfg)`` and the results pages derive from. Nothing here defines an experiment: each
+module of :mod:`posgen_tl.experiments` does (its ``Config``, ``Result``, a pure ``run(model, cfg, *, …) ->
+Result``, ``render(result) -> Section``, ``NAME``, ``ABOUT``, ``NEEDS``, and ``FILES`` where its tables keep
+published file names); this module lists them in report order, builds their configs from command-line text,
+runs them (:func:`run`, the experiments they need first), and saves / loads their Results (:func:`save`,
+:func:`load`).
 
-Adding an experiment: a module ``posgen_tl/experiments/<name>.py`` with those six names, its name
-in :data:`ORDER` (and in :data:`REPORT` if the report runs it), a plot module of the same name and
-a test module of the same name.
+Adding an experiment: a module ``posgen_tl/experiments/<name>.py`` with those names, its name in
+:data:`ORDER` (and in :data:`REPORT` if the report runs it), a plot module of the same name and a test
+module of the same name.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "suffic
          "patching", "gap_attention")
 #: the experiments ``posgen-tl report`` runs (``gap_attention`` needs a taxonomy table: a study of its own)
 REPORT = tuple(n for n in ORDER if n != "gap_attention")
-#: the experiments in the protocol shape: ``run(model, cfg, *, checkpoint=…) -> Result``, ``render(result)``,
-#: ``save(result, folder)`` / ``load(folder)`` (the others still ``compute(ctx, cfg)`` / ``render(ctx, cfg)``)
-PROTOCOL = ("exactness", "tolerance", "causal", "sufficiency", "taxonomy", "length", "patching", "gap_attention")
+#: the experiments in the protocol shape — all of them: ``run(model, cfg, *, …) -> Result`` (no file I/O),
+#: ``render(result) -> Section``; :func:`save` / :func:`load` keep a Result in a folder
+PROTOCOL = ORDER
 #: the options every Config has (``base.Config``): the report's size flags set them for every experiment
 SIZES = ("n_seq", "seq_len", "seed", "corpus", "twin")
 #: size flags an experiment does not take from the report (it keeps its own default); e.g. the exactness
@@ -90,10 +93,21 @@ def make_config(name: str, preset: str = "default", params: Mapping[str, str] | 
     return cls.from_text(dict(params or {}), preset, **typed)
 
 
-def run(name: str, model: Any, cfg: Config | None = None, **kw: Any) -> Any:
+def run(name: str, model: Any, cfg: Config | None = None, *, upstream: Mapping[str, Any] | None = None,
+        **kw: Any) -> Any:
     """``experiment(name).run(model, cfg, **kw)`` — the library's one door to every experiment
-    (``pg.run("sufficiency", model, cfg)``); returns the experiment's Result."""
-    return experiment(name).run(model, cfg, **kw)
+    (``pg.run("sufficiency", model, cfg)``); returns the experiment's Result. The Results of the experiments it
+    NEEDS come from ``upstream`` or are run first, with the options their Configs share with ``cfg`` (sizes,
+    layers, …)."""
+    mod = experiment(name)
+    ups = dict(upstream or {})
+    for dep in mod.NEEDS:
+        if dep not in ups:
+            own = cfg if cfg is not None else mod.Config()
+            shared = {o.name for o in experiment(dep).Config.options()} & {o.name for o in own.options()}
+            dep_cfg = experiment(dep).Config(**{k: getattr(own, k) for k in shared})
+            ups[dep] = run(dep, model, dep_cfg, **({"progress": kw["progress"]} if "progress" in kw else {}))
+    return mod.run(model, cfg, **({"upstream": ups} if mod.NEEDS else {}), **kw)
 
 
 def run_or_skip(name: str, model: Any, cfg: Config, **kw: Any) -> Any:
@@ -150,30 +164,24 @@ def inputs(name: str, *, checkpoint: Path | None = None, twin: Any = None,
 
 
 def run_experiment(name: str, ctx: Any, cfg: Config) -> tuple[Any, float]:
-    """``compute`` then ``render`` of one experiment in ``ctx``; returns ``(Section, seconds of compute)``.
+    """Run experiment ``name`` in ``ctx`` (a study's folder, model and shared twin) and render it; returns
+    ``(Section, seconds of the run)``. The run resumes from ``<folder>/.partial`` where the experiment keeps a
+    checkpoint (removed once the Result is saved); the Result is saved into the folder and kept in
+    ``ctx.results`` for the experiments that need it; the section's figures are written beside it."""
+    import shutil  # noqa: PLC0415
 
-    A :data:`PROTOCOL` experiment runs ``run(ctx.model, cfg, checkpoint=<folder>/.partial)`` (an interrupted
-    study continues from the checkpoint; it is removed once the Result is saved), ``save`` and ``render``."""
     mod = experiment(name)
     t0 = time.time()
-    if name in PROTOCOL:
-        import shutil  # noqa: PLC0415
-
-        partial = ctx.work.dir / ".partial"
-        result = run_or_skip(name, ctx.model, cfg, **inputs(name, checkpoint=partial, twin=ctx.twin,
-                                                           upstream=getattr(ctx, "results", None)))
-        seconds = time.time() - t0
-        save(name, result, ctx.work.dir)
-        if hasattr(ctx, "results"):
-            ctx.results[name] = result
-        shutil.rmtree(partial, ignore_errors=True)
-        sec = mod.render(result)
-        for i, (png, _) in enumerate(sec.figures):
-            (ctx.work.dir / f"fig_{name}_{i}.png").write_bytes(png)
-        return sec, seconds
-    mod.compute(ctx, cfg)
+    partial = ctx.work.dir / ".partial"
+    result = run_or_skip(name, ctx.model, cfg, **inputs(name, checkpoint=partial, twin=ctx.twin, upstream=ctx.results))
     seconds = time.time() - t0
-    return mod.render(ctx, cfg), seconds
+    save(name, result, ctx.work.dir)
+    shutil.rmtree(partial, ignore_errors=True)
+    ctx.results[name] = result
+    sec = mod.render(result)
+    for i, (png, _) in enumerate(sec.figures):
+        (ctx.work.dir / f"fig_{name}_{i}.png").write_bytes(png)
+    return sec, seconds
 
 
 def _markdown(name: str, meta: dict[str, Any], sec: Any, files: list[str]) -> str:

@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 from posgen_tl import stats
 from posgen_tl.engine.swaps import nll_on_target, transposition_curve
 from posgen_tl.experiments import base
-from posgen_tl.experiments.decomposition import reference_key_means
 from posgen_tl.hooks.capture import probe_hooks
+from posgen_tl.hooks.edits import reference_key_means
 from posgen_tl.hooks.logits import sufficiency_hooks
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows

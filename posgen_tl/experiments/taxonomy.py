@@ -267,7 +267,7 @@ def head_taxonomy(
     r0, r1 = region_layout(n, region_len, n_query, sink)
 
     # pass 1: global k̄ per layer and kv-head from the reference windows (sink excluded)
-    from posgen_tl.experiments.decomposition import reference_key_means  # noqa: PLC0415
+    from posgen_tl.hooks.edits import reference_key_means  # noqa: PLC0415
 
     k_means = {l: m.float() for l, m in reference_key_means(model, ref, layers, sink=sink, batch_size=4,  # noqa: E741
                                                              progress=progress).items()}

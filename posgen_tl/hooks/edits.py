@@ -63,6 +63,7 @@ from posgen_tl.maths.rope import LayerRope, from_bands, to_bands
 __all__ = [
     "Intervention",
     "key_means",
+    "reference_key_means",
     "feature_means",
     "intervention_hooks",
     "kind_hooks",
@@ -437,3 +438,21 @@ no constant direction."""
 def noop_hooks(model: Any, layers: Sequence[int] | None = None) -> HookList:
     """Hooks on the pre-rotation key hooks that return ``None`` (tensor untouched)."""
     return intervention_hooks(model, Intervention(kind="noop", layers=layers, label="noop"))
+
+
+def reference_key_means(
+    model: Any,
+    tokens: Any,
+    layers: Sequence[int] | None = None,
+    *,
+    sink: int = 1,
+    batch_size: int = 4,
+    progress: bool = True,
+    extra_hooks: Sequence = (),
+) -> dict[int, Float[Tensor, "kv_head d_head"]]:
+    """Mean PRE-rotation key ``k̄`` per layer and kv-group over ``tokens`` (positions ``< sink``
+    excluded): :func:`posgen_tl.hooks.edits.feature_means` in float64 (``tokens`` may be
+    :class:`~posgen_tl.io.corpus.Windows`). Returns ``{layer: Float[Tensor, "kv_head d_head"]}`` float64."""
+    tokens = getattr(tokens, "tokens", tokens)  # Windows → their token ids
+    return feature_means(model, tokens, layers, sink=sink, target="k", batch_size=batch_size,
+                         progress="k̄ reference" if progress else False, extra_hooks=extra_hooks, dtype=torch.float64)

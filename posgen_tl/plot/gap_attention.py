@@ -12,7 +12,7 @@ __all__ = ["plot_gap_heads"]
 def plot_gap_heads(rows: pd.DataFrame, *, title: str = "") -> Figure:
     """Per head: attention change under the gap (mean KL over sequences) vs D3's positional share.
 
-    ``rows``: :func:`posgen_tl.experiments.length.gap_attention` output.
+    ``rows``: :func:`posgen_tl.experiments.gap_attention.gap_attention` output.
     """
     h = rows.groupby(["layer", "head"])[["kl", "f_share"]].mean().reset_index()
     fig, ax = plt.subplots(figsize=(5.5, 4))

@@ -27,7 +27,6 @@ from typing import Any
 import pandas as pd
 
 from posgen_tl.experiments import registry
-from posgen_tl.report.context import Context, OutFolder
 from posgen_tl.report.html import QUESTIONS, Finding, Section
 from posgen_tl.report.text import md_table, section_markdown, sig3
 
@@ -79,20 +78,6 @@ def find_runs(results: Path) -> list[Run]:
     return sorted(runs, key=lambda r: (order[r.study], r.model, r.corpus))
 
 
-def _config(run: Run) -> Any:
-    """The run's Config, rebuilt from its recorded options (lists back to tuples)."""
-    cls = registry.experiment(run.study).Config
-    kinds = {o.name: o.kind for o in cls.options()}
-    vals = {}
-    for k, v in run.meta["config"].items():
-        if k not in kinds:
-            continue
-        if isinstance(v, list):
-            v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
-        vals[k] = v
-    return cls(**vals)
-
-
 #: renders by (folder, the state of its files): a page build renders each run once, and a changed
 #: file (as in the staleness tests) renders it again
 _RENDERED: dict[tuple, Section] = {}
@@ -105,12 +90,7 @@ def _section(run: Run) -> Section:
     if key not in _RENDERED:
         if len(_RENDERED) > 256:
             _RENDERED.clear()
-        mod = registry.experiment(run.study)
-        if run.study in registry.PROTOCOL:
-            _RENDERED[key] = mod.render(registry.load(run.study, run.folder))
-        else:
-            ctx = Context(model=None, work=OutFolder(run.folder), model_name=run.model, seed=0)
-            _RENDERED[key] = mod.render(ctx, _config(run))
+        _RENDERED[key] = registry.experiment(run.study).render(registry.load(run.study, run.folder))
     return _RENDERED[key]
 
 

@@ -103,23 +103,19 @@ def run_report(settings: ReportSettings) -> int:
         if not work.done(name):
             print(f"[posgen-tl] {name} ...", flush=True)
             ts = time.time()
-            if name in registry.PROTOCOL:  # run → Result (saved into the work folder; resumable checkpoint)
-                partial = work.path(f".partial_{name}")
-                upstream = {d: registry.load(d, work.dir) for d in mods[name].NEEDS}
-                result = registry.run_or_skip(name, model, cfg, **registry.inputs(
-                    name, checkpoint=partial, twin=ctx.twin, upstream=upstream))
-                registry.save(name, result, work.dir)
-                shutil.rmtree(partial, ignore_errors=True)
-            else:
-                mods[name].compute(ctx, cfg)
+            partial = work.path(f".partial_{name}")  # a resumable experiment's checkpoint
+            upstream = {d: registry.load(d, work.dir) for d in mods[name].NEEDS}
+            result = registry.run_or_skip(name, model, cfg, **registry.inputs(
+                name, checkpoint=partial, twin=ctx.twin, upstream=upstream))
+            registry.save(name, result, work.dir)
+            shutil.rmtree(partial, ignore_errors=True)
             work.mark(name)
             timings[name] = time.time() - ts
             print(f"[posgen-tl] {name}: {timings[name]:.0f} s", flush=True)
         else:
             print(f"[posgen-tl] {name}: already done (resuming)")
-    for name, cfg in configs.items():
-        sec = mods[name].render(registry.load(name, work.dir)) if name in registry.PROTOCOL \
-            else mods[name].render(ctx, cfg)
+    for name in configs:
+        sec = mods[name].render(registry.load(name, work.dir))
         if settings.preset != "full":
             sec.paragraphs.append(full_size_hint(name, model_name, settings.preset))
         sections.append(sec)

@@ -22,7 +22,6 @@ import torch  # noqa: E402
 import posgen_tl  # noqa: E402
 from posgen_tl.cli import build_parser, main, study_config  # noqa: E402
 from posgen_tl.experiments import registry  # noqa: E402
-from posgen_tl.report.context import Context, Work  # noqa: E402
 from posgen_tl.report.run import ReportSettings  # noqa: E402
 
 PKG = Path(posgen_tl.__file__).parent
@@ -172,14 +171,10 @@ def test_every_experiment_analyses_the_same_windows(tiny, corpus, tmp_path, monk
         monkeypatch.setattr(f"posgen_tl.experiments.{mod_name}.sample_windows", spy, raising=False)
     current = {}
     sizes = dict(n_seq=4, seq_len=32, corpus=corpus["folder"], seed=2)
-    ctx = Context(tiny, Work(tmp_path / "r", {"k": 1}), "tiny", seed=2)
     for name in ("decomposition", "taxonomy", "causal", "sufficiency"):
         current["name"] = name
         cfg = registry.make_config(name, "quick", {"n_ref": "2"} if name != "taxonomy" else {"n_ref": "2"}, sizes)
-        if name in registry.PROTOCOL:
-            registry.run(name, tiny, cfg, progress=False)
-        else:
-            registry.experiment(name).compute(ctx, cfg)
+        registry.run(name, tiny, cfg, progress=False)
     keys = {}
     for name, calls in seen.items():
         ana, ref = calls[0]
@@ -231,7 +226,8 @@ def test_study_and_report_stage_write_identical_tables(tiny, corpus, tmp_path):
     assert "pattern_heads.csv" in csvs and "decomposition.csv" in csvs
     for f in csvs:
         pd.testing.assert_frame_equal(pd.read_csv(md.parent / f), pd.read_csv(work / f), check_exact=True, obj=f)
-    assert sorted(p.name for p in work.glob("*.png")) == sorted(p.name for p in md.parent.glob("*.png"))
+    figs = sorted(p.name for p in md.parent.glob("*.png"))  # the study writes its sections' figures beside them
+    assert figs == [f"fig_decomposition_{i}.png" for i in range(2)] + [f"fig_pattern_{i}.png" for i in range(4)], figs
 
 
 def test_study_writes_markdown_and_json_a_reader_can_reproduce(tiny, corpus, tmp_path):
@@ -243,7 +239,7 @@ def test_study_writes_markdown_and_json_a_reader_can_reproduce(tiny, corpus, tmp
     assert "`posgen-tl study decomposition --quick`" in text and "git commit:" in text and "wall time:" in text
     assert "## Findings" in text and "decomposition: " in text and "n = 3" in text and "exploratory" in text
     assert "| layers | estimator |" in text  # the section's table, as markdown
-    assert "![fig_decomposition_r.png](fig_decomposition_r.png)" in text
+    assert "![fig_decomposition_0.png](fig_decomposition_0.png)" in text
     meta = json.loads((tmp_path / "decomposition.json").read_text())
     assert meta["config"] == cfg.as_dict() and meta["preset"] == "quick" and meta["wall_seconds"] > 0
     assert meta["findings"][0]["question"] == "decomposition" and meta["findings"][0]["n"] == 3
@@ -294,7 +290,7 @@ def test_taxonomy_study_options_and_layer_third_table(tiny, corpus, tmp_path):
     cfg = registry.make_config("taxonomy", "default", params, dict(n_seq=3, seq_len=32, corpus=corpus["folder"]))
     md = registry.run_study("taxonomy", cfg, tmp_path / "h", model=tiny, command="posgen-tl study taxonomy")
     out = md.parent
-    meta = json.loads((out / "heads_meta.json").read_text())
+    meta = registry.load("taxonomy", out).meta  # the meta the study saved with its Result
     assert (meta["region_len"], meta["n_query"], meta["n_perm"], meta["min_score"]) == (8, 6, 2, 0.1)
     heads = pd.read_csv(out / "heads.csv")
     thirds = labels_by_layer_group(heads, meta["n_layers"])

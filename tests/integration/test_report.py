@@ -81,14 +81,13 @@ def test_report_leads_with_findings(quick_report):
 def test_interrupted_report_leaves_no_complete_looking_files_and_resumes(tmp_path, monkeypatch, smollm2):
     out = tmp_path / "r"
     mods = {n: registry.experiment(n) for n in registry.REPORT}
-    entry = {n: "run_or_skip" if n in registry.PROTOCOL else "compute" for n in mods}  # what the report calls
-    real = {n: getattr(m, entry[n]) for n, m in mods.items()}
+    real = {n: m.run for n, m in mods.items()}  # what the report calls, through registry.run_or_skip
     calls = []
 
-    def interrupt(ctx, cfg):
+    def interrupt(model, cfg, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mods["pattern"], "compute", interrupt)
+    monkeypatch.setattr(mods["pattern"], "run", interrupt)
     settings = ReportSettings(out=str(out), preset="quick", sizes=dict(seq_len=64, n_seq=3))
     with pytest.raises(KeyboardInterrupt):
         run_report(settings)
@@ -97,7 +96,7 @@ def test_interrupted_report_leaves_no_complete_looking_files_and_resumes(tmp_pat
     assert done == ["decomposition.done", "exactness.done"]
     # rerun: finished experiments are not recomputed
     for n, m in mods.items():
-        monkeypatch.setattr(m, entry[n], lambda a, cfg, n=n, **kw: (calls.append(n), real[n](a, cfg, **kw))[1])
+        monkeypatch.setattr(m, "run", lambda a, cfg, n=n, **kw: (calls.append(n), real[n](a, cfg, **kw))[1])
     assert run_report(settings) == 0
     assert calls == [n for n in registry.REPORT if n not in ("exactness", "decomposition")]  # every later one, once
     assert (out / "report.html").exists() and (out / "results.json").exists()

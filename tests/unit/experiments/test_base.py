@@ -67,7 +67,7 @@ def test_describe_lists_every_option_with_presets():
         base.parse_assignments(["a=1", "a=2"])
 
 
-@pytest.mark.parametrize("study", [n for n in registry.ORDER if n in registry.PROTOCOL])
+@pytest.mark.parametrize("study", registry.ORDER)
 def test_only_a_corpus_or_model_refusal_skips_a_stage(study, tmp_path, monkeypatch):
     """A corpus that cannot give the windows (CorpusError) or a model the library refuses (CaptureError) skips
     the stage: a Result with no tables whose status names the reason, which survives save/load and renders as a

@@ -207,8 +207,8 @@ def test_link_to_decomposition_correlations():
 def test_pred_error_global_matches_direct_computation(llama):
     """pred_d3_err_global from the reference k̄, q energies, the logit spread and entry-weighted
     rotation factors, recomputed by hand from captured q/k; ρ forms from the per-sequence sums."""
-    from posgen_tl.experiments.decomposition import reference_key_means
     from posgen_tl.hooks.capture import capture_qk
+    from posgen_tl.hooks.edits import reference_key_means
     from posgen_tl.maths.band_stats import distance_weights
     from posgen_tl.maths.decompose import causal_mask
     from posgen_tl.maths.rho import rho_forms
