@@ -36,3 +36,14 @@ def smollm2_tokens(smollm2):
     from posgen_tl.io.corpus import corpus_tokens
 
     return corpus_tokens(smollm2, None, seq_len=64, n_seq=2)
+
+
+_REAL_FIXTURES = {"smollm2", "gemma3", "smollm2_tokens"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that loads a real model is ``real`` whether or not it says so, so that the fast tier
+    (``-m "not slow and not real"``, docs/development.md) never loads one."""
+    for item in items:
+        if _REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)

@@ -67,8 +67,8 @@ class Finding:
 
     Attributes:
         question: a key of :data:`QUESTIONS` (e.g. ``"causal"``).
-        verdict: the verdict word (``"depends"`` / ``"no evidence"`` for causal contrasts, as
-            :func:`posgen_tl.stats.inference.verdict_table` decides; the stage's own word elsewhere).
+        verdict: the verdict word (the causal test's, as :func:`posgen_tl.stats.dose.dose_verdict` decides; the
+            stage's own word elsewhere).
         effect: the effect's value; ``what``: what it measures (with its unit).
         ci: ``(low, high)`` 95 % interval of the effect; ``p``: its p-value; ``n``: the unit count.
         exploratory: ``n < 32`` (docs/method.md §8) unless given.

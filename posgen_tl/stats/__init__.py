@@ -2,7 +2,7 @@
 per-document tolerance curves (AUC, slope) and the causal verdict (dose–response at common damage).
 
 Everything is re-exported here (``pg.stats.sign_flip``, ``pg.stats.dose_verdict``); the code lives
-in :mod:`posgen_tl.stats.inference` (tests and intervals, the legacy ``verdict_table``),
+in :mod:`posgen_tl.stats.inference` (tests and intervals),
 :mod:`posgen_tl.stats.curves` (per-document curves and summaries),
 :mod:`posgen_tl.stats.verdicts` (contrast tables, interaction and equivalence, family adjustment) and
 :mod:`posgen_tl.stats.dose` (the causal verdict).

@@ -11,17 +11,18 @@ grouped by document and the document is the unit that is resampled (bootstrap) o
   to 40 units, else Monte Carlo; :func:`sign_flip` also returns the LABEL of its p), :func:`bootstrap_ci`
   (document-level percentile bootstrap), :func:`t_interval`, :func:`holm`, :func:`tost`,
   :func:`mde`; slopes: :func:`unit_slopes`, :func:`slope_ci`;
-- the verdict rule: :class:`Contrast`, :func:`paired_differences`, :func:`contrast_from_rows`,
-  :func:`verdict_table` — the ONLY place a verdict word ("depends" / "no evidence") is decided;
-- T1 vs T2: :func:`t1_t2_equivalence` ("alike" only via TOST with a stated margin) and
-  :data:`EQUIVARIANCE_NOTE`, to be printed wherever T1 and T2 are compared.
+- one-line findings: :func:`paired_finding`, :func:`rank_correlation`;
+- :data:`EQUIVARIANCE_NOTE`, to be printed wherever T1 and T2 are compared.
+
+The verdict rules live beside their estimands: the causal test's intersection–union rule at common damage in
+:mod:`posgen_tl.stats.dose`, contrast tables and equivalence (TOST at a declared margin) in
+:mod:`posgen_tl.stats.verdicts`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,13 +32,10 @@ from scipy import stats as sps
 
 __all__ = [
     "EQUIVARIANCE_NOTE",
-    "Contrast",
     "bootstrap_ci",
     "cluster_means",
-    "contrast_from_rows",
     "holm",
     "mde",
-    "paired_differences",
     "paired_finding",
     "rank_correlation",
     "per_sequence_slopes",
@@ -46,11 +44,9 @@ __all__ = [
     "sign_flip",
     "sign_flip_test",
     "slope_ci",
-    "t1_t2_equivalence",
     "t_interval",
     "tost",
     "unit_slopes",
-    "verdict_table",
 ]
 
 EQUIVARIANCE_NOTE = (
@@ -495,280 +491,6 @@ def per_sequence_slopes(rows: pd.DataFrame, value: str = "delta") -> pd.Series:
 
 
 # ----------------------------------------------------------------------------- verdict rule (§8)
-
-
-@dataclass
-class Contrast:
-    """One paired contrast ``intervention − control`` over sequences (docs/method.md §8).
-
-    Attributes:
-        name: label of the contrast (unique within a family).
-        intervention, control: labels of the two conditions.
-        d: ``[n_seq]`` per-sequence tolerance-slope difference, intervention − control.
-        seq: ``[n_seq]`` sequence ids (unique).
-        doc: ``[n_seq]`` document id of each sequence (the cluster / resampling unit).
-        damage: ``[n_seq]`` per-sequence clean-NLL damage of the intervention.
-        control_damage: ``[n_seq]`` per-sequence clean-NLL damage of the control.
-        primary: the one contrast declared primary before the run.
-    """
-
-    name: str
-    intervention: str
-    control: str
-    d: np.ndarray
-    seq: np.ndarray
-    doc: np.ndarray
-    damage: np.ndarray
-    control_damage: np.ndarray
-    primary: bool = False
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the problem if the contrast cannot be tested."""
-        where = f"contrast {self.name!r}"
-        d = as_1d(self.d, f"{where}: d")
-        n = d.size
-        if n < 3:
-            raise ValueError(f"{where}: needs at least 3 sequences, got {n}")
-        check_finite(d, f"{where}: d (slope differences)")
-        for nm in ("seq", "doc", "damage", "control_damage"):
-            v = np.asarray(getattr(self, nm))
-            if v.ndim != 1 or v.shape[0] != n:
-                raise ValueError(f"{where}: length mismatch: {nm} has shape {v.shape}, d has {n} values")
-        for nm in ("damage", "control_damage"):
-            check_finite(as_1d(getattr(self, nm), nm), f"{where}: {nm}")
-        seq = pd.Series(np.asarray(self.seq))
-        if seq.duplicated().any():
-            raise ValueError(f"{where}: duplicated sequence ids {seq[seq.duplicated()].unique()[:10].tolist()}")
-        if pd.isna(pd.Series(np.asarray(self.doc))).any():
-            raise ValueError(f"{where}: missing (NaN) document ids")
-        if np.unique(np.asarray(self.doc)).size < 2:
-            raise ValueError(f"{where}: all sequences come from one document: no test across documents is possible")
-
-
-def paired_differences(a: pd.Series, b: pd.Series) -> tuple[np.ndarray, np.ndarray]:
-    """Pair two per-sequence Series (indexed by sequence id) and return ``a − b``.
-
-    Args:
-        a: intervention values (e.g. slopes), index = sequence id.
-        b: control values, index = sequence id.
-
-    Returns:
-        ``(d [n], seq [n])``: differences and the sequence ids, sorted by sequence id.
-
-    Raises:
-        ValueError: duplicated sequence ids, or different sequence sets ("intervention and
-            control sequences differ: missing in control: [...]; missing in intervention: [...]").
-    """
-    for nm, s in (("intervention", a), ("control", b)):
-        if s.index.duplicated().any():
-            raise ValueError(f"{nm}: duplicated sequence ids {s.index[s.index.duplicated()].unique()[:10].tolist()}")
-    ia, ib = set(a.index), set(b.index)
-    if ia != ib:
-        raise ValueError(
-            "intervention and control sequences differ: "
-            f"missing in control: {sorted(ia - ib)[:20]}; missing in intervention: {sorted(ib - ia)[:20]}"
-        )
-    seq = np.asarray(sorted(ia))
-    return a.loc[seq].to_numpy(np.float64) - b.loc[seq].to_numpy(np.float64), seq
-
-
-def contrast_from_rows(
-    rows: pd.DataFrame, intervention: str, control: str, *, name: str | None = None, primary: bool = False,
-    doc: pd.Series | dict | None = None, value: str = "delta",
-) -> Contrast:  # fmt: skip
-    """Build a :class:`Contrast` from tolerance rows (``analysis.tolerance.tolerance_rows`` output).
-
-    ``rows`` has columns ``intervention, seq, frac, <value>, clean_nll, base_clean_nll`` (and
-    ``seed``, ``doc`` where present). Per sequence: slope of ``value`` over ``frac`` (seeds
-    averaged, :func:`per_sequence_slopes`) and damage ``clean_nll − base_clean_nll``. Document
-    ids come from ``doc`` (mapping seq → doc) if given, else from a ``doc`` column; without
-    either a ``ValueError`` is raised (pass ``doc={s: s ...}`` explicitly when every sequence is
-    its own document).
-
-    Returns:
-        The :class:`Contrast` (sequences sorted by id).
-
-    Raises:
-        ValueError: unknown labels, mismatched sequence sets, missing document ids.
-    """
-    parts = {}
-    for role, label in (("intervention", intervention), ("control", control)):
-        g = rows[rows["intervention"] == label]
-        if g.empty:
-            raise ValueError(f"no rows for {role} {label!r}; labels present: {sorted(rows['intervention'].unique())}")
-        dmg = (g["clean_nll"] - g["base_clean_nll"]).groupby(g["seq"]).mean()
-        parts[role] = (per_sequence_slopes(g, value), dmg)
-    d, seq = paired_differences(parts["intervention"][0], parts["control"][0])
-    if doc is None:
-        if "doc" not in rows.columns:
-            raise ValueError("rows have no 'doc' column: pass doc= (sequence id → document id) explicitly")
-        doc = rows.groupby("seq")["doc"].first()
-    doc_map = pd.Series(doc)
-    if not set(seq) <= set(doc_map.index):
-        raise ValueError(f"no document id for sequences {sorted(set(seq) - set(doc_map.index))[:10]}")
-    return Contrast(
-        name=name or f"{intervention} vs {control}", intervention=intervention, control=control, d=d, seq=seq,
-        doc=doc_map.loc[seq].to_numpy(), damage=parts["intervention"][1].loc[seq].to_numpy(float),
-        control_damage=parts["control"][1].loc[seq].to_numpy(float), primary=primary,
-    )  # fmt: skip
-
-
-def _split_halves(d: np.ndarray, doc: np.ndarray, split_seed: int) -> tuple[float, float]:
-    """Mean ``d`` on two disjoint halves of the documents (seeded permutation of unique ids)."""
-    ids = np.unique(doc)
-    perm = np.random.default_rng(split_seed).permutation(ids.size)
-    in_a = np.isin(doc, ids[perm[: ids.size // 2]])
-    return float(d[in_a].mean()), float(d[~in_a].mean())
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.3g}"
-
-
-def verdict_table(
-    contrasts: list[Contrast], *, alpha: float = 0.05, min_n: int = 32, match_rel: float = 0.10,
-    split_seed: int = 0, n_boot: int = 10_000, seed: int = 0,
-) -> pd.DataFrame:  # fmt: skip
-    """docs/method.md §8 version 1 rule (slope contrasts, CI-overlap damage matching), kept for its callers.
-
-    Superseded twice (docs/method.md §8): the causal verdict is :func:`posgen_tl.stats.dose.dose_verdict`
-    (dose–response curves compared at common damage).
-
-    Per contrast (``d`` per sequence, averaged within each document first: every statistic of a
-    row is on DOCUMENT means, the unit that is resampled and flipped):
-
-    - ``p_exact`` — despite its (legacy) name, exact only up to 40 documents: :func:`sign_flip`
-      over document means (exact enumeration up to 40 documents, else 20 000 Monte Carlo draws
-      seeded by ``seed``); ``p_kind`` says which; ``p_holm``: :func:`holm` over all contrasts of
-      the call;
-    - ``mean_diff`` (mean of document means of ``d``) with ``boot_lo/boot_hi`` (percentile
-      bootstrap over documents, ``n_boot`` draws, level ``1 − alpha``) and ``t_lo/t_hi``
-      (t-interval on document means, same level);
-    - ``damage``/``control_damage`` (mean of document means of clean-NLL damage) with
-      document-bootstrap CIs;
-      ``damage_matched``: ``|damage − control_damage| ≤ match_rel·|damage|`` OR the two CIs overlap;
-    - ``half_a``/``half_b``: mean ``d`` on two disjoint halves of the documents (seeded by
-      ``split_seed``); ``split_half_agree``: both non-zero with the sign of ``mean_diff``;
-    - ``sd`` (of document means) and ``mde``: the mean difference detectable with 80 % power at
-      level ``alpha`` by a t-test on those ``n_docs`` units (:func:`mde`; at the UNADJUSTED level,
-      so in a family of several contrasts it is a lower bound of what Holm lets through);
-    - ``verdict``: ``"depends"`` only if ``p_holm < alpha`` AND damage matched AND split halves
-      agree, else ``"no evidence"``; ``reason`` states the conditions that failed (with the MDE).
-      ``exploratory`` = ``n_seq < min_n``; then the verdict ends in ``" (exploratory)"``.
-      "No evidence" is never evidence of no effect (use :func:`tost` for that).
-
-    Returns:
-        ``pd.DataFrame`` (settings and the rule in ``.attrs``), one row per contrast in input
-        order, columns ``contrast, intervention, control, primary, n_seq, n_docs, mean_diff,
-        boot_lo, boot_hi, t_lo, t_hi, p_exact, p_kind, p_holm, damage, damage_lo, damage_hi,
-        control_damage, control_damage_lo, control_damage_hi, damage_matched, half_a, half_b,
-        split_half_agree, sd, mde, exploratory, verdict, reason``.
-
-    Raises:
-        ValueError: an empty family, duplicated contrast names, more than one primary, or any
-            contrast failing :meth:`Contrast.validate` (< 3 sequences, NaN/inf, length
-            mismatch, duplicated sequence ids, a single document).
-    """
-    check_alpha(alpha)
-    if not contrasts:
-        raise ValueError("verdict_table needs at least one contrast")
-    names = [c.name for c in contrasts]
-    if len(set(names)) != len(names):
-        raise ValueError(f"duplicated contrast names in one family: {sorted({n for n in names if names.count(n) > 1})}")
-    if sum(bool(c.primary) for c in contrasts) > 1:
-        raise ValueError(f"more than one primary contrast: {[c.name for c in contrasts if c.primary]}")
-    for c in contrasts:
-        c.validate()
-    rows = []
-    for c in contrasts:
-        d = as_1d(c.d, "d")
-        doc = np.asarray(c.doc)
-        # one estimator per row: every statistic is on DOCUMENT means (resampled / flipped as units)
-        units = cluster_means(d, doc)[0]
-        dm, dlo, dhi = bootstrap_ci(cluster_means(c.damage, doc)[0], n_boot=n_boot, alpha=alpha, seed=seed)
-        cm, clo, chi = bootstrap_ci(cluster_means(c.control_damage, doc)[0], n_boot=n_boot, alpha=alpha, seed=seed)
-        mean, blo, bhi = bootstrap_ci(units, n_boot=n_boot, alpha=alpha, seed=seed)
-        _, tlo, thi = t_interval(units, alpha=alpha)
-        sd = float(units.std(ddof=1))
-        ha, hb = _split_halves(d, doc, split_seed)
-        sgn = np.sign(mean)
-        p, p_kind = sign_flip(units, seed=seed)
-        rows.append(dict(
-            contrast=c.name, intervention=c.intervention, control=c.control, primary=bool(c.primary),
-            n_seq=int(d.size), n_docs=int(units.size), mean_diff=mean, boot_lo=blo, boot_hi=bhi, t_lo=tlo,
-            t_hi=thi, p_exact=p, p_kind=p_kind, damage=dm, damage_lo=dlo,
-            damage_hi=dhi, control_damage=cm, control_damage_lo=clo, control_damage_hi=chi,
-            damage_matched=bool(abs(dm - cm) <= match_rel * abs(dm) or (dlo <= chi and clo <= dhi)),
-            half_a=ha, half_b=hb, split_half_agree=bool(sgn != 0 and np.sign(ha) == sgn and np.sign(hb) == sgn),
-            sd=sd, mde=mde(sd, units.size, alpha=alpha), exploratory=bool(d.size < min_n),
-        ))  # fmt: skip
-    out = pd.DataFrame(rows)
-    out.insert(out.columns.get_loc("p_kind") + 1, "p_holm", holm(out["p_exact"].to_numpy()))
-    verdicts, reasons = [], []
-    for r in out.itertuples(index=False):
-        fails = []
-        if not r.p_holm < alpha:
-            fails.append(f"Holm p = {r.p_holm:.3g} ≥ {alpha:g} (p = {r.p_exact:.3g}, {r.p_kind})")
-        if not r.damage_matched:
-            fails.append(
-                f"damage not matched ({_fmt(r.damage)} [{_fmt(r.damage_lo)}, {_fmt(r.damage_hi)}] vs "
-                f"{_fmt(r.control_damage)} [{_fmt(r.control_damage_lo)}, {_fmt(r.control_damage_hi)}])"
-            )
-        if not r.split_half_agree:
-            fails.append(f"split halves disagree (means {_fmt(r.half_a)}, {_fmt(r.half_b)} vs {_fmt(r.mean_diff)})")
-        if fails:
-            verdict = "no evidence"
-            reason = "; ".join(fails) + f"; MDE at 80 % power = {_fmt(r.mde)} (n = {r.n_docs} documents)"
-        else:
-            verdict = "depends"
-            reason = (f"Holm p = {r.p_holm:.3g} < {alpha:g}; damage matched; split halves agree "
-                      f"({_fmt(r.half_a)}, {_fmt(r.half_b)})")  # fmt: skip
-        if r.exploratory:
-            verdict += " (exploratory)"
-            reason += f"; n = {r.n_seq} < {min_n} sequences: exploratory"
-        verdicts.append(verdict)
-        reasons.append(reason)
-    out["verdict"] = verdicts
-    out["reason"] = reasons
-    out.attrs.update(alpha=alpha, min_n=min_n, match_rel=match_rel, n_boot=n_boot, seed=seed, split_seed=split_seed,
-                     family_size=len(contrasts),
-                     rule=("'depends' only if Holm p < alpha over this table's contrasts, damage matched and the "
-                           "sign agrees on both disjoint halves of the documents; otherwise 'no evidence' "
-                           "(not evidence of no effect)"))  # fmt: skip
-    return out
-
-
-def t1_t2_equivalence(
-    t1_slopes: Any, t2_slopes: Any, doc: Any, margin: float, *, alpha: float = 0.05
-) -> dict[str, Any]:
-    """Are T1 and T2 tolerance slopes alike? Only a TOST with a stated ``margin`` may say so.
-
-    ``d = t1_slopes − t2_slopes`` per sequence (same sequences, same order), clustered by
-    ``doc``; :func:`tost` on document means. Read the result with :data:`EQUIVARIANCE_NOTE`:
-    T1 − T2 is the causal-order effect, not "tokens vs ids".
-
-    Returns:
-        The :func:`tost` dict (``lo, hi``: the 90 % interval at the default α) plus ``alike``
-        (= ``equivalent``), ``n_seq``, ``n_docs``, ``p_diff`` (sign-flip p of a non-zero difference,
-        over documents) with ``p_diff_kind`` (exact or Monte Carlo, :func:`sign_flip`) and ``note``
-        (:data:`EQUIVARIANCE_NOTE`).
-
-    Raises:
-        ValueError: length mismatch, fewer than 3 sequences, non-finite slopes, bad margin.
-    """
-    a, b = as_1d(t1_slopes, "t1_slopes"), as_1d(t2_slopes, "t2_slopes")
-    if a.shape != b.shape:
-        raise ValueError(f"length mismatch: {a.size} T1 slopes vs {b.size} T2 slopes")
-    if a.size < 3:
-        raise ValueError(f"T1 vs T2 needs at least 3 sequences, got {a.size}")
-    check_finite(a, "t1_slopes")
-    check_finite(b, "t2_slopes")
-    doc = cluster_labels(doc, a.size, "doc")
-    res = tost(a - b, margin, clusters=doc, alpha=alpha)
-    p_diff, p_diff_kind = sign_flip(a - b, clusters=doc)
-    res.update(alike=res["equivalent"], n_seq=int(a.size), n_docs=int(np.unique(doc).size),
-               p_diff=p_diff, p_diff_kind=p_diff_kind, note=EQUIVARIANCE_NOTE)  # fmt: skip
-    return res
 
 
 def paired_finding(d: Any, clusters: Any = None) -> tuple[float, tuple[float, float], float]:

@@ -38,7 +38,7 @@ def site(tmp_path_factory):
 def test_docs_build_strict(site):
     api = (site / "api" / "index.html").read_text()
     for name in ("load_model", "stream_qk", "fit_additive", "d3_split", "BandStats", "decompose_head", "plot_head_maps",
-                 "verdict_table", "run_study", "Finding"):
+                 "dose_verdict", "run_study", "Finding"):
         assert name in api, name
     assert (site / "concepts" / "index.html").exists()
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):  # every course notebook is in the nav

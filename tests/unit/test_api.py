@@ -52,7 +52,7 @@ def test_rope_spec_is_the_function_after_its_module_is_imported():
 
 def test_nested_namespaces_resolve_in_a_fresh_interpreter():
     code = ("import posgen_tl as pg; pg.experiments.head_maps.decompose_head; pg.experiments.pattern.link_to_decomposition; "
-            "pg.stats.curves.curve_summary; pg.io.sampling.sample_windows; pg.stats.verdict_table; "
+            "pg.stats.curves.curve_summary; pg.io.sampling.sample_windows; pg.stats.dose_verdict; "
             "pg.hooks.edits.noop_hooks; pg.maths.decompose.d3_bound; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PKG.parent)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-800:]
