@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                           + mod.Config.describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_model_flags(e)
         resumes = (" An interrupted run continues from OUT/.partial when started again with the same options "
-                   "(removed once the study is written).") if name in registry.PROTOCOL else ""
+                   "(removed once the study is written)." if registry.resumable(name) else
+                   " An interrupted run starts again from the beginning (this experiment keeps no checkpoint).")
         e.add_argument("--out", default=None, help=f"output folder (default: study_{name}).{resumes}")
         e.add_argument("--preset", choices=registry.presets(), default=None)
         e.add_argument("--quick", action="store_true", help="the 'quick' preset (a smoke run)")
@@ -192,10 +193,45 @@ def _cmd_report(args: argparse.Namespace) -> int:
             sizes=dict(n_seq=args.n_seq, seq_len=args.seq_len, seed=args.seed, corpus=args.corpus,
                        twin=False if args.no_twin else None))
         settings.configs()  # a bad option is a one-line error before anything loads
+        check_run_inputs(args.out, args.corpus)  # and so is an unwritable folder or an unusable corpus
     except ValueError as e:
         print(f"posgen-tl: error: {e}", file=sys.stderr)
         return 2
     return run_report(settings)
+
+
+def check_run_inputs(out: str | None, corpus: str | None) -> None:
+    """What ``study`` and ``report`` check before a model loads: the output folder (or, if it does not exist yet,
+    the folder it will be made in) can be written — a probe file written and removed, nothing created — and
+    ``--corpus`` is an existing UTF-8 text file or a folder of .txt/.md/.rst files with text in it.
+
+    Raises:
+        ValueError: naming the folder or corpus and what is wrong with it."""
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from posgen_tl.io.corpus import CorpusError, named_documents  # noqa: PLC0415
+
+    if corpus is not None:
+        path = Path(corpus)
+        if not path.exists():
+            raise ValueError(f"--corpus {corpus}: no such file or folder")
+        try:
+            named_documents(str(path))
+        except CorpusError as e:
+            raise ValueError(f"--corpus {corpus}: {e}") from e
+    if out is not None:
+        folder = Path(out).absolute()
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--out {out}: exists and is not a folder")
+        probe = next(p for p in (folder, *folder.parents) if p.exists())  # the folder, or where it will be made
+        if not probe.is_dir():
+            raise ValueError(f"--out {out}: {probe} is not a folder")
+        try:  # a probe file, removed at once: nothing is created before the run starts
+            with tempfile.NamedTemporaryFile(dir=probe, prefix=".posgen-write-probe-"):
+                pass
+        except OSError as e:
+            raise ValueError(f"--out {out}: cannot write in {probe} ({e.strerror or e})") from e
 
 
 def study_config(args: argparse.Namespace) -> tuple[Any, str, dict[str, str]]:
@@ -224,14 +260,16 @@ def _cmd_study(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")  # a study writes PNGs; only the CLI picks a backend
+    out = args.out or f"study_{args.name}"
     try:
         cfg, preset, params = study_config(args)
+        check_run_inputs(out, cfg.corpus)  # before the model loads: seconds, not a minute, to say so
     except ValueError as e:
         print(f"posgen-tl: error: {e}", file=sys.stderr)
         return 2
     cmd = "posgen-tl " + " ".join(argv if argv is not None else sys.argv[1:])
-    registry.run_study(args.name, cfg, args.out or f"study_{args.name}", model=args.model, preset=preset,
-                       params=params, command=cmd, load=model_load_options(args))
+    registry.run_study(args.name, cfg, out, model=args.model, preset=preset, params=params, command=cmd,
+                       load=model_load_options(args))
     return 0
 
 

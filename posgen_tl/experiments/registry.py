@@ -26,7 +26,7 @@ from typing import Any
 from posgen_tl.experiments.base import PRESETS, Config
 
 __all__ = ["ORDER", "REPORT", "PROTOCOL", "SIZES", "experiment", "names", "make_config", "split_params", "run_study",
-           "run_experiment", "run", "run_or_skip", "save", "load"]
+           "run_experiment", "run", "run_or_skip", "save", "load", "resumable", "inputs"]
 
 #: every experiment, in the order the report runs and numbers them
 ORDER = ("exactness", "decomposition", "pattern", "tolerance", "causal", "sufficiency", "taxonomy", "length",
@@ -145,6 +145,14 @@ def load(name: str, folder: str | Path) -> Any:
     return mod.Result(tables, config, meta)
 
 
+def resumable(name: str) -> bool:
+    """Whether experiment ``name`` keeps a checkpoint (its ``run`` takes ``checkpoint=``): an interrupted study or
+    report continues where it stopped instead of starting again."""
+    import inspect  # noqa: PLC0415
+
+    return "checkpoint" in inspect.signature(experiment(name).run).parameters
+
+
 def inputs(name: str, *, checkpoint: Path | None = None, twin: Any = None,
            upstream: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The keyword inputs a report or study passes to experiment ``name``'s ``run``, as far as it takes them:
@@ -210,7 +218,20 @@ def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-
     markdown's path.
 
     ``model``: a loaded model or a name for :func:`posgen_tl.io.models.load_model` (with ``load``: its
-    ``device``/``dtype``/``unchecked``). The device, dtype and an UNCHECKED stamp are recorded in the outputs."""
+    ``device``/``dtype``/``unchecked``). The device, dtype and an UNCHECKED stamp are recorded in the outputs.
+    A run that fails leaves no folder it created empty behind (a checkpoint it wrote stays, to resume from)."""
+    out = Path(out)
+    created = not out.exists()
+    try:
+        return _run_study(name, cfg, out, model=model, preset=preset, params=params, command=command, load=load)
+    except BaseException:
+        if created and out.is_dir() and not any(out.iterdir()):  # a failed run leaves no empty folder behind
+            out.rmdir()
+        raise
+
+
+def _run_study(name: str, cfg: Config, out: Path, *, model: Any, preset: str, params: Mapping[str, str] | None,
+               command: str | None, load: Mapping[str, Any] | None) -> Path:
     from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
     from posgen_tl.io.provenance import git_commit  # noqa: PLC0415
     from posgen_tl.report.context import Context, OutFolder, atomic_write, jsonable  # noqa: PLC0415
@@ -222,7 +243,6 @@ def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-
         from posgen_tl.io.models import load_model  # noqa: PLC0415
 
         model = load_model(str(model), verbose=True, **dict(load or {}))
-    out = Path(out)
     folder = OutFolder(out)
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     ctx = Context(model, folder, probe_hooks(model)[0].model_name, seed=cfg.seed)

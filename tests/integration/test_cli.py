@@ -142,3 +142,51 @@ def test_fuzz_corpus_loader(text, seq_len, n_seq, bos):
 
 
 _TOK: dict = {}
+
+
+@pytest.mark.parametrize("command", ["study", "report"])
+def test_bad_out_or_corpus_fails_before_a_model_loads(command, tmp_path, capsys, monkeypatch):
+    """An unwritable --out, a file where a folder should be, a missing, empty or binary corpus: exit 2 with one line
+    naming it — before any model is loaded (load_model would fail the test) — and nothing left behind."""
+    import os
+
+    import posgen_tl.io.models as models
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the inputs were checked")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 50)
+    head = ["study", "tolerance"] if command == "study" else ["report"]
+    cases = [(["--out", str(afile)], "exists and is not a folder"),
+             (["--out", str(tmp_path / "new"), "--corpus", str(tmp_path / "nope")], "no such file or folder"),
+             (["--out", str(tmp_path / "new"), "--corpus", str(empty)], "holds no .txt/.md/.rst files"),
+             (["--out", str(tmp_path / "new"), "--corpus", str(binary)], "is not UTF-8 text")]
+    if os.geteuid() != 0:  # root writes anywhere: the read-only folder is only a test for users
+        cases.append((["--out", str(ro / "sub")], "cannot write in"))
+    for extra, needle in cases:
+        assert main([*head, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert needle in err and err.startswith("posgen-tl: error: ") and err.strip().count("\n") == 0, err
+    assert not (tmp_path / "new").exists()  # a refused run creates no folder
+
+
+def test_a_failed_study_leaves_no_empty_folder(tmp_path, monkeypatch):
+    from posgen_tl.experiments import registry
+
+    def fails(*a, **k):
+        raise RuntimeError("the model could not be loaded (injected)")
+
+    monkeypatch.setattr("posgen_tl.io.models.load_model", fails)
+    out = tmp_path / "s" / "tolerance"
+    with pytest.raises(RuntimeError, match="injected"):
+        registry.run_study("tolerance", registry.make_config("tolerance"), out, model="smollm2-135m")
+    assert not out.exists()
