@@ -72,7 +72,8 @@ def main() -> None:
     import posgen_tl.maths.moments as moments
     from posgen_tl import load_model
     from posgen_tl.experiments import decomposition as dec
-    from posgen_tl.hooks.capture import probe_hooks, stream_qk
+    from posgen_tl.hooks.capture import probe_hooks
+    from posgen_tl.hooks.stream import stream_qk
     from posgen_tl.io.corpus import corpus_tokens
 
     model = load_model(args.model)

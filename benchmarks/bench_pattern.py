@@ -71,7 +71,7 @@ def main() -> None:
     res["forward_with_logits_s"] = time.perf_counter() - t
     res["forward_peak_mb"] = vm_kb() / 1024
 
-    from posgen_tl.hooks.capture import stream_qk
+    from posgen_tl.hooks.stream import stream_qk
 
     t = time.perf_counter()
     stream_qk(model, tokens[: args.small], lambda c: None, batch_size=args.batch_size, progress=False)

@@ -25,7 +25,7 @@ How it measures (all in fresh subprocesses of this script, ``--threads`` torch t
   real resident peak of the step (torch CPU tensors included), not an estimate.
 * **naive baseline** — ``model.run_with_cache`` of every hook the analysis needs (all layers, all
   sequences at once, as a notebook would), then the SAME analysis code fed from the cache
-  (:func:`posgen_tl.hooks.capture.stream_qk` replaced, in this benchmark only, by a replay of the cached
+  (:func:`posgen_tl.hooks.stream.stream_qk` replaced, in this benchmark only, by a replay of the cached
   layers) — so the difference to the streaming step is exactly what streaming saves.
 * **scaling** — time (min over repeats) and peak memory of forward / feature statistics /
   decomposition vs sequence length (1 sequence) and vs number of sequences (fixed length), one
@@ -181,7 +181,7 @@ class Bench:
                 del out
 
     def capture(self) -> None:
-        from posgen_tl.hooks.capture import stream_qk
+        from posgen_tl.hooks.stream import stream_qk
 
         stream_qk(self.model, self.tokens, lambda c: None, batch_size=self.bs, progress=False)
 

@@ -42,8 +42,8 @@ _EXPORTS: dict[str, str] = {
     "document_windows": "io.sampling",
     "rope_spec": "io.spec",
     "probe_hooks": "hooks.capture",
-    "capture_qk": "hooks.capture",
-    "stream_qk": "hooks.capture",
+    "capture_qk": "hooks.stream",
+    "stream_qk": "hooks.stream",
     "exactness_table": "experiments.exactness",
     # every experiment, one door: pg.run(NAME, model, cfg) -> its Result (posgen_tl.experiments.registry)
     "run": "experiments.registry",
@@ -114,9 +114,10 @@ if TYPE_CHECKING:  # for editors and type checkers; nothing is imported at run t
     from posgen_tl.experiments.sufficiency import sufficiency
     from posgen_tl.experiments.taxonomy import head_taxonomy
     from posgen_tl.experiments.tolerance import nll_on_target, transposition_curve
-    from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+    from posgen_tl.hooks.capture import CaptureError, probe_hooks
     from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
     from posgen_tl.hooks.gate import UncheckedModelError, allow_unchecked
+    from posgen_tl.hooks.stream import capture_qk, stream_qk
     from posgen_tl.io.corpus import CorpusError, corpus_tokens
     from posgen_tl.io.models import ModelLoadError, load_model, random_twin
     from posgen_tl.io.sampling import document_windows

@@ -632,7 +632,8 @@ def load(arch: Arch, backend: str, dtype: torch.dtype, root: Path):
 
 def _compare(arch: Arch, backend: str, dtype: torch.dtype, root: Path, cell: Cell) -> None:
     from posgen_tl.experiments.exactness import exactness_table
-    from posgen_tl.hooks.capture import capture_qk, probe_hooks
+    from posgen_tl.hooks.capture import probe_hooks
+    from posgen_tl.hooks.stream import capture_qk
     from posgen_tl.maths.rope import attention_pattern, causal_mask, rotate
 
     model = load(arch, backend, dtype, root)

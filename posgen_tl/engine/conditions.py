@@ -24,8 +24,8 @@ from torch import Tensor
 
 from posgen_tl.engine.swaps import curve_rows, nll_on_target
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import pattern_hooks
 from posgen_tl.hooks.edits import Intervention, intervention_hooks
+from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.verdicts import layers_label
 

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.engine.conditions import AttentionKL, Condition, condition_rows
 from posgen_tl.engine.swaps import curve_rows, nll_on_target
-from posgen_tl.hooks.capture import pattern_hooks
+from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.curves import document_units
 

@@ -11,7 +11,7 @@ Which k̄ (docs/method.md §2 — it decides what a D3 score means; both kinds b
   :func:`posgen_tl.maths.decompose.sequence_key_mean`), computed inside the same capture pass.
   Random-init keys carry a large per-sequence constant, so this fits the random twin too.
 
-One streaming pass (:func:`posgen_tl.hooks.capture.stream_qk`) then scores, for each (batch,
+One streaming pass (:func:`posgen_tl.hooks.stream.stream_qk`) then scores, for each (batch,
 layer), each k̄ kind and all heads at once, the model's logits ``W = s·rot_q·rot_k`` against
 
 * D1 / D2 — the least-squares additive fits of :func:`posgen_tl.maths.decompose.fit_additive`
@@ -50,8 +50,9 @@ from einops import rearrange
 from torch import Tensor
 
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.edits import feature_means, reference_key_means  # noqa: F401 (the name stays importable here)
+from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths.decompose import kbar_batched, sequence_key_mean

@@ -33,15 +33,8 @@ import torch
 from torch import Tensor
 
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import (
-    ROT_RTOL,
-    QKCapture,
-    masked_threshold,
-    model_dtype,
-    probe_hooks,
-    rotation_tolerance,
-    stream_qk,
-)
+from posgen_tl.hooks.capture import QKCapture, masked_threshold, model_dtype, probe_hooks
+from posgen_tl.hooks.stream import ROT_RTOL, rotation_tolerance, stream_qk
 from posgen_tl.maths.rope import attention_pattern, causal_mask, rotate, rotate_with_table
 
 __all__ = ["Config", "Result", "run", "render", "text", "verdict", "window_length", "exactness_table", "exceeds", "worst", "non_finite", "tolerances", "ROT_RTOL", "SCORE_RTOL", "PATTERN_ATOL", "MIN_COMPARED_ENTRIES"]

@@ -20,8 +20,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, check_tokens, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import QKCapture, check_tokens, probe_hooks
 from posgen_tl.hooks.edits import reference_key_means
+from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.approx_logits import d3_approx_logits, exact_logits
 from posgen_tl.maths.decompose import causal_mask, within_row_r

@@ -20,7 +20,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import QKCapture, capture_from_cache, capture_qk, probe_hooks
+from posgen_tl.hooks.capture import QKCapture, probe_hooks
+from posgen_tl.hooks.stream import capture_from_cache, capture_qk
 from posgen_tl.maths.decompose import d3_split, fit_additive, score_maps
 from posgen_tl.maths.rope import causal_mask, to_bands
 

@@ -1,6 +1,6 @@
 """docs/method.md §3 runner: the intermediate-feature pattern of RoPE planes, per layer/head/band.
 
-One streaming pass over the analysed windows (:func:`posgen_tl.hooks.capture.stream_qk`; the
+One streaming pass over the analysed windows (:func:`posgen_tl.hooks.stream.stream_qk`; the
 forward stops after the last requested layer) feeds, per layer:
 
 * a :class:`~posgen_tl.maths.band_stats.BandStats` for the pre-rotation queries (query heads) and one
@@ -46,7 +46,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import QKCapture, probe_hooks
+from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths.band_stats import (
     BandStats,

@@ -47,7 +47,8 @@ from scipy.stats import mannwhitneyu, spearmanr
 from torch import Tensor
 
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import QKCapture, probe_hooks
+from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.models import random_twin
 from posgen_tl.io.sampling import Windows, sample_windows
 from posgen_tl.maths.band_stats import BandStats

@@ -12,9 +12,10 @@ Where ``hook_rot_q``/``hook_rot_k`` do not fire
 spec; where ``hook_attn_scores`` holds post-softmax weights, that is detected and the
 exactness check compares ``softmax(W)`` with it instead (and says so).
 
-Memory: :func:`stream_qk` calls your function for one (batch, layer) at a time while the
-forward pass runs, so nothing beyond one layer of one batch is held; the forward pass
-stops right after the last layer it needs (no logits are computed).
+This module holds the capture's types, the checks of tokens and position ids, the layouts, and the
+probe of what a model's hooks deliver (:func:`probe_hooks`); the streaming capture itself —
+:func:`~posgen_tl.hooks.stream.stream_qk`, :func:`~posgen_tl.hooks.stream.capture_qk`, the self-check and the
+pattern hooks — is in :mod:`posgen_tl.hooks.stream` (its names stay importable from here).
 """
 
 from __future__ import annotations
@@ -22,19 +23,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from posgen_tl import compat
-from posgen_tl.io.spec import live_rope, rope_spec
+from posgen_tl.io.spec import rope_spec
 from posgen_tl.maths.rope import (
     LayerRope,
     RopeError,
@@ -50,14 +49,9 @@ from posgen_tl.maths.rope import (
 __all__ = [
     "QKCapture",
     "HookInfo",
-    "self_check",
-    "rotation_tolerance",
     "CaptureError",
     "StopForward",
     "probe_hooks",
-    "stream_qk",
-    "capture_qk",
-    "capture_from_cache",
     "check_tokens",
     "check_position_ids",
     "refuse_multistream",
@@ -68,9 +62,11 @@ __all__ = [
     "stash_shape",
     "to_heads",
     "from_heads",
-    "pattern_hooks",
     "model_rotation_table",
     "require_pre_softmax",
+    "run_forward",
+    "hook_names",
+    "table_to_bands",
 ]
 
 
@@ -201,7 +197,7 @@ def model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
-def _hook_names(model: Any) -> set[str]:
+def hook_names(model: Any) -> set[str]:
     hd = getattr(model, "hook_dict", None)
     if hd is None:
         raise CaptureError(f"{type(model).__name__} exposes no hook_dict: not a TransformerLens model")
@@ -219,7 +215,7 @@ def hooks_attached(model: Any, fwd_hooks: Sequence[tuple[str, Callable]]) -> Ite
         yield
 
 
-def _forward(model: Any, tokens: Tensor, position_ids: Tensor | None) -> None:
+def run_forward(model: Any, tokens: Tensor, position_ids: Tensor | None) -> None:
     kwargs: dict[str, Any] = {}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
@@ -365,7 +361,7 @@ def masked_threshold(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).min) / 2 if dtype.is_floating_point else -1e30
 
 
-def _table_to_bands(cos: Tensor, sin: Tensor, lr: LayerRope) -> tuple[Tensor, Tensor, float]:
+def table_to_bands(cos: Tensor, sin: Tensor, lr: LayerRope) -> tuple[Tensor, Tensor, float]:
     """A model's rotation table ``[..., pos, w]`` as per-band ``[..., pos, band]``, and how far the raw
     table is from a duplicated form (``w`` = 2·bands: halves ``cat(f, f)`` — Llama, and GLM, which then
     pairs adjacent dims — or interleaved ``repeat_interleave(f, 2)``, Cohere; ``w`` = bands: a
@@ -431,7 +427,7 @@ def model_rotation_table(
         rot = inner.rotary
         idx = positions.to(rot.cos_cached.device).long()
         cos, sin = rot.cos_cached[idx].float(), rot.sin_cached[idx].float()
-        cb, sb, err = _table_to_bands(cos, sin, lr)
+        cb, sb, err = table_to_bands(cos, sin, lr)
         return cb.to(positions.device), sb.to(positions.device), err
     return None
 
@@ -456,7 +452,7 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     if not refresh and model in _PROBES:
         return _PROBES[model]
     spec = rope_spec(model)
-    names = _hook_names(model)
+    names = hook_names(model)
     conv = compat.conventions(model)
     pre = "blocks.{layer}.attn."
     if not any(n.startswith("blocks.0.attn.hook_q") for n in names):
@@ -487,7 +483,7 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     toks = toks[None].to(model_device(model))
     with torch.no_grad(), hooks_attached(model, fwd):
         try:
-            _forward(model, toks, None)
+            run_forward(model, toks, None)
         except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
             dt = str(model_dtype(model)).replace("torch.", "")
             raise CaptureError(
@@ -621,335 +617,18 @@ def _probe_table(model: Any, info: HookInfo, got: dict, layer: int, pos: Tensor,
         cos, sin = got[(layer, "hook_cos")], got[(layer, "hook_sin")]
         cos = cos.expand(pos.shape[0], *cos.shape[-2:]) if cos.ndim == 3 else cos.expand(pos.shape[0], *cos.shape)
         sin = sin.expand(pos.shape[0], *sin.shape[-2:]) if sin.ndim == 3 else sin.expand(pos.shape[0], *sin.shape)
-        return _table_to_bands(cos, sin, lr)
+        return table_to_bands(cos, sin, lr)
     return model_rotation_table(model, info, layer, pos, lr)
 
 
-def _batches(tokens: Tensor, batch_size: int) -> Iterable[tuple[int, Tensor]]:
-    for i in range(0, tokens.shape[0], batch_size):
-        yield i, tokens[i : i + batch_size]
+#: names that live in :mod:`posgen_tl.hooks.stream` and stay importable from here
+_STREAM = ("capture_from_cache", "capture_qk", "pattern_hooks", "release_freed_memory", "rotation_tolerance",
+           "self_check", "stream_qk", "ROT_RTOL")
 
 
-def stream_qk(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"],
-    fn: Callable[[QKCapture], None],
-    layers: Sequence[int] | None = None,
-    *,
-    with_scores: bool = False,
-    batch_size: int = 8,
-    position_ids: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
-    extra_hooks: Sequence[tuple[str, Callable]] = (),
-    progress: bool | str = True,
-    with_tables: bool = False,
-    with_pattern: bool = False,
-    _gate: bool = True,
-) -> None:
-    """Run the model over ``tokens`` in batches and call ``fn(QKCapture)`` per (batch, layer).
+def __getattr__(name: str) -> Any:
+    if name in _STREAM:
+        from posgen_tl.hooks import stream  # noqa: PLC0415 — imported on first use: stream imports this module
 
-    Gated (:func:`posgen_tl.hooks.gate.require_exact`): raises ``UncheckedModelError`` if a requested
-    layer's exactness check did not pass for this model, dtype and device.
-
-    ``fn`` runs inside the forward pass, right after the layer's q/k (and scores) are
-    available; the capture is dropped afterwards, so memory is one layer of one batch.
-    The pass stops after the last requested layer. ``extra_hooks`` (e.g. an
-    intervention from :mod:`posgen_tl.hooks.edits`) are attached for the same passes;
-    captured q/k then show their effect. ``with_tables``: also give the model's own rotation
-    table of the batch (``QKCapture.table_cos``/``table_sin``, where the model exposes one);
-    ``with_pattern``: also its ``hook_pattern`` (``QKCapture.pattern``).
-
-    Hooks are removed when this returns or raises (KeyboardInterrupt included).
-    """
-    spec, info = probe_hooks(model)
-    tokens = check_tokens(model, tokens, spec)
-    layers = spec.layer_indices(layers)
-    if not layers:
-        raise ValueError("no layers selected")
-    if _gate:
-        from posgen_tl.hooks.gate import require_exact  # noqa: PLC0415
-
-        require_exact(model, layers, "reading q/k")
-    if with_scores and info.scores_kind == "absent":
-        raise CaptureError(f"{spec.model_name}: hook_attn_scores does not fire; scores are unavailable")
-    if position_ids is not None:
-        position_ids = check_position_ids(position_ids, tokens.shape[0], tokens.shape[1], spec.model_name)
-    if position_ids is not None and not info.position_ids:
-        raise CaptureError(
-            f"{spec.model_name}: a {info.backend} model's forward takes no position_ids (TransformerLens 3.x "
-            "HookedTransformer); run with posgen_tl.hooks.positions.reposition_hooks(model, position_ids) "
-            "as extra_hooks instead"
-        )
-    table = spec.extra.get("max_position")
-    if position_ids is not None and table is not None and int(position_ids.max()) >= int(table):
-        raise CaptureError(
-            f"{spec.model_name}: position id {int(position_ids.max())} is past the model's table of {table} positions "
-            "(its sin/cos table is built for max_position_embeddings); run with "
-            "posgen_tl.hooks.positions.reposition_hooks(model, position_ids) as extra_hooks instead"
-        )
-    need = [info.q_hook, info.k_hook]
-    if info.rot_fires:
-        need += ["hook_rot_q", "hook_rot_k"]
-    if with_scores:
-        need.append("hook_attn_scores")
-    if with_tables and info.cos_fires:
-        need += ["hook_cos", "hook_sin"]
-    if with_pattern:
-        if not info.pattern_fires:
-            raise CaptureError(f"{spec.model_name}: hook_pattern does not fire; attention patterns are unavailable")
-        need.append("hook_pattern")
-    last_layer = layers[-1]
-    rot_tol = rotation_tolerance(model_dtype(model))
-    n_batches = math.ceil(tokens.shape[0] / batch_size)
-    desc = progress if isinstance(progress, str) else "capture"
-    bar = tqdm(total=n_batches, desc=desc, disable=not progress, leave=False)
-    try:
-        for b_idx, (offset, batch) in enumerate(_batches(tokens, batch_size)):
-            if position_ids is None:
-                pos = torch.arange(batch.shape[1], device=batch.device).expand(batch.shape[0], -1)
-                pos_arg = None
-            else:
-                pid = position_ids.to(batch.device)
-                pos = pid.expand(batch.shape[0], -1) if pid.ndim == 1 or pid.shape[0] == 1 and tokens.shape[0] > 1 \
-                    else pid[offset : offset + batch.shape[0]]
-                pos_arg = pos
-            store: dict[int, dict[str, Tensor]] = {}
-
-            def grab(t: Tensor, hook: Any, layer: int, h: str, pos=pos, b_idx=b_idx, offset=offset) -> None:
-                d = store.setdefault(layer, {})  # noqa: B023
-                x = t.detach()
-                if h in (info.q_hook, info.k_hook):
-                    x = pre_rotation(model, info, layer, "q" if h == info.q_hook else "k", x,
-                                     pos.shape[0], pos.shape[1], spec.d_head)
-                x = x.float()
-                if h not in ("hook_attn_scores", "hook_pattern") and not bool(torch.isfinite(x).all()):
-                    bad = int((~torch.isfinite(x)).sum())
-                    raise CaptureError(
-                        f"{spec.model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{layer}.attn.{h} "
-                        f"(batch {b_idx}); the model's activations overflowed or the weights are corrupted — "
-                        "refusing to compute statistics from them"
-                    )
-                d[h] = x
-                if len(d) == len(need):
-                    lr = live_rope(model, spec, layer, spec.layer(layer).for_positions(pos))
-                    cap = _make_capture(layer, d, lr, info, pos, b_idx, offset)
-                    self_check(cap, rot_tol, spec.model_name)
-                    if with_tables:
-                        _attach_table(model, cap, d, info)
-                    del store[layer]  # noqa: B023
-                    fn(cap)
-                    if layer == last_layer:
-                        raise StopForward
-
-            fwd = list(extra_hooks)
-            for layer in layers:
-                for h in need:
-                    fwd.append((info.name(layer, h), lambda t, hook, layer=layer, h=h: grab(t, hook, layer, h)))
-            with torch.no_grad(), hooks_attached(model, fwd):
-                try:
-                    _forward(model, batch, pos_arg)
-                except StopForward:
-                    pass
-            if store:
-                raise CaptureError(
-                    f"{spec.model_name}: hooks {sorted(next(iter(store.values())).keys())} fired but not all of {need}"
-                )
-            bar.update(1)
-            release_freed_memory()
-    finally:
-        bar.close()
-
-
-_LIBC: Any = None
-
-
-def release_freed_memory() -> bool:
-    """Return freed heap pages to the operating system (glibc's ``malloc_trim(0)``); ``True`` if it ran.
-
-    Called by :func:`stream_qk` after each batch. glibc keeps freed mid-sized blocks (below its
-    32 MiB ``mmap`` threshold) resident, and the holes between long-lived small objects are not
-    reused by later requests of other sizes, so a streaming run's resident memory otherwise grows
-    with the number of batches (measured: 625 → 1 317 MiB from 4 to 32 sequences of 512 tokens).
-    A no-op (``False``) where there is no glibc (macOS, Windows, musl)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes  # noqa: PLC0415
-
-            lib = ctypes.CDLL("libc.so.6")
-            _LIBC = lib if hasattr(lib, "malloc_trim") else False
-        except OSError:
-            _LIBC = False
-    if _LIBC is False:
-        return False
-    _LIBC.malloc_trim(0)
-    return True
-
-
-#: relative rotation tolerance of a float32 model (the exactness check's too)
-ROT_RTOL = 1e-5
-
-
-def rotation_tolerance(dtype: torch.dtype) -> float:
-    """The relative tolerance (to the largest |value|) within which our rotation must reproduce the model's:
-    ``1e-5`` for a float32 model, ``8·eps`` of a bf16/fp16 one (such a model rounds its own rotation)."""
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
-    return max(ROT_RTOL, 8 * eps)
-
-
-def self_check(cap: QKCapture, rel_tol: float, model_name: str = "model") -> None:
-    """Raise :class:`CaptureError` unless the spec's rotation of the captured pre-rotation q/k at the
-    capture's positions reproduces the model's own rotated q/k (``hook_rot_q``/``hook_rot_k``) within
-    ``rel_tol`` (relative to their largest |value|; a NaN never passes). A capture whose rotation was
-    computed (no hook) has nothing independent to compare with here; the exactness check covers it.
-
-    Every analysis computes from ``cap.q``/``cap.k``/``cap.rope``/``cap.positions``: this makes a RoPE the
-    spec does not reproduce (frequencies that depend on the ids or the length, a rotation hook changed by
-    another hook without the positions) an error instead of wrong numbers."""
-    if cap.rot_source != "hook":
-        return
-    rels = []
-    for pre, rot in ((cap.q, cap.rot_q), (cap.k, cap.rot_k)):
-        ref = float(rot.abs().max())
-        err = float((rotate(pre, cap.positions, cap.rope) - rot).abs().max())
-        rels.append(err / ref if ref > 0 else err)
-    worst = math.nan if any(math.isnan(r) for r in rels) else max(rels)
-    if not worst <= rel_tol:
-        raise CaptureError(
-            f"{model_name} layer {cap.layer}: the rotation the spec gives ({cap.rope.kind}, positions "
-            f"{int(cap.positions.min())}…{int(cap.positions.max())}) differs from the model's own hook_rot_q/hook_rot_k "
-            f"by {worst:.3g} (relative; tolerance {rel_tol:g}); refusing to compute from q/k whose rotation is not "
-            "the model's — a RoPE variant whose frequencies depend on the position ids or the length, or a hook "
-            "that changed the rotated q/k without the positions"
-        )
-
-
-def _make_capture(layer, d, lr, info, pos, b_idx, offset) -> QKCapture:
-    q, k = d[info.q_hook], d[info.k_hook]
-    if info.rot_fires and "hook_rot_q" in d and "hook_rot_k" in d:
-        rq, rk, src = d["hook_rot_q"], d["hook_rot_k"], "hook"
-    else:
-        rq, rk, src = rotate(q, pos, lr), rotate(k, pos, lr), "computed"
-    scores = d.get("hook_attn_scores")
-    return QKCapture(
-        layer=layer, q=q, k=k, rot_q=rq, rot_k=rk, positions=pos, rope=lr, rot_source=src,
-        scores=scores, scores_kind=info.scores_kind if scores is not None else "absent",
-        batch_index=b_idx, seq_offset=offset, pattern=d.get("hook_pattern"),
-    )
-
-
-def _attach_table(model: Any, cap: QKCapture, d: dict, info: HookInfo) -> None:
-    """Fill ``cap.table_cos/table_sin`` with the model's own rotation table of this batch (not on a layer
-    without RoPE: its ``hook_cos`` carries the other layers' table)."""
-    if cap.rope.kind == "nope":
-        return
-    pos = cap.positions
-    if "hook_cos" in d and "hook_sin" in d:
-        cos, sin = d["hook_cos"], d["hook_sin"]
-        cos = cos.expand(pos.shape[0], *cos.shape[-2:]) if cos.ndim == 3 else cos.expand(pos.shape[0], *cos.shape)
-        sin = sin.expand(pos.shape[0], *sin.shape[-2:]) if sin.ndim == 3 else sin.expand(pos.shape[0], *sin.shape)
-        cb, sb, err = _table_to_bands(cos, sin, cap.rope)
-        src = "hook_cos/hook_sin"
-    else:
-        t = model_rotation_table(model, info, cap.layer, pos, cap.rope)
-        if t is None:
-            return
-        (cb, sb, err), src = t, info.table_source
-    cap.table_cos, cap.table_sin, cap.table_source, cap.table_format_err = cb, sb, src, err
-
-
-def capture_qk(
-    model: Any,
-    tokens: Int[Tensor, "batch pos"],
-    layers: Sequence[int] | None = None,
-    *,
-    with_scores: bool = False,
-    position_ids: Tensor | None = None,
-) -> dict[int, QKCapture]:
-    """Capture q/k of ``layers`` for one (small) batch, held in memory: ``{layer: QKCapture}``.
-
-    For long runs use :func:`stream_qk`, which never holds more than one layer.
-    """
-    out: dict[int, QKCapture] = {}
-    tokens = tokens[None] if tokens.ndim == 1 else tokens
-
-    def keep(c: QKCapture) -> None:
-        out[c.layer] = c
-
-    stream_qk(model, tokens, keep, layers, with_scores=with_scores, batch_size=max(1, tokens.shape[0]),
-              position_ids=position_ids, progress=False)
-    return out
-
-
-def capture_from_cache(model: Any, cache: Any, layer: int) -> QKCapture:
-    """The :class:`QKCapture` of ``layer`` read from a TransformerLens ``ActivationCache``
-    (``model.run_with_cache(tokens)``), without running the model again.
-
-    The cache must hold the layer's pre-rotation q/k hooks (``hook_q``/``hook_k``, or the
-    ``*_normed`` ones on QK-norm models); ``hook_rot_q``/``hook_rot_k`` are used when present,
-    otherwise the rotation is computed from the spec. Positions are ``0..pos−1``.
-
-    Raises:
-        CaptureError: the cache lacks the hooks (the message names them).
-    """
-    from posgen_tl.hooks.gate import require_exact  # noqa: PLC0415
-
-    spec, info = probe_hooks(model)
-    layer = spec.layer_index(layer)
-    require_exact(model, [layer], "reading q/k from a cache")
-    need = [info.q_hook, info.k_hook] + (["hook_rot_q", "hook_rot_k"] if info.rot_fires else [])
-    keys = set(cache.keys()) if hasattr(cache, "keys") else set()
-    d: dict[str, Tensor] = {}
-    for h in need:
-        name = info.name(layer, h)
-        if name not in keys:
-            if h.startswith("hook_rot"):
-                continue  # rotation recomputed below
-            raise CaptureError(f"the cache has no {name!r}; run model.run_with_cache(tokens) without names_filter, "
-                               f"or keep that hook")
-        d[h] = cache[name].detach()
-    if info.name(layer, "hook_q") in keys:  # [batch, pos, head, d_head] on every backend
-        batch, n_pos = (int(x) for x in cache[info.name(layer, "hook_q")].shape[:2])
-    elif info.normed_layout in ("bshd", "bhsd", "flat"):
-        x = d[info.q_hook]
-        batch, n_pos = int(x.shape[0]), int(x.shape[2] if info.normed_layout == "bhsd" else x.shape[1])
-    else:
-        raise CaptureError(f"the cache has no {info.name(layer, 'hook_q')!r}, needed to unflatten {info.q_hook}")
-    for h in (info.q_hook, info.k_hook):
-        d[h] = pre_rotation(model, info, layer, "q" if h == info.q_hook else "k", d[h], batch, n_pos,
-                            spec.d_head).float()
-    for h in ("hook_rot_q", "hook_rot_k"):
-        if h in d:
-            d[h] = d[h].float()
-    q = d[info.q_hook]
-    pos = torch.arange(q.shape[1], device=q.device).expand(q.shape[0], -1)
-    if info.rot_fires and not ("hook_rot_q" in d and "hook_rot_k" in d):
-        info = HookInfo(info.q_hook, info.k_hook, info.normed_layout, False, info.scores_kind, info.attn_prefix)
-    cap = _make_capture(layer, d, live_rope(model, spec, layer, spec.layer(layer).for_positions(pos)), info, pos, 0, 0)
-    self_check(cap, rotation_tolerance(model_dtype(model)), spec.model_name)
-    return cap
-
-
-def pattern_hooks(
-    model: Any, layers: Sequence[int], fn: Callable[[int, Float[Tensor, "batch head_index query_pos key_pos"]], None]
-) -> list[tuple[str, Callable]]:
-    """Read-only hooks on ``blocks.{l}.attn.hook_pattern`` (post-softmax attention) of ``layers``.
-
-    ``fn(layer, pattern)`` receives the pattern ``[batch, head_index, query_pos, key_pos]``
-    (float32, detached); the hook returns ``None`` (the forward pass is not changed).
-
-    Raises:
-        CaptureError: the model has no ``hook_pattern`` for one of the layers.
-    """
-    spec, info = probe_hooks(model)
-    names = _hook_names(model)
-    out = []
-    for layer in spec.layer_indices(layers):
-        name = info.name(layer, "hook_pattern")
-        if name not in names:
-            raise CaptureError(f"{spec.model_name}: no {name} hook: attention patterns are unavailable")
-
-        def grab(t: Tensor, hook: Any, layer: int = layer) -> None:
-            fn(layer, t.detach().float())
-
-        out.append((name, grab))
-    return out
+        return getattr(stream, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

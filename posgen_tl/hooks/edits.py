@@ -55,8 +55,9 @@ import torch
 from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation, probe_hooks, stash_shape, stream_qk, to_heads
+from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation, probe_hooks, stash_shape, to_heads
 from posgen_tl.hooks.gate import require_exact
+from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.maths.band_stats import BandStats
 from posgen_tl.maths.rope import LayerRope, from_bands, to_bands
 

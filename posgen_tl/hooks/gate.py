@@ -1,7 +1,7 @@
 """The gate: no number about attention from a layer whose exactness check has not passed.
 
-Every analysis reads q/k through :func:`posgen_tl.hooks.capture.stream_qk` (or
-:func:`~posgen_tl.hooks.capture.capture_from_cache`) or rewrites the model's attention through the
+Every analysis reads q/k through :func:`posgen_tl.hooks.stream.stream_qk` (or
+:func:`~posgen_tl.hooks.stream.capture_from_cache`) or rewrites the model's attention through the
 hook builders of :mod:`posgen_tl.hooks` (logit substitution, key edits, re-positioning, distance
 caps). Each of them calls :func:`require_exact` first, which
 

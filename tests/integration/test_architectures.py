@@ -304,7 +304,8 @@ def test_positions_past_the_context_reach_every_model(arch, backend, root):
                       progress=False)
         return
     if "max_position" in spec.extra:  # a fixed position table: the capture says how to get there instead of crashing
-        from posgen_tl.hooks.capture import CaptureError, capture_qk
+        from posgen_tl.hooks.capture import CaptureError
+        from posgen_tl.hooks.stream import capture_qk
 
         with pytest.raises(CaptureError, match="past the model's table"):
             capture_qk(model, toks, [0], position_ids=far)

@@ -111,7 +111,7 @@ def test_device_map_reaches_accelerate_and_analyses_run(tiny_folder, from_pretra
 def test_zoo_model_with_device_map(from_pretrained_calls):
     model = load_model("smollm2-135m", device_map="cpu")
     assert from_pretrained_calls[-1]["device_map"] == "cpu"
-    from posgen_tl.hooks.capture import capture_qk
+    from posgen_tl.hooks.stream import capture_qk
 
     caps = capture_qk(model, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), layers=[0, 29])
     assert set(caps) == {0, 29}

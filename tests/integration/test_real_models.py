@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.hooks.capture import probe_hooks
+from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.maths.rope import causal_mask, rotate
 
 pytestmark = pytest.mark.real

@@ -8,7 +8,8 @@ import torch
 
 from posgen_tl import decompose_model, feature_pattern, random_twin
 from posgen_tl.experiments.exactness import exactness_table
-from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import CaptureError, probe_hooks
+from posgen_tl.hooks.stream import capture_qk, stream_qk
 from posgen_tl.maths.rope import LayerRope, RopeError, RopeSpec
 
 

@@ -40,7 +40,7 @@ def _hf_rotated(folder, tokens, ids):
 @pytest.mark.parametrize("arch", ["llama-dynamic", "llama-longrope", "phi3-longrope"])
 def test_capture_at_ids_past_the_original_length_is_hugging_faces_rotation(arch, root):
     import posgen_tl as pg
-    from posgen_tl.hooks.capture import capture_qk
+    from posgen_tl.hooks.stream import capture_qk
     from posgen_tl.maths.rope import rotate
 
     folder = am.build_folder(am.ARCHS[arch], root)
@@ -98,7 +98,8 @@ def test_a_capture_whose_rotation_is_not_the_spec_s_raises(root):
     """A hook that changes rot_k behind the capture's back (here: rotating keys by one more position)
     makes the capture refuse instead of handing out q/k whose rotation is not the model's."""
     import posgen_tl as pg
-    from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks
+    from posgen_tl.hooks.capture import CaptureError, probe_hooks
+    from posgen_tl.hooks.stream import capture_qk
     from posgen_tl.maths.rope import rotate, unrotate
 
     model = pg.load_model(str(am.build_folder(am.ARCHS["llama"], root)))

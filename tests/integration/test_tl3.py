@@ -16,9 +16,10 @@ import torch
 
 from posgen_tl import compat
 from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import CaptureError, probe_hooks
 from posgen_tl.hooks.edits import Intervention, destroy_hooks, enforce_hooks, intervention_hooks, key_means, noop_hooks
 from posgen_tl.hooks.positions import distance_cap_hooks, reposition_hooks
+from posgen_tl.hooks.stream import capture_qk, stream_qk
 from posgen_tl.io.models import ModelLoadError, load_model, random_twin
 from posgen_tl.io.spec import rope_spec
 from posgen_tl.maths.rope import LayerRope, RopeError, causal_mask, rotate

@@ -12,8 +12,9 @@ from posgen_tl.engine import conditions as ca
 from posgen_tl.engine import swaps as tol
 from posgen_tl.engine.swaps import nll_on_target
 from posgen_tl.experiments import tolerance as tstudy
-from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.edits import Intervention, change_vectors, key_means
+from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.io.sampling import sample_windows
 from posgen_tl.maths.perturb import position_ids_for_permutation
 from posgen_tl.maths.rope import to_bands

@@ -19,7 +19,8 @@ from posgen_tl.experiments.decomposition import (  # noqa: E402
     reference_key_means,
     summarize_decomposition,
 )
-from posgen_tl.hooks.capture import capture_qk, probe_hooks  # noqa: E402
+from posgen_tl.hooks.capture import probe_hooks
+from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.io.sampling import Windows, sample_windows  # noqa: E402
 from posgen_tl.maths.decompose import causal_mask, d3_bound, d3_split, fit_additive, score_maps, sequence_key_mean  # noqa: E402
 from posgen_tl.maths.groups import layer_group  # noqa: E402

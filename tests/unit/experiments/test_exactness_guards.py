@@ -103,8 +103,9 @@ def test_decompose_head_takes_the_last_layer_and_head_as_minus_one(llama):
 
 def test_multi_stream_m_rope_position_ids_are_refused_by_name(llama):
     """``[3, batch, pos]`` ids (Qwen2-VL / Qwen3-VL / Qwen3.5 with images) used to die in a torch shape error."""
-    from posgen_tl.hooks.capture import CaptureError, capture_qk
+    from posgen_tl.hooks.capture import CaptureError
     from posgen_tl.hooks.logits import logit_substitution_hooks
+    from posgen_tl.hooks.stream import capture_qk
 
     ids = torch.arange(N_TOK).expand(3, 2, -1)
     with pytest.raises(CaptureError, match="multi-stream M-RoPE ids"):

@@ -14,7 +14,8 @@ import torch
 
 from posgen_tl import plot
 from posgen_tl.experiments.head_maps import decompose_head, phase_angles, phase_angles_with_twin
-from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.hooks.capture import probe_hooks
+from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.maths.decompose import d3_split, fit_additive, score_maps
 from posgen_tl.maths.rope import causal_mask
 

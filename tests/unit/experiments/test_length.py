@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import hf_gemma3, hf_llama, native
 
-from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks
+from posgen_tl.hooks.capture import CaptureError, probe_hooks
 from posgen_tl.hooks.edits import enforce_hooks, key_means
 from posgen_tl.hooks.logits import (
     disentangled_hooks,
@@ -18,6 +18,7 @@ from posgen_tl.hooks.logits import (
     sufficiency_hooks,
     window_removal_hooks,
 )
+from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.maths.approx_logits import (
     causal_visible,
     d3_approx_logits,

@@ -69,7 +69,7 @@ def test_frames_columns_and_sizes(which_model, request):
 def test_k_mean_is_mean_key_without_sink(native):
     tok = _tokens(3, 16)
     res = feature_pattern(native, tok, layers=[1], sink=1, progress=False)
-    from posgen_tl.hooks.capture import capture_qk
+    from posgen_tl.hooks.stream import capture_qk
 
     k = capture_qk(native, tok, [1])[1].k[:, 1:].double()
     torch.testing.assert_close(res.k_means[1].double(), k.mean((0, 1)), rtol=1e-5, atol=1e-6)
@@ -207,8 +207,8 @@ def test_link_to_decomposition_correlations():
 def test_pred_error_global_matches_direct_computation(llama):
     """pred_d3_err_global from the reference k̄, q energies, the logit spread and entry-weighted
     rotation factors, recomputed by hand from captured q/k; ρ forms from the per-sequence sums."""
-    from posgen_tl.hooks.capture import capture_qk
     from posgen_tl.hooks.edits import reference_key_means
+    from posgen_tl.hooks.stream import capture_qk
     from posgen_tl.maths.band_stats import distance_weights
     from posgen_tl.maths.decompose import causal_mask
     from posgen_tl.maths.rho import rho_forms

@@ -18,7 +18,7 @@ from posgen_tl.experiments.taxonomy import (
     share_by_class,
     taxonomy_agreement,
 )
-from posgen_tl.hooks.capture import capture_qk
+from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.maths.rope import causal_mask
 from posgen_tl.maths.taxonomy import LABELS, band_logits, region_logit_scores, region_permutations
 

@@ -9,7 +9,8 @@ import tiny_models as tm
 import torch
 
 from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.hooks.capture import CaptureError, capture_qk, probe_hooks, stream_qk
+from posgen_tl.hooks.capture import CaptureError, probe_hooks
+from posgen_tl.hooks.stream import capture_qk, stream_qk
 from posgen_tl.maths.rope import RopeError, causal_mask, expand_kv, rotate, scores_from_prerotation
 
 TINY = {
@@ -116,7 +117,7 @@ def test_stream_returns_freed_heap_after_each_batch(monkeypatch):
     """Memory independent of the number of batches: the freed heap goes back to the OS per batch (glibc)."""
     import platform  # noqa: PLC0415
 
-    import posgen_tl.hooks.capture as cap  # noqa: PLC0415
+    import posgen_tl.hooks.stream as cap  # noqa: PLC0415
     from posgen_tl.hooks.gate import check_result  # noqa: PLC0415
 
     model = tm.native(n_layers=2)

@@ -6,7 +6,7 @@ import pytest
 import tiny_models as tm
 import torch
 
-from posgen_tl.hooks.capture import capture_qk, probe_hooks
+from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.edits import (
     Intervention,
     change_vectors,
@@ -17,6 +17,7 @@ from posgen_tl.hooks.edits import (
     noop_hooks,
 )
 from posgen_tl.hooks.positions import reposition_hooks
+from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.maths.rope import to_bands
 
 MAKERS = {"native": lambda: tm.native(), "llama": lambda: tm.hf_llama()[0], "gemma3": lambda: tm.hf_gemma3()[0]}

@@ -138,7 +138,7 @@ def gqa_model():
 
 def test_capture_and_head_maps_read_kv_head_h_over_group_size(gqa_model):
     from posgen_tl.experiments.head_maps import decompose_head
-    from posgen_tl.hooks.capture import capture_qk
+    from posgen_tl.hooks.stream import capture_qk
     from posgen_tl.maths.rope import causal_mask
 
     toks = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(0))
