@@ -1,7 +1,7 @@
 """Benchmark: a patching sweep (docs/method.md §9) as a ratio to a plain forward pass over the same tokens.
 
     python benchmarks/bench_patching.py [--model smollm2-135m] [--n-seq 4] [--seq-len 128] [--layers 3]
-                                        [--out benchmarks/results_patching.json]
+                                        [--out benchmarks/results/results_patching.json]
 
 In one process, on the same tokens (1 thread): (1) a plain forward ``model(tokens)``; (2) a per-head map of
 ``rot_q`` and of ``pos_term`` over ``--layers`` layers with the heads of a layer stacked in the batch
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--n-seq", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--layers", type=int, default=3, help="layers patched (the middle ones)")
-    ap.add_argument("--out", default="benchmarks/results_patching.json")
+    ap.add_argument("--out", default="benchmarks/results/results_patching.json")
     args = ap.parse_args()
 
     import posgen_tl.patching as P

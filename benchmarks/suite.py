@@ -2,13 +2,13 @@
 
     python benchmarks/suite.py                 # full sizes: 8 × 512 and 4 × 2048, scaling 256 … 4096
     python benchmarks/suite.py --small         # quick check: 2 × 128 and 1 × 512, scaling 128 … 512
-    python benchmarks/suite.py --models smollm2-135m,gemma3-270m --repeats 5 --out benchmarks/results.json
-    python benchmarks/suite.py --parts scaling --axes count --out benchmarks/results_counts.json   # one axis
-    python benchmarks/suite.py --parts sizes --threads 1 --skip-memory --out benchmarks/results_1thread.json
-    python benchmarks/suite.py --merge A.json B.json --out benchmarks/results.json   # later files replace
+    python benchmarks/suite.py --models smollm2-135m,gemma3-270m --repeats 5 --out benchmarks/results/results.json
+    python benchmarks/suite.py --parts scaling --axes count --out benchmarks/results/results_counts.json   # one axis
+    python benchmarks/suite.py --parts sizes --threads 1 --skip-memory --out benchmarks/results/results_1thread.json
+    python benchmarks/suite.py --merge A.json B.json --out benchmarks/results/results.json   # later files replace
                                                   # the sizes / scaling axes they measured; commits kept per part
 
-Writes ``--out`` (default ``benchmarks/results.json``) and prints a table with the targets, met or not.
+Writes ``--out`` (default ``benchmarks/results/results.json``) and prints a table with the targets, met or not.
 
 How it measures (all in fresh subprocesses of this script, ``--threads`` torch threads, default 1):
 
@@ -769,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="sizes,scaling,report",
                     help="which parts to run (comma-separated); run parts as separate jobs and --merge their files")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge results files of separate --parts runs into --out")
-    ap.add_argument("--out", default=str(HERE / "results.json"))
+    ap.add_argument("--out", default=str(HERE / "results" / "results.json"))
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--print", dest="print_only", metavar="RESULTS_JSON", help="print the table of a results file")
     ap.add_argument("--markdown", action="store_true", help="with --print: README-ready markdown")

@@ -1,6 +1,6 @@
 """Run the studies the documentation's results pages cite, into ``<out>/<model>/<corpus>/<study>/``.
 
-    python benchmarks/runs/results.py --out results --readmes results/corpora/readmes --logs LOGS --workers 2
+    python scripts/run_studies.py --out results --readmes results/corpora/readmes --logs LOGS --workers 2
 
 Each job is one ``posgen-tl study NAME --full …`` command (printed before it runs; the study itself
 records its command, commit, configuration and wall time beside its tables). Jobs run in priority
