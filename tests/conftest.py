@@ -39,11 +39,21 @@ def smollm2_tokens(smollm2):
 
 
 _REAL_FIXTURES = {"smollm2", "gemma3", "smollm2_tokens"}
+#: fixtures that cost minutes: the docs build (notebooks executed) and the quick report on SmolLM2
+_SLOW_FIXTURES = {"site", "quick_report"}
+#: test modules whose every test is slow: the notebooks run end to end, the architecture matrix (dozens of
+#: models × backends × dtypes), multi-process runs, the TL 3.9 environment's own suite
+_SLOW_MODULES = {"test_notebooks.py", "test_architectures.py", "test_distributed.py", "test_tl3.py",
+                 "test_sliding_window_decomposition.py", "test_rope_at_ids.py", "test_devices.py"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test that loads a real model is ``real`` whether or not it says so, so that the fast tier
-    (``-m "not slow and not real"``, docs/development.md) never loads one."""
+    """A test that loads a real model is ``real`` whether or not it says so, and a test of the slow fixtures or
+    modules is ``slow``, so that the fast tier (``-m "not slow and not real"``, docs/development.md) loads no
+    real model and builds no docs."""
     for item in items:
-        if _REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if _REAL_FIXTURES & fixtures:
             item.add_marker(pytest.mark.real)
+        if _SLOW_FIXTURES & fixtures or Path(str(item.fspath)).name in _SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

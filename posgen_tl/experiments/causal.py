@@ -658,11 +658,32 @@ def headline(v: pd.Series) -> str:
     return f"{v['layers']}: {v['verdict']} — {eff}; {tail}"
 
 
+def _finding(v: pd.Series, contrasts: pd.DataFrame) -> Any:
+    """One entry's headline: where the intersection–union test ran, its BINDING contrast (the control, or none,
+    with the largest p: the one that decides) — its effect, interval and own p, which is the intersection–union
+    p; where it could not run ("not testable"), destroy − none at common damage with the reason. One contrast per
+    line: effect, interval and p always belong together."""
+    from posgen_tl.report.html import Finding  # noqa: PLC0415
+
+    binding = str(v.get("binding") or "")
+    row = contrasts[(contrasts["layers"] == v["layers"]) & (contrasts["contrast"] == binding)] if binding else None
+    if row is not None and len(row):
+        c = row.iloc[0]
+        return Finding("causal", str(v["verdict"]), effect=float(c["estimate"]),
+                       what=f"{binding} at common damage (the binding contrast), {v['layers']} (nats × p)",
+                       ci=(float(c["ci_low"]), float(c["ci_high"])), p=float(c["p"]), n=int(v["n_docs"]),
+                       note=str(v["reason"]))
+    return Finding("causal", str(v["verdict"]), effect=float(v["estimate"]),
+                   what=f"destroy − none at common damage, {v['layers']} (nats × p)",
+                   ci=(float(v["ci_low"]), float(v["ci_high"])), p=float(v["p"]), n=int(v["n_docs"]),
+                   note=str(v["reason"]))
+
+
 def render(result: Result) -> Any:
     """The report section of a :class:`Result`: the verdict per entry, the tolerance-vs-damage figure per
     entry, the power and the pilot's grids, the contrasts at common damage."""
     from posgen_tl.plot.causal import plot_dose_curves  # noqa: PLC0415
-    from posgen_tl.report.html import Finding, Section, figure_to_png  # noqa: PLC0415
+    from posgen_tl.report.html import Section, figure_to_png  # noqa: PLC0415
 
     t, meta, cfg = result.tables, result.meta, result.config
     if "skipped" in meta:
@@ -686,10 +707,7 @@ def render(result: Result) -> Any:
                                   f"NOT powered (n ≈ {int(r.n_needed)} would be)" if np.isfinite(r.n_needed)
                                   else "NOT powered")
         for r in pw.itertuples())
-    findings = [Finding("causal", str(r["verdict"]), effect=float(r["estimate"]),
-                        what=f"destroy − none at common damage, {r['layers']} (nats × p)",
-                        ci=(float(r["ci_low"]), float(r["ci_high"])), p=float(r["p"]), n=int(r["n_docs"]),
-                        note=str(r["reason"])) for _, r in v.iterrows()]
+    findings = [_finding(r, t["contrasts"]) for _, r in v.iterrows()]
     show = v[["layers", "verdict", "estimate", "ci_low", "ci_high", "p", "p_iut", "binding", "p_family", "mde",
               "n_docs", "levels"]]
     return Section(

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from posgen_tl.experiments import registry
@@ -205,10 +206,17 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
                          or claim))
         alphas.add(float(r.meta["config"].get("test_alpha", 0.05)))
         v = pd.read_csv(r.folder / f"{CLAIM_STUDY}_verdicts.csv")
-        rows += [dict(entry=f"{r.model}:{x.layers}", model=r.model, layers=x.layers, estimate=x.estimate,
-                      ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, p_iut=x.p_iut, p_test=x.p_test,
-                      iut_rejects=bool(x.iut_rejects), binding=x.binding, run_verdict=x.verdict, mde=x.mde,
-                      n_docs=x.n_docs) for x in v.itertuples()]  # fmt: skip
+        con = pd.read_csv(r.folder / f"{CLAIM_STUDY}_contrasts.csv").set_index(["layers", "contrast"])
+        for x in v.itertuples():
+            b = con.loc[(x.layers, x.binding)] if isinstance(x.binding, str) and (x.layers, x.binding) in con.index \
+                else None
+            rows.append(dict(entry=f"{r.model}:{x.layers}", model=r.model, layers=x.layers, estimate=x.estimate,
+                             ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, p_iut=x.p_iut, p_test=x.p_test,
+                             iut_rejects=bool(x.iut_rejects), binding=x.binding, run_verdict=x.verdict, mde=x.mde,
+                             n_docs=x.n_docs, reason=str(x.reason),
+                             binding_estimate=np.nan if b is None else float(b["estimate"]),
+                             binding_ci_low=np.nan if b is None else float(b["ci_low"]),
+                             binding_ci_high=np.nan if b is None else float(b["ci_high"])))
     if not rows:
         return None, "no run declares a claim"
     if len(claims) != 1 or len(alphas) != 1:
@@ -437,7 +445,35 @@ def primary_answer(runs: list[Run]) -> str:
     else:
         ans = (f"Not established: no entry of the claim shows a dependence on both corpora ({len(ran)} of "
                f"{len(entries)} entries run)")
-    return f"**{q}** {ans} ([causal]({{prefix}}causal.md))."
+    clauses = [_entry_clause(e, c, t.loc[e]) for c, t in tables.items() for e in t.index
+               if t.loc[e, "verdict"] != "not run"]
+    per = (" " + "; ".join(clauses) + ".") if clauses else ""
+    return f"**{q}** {ans} ([causal]({{prefix}}causal.md)).{per}"
+
+
+def _interval(est: float, lo: float, hi: float) -> str:
+    return f"{sig3(est)} [{sig3(lo)}, {sig3(hi)}]"
+
+
+def _entry_clause(entry: str, corpus: str, row: pd.Series) -> str:
+    """One entry of the claim in words, derived from its verdict: what removing the pattern did (destroy − none at
+    common damage) and what decided (the binding contrast, or why the entry is not testable)."""
+    name = f"{entry.replace(':', ' ')} ({corpus})"
+    verdict = str(row["verdict"])
+    dn = f"destroy − none {_interval(row['estimate'], row['ci_low'], row['ci_high'])} nats × p"
+    if verdict.startswith("not testable"):
+        why = str(row.get("reason", "")).split(":")[0].strip() or "the rule's preconditions failed"
+        return f"{name}: not testable — {why}"
+    costs = row["ci_low"] > 0
+    b = (f"{row['binding']} {_interval(row['binding_estimate'], row['binding_ci_low'], row['binding_ci_high'])}"
+         if row["binding_estimate"] == row["binding_estimate"] else str(row["binding"]))
+    if verdict.startswith("depends"):
+        return f"{name}: depends — {dn}, beyond every control at common damage (weakest: {b}, p {sig3(row['p_iut'])})"
+    mde = f"the whole test's MDE {sig3(row['mde'])}"
+    if str(row["binding"]) == "destroy − none" or not costs:
+        return f"{name}: {verdict} — no change of tolerance by removing the pattern is detected ({dn}; {mde})"
+    return (f"{name}: {verdict} — removing the pattern costs tolerance ({dn}), but not detectably more than a "
+            f"control with the same damage ({b}; {mde})")
 
 
 def readme_headlines(runs: list[Run], link_prefix: str = "docs/results/") -> str:
@@ -533,6 +569,9 @@ def write_pages(results: Path, docs: Path, readme: Path | None = None) -> list[P
         written.append(docs / rel)
     for name, png in figs.items():
         (img / name).write_bytes(png)
+    for old in img.glob("*.png"):  # a figure no page shows any more goes with its page
+        if old.name not in figs:
+            old.unlink()
     (Path(results) / "MANIFEST.txt").write_text("\n".join(cited) + "\n")
     return written
 

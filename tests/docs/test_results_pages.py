@@ -122,11 +122,14 @@ def _dose_run(result, folder: Path, model: str, p_iut: dict[str, float]) -> None
 
     from posgen_tl.experiments import causal as cd
 
-    v = result["verdicts"].copy()
+    v, con = result["verdicts"].copy(), result["contrasts"].copy()
     for layers, p in p_iut.items():
         v.loc[v["layers"] == layers, ["verdict", "p_iut", "p_test", "iut_rejects", "binding", "reason"]] = [
             "depends", p, p, True, "destroy − C1", f"destroy − none and destroy − every control reject (largest p {p})"]
-    res = dc.replace(result, tables={**result.tables, "verdicts": v}, meta={**result.meta, "model": model,
+        # the binding contrast's own row: its p is the intersection–union p
+        con.loc[(con["layers"] == layers) & (con["contrast"] == "destroy − C1"), ["estimate", "ci_low", "ci_high", "p"]] = [
+            0.004, 0.001, 0.007, p]
+    res = dc.replace(result, tables={**result.tables, "verdicts": v, "contrasts": con}, meta={**result.meta, "model": model,
                                                                            "claim": list(CLAIM)},
                      config={**result.config, "claim": list(CLAIM)})
     folder.mkdir(parents=True)
@@ -152,11 +155,15 @@ def test_causal_headline_quotes_the_claim_table_not_its_run(tmp_path, dose_resul
     assert table.loc["gemma3-270m:L2", "verdict"].startswith(str(dose_result["verdicts"].iloc[1]["verdict"]))
     head = pages._headline_frame(runs)
     row = head[(head["model"] == "smollm2-135m") & head["what"].str.contains("L2")].iloc[0]
-    own = dose_result["verdicts"].set_index("layers").loc["L2"]
-    assert row["p"] == pytest.approx(own["p"]) and row["effect"] == pytest.approx(own["estimate"])
-    assert row["verdict"] == "depends"
+    # one contrast per line: the binding contrast's own effect, interval and p (never destroy − none's p beside it)
+    assert (row["p"], row["effect"], row["ci_low"], row["ci_high"]) == (0.02, 0.004, 0.001, 0.007)
+    assert row["what"].startswith("destroy − C1 at common damage") and row["verdict"] == "depends"
     text = pages.readme_headlines(runs)
     assert "[causal](docs/results/causal.md)" in text
+    # the sentence names every entry run with its verdict, what removing the pattern did and what decided
+    first = text.splitlines()[0]
+    assert "smollm2-135m L2 (pydoc): depends — destroy − none " in first and "weakest: destroy − C1" in first
+    assert "gemma3-270m L2 (pydoc): " in first
 
 
 def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path, dose_result):
@@ -185,5 +192,6 @@ def test_withdrawn_runs_print_no_number_and_give_no_headline():
     part = text.split("## Earlier runs (v2, withdrawn)", 1)[1]
     tables = [x for x in part.splitlines() if x.startswith("| ")]
     assert tables and all(x.count("|") == 4 for x in tables)  # layers, verdict word, documents: nothing else
-    assert not any(r.study == "causal" for r, _ in pages._findings(pages.find_runs(RESULTS)))  # no v3 run yet
+    v3 = [(r, f) for r, f in pages._findings(pages.find_runs(RESULTS)) if r.study == "causal"]
+    assert all(not str(r.folder).split("results", 1)[1].startswith("/v2") for r, _ in v3)  # headlines: v3 runs only
     assert all(f"`results/v2/{r.model}/{r.corpus}/causal/`" in text for r in old)

@@ -111,6 +111,22 @@ def test_save_load_render_round_trip(result, tmp_path):
     assert sec.findings[0].p == pytest.approx(v["p"]) and sec.findings[0].effect == pytest.approx(v["estimate"])
 
 
+def test_a_headline_quotes_the_binding_contrast_with_its_own_p():
+    """Where the intersection–union test ran, the headline's effect, interval and p are those of the contrast that
+    decided (its largest p) — never destroy − none's tiny p beside a 'not detected'."""
+    v = pd.Series(dict(layers="L20-29", verdict="not detected", estimate=0.00219, ci_low=0.00163, ci_high=0.00273,
+                       p=4.06e-9, p_iut=0.833, binding="destroy − C3", n_docs=39, reason="largest p 0.833"))
+    con = pd.DataFrame([dict(layers="L20-29", contrast="destroy − none", estimate=0.00219, ci_low=0.00163,
+                             ci_high=0.00273, p=4.06e-9),
+                        dict(layers="L20-29", contrast="destroy − C3", estimate=6.07e-5, ci_low=-4.82e-4,
+                             ci_high=6.15e-4, p=0.833)])
+    f = cd._finding(v, con)
+    assert (f.effect, f.ci, f.p) == (6.07e-5, (-4.82e-4, 6.15e-4), 0.833) and f.verdict == "not detected"
+    assert f.what.startswith("destroy − C3 at common damage") and f.what.endswith("L20-29 (nats × p)")
+    g = cd._finding(pd.Series({**v.to_dict(), "verdict": "not testable", "binding": "", "p_iut": np.nan}), con)  # no test
+    assert (g.effect, g.p) == (0.00219, 4.06e-9) and g.what.startswith("destroy − none")
+
+
 def test_unreachable_levels_make_the_entry_not_testable(result):
     v = result["verdicts"]
     # levels of 2e-5 / 5e-5 nats are beyond what these controls reach on a random tiny model
