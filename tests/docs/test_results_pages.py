@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS, DOCS, README = ROOT / "results", ROOT / "docs", ROOT / "README.md"
 
 
+@pytest.mark.slow  # renders every committed study: ~35 s
 def test_committed_pages_equal_their_regeneration():
     bad = pages.stale(RESULTS, DOCS, README)
     assert not bad, ("stale results pages; run python -m posgen_tl.report.pages --results results --docs docs\n"
