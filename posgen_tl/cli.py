@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--param", action="append", default=[], metavar="[EXPERIMENT.]KEY=VALUE",
                    help="an option of one experiment (causal.layers=10-19) or of every experiment that has it "
                         "(n_ref=8); repeatable — 'posgen-tl study list' names them")
+    r.add_argument("--render-only", action="store_true",
+                   help="write OUT/report.html again from a finished report's saved results with this version's "
+                        "pages (no model is loaded, nothing is recomputed)")
     s = sub.add_parser("study", help="run one experiment into --out ('posgen-tl study list' names them)",
                        description="Run one experiment; its options are generated from its Config.")
     ss = s.add_subparsers(dest="name", required=True, parser_class=_Parser, metavar="NAME")
@@ -111,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(removed once the study is written)." if registry.resumable(name) else
                    " An interrupted run starts again from the beginning (this experiment keeps no checkpoint).")
         e.add_argument("--out", default=None, help=f"output folder (default: study_{name}).{resumes}")
-        e.add_argument("--preset", choices=registry.presets(), default=None)
+        e.add_argument("--preset", choices=registry.presets(), default=None,
+                       help="sizes: quick (smoke run), default, full (the powered sizes; default: default)")
         e.add_argument("--quick", action="store_true", help="the 'quick' preset (a smoke run)")
         e.add_argument("--full", action="store_true", help="the 'full' preset (the powered sizes)")
         for o in mod.Config.options():
@@ -160,14 +164,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """The report's size flags (each sets that option of every experiment) and its preset."""
-    p.add_argument("--preset", choices=("default", "quick", "full"), default=None)
+    p.add_argument("--preset", choices=("default", "quick", "full"), default=None,
+                   help="the experiments' sizes: quick (smoke run), default, full (the powered sizes; default: "
+                        "default)")
     p.add_argument("--quick", action="store_true", help="the 'quick' preset: a smoke run with small sizes")
     p.add_argument("--full", action="store_true", help="the 'full' preset: the powered sizes of the docs' results")
     p.add_argument("--corpus", default=None, help="UTF-8 text file or folder (default: the stdlib's pydoc topics)")
     p.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (every experiment)")
     p.add_argument("--n-seq", type=_positive_int, default=None, help="sequences (every experiment)")
     p.add_argument("--no-twin", action="store_true", help="skip the random-init twin (not recommended)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the window sampling and every random draw (default: each experiment's, 0)")
 
 
 def _preset(args: argparse.Namespace) -> str:
@@ -184,8 +191,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     matplotlib.use("Agg")  # the report writes PNGs; only the CLI picks a backend, never an import
     from posgen_tl.experiments.base import parse_assignments  # noqa: PLC0415
-    from posgen_tl.report.run import ReportSettings, run_report  # noqa: PLC0415
+    from posgen_tl.report.run import ReportSettings, rerender, run_report  # noqa: PLC0415
 
+    if args.render_only:
+        try:
+            print(f"[posgen-tl] wrote {rerender(args.out)}")
+        except FileNotFoundError as e:
+            print(f"posgen-tl: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         settings = ReportSettings(
             model=args.model, out=args.out, preset=_preset(args), params=parse_assignments(args.param),

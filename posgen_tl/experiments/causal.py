@@ -672,11 +672,21 @@ def _finding(v: pd.Series, contrasts: pd.DataFrame) -> Any:
         return Finding("causal", str(v["verdict"]), effect=float(c["estimate"]),
                        what=f"{binding} at common damage (the binding contrast), {v['layers']} (nats × p)",
                        ci=(float(c["ci_low"]), float(c["ci_high"])), p=float(c["p"]), n=int(v["n_docs"]),
-                       note=str(v["reason"]))
+                       note=str(v["reason"]),
+                       p_kind=f"{_kind(c)}; the largest p of the intersection–union test (so its p), before the "
+                              "adjustment over the declared claim")
+    dn = contrasts[(contrasts["layers"] == v["layers"]) & (contrasts["contrast"] == "destroy − none")]
     return Finding("causal", str(v["verdict"]), effect=float(v["estimate"]),
                    what=f"destroy − none at common damage, {v['layers']} (nats × p)",
                    ci=(float(v["ci_low"]), float(v["ci_high"])), p=float(v["p"]), n=int(v["n_docs"]),
-                   note=str(v["reason"]))
+                   note=str(v["reason"]),
+                   p_kind=(_kind(dn.iloc[0]) if len(dn) else "sign-flip over documents") + "; unadjusted, and not the "
+                          "test of the claim (the entry is not testable)")
+
+
+def _kind(row: pd.Series) -> str:
+    k = str(row.get("p_kind") or "")
+    return k if k and k != "nan" else "sign-flip over documents"
 
 
 def render(result: Result) -> Any:

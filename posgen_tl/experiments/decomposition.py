@@ -589,6 +589,7 @@ def _findings(df: pd.DataFrame) -> list:
     per = per.dropna()
     d = (per["trained"] - per["random"]).to_numpy(float)
     docs = d3.groupby("seq")["doc"].first().loc[per.index].to_numpy()
-    mean, ci, p = paired_finding(d, docs)
+    mean, ci, p, kind = paired_finding(d, docs)
     word = ("trained beyond twin" if mean > 0 else "twin beyond trained") if p < 0.05 else "no evidence"
-    return [Finding("decomposition", word, mean, "D3 within-row r, trained − twin", ci, p, len(d))]
+    return [Finding("decomposition", word, mean, "D3 within-row r, trained − twin", ci, p, len(d), p_kind=kind,
+                    unit="sequences")]

@@ -517,7 +517,7 @@ def _findings(summ: pd.DataFrame) -> list:
     document-bootstrap CI, Holm-adjusted sign-flip p of the table); the note gives the disentangled −
     vanilla change at that gap. "degrades" / "improves" (p < .05) or "no evidence"."""
     from posgen_tl.report.html import Finding  # noqa: PLC0415
-    from posgen_tl.report.text import sig3  # noqa: PLC0415
+    from posgen_tl.report.text import p_label, sig3  # noqa: PLC0415
 
     d = summ[(summ["estimator"] == "d_vs_gap0") & (summ["condition"] == "vanilla")]
     if d.empty:
@@ -533,4 +533,5 @@ def _findings(summ: pd.DataFrame) -> list:
                  f"{sig3(float(q['ci_high']))}], p = {sig3(pq)}")
     word = ("degrades" if r["estimate"] > 0 else "improves") if p == p and p < 0.05 else "no evidence"
     return [Finding("length", word, float(r["estimate"]), "vanilla suffix ΔNLL (nats)",
-                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_docs"]), note=note)]
+                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_docs"]), note=note, p_kind=p_label(r))]
+

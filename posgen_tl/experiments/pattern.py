@@ -651,4 +651,6 @@ def _findings(merged: pd.DataFrame, n_seq: int) -> list:
     rho, ci, p, n = rank_correlation(t["pred_d3_err_global"].to_numpy(float), t["r_within"].to_numpy(float))
     word = "related" if p == p and p < 0.05 else "no evidence"
     return [Finding("pattern", word, rho, "Spearman ρ(pred. D3 error, D3 r) over heads", ci, p, n,
-                    exploratory=n_seq < 32, note="n = heads (descriptive); sequences per head: " + str(n_seq))]
+                    exploratory=n_seq < 32, note="n = heads (descriptive); sequences per head: " + str(n_seq),
+                    p_kind="Spearman's test with heads as units (descriptive: heads of one model are not independent)",
+                    unit="heads")]

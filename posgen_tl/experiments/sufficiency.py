@@ -278,7 +278,7 @@ def _findings(summ: pd.DataFrame) -> list:
     the same group. "costs NLL" when p < .05 and ΔNLL > 0, else "no evidence of a cost" (never
     "sufficient": that needs an equivalence test with a declared margin)."""
     from posgen_tl.report.html import Finding  # noqa: PLC0415
-    from posgen_tl.report.text import sig3  # noqa: PLC0415
+    from posgen_tl.report.text import p_label, sig3  # noqa: PLC0415
 
     g = summ[(summ["source"] == "d3") & (summ["group"] == "all") & (summ["estimator"] == "dnll")]
     if g.empty:
@@ -291,4 +291,4 @@ def _findings(summ: pd.DataFrame) -> list:
         note += f"; D1 control ΔNLL {sig3(float(ctrl.iloc[0]['estimate']))}"
     word = "costs NLL" if p == p and p < 0.05 and r["estimate"] > 0 else "no evidence of a cost"
     return [Finding("sufficiency", word, float(r["estimate"]), "ΔNLL of f + g substitution (nats)",
-                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_docs"]), note=note)]
+                    (float(r["ci_low"]), float(r["ci_high"])), p, int(r["n_docs"]), note=note, p_kind=p_label(r))]

@@ -606,4 +606,5 @@ def _findings(link: pd.DataFrame, *, exploratory: bool) -> list:
     return [Finding("taxonomy", word, float(r["median_a"]) - float(r["median_b"]),
                     f"median share {r['class_a']} − {r['class_b']}", None, p, n, exploratory=exploratory,
                     note=f"n = heads ({int(r['n_a'])} {r['class_a']}, {int(r['n_b'])} {r['class_b']}); Mann–Whitney, "
-                         "descriptive")]
+                         "descriptive", p_kind="Mann–Whitney U with heads as units (descriptive: heads of one model are "
+                                               "not independent)", unit="heads")]

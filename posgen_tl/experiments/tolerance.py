@@ -222,7 +222,8 @@ def render(result: Result) -> Any:
     return Section(
         title + (" — EXPLORATORY (fewer than 32 documents)" if expl else ""),
         verdict=(f"Trained model: T1 AUC {tr['t1_auc']:.3g} vs T2 AUC {tr['t2_auc']:.3g} nats × p; T1 − T2 "
-                 f"{tr['verdict']} (TOST p = {tr['p']:.3g}, 90 % interval [{tr['ci_low']:.3g}, {tr['ci_high']:.3g}])."),
+                 f"{tr['verdict']} (TOST p = {tr['p']:.3g}, 90 % interval [{tr['ci_low']:.3g}, {tr['ci_high']:.3g}])."
+                 + _margin_sentence(tost, float(meta.get("margin", result.config.get("t12_margin", 0.01))))),
         paragraphs=[f"{meta['n_seq']} sequences from {meta['n_docs']} documents (one window per document first), target "
                     f"span {meta['target_len']} tokens, p ∈ {list(meta['fracs'])} = fraction of disjoint adjacent pairs "
                     f"swapped (≈ 2p of the context tokens move), independent per (sequence, seed), seeds "
@@ -234,20 +235,53 @@ def render(result: Result) -> Any:
                 ("T1 − T2 AUC: TOST equivalence at the declared margin", tost)],
         figures=[(figure_to_png(fig), "ΔNLL vs swap fraction: T1 and T2, trained vs random twin (document means, 95 % "
                   "bootstrap)")],
-        findings=_findings(t["curves"]),
+        findings=_findings(t["curves"], t.get("contrasts")),
         results={"exploratory": expl, "t1_t2": tost.to_dict("records")},
     )
 
 
-def _findings(curves: pd.DataFrame) -> list:
-    """T1 tolerance of the trained model: its AUC (nats × p) per document, sign-flip p over documents."""
+def _margin_sentence(tost: pd.DataFrame, margin: float) -> str:
+    """The equivalence margin against the quantity it bounds: as a share of the trained model's T1 AUC, and — where
+    the random twin's T1 AUC is far below it — that the twin's "equivalent" cannot say anything."""
+    out = ""
+    tr = tost[tost["twin"] == "trained"]
+    if len(tr) and abs(float(tr.iloc[0]["t1_auc"])) > 0:
+        out += (f" The margin ±{margin:g} nats × p is {margin / abs(float(tr.iloc[0]['t1_auc'])):.0%} of the trained "
+                "model's T1 AUC.")
+    rn = tost[tost["twin"] == "random"]
+    if len(rn):
+        a = abs(float(rn.iloc[0]["t1_auc"]))
+        if a == 0 or margin > 5 * a:
+            times = "∞" if a == 0 else f"{margin / a:.0f}"
+            out += (f" The random twin's T1 AUC is {a:.2g}: the margin is {times}× that, so the twin's equivalence "
+                    "verdict says nothing about it.")
+    return out
+
+
+def _findings(curves: pd.DataFrame, contrasts: pd.DataFrame | None = None) -> list:
+    """T1 tolerance of the trained model: its AUC (nats × p) per document, sign-flip p over documents; and, where the
+    contrasts table has it, the trained model's T1 − T2 AUC (the causal-order effect, docs/method.md §4) with its
+    own sign-flip p."""
     from posgen_tl.report.html import Finding  # noqa: PLC0415
+    from posgen_tl.report.text import p_label  # noqa: PLC0415
     from posgen_tl.stats import curves as sc  # noqa: PLC0415
     from posgen_tl.stats.inference import paired_finding  # noqa: PLC0415
 
     t1 = curves[(curves["mode"] == "T1") & (curves["twin"] == "trained")].rename(columns={"mode": "condition"})
     u = sc.document_units(t1, by=("condition",))
     a = u[u["estimator"] == "auc"]
-    mean, ci, p = paired_finding(a["value"].to_numpy(float), a["doc"].to_numpy())
+    mean, ci, p, kind = paired_finding(a["value"].to_numpy(float), a["doc"].to_numpy())
     word = ("NLL rises with swaps" if mean > 0 else "NLL falls with swaps") if p < 0.05 else "no evidence"
-    return [Finding("tolerance", word, mean, "T1 AUC of ΔNLL over p (nats × p)", ci, p, int(a["doc"].nunique()))]
+    out = [Finding("tolerance", word, mean, "T1 AUC of ΔNLL over p (nats × p)", ci, p, int(a["doc"].nunique()),
+                   p_kind=kind)]
+    if contrasts is not None and len(contrasts):
+        c = contrasts[(contrasts["twin"] == "trained") & (contrasts["estimator"] == "auc")]
+        if len(c):
+            r = c.iloc[0]
+            p12 = float(r["p"])
+            word = (("T1 costs more than T2" if r["estimate"] > 0 else "T2 costs more than T1") if p12 < 0.05
+                    else "no evidence of a difference")
+            out.append(Finding("tolerance", word, float(r["estimate"]),
+                               "T1 − T2 AUC: what the causal order adds (nats × p)",
+                               (float(r["ci_low"]), float(r["ci_high"])), p12, int(r["n_docs"]), p_kind=p_label(r)))
+    return out

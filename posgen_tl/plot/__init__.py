@@ -16,6 +16,7 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 ``dose_curves(df, levels)`` :func:`posgen_tl.causal_study` ``["curves"]`` (one entry)
 ``length_buckets(df)``     :func:`posgen_tl.experiments.tolerance.length_summary`
 ``patching_heatmap(df)``   ``posgen_tl.experiments.patching.run(...)["heads"]`` (one quantity and direction)
+``forest(df)``             the headline findings of several runs (:func:`posgen_tl.report.pages.top_block`)
 ``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.experiments.length`, :mod:`posgen_tl.experiments.sufficiency`
 ``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``, ``label_counts``: :func:`posgen_tl.head_taxonomy`
 =========================  ===========================================================
@@ -24,6 +25,7 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 from posgen_tl.plot.causal import plot_dose_curves as dose_curves
 from posgen_tl.plot.decomposition import plot_head_maps as head_maps
 from posgen_tl.plot.decomposition import plot_r_by_layer as r_by_layer
+from posgen_tl.plot.forest import plot_forest as forest
 from posgen_tl.plot.gap_attention import plot_gap_heads as gap_heads
 from posgen_tl.plot.length import plot_gap_probe as gap_probe
 from posgen_tl.plot.length import plot_window_removal as window_removal
@@ -43,6 +45,7 @@ from posgen_tl.plot.tolerance import plot_tolerance_curves as tolerance_curves
 __all__ = [
     "band_heatmaps",
     "dose_curves",
+    "forest",
     "frequency_usage",
     "head_maps",
     "label_counts",

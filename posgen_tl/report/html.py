@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from posgen_tl.report.text import sig3
+from posgen_tl.report.text import compact, header, sig3
 
 __all__ = ["Section", "Finding", "skipped_section", "QUESTIONS", "figure_to_png", "render_html", "sig3", "FOLD_ROWS"]
 
@@ -41,6 +41,7 @@ _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222;line-height:1.45}
 h1{font-size:1.7em;border-bottom:2px solid #444;padding-bottom:.2em}
 h2{font-size:1.3em;margin-top:2em;border-bottom:1px solid #bbb}
+.tablewrap{max-width:100%;overflow-x:auto}
 table{border-collapse:collapse;font-size:.85em;margin:.8em 0}
 td,th{border:1px solid #ccc;padding:.2em .5em;text-align:right}
 th{background:#f0f0f0}
@@ -73,6 +74,9 @@ class Finding:
         ci: ``(low, high)`` 95 % interval of the effect; ``p``: its p-value; ``n``: the unit count.
         exploratory: ``n < 32`` (docs/method.md §8) unless given.
         note: one short clause of context (e.g. the reason a verdict is "no evidence").
+        p_kind: what the p is — its test and adjustment (e.g. ``"exact sign-flip (all 2^12 sign patterns of 12
+            documents)"``, ``"… ; Holm over the 8 p-values of this table"``); pages print it beside the p.
+        unit: what ``n`` counts (``"documents"``; ``"heads"`` where heads are the units of a descriptive test).
     """
 
     question: str
@@ -84,6 +88,8 @@ class Finding:
     n: int | None = None
     exploratory: bool | None = None
     note: str = ""
+    p_kind: str = ""
+    unit: str = "documents"
 
     def __post_init__(self) -> None:
         if self.question not in QUESTIONS:
@@ -157,7 +163,12 @@ def figure_to_png(fig: Any, dpi: int = 100) -> bytes:
 
 
 def _table_html(df: pd.DataFrame) -> str:
-    return df.to_html(index=False, float_format=sig3, border=0, na_rep="–")
+    """The table with word headers, its constant columns as one line beneath (:func:`~posgen_tl.report.text.compact`),
+    inside a box that scrolls sideways rather than widening the page."""
+    narrow, notes = compact(df)
+    body = narrow.rename(columns=header).to_html(index=False, float_format=sig3, border=0, na_rep="–")
+    note = f"<p class='meta'>{html.escape('; '.join(notes))}.</p>" if notes else ""
+    return f"<div class='tablewrap'>{body}</div>{note}"
 
 
 def _table(caption: str, df: pd.DataFrame, fold: bool = False) -> str:
@@ -186,6 +197,7 @@ def summary_box(findings: list[Finding]) -> str:
             eff = (f"{html.escape(f.what)}: " if f.what else "") + sig3(f.effect) if f.effect is not None else "–"
             expl = " <span class='expl'>exploratory</span>" if f.exploratory else ""
             note = f"<br><span class='meta'>{html.escape(f.note)}</span>" if f.note else ""
+            note += f"<br><span class='meta'>p: {html.escape(f.p_kind)}</span>" if f.p_kind and f.p is not None else ""
             rows.append(
                 f"<tr><td><b>{html.escape(q)}</b><br><span class='meta'>{html.escape(asked)}</span></td>"
                 f"<td class='{_verdict_class(f.verdict)}'>{html.escape(f.verdict)}{expl}{note}</td>"

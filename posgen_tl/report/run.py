@@ -69,6 +69,46 @@ def _dtype(model: Any) -> str:
     return str(model_dtype(model)).removeprefix("torch.")
 
 
+def report_sections(work_dir: Path, names: list[str], *, preset: str, model_name: str) -> tuple[list, list, dict]:
+    """Each experiment's section rendered from its saved Result in ``work_dir`` (its own ``render``), in ``names``'
+    order; below the full preset each section ends with how to run it at full size.
+
+    Returns:
+        ``(sections, findings, {name: section results})``.
+    """
+    sections, findings, per = [], [], {}
+    for name in names:
+        sec = registry.experiment(name).render(registry.load(name, work_dir))
+        if preset != "full":
+            sec.paragraphs.append(full_size_hint(name, model_name, preset))
+        sections.append(sec)
+        per[name] = sec.results
+        findings += sec.findings
+    return sections, findings, per
+
+
+def rerender(out: Path | str) -> Path:
+    """Write ``out/report.html`` again from a finished report's saved results (``out/.work``, ``out/results.json``)
+    with the current code — no model is loaded, nothing is recomputed. Returns the page's path.
+
+    Raises:
+        FileNotFoundError: ``out`` holds no finished report.
+    """
+    out = Path(out)
+    if not (out / "results.json").exists() or not (out / ".work").is_dir():
+        raise FileNotFoundError(f"{out} holds no finished report (results.json and .work/ are needed)")
+    res = json.loads((out / "results.json").read_text())
+    names = list(res["configs"])
+    sections, findings, _ = report_sections(out / ".work", names, preset=res["preset"], model_name=res["model"])
+    first = res["configs"][names[0]]
+    meta = {"model": res["model"], "corpus": first.get("corpus") or "pydoc_data.topics (stdlib)",
+            "preset": res["preset"], "seed": first.get("seed"), "device": res.get("device"), "dtype": res.get("dtype")}
+    unchecked = res.get("unchecked")
+    title = f"posgen_tl report — {res['model']}" + (" — UNCHECKED" if unchecked else "")
+    atomic_write(out / "report.html", render_html(title, meta, sections, findings=findings).encode())
+    return out / "report.html"
+
+
 def run_report(settings: ReportSettings) -> int:
     """Run every experiment (resuming finished ones) and write the report; returns an exit code."""
     from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
@@ -94,7 +134,6 @@ def run_report(settings: ReportSettings) -> int:
     seed = next(iter(configs.values())).seed
     ctx = Context(model, work, spec.model_name, seed=seed)
     timings: dict[str, float] = {}
-    sections, findings = [], []
     results: dict[str, Any] = {"model": spec.model_name, "preset": settings.preset, "configs": stamp["configs"],
                                "stage_seconds": timings, "device": _device(model), "dtype": _dtype(model),
                                "unchecked": unchecked}
@@ -114,13 +153,8 @@ def run_report(settings: ReportSettings) -> int:
             print(f"[posgen-tl] {name}: {timings[name]:.0f} s", flush=True)
         else:
             print(f"[posgen-tl] {name}: already done (resuming)")
-    for name in configs:
-        sec = mods[name].render(registry.load(name, work.dir))
-        if settings.preset != "full":
-            sec.paragraphs.append(full_size_hint(name, model_name, settings.preset))
-        sections.append(sec)
-        results[name] = sec.results
-        findings += sec.findings
+    sections, findings, per = report_sections(work.dir, list(configs), preset=settings.preset, model_name=model_name)
+    results.update(per)
     results["findings"] = [f.as_dict() for f in findings]
     results["total_seconds"] = time.time() - t0
     first = next(iter(configs.values()))

@@ -493,12 +493,13 @@ def per_sequence_slopes(rows: pd.DataFrame, value: str = "delta") -> pd.Series:
 # ----------------------------------------------------------------------------- verdict rule (§8)
 
 
-def paired_finding(d: Any, clusters: Any = None) -> tuple[float, tuple[float, float], float]:
-    """The headline numbers of a paired effect: ``(mean, (ci_low, ci_high), p)`` — the mean of the
+def paired_finding(d: Any, clusters: Any = None) -> tuple[float, tuple[float, float], float, str]:
+    """The headline numbers of a paired effect: ``(mean, (ci_low, ci_high), p, p_kind)`` — the mean of the
     unit means, the 95 % bootstrap interval resampling ``clusters`` (documents; each value its own
-    unit when None) and the sign-flip p over the same units."""
+    unit when None), the sign-flip p over the same units and its kind (:func:`sign_flip`'s label)."""
     mean, lo, hi = bootstrap_ci(d, clusters=clusters)
-    return mean, (lo, hi), sign_flip_test(d, clusters=clusters)
+    p, kind = sign_flip(d, clusters=clusters)
+    return mean, (lo, hi), p, kind
 
 
 def rank_correlation(x: np.ndarray, y: np.ndarray) -> tuple[float, tuple[float, float], float, int]:

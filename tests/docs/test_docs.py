@@ -89,6 +89,20 @@ def test_a_results_page_shows_figures_in_a_browser(site, tmp_path):
     assert sum(hist[:250]) / sum(hist) > 0.04, sum(hist[:250]) / sum(hist)
 
 
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium not installed")
+def test_results_pages_fit_a_1280px_window_with_the_answer_first(site, tmp_path):
+    """Laid out by headless Chromium at 1280 px, as a reader opens them: on every results page no table a reader
+    sees is wider than the content column (cut off or scrolling sideways) and the answer sentence is above the
+    first table."""
+    from browser import layout, layout_problems
+
+    for md in sorted((ROOT / "docs" / "results").glob("*.md")):
+        page = site / "results" / (md.stem if md.stem != "index" else "") / "index.html"
+        m = layout(page, tmp_path, width=1280)
+        assert m["tables"], f"{md.name}: no table visible"
+        assert not layout_problems(m), (md.name, layout_problems(m))
+
+
 def test_api_reference_covers_every_public_module():
     api = (ROOT / "docs" / "api.md").read_text()
     listed = set(re.findall(r"^::: (posgen_tl[\w.]*)$", api, flags=re.M))

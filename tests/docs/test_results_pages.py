@@ -196,3 +196,52 @@ def test_withdrawn_runs_print_no_number_and_give_no_headline():
     v3 = [(r, f) for r, f in pages._findings(pages.find_runs(RESULTS)) if r.study == "causal"]
     assert all(not str(r.folder).split("results", 1)[1].startswith("/v2") for r, _ in v3)  # headlines: v3 runs only
     assert all(f"`results/v2/{r.model}/{r.corpus}/causal/`" in text for r in old)
+
+
+def _table_headers(md: str) -> list[list[str]]:
+    """The header cells of every markdown table in ``md`` (a header row is the line above a ``|---|`` rule)."""
+    lines = md.splitlines()
+    return [[c.strip() for c in lines[i - 1].strip("|").split("|")]
+            for i, x in enumerate(lines) if i and x.startswith("|---")]
+
+
+def test_every_results_page_answers_before_any_table_and_heads_columns_with_words():
+    """What a reader sees first: the question, then the answer sentence, both above the first table; no table on
+    any results page is headed by a code identifier (``ci_low``, ``p_kind``)."""
+    import re
+
+    for page in sorted((DOCS / "results").glob("*.md")):
+        text = page.read_text()
+        first_table = text.find("\n|")
+        q, a = text.find("**Question.**"), text.find("**Answer.**") if page.stem != "index" else text.find("**Does ")
+        assert 0 < q < first_table or page.stem == "index", page.name
+        assert 0 < a < first_table, f"{page.name}: the answer is not above the first table"
+        for head in _table_headers(text):
+            ident = [h for h in head if re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)+", h)]
+            assert not ident, f"{page.name}: column headers {ident} are code identifiers"
+
+
+def test_answer_sentence_is_derived_from_the_verdicts(monkeypatch):
+    """The answer counts the runs per verdict, gives the range of effects and where their intervals lie, and says
+    'exploratory' when runs rest on fewer than 32 documents — from the findings alone."""
+    from posgen_tl.report.html import Finding
+
+    runs = [pages.Run("tolerance", m, c, Path("."), {}) for m in ("a", "b") for c in ("pydoc", "readmes")]
+    fs = {("a", "pydoc"): Finding("tolerance", "NLL rises with swaps", 0.02, "AUC (u)", (0.01, 0.03), 0.001, 40),
+          ("a", "readmes"): Finding("tolerance", "NLL rises with swaps", 0.04, "AUC (u)", (0.02, 0.05), 0.001, 40),
+          ("b", "pydoc"): Finding("tolerance", "no evidence", 0.001, "AUC (u)", (-0.01, 0.02), 0.4, 12),
+          ("b", "readmes"): Finding("tolerance", "NLL rises with swaps", 0.03, "AUC (u)", (0.01, 0.05), 0.01, 40)}
+    monkeypatch.setattr(pages, "_findings", lambda rs: [(r, fs[(r.model, r.corpus)]) for r in rs])
+    text = pages.answer_sentence("tolerance", runs)
+    assert text.startswith("NLL rises with swaps in 3 of 4 runs (a · pydoc, a · readmes, b · readmes); no evidence "
+                           "in 1 of 4 runs (b · pydoc): AUC (u) 0.001 to 0.04, 3 of 4 95 % intervals exclude 0.")
+    assert "Exploratory: b · pydoc rests on fewer than 32 documents (n = 12 documents)" in text
+    fs[("b", "pydoc")] = Finding("tolerance", "NLL rises with swaps", 0.01, "AUC (u)", (0.005, 0.02), 0.01, 40)
+    text = pages.answer_sentence("tolerance", runs)
+    assert text == "NLL rises with swaps in all 4 runs: AUC (u) 0.01 to 0.04, every 95 % interval above 0."
+    tables = pages.answer_table("tolerance", runs)
+    assert [w for w, _ in tables] == ["AUC (u)"]
+    t = tables[0][1]
+    assert list(t.columns) == ["run", "answer", "effect", "95 % interval", "p", "n", "second corpus"]
+    assert t.loc[0, "95 % interval"] == "[0.01, 0.03]" and t.loc[0, "n"] == "40 documents"
+    assert t.loc[0, "second corpus"] == "yes"

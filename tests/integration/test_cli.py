@@ -85,6 +85,26 @@ def test_check_states_its_defaults_in_help(capsys):
         assert needle in out, needle
 
 
+def test_every_option_of_every_command_has_help_text():
+    """What `--help` shows a user: no option of any command or study without a sentence."""
+    import argparse
+
+    from posgen_tl.cli import build_parser
+
+    missing = []
+
+    def walk(p, path):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    walk(sp, [*path, name])
+            elif not isinstance(a, argparse._HelpAction) and not (a.help or "").strip():
+                missing.append(f"{' '.join(path)} {'/'.join(a.option_strings) or a.dest}")
+
+    walk(build_parser(), ["posgen-tl"])
+    assert not missing, missing
+
+
 _words = st.sampled_from(["check", "report", "study", "list", "decomposition", "--model", "--seq-len", "--n-seq", "--layers", "--out", "--quick", "-x",
                           "0", "-3", "abc", "1,2", "5-", "--corpus", "", "--seed", "1e9", "x" * 50])
 

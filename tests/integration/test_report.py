@@ -142,6 +142,28 @@ def test_report_renders_in_headless_chromium(quick_report, tmp_path):
     hist = im.histogram()
     non_white = sum(hist[:250]) / sum(hist)
     assert non_white > 0.05
+    from browser import layout, layout_problems
+
+    m = layout(quick_report / "report.html", tmp_path, width=1280)  # no table cut off or wider than the page
+    assert m["tables"] and not layout_problems(m), layout_problems(m)
+
+
+def test_render_only_rewrites_the_page_from_the_saved_results(quick_report, tmp_path):
+    """`posgen-tl report --render-only` rebuilds report.html from OUT's saved results without a model: the same
+    findings box as the report the run wrote."""
+    import re
+
+    from posgen_tl.cli import main
+
+    out = tmp_path / "r"
+    shutil.copytree(quick_report, out)
+    first = (out / "report.html").read_text()
+    (out / "report.html").unlink()
+    assert main(["report", "--out", str(out), "--render-only"]) == 0
+    again = (out / "report.html").read_text()
+    box = re.compile(r"<div class='summary' id='summary'>.*?</div>", flags=re.S)
+    assert box.search(first).group(0) == box.search(again).group(0)
+    assert main(["report", "--out", str(tmp_path / "none"), "--render-only"]) == 2
 
 
 def test_cli_quick_report(tmp_path, smollm2):

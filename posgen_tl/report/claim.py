@@ -1,0 +1,246 @@
+"""The causal claim across runs: its table per corpus, its sentences (the primary answer, each entry in words) and
+where it holds — read from the dose–response runs' own tables (docs/method.md §5, §8 v3).
+
+Runs are :class:`posgen_tl.report.pages.Run` records (``study``, ``model``, ``corpus``, ``folder``, ``meta``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from posgen_tl.report.text import md_table, sig3
+
+if TYPE_CHECKING:
+    from posgen_tl.report.pages import Run
+
+__all__ = ["CLAIM_STUDY", "claim_table", "claim_section", "claim_method", "claim_discussion", "primary_answer"]
+
+
+#: the study whose runs make up the causal claim (the dose–response test, docs/method.md §5, §8 v3)
+CLAIM_STUDY = "causal"
+
+
+def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]:
+    """The causal claim of ``corpus``'s :data:`CLAIM_STUDY` runs: one row per declared entry (model × layer group)
+    with its run's destroy − none at common damage (``estimate``, ``ci_low``, ``ci_high``, ``p``), its
+    intersection–union ``p_iut`` and binding contrast, the run's own verdict (``run_verdict``), ``p_family`` (Holm
+    over the WHOLE declared claim of each entry's ``p_test`` — its intersection–union p, or 1 where its contrasts
+    point different ways; entries not run or not testable count as p = 1, which keeps the adjustment valid) and
+    the claim's ``verdict``: "depends" where the entry's own test rejected (``iut_rejects``, before any family
+    step) and ``p_family`` < the runs' α.
+
+    Returns ``(table indexed by entry, method text)``; ``(None, reason)`` when no run declares a claim or the runs
+    declare different claims."""
+    from posgen_tl.stats.verdicts import family_adjust  # noqa: PLC0415
+
+    rows, claims, alphas = [], set(), set()
+    for r in (r for r in runs if r.corpus == corpus and r.study == CLAIM_STUDY):
+        declared = tuple(r.meta["config"].get("claim") or ())
+        if not declared:
+            continue
+        claims.add(tuple(json.loads((r.folder / f"{CLAIM_STUDY}_result.json").read_text())["meta"].get("claim")
+                         or declared))
+        alphas.add(float(r.meta["config"].get("test_alpha", 0.05)))
+        v = pd.read_csv(r.folder / f"{CLAIM_STUDY}_verdicts.csv")
+        con = pd.read_csv(r.folder / f"{CLAIM_STUDY}_contrasts.csv").set_index(["layers", "contrast"])
+        for x in v.itertuples():
+            b = con.loc[(x.layers, x.binding)] if isinstance(x.binding, str) and (x.layers, x.binding) in con.index \
+                else None
+            rows.append(dict(entry=f"{r.model}:{x.layers}", model=r.model, layers=x.layers, estimate=x.estimate,
+                             ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, p_iut=x.p_iut, p_test=x.p_test,
+                             iut_rejects=bool(x.iut_rejects), binding=x.binding, run_verdict=x.verdict, mde=x.mde,
+                             n_docs=x.n_docs, reason=str(x.reason),
+                             binding_estimate=np.nan if b is None else float(b["estimate"]),
+                             binding_ci_low=np.nan if b is None else float(b["ci_low"]),
+                             binding_ci_high=np.nan if b is None else float(b["ci_high"])))
+    if not rows:
+        return None, "no run declares a claim"
+    if len(claims) != 1 or len(alphas) != 1:
+        return None, "The runs declare different claims (or levels α): no family verdict."
+    claim: list[str] = list(next(iter(claims)))
+    alpha = next(iter(alphas))
+    df = pd.DataFrame(rows).set_index("entry").reindex(claim)
+    missing = [e for e in claim if pd.isna(df.loc[e, "run_verdict"])]
+    p_adj, method = family_adjust(df["p_test"].fillna(1.0).to_numpy(), "holm", claim)
+    df["p_family"] = p_adj
+    verdicts = []
+    for e, q, rv, n in zip(claim, p_adj, df["run_verdict"], df["n_docs"].fillna(0)):
+        if e in missing:
+            verdicts.append("not run")
+        elif rv == "not testable":
+            verdicts.append("not testable")
+        else:
+            rejects = bool(df.loc[e, "iut_rejects"])  # the entry's own test, before any family adjustment
+            verdicts.append(("depends" if rejects and q < alpha else "not detected")
+                            + (" (exploratory)" if n < 32 else ""))
+    df["verdict"] = verdicts
+    return df, method + (f" (not run: {', '.join(missing)}, counted as p = 1)" if missing else "")
+
+
+def claim_section(runs: list[Run]) -> list[str]:
+    """The causal claim across runs, per corpus (:func:`claim_table`), as a small table with word headers: per
+    declared entry its answer, destroy − none at common damage, the contrast that decided (its effect and interval),
+    that contrast's p (the intersection–union p), the p over the declared claim and the documents. The verdict of the
+    claim is this table's, and the headlines quote it."""
+    out: list[str] = []
+    for corpus in dict.fromkeys(r.corpus for r in runs):
+        df, method = claim_table(runs, corpus)
+        if df is None:
+            if method.startswith("The runs"):
+                out += [f"*The declared claim on {corpus}*", "", method, ""]
+            continue
+        rows = []
+        for entry, r in df.iterrows():
+            ran = r["verdict"] != "not run"
+            rows.append({"entry": entry, "answer": r["verdict"],
+                         "destroy − none": _interval(r["estimate"], r["ci_low"], r["ci_high"]) if ran else "–",
+                         "deciding contrast": (f"{r['binding']}: "
+                                               f"{_interval(r['binding_estimate'], r['binding_ci_low'], r['binding_ci_high'])}"
+                                               if isinstance(r["binding"], str) and r["binding"] else "–"),
+                         "its p": sig3(r["p_iut"]), "p over the claim": sig3(r["p_family"]) if ran else "–",
+                         "documents": "–" if r["n_docs"] != r["n_docs"] else str(int(r["n_docs"]))})
+        out += [f"*The declared claim on {corpus}* (effects in nats × p at common damage, 95 % intervals)", "",
+                md_table(pd.DataFrame(rows)), "",
+                f"<small>its p: the largest p of the intersection–union test (destroy − none and destroy − every "
+                f"control); p over the claim: {method}; α = 0.05.</small>", ""]
+    return out
+
+
+def claim_method(runs: list[Run]) -> list[str]:
+    """How the claim table is computed, in words (folded under the answer)."""
+    if not any(r.study == CLAIM_STUDY for r in runs):
+        return []
+    return ["The claim was declared before the runs: a list of (model, layer group) entries. Per entry, "
+            "destroy − none is the tolerance loss of removing the pattern minus that of no edit, both read at the same "
+            "declared damage levels on each document's dose–response curve (interpolation only). The entry's test is "
+            "an intersection–union test: destroy − none AND destroy − every control must reject in the same direction "
+            "(exact sign-flip over documents), so its p is the largest of those p's, and the contrast that has it "
+            "decides. Over the claim, the entries' p's are adjusted together (entries not run or not testable count "
+            "as p = 1).", ""]
+
+
+def _signed(x: Any) -> str:
+    t = sig3(x)
+    return t if t.startswith(("-", "–")) else "+" + t
+
+
+def claim_discussion(runs: list[Run]) -> list[str]:
+    """Where the causal claim holds and where it does not, per declared entry, written from the runs' tables:
+    the hypothesis; per corpus, the entry's destroy − none at common damage, what decided its verdict (the
+    binding contrast of the intersection–union test, or why it is not testable) and the verdict over the
+    claim; whether the corpora agree."""
+    corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY))
+    tables = {c: t for c in corpora if (t := claim_table(runs, c)[0]) is not None}
+    if not tables:
+        return []
+    first = min(tables, key=lambda c: (c != "pydoc", c))
+    out = ["## Where the causal claim holds and where it does not", "",
+           "The hypothesis under test: a model's tolerance of swapped context tokens relies on the key offset "
+           "in the fast RoPE bands (the pattern), so removing that offset (`destroy`) raises the cost of swaps "
+           "(the area under ΔNLL over the swap fraction p) by more than edits that do the SAME damage to the clean "
+           "text but leave the pattern alone (controls C1–C4), compared along dose–response curves. Per declared "
+           "entry, from the runs' own tables:", ""]
+    stands, fails, single, untestable, not_run = [], [], [], [], []
+    for entry in tables[first].index:
+        model, layers = entry.split(":", 1)
+        lines, verdicts = [], {}
+        for c, t in tables.items():
+            if entry not in t.index or t.loc[entry, "verdict"] == "not run":
+                continue
+            row = t.loc[entry]
+            run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == c)
+            v = pd.read_csv(run.folder / f"{CLAIM_STUDY}_verdicts.csv").set_index("layers").loc[layers]
+            verdicts[c] = str(row["verdict"])
+            lines.append(
+                f"    - {c} ({int(row['n_docs'])} documents): destroy − none at common damage {_signed(row['estimate'])} "
+                f"nats × p [{_signed(row['ci_low'])}, {_signed(row['ci_high'])}], sign-flip p {sig3(float(row['p']))}. "
+                f"Decided by: {v['reason']}. Over the claim: **{row['verdict']}** (p {sig3(float(row['p_family']))}).")
+        words = {w.split(" (")[0] for w in verdicts.values()}
+        if not verdicts:
+            state = "not run yet"
+            not_run.append(entry)
+        elif len(verdicts) < 2:
+            state = "measured on one corpus only: not claimed"
+            single.append(entry)
+        elif words == {"depends"}:
+            state = "**the claim holds here** (both corpora)"
+            stands.append(entry)
+        elif "not testable" in words:
+            state = "not testable on at least one corpus: not claimed"
+            untestable.append(entry)
+        elif len(words) == 1:
+            state = "the claim is not supported here (not detected on either corpus)"
+            fails.append(entry)
+        else:
+            state = "the corpora disagree: not claimed"
+            fails.append(entry)
+        out += [f"- **{model}, layers {layers}** — {state}.", *lines]
+    said = [f"{what} {', '.join(es)}" for what, es in (("the claim holds (both corpora) for", stands),
+                                                        ("it is not supported for", fails),
+                                                        ("it is not testable for", untestable),
+                                                        ("only one corpus has been run for", single),
+                                                        ("not run yet:", not_run)) if es]
+    out += ["", "In short: " + "; ".join(said) + ". 'Not detected' is not evidence of no effect: each run's page gives "
+            "the minimum detectable effect of the whole test.", ""]
+    return out
+
+
+def primary_answer(runs: list[Run]) -> str:
+    """One plain sentence answering the primary question (does tolerance depend on the pattern?) from the
+    causal claim on the corpora that ran it — or saying that it has no published answer yet."""
+    q, a = _primary(runs)
+    return f"**{q}** {a}"
+
+
+def _primary(runs: list[Run]) -> tuple[str, str]:
+    """``(question, answer)`` of :func:`primary_answer` (the answer links ``{prefix}causal.md``)."""
+    q = "Does position tolerance depend on the key pattern in the fast RoPE bands?"
+    corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY))
+    tables = {c: t for c in corpora if (t := claim_table(runs, c)[0]) is not None}
+    if not tables:
+        return q, ("No published answer yet: the earlier verdicts were withdrawn (their controls never did "
+                   "destroy's damage), and the dose–response re-runs that replace them are under way "
+                   "([causal]({prefix}causal.md)).")
+    entries = list(next(iter(tables.values())).index)
+    words = {e: {c: str(t.loc[e, "verdict"]).split(" (")[0] for c, t in tables.items() if e in t.index
+                 and t.loc[e, "verdict"] != "not run"} for e in entries}
+    holds = [e for e, w in words.items() if len(w) >= 2 and set(w.values()) == {"depends"}]
+    ran = [e for e, w in words.items() if w]
+    if holds:
+        ans = f"Yes for {', '.join(holds)} (on both corpora); not established for the other {len(ran) - len(holds)} entries run"
+    else:
+        ans = (f"Not established: no entry of the claim shows a dependence on both corpora ({len(ran)} of "
+               f"{len(entries)} entries run)")
+    clauses = [_entry_clause(e, c, t.loc[e]) for c, t in tables.items() for e in t.index
+               if t.loc[e, "verdict"] != "not run"]
+    per = (" " + "; ".join(clauses) + ".") if clauses else ""
+    return q, f"{ans} ([causal]({{prefix}}causal.md)).{per}"
+
+
+def _interval(est: float, lo: float, hi: float) -> str:
+    return f"{sig3(est)} [{sig3(lo)}, {sig3(hi)}]"
+
+
+def _entry_clause(entry: str, corpus: str, row: pd.Series) -> str:
+    """One entry of the claim in words, derived from its verdict: what removing the pattern did (destroy − none at
+    common damage) and what decided (the binding contrast, or why the entry is not testable)."""
+    name = f"{entry.replace(':', ' ')} ({corpus})"
+    verdict = str(row["verdict"])
+    dn = f"destroy − none {_interval(row['estimate'], row['ci_low'], row['ci_high'])} nats × p"
+    if verdict.startswith("not testable"):
+        why = str(row.get("reason", "")).split(":")[0].strip() or "the rule's preconditions failed"
+        return f"{name}: not testable — {why}"
+    costs = row["ci_low"] > 0
+    b = (f"{row['binding']} {_interval(row['binding_estimate'], row['binding_ci_low'], row['binding_ci_high'])}"
+         if row["binding_estimate"] == row["binding_estimate"] else str(row["binding"]))
+    if verdict.startswith("depends"):
+        return f"{name}: depends — {dn}, beyond every control at common damage (weakest: {b}, p {sig3(row['p_iut'])})"
+    mde = f"the whole test's MDE {sig3(row['mde'])}"
+    if str(row["binding"]) == "destroy − none" or not costs:
+        return f"{name}: {verdict} — no change of tolerance by removing the pattern is detected ({dn}; {mde})"
+    return (f"{name}: {verdict} — removing the pattern costs tolerance ({dn}), but not detectably more than a "
+            f"control with the same damage ({b}; {mde})")
