@@ -26,10 +26,16 @@ stays light. Data flows one way through them:
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from posgen_tl._version import __version__
-from posgen_tl.compat import check_supported as _check_supported
+# tqdm.auto (imported by transformers, huggingface_hub and our loops) warns "IProgress not found" in red in a Jupyter
+# kernel without ipywidgets, then shows its text bar anyway; the text bar is all a reader needs, so that one
+# message is silenced (every other warning stays). With ipywidgets installed, the bars are widgets.
+warnings.filterwarnings("ignore", message="IProgress not found", module="tqdm")
+
+from posgen_tl._version import __version__  # noqa: E402
+from posgen_tl.compat import check_supported as _check_supported  # noqa: E402
 
 _check_supported()  # a TransformerLens outside the supported range fails here, naming both versions
 

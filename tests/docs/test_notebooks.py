@@ -94,6 +94,8 @@ def test_notebook_executes_and_shows_its_figures(name, smollm2, kernel_name, mon
     client.execute()  # raises CellExecutionError on any failing cell
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert not [o for c in code for o in c.get("outputs", []) if o.output_type == "error"]
+    streams = "".join(o.get("text", "") for c in code for o in c.get("outputs", []) if o.output_type == "stream")
+    assert "IProgress not found" not in streams and "TqdmWarning" not in streams, f"{name}: tqdm warns a reader"
     assert sum(len(_pngs(c)) for c in code) >= 1, f"{name}: no figure rendered"
     for i, c in enumerate(code):
         pngs = _pngs(c)
