@@ -333,9 +333,23 @@ class Result:
     tables: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: other names a table answers to as an attribute (``result.rows`` for ``tables["curves"]``), per experiment
+    ALIASES: ClassVar[dict[str, str]] = {}
 
     def __getitem__(self, name: str) -> Any:
         return self.tables[name]
+
+    def __getattr__(self, name: str) -> Any:
+        """A table as an attribute: ``result.summary`` is ``result.tables["summary"]`` (or the table
+        :attr:`ALIASES` names). Raises AttributeError, naming the tables there are, for any other name."""
+        if name.startswith("__") or name in ("tables", "config", "meta"):
+            raise AttributeError(name)
+        tables = self.__dict__.get("tables") or {}
+        key = type(self).ALIASES.get(name, name)
+        if key in tables:
+            return tables[key]
+        raise AttributeError(f"{type(self).__qualname__} has no table or attribute {name!r}; its tables: "
+                             f"{sorted(tables)}")
 
     @property
     def skipped(self) -> str | None:

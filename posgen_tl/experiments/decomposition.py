@@ -434,9 +434,6 @@ class Result(base.Result):
             reference documents.
     """
 
-    @property
-    def rows(self) -> pd.DataFrame:
-        return self.tables["rows"]
 
     def head(self) -> Any:
         """The :class:`~posgen_tl.experiments.head_maps.HeadDecomposition` the figure shows (None if not kept)."""

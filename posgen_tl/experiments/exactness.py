@@ -218,11 +218,11 @@ def window_length(spec: Any, seq_len: int) -> tuple[int, str]:
 
 class Result(base.Result):
     """The outcome of :func:`run`: ``tables["layers"]`` (:func:`exactness_table`, one row per layer), the Config's
-    options and ``meta`` (model, the compared windows' length and why it was raised, dtype, tolerances)."""
+    options and ``meta`` (model, the compared windows' length and why it was raised, dtype, tolerances);
+    ``result.table`` is ``tables["layers"]``."""
 
-    @property
-    def table(self) -> pd.DataFrame:
-        return self.tables["layers"]
+    ALIASES: ClassVar[dict[str, str]] = {"table": "layers"}
+
 
 
 #: the table's file in a study folder (the name published runs already carry)

@@ -109,13 +109,7 @@ class Result(base.Result):
         config: the Config's options. meta: model, documents, sizes, the layer groups, the k̄ kind.
     """
 
-    @property
-    def rows(self) -> pd.DataFrame:
-        return self.tables["rows"]
 
-    @property
-    def summary(self) -> pd.DataFrame:
-        return self.tables["summary"]
 
 
 #: the tables' files in a study folder (the names published runs already carry)

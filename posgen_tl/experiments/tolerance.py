@@ -85,23 +85,16 @@ class Result(base.Result):
             ``tost`` (per twin, TOST of the T1 − T2 AUC within the declared margin).
         config: the Config's options. meta: model, sizes, fractions, seeds, the margin and where it was declared,
             the equivariance note, commit, wall times.
+
+    Each table is an attribute too (``result.summary``); ``result.rows`` is ``curves`` and ``result.equivalence``
+    is ``tost``.
     """
 
-    @property
-    def rows(self) -> pd.DataFrame:
-        return self.tables["curves"]
+    ALIASES: ClassVar[dict[str, str]] = {"rows": "curves", "equivalence": "tost"}
 
-    @property
-    def summary(self) -> pd.DataFrame:
-        return self.tables["summary"]
 
-    @property
-    def contrasts(self) -> pd.DataFrame:
-        return self.tables["contrasts"]
 
-    @property
-    def equivalence(self) -> pd.DataFrame:
-        return self.tables["tost"]
+
 
 
 #: the tables' files in a study folder (the names published runs already carry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import pandas as pd
 import pytest
 
 from posgen_tl.experiments import base, registry
@@ -108,3 +109,18 @@ def test_only_a_corpus_or_model_refusal_skips_a_stage(study, tmp_path, monkeypat
     monkeypatch.setattr(mod, "run", bug)
     with pytest.raises(ValueError, match="expected"):
         registry.run_or_skip(study, None, mod.Config())
+
+
+def test_a_result_answers_with_its_tables_as_attributes():
+    from posgen_tl.experiments import exactness, tolerance
+    from posgen_tl.experiments.base import Result
+
+    t = pd.DataFrame({"a": [1]})
+    r = Result({"summary": t})
+    assert r.summary is t and r["summary"] is t
+    with pytest.raises(AttributeError, match=r"no table or attribute 'rows'; its tables: \['summary'\]"):
+        r.rows  # noqa: B018
+    assert tolerance.Result({"curves": t, "tost": t}).rows is t  # the aliases of an experiment
+    assert tolerance.Result({"curves": t, "tost": t}).equivalence is t
+    assert exactness.Result({"layers": t}).table is t
+    assert not hasattr(Result(), "__array__")  # dunder look-ups are never tables (numpy, pickle, copy)
