@@ -33,24 +33,25 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
-import torch
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.conditions import CONTROLS, Condition, build_conditions, entry_bands, match_alpha, resolve_groups
-from posgen_tl.engine.dose import dose_rows, dose_units, strength_grid
-from posgen_tl.engine.swaps import SwapOptions, nll_on_target, windows_fingerprint
+from posgen_tl.engine.conditions import CONTROLS, Condition, build_conditions, entry_bands, resolve_groups
+from posgen_tl.engine.dose import dose_rows, dose_units
+from posgen_tl.engine.pilot import Pilot, needed_n, pilot, required
+from posgen_tl.engine.pilot import design as design_of
+from posgen_tl.engine.swaps import SwapOptions, windows_fingerprint
 from posgen_tl.experiments import base
-from posgen_tl.hooks.edits import intervention_hooks, key_means
+from posgen_tl.hooks.edits import key_means
 from posgen_tl.io.sampling import Windows, check_disjoint, sample_windows
 from posgen_tl.stats.curves import doc_bootstrap
-from posgen_tl.stats.dose import DoseDesign, common_damage_contrasts, curves_at_levels, dose_verdict, iut_mde
+from posgen_tl.stats.dose import common_damage_contrasts, curves_at_levels, dose_verdict, iut_mde
 
 __all__ = ["NAME", "ABOUT", "NEEDS", "Config", "Pilot", "Result", "pilot", "run", "render", "save", "load",
            "family_adjust", "needed_n", "causal_study", "headline", "run_or_skip"]
@@ -65,8 +66,6 @@ TABLES = ("verdicts", "contrasts", "contrasts_unedited", "power", "grids", "cond
           "pilot_units")
 #: the largest strength a grid may reach, per edit kind: rephase turns k̄ by α·φ (α = 1 is a full random
 #: rotation); the other edits scale a change and are capped only to stay finite
-STRENGTH_CAP = {"rephase": 1.0}
-DEFAULT_CAP = 32.0
 
 
 @dataclass(frozen=True)
@@ -156,156 +155,6 @@ class Config(SwapOptions):
 
 
 # ----------------------------------------------------------------------------- pilot
-
-
-@dataclass(frozen=True)
-class Pilot:
-    """What the pilot on the reference windows declares before the analysed documents are looked at.
-
-    Attributes:
-        grids: per entry (``layers``) × condition: ``tuned`` (its strength at destroy's damage), ``reached``
-            (the tuning found destroy's damage below the cap), ``reference_damage`` (its damage there),
-            ``destroy_damage``, ``cap`` and ``strengths`` (the grid, α = 0 first, ``;``-joined).
-        units: the pilot's dose units (:func:`posgen_tl.engine.dose.dose_units`).
-        levels: per entry, the common damage levels (nats).
-        sds: per entry, the per-document sd of every required contrast on the pilot (nats × p).
-        seconds_per_window: wall seconds of the pilot's dose rows per window (all entries, the whole grid).
-    """
-
-    grids: pd.DataFrame
-    units: pd.DataFrame
-    levels: dict[str, tuple[float, ...]]
-    sds: dict[str, dict[str, float]]
-    seconds_per_window: float
-
-    def strengths(self) -> dict[tuple[str, str], tuple[float, ...]]:
-        """``{(entry, condition): grid}``."""
-        return {(r.layers, r.condition): tuple(float(x) for x in str(r.strengths).split(";"))
-                for r in self.grids.itertuples()}
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-friendly form (:meth:`from_dict` inverts it)."""
-        return dict(grids=self.grids.to_dict("records"), units=self.units.to_dict("records"),
-                    levels={k: list(v) for k, v in self.levels.items()}, sds=self.sds,
-                    seconds_per_window=self.seconds_per_window)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Pilot:
-        return cls(pd.DataFrame(d["grids"]), pd.DataFrame(d["units"]),
-                   {k: tuple(float(x) for x in v) for k, v in d["levels"].items()},
-                   {k: {c: float(s) for c, s in v.items()} for k, v in d["sds"].items()}, float(d["seconds_per_window"]))
-
-
-def _cap(c: Condition) -> float:
-    return STRENGTH_CAP.get(c.kind, DEFAULT_CAP)
-
-
-def _mean_damage(model: Any, cond: Condition, ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Config) -> float:
-    """Mean clean-NLL damage of ``cond`` on the reference windows (random controls drawn per document)."""
-    out = []
-    for s in range(0, len(ref), cfg.batch_size):
-        w = ref.subset(range(s, min(s + cfg.batch_size, len(ref))))
-        cd = cond.for_documents(w.doc_ids.tolist(), cfg.seed, True)
-        if cd.intervention is None:
-            raise ValueError("the unedited condition has no damage to tune")
-        out.append(nll_on_target(model, w.tokens, target_len=cfg.target(), batch_size=len(w),
-                                 fwd_hooks=intervention_hooks(model, cd.intervention, km)))
-    return float((torch.cat(out) - ref_base).mean())
-
-
-def _tune(model: Any, conds: list[Condition], ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Config,
-          progress: bool) -> list[dict[str, Any]]:
-    """Each condition's tuned strength: destroy's is ``cfg.alpha``; a control's brings its mean damage on the
-    reference windows to destroy's (:func:`posgen_tl.engine.conditions.match_alpha`)."""
-    target = _mean_damage(model, conds[0], ref, ref_base, km, cfg)
-    rows = [dict(layers=conds[0].group, condition="destroy", tuned=conds[0].alpha, reached=True,
-                 reference_damage=target, destroy_damage=target, cap=_cap(conds[0]))]
-    for c in conds[1:]:
-        def damage(a: float, c: Condition = c) -> float:
-            return _mean_damage(model, c.with_alpha(a), ref, ref_base, km, cfg)
-
-        m = match_alpha(damage, target, start=c.alpha, alpha_max=_cap(c), max_steps=cfg.match_steps)
-        rows.append(dict(layers=c.group, condition=c.key, tuned=m["alpha"], reached=m["reached"],
-                         reference_damage=m["damage"], destroy_damage=target, cap=_cap(c)))
-        if progress:
-            miss = "" if m["reached"] else f" — destroy's damage not reached in {m['n_evals']} evaluations (α ≤ {_cap(c):g})"
-            tqdm.write(f"[{NAME}] pilot {c.group} {c.key}: tuned α={m['alpha']:.4g}, damage {m['damage']:.4g} "
-                       f"(destroy {target:.4g}){miss}")
-    return rows
-
-
-def needed_n(sds: Sequence[float], effect: float, *, alpha: float, power: float = 0.8, n_max: int = 100_000) -> int | None:
-    """The smallest number of documents at which :func:`posgen_tl.stats.dose.iut_mde` is at most ``effect``
-    (``None`` when even ``n_max`` is not enough or the sds are unusable)."""
-    s = [float(x) for x in sds]
-    if not s or not all(np.isfinite(s)):
-        return None
-    if iut_mde(s, n_max, alpha=alpha, power=power) > effect:
-        return None
-    lo, hi = 2, n_max
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if iut_mde(s, mid, alpha=alpha, power=power) <= effect:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _design(levels: Sequence[float], cfg: Config, controls: Sequence[str]) -> DoseDesign:
-    return DoseDesign(levels=tuple(float(x) for x in levels), alpha=cfg.test_alpha, min_coverage=cfg.min_coverage,
-                      controls=tuple(controls), seed=cfg.seed)
-
-
-def _required(contrasts: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
-    want = ["destroy − none", *(f"destroy − {c}" for c in controls)]
-    return contrasts.set_index("contrast").loc[want]
-
-
-def pilot(
-    model: Any, ref: Windows, k_means: dict, conditions: Mapping[str, list[Condition]], cfg: Config, *,
-    progress: bool = True,
-) -> Pilot:  # fmt: skip
-    """The pilot on the REFERENCE windows (never the analysed ones): tuned strengths and grids, the dose rows
-    of the grid, the declared levels and the per-document spread of every required contrast.
-
-    ``conditions``: per entry label, ``[destroy, *controls]`` (:func:`posgen_tl.engine.conditions.build_conditions`).
-    Returns a :class:`Pilot` (with fewer than 3 reference documents its spreads are NaN: no power can be planned,
-    and the power table says so; when destroy damages no pilot document and no levels are declared, the entry's
-    levels are empty and the entry is "not testable", :data:`NO_LEVELS`)."""
-    ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size)
-    rows: list[dict[str, Any]] = []
-    for conds in conditions.values():
-        rows += _tune(model, conds, ref, ref_base, k_means, cfg, progress)
-    grids = pd.DataFrame(rows)
-    grids["strengths"] = [";".join(f"{a:.6g}" for a in strength_grid(r.tuned, cfg.relative, alpha_max=r.cap))
-                          for r in grids.itertuples()]
-    flat = [c for cs in conditions.values() for c in cs]
-    strengths = {(r.layers, r.condition): tuple(float(x) for x in r.strengths.split(";")) for r in grids.itertuples()}
-    t0 = time.time()
-    pr = dose_rows(model, ref, flat, strengths, k_means=k_means, target_len=cfg.target(), fracs=cfg.fracs,
-                   seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=cfg.batch_size, progress=progress)
-    seconds = (time.time() - t0) / len(ref)
-    units = dose_units(pr)
-    levels: dict[str, tuple[float, ...]] = {}
-    sds: dict[str, dict[str, float]] = {}
-    for label, conds in conditions.items():
-        u = units[units["layers"] == label]
-        d = u[(u["condition"] == "destroy") & np.isclose(u["alpha"], conds[0].alpha)]["damage"].to_numpy(float)
-        if cfg.levels:
-            lv = tuple(float(x) for x in cfg.levels)
-        elif np.any(d > 0):
-            lv = tuple(float(x) for x in np.quantile(d[d > 0], [0.25, 0.5, 0.75]))
-        else:  # no level can be declared: the entry will be "not testable" (NO_LEVELS says why)
-            lv = ()
-        levels[label] = lv
-        ctl = [c.key for c in conds[1:]]
-        if lv:
-            con = common_damage_contrasts(u, _design(lv, cfg, ctl))
-            sds[label] = {k: float(v) for k, v in _required(con, ctl)["sd"].items()}
-        else:
-            sds[label] = {k: float("nan") for k in ["destroy − none", *(f"destroy − {c}" for c in ctl)]}
-    return Pilot(grids, units, levels, sds, seconds)
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -446,12 +295,12 @@ def _entry_tables(label: str, u: pd.DataFrame, levels: Sequence[float], controls
         empty = pd.DataFrame(columns=CONTRAST_COLUMNS)
         return row, empty, empty.copy(), pd.DataFrame(columns=["condition", "damage", "tolerance", "ci_low",
                                                                "ci_high", "n_docs", "coverage", "layers"])
-    design = _design(levels, cfg, controls)
+    design = design_of(levels, cfg, controls)
     con = common_damage_contrasts(u, design)
     con_u = common_damage_contrasts(u.assign(tolerance=u["tolerance_unedited"]), design)
     v = dose_verdict(con, design)
     main = con.set_index("contrast").loc["destroy − none"]
-    req = _required(con, controls)
+    req = required(con, controls)
     sds = req["sd"].to_numpy(float)
     n = int(req["n_docs"].min())
     mde = iut_mde(sds, n, alpha=cfg.test_alpha / m) if np.all(np.isfinite(sds)) and n >= 2 else np.nan

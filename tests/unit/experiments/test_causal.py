@@ -54,7 +54,10 @@ def test_the_pilot_never_sees_the_analysed_documents(llama, monkeypatch):
         seen.append(set(windows.doc_ids.tolist()))
         return real(model, windows, *a, **k)
 
-    monkeypatch.setattr(cd, "dose_rows", spy)
+    import posgen_tl.engine.pilot as pilot_mod
+
+    monkeypatch.setattr(cd, "dose_rows", spy)  # the analysed batches
+    monkeypatch.setattr(pilot_mod, "dose_rows", spy)  # the pilot
     ana, ref = sample_windows(llama, _corpus(), n_seq=8, seq_len=24, n_ref=5, seed=0)
     cd.run(llama, windows=(ana, ref), **{**OPTS, "groups": ("2",), "controls": ("C2",)})
     assert seen[0] == set(ref.doc_ids.tolist())  # the first call is the pilot's
