@@ -479,25 +479,61 @@ def _atomic_csv(df: pd.DataFrame, path: Path) -> None:
     os.replace(tmp, path)
 
 
+#: the experiments' options this entry point takes, and the Config each one's default and help come from (the same
+#: values `posgen-tl study` uses; the first Config that declares an option owns it)
+OPTIONS = ("corpus", "seq_len", "n_seq", "n_ref", "layers", "target_len", "batch_size", "seed")
+
+
+def _owners() -> dict[str, Any]:
+    """``{option: the Config class that declares it}`` over the stages' Configs (decomposition, pattern, tolerance)."""
+    from posgen_tl.experiments import decomposition, pattern, tolerance  # noqa: PLC0415
+
+    out: dict[str, Any] = {}
+    for cfg in (decomposition.Config, pattern.Config, tolerance.Config):
+        for o in cfg.options():
+            out.setdefault(o.name, cfg)
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
+    """The arguments of ``python -m posgen_tl.distributed``: the run's own (model, stages, device, out, backend), and
+    the experiments' options of :data:`OPTIONS`, generated from their Configs (default and help as ``study``)."""
     p = argparse.ArgumentParser(
         prog="python -m posgen_tl.distributed",
         description="Decomposition, feature pattern and tolerance rows over many documents, sharded over "
                     "torch.distributed ranks (launch with torchrun --nproc_per_node N -m posgen_tl.distributed ...).")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--corpus", default=None, help="text file or folder (default: pydoc topics)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--n-seq", type=int, default=16)
-    p.add_argument("--n-ref", type=int, default=4, help="reference windows (other documents) for k̄")
-    p.add_argument("--layers", default=None, help="comma-separated layer indices (default all)")
-    p.add_argument("--stages", default="decomposition,pattern,tolerance")
-    p.add_argument("--target-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default="posgen_distributed")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="gloo")
+    from posgen_tl.io.models import DEFAULT_MODEL  # noqa: PLC0415
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or path (default: {DEFAULT_MODEL})")
+    owners = _owners()
+    for name in OPTIONS:
+        cfg = owners[name]
+        o = next(x for x in cfg.options() if x.name == name)
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, metavar=o.kind.upper(),
+                       help=f"{o.help} (default {o.default!r}, as {cfg.__module__.rsplit('.', 1)[-1]}'s Config)")
+    p.add_argument("--stages", default="decomposition,pattern,tolerance",
+                   help="comma-separated stages to run (default: decomposition,pattern,tolerance)")
+    p.add_argument("--device", default="cpu", help="torch device of each rank's model (default: cpu)")
+    p.add_argument("--out", default="posgen_distributed", help="output folder, written by rank 0 (default: "
+                                                              "posgen_distributed)")
+    p.add_argument("--backend", default="gloo", help="torch.distributed backend (default: gloo)")
     return p
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The typed values of :data:`OPTIONS` — given on the command line or their Config's default.
+
+    Raises:
+        ValueError: a value that does not parse as its option's kind (named)."""
+    owners = _owners()
+    out = {}
+    for name in OPTIONS:
+        text = getattr(args, name)
+        cfg = owners[name].from_text({name: text} if text is not None else {}, strict=True)
+        out[name] = getattr(cfg, name)
+    if out["target_len"] == 0:  # the experiments' rule: min(64, seq_len // 4)
+        out["target_len"] = min(64, int(out["seq_len"]) // 4)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -509,6 +545,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank failed (every rank prints the same error), 2 on bad arguments.
     """
     args = _parser().parse_args(argv)
+    try:
+        opt = _options(args)
+    except ValueError as e:
+        print(f"posgen_tl.distributed: error: {e}", file=sys.stderr)
+        return 2
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = set(stages) - {"decomposition", "pattern", "tolerance"}
     if unknown:
@@ -532,28 +573,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         model = guarded(lambda: load_model(args.model, device=args.device), what="model load")
         try:
-            win, ref = sample_windows(model, args.corpus, n_seq=args.n_seq, seq_len=args.seq_len, n_ref=args.n_ref,
-                                      seed=args.seed)
+            win, ref = sample_windows(model, opt["corpus"], n_seq=opt["n_seq"], seq_len=opt["seq_len"],
+                                      n_ref=opt["n_ref"], seed=opt["seed"])
         except CorpusError as e:
             raise ShardError(str(e)) from e
-        layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
+        from posgen_tl.experiments.base import resolve_layers  # noqa: PLC0415
+
+        layers = resolve_layers(opt["layers"], model.cfg.n_layers)
         shard_documents(win.doc_ids, d.world_size, d.rank)  # ShardError on every rank before any work
         tables: dict[str, pd.DataFrame] = {}
         timing: dict[str, float] = {}
         if "decomposition" in stages:
             ts = time.perf_counter()
             tables["decomposition.csv"] = decompose_distributed(model, win, ref, layers=layers,
-                                                                batch_size=args.batch_size)
+                                                                batch_size=opt["batch_size"])
             timing["decomposition"] = time.perf_counter() - ts
         if "pattern" in stages:
             ts = time.perf_counter()
-            pr = pattern_distributed(model, win, ref, layers=layers, batch_size=args.batch_size)
+            pr = pattern_distributed(model, win, ref, layers=layers, batch_size=opt["batch_size"])
             tables["pattern_bands.csv"], tables["pattern_heads.csv"] = pr.bands, pr.heads
             timing["pattern"] = time.perf_counter() - ts
         if "tolerance" in stages:
             ts = time.perf_counter()
-            tables["tolerance_rows.csv"] = tolerance_distributed(model, win, (), target_len=args.target_len,
-                                                                 batch_size=args.batch_size)
+            tables["tolerance_rows.csv"] = tolerance_distributed(model, win, (), target_len=opt["target_len"],
+                                                                 batch_size=opt["batch_size"])
             timing["tolerance"] = time.perf_counter() - ts
         guarded(lambda: None, what="final check")
     except (DistributedRunError, ShardError) as e:
@@ -564,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for nm, df in tables.items():
             _atomic_csv(df, out / nm)
         meta = {"world_size": d.world_size, "threads_per_rank": torch.get_num_threads(), "model": args.model,
-                "n_seq": args.n_seq, "seq_len": args.seq_len, "n_docs": win.n_docs, "stage_seconds": timing,
+                "options": opt, "n_seq": opt["n_seq"], "seq_len": opt["seq_len"], "n_docs": win.n_docs, "stage_seconds": timing,
                 "total_seconds": time.perf_counter() - t0}
         tmp = out / ".run.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1))

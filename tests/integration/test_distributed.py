@@ -177,3 +177,22 @@ def test_more_ranks_than_documents_is_a_clear_error(tmp_path):
         assert not o["ok"] and o["error"] == "ShardError"
         assert "2 ranks but only 1 documents" in o["message"]
     assert not (tmp_path / "tables.pkl").exists()
+
+
+def test_the_command_line_options_are_the_experiments_configs(capsys):
+    """`python -m posgen_tl.distributed` takes its sizes from the experiments' Configs: the same defaults and help
+    as `posgen-tl study`, parsed the same way; a bad value is refused before any process group starts."""
+    from posgen_tl.experiments import decomposition, tolerance
+
+    args = D._parser().parse_args([])
+    opt = D._options(args)
+    dec = decomposition.Config()
+    assert (opt["n_seq"], opt["seq_len"], opt["n_ref"], opt["batch_size"], opt["seed"]) == \
+        (dec.n_seq, dec.seq_len, dec.n_ref, dec.batch_size, dec.seed)
+    assert opt["target_len"] == tolerance.Config(seq_len=dec.seq_len).target()  # 0 means the experiments' rule
+    opt = D._options(D._parser().parse_args(["--n-seq", "5", "--layers", "1-2", "--target-len", "7"]))
+    assert opt["n_seq"] == 5 and opt["target_len"] == 7 and list(opt["layers"]) == [1, 2]
+    helps = {a.dest: a.help for a in D._parser()._actions}
+    assert all(helps[n] for n in D.OPTIONS) and "decomposition's Config" in helps["n_seq"]
+    assert D.main(["--n-seq", "many"]) == 2
+    assert "n_seq" in capsys.readouterr().err
