@@ -1,6 +1,13 @@
-"""Write the tutorial notebooks in notebooks/ (docs/notebooks/ links to them) from the cell sources (outputs empty).
+"""Write the tutorial notebooks in notebooks/ (docs/notebooks/ links to them) from the cell sources.
 
-    python scripts/make_notebooks.py
+    python scripts/make_notebooks.py            # write the sources (a notebook whose sources did not change keeps
+                                                # its outputs)
+    python scripts/make_notebooks.py --execute  # and run each one top to bottom at full size, keeping its outputs
+    python scripts/make_notebooks.py --check    # exit 1 if a committed notebook's sources differ from these, or it
+                                                # was not executed (the docs show the committed outputs)
+
+Executed notebooks keep what a reader sees (results, tables, figures, printed text); the kernel's stderr (progress
+bars, warnings) is dropped, and an output that names a path on this machine is an error.
 
 They use the public API only (``import posgen_tl as pg``: top-level names and the namespaces
 ``pg.plot``, ``pg.stats``, ``pg.analysis``, …); tests/test_notebooks.py executes them top to
@@ -13,6 +20,7 @@ exists.
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from pathlib import Path
 
@@ -100,29 +108,124 @@ every head, again beside the random twin."""),
     ]
 
 
-def main() -> None:
+def books() -> dict[str, list]:
+    """``{file name: cells}`` of every tutorial notebook."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import notebook_cells as cells  # noqa: PLC0415
 
-    books = {
+    out = {
         "01_quickstart.ipynb": quickstart(),
         "02_feature_pattern.ipynb": cells.feature_pattern_nb(md, code, SETUP),
         "03_patching_tolerance.ipynb": cells.patching_nb(md, code, SETUP),
     }
     length_nb = getattr(cells, "length_nb", None)  # notebook 4, "longer texts", when it is supplied
     if length_nb is not None:
-        books["04_longer_texts.ipynb"] = length_nb(md, code, SETUP)
-    books["05_patching_positions.ipynb"] = cells.positions_patching_nb(md, code, SETUP)
+        out["04_longer_texts.ipynb"] = length_nb(md, code, SETUP)
+    out["05_patching_positions.ipynb"] = cells.positions_patching_nb(md, code, SETUP)
+    return out
+
+
+def build(name: str, cells_: list):
+    """The notebook ``name`` with ``cells_`` (stable cell ids: a regeneration changes only what changed)."""
+    nb = nbf.v4.new_notebook()
+    nb.cells = cells_
+    for i, c in enumerate(nb.cells):
+        c["id"] = hashlib.sha1(f"{name}:{i}:{c['source']}".encode()).hexdigest()[:8]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def _sources(nb) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source) for c in nb.cells]
+
+
+#: text in an output that would publish this machine's layout
+MACHINE = re.compile(r"(/work/|/root/|/tmp/|/home/|site-packages)")
+
+
+def execute(nb, name: str):
+    """Run ``nb`` top to bottom in a kernel of this interpreter (full sizes: POSGEN_NB_SMALL unset), drop the
+    kernel's stderr, and return it. Raises RuntimeError when an output names a path on this machine."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from nbclient import NotebookClient  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as root:
+        spec = Path(root) / "kernels" / "posgen-nb"
+        spec.mkdir(parents=True)
+        (spec / "kernel.json").write_text(json.dumps({
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "posgen-nb", "language": "python"}))
+        env = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "PYTHONPATH", "POSGEN_NB_SMALL")}
+        os.environ["JUPYTER_PATH"] = root
+        os.environ["PYTHONPATH"] = str(ROOT)
+        os.environ.pop("POSGEN_NB_SMALL", None)
+        try:
+            NotebookClient(nb, timeout=3600, kernel_name="posgen-nb",
+                           resources={"metadata": {"path": str(HERE)}}).execute()
+        finally:
+            for k, v in env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata.pop("widgets", None)
+    for c in nb.cells:
+        if c.cell_type != "code":
+            continue
+        c.outputs = [o for o in c.outputs if not (o.output_type == "stream" and o.get("name") == "stderr")]
+        c.metadata.pop("execution", None)
+        for o in c.outputs:
+            text = o.get("text", "") + "".join(str(v) for k, v in o.get("data", {}).items() if k.startswith("text/"))
+            if MACHINE.search(text):
+                raise RuntimeError(f"{name}: an output names a path on this machine: {MACHINE.search(text).group(0)!r} "
+                                   f"in {text[:200]!r}")
+    return nb
+
+
+def stale() -> list[str]:
+    """What is wrong with the committed notebooks: sources that differ from :func:`books`, code cells never
+    executed (no execution count)."""
+    out = []
+    for name, cells_ in books().items():
+        path = HERE / name
+        if not path.exists():
+            out.append(f"{name}: missing")
+            continue
+        old = nbf.read(path, as_version=4)
+        if _sources(old) != _sources(build(name, cells_)):
+            out.append(f"{name}: its cells differ from scripts/make_notebooks.py (run it with --execute)")
+        elif any(c.cell_type == "code" and c.get("execution_count") is None for c in old.cells):
+            out.append(f"{name}: not executed (python scripts/make_notebooks.py --execute)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "--check" in args:
+        bad = stale()
+        for b in bad:
+            print(b)
+        return 1 if bad else 0
     HERE.mkdir(exist_ok=True)
-    for name, cells_ in books.items():
-        nb = nbf.v4.new_notebook()
-        nb.cells = cells_
-        for i, c in enumerate(nb.cells):  # stable ids: a regeneration changes only what changed
-            c["id"] = hashlib.sha1(f"{name}:{i}:{c['source']}".encode()).hexdigest()[:8]
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        nbf.write(nb, HERE / name)
-        print("wrote", HERE / name)
+    only = [a for a in args if not a.startswith("--")]
+    for name, cells_ in books().items():
+        if only and not any(o in name for o in only):
+            continue
+        nb = build(name, cells_)
+        path = HERE / name
+        if "--execute" in args:
+            nb = execute(nb, name)
+        elif path.exists() and _sources(nbf.read(path, as_version=4)) == _sources(nb):
+            print("unchanged", path)
+            continue
+        nbf.write(nb, path)
+        print("wrote", path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -62,6 +62,38 @@ def test_notebooks_use_the_public_api_only():
     assert two and two[0].strip().count("\n") == 1 and _ends_in_plot(two[0])  # decompose + show in two lines
 
 
+def test_committed_notebooks_are_current_and_executed():
+    """The notebooks in the repository are the generator's cells, executed at full size (their outputs are what
+    the docs show): a changed cell or a never-run notebook is stale."""
+    sys.path.insert(0, str(NB_DIR.parent / "scripts"))
+    import make_notebooks
+
+    assert make_notebooks.stale() == []
+    for name in NOTEBOOKS:
+        nb = nbformat.read(NB_DIR / name, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert sum(len(_pngs(c)) for c in code) >= 1, f"{name}: no figure in the committed outputs"
+        for c in code:
+            for o in c.get("outputs", []):
+                text = o.get("text", "") + "".join(str(v) for k, v in o.get("data", {}).items() if k.startswith("text/"))
+                assert not make_notebooks.MACHINE.search(text), f"{name}: an output names a machine path"
+                assert o.get("name") != "stderr", f"{name}: a stderr stream (progress bar, warning) was kept"
+
+
+def test_stale_notebooks_are_found(tmp_path, monkeypatch):
+    sys.path.insert(0, str(NB_DIR.parent / "scripts"))
+    import make_notebooks
+
+    monkeypatch.setattr(make_notebooks, "HERE", tmp_path)
+    assert all(x.endswith("missing") for x in make_notebooks.stale())
+    assert make_notebooks.main([]) == 0  # the sources, never executed
+    assert all("not executed" in x for x in make_notebooks.stale())
+    nb = nbformat.read(tmp_path / NOTEBOOKS[0], as_version=4)
+    nb.cells[1].source += "\n# edited by hand"
+    nbformat.write(nb, tmp_path / NOTEBOOKS[0])
+    assert "its cells differ" in make_notebooks.stale()[0]
+
+
 @pytest.fixture(scope="module")
 def kernel_name(tmp_path_factory):
     """A kernelspec for *this* interpreter (not whatever 'python3' resolves to on the machine)."""
