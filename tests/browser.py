@@ -32,8 +32,10 @@ window.addEventListener('load', function () {
              content_left: r.left, content_right: r.right, answer_top: answer,
              tables: visible.map(function (t) {
                var b = t.getBoundingClientRect();
-               var box = (t.closest('.md-typeset__scrollwrap') || root).getBoundingClientRect();
+               var wrap = t.closest('.md-typeset__scrollwrap, .tablewrap');
+               var box = (wrap || root).getBoundingClientRect();
                return {left: b.left, right: b.left + t.scrollWidth, box_right: box.right, scroll_width: t.scrollWidth,
+                       wrap_scroll: wrap ? wrap.scrollWidth : 0, wrap_client: wrap ? wrap.clientWidth : 0,
                        client_width: t.clientWidth, top: b.top + window.scrollY,
                        head: (t.rows.length ? t.rows[0].textContent.trim().slice(0, 80) : '')};
              })};
@@ -50,8 +52,9 @@ def layout(page: Path, tmp: Path, width: int = 1280) -> dict:
     Returns:
         ``{"viewport", "page_scroll_width", "content_left", "content_right", "answer_top", "tables": [{"left",
         "right" (left + the table's full scroll width), "box_right" (the right edge of the box the table may fill:
-        mkdocs-material's scroll wrapper, else the content column), "scroll_width", "client_width", "top",
-        "head"}]}`` in CSS
+        mkdocs-material's scroll wrapper, else the content column), "scroll_width", "client_width", "wrap_scroll" /
+        "wrap_client" (the scroll and visible widths of the box that scrolls a wide table sideways, 0 without one),
+        "top", "head"}]}`` in CSS
         pixels; ``answer_top`` is the top of the first "Answer." (or, in the report, "Findings") label, None if
         there is none.
     """
@@ -74,12 +77,14 @@ def layout(page: Path, tmp: Path, width: int = 1280) -> dict:
 
 def layout_problems(m: dict) -> list[str]:
     """What a reader would see go wrong in :func:`layout`'s measurements: a visible table wider than the content
-    column (cut off, or scrolling sideways), a page wider than the window, the answer below the first table."""
+    column (cut off, or in a box that scrolls sideways), a page wider than the window, the answer below the first
+    table."""
     out = []
     if m["page_scroll_width"] > m["viewport"] + 1:
         out.append(f"the page is {m['page_scroll_width']} px wide in a {m['viewport']} px window")
     for t in m["tables"]:
-        if t["right"] > t["box_right"] + 1 or t["scroll_width"] > t["client_width"] + 1:
+        if t["right"] > t["box_right"] + 1 or t["scroll_width"] > t["client_width"] + 1 \
+                or t["wrap_scroll"] > t["wrap_client"] + 1:
             out.append(f"table '{t['head']}' needs {t['scroll_width']} px, the column has "
                        f"{min(t['box_right'] - t['left'], t['client_width']):.0f}")
     if m["tables"]:
