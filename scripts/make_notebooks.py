@@ -2,7 +2,8 @@
 
     python scripts/make_notebooks.py            # write the sources (a notebook whose sources did not change keeps
                                                 # its outputs)
-    python scripts/make_notebooks.py --execute  # and run each one top to bottom at full size, keeping its outputs
+    python scripts/make_notebooks.py --execute  # and run each one top to bottom, keeping its outputs (at the small
+                                                # sizes with --small: POSGEN_NB_SMALL=1, as CI runs them)
     python scripts/make_notebooks.py --check    # exit 1 if a committed notebook's sources differ from these, or it
                                                 # was not executed (the docs show the committed outputs)
 
@@ -33,7 +34,7 @@ SETUP = '''import os
 import torch
 import posgen_tl as pg
 torch.set_num_threads(2)
-SMALL = os.environ.get("POSGEN_NB_SMALL") == "1"   # CI runs the notebooks with small sizes'''
+SMALL = os.environ.get("POSGEN_NB_SMALL") == "1"   # the small sizes of CI and of the committed outputs'''
 
 
 def md(s: str):
@@ -143,9 +144,10 @@ def _sources(nb) -> list[tuple[str, str]]:
 MACHINE = re.compile(r"(/work/|/root/|/tmp/|/home/|site-packages)")
 
 
-def execute(nb, name: str):
-    """Run ``nb`` top to bottom in a kernel of this interpreter (full sizes: POSGEN_NB_SMALL unset), drop the
-    kernel's stderr, and return it. Raises RuntimeError when an output names a path on this machine."""
+def execute(nb, name: str, small: bool = False):
+    """Run ``nb`` top to bottom in a kernel of this interpreter (full sizes, or with ``small`` the CI sizes:
+    POSGEN_NB_SMALL=1), drop the kernel's stderr, record the sizes in the notebook's metadata and return it.
+    Raises RuntimeError when an output names a path on this machine."""
     import json  # noqa: PLC0415
     import os  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
@@ -161,7 +163,10 @@ def execute(nb, name: str):
         env = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "PYTHONPATH", "POSGEN_NB_SMALL")}
         os.environ["JUPYTER_PATH"] = root
         os.environ["PYTHONPATH"] = str(ROOT)
-        os.environ.pop("POSGEN_NB_SMALL", None)
+        if small:
+            os.environ["POSGEN_NB_SMALL"] = "1"
+        else:
+            os.environ.pop("POSGEN_NB_SMALL", None)
         try:
             NotebookClient(nb, timeout=3600, kernel_name="posgen-nb",
                            resources={"metadata": {"path": str(HERE)}}).execute()
@@ -173,6 +178,7 @@ def execute(nb, name: str):
                     os.environ[k] = v
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata.pop("widgets", None)
+    nb.metadata["posgen_tl"] = {"executed_sizes": "small (POSGEN_NB_SMALL=1)" if small else "full"}
     for c in nb.cells:
         if c.cell_type != "code":
             continue
@@ -218,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         nb = build(name, cells_)
         path = HERE / name
         if "--execute" in args:
-            nb = execute(nb, name)
+            nb = execute(nb, name, small="--small" in args)
         elif path.exists() and _sources(nbf.read(path, as_version=4)) == _sources(nb):
             print("unchanged", path)
             continue
