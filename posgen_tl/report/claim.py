@@ -1,7 +1,7 @@
 """The causal claim across runs: its table per corpus, its sentences (the primary answer, each entry in words) and
 where it holds — read from the dose–response runs' own tables (docs/method.md §5, §8 v3).
 
-Runs are :class:`posgen_tl.report.pages.Run` records (``study``, ``model``, ``corpus``, ``folder``, ``meta``).
+Runs are :class:`posgen_tl.report.runs.Run` records (``study``, ``model``, ``corpus``, ``folder``, ``meta``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pandas as pd
 from posgen_tl.report.text import md_table, sig3
 
 if TYPE_CHECKING:
-    from posgen_tl.report.pages import Run
+    from posgen_tl.report.runs import Run
 
 __all__ = ["CLAIM_STUDY", "claim_table", "claim_section", "claim_method", "claim_discussion", "primary_answer"]
 

@@ -39,6 +39,7 @@ from posgen_tl.report.claim import (
     primary_answer,
 )
 from posgen_tl.report.html import QUESTIONS, Finding, Section
+from posgen_tl.report.runs import Run
 from posgen_tl.report.text import md_table, sig3, table_lines
 
 __all__ = ["Run", "find_runs", "study_page", "run_section", "top_block", "answer_sentence", "answer_table", "agreement",
@@ -60,21 +61,6 @@ CORPORA = {
                "environment, so it is rebuilt offline by `posgen_tl.io.corpus.package_readmes` (each document's "
                "version and SHA-256 are recorded)",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """One study output folder: ``folder = <results>/<model>/<corpus>/<study>``, its record ``meta``."""
-
-    study: str
-    model: str
-    corpus: str
-    folder: Path
-    meta: dict
-
-    @property
-    def key(self) -> str:
-        return f"{self.model} · {self.corpus}"
 
 
 def find_runs(results: Path) -> list[Run]:
