@@ -77,12 +77,17 @@ def test_an_interrupted_run_continues_to_the_same_numbers(llama, tmp_path, monke
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(cd, "dose_rows", dies_on_the_second_batch)
+    import posgen_tl.engine.pilot as pilot_mod
+
+    monkeypatch.setattr(cd, "dose_rows", dies_on_the_second_batch)  # the analysed batches
+    monkeypatch.setattr(pilot_mod, "dose_rows", dies_on_the_second_batch)  # the pilot
     with pytest.raises(KeyboardInterrupt):
         cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
     assert (tmp_path / "ck" / "pilot.json").exists() and len(list((tmp_path / "ck").glob("batch_*.csv"))) == 1
     calls["n"] = 0
-    monkeypatch.setattr(cd, "dose_rows", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
+    counted = lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(cd, "dose_rows", counted)
+    monkeypatch.setattr(pilot_mod, "dose_rows", counted)
     resumed = cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
     assert calls["n"] == 1  # only the missing batch ran: no pilot, no first batch
     for name in ("verdicts", "contrasts", "units"):
