@@ -5,8 +5,10 @@
 
 In one process, on the same tokens (1 thread): (1) a plain forward ``model(tokens)``; (2) a per-head map of
 ``rot_q`` and of ``pos_term`` over ``--layers`` layers with the heads of a layer stacked in the batch
-(``replicas`` = heads per layer) and (3) the same ``rot_q`` map one head per forward (``replicas=1``). Each
-is reported as seconds and as forward-equivalents (seconds / plain forward); the per-head cost is the map's
+(``replicas`` = heads per layer) and (3) the same ``rot_q`` map one head per forward (``replicas=1``), each
+patched forward resumed at its layer from the base run's residual (:mod:`posgen_tl.hooks.reentry`); and (4) the
+stacked ``rot_q`` map again with every block below the patched layer computed (``computing_every_block``, the
+cost before re-entry) — the same numbers (checked). Each is reported as seconds and as forward-equivalents (seconds / plain forward); the per-head cost is the map's
 forward-equivalents over the number of heads patched. A map of one (quantity, direction) also runs the
 clean and the corrupted baselines and one source forward: 3 forward-equivalents of fixed cost.
 """
@@ -43,6 +45,7 @@ def main() -> None:
 
     import posgen_tl.patching as P
     from posgen_tl.hooks.capture import probe_hooks
+    from posgen_tl.hooks.reentry import computing_every_block, skips_blocks
     from posgen_tl.hooks.edits import key_means
     from posgen_tl.io.models import load_model
     from posgen_tl.io.sampling import sample_windows
@@ -64,8 +67,19 @@ def main() -> None:
 
     out = {"commit": git_commit(), "model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len, "layers": layers,
            "heads_patched": n_heads, "threads": torch.get_num_threads(), "plain_forward_s": plain}
+    maps: dict = {}
+
+    def every_block():
+        with computing_every_block(model):
+            maps["every_block"] = P.get_act_patch_rot_q(model, corr, tokens, metric, layers=layers, verbose=False)
+
+    def stacked():
+        maps["resumed"] = P.get_act_patch_rot_q(model, corr, tokens, metric, layers=layers, verbose=False)
+
+    out["skips_blocks"] = skips_blocks(model)
     runs = {
-        "rot_q_stacked": lambda: P.get_act_patch_rot_q(model, corr, tokens, metric, layers=layers, verbose=False),
+        "rot_q_stacked": stacked,
+        "rot_q_stacked_every_block_computed": every_block,
         "rot_q_one_head_per_forward": lambda: P.get_act_patch_rot_q(model, corr, tokens, metric, layers=layers,
                                                                     verbose=False, replicas=1),
         "pos_term_stacked": lambda: P.get_act_patch_pos_term(model, corr, tokens, metric, layers=layers,
@@ -75,6 +89,11 @@ def main() -> None:
         s = timed(fn)
         out[name] = {"seconds": s, "forward_equivalents": s / plain, "per_head_forward_equivalents": s / plain / n_heads}
         print(f"{name}: {s:.1f} s = {s / plain:.1f} plain forwards ({s / plain / n_heads:.2f} per head)", flush=True)
+    diff = float((maps["resumed"] - maps["every_block"]).abs().nan_to_num().max())
+    out["max_abs_difference_resumed_vs_every_block"] = diff
+    print(f"resumed vs every block computed: max |Δ metric| = {diff:.2e}", flush=True)
+    if diff > 1e-4:
+        raise SystemExit("the resumed sweep differs from the one computing every block")
     Path(args.out).write_text(json.dumps(out, indent=1))
     print("wrote", args.out)
 

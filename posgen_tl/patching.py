@@ -44,6 +44,7 @@ from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.patching import QUANTITIES, TERMS, patch_hooks, patch_site, record_hooks
 from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
+from posgen_tl.hooks.reentry import forward_from, hooks_from, recorded, resid_hooks, skips_blocks
 from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
     gap_position_ids,
@@ -243,13 +244,18 @@ def target_metrics(model: Any, tokens: Int[Tensor, "batch pos"], target_len: int
     return metric
 
 
-def _run_logits(model: Any, batch: Tensor, hooks: list, rows: tuple[int, int] | None) -> Tensor:
-    """Logits of a forward with ``hooks``: only ``rows`` (start, stop) where the model lets the final residual be read."""
+def _run_logits(model: Any, batch: Tensor, hooks: list, rows: tuple[int, int] | None,
+                resid_at: tuple[int, Tensor] | None = None) -> Tensor:
+    """Logits of a forward with ``hooks``: only ``rows`` (start, stop) where the model lets the final residual be
+    read; ``resid_at=(L, resid)`` resumes at block ``L`` (hooks below it are dropped: they would not fire)."""
     store: dict = {}
     fin = final_residual_hook(model, store, *rows) if rows is not None else None
+    if resid_at is not None:
+        skips_blocks(model)  # once per model, before any hook is attached
+        hooks = hooks_from(hooks, resid_at[0])
     with model.hooks(fwd_hooks=hooks + ([fin] if fin else [])):
         try:
-            logits = model(batch)
+            logits = model(batch) if resid_at is None else forward_from(model, resid_at[1], resid_at[0], tokens=batch)
         except StopForward:
             return model.unembed(store["resid"])
     return logits if rows is None else logits[:, rows[0] : rows[1]]
@@ -272,6 +278,9 @@ class PatchSweep:
         position_ids: the corrupted run's ids ``[batch, pos]``; ``direction``, ``quantity``, ``corruption``.
         source: what the source run recorded (``{layer: tensor}``, or the pre-rotation q/k of a logit term),
             reusable by another sweep of the same batch (``reuse=``).
+        prefix: the base run's residuals entering the blocks where the patched forwards resumed
+            (``{layer: [batch, pos, d_model]}``; every block below a group's first patched layer is the base
+            run's, so it is not computed again).
     """
 
     values: Tensor
@@ -282,6 +291,7 @@ class PatchSweep:
     quantity: str
     corruption: str
     source: dict = field(default_factory=dict, repr=False)
+    prefix: dict = field(default_factory=dict, repr=False)
 
 
 def _check_metric(v: Any, n_seq: int, outputs: Sequence[str] | None = None) -> Tensor:
@@ -300,9 +310,12 @@ def _check_metric(v: Any, n_seq: int, outputs: Sequence[str] | None = None) -> T
     return v.detach().float().cpu()
 
 
-def _run_metric(model: Any, tokens: Tensor, metric: Metric, hooks: list, n_rep: int) -> Tensor:
-    """The metric of each replica of a forward on ``tokens`` repeated ``n_rep`` times: ``[replica, *metric]``."""
-    logits = _run_logits(model, tokens.repeat(n_rep, 1), hooks, getattr(metric, "logit_rows", None))
+def _run_metric(model: Any, tokens: Tensor, metric: Metric, hooks: list, n_rep: int,
+                resid_at: tuple[int, Tensor] | None = None) -> Tensor:
+    """The metric of each replica of a forward on ``tokens`` repeated ``n_rep`` times: ``[replica, *metric]``
+    (``resid_at=(L, resid)``: resumed at block ``L`` from ``resid`` repeated likewise)."""
+    at = None if resid_at is None else (resid_at[0], resid_at[1].repeat(n_rep, 1, 1))
+    logits = _run_logits(model, tokens.repeat(n_rep, 1), hooks, getattr(metric, "logit_rows", None), at)
     b = tokens.shape[0]
     outs = getattr(metric, "outputs", None)
     return torch.stack([_check_metric(metric(logits[r * b : (r + 1) * b]), b, outs) for r in range(n_rep)])
@@ -331,7 +344,9 @@ def patch_sweep(
     ``direction="denoising"``: base = the corrupted run, source = the clean run; ``"noising"``: the reverse.
     The source run's baseline forward records the quantity in every layer the groups touch; then ``ceil(len(groups) /
     replicas)`` forwards of ``replicas`` stacked copies of the batch each patch one group per copy (default
-    ``replicas``: the number of heads per layer). The logit terms need ``k_means`` (the global mean
+    ``replicas``: the number of heads per layer), each resumed at its groups' first patched layer from the
+    base run's residual there (:mod:`posgen_tl.hooks.reentry`: the blocks below are the base run's and are not
+    computed again). The logit terms need ``k_means`` (the global mean
     pre-rotation key per layer, :func:`posgen_tl.hooks.edits.key_means` on reference documents).
     ``reuse``: an earlier sweep of the same batch, quantity kind, direction and corrupted ids (e.g. the same
     logit term with another k̄: the recorded q/k do not depend on k̄) — its baselines and recording are taken
@@ -364,27 +379,38 @@ def patch_sweep(
     store: dict[int, Any] = {}
     rec = record_hooks(model, quantity, layers, store)
     rep = reposition_hooks(model, ids)
+    n_rep = max(1, int(replicas or spec.n_heads))
+    parts = [groups[s : s + n_rep] for s in range(0, len(groups), n_rep)]
+    starts = sorted({min(_groups_masks(p, n, n_idx, spec, site.kv)) for p in parts} - {0})
+    base_store: dict[int, list[Tensor]] = {}
+    base_rec = resid_hooks(starts, base_store)  # the base run's residuals, where the patched forwards resume
     if reuse is not None:
         if (reuse.quantity, reuse.direction) != (quantity, direction) or not torch.equal(reuse.position_ids, ids.cpu()) \
                 or not set(layers) <= set(reuse.source):
             raise ValueError("reuse= needs a sweep of the same quantity, direction, corrupted ids and layers")
         store, clean_m, corr_m = reuse.source, reuse.clean, reuse.corrupted
+        prefix = dict(reuse.prefix)
+        if not set(starts) <= set(prefix):  # the earlier sweep resumed elsewhere: record the base run once more
+            _run_metric(model, tokens, metric, (list(rep) if direction == "denoising" else []) + base_rec, 1)
+            prefix.update(recorded(base_store))
     elif direction == "denoising":
         clean_m = _run_metric(model, tokens, metric, rec.around(), 1)[0]
-        corr_m = _run_metric(model, tokens, metric, list(rep), 1)[0]
+        corr_m = _run_metric(model, tokens, metric, list(rep) + base_rec, 1)[0]
+        prefix = recorded(base_store)
     else:
-        clean_m = _run_metric(model, tokens, metric, [], 1)[0]
+        clean_m = _run_metric(model, tokens, metric, base_rec, 1)[0]
         corr_m = _run_metric(model, tokens, metric, rec.around(rep), 1)[0]
-    n_rep = max(1, int(replicas or spec.n_heads))
+        prefix = recorded(base_store)
     out = []
-    for s in tqdm(range(0, len(groups), n_rep), desc=f"patching {quantity}", disable=not verbose, leave=False):
-        part = groups[s : s + n_rep]
+    for part in tqdm(parts, desc=f"patching {quantity}", disable=not verbose, leave=False):
         masks = _groups_masks(part, n, n_idx, spec, site.kv)
         ph = patch_hooks(model, quantity, masks, store, k_means=k_means, base_positions=base_ids,
                          source_positions=src_ids)
         base_rep = reposition_hooks(model, base_ids.repeat(len(part), 1)) if base_ids is not None else []
-        out.append(_run_metric(model, tokens, metric, ph.around(base_rep), len(part)))
-    return PatchSweep(torch.cat(out), clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted), store)
+        start = min(masks)  # every block below the first patched layer is the base run's: resume there
+        out.append(_run_metric(model, tokens, metric, ph.around(base_rep), len(part),
+                               None if start == 0 else (start, prefix[start])))
+    return PatchSweep(torch.cat(out), clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted), store, prefix)
 
 
 def _baselines(model: Any, tokens: Tensor, metric: Metric, ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.engine.swaps import curve_rows, nll_on_target
+from posgen_tl.engine.swaps import Prefixes, curve_rows, nll_on_target
 from posgen_tl.experiments import base
 from posgen_tl.hooks.edits import Intervention, intervention_hooks
 from posgen_tl.hooks.stream import pattern_hooks
@@ -30,7 +30,7 @@ from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.verdicts import layers_label
 
 __all__ = ["CONTROLS", "RANDOM_CONTROLS", "CONTROL_TEXT", "Condition", "draw_seed", "build_conditions",
-           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "attention_kl", "condition_rows"]
+           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "attention_kl", "condition_rows", "first_edited"]
 
 
 CONTROLS = ("C1", "C2", "C3", "C4")
@@ -257,10 +257,14 @@ def attention_kl(
 def condition_rows(
     model: Any, windows: Windows, cond: Condition, *, k_means: dict | None, target_len: int,
     fracs: Sequence[float], seeds: Sequence[int], mode: str = "T1", base_seed: int = 0,
-    kl: AttentionKL | None = None, base: Tensor | None = None,
+    kl: AttentionKL | None = None, base: Tensor | None = None, prefix: Prefixes | None = None,
 ) -> tuple[pd.DataFrame, Tensor, Tensor | None]:  # fmt: skip
     """Rows of one condition on one batch of windows: the clean pass (with attention capture
     when ``kl`` is given) and one pass per (frac > 0, seed).
+
+    ``prefix``: the unedited passes' residuals (``{"clean" or (frac, seed): {layer: resid}}``, recorded at
+    the condition's first edited layer by :func:`posgen_tl.engine.swaps.curve_rows`): every pass resumes
+    there instead of recomputing the unedited blocks below it (the same numbers up to float rounding).
 
     Returns ``(rows, clean_nll [batch], kl [batch] or None)``; rows have ``seq`` = position in
     ``windows`` (the caller maps it to global ids), ``frac, seed, clean_nll, nll, delta``."""
@@ -271,9 +275,19 @@ def condition_rows(
     if kl is not None:
         kl.mode = "reference" if cond.key == "none" else "compare"
         kl.acc = {}
-    clean = nll_on_target(model, windows.tokens, target_len=target_len, fwd_hooks=hooks + extra, batch_size=bs)
+    start = first_edited(cond) if prefix is not None else None
+    at = None if start is None else (start, prefix["clean"][start])  # type: ignore[index]
+    clean = nll_on_target(model, windows.tokens, target_len=target_len, fwd_hooks=hooks + extra, batch_size=bs,
+                          resid_at=at)
     if kl is not None:
         kl_vals = torch.zeros(bs) if cond.key == "none" else kl.per_sequence()
     rows = curve_rows(model, windows, clean, fracs=fracs, seeds=seeds, mode=mode, target_len=target_len,
-                      base_seed=base_seed, fwd_hooks=hooks)
+                      base_seed=base_seed, fwd_hooks=hooks,
+                      resume=None if start is None else (start, prefix))  # type: ignore[arg-type]
     return pd.DataFrame(rows), clean, kl_vals
+
+
+def first_edited(cond: Condition) -> int | None:
+    """The lowest layer ``cond`` edits (``None``: no edit, or an edit of every layer)."""
+    layers = None if cond.intervention is None else cond.intervention.layers
+    return min(int(x) for x in layers) if layers else None

@@ -3,7 +3,8 @@
 Every condition (destroy and each control) runs at a grid of strengths on the same windows and the same
 swaps. Per window: the unedited clean NLL and its swapped passes are computed ONCE and are every
 condition's α = 0 point; per condition and α > 0 one clean pass (its damage) and one pass per swap
-fraction and seed. A random control keeps one draw per document across its strengths (a dose curve of
+fraction and seed — each resumed at the condition's first edited layer from the residual its unedited
+pass recorded there (the blocks below are not computed again). A random control keeps one draw per document across its strengths (a dose curve of
 one edit), drawn afresh for every document.
 
 :func:`dose_rows` returns the passes; :func:`dose_units` turns them into one row per document × condition
@@ -23,8 +24,9 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.conditions import AttentionKL, Condition, condition_rows
-from posgen_tl.engine.swaps import curve_rows, nll_on_target
+from posgen_tl.engine.conditions import AttentionKL, Condition, condition_rows, first_edited
+from posgen_tl.engine.swaps import Prefixes, curve_rows, nll_on_target
+from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.curves import document_units
@@ -78,6 +80,7 @@ def dose_rows(
     if any(not v for v in edited.values()):
         raise ValueError("every condition of a dose–response run edits named layers (Intervention.layers)")
     union = sorted({x for v in edited.values() for x in v})
+    starts = sorted({s for c in conditions if (s := first_edited(c))})  # where the edited passes resume
     passes = sum(len([a for a in grids[(c.group, c.key)] if a > 0]) for c in conditions) + 1
     bar = tqdm(total=passes * ((n + batch_size - 1) // batch_size), desc="dose–response", disable=not progress,
                leave=False)
@@ -88,10 +91,12 @@ def dose_rows(
             w = windows.subset(idx)
             docs = w.doc_ids.tolist()
             kl = AttentionKL(union)  # the unedited patterns of this batch, then each condition's change from them
+            store: dict[int, list] = {}
             base = nll_on_target(model, w.tokens, target_len=target_len, batch_size=len(idx),
-                                 fwd_hooks=pattern_hooks(model, union, kl))
+                                 fwd_hooks=pattern_hooks(model, union, kl) + resid_hooks(starts, store))
+            prefix: Prefixes = {"clean": recorded(store)}  # every condition resumes at its first edited layer
             zero = pd.DataFrame(curve_rows(model, w, base, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
-                                           base_seed=base_seed))
+                                           base_seed=base_seed, record=prefix, record_at=starts))
             bar.update(1)
             batch = []
             for c in conditions:
@@ -100,7 +105,8 @@ def dose_rows(
                     cd = c.with_alpha(a).for_documents(docs, seed, redraw)
                     kl.layers = edited.get((c.group, c.key), union)
                     df, _, kv = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
-                                               seeds=seeds, base_seed=base_seed, kl=kl)
+                                               seeds=seeds, base_seed=base_seed, kl=kl,
+                                               prefix=prefix if first_edited(c) else None)
                     akl = kv.cpu().numpy().astype(np.float64)[df["seq"].to_numpy()] if kv is not None else np.nan
                     batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=akl))
                     bar.update(1)

@@ -20,10 +20,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.conditions import Condition, match_alpha
+from posgen_tl.engine.conditions import Condition, first_edited, match_alpha
 from posgen_tl.engine.dose import dose_rows, dose_units, strength_grid
 from posgen_tl.engine.swaps import nll_on_target
 from posgen_tl.hooks.edits import intervention_hooks
+from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.dose import DoseDesign, common_damage_contrasts, iut_mde
 
@@ -76,29 +77,34 @@ def _cap(c: Condition) -> float:
     return STRENGTH_CAP.get(c.kind, DEFAULT_CAP)
 
 
-def _mean_damage(model: Any, cond: Condition, ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Any) -> float:
-    """Mean clean-NLL damage of ``cond`` on the reference windows (random controls drawn per document)."""
+def _mean_damage(model: Any, cond: Condition, ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Any,
+                 prefix: Mapping[int, torch.Tensor]) -> float:
+    """Mean clean-NLL damage of ``cond`` on the reference windows (random controls drawn per document), each
+    pass resumed at the condition's first edited layer from ``prefix`` (the unedited residuals there)."""
     out = []
+    start = first_edited(cond)
     for s in range(0, len(ref), cfg.batch_size):
-        w = ref.subset(range(s, min(s + cfg.batch_size, len(ref))))
+        e = min(s + cfg.batch_size, len(ref))
+        w = ref.subset(range(s, e))
         cd = cond.for_documents(w.doc_ids.tolist(), cfg.seed, True)
         if cd.intervention is None:
             raise ValueError("the unedited condition has no damage to tune")
         out.append(nll_on_target(model, w.tokens, target_len=cfg.target(), batch_size=len(w),
-                                 fwd_hooks=intervention_hooks(model, cd.intervention, km)))
+                                 fwd_hooks=intervention_hooks(model, cd.intervention, km),
+                                 resid_at=None if not start else (start, prefix[start][s:e])))
     return float((torch.cat(out) - ref_base).mean())
 
 
 def _tune(model: Any, conds: list[Condition], ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Any,
-          progress: bool) -> list[dict[str, Any]]:
+          progress: bool, prefix: Mapping[int, torch.Tensor]) -> list[dict[str, Any]]:
     """Each condition's tuned strength: destroy's is ``cfg.alpha``; a control's brings its mean damage on the
     reference windows to destroy's (:func:`posgen_tl.engine.conditions.match_alpha`)."""
-    target = _mean_damage(model, conds[0], ref, ref_base, km, cfg)
+    target = _mean_damage(model, conds[0], ref, ref_base, km, cfg, prefix)
     rows = [dict(layers=conds[0].group, condition="destroy", tuned=conds[0].alpha, reached=True,
                  reference_damage=target, destroy_damage=target, cap=_cap(conds[0]))]
     for c in conds[1:]:
         def damage(a: float, c: Condition = c) -> float:
-            return _mean_damage(model, c.with_alpha(a), ref, ref_base, km, cfg)
+            return _mean_damage(model, c.with_alpha(a), ref, ref_base, km, cfg, prefix)
 
         m = match_alpha(damage, target, start=c.alpha, alpha_max=_cap(c), max_steps=cfg.match_steps)
         rows.append(dict(layers=c.group, condition=c.key, tuned=m["alpha"], reached=m["reached"],
@@ -151,10 +157,14 @@ def pilot(
     Returns a :class:`Pilot` (with fewer than 3 reference documents its spreads are NaN: no power can be planned,
     and the power table says so; when destroy damages no pilot document and no levels are declared, the entry's
     levels are empty and the entry is "not testable", :data:`NO_LEVELS`)."""
-    ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size)
+    starts = sorted({s for cs in conditions.values() for c in cs if (s := first_edited(c))})
+    store: dict[int, list[torch.Tensor]] = {}
+    ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size,
+                             fwd_hooks=resid_hooks(starts, store))
+    prefix = recorded(store)  # the tuning's passes resume at each condition's first edited layer
     rows: list[dict[str, Any]] = []
     for conds in conditions.values():
-        rows += _tune(model, conds, ref, ref_base, k_means, cfg, progress)
+        rows += _tune(model, conds, ref, ref_base, k_means, cfg, progress, prefix)
     grids = pd.DataFrame(rows)
     grids["strengths"] = [";".join(f"{a:.6g}" for a in strength_grid(r.tuned, cfg.relative, alpha_max=r.cap))
                           for r in grids.itertuples()]

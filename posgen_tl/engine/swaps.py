@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
 from posgen_tl.hooks.positions import StopForward, distance_cap_hooks, final_residual_hook
+from posgen_tl.hooks.reentry import check_hooks_from, forward_from, recorded, resid_hooks, skips_blocks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_FRACS",
     "SwapOptions",
     "curve_rows",
+    "Prefixes",
     "perturbed_inputs",
     "sequence_perms",
     "windows_fingerprint",
@@ -79,12 +81,12 @@ def _target_nll(model, batch, target_len, pos, hooks, resid=None, start_at_layer
     store: dict = {}
     fin = final_residual_hook(model, store, n - target_len - 1, n - 1)
     kw = {} if pos is None else {"position_ids": pos}
-    inp = batch
     if resid is not None:
-        inp, kw["start_at_layer"] = resid, start_at_layer
+        check_hooks_from([h[0] for h in hooks], start_at_layer)
+        skips_blocks(model)  # once per model, before any hook is attached
     with model.hooks(fwd_hooks=list(hooks) + ([fin] if fin else [])):
         try:
-            logits = model(inp, **kw)
+            logits = model(batch, **kw) if resid is None else forward_from(model, resid, start_at_layer, tokens=batch, **kw)
         except StopForward:
             logits = model.unembed(store["resid"])
     if fin is None:
@@ -103,10 +105,10 @@ def nll_on_target(
 
     Only the span's logits are computed (final residual captured, then unembedded), so a
     262k vocabulary costs ``target_len`` rows per sequence. ``fwd_hooks`` are attached.
-    ``resid_at=(L, resid)``: resume from the residual entering block ``L`` (from
-    ``model(tokens, stop_at_layer=L)``) via TransformerLens' ``start_at_layer``; ``tokens``
-    still give the targets. (In TransformerLens 4.3 the bridge still executes blocks
-    0..L−1 internally and discards them: exact, but no faster.)
+    ``resid_at=(L, resid)``: resume from the residual entering block ``L`` (recorded by
+    :func:`posgen_tl.hooks.reentry.resid_hooks`, or ``model(tokens, stop_at_layer=L)``) without
+    computing blocks ``0 … L−1`` (:func:`posgen_tl.hooks.reentry.forward_from`); ``tokens``
+    still give the targets, and ``fwd_hooks`` must not touch blocks below ``L`` (ValueError).
 
     Returns:
         ``[batch]`` float32 mean NLL over the target span.
@@ -253,13 +255,23 @@ def perturbed_inputs(
         return torch.gather(toks, 1, perm), None
     return toks, torch.stack([position_ids_for_permutation(p) for p in perm]).to(toks.device)
 
+#: a pass's residuals entering blocks: ``{pass: {layer: [batch, pos, d_model]}}``, the pass ``"clean"`` or ``(frac, seed)``
+Prefixes = dict[Any, dict[int, Tensor]]
+
+
 def curve_rows(
     model: Any, windows: Windows, clean: Float[Tensor, "batch"], *, fracs: Sequence[float], seeds: Sequence[int],
-    mode: str, target_len: int, base_seed: int = 0, fwd_hooks: Sequence = (),
+    mode: str, target_len: int, base_seed: int = 0, fwd_hooks: Sequence = (), record: Prefixes | None = None,
+    record_at: Sequence[int] = (), resume: tuple[int, Prefixes] | None = None,
 ) -> list[dict]:  # fmt: skip
     """The tolerance curve of one batch: one pass per (frac > 0, seed) of :func:`perturbed_inputs`
     (``frac = 0`` reuses ``clean``), with ``fwd_hooks`` attached. Returns one dict per (frac, seed,
-    sequence): ``seq`` (position in ``windows``), ``frac, seed, clean_nll, nll, delta``."""
+    sequence): ``seq`` (position in ``windows``), ``frac, seed, clean_nll, nll, delta``.
+
+    ``record`` (with ``record_at``): each pass also stores the residuals entering those blocks in
+    ``record[(frac, seed)]``. ``resume=(L, prefixes)``: each pass resumes at block ``L`` from
+    ``prefixes[(frac, seed)][L]`` (recorded by an earlier curve of the same windows and swaps) instead of
+    computing blocks ``0 … L−1``."""
     bs = windows.tokens.shape[0]
     rows = []
     for frac in fracs:
@@ -268,12 +280,21 @@ def curve_rows(
                 nll = clean
             else:
                 toks, pid = perturbed_inputs(windows, frac, seed, mode, target_len=target_len, base_seed=base_seed)
-                nll = nll_on_target(model, toks, target_len=target_len, position_ids=pid, fwd_hooks=list(fwd_hooks),
-                                    batch_size=bs)
+                hooks, at = list(fwd_hooks), None
+                if record is not None and record_at:
+                    store: dict[int, list[Tensor]] = {}
+                    hooks += resid_hooks(record_at, store)
+                if resume is not None:
+                    at = (resume[0], resume[1][(float(frac), int(seed))][resume[0]])
+                nll = nll_on_target(model, toks, target_len=target_len, position_ids=pid, fwd_hooks=hooks,
+                                    batch_size=bs, resid_at=at)
+                if record is not None and record_at:
+                    record[(float(frac), int(seed))] = recorded(store)
             for i in range(bs):
                 rows.append(dict(seq=i, frac=float(frac), seed=int(seed), clean_nll=float(clean[i]),
                                  nll=float(nll[i]), delta=float(nll[i] - clean[i])))
     return rows
+
 
 @torch.no_grad()
 def windows_fingerprint(w: Windows) -> str:

@@ -365,48 +365,22 @@ def run(
     spec, _ = probe_hooks(model)
     entries = resolve_groups(cfg.groups, spec.n_layers)
     claim, whole = cfg.claim_entries(spec.model_name, list(entries), spec.n_layers)  # before any work
-    if windows is None:
-        ana, ref_opt = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
-                                      seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
-        assert ref_opt is not None
-        ref = ref_opt
-    else:
-        ana, ref = windows
+    ana, ref = windows if windows is not None else _sampled(model, cfg, corpus)
     check_disjoint(ana, ref)
     ck = None if checkpoint is None else _Checkpoint(checkpoint, _fingerprint(cfg, spec.model_name, ana, ref))
     layers = sorted({x for g in entries.values() for x in g})
     km = key_means(model, ref.tokens[:, : ref.tokens.shape[1] - cfg.target()], layers, batch_size=cfg.batch_size)
-    conditions: dict[str, list[Condition]] = {}
-    bands: dict[str, dict[str, Any]] = {}
-    for label, lay in entries.items():
-        nb, fast, slow = entry_bands(spec, lay, None, None)
-        bands[label] = dict(layers=lay, n_bands=nb, fast=fast, slow=slow)
-        conditions[label] = build_conditions(lay, fast, slow, alpha=cfg.alpha, controls=cfg.controls, seed=cfg.seed,
-                                             group=label)
+    conditions, bands = _conditions(spec, entries, cfg)
     t0 = time.time()
     plan = ck.pilot() if ck is not None else None
     if plan is None:
         plan = pilot(model, ref, km, conditions, cfg, progress=progress)
         if ck is not None:
             ck.save_pilot(plan)
-    pilot_s = time.time() - t0
-    strengths = plan.strengths()
-    flat = [c for cs in conditions.values() for c in cs]
-    frames, t0 = [], time.time()
-    starts = list(range(0, len(ana), cfg.batch_size))
-    for b0 in tqdm(starts, desc=f"{NAME} batches", disable=not progress):
-        got = ck.batch(b0) if ck is not None else None
-        if got is None:
-            tb = time.time()
-            w = ana.subset(range(b0, min(b0 + cfg.batch_size, len(ana))))
-            got = dose_rows(model, w, flat, strengths, k_means=km, target_len=cfg.target(), fracs=cfg.fracs,
-                            seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=len(w), progress=False)
-            got["seq"] = got["seq"] + b0
-            if ck is not None:
-                ck.save_batch(b0, got, dict(commit=commit, seconds=time.time() - tb, windows=len(w)))
-        frames.append(got)
+    pilot_s, t0 = time.time() - t0, time.time()
+    rows = _passes(model, ana, [c for cs in conditions.values() for c in cs], plan.strengths(), km, cfg, ck, commit,
+                   progress)
     passes_s = time.time() - t0
-    rows = pd.concat(frames, ignore_index=True)
     units = dose_units(rows)
     m = len(claim)
     vrows, cons, cons_u, curves, power = [], [], [], [], []
@@ -417,15 +391,7 @@ def run(
         cons.append(con)
         cons_u.append(con_u)
         curves.append(cur)
-        sds = list(plan.sds[label].values())
-        n = ana.n_docs
-        ok = bool(sds) and all(np.isfinite(sds)) and n >= 2
-        power.append(dict(layers=label, n_docs=n, family=m, alpha_per_entry=cfg.test_alpha / m, effect=cfg.effect,
-                          pilot_mde=iut_mde(sds, n, alpha=cfg.test_alpha / m) if ok else np.nan,
-                          n_needed=float(needed_n(sds, cfg.effect, alpha=cfg.test_alpha / m) or np.nan) if ok
-                          else np.nan,
-                          pilot_docs=int(plan.units["doc"].nunique()),
-                          **{f"sd {k}": v for k, v in plan.sds[label].items()}))
+        power.append(_power_row(label, plan, ana.n_docs, cfg, m))
     summary = (units.groupby(["layers", "condition", "alpha"], sort=True)
                .agg(n_docs=("doc", "nunique"), damage=("damage", "mean"), attn_kl=("attn_kl", "mean"),
                     tolerance=("tolerance", "mean"), tolerance_sd=("tolerance", "std")).reset_index())
@@ -444,6 +410,58 @@ def run(
                   conditions=summary,
                   curves=pd.concat(curves, ignore_index=True), units=units, pilot_units=plan.units)
     return Result(tables, cfg.as_dict(), meta)
+
+
+def _sampled(model: Any, cfg: Config, corpus: Any) -> tuple[Windows, Windows]:
+    """The analysed and reference windows of ``cfg`` (disjoint documents) from ``corpus`` (default ``cfg.corpus``)."""
+    ana, ref = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
+                              n_ref=cfg.n_ref, seed=cfg.seed)
+    assert ref is not None
+    return ana, ref
+
+
+def _conditions(spec: Any, entries: dict[str, list[int]], cfg: Config
+                ) -> tuple[dict[str, list[Condition]], dict[str, dict[str, Any]]]:
+    """Per entry label: ``[destroy, *controls]`` and its bands (``layers``, ``n_bands``, ``fast``, ``slow``)."""
+    conditions: dict[str, list[Condition]] = {}
+    bands: dict[str, dict[str, Any]] = {}
+    for label, lay in entries.items():
+        nb, fast, slow = entry_bands(spec, lay, None, None)
+        bands[label] = dict(layers=lay, n_bands=nb, fast=fast, slow=slow)
+        conditions[label] = build_conditions(lay, fast, slow, alpha=cfg.alpha, controls=cfg.controls, seed=cfg.seed,
+                                             group=label)
+    return conditions, bands
+
+
+def _passes(model: Any, ana: Windows, flat: list[Condition], strengths: dict, km: dict, cfg: Config,
+            ck: _Checkpoint | None, commit: str | None, progress: bool) -> pd.DataFrame:
+    """The dose rows of every analysed batch (:func:`posgen_tl.engine.dose.dose_rows`), a finished batch taken
+    from the checkpoint and each new one saved there."""
+    frames = []
+    for b0 in tqdm(range(0, len(ana), cfg.batch_size), desc=f"{NAME} batches", disable=not progress):
+        got = ck.batch(b0) if ck is not None else None
+        if got is None:
+            tb = time.time()
+            w = ana.subset(range(b0, min(b0 + cfg.batch_size, len(ana))))
+            got = dose_rows(model, w, flat, strengths, k_means=km, target_len=cfg.target(), fracs=cfg.fracs,
+                            seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=len(w), progress=False)
+            got["seq"] = got["seq"] + b0
+            if ck is not None:
+                ck.save_batch(b0, got, dict(commit=commit, seconds=time.time() - tb, windows=len(w)))
+        frames.append(got)
+    return pd.concat(frames, ignore_index=True)
+
+
+def _power_row(label: str, plan: Pilot, n: int, cfg: Config, m: int) -> dict[str, Any]:
+    """One entry's power: the pilot's minimal detectable effect at ``n`` documents and the documents needed for
+    ``cfg.effect``, at the entry's share ``α / m`` of the family."""
+    sds = list(plan.sds[label].values())
+    ok = bool(sds) and all(np.isfinite(sds)) and n >= 2
+    a = cfg.test_alpha / m
+    return dict(layers=label, n_docs=n, family=m, alpha_per_entry=a, effect=cfg.effect,
+                pilot_mde=iut_mde(sds, n, alpha=a) if ok else np.nan,
+                n_needed=float(needed_n(sds, cfg.effect, alpha=a) or np.nan) if ok else np.nan,
+                pilot_docs=int(plan.units["doc"].nunique()), **{f"sd {k}": v for k, v in plan.sds[label].items()})
 
 
 def run_or_skip(model: Any, cfg: Config, **kw: Any) -> Result:

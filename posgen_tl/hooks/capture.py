@@ -33,6 +33,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from posgen_tl import compat
+from posgen_tl.hooks.tables import model_rotation_table, probe_table, table_buffer_source, table_to_bands
 from posgen_tl.io.spec import rope_spec
 from posgen_tl.maths.rope import (
     LayerRope,
@@ -361,75 +362,114 @@ def masked_threshold(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).min) / 2 if dtype.is_floating_point else -1e30
 
 
-def table_to_bands(cos: Tensor, sin: Tensor, lr: LayerRope) -> tuple[Tensor, Tensor, float]:
-    """A model's rotation table ``[..., pos, w]`` as per-band ``[..., pos, band]``, and how far the raw
-    table is from a duplicated form (``w`` = 2·bands: halves ``cat(f, f)`` — Llama, and GLM, which then
-    pairs adjacent dims — or interleaved ``repeat_interleave(f, 2)``, Cohere; ``w`` = bands: a
-    half-width table, GPT-OSS). The table's form is read from the table, the pairing is ``lr.layout``."""
-    n, w = lr.n_bands, cos.shape[-1]
-    if w == n:
-        return cos, sin, 0.0
-    if w != 2 * n:
-        raise RopeError(f"the model's rotation table has width {w} for a {n}-band rope (rotary dim {lr.rotary_dim})")
-    forms = []
-    for first, second in ((slice(0, n), slice(n, None)), (slice(0, None, 2), slice(1, None, 2))):
-        cb, sb = cos[..., first], sin[..., first]
-        err = max((cos[..., second] - cb).abs().max().item(), (sin[..., second] - sb).abs().max().item())
-        forms.append((err, cb, sb))
-    err, cb, sb = min(forms, key=lambda f: f[0])
-    return cb, sb, err
+def _probe_tokens(model: Any, spec: RopeSpec) -> Tensor:
+    """The probe's ``[1, n]`` tokens: ``max(6, window + 2)`` when a layer has a sliding window of ≤ 30 (so the
+    window masks something), never a length equal to a head count, no pad token."""
+    d_vocab = int(getattr(model.cfg, "d_vocab", 0) or 32)
+    windows = [lr.sliding_window for lr in spec.layers if lr.sliding_window]
+    n_probe = max(6, min(min(windows) + 2, 32)) if windows else 6  # the window masks something
+    while n_probe in (spec.n_heads, spec.n_kv_heads):  # [b, head, pos, d] and [b, pos, head, d] must differ
+        n_probe += 1
+    toks = torch.arange(n_probe) % max(d_vocab - 1, 1) + 1
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    if pad is not None:  # a HookedTransformer may mask leading pad tokens by itself (compat.implicit_attention_mask)
+        toks = torch.where(toks == pad, (pad + 1) % max(d_vocab, 2), toks)
+    return toks[None].to(model_device(model))
 
 
-def _table_buffer_source(model: Any) -> str:
-    """Where the model keeps a fixed rotation table we can index by position (when ``hook_cos`` does not
-    fire): ``"embed_positions"`` (HF GPT-J/CodeGen: ``cat(sin, cos)``, per attention module or on the rotary
-    module),
-    ``"rotary.cos_cached"`` (a TransformerLens-native bridge), else ``"none"``."""
-    inner = getattr(model, "original_model", None)
-    if inner is None:
-        return "none"
-    if getattr(getattr(inner, "rotary", None), "cos_cached", None) is not None:
-        return "rotary.cos_cached"
-    if hasattr(inner, "config") and hasattr(inner, "named_modules"):
-        from posgen_tl.io.spec import sincos_tables  # noqa: PLC0415
+def _probe_forward(model: Any, spec: RopeSpec, layers: Sequence[int], wanted: Sequence[str], pre: str,
+                   toks: Tensor) -> dict[tuple[int, str], Tensor]:
+    """One forward on ``toks`` recording every hook of ``wanted`` that fires on ``layers``: ``{(layer, hook): float32}``.
 
+    Raises:
+        CaptureError: the model's own forward fails on the probe."""
+    names = hook_names(model)
+    got: dict[tuple[int, str], Tensor] = {}
+
+    def save(t: Tensor, hook: Any, key: tuple[int, str]) -> None:
+        got[key] = t.detach().float().clone()
+
+    fwd = [(pre.format(layer=layer) + h, lambda t, hook, key=(layer, h): save(t, hook, key))
+           for layer in layers for h in wanted if pre.format(layer=layer) + h in names]
+    with torch.no_grad(), hooks_attached(model, fwd):
         try:
-            tables = sincos_tables(inner)
-        except RopeError:
-            return "none"
-        if tables:
-            return "embed_positions"
-    return "none"
+            run_forward(model, toks, None)
+        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
+            dt = str(model_dtype(model)).replace("torch.", "")
+            raise CaptureError(
+                f"{spec.model_name}: the model's own forward pass fails on a {toks.shape[1]}-token probe in {dt} "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); nothing can be "
+                f"captured from {spec.extra.get('architecture', type(model).__name__)} here"
+            ) from e
+    return got
 
 
-def model_rotation_table(
-    model: Any, info: HookInfo, layer: int, positions: Int[Tensor, "batch pos"], lr: LayerRope
-) -> tuple[Float[Tensor, "batch pos band"], Float[Tensor, "batch pos band"], float] | None:
-    """The model's OWN per-band ``(cos, sin)`` for ``positions`` from a rotary buffer (``info.table_source``
-    ``"embed_positions"`` or ``"rotary.cos_cached"``), with the table's format error; ``None`` where the
-    model keeps no such buffer (``hook_cos``/``hook_sin`` are read during the forward pass instead)."""
-    src = info.table_source
-    inner = getattr(model, "original_model", None)
-    if src == "embed_positions":
-        from posgen_tl.io.spec import sincos_tables  # noqa: PLC0415
+def _normed_layout(spec: RopeSpec, conv: Any, qn: Tensor, kn: Tensor, q_hook: str, n_probe: int) -> str:
+    """The layout of the QK-normed hooks: the convention's ``flat_prescale``, or read from the probe's shapes
+    (``bhsd``: the bridge's documented ``[b, head, pos, d]``, Gemma3; ``bshd``; ``flat``: OLMo-2's norm over the
+    flattened heads).
 
-        tables = sincos_tables(inner)
-        if tables is None:
-            raise RopeError(f"{type(inner).__name__}: the embed_positions sin/cos table has disappeared")
-        table = tables[layer].detach().float()
-        t = table[positions.to(table.device).long()]  # [batch, pos, r] = cat(sin, cos)
-        half = t.shape[-1] // 2
-        sin, cos = t[..., :half], t[..., half:]
-        if half != lr.n_bands:
-            raise RopeError(f"GPT-J sin/cos table of {half} bands for a {lr.n_bands}-band rope")
-        return cos.to(positions.device), sin.to(positions.device), 0.0
-    if src == "rotary.cos_cached":
-        rot = inner.rotary
-        idx = positions.to(rot.cos_cached.device).long()
-        cos, sin = rot.cos_cached[idx].float(), rot.sin_cached[idx].float()
-        cb, sb, err = table_to_bands(cos, sin, lr)
-        return cb.to(positions.device), sb.to(positions.device), err
-    return None
+    Raises:
+        CaptureError: a shape that is none of these."""
+    if conv.normed_layout == "flat_prescale":
+        return "flat_prescale"
+    if qn.ndim == 4 and qn.shape[1] == spec.n_heads and qn.shape[2] == n_probe:
+        return "bhsd"
+    if qn.ndim == 4 and qn.shape[1] == n_probe and qn.shape[2] == spec.n_heads:
+        return "bshd"
+    if qn.ndim == 3 and qn.shape[-1] == spec.n_heads * spec.d_head and kn.shape[-1] == spec.n_kv_heads * spec.d_head:
+        return "flat"  # OLMo-2: QK-norm over the flattened heads, [b, pos, head·d_head]
+    raise CaptureError(
+        f"{spec.model_name}: {q_hook} has shape {tuple(qn.shape)}, which is none of [batch, head, pos, "
+        f"d_head], [batch, pos, head, d_head] or [batch, pos, head·d_head] for {spec.n_heads} heads of "
+        f"{spec.d_head} dims at {n_probe} positions; cannot read the pre-rotation queries"
+    )
+
+
+def _check_rotation(model: Any, spec: RopeSpec, info: HookInfo, got: dict, layer: int, pos: Tensor,
+                    q: Tensor, tol: float) -> None:
+    """Our rotation of the probe's pre-rotation queries against the model's ``hook_rot_q`` (where it fires) and
+    its own rotation table. Raises RopeError naming the difference."""
+    lr = spec.layer(layer).for_positions(pos)
+    rq = rotate(q, pos, lr)
+    ref = rq.abs().max().item() + 1e-12
+    if info.rot_fires:
+        err = (rq - got[(layer, "hook_rot_q")]).abs().max().item()
+        if err > tol * ref:
+            raise RopeError(
+                f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's layer-{layer} "
+                f"hook_rot_q by {err:.3g} (max |rot_q| {ref:.3g}); the RoPE variant is not understood"
+            )
+    table = probe_table(model, info, got, layer, pos, lr)
+    if table is not None:
+        cb, sb, ferr = table
+        err = (rotate_with_table(q, cb, sb, lr) - rq).abs().max().item()
+        if err > tol * ref or ferr > tol * max(1.0, lr.attention_scaling):
+            raise RopeError(
+                f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's own layer-{layer} "
+                f"rotation table ({info.table_source}) by {max(err / ref, ferr):.3g} (relative; layout "
+                f"{lr.layout!r}); the RoPE variant is not understood"
+            )
+
+
+def _scores_kind(spec: RopeSpec, lr: Any, s: Tensor, rq: Tensor, rk: Tensor, layer: int, dtype: torch.dtype,
+                 tol: float) -> tuple[str, bool | None]:
+    """What ``hook_attn_scores`` holds on one probed layer: ``("pre_softmax", masked)`` when our logits
+    (soft-capped) equal it on the entries the layer's mask leaves visible — ``masked``: every hidden entry is
+    already −inf (or the dtype's most negative value) —, ``("post_softmax", masked)`` when our pattern (sinks
+    included) does — ``masked``: hidden entries are 0 —, else ``("unknown", None)``."""
+    n_probe = rq.shape[1]
+    w = scores_from_rotated(rq, rk, lr.score_scale)
+    cap = spec.extra.get("attn_logit_softcapping")
+    if cap:
+        w = torch.tanh(w / cap) * cap
+    m = causal_mask(n_probe, sliding_window=lr.sliding_window, device=w.device)
+    scale = w[..., m].abs().max().item() + 1e-12
+    if (w - s)[..., m].abs().max().item() <= tol * scale:
+        return "pre_softmax", bool((s[..., ~m] <= masked_threshold(dtype)).all()) if bool((~m).any()) else None
+    p = attention_pattern(w, m, (spec.extra.get("attention_sinks") or {}).get(layer))
+    kind = "post_softmax" if (p - s)[..., m].abs().max().item() < tol else "unknown"
+    return kind, bool((s[..., ~m] == 0).all()) if kind == "post_softmax" else None
 
 
 def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInfo]:
@@ -452,45 +492,16 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     if not refresh and model in _PROBES:
         return _PROBES[model]
     spec = rope_spec(model)
-    names = hook_names(model)
     conv = compat.conventions(model)
     pre = "blocks.{layer}.attn."
-    if not any(n.startswith("blocks.0.attn.hook_q") for n in names):
+    if not any(n.startswith("blocks.0.attn.hook_q") for n in hook_names(model)):
         raise CaptureError(f"{spec.model_name}: no blocks.0.attn.hook_q hook point")
     probe_layers = sorted({0, spec.n_layers - 1})
     wanted = [conv.q_pre, conv.k_pre, conv.q_normed, conv.k_normed, "hook_rot_q", "hook_rot_k", "hook_attn_scores",
               "hook_cos", "hook_sin", "hook_pattern"]
-    got: dict[tuple[int, str], Tensor] = {}
-
-    def save(t: Tensor, hook: Any, key: tuple[int, str]) -> None:
-        got[key] = t.detach().float().clone()
-
-    fwd = []
-    for layer in probe_layers:
-        for h in wanted:
-            nm = pre.format(layer=layer) + h
-            if nm in names:
-                fwd.append((nm, lambda t, hook, key=(layer, h): save(t, hook, key)))
-    d_vocab = int(getattr(model.cfg, "d_vocab", 0) or 32)
-    windows = [lr.sliding_window for lr in spec.layers if lr.sliding_window]
-    n_probe = max(6, min(min(windows) + 2, 32)) if windows else 6  # the window masks something
-    while n_probe in (spec.n_heads, spec.n_kv_heads):  # [b, head, pos, d] and [b, pos, head, d] must differ
-        n_probe += 1
-    toks = torch.arange(n_probe) % max(d_vocab - 1, 1) + 1
-    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
-    if pad is not None:  # a HookedTransformer may mask leading pad tokens by itself (compat.implicit_attention_mask)
-        toks = torch.where(toks == pad, (pad + 1) % max(d_vocab, 2), toks)
-    toks = toks[None].to(model_device(model))
-    with torch.no_grad(), hooks_attached(model, fwd):
-        try:
-            run_forward(model, toks, None)
-        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
-            dt = str(model_dtype(model)).replace("torch.", "")
-            raise CaptureError(
-                f"{spec.model_name}: the model's own forward pass fails on a {n_probe}-token probe in {dt} "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); nothing can be "
-                f"captured from {spec.extra.get('architecture', type(model).__name__)} here"
-            ) from e
+    toks = _probe_tokens(model, spec)
+    n_probe = toks.shape[1]
+    got = _probe_forward(model, spec, probe_layers, wanted, pre, toks)
     layer = probe_layers[-1]
     if (layer, conv.q_pre) not in got or (layer, conv.k_pre) not in got:
         raise CaptureError(
@@ -498,23 +509,8 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
         )
     use_norm = (layer, conv.q_normed) in got and (layer, conv.k_normed) in got
     q_hook, k_hook = (conv.q_normed, conv.k_normed) if use_norm else (conv.q_pre, conv.k_pre)
-    normed_layout = "bshd"
-    if use_norm and conv.normed_layout == "flat_prescale":
-        normed_layout = "flat_prescale"
-    elif use_norm:  # the bridge's documented [b, head, pos, d] (Gemma3), verified on the probe's shape
-        qn, kn = got[(layer, q_hook)], got[(layer, k_hook)]
-        if qn.ndim == 4 and qn.shape[1] == spec.n_heads and qn.shape[2] == n_probe:
-            normed_layout = "bhsd"
-        elif qn.ndim == 4 and qn.shape[1] == n_probe and qn.shape[2] == spec.n_heads:
-            normed_layout = "bshd"
-        elif qn.ndim == 3 and qn.shape[-1] == spec.n_heads * spec.d_head and kn.shape[-1] == spec.n_kv_heads * spec.d_head:
-            normed_layout = "flat"  # OLMo-2: QK-norm over the flattened heads, [b, pos, head·d_head]
-        else:
-            raise CaptureError(
-                f"{spec.model_name}: {q_hook} has shape {tuple(qn.shape)}, which is none of [batch, head, pos, "
-                f"d_head], [batch, pos, head, d_head] or [batch, pos, head·d_head] for {spec.n_heads} heads of "
-                f"{spec.d_head} dims at {n_probe} positions; cannot read the pre-rotation queries"
-            )
+    normed_layout = _normed_layout(spec, conv, got[(layer, q_hook)], got[(layer, k_hook)], q_hook, n_probe) \
+        if use_norm else "bshd"
     rot_fires = (layer, "hook_rot_q") in got and (layer, "hook_rot_k") in got
     cos_fires = (layer, "hook_cos") in got and (layer, "hook_sin") in got
     if conv.rot_always_fires and not rot_fires:
@@ -525,54 +521,21 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     info = HookInfo(
         q_hook, k_hook, normed_layout, rot_fires, "absent", pre, backend=conv.backend,
         norm_weight=conv.norm_weight if normed_layout == "flat_prescale" else None, position_ids=conv.position_ids,
-        cos_fires=cos_fires, table_source="hook_cos/hook_sin" if cos_fires else _table_buffer_source(model),
+        cos_fires=cos_fires, table_source="hook_cos/hook_sin" if cos_fires else table_buffer_source(model),
         pattern_fires=(layer, "hook_pattern") in got,
         clip_qk=_clip_qk(spec, normed_layout),
     )
     pos = torch.arange(n_probe, device=toks.device)[None]
-    sinks_all = spec.extra.get("attention_sinks") or {}
     scores_kind, scores_masked = "absent", None
     for layer in probe_layers:  # first and last layer: Gemma3's local and global kinds both checked
-        lr = spec.layer(layer).for_positions(pos)
         q = pre_rotation(model, info, layer, "q", got[(layer, q_hook)], 1, n_probe, spec.d_head).float()
         k = pre_rotation(model, info, layer, "k", got[(layer, k_hook)], 1, n_probe, spec.d_head).float()
-        rq, rk = rotate(q, pos, lr), rotate(k, pos, lr)
-        ref = rq.abs().max().item() + 1e-12
-        if rot_fires:
-            err = (rq - got[(layer, "hook_rot_q")]).abs().max().item()
-            if err > tol * ref:
-                raise RopeError(
-                    f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's layer-{layer} "
-                    f"hook_rot_q by {err:.3g} (max |rot_q| {ref:.3g}); the RoPE variant is not understood"
-                )
-            rq, rk = got[(layer, "hook_rot_q")], got[(layer, "hook_rot_k")]
-        table = _probe_table(model, info, got, layer, pos, lr)
-        if table is not None:
-            cb, sb, ferr = table
-            err = (rotate_with_table(q, cb, sb, lr) - rotate(q, pos, lr)).abs().max().item()
-            if err > tol * ref or ferr > tol * max(1.0, lr.attention_scaling):
-                raise RopeError(
-                    f"{spec.model_name}: our RoPE (from {spec.source}) differs from the model's own layer-{layer} "
-                    f"rotation table ({info.table_source}) by {max(err / ref, ferr):.3g} (relative; layout "
-                    f"{lr.layout!r}); the RoPE variant is not understood"
-                )
+        _check_rotation(model, spec, info, got, layer, pos, q, tol)
         if (layer, "hook_attn_scores") not in got:
             continue
-        s = got[(layer, "hook_attn_scores")]
-        w = scores_from_rotated(rq, rk, lr.score_scale)
-        cap = spec.extra.get("attn_logit_softcapping")
-        if cap:
-            w = torch.tanh(w / cap) * cap
-        m = causal_mask(n_probe, sliding_window=lr.sliding_window, device=w.device)
-        scale = w[..., m].abs().max().item() + 1e-12
-        if (w - s)[..., m].abs().max().item() <= tol * scale:
-            kind = "pre_softmax"
-            # after the mask: every hidden entry is -inf (or the dtype's most negative value)
-            masked = bool((s[..., ~m] <= masked_threshold(dtype)).all()) if bool((~m).any()) else None
-        else:
-            p = attention_pattern(w, m, sinks_all.get(layer))
-            kind = "post_softmax" if (p - s)[..., m].abs().max().item() < tol else "unknown"
-            masked = bool((s[..., ~m] == 0).all()) if kind == "post_softmax" else None
+        lr = spec.layer(layer).for_positions(pos)
+        rq, rk = (got[(layer, "hook_rot_q")], got[(layer, "hook_rot_k")]) if rot_fires else (rotate(q, pos, lr), rotate(k, pos, lr))
+        kind, masked = _scores_kind(spec, lr, got[(layer, "hook_attn_scores")], rq, rk, layer, dtype, tol)
         scores_kind = kind if scores_kind in ("absent", kind) else "unknown"
         if masked is not None:
             scores_masked = masked if scores_masked is None else (scores_masked and masked)
@@ -606,19 +569,6 @@ def _clip_qk(spec: RopeSpec, normed_layout: str) -> float | None:
             "the order of clamp and norm is unknown"
         )
     return float(clip)
-
-
-def _probe_table(model: Any, info: HookInfo, got: dict, layer: int, pos: Tensor, lr: LayerRope):
-    """The model's per-band table for the probe's positions (hooks or buffer), or ``None`` (also on a
-    layer without RoPE, whose ``hook_cos`` still carries the table the other layers use)."""
-    if lr.kind == "nope":
-        return None
-    if info.cos_fires:
-        cos, sin = got[(layer, "hook_cos")], got[(layer, "hook_sin")]
-        cos = cos.expand(pos.shape[0], *cos.shape[-2:]) if cos.ndim == 3 else cos.expand(pos.shape[0], *cos.shape)
-        sin = sin.expand(pos.shape[0], *sin.shape[-2:]) if sin.ndim == 3 else sin.expand(pos.shape[0], *sin.shape)
-        return table_to_bands(cos, sin, lr)
-    return model_rotation_table(model, info, layer, pos, lr)
 
 
 #: names that live in :mod:`posgen_tl.hooks.stream` and stay importable from here

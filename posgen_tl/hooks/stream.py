@@ -28,16 +28,13 @@ from posgen_tl.hooks.capture import (
     hook_names,
     hooks_attached,
     model_dtype,
-    model_rotation_table,
     pre_rotation,
     probe_hooks,
     run_forward,
-    table_to_bands,
 )
+from posgen_tl.hooks.tables import model_rotation_table, table_to_bands
 from posgen_tl.io.spec import live_rope
-from posgen_tl.maths.rope import (
-    rotate,
-)
+from posgen_tl.maths.rope import RopeSpec, rotate
 
 __all__ = ["stream_qk", "capture_qk", "capture_from_cache", "self_check", "rotation_tolerance", "pattern_hooks",
            "release_freed_memory"]
@@ -87,27 +84,65 @@ def stream_qk(
         from posgen_tl.hooks.gate import require_exact  # noqa: PLC0415
 
         require_exact(model, layers, "reading q/k")
-    if with_scores and info.scores_kind == "absent":
-        raise CaptureError(f"{spec.model_name}: hook_attn_scores does not fire; scores are unavailable")
     if position_ids is not None:
-        position_ids = check_position_ids(position_ids, tokens.shape[0], tokens.shape[1], spec.model_name)
-    if position_ids is not None and not info.position_ids:
+        position_ids = _checked_ids(spec, info, position_ids, tokens)
+    need = _needed_hooks(spec, info, with_scores=with_scores, with_tables=with_tables, with_pattern=with_pattern)
+    rot_tol = rotation_tolerance(model_dtype(model))
+    desc = progress if isinstance(progress, str) else "capture"
+    bar = tqdm(total=math.ceil(tokens.shape[0] / batch_size), desc=desc, disable=not progress, leave=False)
+    try:
+        for b_idx, (offset, batch) in enumerate(_batches(tokens, batch_size)):
+            pos, pos_arg = _batch_positions(position_ids, batch, offset, tokens.shape[0])
+            grab = _Grab(model, spec, info, need, pos, b_idx, offset, layers[-1], rot_tol, with_tables, fn)
+            fwd = list(extra_hooks)
+            for layer in layers:
+                for h in need:
+                    fwd.append((info.name(layer, h), lambda t, hook, layer=layer, h=h, grab=grab: grab(t, layer, h)))
+            with torch.no_grad(), hooks_attached(model, fwd):
+                try:
+                    run_forward(model, batch, pos_arg)
+                except StopForward:
+                    pass
+            if grab.store:
+                raise CaptureError(
+                    f"{spec.model_name}: hooks {sorted(next(iter(grab.store.values())).keys())} fired but not all of {need}"
+                )
+            bar.update(1)
+            release_freed_memory()
+    finally:
+        bar.close()
+
+
+def _checked_ids(spec: RopeSpec, info: HookInfo, position_ids: Tensor, tokens: Tensor) -> Tensor:
+    """``position_ids`` checked for a streamed capture: the right shape, a forward that takes them, inside the
+    model's sin/cos table. Raises CaptureError naming what is wrong."""
+    position_ids = check_position_ids(position_ids, tokens.shape[0], tokens.shape[1], spec.model_name)
+    if not info.position_ids:
         raise CaptureError(
             f"{spec.model_name}: a {info.backend} model's forward takes no position_ids (TransformerLens 3.x "
             "HookedTransformer); run with posgen_tl.hooks.positions.reposition_hooks(model, position_ids) "
             "as extra_hooks instead"
         )
     table = spec.extra.get("max_position")
-    if position_ids is not None and table is not None and int(position_ids.max()) >= int(table):
+    if table is not None and int(position_ids.max()) >= int(table):
         raise CaptureError(
             f"{spec.model_name}: position id {int(position_ids.max())} is past the model's table of {table} positions "
             "(its sin/cos table is built for max_position_embeddings); run with "
             "posgen_tl.hooks.positions.reposition_hooks(model, position_ids) as extra_hooks instead"
         )
+    return position_ids
+
+
+def _needed_hooks(spec: RopeSpec, info: HookInfo, *, with_scores: bool, with_tables: bool,
+                  with_pattern: bool) -> list[str]:
+    """The attention hooks a capture of each layer waits for. Raises CaptureError for scores or patterns the
+    model does not deliver."""
     need = [info.q_hook, info.k_hook]
     if info.rot_fires:
         need += ["hook_rot_q", "hook_rot_k"]
     if with_scores:
+        if info.scores_kind == "absent":
+            raise CaptureError(f"{spec.model_name}: hook_attn_scores does not fire; scores are unavailable")
         need.append("hook_attn_scores")
     if with_tables and info.cos_fires:
         need += ["hook_cos", "hook_sin"]
@@ -115,66 +150,59 @@ def stream_qk(
         if not info.pattern_fires:
             raise CaptureError(f"{spec.model_name}: hook_pattern does not fire; attention patterns are unavailable")
         need.append("hook_pattern")
-    last_layer = layers[-1]
-    rot_tol = rotation_tolerance(model_dtype(model))
-    n_batches = math.ceil(tokens.shape[0] / batch_size)
-    desc = progress if isinstance(progress, str) else "capture"
-    bar = tqdm(total=n_batches, desc=desc, disable=not progress, leave=False)
-    try:
-        for b_idx, (offset, batch) in enumerate(_batches(tokens, batch_size)):
-            if position_ids is None:
-                pos = torch.arange(batch.shape[1], device=batch.device).expand(batch.shape[0], -1)
-                pos_arg = None
-            else:
-                pid = position_ids.to(batch.device)
-                pos = pid.expand(batch.shape[0], -1) if pid.ndim == 1 or pid.shape[0] == 1 and tokens.shape[0] > 1 \
-                    else pid[offset : offset + batch.shape[0]]
-                pos_arg = pos
-            store: dict[int, dict[str, Tensor]] = {}
+    return need
 
-            def grab(t: Tensor, hook: Any, layer: int, h: str, pos=pos, b_idx=b_idx, offset=offset) -> None:
-                d = store.setdefault(layer, {})  # noqa: B023
-                x = t.detach()
-                if h in (info.q_hook, info.k_hook):
-                    x = pre_rotation(model, info, layer, "q" if h == info.q_hook else "k", x,
-                                     pos.shape[0], pos.shape[1], spec.d_head)
-                x = x.float()
-                if h not in ("hook_attn_scores", "hook_pattern") and not bool(torch.isfinite(x).all()):
-                    bad = int((~torch.isfinite(x)).sum())
-                    raise CaptureError(
-                        f"{spec.model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{layer}.attn.{h} "
-                        f"(batch {b_idx}); the model's activations overflowed or the weights are corrupted — "
-                        "refusing to compute statistics from them"
-                    )
-                d[h] = x
-                if len(d) == len(need):
-                    lr = live_rope(model, spec, layer, spec.layer(layer).for_positions(pos))
-                    cap = _make_capture(layer, d, lr, info, pos, b_idx, offset)
-                    self_check(cap, rot_tol, spec.model_name)
-                    if with_tables:
-                        _attach_table(model, cap, d, info)
-                    del store[layer]  # noqa: B023
-                    fn(cap)
-                    if layer == last_layer:
-                        raise StopForward
 
-            fwd = list(extra_hooks)
-            for layer in layers:
-                for h in need:
-                    fwd.append((info.name(layer, h), lambda t, hook, layer=layer, h=h: grab(t, hook, layer, h)))
-            with torch.no_grad(), hooks_attached(model, fwd):
-                try:
-                    run_forward(model, batch, pos_arg)
-                except StopForward:
-                    pass
-            if store:
-                raise CaptureError(
-                    f"{spec.model_name}: hooks {sorted(next(iter(store.values())).keys())} fired but not all of {need}"
-                )
-            bar.update(1)
-            release_freed_memory()
-    finally:
-        bar.close()
+def _batch_positions(position_ids: Tensor | None, batch: Tensor, offset: int,
+                     n_total: int) -> tuple[Tensor, Tensor | None]:
+    """``(positions [batch, pos], what the forward is given)`` for one batch (``None``: its natural ids)."""
+    if position_ids is None:
+        return torch.arange(batch.shape[1], device=batch.device).expand(batch.shape[0], -1), None
+    pid = position_ids.to(batch.device)
+    pos = pid.expand(batch.shape[0], -1) if pid.ndim == 1 or pid.shape[0] == 1 and n_total > 1 \
+        else pid[offset : offset + batch.shape[0]]
+    return pos, pos
+
+
+class _Grab:
+    """The hook body of one batch of :func:`stream_qk`: collects a layer's hooks; once all of ``need`` fired,
+    builds and self-checks its :class:`QKCapture`, hands it to ``fn`` and drops it (the forward stops after
+    the last layer)."""
+
+    def __init__(self, model: Any, spec: RopeSpec, info: HookInfo, need: Sequence[str], pos: Tensor, b_idx: int,
+                 offset: int, last_layer: int, rot_tol: float, with_tables: bool, fn: Callable[[QKCapture], None]):
+        self.model, self.spec, self.info, self.need, self.pos = model, spec, info, list(need), pos
+        self.b_idx, self.offset, self.last_layer, self.rot_tol = b_idx, offset, last_layer, rot_tol
+        self.with_tables, self.fn = with_tables, fn
+        self.store: dict[int, dict[str, Tensor]] = {}
+
+    def __call__(self, t: Tensor, layer: int, h: str) -> None:
+        spec, info, pos = self.spec, self.info, self.pos
+        d = self.store.setdefault(layer, {})
+        x = t.detach()
+        if h in (info.q_hook, info.k_hook):
+            x = pre_rotation(self.model, info, layer, "q" if h == info.q_hook else "k", x, pos.shape[0], pos.shape[1],
+                             spec.d_head)
+        x = x.float()
+        if h not in ("hook_attn_scores", "hook_pattern") and not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise CaptureError(
+                f"{spec.model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{layer}.attn.{h} "
+                f"(batch {self.b_idx}); the model's activations overflowed or the weights are corrupted — "
+                "refusing to compute statistics from them"
+            )
+        d[h] = x
+        if len(d) < len(self.need):
+            return
+        lr = live_rope(self.model, spec, layer, spec.layer(layer).for_positions(pos))
+        cap = _make_capture(layer, d, lr, info, pos, self.b_idx, self.offset)
+        self_check(cap, self.rot_tol, spec.model_name)
+        if self.with_tables:
+            _attach_table(self.model, cap, d, info)
+        del self.store[layer]
+        self.fn(cap)
+        if layer == self.last_layer:
+            raise StopForward
 
 
 _LIBC: Any = None

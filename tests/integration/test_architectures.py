@@ -313,3 +313,26 @@ def test_positions_past_the_context_reach_every_model(arch, backend, root):
         near = span_nll(model, toks, 4)
         moved = span_nll(model, toks, 4, position_ids=far)
     torch.testing.assert_close(moved, near, rtol=1e-3, atol=5e-3)  # re-rotation at ~200 positions: float rounding
+
+
+@pytest.mark.parametrize("arch,backend", HOOK_CELLS, ids=["-".join(c) for c in HOOK_CELLS])
+def test_a_forward_resumed_at_a_block_reproduces_the_model(arch, backend, root):
+    """Residual re-entry (what the causal and patching runs use to skip the unedited blocks): the forward
+    resumed at block 1 from the residual recorded there gives the model's own logits, whether the blocks below
+    are skipped (where the check allows it) or computed — on every architecture the matrix accepts."""
+    from posgen_tl.hooks import reentry
+
+    got = _loaded_or_refused(arch, backend, root)
+    if got is None:
+        pytest.skip("refused by the matrix")
+    model = got[0]
+    toks = am._tokens(am.SEQ_LEN)
+    store: dict = {}
+    with torch.no_grad():
+        ref = model(toks, return_type="logits")
+        reentry.skips_blocks(model)
+        with model.hooks(fwd_hooks=reentry.resid_hooks([1], store)):
+            model(toks, return_type="logits")
+        out = reentry.forward_from(model, reentry.recorded(store)[1], 1, tokens=toks, return_type="logits")
+    err = float((out - ref).abs().max() / ref.abs().max())
+    assert err < 1e-5, f"{arch}/{backend}: the resumed forward moves the output by {err:.2e} (relative)"

@@ -405,3 +405,37 @@ def test_a_sweep_reusing_another_ones_recording_gives_the_same_numbers(model, to
     with pytest.raises(ValueError, match="reuse"):
         P.patch_sweep(model, P.Swaps(0.3), tokens, metric, quantity="pos_term", groups=groups, k_means=k_means,
                       direction="noising", reuse=first)
+
+
+@pytest.mark.parametrize("quantity", ["rot_q", "pos_term"])
+@pytest.mark.parametrize("direction", ["denoising", "noising"])
+def test_a_sweep_resumed_at_the_patched_layer_equals_whole_forwards(model, tokens, k_means, quantity, direction):
+    """Each group's forward resumes at its patched layer from the base run's residual there: the numbers equal
+    whole patched forwards built by hand (every block computed), and the blocks below were really skipped."""
+    metric = P.target_nll(tokens, T)
+    corr = P.Swaps(0.3)
+    ids = corr.position_ids(N, n_seq=2, keep_last=T)
+    rep = reposition_hooks(model, ids)
+    groups = [{layer: [h]} for layer in (1, 2) for h in range(4)]
+    from posgen_tl.hooks.reentry import skips_blocks
+
+    assert skips_blocks(model)  # its own check's forwards run here, not in the count below
+    calls: list[int] = []
+    handle = model.blocks[0].attn.register_forward_hook(lambda m, a, o: calls.append(0))
+    try:
+        sw = P.patch_sweep(model, corr, tokens, metric, quantity=quantity, groups=groups, k_means=k_means,
+                           direction=direction)
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # block 0 ran in the two baseline forwards only, never in the 2 patched ones
+    st = _record(model, tokens, [quantity], middle=rep if direction == "noising" else ())[quantity]
+    base = list(rep) if direction == "denoising" else []
+    for r, g in enumerate(groups):
+        (layer, heads), = g.items()
+        mask = {layer: torch.zeros(1, N, 4, dtype=torch.bool)}
+        mask[layer][0, :, heads[0]] = True
+        ph = patch_hooks(model, quantity, mask, st, k_means=k_means, base_positions=ids if direction == "denoising" else None,
+                         source_positions=None if direction == "denoising" else ids)
+        whole = _metric_with(model, tokens, metric, ph.around(base))
+        torch.testing.assert_close(sw.values[r], whole, rtol=0, atol=1e-5)
+    assert sw.values.std() > 0  # the heads differ: a wrong residual would show
