@@ -45,8 +45,8 @@ def main() -> None:
 
     import posgen_tl.patching as P
     from posgen_tl.hooks.capture import probe_hooks
-    from posgen_tl.hooks.reentry import computing_every_block, skips_blocks
     from posgen_tl.hooks.edits import key_means
+    from posgen_tl.hooks.reentry import computing_every_block, skips_blocks
     from posgen_tl.io.models import load_model
     from posgen_tl.io.sampling import sample_windows
 

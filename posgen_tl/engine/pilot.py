@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -28,7 +28,7 @@ from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.dose import DoseDesign, common_damage_contrasts, iut_mde
 
-__all__ = ["Pilot", "pilot", "needed_n", "design", "required", "STRENGTH_CAP", "DEFAULT_CAP"]
+__all__ = ["Pilot", "PilotKeeper", "pilot", "needed_n", "design", "required", "STRENGTH_CAP", "DEFAULT_CAP"]
 
 #: the largest strength a condition's grid may reach, by edit kind (a rephase beyond 1 wraps around)
 STRENGTH_CAP = {"rephase": 1.0}
@@ -146,14 +146,29 @@ def required(contrasts: pd.DataFrame, controls: Sequence[str]) -> pd.DataFrame:
     return contrasts.set_index("contrast").loc[want]
 
 
+class PilotKeeper(Protocol):
+    """Where an interrupted pilot keeps what it finished (the causal run's checkpoint folder): the tuned strengths,
+    then the dose rows of each batch of reference windows with the seconds they took."""
+
+    def tuned(self) -> list[dict[str, Any]] | None: ...
+
+    def save_tuned(self, rows: list[dict[str, Any]]) -> None: ...
+
+    def ref_batch(self, b0: int) -> tuple[pd.DataFrame, float] | None: ...
+
+    def save_ref_batch(self, b0: int, rows: pd.DataFrame, seconds: float) -> None: ...
+
+
 def pilot(
     model: Any, ref: Windows, k_means: dict, conditions: Mapping[str, list[Condition]], cfg: Any, *,
-    progress: bool = True,
+    progress: bool = True, keep: PilotKeeper | None = None,
 ) -> Pilot:  # fmt: skip
     """The pilot on the REFERENCE windows (never the analysed ones): tuned strengths and grids, the dose rows
     of the grid, the declared levels and the per-document spread of every required contrast.
 
     ``conditions``: per entry label, ``[destroy, *controls]`` (:func:`posgen_tl.engine.conditions.build_conditions`).
+    ``keep``: where the tuning and each batch of the dose rows are kept as they finish; a rerun takes them from
+    there (the same numbers: random draws and swaps are per document, not per batch).
     Returns a :class:`Pilot` (with fewer than 3 reference documents its spreads are NaN: no power can be planned,
     and the power table says so; when destroy damages no pilot document and no levels are declared, the entry's
     levels are empty and the entry is "not testable", :data:`NO_LEVELS`)."""
@@ -162,18 +177,34 @@ def pilot(
     ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size,
                              fwd_hooks=resid_hooks(starts, store))
     prefix = recorded(store)  # the tuning's passes resume at each condition's first edited layer
-    rows: list[dict[str, Any]] = []
-    for conds in conditions.values():
-        rows += _tune(model, conds, ref, ref_base, k_means, cfg, progress, prefix)
+    rows: list[dict[str, Any]] | None = keep.tuned() if keep is not None else None
+    if rows is None:
+        rows = []
+        for conds in conditions.values():
+            rows += _tune(model, conds, ref, ref_base, k_means, cfg, progress, prefix)
+        if keep is not None:
+            keep.save_tuned(rows)
     grids = pd.DataFrame(rows)
     grids["strengths"] = [";".join(f"{a:.6g}" for a in strength_grid(r.tuned, cfg.relative, alpha_max=r.cap))
                           for r in grids.itertuples()]
     flat = [c for cs in conditions.values() for c in cs]
     strengths = {(r.layers, r.condition): tuple(float(x) for x in r.strengths.split(";")) for r in grids.itertuples()}
-    t0 = time.time()
-    pr = dose_rows(model, ref, flat, strengths, k_means=k_means, target_len=cfg.target(), fracs=cfg.fracs,
-                   seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=cfg.batch_size, progress=progress)
-    seconds = (time.time() - t0) / len(ref)
+    frames, seconds = [], 0.0
+    for b0 in tqdm(range(0, len(ref), cfg.batch_size), desc="pilot batches", disable=not progress, leave=False):
+        got = keep.ref_batch(b0) if keep is not None else None
+        if got is None:
+            t0 = time.time()
+            w = ref.subset(range(b0, min(b0 + cfg.batch_size, len(ref))))
+            rows_b = dose_rows(model, w, flat, strengths, k_means=k_means, target_len=cfg.target(), fracs=cfg.fracs,
+                               seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=len(w), progress=False)
+            rows_b["seq"] = rows_b["seq"] + b0
+            got = (rows_b, time.time() - t0)
+            if keep is not None:
+                keep.save_ref_batch(b0, *got)
+        frames.append(got[0])
+        seconds += got[1]
+    pr = pd.concat(frames, ignore_index=True)
+    seconds /= len(ref)
     units = dose_units(pr)
     levels: dict[str, tuple[float, ...]] = {}
     sds: dict[str, dict[str, float]] = {}

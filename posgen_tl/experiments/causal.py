@@ -161,7 +161,8 @@ class Config(SwapOptions):
 
 
 class _Checkpoint:
-    """A folder that keeps a run's pilot and finished batches (atomic writes).
+    """A folder that keeps a run's pilot — its tuning and each batch of its dose rows as they finish, then the
+    whole pilot — and the finished analysed batches (atomic writes).
 
     Two keys guard it: the PILOT key (the config but ``n_seq``, the model, the reference windows) and the RUN
     key (the whole config and the analysed windows too). Another pilot key is refused (another design); the
@@ -196,7 +197,31 @@ class _Checkpoint:
         return Pilot.from_dict(json.loads(f.read_text())) if f.exists() else None
 
     def save_pilot(self, p: Pilot) -> None:
+        """The finished pilot; the partial pilot's files are dropped."""
         self._write(self.dir / "pilot.json", json.dumps(p.as_dict(), default=float))
+        for f in [*self.dir.glob("pilot_batch_*"), self.dir / "pilot_tuned.json"]:
+            f.unlink(missing_ok=True)
+
+    # the unfinished pilot (engine.pilot.PilotKeeper): its tuning, then each batch of its dose rows
+
+    def tuned(self) -> list[dict[str, Any]] | None:
+        f = self.dir / "pilot_tuned.json"
+        return json.loads(f.read_text()) if f.exists() else None
+
+    def save_tuned(self, rows: list[dict[str, Any]]) -> None:
+        self._write(self.dir / "pilot_tuned.json", json.dumps(rows, default=float))
+
+    def ref_batch(self, b0: int) -> tuple[pd.DataFrame, float] | None:
+        f, rec = self.dir / f"pilot_batch_{b0:06d}.csv", self.dir / f"pilot_batch_{b0:06d}.json"
+        if not (f.exists() and rec.exists()):
+            return None
+        return pd.read_csv(f, float_precision="round_trip"), float(json.loads(rec.read_text())["seconds"])
+
+    def save_ref_batch(self, b0: int, rows: pd.DataFrame, seconds: float) -> None:
+        self._write(self.dir / f"pilot_batch_{b0:06d}.json", json.dumps(dict(seconds=seconds)))
+        tmp = self.dir / f"pilot_batch_{b0:06d}.csv.tmp"
+        rows.to_csv(tmp, index=False)
+        tmp.replace(self.dir / f"pilot_batch_{b0:06d}.csv")
 
     def batch(self, b0: int) -> pd.DataFrame | None:
         """The rows of a finished batch (its record and its rows both written), else None."""
@@ -374,7 +399,7 @@ def run(
     t0 = time.time()
     plan = ck.pilot() if ck is not None else None
     if plan is None:
-        plan = pilot(model, ref, km, conditions, cfg, progress=progress)
+        plan = pilot(model, ref, km, conditions, cfg, progress=progress, keep=ck)
         if ck is not None:
             ck.save_pilot(plan)
     pilot_s, t0 = time.time() - t0, time.time()

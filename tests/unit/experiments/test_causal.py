@@ -47,49 +47,54 @@ def test_rows_cover_the_whole_grid_on_every_document(result):
 
 
 def test_the_pilot_never_sees_the_analysed_documents(llama, monkeypatch):
-    seen: list[set] = []
+    seen: dict[str, list[set]] = {"pilot": [], "analysed": []}
     real = dose_mod.dose_rows
 
-    def spy(model, windows, *a, **k):
-        seen.append(set(windows.doc_ids.tolist()))
-        return real(model, windows, *a, **k)
+    def spy(kind):
+        def f(model, windows, *a, **k):
+            seen[kind].append(set(windows.doc_ids.tolist()))
+            return real(model, windows, *a, **k)
+        return f
 
     import posgen_tl.engine.pilot as pilot_mod
 
-    monkeypatch.setattr(cd, "dose_rows", spy)  # the analysed batches
-    monkeypatch.setattr(pilot_mod, "dose_rows", spy)  # the pilot
+    monkeypatch.setattr(cd, "dose_rows", spy("analysed"))
+    monkeypatch.setattr(pilot_mod, "dose_rows", spy("pilot"))
     ana, ref = sample_windows(llama, _corpus(), n_seq=8, seq_len=24, n_ref=5, seed=0)
     cd.run(llama, windows=(ana, ref), **{**OPTS, "groups": ("2",), "controls": ("C2",)})
-    assert seen[0] == set(ref.doc_ids.tolist())  # the first call is the pilot's
-    assert all(s <= set(ana.doc_ids.tolist()) for s in seen[1:]) and len(seen) == 1 + 2  # two analysed batches
+    assert set().union(*seen["pilot"]) == set(ref.doc_ids.tolist())  # the pilot saw every reference document …
+    assert not set().union(*seen["pilot"]) & set(ana.doc_ids.tolist())  # … and no analysed one
+    assert all(s <= set(ana.doc_ids.tolist()) for s in seen["analysed"]) and len(seen["analysed"]) == 2
 
 
 @pytest.mark.slow
 def test_an_interrupted_run_continues_to_the_same_numbers(llama, tmp_path, monkeypatch):
     kw = {**OPTS, "groups": ("2",), "controls": ("C1", "C2")}
     whole = cd.run(llama, corpus=_corpus(), **kw)
-    calls = {"n": 0}
+    calls = {"analysed": 0, "pilot": 0}
     real = dose_mod.dose_rows
 
     def dies_on_the_second_batch(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:  # pilot, batch 1, then batch 2 is interrupted
+        calls["analysed"] += 1
+        if calls["analysed"] == 2:  # batch 1 finished, batch 2 is interrupted
             raise KeyboardInterrupt
         return real(*a, **k)
 
     import posgen_tl.engine.pilot as pilot_mod
 
-    monkeypatch.setattr(cd, "dose_rows", dies_on_the_second_batch)  # the analysed batches
-    monkeypatch.setattr(pilot_mod, "dose_rows", dies_on_the_second_batch)  # the pilot
+    monkeypatch.setattr(cd, "dose_rows", dies_on_the_second_batch)
     with pytest.raises(KeyboardInterrupt):
         cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
     assert (tmp_path / "ck" / "pilot.json").exists() and len(list((tmp_path / "ck").glob("batch_*.csv"))) == 1
-    calls["n"] = 0
-    counted = lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1]  # noqa: E731
-    monkeypatch.setattr(cd, "dose_rows", counted)
-    monkeypatch.setattr(pilot_mod, "dose_rows", counted)
+    calls.update(analysed=0, pilot=0)
+
+    def counted(kind):
+        return lambda *a, **k: (calls.__setitem__(kind, calls[kind] + 1), real(*a, **k))[1]
+
+    monkeypatch.setattr(cd, "dose_rows", counted("analysed"))
+    monkeypatch.setattr(pilot_mod, "dose_rows", counted("pilot"))
     resumed = cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
-    assert calls["n"] == 1  # only the missing batch ran: no pilot, no first batch
+    assert calls == {"analysed": 1, "pilot": 0}  # only the missing batch ran: no pilot, no first batch
     for name in ("verdicts", "contrasts", "units"):
         pd.testing.assert_frame_equal(resumed[name], whole[name], check_exact=False, rtol=1e-9, atol=1e-12)
 
@@ -266,3 +271,44 @@ def test_resuming_at_the_first_edited_layer_changes_no_number(llama, monkeypatch
     pd.testing.assert_frame_equal(full["grids"], fast["grids"], check_exact=False, rtol=1e-5, atol=1e-7)
     for name in ("units", "contrasts", "verdicts"):
         pd.testing.assert_frame_equal(full[name], fast[name], check_exact=False, rtol=1e-5, atol=1e-6)
+
+
+def test_an_interrupted_pilot_continues_from_its_tuning_and_finished_batches(llama, tmp_path, monkeypatch):
+    import posgen_tl.engine.pilot as pilot_mod
+
+    kw = {**OPTS, "groups": ("2",), "controls": ("C1", "C2")}  # 5 reference windows: 2 pilot batches of 4
+    whole = cd.run(llama, corpus=_corpus(), **kw)
+    real_rows, real_tune = pilot_mod.dose_rows, pilot_mod._tune
+    calls = {"rows": 0, "tune": 0}
+
+    def dies_in_the_second_pilot_batch(*a, **k):
+        calls["rows"] += 1
+        if calls["rows"] == 2:
+            raise KeyboardInterrupt
+        return real_rows(*a, **k)
+
+    monkeypatch.setattr(pilot_mod, "dose_rows", dies_in_the_second_pilot_batch)
+    with pytest.raises(KeyboardInterrupt):
+        cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
+    ck = tmp_path / "ck"
+    assert (ck / "pilot_tuned.json").exists() and not (ck / "pilot.json").exists()
+    assert len(list(ck.glob("pilot_batch_*.csv"))) == 1
+
+    def counted_rows(*a, **k):
+        calls["rows"] += 1
+        return real_rows(*a, **k)
+
+    def counted_tune(*a, **k):
+        calls["tune"] += 1
+        return real_tune(*a, **k)
+
+    calls["rows"] = 0
+    monkeypatch.setattr(pilot_mod, "dose_rows", counted_rows)
+    monkeypatch.setattr(pilot_mod, "_tune", counted_tune)
+    resumed = cd.run(llama, corpus=_corpus(), checkpoint=ck, **kw)
+    assert calls == {"rows": 1, "tune": 0}  # only the missing pilot batch ran; the tuning was kept
+    assert (ck / "pilot.json").exists() and not list(ck.glob("pilot_batch_*")) and not (ck / "pilot_tuned.json").exists()
+    pd.testing.assert_frame_equal(resumed["grids"], whole["grids"], check_exact=False, rtol=1e-12)
+    pd.testing.assert_frame_equal(resumed["pilot_units"], whole["pilot_units"], check_exact=False, rtol=1e-9, atol=1e-12)
+    for name in ("verdicts", "contrasts", "units"):
+        pd.testing.assert_frame_equal(resumed[name], whole[name], check_exact=False, rtol=1e-9, atol=1e-12)
