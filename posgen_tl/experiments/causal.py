@@ -49,12 +49,13 @@ from posgen_tl.engine.pilot import design as design_of
 from posgen_tl.engine.swaps import SwapOptions, windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.edits import key_means
+from posgen_tl.io.checkpoint import RunFolder
 from posgen_tl.io.sampling import Windows, check_disjoint, sample_windows
-from posgen_tl.stats.curves import doc_bootstrap
-from posgen_tl.stats.dose import common_damage_contrasts, curves_at_levels, dose_verdict, iut_mde
+from posgen_tl.stats.dose import common_damage_contrasts, damage_curves, dose_verdict, iut_mde
+from posgen_tl.stats.familywise import claim_adjust
 
 __all__ = ["NAME", "ABOUT", "NEEDS", "Config", "Pilot", "Result", "pilot", "run", "render", "save", "load",
-           "family_adjust", "needed_n", "causal_study", "headline", "run_or_skip"]
+           "needed_n", "causal_study", "headline", "run_or_skip"]
 
 NAME = "causal"
 ABOUT = ("does T1 tolerance depend on the fast-band key offset? destroy and controls C1–C4 as dose–response "
@@ -160,9 +161,9 @@ class Config(SwapOptions):
 # ----------------------------------------------------------------------------- checkpoint
 
 
-class _Checkpoint:
+class _Checkpoint(RunFolder):
     """A folder that keeps a run's pilot — its tuning and each batch of its dose rows as they finish, then the
-    whole pilot — and the finished analysed batches (atomic writes).
+    whole pilot — and the finished analysed batches.
 
     Two keys guard it: the PILOT key (the config but ``n_seq``, the model, the reference windows) and the RUN
     key (the whole config and the analysed windows too). Another pilot key is refused (another design); the
@@ -170,77 +171,57 @@ class _Checkpoint:
     batches."""
 
     def __init__(self, folder: str | Path, fingerprint: dict[str, Any]):
-        self.dir = Path(folder)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        f = self.dir / "fingerprint.json"
+        super().__init__(folder)
         pilot_fp = {k: v for k, v in fingerprint.items() if k != "analysed"}
         pilot_fp["config"] = {k: v for k, v in fingerprint["config"].items() if k != "n_seq"}
         key = dict(pilot=json.dumps(pilot_fp, sort_keys=True, default=str),
                    run=json.dumps(fingerprint, sort_keys=True, default=str))
-        if f.exists():
-            old = json.loads(f.read_text())
-            if old.get("pilot") != key["pilot"]:
-                raise ValueError(f"{NAME}: the checkpoint {self.dir} belongs to another run (config, model or "
-                                 "reference windows differ); give a new folder or delete it")
-            if old.get("run") != key["run"]:
-                for b in self.dir.glob("batch_*"):
-                    b.unlink()
-        self._write(f, json.dumps(key))
-
-    def _write(self, path: Path, text: str) -> None:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        old = self.read_json("fingerprint")
+        if old is not None and old.get("pilot") != key["pilot"]:
+            raise ValueError(f"{NAME}: the checkpoint {self.dir} belongs to another run (config, model or "
+                             "reference windows differ); give a new folder or delete it")
+        if old is not None and old.get("run") != key["run"]:
+            self.drop("batch_*")
+        self.write_json("fingerprint", key)
 
     def pilot(self) -> Pilot | None:
-        f = self.dir / "pilot.json"
-        return Pilot.from_dict(json.loads(f.read_text())) if f.exists() else None
+        d = self.read_json("pilot")
+        return None if d is None else Pilot.from_dict(d)
 
     def save_pilot(self, p: Pilot) -> None:
-        """The finished pilot; the partial pilot's files are dropped."""
-        self._write(self.dir / "pilot.json", json.dumps(p.as_dict(), default=float))
-        for f in [*self.dir.glob("pilot_batch_*"), self.dir / "pilot_tuned.json"]:
-            f.unlink(missing_ok=True)
+        """The finished pilot; the unfinished pilot's pieces are dropped."""
+        self.write_json("pilot", p.as_dict())
+        self.drop("pilot_batch_*", "pilot_tuned.json")
 
     # the unfinished pilot (engine.pilot.PilotKeeper): its tuning, then each batch of its dose rows
 
     def tuned(self) -> list[dict[str, Any]] | None:
-        f = self.dir / "pilot_tuned.json"
-        return json.loads(f.read_text()) if f.exists() else None
+        return self.read_json("pilot_tuned")
 
     def save_tuned(self, rows: list[dict[str, Any]]) -> None:
-        self._write(self.dir / "pilot_tuned.json", json.dumps(rows, default=float))
+        self.write_json("pilot_tuned", rows)
 
     def ref_batch(self, b0: int) -> tuple[pd.DataFrame, float] | None:
-        f, rec = self.dir / f"pilot_batch_{b0:06d}.csv", self.dir / f"pilot_batch_{b0:06d}.json"
-        if not (f.exists() and rec.exists()):
-            return None
-        return pd.read_csv(f, float_precision="round_trip"), float(json.loads(rec.read_text())["seconds"])
+        rec, rows = self.read_json(f"pilot_batch_{b0:06d}"), self.read_rows(f"pilot_batch_{b0:06d}")
+        return None if rec is None or rows is None else (rows, float(rec["seconds"]))
 
     def save_ref_batch(self, b0: int, rows: pd.DataFrame, seconds: float) -> None:
-        self._write(self.dir / f"pilot_batch_{b0:06d}.json", json.dumps(dict(seconds=seconds)))
-        tmp = self.dir / f"pilot_batch_{b0:06d}.csv.tmp"
-        rows.to_csv(tmp, index=False)
-        tmp.replace(self.dir / f"pilot_batch_{b0:06d}.csv")
+        self.write_json(f"pilot_batch_{b0:06d}", dict(seconds=seconds))
+        self.write_rows(f"pilot_batch_{b0:06d}", rows)
+
+    # the analysed batches
 
     def batch(self, b0: int) -> pd.DataFrame | None:
         """The rows of a finished batch (its record and its rows both written), else None."""
-        f, rec = self.dir / f"batch_{b0:06d}.csv", self.dir / f"batch_{b0:06d}.json"
-        return pd.read_csv(f, float_precision="round_trip") if f.exists() and rec.exists() else None
+        return self.read_rows(f"batch_{b0:06d}") if self.has(f"batch_{b0:06d}", suffix=".json") else None
 
     def save_batch(self, b0: int, rows: pd.DataFrame, meta: dict[str, Any]) -> None:
         """The batch's record (commit, seconds), then its rows: the rows mark the batch finished."""
-        self._write(self.dir / f"batch_{b0:06d}.json", json.dumps(meta, default=str))
-        tmp = self.dir / f"batch_{b0:06d}.csv.tmp"
-        rows.to_csv(tmp, index=False)
-        tmp.replace(self.dir / f"batch_{b0:06d}.csv")
+        self.write_json(f"batch_{b0:06d}", meta, default=str)
+        self.write_rows(f"batch_{b0:06d}", rows)
 
     def batch_meta(self) -> list[dict[str, Any]]:
-        return [json.loads(f.read_text()) for f in sorted(self.dir.glob("batch_*.json"))
-                if f.with_suffix(".csv").exists()]
-
-
-# ----------------------------------------------------------------------------- the run
+        return self.records("batch_*")
 
 
 class Result(base.Result):
@@ -260,47 +241,6 @@ class Result(base.Result):
         config: the Config's options (``Config.as_dict``).
         meta: model, windows' fingerprint, documents, levels, wall times, the commits of the batches.
     """
-
-
-def family_adjust(p: Sequence[float], m: int) -> tuple[np.ndarray, str]:
-    """Adjust the entries' p-values ``p`` for a declared family of ``m`` ≥ len(p) entries: Holm when the
-    run holds the whole family, else the Bonferroni bound ``min(1, m·p)`` (the other entries' p are not
-    known to this run). Returns ``(adjusted, method text)``; NaN (a not-testable entry) stays NaN and still
-    counts in the family."""
-    x = np.asarray(p, dtype=float)
-    if m < len(x):
-        raise ValueError(f"the declared family ({m}) is smaller than this run's {len(x)} entries")
-    if m > len(x):
-        return np.minimum(1.0, x * m), f"Bonferroni bound over the declared claim of {m} entries"
-    out = np.full_like(x, np.nan)
-    ok = np.flatnonzero(np.isfinite(x))
-    order = ok[np.argsort(x[ok], kind="mergesort")]
-    running = 0.0
-    for i, j in enumerate(order):
-        running = max(running, min(1.0, (len(x) - i) * x[j]))
-        out[j] = running
-    return out, f"Holm over the {m} entries of this run"
-
-
-def _curves(u: pd.DataFrame, levels: Sequence[float], *, points: int = 24, seed: int = 0) -> pd.DataFrame:
-    """The figure's data for one entry: each condition's tolerance read at ``points`` damages from 0 to the
-    largest declared level × 2, averaged over the documents whose curve brackets the damage; the unedited
-    model (``none``) is the one row at damage 0."""
-    top = 2.0 * max(levels)
-    grid = np.linspace(top / points, top, points)
-    at = curves_at_levels(u, grid)
-    n = u["doc"].nunique()
-    zero = u[u["alpha"] == 0].groupby("doc")["tolerance"].mean().to_numpy(float)
-    lo0, hi0 = doc_bootstrap(zero, n_boot=2000, seed=seed)
-    out = [dict(condition="none", damage=0.0, tolerance=float(zero.mean()), ci_low=float(np.ravel(lo0)[0]),
-                ci_high=float(np.ravel(hi0)[0]), n_docs=int(zero.size), coverage=1.0)]
-    for (cond, lv), g in at.groupby(["condition", "level"], sort=True):
-        x = g["tolerance"].dropna().to_numpy(float)
-        lo, hi = doc_bootstrap(x, n_boot=2000, seed=seed) if x.size >= 3 else (np.array([np.nan]), np.array([np.nan]))
-        out.append(dict(condition=cond, damage=float(lv), tolerance=float(x.mean()) if x.size else np.nan,
-                        ci_low=float(np.ravel(lo)[0]), ci_high=float(np.ravel(hi)[0]), n_docs=int(x.size),
-                        coverage=x.size / n))
-    return pd.DataFrame(out)
 
 
 #: the columns of a contrasts table (:func:`posgen_tl.stats.dose.common_damage_contrasts`, with the entry)
@@ -342,12 +282,12 @@ def _entry_tables(label: str, u: pd.DataFrame, levels: Sequence[float], controls
                iut_rejects=v["verdict"] == "depends", binding=v["binding"], mde=mde, mde_n=n,
                n_docs=int(u["doc"].nunique()), levels=";".join(f"{x:.4g}" for x in levels), reason=reason,
                unreachable=",".join(v["unreachable"]), self_moving=",".join(v["self_moving"]))
-    return row, con.assign(layers=label), con_u.assign(layers=label), _curves(u, levels, seed=cfg.seed).assign(layers=label)
+    return row, con.assign(layers=label), con_u.assign(layers=label), damage_curves(u, levels, seed=cfg.seed).assign(layers=label)
 
 
 def _verdicts(rows: list[dict[str, Any]], cfg: Config, m: int) -> pd.DataFrame:
     v = pd.DataFrame(rows)
-    adj, how = family_adjust(v["p_test"].to_numpy(float), m)
+    adj, how = claim_adjust(v["p_test"].to_numpy(float), m)
     v["p_family"], v["p_family_method"] = adj, how
     demote = (v["verdict"] == "depends") & ~(v["p_family"] < cfg.test_alpha)
     v.loc[demote, "reason"] = v.loc[demote, "reason"] + f"; not below α = {cfg.test_alpha:g} after the adjustment ({how})"

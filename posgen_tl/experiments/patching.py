@@ -21,7 +21,6 @@ interrupted run continues where it stopped.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.edits import key_means
 from posgen_tl.hooks.patching import TERMS
+from posgen_tl.io.checkpoint import RunFolder
 from posgen_tl.io.provenance import git_commit
 from posgen_tl.io.sampling import Windows, check_disjoint, sample_windows
 from posgen_tl.stats.familywise import maxt_signflip
@@ -237,26 +237,22 @@ def _baselines(u: pd.DataFrame) -> pd.DataFrame:
     return b
 
 
-class _Checkpoint:
+class _Checkpoint(RunFolder):
     """Finished batches of one run in a folder: ``fingerprint.json`` (the design) and ``batch_NNNNNN.csv``."""
 
     def __init__(self, folder: str | Path, fingerprint: dict[str, Any]):
-        self.dir = Path(folder)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fp = self.dir / "fingerprint.json"
-        if fp.exists() and json.loads(fp.read_text()) != fingerprint:
+        super().__init__(folder)
+        old = self.read_json("fingerprint")
+        if old is not None and old != fingerprint:
             raise ValueError(f"{self.dir} holds a checkpoint of another patching design (config, model or windows "
                              "differ); remove it or choose another output folder")
-        fp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+        self.write_json("fingerprint", fingerprint, indent=1, sort_keys=True)
 
     def get(self, i: int) -> pd.DataFrame | None:
-        p = self.dir / f"batch_{i:06d}.csv"
-        return pd.read_csv(p, float_precision="round_trip") if p.exists() else None
+        return self.read_rows(f"batch_{i:06d}")
 
     def put(self, i: int, rows: pd.DataFrame) -> None:
-        tmp = self.dir / f".batch_{i:06d}.tmp"
-        rows.to_csv(tmp, index=False)
-        tmp.replace(self.dir / f"batch_{i:06d}.csv")
+        self.write_rows(f"batch_{i:06d}", rows)
 
 
 @torch.no_grad()

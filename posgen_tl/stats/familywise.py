@@ -1,4 +1,5 @@
-"""Family-wise error control over many tests that share their documents: the max-T sign-flip test.
+"""Family-wise error control: the max-T sign-flip test over many tests that share their documents, and the
+adjustment of a causal run's entries for the claim they belong to (:func:`claim_adjust`).
 
 A patching map holds hundreds of heads measured on the same documents; testing each head alone and reading off
 the significant ones would find some by chance. The max-T procedure (Westfall & Young's single-step maxT with
@@ -11,11 +12,14 @@ probability ≤ α (strong control under subset pivotality, which sign-symmetric
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["maxt_signflip"]
+from posgen_tl.stats.inference import holm
+
+__all__ = ["maxt_signflip", "claim_adjust"]
 
 _ENUMERATE_UP_TO = 16  # 2^16 sign vectors: enumerate exactly
 
@@ -84,3 +88,17 @@ def maxt_signflip(x: Any, *, n_perm: int = 20_000, seed: int = 0, chunk: int = 2
         p = (exceed + 1) / (total + 1)
         kind = f"Monte Carlo sign-flip max-T ({total} draws, floor {1 / (total + 1):.1e})"
     return dict(t=t_obs, p_fwe=np.minimum(p, 1.0), p_kind=kind, n_docs=n)
+
+
+def claim_adjust(p: Sequence[float], m: int) -> tuple[np.ndarray, str]:
+    """Adjust one run's entry p-values ``p`` for a declared claim of ``m`` ≥ len(p) entries: Holm when the run
+    holds the whole claim (a not-testable entry's NaN stays NaN and still counts in the family), else the
+    Bonferroni bound ``min(1, m·p)`` (the other entries' p are not known to this run).
+
+    Returns ``(adjusted, method text)``. Raises ValueError when ``m`` < len(p)."""
+    x = np.asarray(p, dtype=float)
+    if m < len(x):
+        raise ValueError(f"the declared family ({m}) is smaller than this run's {len(x)} entries")
+    if m > len(x):
+        return np.minimum(1.0, x * m), f"Bonferroni bound over the declared claim of {m} entries"
+    return holm(x, m=m), f"Holm over the {m} entries of this run"

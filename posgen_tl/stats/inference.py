@@ -296,12 +296,13 @@ def t_interval(values: Any, *, clusters: Any = None, alpha: float = 0.05) -> tup
     return m, m - h, m + h
 
 
-def holm(pvalues: Any) -> np.ndarray:
+def holm(pvalues: Any, m: int | None = None) -> np.ndarray:
     """Holm step-down adjusted p-values for one family of tests.
 
     With the ``m`` non-NaN p-values sorted ascending, ``p_(1) ≤ … ≤ p_(m)``, the adjusted
     value is ``max_{j ≤ i} min(1, (m − j + 1) · p_(j))``; rejecting where adjusted < α is
-    Holm's procedure (family-wise error ≤ α). NaN entries stay NaN and do not count in ``m``.
+    Holm's procedure (family-wise error ≤ α). NaN entries stay NaN and do not count in ``m``,
+    unless ``m`` is given: the family's size, counting members that were not tested (conservative).
 
     Returns:
         ``float64 [n]`` adjusted p-values in the ORIGINAL order, each ≥ its raw p, ≤ 1.
@@ -315,12 +316,14 @@ def holm(pvalues: Any) -> np.ndarray:
         raise ValueError(f"p-values must be in [0, 1], got {p[ok][(p[ok] < 0) | (p[ok] > 1)].tolist()}")
     out = np.full(p.shape, np.nan)
     q = p[ok]
-    m = q.size
-    if m == 0:
+    if q.size == 0:
         return out
+    if m is not None and m < q.size:
+        raise ValueError(f"a family of {m} cannot hold {q.size} tested p-values")
+    size = q.size if m is None else int(m)
     order = np.argsort(q, kind="mergesort")
-    adj = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * q[order]))
-    res = np.empty(m)
+    adj = np.minimum(1.0, np.maximum.accumulate((size - np.arange(q.size)) * q[order]))
+    res = np.empty(q.size)
     res[order] = adj
     out[ok] = res
     return out

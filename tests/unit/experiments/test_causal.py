@@ -13,6 +13,7 @@ from posgen_tl.engine import dose as dose_mod
 from posgen_tl.experiments import causal as cd
 from posgen_tl.io.sampling import sample_windows
 from posgen_tl.stats.dose import iut_mde
+from posgen_tl.stats.familywise import claim_adjust
 
 OPTS = dict(n_seq=8, seq_len=20, target_len=5, fracs=(0.0, 0.3), groups=("1", "2"), controls=("C1", "C3"), n_ref=5,
             alpha=3.0, levels=(2e-5, 5e-5), batch_size=4, match_steps=2, progress=False)
@@ -147,16 +148,16 @@ def test_unreachable_levels_make_the_entry_not_testable(result):
 
 
 def test_family_adjustment():
-    adj, _ = cd.family_adjust([0.01, 0.04, np.nan], 3)  # a not-testable entry still counts in the family
+    adj, _ = claim_adjust([0.01, 0.04, np.nan], 3)  # a not-testable entry still counts in the family
     assert np.allclose(adj[:2], [0.03, 0.08]) and np.isnan(adj[2])  # 3 × 0.01, then 2 × 0.04
-    adj, how = cd.family_adjust([0.01, 0.04], 2)
+    adj, how = claim_adjust([0.01, 0.04], 2)
     assert how == "Holm over the 2 entries of this run" and np.allclose(adj, [0.02, 0.04])
-    adj, how = cd.family_adjust([0.03, 0.01], 2)
+    adj, how = claim_adjust([0.03, 0.01], 2)
     assert np.allclose(adj, [0.03, 0.02])  # step-down keeps the order
-    adj, how = cd.family_adjust([0.01, 0.3], 4)
+    adj, how = claim_adjust([0.01, 0.3], 4)
     assert how == "Bonferroni bound over the declared claim of 4 entries" and np.allclose(adj, [0.04, 1.0])
     with pytest.raises(ValueError, match="smaller than"):
-        cd.family_adjust([0.1, 0.2, 0.3], 2)
+        claim_adjust([0.1, 0.2, 0.3], 2)
 
 
 def test_a_depends_above_the_family_level_is_not_detected():

@@ -184,6 +184,30 @@ def test_holm_properties(p, alpha):
     assert np.array_equal(a < alpha, expect)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(0, 1), st.just(float("nan"))), min_size=1, max_size=10), st.integers(0, 5))
+def test_holm_over_a_larger_declared_family(p, extra):
+    """``m=``: members that were not tested still count — the step-down multipliers start at m, so every
+    adjusted p is at least the plain Holm one, and equals it when m is the tested count."""
+    p = np.array(p)
+    n_ok = int((~np.isnan(p)).sum())
+    m = n_ok + extra
+    if n_ok == 0:
+        assert np.isnan(holm(p, m=m)).all()
+        return
+    big, plain = holm(p, m=m), holm(p)
+    ok = ~np.isnan(p)
+    assert np.array_equal(np.isnan(big), ~ok) and np.all(big[ok] >= plain[ok] - 1e-15)
+    np.testing.assert_array_equal(holm(p, m=n_ok), plain)
+    q = p[ok]
+    order = np.argsort(q, kind="mergesort")
+    expect = np.minimum(1, np.maximum.accumulate([(m - j) * q[order][j] for j in range(q.size)]))
+    np.testing.assert_allclose(big[ok][order], expect)
+    if n_ok > 1:
+        with pytest.raises(ValueError, match="cannot hold"):
+            holm(p, m=n_ok - 1)
+
+
 # ----------------------------------------------------------------------------- TOST, MDE
 
 
