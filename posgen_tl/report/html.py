@@ -54,6 +54,7 @@ figcaption{font-size:.85em;color:#555}
 .summary table{font-size:.9em;width:100%}
 .summary td,.summary th{text-align:left}
 .summary td.num{text-align:right;white-space:nowrap}
+.summary td.eff{min-width:14em}.summary td:first-child{width:22%}.pkinds{margin:.2em 0 .6em;padding-left:1.6em}
 .v-yes{font-weight:bold;color:#0a5d1e}.v-no{font-weight:bold;color:#7a4b00}.v-none{color:#888}
 .expl{color:#a33;font-size:.85em}
 details{margin:.6em 0}summary{cursor:pointer;color:#2a5d9f}
@@ -186,27 +187,40 @@ def _verdict_class(v: str) -> str:
 
 
 def summary_box(findings: list[Finding]) -> str:
-    """The box at the top of the page: one row per question; absent questions say "not run"."""
+    """The box at the top of the page: one row per question; absent questions say "not run".
+
+    Columns a reader scans: question, answer (the verdict, "exploratory" under it), the effect (what it is in
+    small print above the number), its 95 % interval, p and n. What each p is (its test and adjustment) is a
+    numbered note under the table, shared by the rows whose p is of the same kind."""
     by_q: dict[str, list[Finding]] = {}
     for f in findings:
         by_q.setdefault(f.question, []).append(f)
-    rows = []
+    rows, kinds = [], []
     for q, asked in QUESTIONS.items():
         for f in by_q.get(q) or [Finding(q, "not run")]:
             ci = f"[{sig3(f.ci[0])}, {sig3(f.ci[1])}]" if f.ci else "–"
-            eff = (f"{html.escape(f.what)}: " if f.what else "") + sig3(f.effect) if f.effect is not None else "–"
-            expl = " <span class='expl'>exploratory</span>" if f.exploratory else ""
-            note = f"<br><span class='meta'>{html.escape(f.note)}</span>" if f.note else ""
-            note += f"<br><span class='meta'>p: {html.escape(f.p_kind)}</span>" if f.p_kind and f.p is not None else ""
+            eff = "–"
+            if f.effect is not None:
+                eff = (f"<span class='meta'>{html.escape(f.what)}</span><br>" if f.what else "") + f"<b>{sig3(f.effect)}</b>"
+            if f.note:
+                eff += f"<br><span class='meta'>{html.escape(f.note)}</span>"
+            expl = "<br><span class='expl'>exploratory</span>" if f.exploratory else ""
+            mark = ""
+            if f.p_kind and f.p is not None:
+                if f.p_kind not in kinds:
+                    kinds.append(f.p_kind)
+                mark = f"<sup>{kinds.index(f.p_kind) + 1}</sup>"
             rows.append(
                 f"<tr><td><b>{html.escape(q)}</b><br><span class='meta'>{html.escape(asked)}</span></td>"
-                f"<td class='{_verdict_class(f.verdict)}'>{html.escape(f.verdict)}{expl}{note}</td>"
-                f"<td class='num'>{eff}</td><td class='num'>{ci}</td><td class='num'>{sig3(f.p)}</td>"
+                f"<td class='{_verdict_class(f.verdict)}'>{html.escape(f.verdict)}{expl}</td>"
+                f"<td class='eff'>{eff}</td><td class='num'>{ci}</td><td class='num'>{sig3(f.p)}{mark}</td>"
                 f"<td class='num'>{'–' if f.n is None else f.n}</td></tr>")
-    return ("<div class='summary' id='summary'><h2>Findings</h2><table><tr><th>question</th><th>verdict</th>"
-            "<th>effect</th><th>95 % CI</th><th>p</th><th>n</th></tr>" + "".join(rows) + "</table>"
-            f"<p class='meta'>“exploratory”: fewer than {MIN_N} sequences (docs/method.md §8). “no evidence” is not "
-            "evidence of no effect. Details and the random-twin/control comparisons follow below.</p></div>")
+    notes = "".join(f"<li>{html.escape(k)}</li>" for k in kinds)
+    return ("<div class='summary' id='summary'><h2>Findings</h2><table><tr><th>question</th><th>answer</th>"
+            "<th>effect</th><th>95 % interval</th><th>p</th><th>n</th></tr>" + "".join(rows) + "</table>"
+            + (f"<p class='meta'>What each p is:</p><ol class='meta pkinds'>{notes}</ol>" if notes else "")
+            + f"<p class='meta'>“exploratory”: fewer than {MIN_N} sequences (docs/method.md §8). “no evidence” is "
+            "not evidence of no effect. Details and the random-twin/control comparisons follow below.</p></div>")
 
 
 def render_html(title: str, meta: dict[str, Any], sections: list[Section], findings: list[Finding] | None = None) -> str:

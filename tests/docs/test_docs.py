@@ -119,3 +119,23 @@ def test_api_reference_covers_every_public_module():
     missing = sorted(modules - packages_only - listed)
     assert not missing, f"docs/api.md does not document {missing}"
     assert len(listed) == len(re.findall(r"^::: ", api, flags=re.M)), "a module is listed twice"
+
+
+def test_the_screenshots_show_the_current_pages():
+    """docs/img's screenshots of the causal page and the example report were taken from the pages as they are now
+    (``python scripts/screenshots.py`` records each source's SHA-1), are 1280 px wide PNGs, and the docs home
+    shows them."""
+    import importlib.util
+    import struct
+
+    spec = importlib.util.spec_from_file_location("screenshots", ROOT / "scripts" / "screenshots.py")
+    shots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shots)
+    assert shots.stale() == [], f"stale screenshots {shots.stale()}: run python scripts/screenshots.py"
+    home = (ROOT / "docs" / "index.md").read_text()
+    for name in shots.SHOTS:
+        png = (ROOT / "docs" / "img" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = struct.unpack(">II", png[16:24])
+        assert width == shots.WIDTH and height == shots.SHOTS[name][2], (name, width, height)
+        assert f"img/{name}" in home, f"docs/index.md does not show {name}"
