@@ -69,16 +69,21 @@ def _dtype(model: Any) -> str:
     return str(model_dtype(model)).removeprefix("torch.")
 
 
-def report_sections(work_dir: Path, names: list[str], *, preset: str, model_name: str) -> tuple[list, list, dict]:
+def report_sections(work_dir: Path, names: list[str], *, preset: str, model_name: str,
+                    configs: dict[str, dict[str, Any]] | None = None) -> tuple[list, list, dict]:
     """Each experiment's section rendered from its saved Result in ``work_dir`` (its own ``render``), in ``names``'
-    order; below the full preset each section ends with how to run it at full size.
+    order; below the full preset each section ends with how to run it at full size. ``configs``: the report's
+    record of each stage's config, for a stage saved before Results kept their own (whose config reads back empty).
 
     Returns:
         ``(sections, findings, {name: section results})``.
     """
     sections, findings, per = [], [], {}
     for name in names:
-        sec = registry.experiment(name).render(registry.load(name, work_dir))
+        result = registry.load(name, work_dir)
+        if not result.config and configs and configs.get(name):
+            result = type(result)(result.tables, dict(configs[name]), result.meta)
+        sec = registry.experiment(name).render(result)
         if preset != "full":
             sec.paragraphs.append(full_size_hint(name, model_name, preset))
         sections.append(sec)
@@ -99,7 +104,8 @@ def rerender(out: Path | str) -> Path:
         raise FileNotFoundError(f"{out} holds no finished report (results.json and .work/ are needed)")
     res = json.loads((out / "results.json").read_text())
     names = list(res["configs"])
-    sections, findings, _ = report_sections(out / ".work", names, preset=res["preset"], model_name=res["model"])
+    sections, findings, _ = report_sections(out / ".work", names, preset=res["preset"], model_name=res["model"],
+                                            configs=res["configs"])
     first = res["configs"][names[0]]
     meta = {"model": res["model"], "corpus": first.get("corpus") or "pydoc_data.topics (stdlib)",
             "preset": res["preset"], "seed": first.get("seed"), "device": res.get("device"), "dtype": res.get("dtype")}
