@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, masked_threshold, model_dtype, probe_hooks
+from posgen_tl.hooks.capture import HookInfo, QKCapture, masked_threshold, model_dtype, probe_hooks
 from posgen_tl.hooks.stream import ROT_RTOL, rotation_tolerance, stream_qk
 from posgen_tl.maths.rope import attention_pattern, causal_mask, rotate, rotate_with_table
 
@@ -95,94 +95,128 @@ def exactness_table(
     sinks_all = spec.extra.get("attention_sinks") or {}
 
     def check(c: QKCapture) -> None:
-        lr = c.rope
-        rq, rk = rotate(c.q, c.positions, lr), rotate(c.k, c.positions, lr)
-        row: dict[str, Any] = dict(layer=c.layer, kind=lr.kind, rot_source=c.rot_source)
-        ref = max(c.rot_q.abs().max().item(), c.rot_k.abs().max().item()) + 1e-30
-        row["rot_ref"] = ref
-        checks, eq, ek = [], 0.0, 0.0
-        if c.rot_source == "hook":
-            checks.append("hook_rot")
-            eq, ek = (rq - c.rot_q).abs().max().item(), (rk - c.rot_k).abs().max().item()
-        if c.table_cos is not None:
-            checks.append(c.table_source)
-            tq = rotate_with_table(c.q, c.table_cos, c.table_sin, lr)
-            tk = rotate_with_table(c.k, c.table_cos, c.table_sin, lr)
-            eq = worst(eq, (rq - tq).abs().max().item(), c.table_format_err * c.q.abs().max().item())
-            ek = worst(ek, (rk - tk).abs().max().item(), c.table_format_err * c.k.abs().max().item())
-        row["rot_check"] = "+".join(checks) or "none"
-        row["rot_q_max_err"], row["rot_k_max_err"] = (eq, ek) if checks else (float("nan"), float("nan"))
-        row["scores_kind"] = c.scores_kind
-        failed, unchecked = [], []
-        visible_scores = None
-        if c.scores is not None and c.scores_kind == "pre_softmax":
-            visible_scores = c.scores[..., causal_mask(c.q.shape[1], sliding_window=lr.sliding_window,
-                                                      device=c.q.device)]
-        bad = non_finite(q=c.q, k=c.k, rot_q=c.rot_q, rot_k=c.rot_k, table_cos=c.table_cos, table_sin=c.table_sin,
-                         scores=visible_scores if c.scores_kind == "pre_softmax" else c.scores, pattern=c.pattern)
-        if bad:
-            failed.append(f"non-finite values (NaN or inf) in the captured {', '.join(bad)}: nothing compared with "
-                          "them can be called equal")
-        if not checks:
-            unchecked.append("no independent rotation to compare with (hook_rot_q/k, hook_cos/hook_sin and a "
-                             "rotary table are all unavailable)")
-        elif exceeds(worst(eq, ek), tol["rot"] * ref):
-            failed.append(f"rotation differs from {row['rot_check']} by {worst(eq, ek) / ref:.3g} (relative)")
-        n = c.q.shape[1]
-        m = causal_mask(n, sliding_window=lr.sliding_window, device=c.q.device)
-        row.update(score_max_err=float("nan"), score_ref=float("nan"), score_rel_err=float("nan"),
-                   mask_mismatch=float("nan"), pattern_max_err=float("nan"), n_compared=0)
-        w = c.logits()
-        if cap:
-            w = torch.tanh(w / cap) * cap
-        sinks = sinks_all.get(c.layer)
-        if c.scores is not None and c.scores_kind in ("pre_softmax", "post_softmax"):
-            n_cmp = int(m.sum().item()) * w.shape[0] * w.shape[1]
-            row["n_compared"] = n_cmp
-            if c.scores_kind == "post_softmax":
-                p = attention_pattern(w, m, sinks).to(c.scores.dtype)
-                err = (p - c.scores).abs().max().item()  # every entry: masked ones must be 0 in the model too
-                row.update(score_max_err=err, score_ref=1.0, score_rel_err=err, pattern_max_err=err)
-                if exceeds(err, tol["pattern"]):
-                    failed.append(f"attention pattern (post-softmax hook_attn_scores) differs by {err:.3g}")
-            else:
-                err = (w - c.scores)[..., m].abs().max().item()
-                sref = c.scores[..., m].abs().max().item() + 1e-30
-                row.update(score_max_err=err, score_ref=sref, score_rel_err=err / sref)
-                if exceeds(err, tol["score"] * sref):
-                    failed.append(f"scores differ from hook_attn_scores by {err / sref:.3g} (relative)")
-                if info.scores_masked:
-                    hidden = c.scores <= thr
-                    mism = int((hidden[..., m]).sum().item() + (~hidden[..., ~m]).sum().item())
-                    row["mask_mismatch"] = mism
-                    if mism:
-                        failed.append(f"the model's mask differs from ours (sliding window {lr.sliding_window}) "
-                                      f"in {mism} entries")
-            if n_cmp < MIN_COMPARED_ENTRIES:
-                unchecked.append(f"only {n_cmp} unmasked score entries compared (< {MIN_COMPARED_ENTRIES}); "
-                                 "use longer or more sequences")
-        elif info.scores_kind == "unknown":
-            unchecked.append("hook_attn_scores matched neither our logits nor our pattern in the probe ('unknown'): "
-                             "no score was compared")
-        else:
-            unchecked.append(f"hook_attn_scores is {info.scores_kind!r}: no score was compared")
-        if c.pattern is not None:
-            # the mask and sinks, isolated: our mask (and sinks) applied to the model's OWN logits where the
-            # hook gives them (a bf16/fp16 model's logits round to its precision; ours were compared above)
-            base = c.scores if c.scores is not None and c.scores_kind == "pre_softmax" else w
-            p = attention_pattern(base, m, sinks).to(c.pattern.dtype)
-            perr = (p - c.pattern).abs().max().item()
-            row["pattern_max_err"] = perr
-            if exceeds(perr, tol["pattern"]):
-                failed.append(f"attention pattern differs from hook_pattern by {perr:.3g}"
-                              + ("" if sinks is not None else " (learned attention sinks, if any, are not modelled)"))
-        status = "failed" if failed else ("not checked" if unchecked else "passed")
-        row.update(status=status, reason="; ".join(failed + unchecked), passed=status == "passed")
-        rows.append(row)
+        rows.append(_layer_row(c, info, tol, thr, cap, sinks_all.get(c.layer)))
 
     stream_qk(model, tokens, check, layers, with_scores=with_scores, batch_size=max(1, tokens.shape[0]),
               progress="exactness" if progress else False, with_tables=True, with_pattern=with_pattern, _gate=False)
     return pd.DataFrame(rows)
+
+
+def _layer_row(c: QKCapture, info: HookInfo, tol: dict[str, float], thr: float, cap: float | None,
+               sinks: Tensor | None) -> dict[str, Any]:
+    """The row of :func:`exactness_table` for one captured layer ``c``: every comparison with its errors, then
+    ``status``, ``reason`` and ``passed``. ``info``: the model's hooks (:func:`~posgen_tl.hooks.capture.probe_hooks`);
+    ``tol``: :func:`tolerances` of the model's dtype; ``thr``: a score at or below it is a masked entry; ``cap``: the
+    logit soft-cap (falsy: none); ``sinks``: the layer's learned attention sinks ``[head]`` (``None``: none)."""
+    lr = c.rope
+    row: dict[str, Any] = dict(layer=c.layer, kind=lr.kind, rot_source=c.rot_source)
+    checks, eq, ek, ref = _rotation_errors(c, row)
+    row["scores_kind"] = c.scores_kind
+    failed: list[str] = []
+    unchecked: list[str] = []
+    visible_scores = None
+    if c.scores is not None and c.scores_kind == "pre_softmax":
+        visible_scores = c.scores[..., causal_mask(c.q.shape[1], sliding_window=lr.sliding_window,
+                                                  device=c.q.device)]
+    bad = non_finite(q=c.q, k=c.k, rot_q=c.rot_q, rot_k=c.rot_k, table_cos=c.table_cos, table_sin=c.table_sin,
+                     scores=visible_scores if c.scores_kind == "pre_softmax" else c.scores, pattern=c.pattern)
+    if bad:
+        failed.append(f"non-finite values (NaN or inf) in the captured {', '.join(bad)}: nothing compared with "
+                      "them can be called equal")
+    if not checks:
+        unchecked.append("no independent rotation to compare with (hook_rot_q/k, hook_cos/hook_sin and a "
+                         "rotary table are all unavailable)")
+    elif exceeds(worst(eq, ek), tol["rot"] * ref):
+        failed.append(f"rotation differs from {row['rot_check']} by {worst(eq, ek) / ref:.3g} (relative)")
+    n = c.q.shape[1]
+    m = causal_mask(n, sliding_window=lr.sliding_window, device=c.q.device)
+    row.update(score_max_err=float("nan"), score_ref=float("nan"), score_rel_err=float("nan"),
+               mask_mismatch=float("nan"), pattern_max_err=float("nan"), n_compared=0)
+    w = c.logits()
+    if cap:
+        w = torch.tanh(w / cap) * cap
+    _compare_scores(c, w, m, sinks, info, tol, thr, row, failed, unchecked)
+    if c.pattern is not None:
+        # the mask and sinks, isolated: our mask (and sinks) applied to the model's OWN logits where the
+        # hook gives them (a bf16/fp16 model's logits round to its precision; ours were compared above)
+        base = c.scores if c.scores is not None and c.scores_kind == "pre_softmax" else w
+        p = attention_pattern(base, m, sinks).to(c.pattern.dtype)
+        perr = (p - c.pattern).abs().max().item()
+        row["pattern_max_err"] = perr
+        if exceeds(perr, tol["pattern"]):
+            failed.append(f"attention pattern differs from hook_pattern by {perr:.3g}"
+                          + ("" if sinks is not None else " (learned attention sinks, if any, are not modelled)"))
+    status = "failed" if failed else ("not checked" if unchecked else "passed")
+    row.update(status=status, reason="; ".join(failed + unchecked), passed=status == "passed")
+    return row
+
+
+def _rotation_errors(c: QKCapture, row: dict[str, Any]) -> tuple[list[str], float, float, float]:
+    """Our rotation of the captured pre-rotation q/k against every independent rotation the capture holds (the
+    model's ``hook_rot_q/k``, its own rotation table); writes ``rot_ref``, ``rot_check``, ``rot_q_max_err`` and
+    ``rot_k_max_err`` into ``row``.
+
+    Returns:
+        ``(checks, eq, ek, ref)``: the names of the rotations compared with (empty: none), the max |error| of our
+        rotated q and of our rotated k (the worst over ``checks``), and ``ref``, the max |value| of the model's
+        rotated q/k the errors are relative to.
+    """
+    lr = c.rope
+    rq, rk = rotate(c.q, c.positions, lr), rotate(c.k, c.positions, lr)
+    ref = max(c.rot_q.abs().max().item(), c.rot_k.abs().max().item()) + 1e-30
+    row["rot_ref"] = ref
+    checks, eq, ek = [], 0.0, 0.0
+    if c.rot_source == "hook":
+        checks.append("hook_rot")
+        eq, ek = (rq - c.rot_q).abs().max().item(), (rk - c.rot_k).abs().max().item()
+    if c.table_cos is not None:
+        checks.append(c.table_source)
+        tq = rotate_with_table(c.q, c.table_cos, c.table_sin, lr)
+        tk = rotate_with_table(c.k, c.table_cos, c.table_sin, lr)
+        eq = worst(eq, (rq - tq).abs().max().item(), c.table_format_err * c.q.abs().max().item())
+        ek = worst(ek, (rk - tk).abs().max().item(), c.table_format_err * c.k.abs().max().item())
+    row["rot_check"] = "+".join(checks) or "none"
+    row["rot_q_max_err"], row["rot_k_max_err"] = (eq, ek) if checks else (float("nan"), float("nan"))
+    return checks, eq, ek, ref
+
+
+def _compare_scores(c: QKCapture, w: Tensor, m: Tensor, sinks: Tensor | None, info: HookInfo, tol: dict[str, float],
+                    thr: float, row: dict[str, Any], failed: list[str], unchecked: list[str]) -> None:
+    """Our (soft-capped) logits ``w`` ``[batch, head, query, key]`` (or their pattern, where the hook holds
+    post-softmax weights) against the model's ``hook_attn_scores`` on the entries our mask ``m`` ``[query, key]``
+    leaves visible, and the model's own mask against ours; writes the score columns of ``row`` and appends what
+    failed or could not be compared to ``failed`` / ``unchecked``."""
+    lr = c.rope
+    if c.scores is not None and c.scores_kind in ("pre_softmax", "post_softmax"):
+        n_cmp = int(m.sum().item()) * w.shape[0] * w.shape[1]
+        row["n_compared"] = n_cmp
+        if c.scores_kind == "post_softmax":
+            p = attention_pattern(w, m, sinks).to(c.scores.dtype)
+            err = (p - c.scores).abs().max().item()  # every entry: masked ones must be 0 in the model too
+            row.update(score_max_err=err, score_ref=1.0, score_rel_err=err, pattern_max_err=err)
+            if exceeds(err, tol["pattern"]):
+                failed.append(f"attention pattern (post-softmax hook_attn_scores) differs by {err:.3g}")
+        else:
+            err = (w - c.scores)[..., m].abs().max().item()
+            sref = c.scores[..., m].abs().max().item() + 1e-30
+            row.update(score_max_err=err, score_ref=sref, score_rel_err=err / sref)
+            if exceeds(err, tol["score"] * sref):
+                failed.append(f"scores differ from hook_attn_scores by {err / sref:.3g} (relative)")
+            if info.scores_masked:
+                hidden = c.scores <= thr
+                mism = int((hidden[..., m]).sum().item() + (~hidden[..., ~m]).sum().item())
+                row["mask_mismatch"] = mism
+                if mism:
+                    failed.append(f"the model's mask differs from ours (sliding window {lr.sliding_window}) "
+                                  f"in {mism} entries")
+        if n_cmp < MIN_COMPARED_ENTRIES:
+            unchecked.append(f"only {n_cmp} unmasked score entries compared (< {MIN_COMPARED_ENTRIES}); "
+                             "use longer or more sequences")
+    elif info.scores_kind == "unknown":
+        unchecked.append("hook_attn_scores matched neither our logits nor our pattern in the probe ('unknown'): "
+                         "no score was compared")
+    else:
+        unchecked.append(f"hook_attn_scores is {info.scores_kind!r}: no score was compared")
 
 
 # ----------------------------------------------------------------------------- the experiment

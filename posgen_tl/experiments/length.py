@@ -36,7 +36,7 @@ from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows, sample_windows
 from posgen_tl.maths.perturb import gap_position_ids, nll_from_logits
-from posgen_tl.maths.rope import RopeError
+from posgen_tl.maths.rope import RopeError, RopeSpec
 from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 
 __all__ = [
@@ -217,6 +217,34 @@ def gap_probe(
     spec, info = probe_hooks(model)
     n_ctx = spec.n_ctx
     cap = n_ctx if cap is None else cap
+    conditions = _gap_conditions(spec, conditions, gaps, cap, prefix_len, suffix_len, skip)
+    n = prefix_len + suffix_len
+    if isinstance(corpus, Windows) and corpus.tokens.shape[1] < n:
+        raise ValueError(f"the windows hold {corpus.tokens.shape[1]} tokens; prefix + suffix need {n}")
+    win, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=n,
+                               n_ref=cfg.n_ref if "disentangled" in conditions and k_means is None else 0, seed=cfg.seed)
+    tokens = check_tokens(model, win.tokens[:, :n], spec)
+    if "disentangled" in conditions:
+        k_means = _global_kbar(model, ref, k_means)
+    rows = _gap_rows(model, tokens, win, [(float(g), c) for g in gaps for c in conditions], n_ctx=n_ctx,
+                     prefix_len=prefix_len, suffix_len=suffix_len, skip=skip, cap=cap, n_sink=n_sink, k_means=k_means,
+                     delta0=delta0, batch_size=batch_size, progress=progress)
+    df = pd.DataFrame(rows)
+    cfg = dict(model=spec.model_name, n_ctx=n_ctx, prefix_len=prefix_len, suffix_len=suffix_len, skip=skip, cap=cap,
+               n_sink=n_sink, delta0=delta0, n_seq=len(win), n_docs=win.n_docs, k_mean="global (disjoint documents)")
+    return LengthResult(df, gap_summary(df), cfg)
+
+
+def _gap_conditions(spec: RopeSpec, conditions: Sequence[str], gaps: Sequence[float], cap: int, prefix_len: int,
+                    suffix_len: int, skip: int) -> tuple[str, ...]:
+    """The conditions :func:`gap_probe` runs (``"vanilla"`` first where it is missing: the reused rows copy it),
+    after checking its settings against the model's spec.
+
+    Raises:
+        ValueError: a negative or non-integer ``cap``, a negative gap, a bad prefix/suffix/skip layout or an
+            unknown condition. RopeError: positions past where a dynamic-NTK model changes its frequencies.
+    """
+    n_ctx = spec.n_ctx
     if int(cap) != cap or cap < 0:
         raise ValueError(f"cap must be a non-negative integer, got {cap!r}")
     if any(g < 0 for g in gaps):
@@ -236,16 +264,23 @@ def gap_probe(
                         f"probe's positions reach {top}, where the model's rotation is not the one this library "
                         "models (its logit substitutions would not be the model's); use gaps below "
                         f"{(int(dyn) - n) / n_ctx:.3g}·n_ctx")
-    if isinstance(corpus, Windows) and corpus.tokens.shape[1] < n:
-        raise ValueError(f"the windows hold {corpus.tokens.shape[1]} tokens; prefix + suffix need {n}")
-    win, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=n,
-                               n_ref=cfg.n_ref if "disentangled" in conditions and k_means is None else 0, seed=cfg.seed)
-    tokens = check_tokens(model, win.tokens[:, :n], spec)
-    if "disentangled" in conditions:
-        k_means = _global_kbar(model, ref, k_means)
+    return tuple(conditions)
+
+
+def _gap_rows(model: Any, tokens: Tensor, win: Windows, jobs: list[tuple[float, str]], *, n_ctx: int, prefix_len: int,
+              suffix_len: int, skip: int, cap: int, n_sink: int, k_means: dict | None, delta0: int, batch_size: int,
+              progress: bool) -> list[dict[str, Any]]:
+    """The per-sequence rows of :func:`gap_probe`, one ``(gap fraction, condition)`` job after another, ``tokens``
+    ``[seq, prefix_len + suffix_len]`` in batches of ``batch_size``; a job whose largest distance stays within ``cap``
+    reuses the vanilla rows of its gap (``reused=True``: the approximations are exact no-ops there).
+
+    Returns:
+        one dict per job × sequence: ``condition, gap_frac, gap, max_distance, seq, doc, doc_name, nll, nll_first,
+        reused``.
+    """
+    n = prefix_len + suffix_len
     docs = win.doc_ids.cpu().numpy()
-    rows = []
-    jobs = [(float(g), c) for g in gaps for c in conditions]
+    rows: list[dict[str, Any]] = []
     for frac, cond in tqdm(jobs, desc="gap probe", disable=not progress, leave=False):
         gap = int(round(frac * n_ctx))
         pos = gap_position_ids(prefix_len, suffix_len, gap)
@@ -268,10 +303,7 @@ def gap_probe(
                                  doc=int(docs[s + i]), doc_name=win.doc_names[int(docs[s + i])],
                                  nll=float(nll[i, skip - 1 :].mean()), nll_first=float(nll[i, : skip - 1].mean()),
                                  reused=False))
-    df = pd.DataFrame(rows)
-    cfg = dict(model=spec.model_name, n_ctx=n_ctx, prefix_len=prefix_len, suffix_len=suffix_len, skip=skip, cap=cap,
-               n_sink=n_sink, delta0=delta0, n_seq=len(win), n_docs=win.n_docs, k_mean="global (disjoint documents)")
-    return LengthResult(df, gap_summary(df), cfg)
+    return rows
 
 
 def gap_summary(rows: pd.DataFrame, value: str = "nll") -> pd.DataFrame:

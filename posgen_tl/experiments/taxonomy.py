@@ -43,7 +43,6 @@ from typing import Any, ClassVar
 import numpy as np
 import pandas as pd
 import torch
-from scipy.stats import mannwhitneyu, spearmanr
 from torch import Tensor
 
 from posgen_tl.experiments import base
@@ -54,7 +53,6 @@ from posgen_tl.io.sampling import Windows, sample_windows
 from posgen_tl.maths.band_stats import BandStats
 from posgen_tl.maths.decompose import causal_mask as fit_mask
 from posgen_tl.maths.decompose import d3_split
-from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.rope import causal_mask, kv_head_index, scores_from_rotated
 from posgen_tl.maths.taxonomy import (
     LABELS,
@@ -67,6 +65,13 @@ from posgen_tl.maths.taxonomy import (
     region_permutations,
     row_spread_threshold,
     taxonomy_label,
+)
+from posgen_tl.stats.taxonomy_tables import (  # noqa: F401 (the names stay importable here)
+    agreement_table,
+    label_counts,
+    labels_by_layer_group,
+    share_by_class,
+    taxonomy_agreement,
 )
 
 __all__ = [
@@ -383,96 +388,6 @@ def head_taxonomy_with_twin(model: Any, tokens: Any = None, reference: Any = Non
     twin = random_twin(model, cfg.seed) if twin is None else twin
     rand = head_taxonomy(twin, tokens, reference, cfg, model_label=label, twin_label="random", progress=progress)
     return pd.concat([trained, rand], ignore_index=True)
-
-
-def _heads(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["band"] == -1] if "band" in df else df
-
-
-def label_counts(df: pd.DataFrame, *, by_band: bool = False) -> pd.DataFrame:
-    """Label counts per ``(model, twin)`` (heads), or per ``(model, twin, band)`` if ``by_band``.
-
-    Returns:
-        tidy DataFrame ``model, twin, [band,] label, n`` with every label of
-        :data:`posgen_tl.maths.taxonomy.LABELS` present (zeros included).
-    """
-    sub = df[df["band"] >= 0] if by_band else _heads(df)
-    keys = ["model", "twin"] + (["band"] if by_band else [])
-    tab = sub.groupby(keys + ["label"]).size().unstack("label", fill_value=0)
-    tab = tab.reindex(columns=list(LABELS), fill_value=0)
-    return tab.stack().rename("n").reset_index()
-
-
-def share_by_class(head_df: pd.DataFrame, a: str = "positional", b: str = "symbolic") -> pd.DataFrame:
-    """Does the D3 positional share differ between heads labelled ``a`` and ``b``? Per twin.
-
-    Two-sided Mann–Whitney U test of ``positional_share`` between the two classes (heads are
-    the unit; heads of one model are not independent, so read p as descriptive).
-
-    Returns:
-        DataFrame ``model, twin, class_a, class_b, n_a, n_b, median_a, median_b, U, p``
-        (``U``/``p`` NaN when a class has fewer than 2 heads).
-    """
-    df = _heads(head_df)
-    rows = []
-    for (model, twin), g in df.groupby(["model", "twin"], sort=False):
-        xa = g.loc[g["label"] == a, "positional_share"].dropna().to_numpy(float)
-        xb = g.loc[g["label"] == b, "positional_share"].dropna().to_numpy(float)
-        u, p = (np.nan, np.nan)
-        if len(xa) >= 2 and len(xb) >= 2:
-            res = mannwhitneyu(xa, xb, alternative="two-sided")
-            u, p = float(res.statistic), float(res.pvalue)
-        rows.append(dict(model=model, twin=twin, class_a=a, class_b=b, n_a=len(xa), n_b=len(xb),
-                         median_a=float(np.median(xa)) if len(xa) else np.nan,
-                         median_b=float(np.median(xb)) if len(xb) else np.nan, U=u, p=p))
-    return pd.DataFrame(rows)
-
-
-def taxonomy_agreement(head_df: pd.DataFrame) -> dict[str, dict[str, float]]:
-    """Spearman rank correlation of ``positional − symbolic`` with ``positional_share``, per twin.
-
-    Uses full-head rows (``band == −1`` if a band column is present) with both finite.
-
-    Returns:
-        ``{twin: {"rho": ρ, "p": p-value, "n": number of heads}}`` (NaN ρ/p below 3 heads).
-    """
-    df = _heads(head_df)
-    out: dict[str, dict[str, float]] = {}
-    for twin, g in df.groupby("twin", sort=False):
-        x = (g["positional"] - g["symbolic"]).to_numpy(float)
-        y = g["positional_share"].to_numpy(float)
-        ok = np.isfinite(x) & np.isfinite(y)
-        if ok.sum() < 3:
-            out[str(twin)] = {"rho": float("nan"), "p": float("nan"), "n": int(ok.sum())}
-            continue
-        res = spearmanr(x[ok], y[ok])
-        out[str(twin)] = {"rho": float(res.statistic), "p": float(res.pvalue), "n": int(ok.sum())}
-    return out
-
-
-def labels_by_layer_group(head_df: pd.DataFrame, n_layers: int | None = None) -> pd.DataFrame:
-    """Head label counts per twin and layer third (early / middle / late of ``n_layers`` as
-    :func:`posgen_tl.maths.groups.layer_group`, default
-    the largest layer + 1).
-
-    Returns:
-        tidy-wide DataFrame ``twin, group`` plus one count column per label of
-        :data:`posgen_tl.maths.taxonomy.LABELS` (zeros included), groups in layer order.
-    """
-    df = _heads(head_df)
-    n = int(n_layers if n_layers is not None else df["layer"].max() + 1)
-    groups = [layer_group(int(x), n) for x in df["layer"]]  # the decomposition tables' thirds
-    h = df.assign(group=pd.Categorical(groups, ["early", "middle", "late"], ordered=True))
-    tab = h.groupby(["twin", "group"], sort=False, observed=True)["label"].value_counts().unstack(fill_value=0)
-    tab = tab.reindex(columns=list(LABELS), fill_value=0).reset_index()
-    order = {t: i for i, t in enumerate(dict.fromkeys(df["twin"]))}
-    return tab.sort_values(["twin", "group"], key=lambda c: c.map(order) if c.name == "twin" else c).reset_index(drop=True)
-
-
-def agreement_table(head_df: pd.DataFrame) -> pd.DataFrame:
-    """:func:`taxonomy_agreement` as a tidy table ``twin, n_heads, spearman, p``."""
-    return pd.DataFrame([{"twin": t, "n_heads": a["n"], "spearman": a["rho"], "p": a["p"]}
-                         for t, a in taxonomy_agreement(head_df).items()])
 
 
 # ----------------------------------------------------------------------------- report / study

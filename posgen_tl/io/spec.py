@@ -21,6 +21,9 @@ Sources, in order:
 
 ``bridge.cfg.rotary_base`` of a 4.x bridge is never used: it reads 10000 where the
 model uses 1e5 (SmolLM2) or 1e4/1e6 (Gemma3).
+
+Where a HF decoder keeps its attention and rotary modules: :mod:`posgen_tl.io.hf_modules` (its public names are
+importable from here).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from posgen_tl.io.hf_modules import _head_dim, _hf_rotary, _kv_heads, hf_attention_modules, sincos_tables
 from posgen_tl.io.spec_tl import _from_native, _from_tl_config
 from posgen_tl.maths.rope import LayerRope, Layout, RopeError, RopeSpec
 
@@ -98,37 +102,6 @@ def _rope_params_for(config: Any, layer_type: str | None) -> dict:
     return rp if isinstance(rp, dict) else {}
 
 
-#: where HF decoders keep their layers (checked in order; then any ModuleList of the right length)
-_LAYER_PATHS = ("model.layers", "model.language_model.layers", "language_model.layers", "gpt_neox.layers",
-                "transformer.h", "transformer.layers", "model.decoder.layers", "layers", "h")
-#: the self-attention child of a decoder layer, by HF name
-_ATTN_NAMES = ("self_attn", "attention", "attn", "self_attention")
-
-
-def _attention_of(layer: Any) -> Any | None:
-    """The HF self-attention module of a decoder layer (unwrapped from a TransformerBridge component,
-    which replaces it inside the booted model), or ``None``."""
-    layer = getattr(layer, "original_component", None) or layer
-    for nm in _ATTN_NAMES:
-        mod = getattr(layer, nm, None)
-        if mod is not None:
-            return getattr(mod, "original_component", None) or mod
-    mod = getattr(layer, "temporal_block", None)  # RecurrentGemma: attention OR a recurrent block, by layer
-    mod = getattr(mod, "original_component", None) or mod
-    if mod is not None and "Attention" in type(mod).__name__:
-        return mod
-    return None
-
-
-def _hf_rotary(hf: Any) -> Any | None:
-    """The HF rotary-embedding module (one holding an ``inv_freq`` / ``{layer_type}_inv_freq`` buffer)."""
-    for _, mod in hf.named_modules():
-        bufs = dict(mod.named_buffers(recurse=False))
-        if any(k == "inv_freq" or k.endswith("_inv_freq") for k in bufs):
-            return mod
-    return None
-
-
 def _layer_window(text_cfg: Any, attn: Any, layer_type: str | None, has_layer_types: bool) -> int | None:
     """The sliding window HF's mask applies to this layer, or ``None`` (full causal attention).
 
@@ -148,6 +121,13 @@ def _layer_window(text_cfg: Any, attn: Any, layer_type: str | None, has_layer_ty
 
 
 def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
+    """The :class:`RopeSpec` of the HF model ``hf`` under the bridge ``model``, read from its modules (the
+    sources: the module docstring); ``name`` labels every message.
+
+    Raises:
+        RopeError: no rotary embedding, attention this library does not model (named), or a layer whose RoPE
+            cannot be reproduced exactly (:func:`_hf_layer_rope`).
+    """
     config = hf.config
     arch = type(hf).__name__
     text_cfg = getattr(config, "text_config", None) or config
@@ -185,56 +165,10 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
     bufs = dict(rotary.named_buffers(recurse=False))
     for i, attn in enumerate(attn_modules):
         lt = layer_types[i] if i < len(layer_types) else None
-        if _is_nope(attn, text_cfg, lt, arch):  # no positional rotation (SmolLM3, EXAONE-4 global): θ = 0
-            layers.append(LayerRope(inv_freq=torch.zeros(d_head // 2), rotary_dim=2 * (d_head // 2),
-                                    score_scale=_score_scale(attn, d_head), kind="nope",
-                                    sliding_window=_layer_window(text_cfg, attn, lt, bool(layer_types))))
-            rope_types.add("none")
-            continue
-        typed = lt is not None and f"{lt}_inv_freq" in bufs
-        prefix = f"{lt}_" if typed else ""
-        params = _rope_params_for(text_cfg, lt)
-        rtype = str(params.get("rope_type") or params.get("type") or getattr(rotary, "rope_type", "default"))
-        if isinstance(getattr(rotary, "rope_type", None), dict):
-            rtype = str(rotary.rope_type.get(lt, rtype))
-        if rtype not in SUPPORTED_ROPE_TYPES:
-            raise RopeError(
-                f"model {name!r} ({arch}) layer {i}: RoPE scaling type {rtype!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); its frequencies cannot be reproduced exactly, "
-                "so a spec would give wrong numbers."
-            )
+        lr, rtype = _hf_layer_rope(i, attn, lt, rotary=rotary, bufs=bufs, text_cfg=text_cfg,
+                                   has_layer_types=bool(layer_types), bridge_cfg=bridge_cfg, d_head=d_head,
+                                   n_ctx=n_ctx, name=name, arch=arch, extra=extra)
         rope_types.add(rtype)
-        if rtype == "dynamic":  # HF recomputes these frequencies in the forward pass (see live_rope)
-            extra.setdefault("dynamic_prefix", {})[i] = prefix
-        # the frequencies as built: HF rewrites ``inv_freq`` in place for LongRoPE / dynamic NTK during a
-        # forward pass, ``original_inv_freq`` keeps the ones it starts from
-        key = f"{prefix}original_inv_freq" if f"{prefix}original_inv_freq" in bufs else f"{prefix}inv_freq"
-        if key not in bufs:
-            raise RopeError(f"model {name!r} ({arch}): rotary module has no {key!r} for layer {i} ({lt})")
-        inv_freq = bufs[key].detach().float().cpu().clone()
-        a = float(getattr(rotary, f"{prefix}attention_scaling", None) or getattr(rotary, "attention_scaling", 1.0) or 1.0)
-        long_inv, long_after = None, None
-        if rtype == "longrope":
-            long_inv, long_after = _longrope_long(rotary, text_cfg, lt if typed else None, inv_freq, name, i)
-            extra["longrope_after"] = long_after
-        layout = _apply_layout(attn, rotary, lt if typed else None, inv_freq, a, name) or \
-            _hf_layout(rotary, lt if typed else None, inv_freq.numel(), bridge_cfg, name)
-        window = _layer_window(text_cfg, attn, lt, bool(layer_types))
-        kind = "local" if window else ("global" if layer_types else "full")
-        lr = LayerRope(
-            inv_freq=inv_freq,
-            rotary_dim=2 * inv_freq.numel(),
-            layout=layout,
-            attention_scaling=a,
-            score_scale=_score_scale(attn, d_head),
-            sliding_window=window,
-            kind=kind,
-            long_inv_freq=long_inv,
-            long_after=long_after,
-        )
-        if lr.rotary_dim > d_head:
-            raise RopeError(f"model {name!r} ({arch}): rotary dim {lr.rotary_dim} exceeds head dim {d_head}")
-        _verify_hf_table(rotary, lt if typed else None, lr, n_ctx, name, i)
         layers.append(lr)
     softcap = getattr(text_cfg, "attn_logit_softcapping", None)
     sinks = {i: m.sinks.detach().float().cpu().clone() for i, m in enumerate(attn_modules)
@@ -262,6 +196,70 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
         source=f"HF {type(rotary).__name__}",
         extra=extra,
     )
+
+
+def _hf_layer_rope(i: int, attn: Any, lt: str | None, *, rotary: Any, bufs: dict[str, torch.Tensor], text_cfg: Any,
+                   has_layer_types: bool, bridge_cfg: Any, d_head: int, n_ctx: int, name: str, arch: str,
+                   extra: dict[str, Any]) -> tuple[LayerRope, str]:
+    """Layer ``i``'s :class:`LayerRope`, read from its attention module ``attn`` (layer type ``lt``) and the rotary
+    module ``rotary`` (its own buffers ``bufs``), with the layer's RoPE type (``"none"``: a layer without rotation,
+    θ = 0). A dynamic-NTK layer's buffer prefix (``extra["dynamic_prefix"][i]``) and LongRoPE's switch length
+    (``extra["longrope_after"]``) are recorded in ``extra``; a rotating layer's table is checked against the rotary
+    module's own forward (:func:`_verify_hf_table`).
+
+    Raises:
+        RopeError: an unsupported RoPE type, a missing frequency buffer, a rotary dim above the head dim, or a
+            table that differs from the model's.
+    """
+    if _is_nope(attn, text_cfg, lt, arch):  # no positional rotation (SmolLM3, EXAONE-4 global): θ = 0
+        return LayerRope(inv_freq=torch.zeros(d_head // 2), rotary_dim=2 * (d_head // 2),
+                         score_scale=_score_scale(attn, d_head), kind="nope",
+                         sliding_window=_layer_window(text_cfg, attn, lt, has_layer_types)), "none"
+    typed = lt is not None and f"{lt}_inv_freq" in bufs
+    prefix = f"{lt}_" if typed else ""
+    params = _rope_params_for(text_cfg, lt)
+    rtype = str(params.get("rope_type") or params.get("type") or getattr(rotary, "rope_type", "default"))
+    if isinstance(getattr(rotary, "rope_type", None), dict):
+        rtype = str(rotary.rope_type.get(lt, rtype))
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise RopeError(
+            f"model {name!r} ({arch}) layer {i}: RoPE scaling type {rtype!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); its frequencies cannot be reproduced exactly, "
+            "so a spec would give wrong numbers."
+        )
+    if rtype == "dynamic":  # HF recomputes these frequencies in the forward pass (see live_rope)
+        extra.setdefault("dynamic_prefix", {})[i] = prefix
+    # the frequencies as built: HF rewrites ``inv_freq`` in place for LongRoPE / dynamic NTK during a
+    # forward pass, ``original_inv_freq`` keeps the ones it starts from
+    key = f"{prefix}original_inv_freq" if f"{prefix}original_inv_freq" in bufs else f"{prefix}inv_freq"
+    if key not in bufs:
+        raise RopeError(f"model {name!r} ({arch}): rotary module has no {key!r} for layer {i} ({lt})")
+    inv_freq = bufs[key].detach().float().cpu().clone()
+    a = float(getattr(rotary, f"{prefix}attention_scaling", None) or getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    long_inv, long_after = None, None
+    if rtype == "longrope":
+        long_inv, long_after = _longrope_long(rotary, text_cfg, lt if typed else None, inv_freq, name, i)
+        extra["longrope_after"] = long_after
+    layout = _apply_layout(attn, rotary, lt if typed else None, inv_freq, a, name) or \
+        _hf_layout(rotary, lt if typed else None, inv_freq.numel(), bridge_cfg, name)
+    window = _layer_window(text_cfg, attn, lt, has_layer_types)
+    kind = "local" if window else ("global" if has_layer_types else "full")
+    lr = LayerRope(
+        inv_freq=inv_freq,
+        rotary_dim=2 * inv_freq.numel(),
+        layout=layout,
+        attention_scaling=a,
+        score_scale=_score_scale(attn, d_head),
+        sliding_window=window,
+        kind=kind,
+        long_inv_freq=long_inv,
+        long_after=long_after,
+    )
+    if lr.rotary_dim > d_head:
+        raise RopeError(f"model {name!r} ({arch}): rotary dim {lr.rotary_dim} exceeds head dim {d_head}")
+    _verify_hf_table(rotary, lt if typed else None, lr, n_ctx, name, i)
+    return lr, rtype
+
 
 
 def live_rope(model: Any, spec: RopeSpec, layer: int, lr: LayerRope) -> LayerRope:
@@ -297,28 +295,6 @@ def _rotary_of(model: Any) -> Any | None:
     except KeyError:
         rot = _ROTARY_CACHE[inner] = _hf_rotary(inner)
         return rot
-
-
-def _head_dim(text_cfg: Any, attns: list, n_heads: int, name: str, arch: str) -> int:
-    """The head dimension every attention layer uses — each module's own ``head_dim`` where it has one
-    (never a per-layer config attribute read globally: transformers refuses that for Gemma 4).
-
-    Raises:
-        RopeError: layers with different head dimensions (Gemma 4's wider global layers)."""
-    dims = {int(d) for d in (getattr(a, "head_dim", None) for a in attns) if isinstance(d, int) and d > 0}
-    if len(dims) > 1:
-        per = [int(getattr(a, "head_dim", 0) or 0) for a in attns]
-        raise RopeError(
-            f"model {name!r} ({arch}): the head dimension differs between layers ({', '.join(map(str, sorted(dims)))}; "
-            f"per layer {per}); posgen_tl's spec holds one head dimension per model, so this model is not supported"
-        )
-    if dims:
-        return dims.pop()
-    try:
-        d = getattr(text_cfg, "head_dim", None)
-    except Exception:  # noqa: BLE001 — transformers' AmbiguousGlobalPerLayerAttributeError
-        d = None
-    return int(d or text_cfg.hidden_size // n_heads)
 
 
 def _unmodelled_attention(text_cfg: Any, arch: str) -> str | None:
@@ -500,22 +476,6 @@ def _longrope_long(rotary: Any, text_cfg: Any, layer_type: str | None, short: to
     return long_inv, int(after)
 
 
-def sincos_tables(hf: Any, attns: list | None = None) -> list[torch.Tensor] | None:
-    """The per-layer ``embed_positions = cat(sin, cos)`` tables of a GPT-J / CodeGen model, wherever the
-    installed transformers keeps them: on each attention module (transformers ≤ 5.23) or on one shared
-    rotary module (``model.rotary_emb.embed_positions``, transformers ≥ 5.24). ``None``: no such table.
-    Each entry is the live buffer ``[n_positions, rotary_dim]`` (not a copy)."""
-    attns = hf_attention_modules(hf) if attns is None else attns
-    own = [getattr(a, "embed_positions", None) for a in attns]
-    if attns and all(isinstance(t, torch.Tensor) for t in own):
-        return own  # type: ignore[return-value]
-    for _, mod in hf.named_modules():
-        buf = dict(mod.named_buffers(recurse=False)).get("embed_positions")
-        if isinstance(buf, torch.Tensor) and buf.ndim == 2:
-            return [buf] * len(attns)
-    return None
-
-
 def _from_sincos_table(model: Any, hf: Any, name: str, attns: list, n_heads: int, n_kv: int, d_head: int,
                        n_ctx: int) -> RopeSpec:
     """GPT-J / CodeGen: an ``embed_positions = cat(sin, cos)`` table of ``p · 10000^(−2m/r)``
@@ -550,79 +510,3 @@ def _from_sincos_table(model: Any, hf: Any, name: str, attns: list, n_heads: int
         extra={"attn_logit_softcapping": None, "layer_types": [], "architecture": arch,
                "max_position": min(int(t.shape[0]) for t in tables)},
     )
-
-
-def _kv_heads(attn: Any, cfg: Any, n_heads: int) -> int:
-    """The number of key/value heads the attention module really uses: its own attribute where it has
-    one (Falcon's multi-query attention keeps ``config.num_kv_heads`` = the query heads but uses 1),
-    else ``config.num_key_value_heads``, else one per query head."""
-    for attr in ("num_key_value_heads", "num_kv_heads"):
-        v = getattr(attn, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    groups = getattr(attn, "num_key_value_groups", None)
-    if isinstance(groups, int) and groups > 0 and n_heads % groups == 0:
-        return n_heads // groups
-    return int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-
-
-def hf_attention_modules(hf: Any, name: str | None = None) -> list:
-    """The per-layer self-attention modules of a HF decoder, in layer order.
-
-    Looks at the usual places (``model.layers``, ``gpt_neox.layers``, ``transformer.h``, …), then at any
-    ``ModuleList`` with ``num_hidden_layers`` entries that hold a self-attention child.
-    """
-    import torch.nn as nn  # noqa: PLC0415
-
-    arch = type(hf).__name__
-    cfg = getattr(hf.config, "text_config", None) or hf.config
-    n = getattr(cfg, "num_hidden_layers", None)
-    layers = None
-    for path in _LAYER_PATHS:
-        obj: Any = hf
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, (nn.ModuleList, list, tuple)) and len(obj) and any(_attention_of(x) is not None for x in obj):
-            layers = obj
-            break
-    if layers is None:
-        for _, mod in hf.named_modules():
-            if isinstance(mod, nn.ModuleList) and len(mod) and (n is None or len(mod) == n) \
-                    and any(_attention_of(x) is not None for x in mod):
-                layers = mod
-                break
-    label = f"model {name!r} ({arch})" if name else arch
-    if layers is None:
-        raise RopeError(
-            f"{label}: cannot find the decoder layers (looked for {', '.join(_LAYER_PATHS)} and any "
-            f"ModuleList of {n} layers with a {'/'.join(_ATTN_NAMES)} child)"
-        )
-    out = [_attention_of(layer) for layer in layers]
-    other = [i for i, a in enumerate(out) if a is None]
-    if other:
-        kinds = sorted({type(getattr(layers[i], "original_component", None) or layers[i]).__name__ for i in other})
-        mixers = sorted({type(m).__name__ for i in other for nm, m in
-                         (getattr(layers[i], "original_component", None) or layers[i]).named_children()
-                         if any(w in nm.lower() for w in ("mamba", "linear_attn", "conv", "temporal", "mixer", "ssm",
-                                                          "recurrent")) and "norm" not in nm.lower()})
-        raise RopeError(
-            f"{label}: a hybrid model — of its {len(out)} decoder layers, layer(s) {_ranges(other)} are not attention "
-            f"({', '.join(mixers or kinds)}) and layer(s) {_ranges([i for i in range(len(out)) if i not in other])} "
-            "are. "
-            "posgen_tl's analyses need every decoder layer to be RoPE attention, so hybrid models are not supported"
-        )
-    return out
-
-
-def _ranges(idx: list[int]) -> str:
-    """``[0, 1, 2, 5]`` → ``"0-2, 5"``."""
-    out, start = [], None
-    for i, x in enumerate(idx):
-        if start is None:
-            start = x
-        if i + 1 == len(idx) or idx[i + 1] != x + 1:
-            out.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ", ".join(out)
