@@ -17,7 +17,8 @@ The study around it — the pilot that declares the levels and grids, the power,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.curves import document_units
 
-__all__ = ["dose_rows", "dose_units", "strength_grid"]
+__all__ = ["dose_rows", "dose_batches", "dose_units", "strength_grid"]
 
 #: strengths relative to a condition's tuned point: ×0.25 … ×4 (docs/method.md §5 v3)
 RELATIVE_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -121,6 +122,35 @@ def dose_rows(
         rows[col] = rows[col].astype(np.float64)
     rows["delta_unedited"] = rows["nll"] - rows["base_clean_nll"]
     return rows
+
+
+def dose_batches(
+    model: Any, windows: Windows, conditions: Sequence[Condition], strengths: Mapping[Any, Sequence[float]], cfg: Any,
+    *, k_means: dict | None, load: Callable[[int], tuple[pd.DataFrame, float] | None] | None = None,
+    save: Callable[[int, pd.DataFrame, float, int], None] | None = None, desc: str = "dose–response batches",
+    progress: bool = True,
+) -> tuple[pd.DataFrame, float]:  # fmt: skip
+    """:func:`dose_rows` of ``windows`` in batches of ``cfg.batch_size`` (``seq`` counts over all windows), each
+    finished batch taken from ``load(b0)`` (``(rows, seconds)`` or ``None``) and each new one handed to
+    ``save(b0, rows, seconds, n_windows)`` — how an interrupted run continues. ``cfg``: the causal Config (its
+    ``batch_size``, ``target()``, ``fracs``, ``seeds``, ``seed``).
+
+    Returns ``(rows, seconds)``: every batch's rows and the seconds they took (those of loaded batches included)."""
+    frames, seconds = [], 0.0
+    for b0 in tqdm(range(0, len(windows), cfg.batch_size), desc=desc, disable=not progress, leave=False):
+        got = load(b0) if load is not None else None
+        if got is None:
+            t0 = time.time()
+            w = windows.subset(range(b0, min(b0 + cfg.batch_size, len(windows))))
+            rows = dose_rows(model, w, conditions, strengths, k_means=k_means, target_len=cfg.target(), fracs=cfg.fracs,
+                             seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=len(w), progress=False)
+            rows["seq"] = rows["seq"] + b0
+            got = (rows, time.time() - t0)
+            if save is not None:
+                save(b0, rows, got[1], len(w))
+        frames.append(got[0])
+        seconds += got[1]
+    return pd.concat(frames, ignore_index=True), seconds
 
 
 def dose_units(rows: pd.DataFrame) -> pd.DataFrame:

@@ -10,7 +10,6 @@ whole test is planned (:func:`needed_n`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from posgen_tl.engine.conditions import Condition, first_edited, match_alpha
-from posgen_tl.engine.dose import dose_rows, dose_units, strength_grid
+from posgen_tl.engine.dose import dose_batches, dose_units, strength_grid
 from posgen_tl.engine.swaps import nll_on_target
 from posgen_tl.hooks.edits import intervention_hooks
 from posgen_tl.hooks.reentry import recorded, resid_hooks
@@ -189,21 +188,10 @@ def pilot(
                           for r in grids.itertuples()]
     flat = [c for cs in conditions.values() for c in cs]
     strengths = {(r.layers, r.condition): tuple(float(x) for x in r.strengths.split(";")) for r in grids.itertuples()}
-    frames, seconds = [], 0.0
-    for b0 in tqdm(range(0, len(ref), cfg.batch_size), desc="pilot batches", disable=not progress, leave=False):
-        got = keep.ref_batch(b0) if keep is not None else None
-        if got is None:
-            t0 = time.time()
-            w = ref.subset(range(b0, min(b0 + cfg.batch_size, len(ref))))
-            rows_b = dose_rows(model, w, flat, strengths, k_means=k_means, target_len=cfg.target(), fracs=cfg.fracs,
-                               seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=len(w), progress=False)
-            rows_b["seq"] = rows_b["seq"] + b0
-            got = (rows_b, time.time() - t0)
-            if keep is not None:
-                keep.save_ref_batch(b0, *got)
-        frames.append(got[0])
-        seconds += got[1]
-    pr = pd.concat(frames, ignore_index=True)
+    pr, seconds = dose_batches(model, ref, flat, strengths, cfg, k_means=k_means, desc="pilot batches",
+                               load=keep.ref_batch if keep is not None else None,
+                               save=(lambda b0, rows, s, n: keep.save_ref_batch(b0, rows, s)) if keep is not None else None,
+                               progress=progress)
     seconds /= len(ref)
     units = dose_units(pr)
     levels: dict[str, tuple[float, ...]] = {}

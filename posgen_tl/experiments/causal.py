@@ -40,10 +40,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
-from tqdm.auto import tqdm
 
 from posgen_tl.engine.conditions import CONTROLS, Condition, build_conditions, entry_bands, resolve_groups
-from posgen_tl.engine.dose import dose_rows, dose_units
+from posgen_tl.engine.dose import dose_batches, dose_units
 from posgen_tl.engine.pilot import Pilot, needed_n, pilot, required
 from posgen_tl.engine.pilot import design as design_of
 from posgen_tl.engine.swaps import SwapOptions, windows_fingerprint
@@ -400,21 +399,18 @@ def _conditions(spec: Any, entries: dict[str, list[int]], cfg: Config
 
 def _passes(model: Any, ana: Windows, flat: list[Condition], strengths: dict, km: dict, cfg: Config,
             ck: _Checkpoint | None, commit: str | None, progress: bool) -> pd.DataFrame:
-    """The dose rows of every analysed batch (:func:`posgen_tl.engine.dose.dose_rows`), a finished batch taken
+    """The dose rows of every analysed batch (:func:`posgen_tl.engine.dose.dose_batches`), a finished batch taken
     from the checkpoint and each new one saved there."""
-    frames = []
-    for b0 in tqdm(range(0, len(ana), cfg.batch_size), desc=f"{NAME} batches", disable=not progress):
-        got = ck.batch(b0) if ck is not None else None
-        if got is None:
-            tb = time.time()
-            w = ana.subset(range(b0, min(b0 + cfg.batch_size, len(ana))))
-            got = dose_rows(model, w, flat, strengths, k_means=km, target_len=cfg.target(), fracs=cfg.fracs,
-                            seeds=cfg.seeds, base_seed=cfg.seed, seed=cfg.seed, batch_size=len(w), progress=False)
-            got["seq"] = got["seq"] + b0
-            if ck is not None:
-                ck.save_batch(b0, got, dict(commit=commit, seconds=time.time() - tb, windows=len(w)))
-        frames.append(got)
-    return pd.concat(frames, ignore_index=True)
+    def load(b0: int) -> tuple[pd.DataFrame, float] | None:
+        rows = ck.batch(b0) if ck is not None else None
+        return None if rows is None else (rows, 0.0)
+
+    def save(b0: int, rows: pd.DataFrame, seconds: float, n: int) -> None:
+        if ck is not None:
+            ck.save_batch(b0, rows, dict(commit=commit, seconds=seconds, windows=n))
+
+    return dose_batches(model, ana, flat, strengths, cfg, k_means=km, load=load, save=save, desc=f"{NAME} batches",
+                        progress=progress)[0]
 
 
 def _power_row(label: str, plan: Pilot, n: int, cfg: Config, m: int) -> dict[str, Any]:

@@ -23,6 +23,29 @@ def _corpus(n_docs=16, seed=0):
     return tm.token_corpus(n_docs, seed)
 
 
+def _spy_dose_rows(monkeypatch, on_call):
+    """Route every ``dose_rows`` call through ``on_call(phase, windows)`` (which may raise), ``phase`` being
+    ``"pilot"`` inside the pilot's batches and ``"analysed"`` otherwise; returns nothing."""
+    import posgen_tl.engine.pilot as pilot_mod
+
+    state = {"phase": "analysed"}
+    real_rows, real_batches = dose_mod.dose_rows, pilot_mod.dose_batches
+
+    def in_pilot(*a, **k):
+        state["phase"] = "pilot"
+        try:
+            return real_batches(*a, **k)
+        finally:
+            state["phase"] = "analysed"
+
+    def spy(model, windows, *a, **k):
+        on_call(state["phase"], windows)
+        return real_rows(model, windows, *a, **k)
+
+    monkeypatch.setattr(pilot_mod, "dose_batches", in_pilot)
+    monkeypatch.setattr(dose_mod, "dose_rows", spy)
+
+
 @pytest.fixture(scope="module")
 def result(llama):
     return cd.run(llama, corpus=_corpus(), **OPTS)
@@ -49,18 +72,7 @@ def test_rows_cover_the_whole_grid_on_every_document(result):
 
 def test_the_pilot_never_sees_the_analysed_documents(llama, monkeypatch):
     seen: dict[str, list[set]] = {"pilot": [], "analysed": []}
-    real = dose_mod.dose_rows
-
-    def spy(kind):
-        def f(model, windows, *a, **k):
-            seen[kind].append(set(windows.doc_ids.tolist()))
-            return real(model, windows, *a, **k)
-        return f
-
-    import posgen_tl.engine.pilot as pilot_mod
-
-    monkeypatch.setattr(cd, "dose_rows", spy("analysed"))
-    monkeypatch.setattr(pilot_mod, "dose_rows", spy("pilot"))
+    _spy_dose_rows(monkeypatch, lambda phase, w: seen[phase].append(set(w.doc_ids.tolist())))
     ana, ref = sample_windows(llama, _corpus(), n_seq=8, seq_len=24, n_ref=5, seed=0)
     cd.run(llama, windows=(ana, ref), **{**OPTS, "groups": ("2",), "controls": ("C2",)})
     assert set().union(*seen["pilot"]) == set(ref.doc_ids.tolist())  # the pilot saw every reference document …
@@ -72,30 +84,20 @@ def test_the_pilot_never_sees_the_analysed_documents(llama, monkeypatch):
 def test_an_interrupted_run_continues_to_the_same_numbers(llama, tmp_path, monkeypatch):
     kw = {**OPTS, "groups": ("2",), "controls": ("C1", "C2")}
     whole = cd.run(llama, corpus=_corpus(), **kw)
-    calls = {"analysed": 0, "pilot": 0}
-    real = dose_mod.dose_rows
+    calls = {"analysed": 0, "pilot": 0, "die_at": 2}
 
-    def dies_on_the_second_batch(*a, **k):
-        calls["analysed"] += 1
-        if calls["analysed"] == 2:  # batch 1 finished, batch 2 is interrupted
+    def count(phase, w):
+        calls[phase] += 1
+        if phase == "analysed" and calls["analysed"] == calls["die_at"]:  # batch 1 finished, batch 2 interrupted
             raise KeyboardInterrupt
-        return real(*a, **k)
 
-    import posgen_tl.engine.pilot as pilot_mod
-
-    monkeypatch.setattr(cd, "dose_rows", dies_on_the_second_batch)
+    _spy_dose_rows(monkeypatch, count)
     with pytest.raises(KeyboardInterrupt):
         cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
     assert (tmp_path / "ck" / "pilot.json").exists() and len(list((tmp_path / "ck").glob("batch_*.csv"))) == 1
-    calls.update(analysed=0, pilot=0)
-
-    def counted(kind):
-        return lambda *a, **k: (calls.__setitem__(kind, calls[kind] + 1), real(*a, **k))[1]
-
-    monkeypatch.setattr(cd, "dose_rows", counted("analysed"))
-    monkeypatch.setattr(pilot_mod, "dose_rows", counted("pilot"))
+    calls.update(analysed=0, pilot=0, die_at=0)
     resumed = cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
-    assert calls == {"analysed": 1, "pilot": 0}  # only the missing batch ran: no pilot, no first batch
+    assert (calls["analysed"], calls["pilot"]) == (1, 0)  # only the missing batch ran: no pilot, no first batch
     for name in ("verdicts", "contrasts", "units"):
         pd.testing.assert_frame_equal(resumed[name], whole[name], check_exact=False, rtol=1e-9, atol=1e-12)
 
@@ -279,35 +281,29 @@ def test_an_interrupted_pilot_continues_from_its_tuning_and_finished_batches(lla
 
     kw = {**OPTS, "groups": ("2",), "controls": ("C1", "C2")}  # 5 reference windows: 2 pilot batches of 4
     whole = cd.run(llama, corpus=_corpus(), **kw)
-    real_rows, real_tune = pilot_mod.dose_rows, pilot_mod._tune
-    calls = {"rows": 0, "tune": 0}
+    calls = {"pilot": 0, "analysed": 0, "tune": 0, "die_at": 2}
 
-    def dies_in_the_second_pilot_batch(*a, **k):
-        calls["rows"] += 1
-        if calls["rows"] == 2:
+    def count(phase, w):
+        calls[phase] += 1
+        if phase == "pilot" and calls["pilot"] == calls["die_at"]:
             raise KeyboardInterrupt
-        return real_rows(*a, **k)
 
-    monkeypatch.setattr(pilot_mod, "dose_rows", dies_in_the_second_pilot_batch)
+    _spy_dose_rows(monkeypatch, count)
     with pytest.raises(KeyboardInterrupt):
         cd.run(llama, corpus=_corpus(), checkpoint=tmp_path / "ck", **kw)
     ck = tmp_path / "ck"
     assert (ck / "pilot_tuned.json").exists() and not (ck / "pilot.json").exists()
     assert len(list(ck.glob("pilot_batch_*.csv"))) == 1
-
-    def counted_rows(*a, **k):
-        calls["rows"] += 1
-        return real_rows(*a, **k)
+    real_tune = pilot_mod._tune
 
     def counted_tune(*a, **k):
         calls["tune"] += 1
         return real_tune(*a, **k)
 
-    calls["rows"] = 0
-    monkeypatch.setattr(pilot_mod, "dose_rows", counted_rows)
+    calls.update(pilot=0, analysed=0, die_at=0)
     monkeypatch.setattr(pilot_mod, "_tune", counted_tune)
     resumed = cd.run(llama, corpus=_corpus(), checkpoint=ck, **kw)
-    assert calls == {"rows": 1, "tune": 0}  # only the missing pilot batch ran; the tuning was kept
+    assert (calls["pilot"], calls["tune"]) == (1, 0)  # only the missing pilot batch ran; the tuning was kept
     assert (ck / "pilot.json").exists() and not list(ck.glob("pilot_batch_*")) and not (ck / "pilot_tuned.json").exists()
     pd.testing.assert_frame_equal(resumed["grids"], whole["grids"], check_exact=False, rtol=1e-12)
     pd.testing.assert_frame_equal(resumed["pilot_units"], whole["pilot_units"], check_exact=False, rtol=1e-9, atol=1e-12)
