@@ -32,6 +32,8 @@ __all__ = ["forward_from", "resid_hooks", "recorded", "hooks_from", "check_hooks
 #: largest |Δ logit| / max |logit| between a skipped and a full re-entered forward for the skip to be used
 SKIP_TOLERANCE = 1e-5
 
+_ABSENT = object()
+
 #: per model: how its blocks' Hugging Face layers return (``"tensor"`` / ``"tuple"``), or ``None`` = never skip
 _KIND: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
@@ -86,13 +88,18 @@ def _passing_through(model: Any, start: int, kind: str) -> Iterator[None]:
         return h if kind == "tensor" else (h,)
 
     layers = [model.blocks[i].original_component for i in range(start)]
+    # an instance-level forward already there (accelerate's device hooks put one) is put back as it was
+    saved = [(m, m.__dict__.get("forward", _ABSENT)) for m in layers]
     try:
         for m in layers:
             m.forward = through
         yield
     finally:
-        for m in layers:
-            m.__dict__.pop("forward", None)
+        for m, f in saved:
+            if f is _ABSENT:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = f
 
 
 def _probe_kind(model: Any) -> str | None:

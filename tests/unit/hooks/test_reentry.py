@@ -83,6 +83,32 @@ def test_nothing_stays_patched_after_a_forward_that_raises(model):
     assert calls == [0]
 
 
+def test_an_instance_forward_already_there_is_put_back(model):
+    """accelerate's device hooks replace a layer's ``forward`` on the instance: skipping must restore that one,
+    not drop it."""
+    layer = model.blocks[0].original_component
+    calls: list[int] = []
+    real = layer.forward
+
+    def wrapped(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    layer.forward = wrapped
+    try:
+        toks = _tokens(model)
+        resid = _resid(model, toks, 2)
+        calls.clear()
+        with torch.no_grad():
+            reentry.forward_from(model, resid, 2, tokens=toks)
+        assert calls == [] and layer.__dict__["forward"] is wrapped  # skipped, then put back
+        with torch.no_grad():
+            model(toks)
+        assert calls == [1]
+    finally:
+        layer.__dict__.pop("forward", None)
+
+
 def test_hooks_below_the_start_are_refused_by_name():
     reentry.check_hooks_from(["blocks.2.attn.hook_k", "ln_final.hook_out", "hook_embed"], 2)
     with pytest.raises(ValueError, match=r"blocks\.1\.attn\.hook_k.*below 2"):
