@@ -346,7 +346,7 @@ def patch_sweep(
     replicas)`` forwards of ``replicas`` stacked copies of the batch each patch one group per copy (default
     ``replicas``: the number of heads per layer), each resumed at its groups' first patched layer from the
     base run's residual there (:mod:`posgen_tl.hooks.reentry`: the blocks below are the base run's and are not
-    computed again). The logit terms need ``k_means`` (the global mean
+    computed again; the batch keeps one ``[batch, pos, d_model]`` residual per such layer while it runs). The logit terms need ``k_means`` (the global mean
     pre-rotation key per layer, :func:`posgen_tl.hooks.edits.key_means` on reference documents).
     ``reuse``: an earlier sweep of the same batch, quantity kind, direction and corrupted ids (e.g. the same
     logit term with another k̄: the recorded q/k do not depend on k̄) — its baselines and recording are taken

@@ -65,7 +65,10 @@ def dose_rows(
     Returns one row per window × condition × strength × (frac, seed): ``seq`` (window index), ``doc``,
     ``layers`` (the condition's group), ``condition``, ``alpha``, ``frac``, ``seed``, ``clean_nll`` (the condition's own), ``base_clean_nll``
     (unedited), ``nll``, ``delta`` (= nll − clean_nll) and ``delta_unedited`` (= nll − base_clean_nll).
-    The α = 0 rows of every condition are the unedited passes (computed once per batch for all groups).
+    The α = 0 rows of every condition are the unedited passes (computed once per batch for all groups); each
+    edited pass resumes at its condition's first edited layer from the residual its unedited pass recorded there
+    (:mod:`posgen_tl.hooks.reentry`), so the batch keeps (1 + swap passes) × (distinct first layers) residuals of
+    ``[batch, pos, d_model]`` while it runs.
 
     Raises:
         ValueError: a condition without strengths, a strength < 0, or no α > 0."""
