@@ -17,6 +17,8 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from posgen_tl.io.defaults import DEFAULT_MODEL
+
 __all__ = ["main", "build_parser", "study_config"]
 
 
@@ -45,7 +47,6 @@ def _layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"layers must look like '0,3,5-7', got {text!r}") from None
 
 
-DEFAULT_MODEL = "smollm2-135m"
 _DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -276,7 +276,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m posgen_tl.distributed",
         description="Decomposition, feature pattern and tolerance rows over many documents, sharded over "
                     "torch.distributed ranks (launch with torchrun --nproc_per_node N -m posgen_tl.distributed ...).")
-    from posgen_tl.io.models import DEFAULT_MODEL  # noqa: PLC0415
+    from posgen_tl.io.defaults import DEFAULT_MODEL  # noqa: PLC0415
 
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or path (default: {DEFAULT_MODEL})")
     owners = _owners()

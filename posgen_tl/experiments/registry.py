@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from posgen_tl.experiments.base import PRESETS, Config
+from posgen_tl.io.defaults import DEFAULT_MODEL
 
 __all__ = ["ORDER", "REPORT", "PROTOCOL", "SIZES", "experiment", "names", "make_config", "split_params", "run_study",
            "run_experiment", "run", "run_or_skip", "save", "load", "resumable", "inputs"]
@@ -209,7 +210,7 @@ def _markdown(name: str, meta: dict[str, Any], sec: Any, files: list[str]) -> st
     return "\n".join(out)
 
 
-def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = "smollm2-135m", preset: str = "default",
+def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = DEFAULT_MODEL, preset: str = "default",
               params: Mapping[str, str] | None = None, command: str | None = None,
               load: Mapping[str, Any] | None = None) -> Path:
     """Run experiment ``name`` (after the experiments it needs, built from the same preset, sizes and

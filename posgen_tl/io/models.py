@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from posgen_tl.io.corpus import NATIVE_BOS, tokenizer_adds_bos
+from posgen_tl.io.defaults import DEFAULT_MODEL
 from posgen_tl.io.zoo import (  # noqa: F401 (the names stay importable here)
     SMOLLM2_GGUF_SHA256,
     ZOO,
@@ -54,7 +55,6 @@ __all__ = [
     "BACKENDS",
 ]
 
-DEFAULT_MODEL = "smollm2-135m"
 #: ``load_model(..., backend=)``: a ``TransformerBridge`` (TL 3.9+ and 4.x) or a ``HookedTransformer`` (TL 3.x)
 BACKENDS = ("bridge", "hooked")
 

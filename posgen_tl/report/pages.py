@@ -81,10 +81,15 @@ def find_runs(results: Path) -> list[Run]:
 _RENDERED: dict[tuple, Section] = {}
 
 
+def _run_key(run: Run) -> tuple:
+    """What a run's render depends on: its folder, study, model and every file's name, mtime and size."""
+    state = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(run.folder.iterdir()) if p.is_file())
+    return (str(run.folder.resolve()), run.study, run.model, state)
+
+
 def _section(run: Run) -> Section:
     """The experiment's own render of the run's folder (cached while its files are unchanged)."""
-    state = tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(run.folder.iterdir()) if p.is_file())
-    key = (str(run.folder.resolve()), run.study, run.model, state)
+    key = _run_key(run)
     if key not in _RENDERED:
         if len(_RENDERED) > 256:
             _RENDERED.clear()
@@ -328,9 +333,22 @@ def top_block(study: str, runs: list[Run], figs: dict[str, bytes] | None, link_p
     return out
 
 
-def _findings(runs: list[Run]) -> Iterator[tuple[Run, Finding]]:
+_FINDINGS: dict[tuple, list[tuple[Run, Finding]]] = {}
+
+
+def _findings(runs: list[Run]) -> list[tuple[Run, Finding]]:
     """Every run's headline findings; a causal entry of a declared claim is quoted from the claim
-    table (its p adjusted over the whole family, its verdict the claim's), not from its run alone."""
+    table (its p adjusted over the whole family, its verdict the claim's), not from its run alone. Computed once
+    per set of runs while their files are unchanged (every page reads them)."""
+    key = tuple(_run_key(r) for r in runs)
+    if key not in _FINDINGS:
+        if len(_FINDINGS) > 16:
+            _FINDINGS.clear()
+        _FINDINGS[key] = list(_quoted_findings(runs))
+    return _FINDINGS[key]
+
+
+def _quoted_findings(runs: list[Run]) -> Iterator[tuple[Run, Finding]]:
     claims = {c: claim_table(runs, c) for c in dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY)}
     for run in runs:
         for f in _section(run).findings:

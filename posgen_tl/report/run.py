@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from posgen_tl.experiments import registry
+from posgen_tl.io.defaults import DEFAULT_MODEL
 from posgen_tl.report.context import Context, Work, atomic_write, jsonable
 from posgen_tl.report.html import render_html
 
@@ -32,7 +33,7 @@ class ReportSettings:
     """What ``posgen-tl report`` was asked for: the model, the output folder, a preset, the size flags
     given (``None`` = each experiment's own default) and ``--param`` text (``[experiment.]key → value``)."""
 
-    model: Any = "smollm2-135m"
+    model: Any = DEFAULT_MODEL
     out: str = "posgen_report"
     preset: str = "default"
     sizes: dict[str, Any] = field(default_factory=dict)

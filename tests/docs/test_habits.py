@@ -80,3 +80,22 @@ def test_modules_and_functions_stay_small():
                 if length > 100:
                     long_fns.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
     assert not big and not long_fns, "\n".join(big + long_fns)
+
+
+def test_each_default_is_written_once():
+    """The default model's name is a value in one module (posgen_tl/io/defaults.py; the zoo names its entry): no
+    other code of the package spells it as a literal of its own (issue #33: one place for each default)."""
+    import ast
+
+    from posgen_tl.io.defaults import DEFAULT_MODEL
+
+    owners = {"posgen_tl/io/defaults.py", "posgen_tl/io/zoo.py"}
+    found = []
+    for f in sorted(ROOT.glob("posgen_tl/**/*.py")):
+        rel = str(f.relative_to(ROOT))
+        if rel in owners:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Constant) and node.value == DEFAULT_MODEL:
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, f"{DEFAULT_MODEL!r} written as a literal outside io/defaults.py: {found}"
