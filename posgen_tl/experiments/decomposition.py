@@ -29,8 +29,8 @@ Speed (the issue asks ≤ 2× a forward pass): nothing of size ``n²`` per map i
 float64 except on the bound rows. Scores are computed from per-row moments ``Σx, Σy, Σx²,
 Σy², Σxy`` (float32 row sums, float64 combination; maps are first shifted by a per-map
 constant, the masked mean of the bound rows, so the moments do not cancel).
-The additive fits never materialise their fitted maps: the whole ridge + iterated-Tikhonov
-solve of ``fit_additive`` is one cached linear operator ``P`` per mask, and the moments of
+The additive fits never materialise their fitted maps: their least squares is solved through the
+band mask's structure (:mod:`posgen_tl.maths.additive`: O(n) per map, no ``[3n, 3n]`` operator), and the moments of
 ``mean + a[i−j] + b[i] + c[j]`` come from prefix sums, one matrix-vector product with the
 map (``Σ_j x_ij c_j``), one with its diagonal view (``Σ_d x[i,i−d] a_d``) and an FFT
 convolution (``Σ_j a_{i−j} c_j``). ``f + g`` is one float32 matmul of width ``2·d_head``.

@@ -1,8 +1,8 @@
 """Score moments for the decomposition runner: every r, R² and within-row r of D1/D2/D3 from
 per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.experiments.decomposition`).
 
-* :class:`Geometry` — a mask (causal, sink, window) with its cached D1/D2 least-squares operators
-  (``fit_additive``'s ridge solve plus refinement folded into one matrix per mask);
+* :class:`Geometry` — a mask (causal, sink, window) with its counts and the D1/D2 least-squares solve
+  (:mod:`posgen_tl.maths.additive`: O(n) per map through the band's structure);
 * :class:`Target` — one batch of logit maps, centred and masked in place, with its row/column/diagonal sums;
 * ``_fit_*`` / ``d3_moments`` — moments (Σx, Σy, Σx², Σy², Σxy per row) of each approximation;
 * :func:`scores` — Pearson r, R² and within-row r from those moments.
@@ -19,6 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from posgen_tl.maths.additive import Band, band, row_sums_a, row_sums_c, solve
 from posgen_tl.maths.decompose import causal_mask, normal_system
 
 _RIDGE, _REFINE = 1e-6, 3  # fit_additive's defaults
@@ -28,34 +29,31 @@ _RIDGE, _REFINE = 1e-6, 3  # fit_additive's defaults
 
 @dataclass
 class Geometry:
-    """One scoring mask (``j ∈ [max(sink, i−w+1), i]``) and everything derived from it."""
+    """One scoring mask (``j ∈ [max(sink, i−w+1), i]``) and everything derived from it, O(n) but the mask."""
 
     n: int
     sink: int
     window: int | None
     mask: Tensor  # bool [i j]
+    band: Band  # the mask's runs and counts: the structured D1/D2 solve
     cnt: Tensor  # float64 [i] entries per row
-    dmask: Tensor  # float64 [i d]: (i, i−d) in mask
-    maskd: Tensor  # float64 [i j]
     ncol: Tensor  # float64 [j]
     ndiag: Tensor  # float64 [d]
     amask: Tensor  # float64 [d]: distances in use
-    ops: dict  # three_axis -> P [p, p] float64
+    ops: dict  # three_axis -> dense P [p, p] float64, only for a one-key window (else empty)
+
+    def solve(self, rhs: Tensor, three_axis: bool) -> Tensor:
+        """The fit's parameters ``[maps, p]`` from ``rhs = Xᵀx`` (min-norm least squares)."""
+        if self.band.structured:
+            return solve(self.band, rhs, three_axis)
+        return rhs @ self.ops[three_axis].T
 
 
 _GEOMS: dict[tuple, Geometry] = {}
 
 
-def geometry(n: int, sink: int, window: int | None, device: torch.device | str = "cpu") -> Geometry:
-    """Mask ``j ∈ [max(sink, i−w+1), i]`` with its counts and fit operators (LRU-cached, on ``device``)."""
-    key = (n, sink, window, str(device))
-    if key in _GEOMS:
-        return _GEOMS[key]
-    mask = causal_mask(n, sink=sink, sliding_window=window)
-    md = mask.double()
-    i = torch.arange(n)
-    d_idx = (i[:, None] - i[None, :])  # [i, d] -> j = i − d
-    dmask = torch.where(d_idx >= 0, md[i[:, None].expand(n, n), d_idx.clamp(min=0)], 0.0)
+def _dense_ops(mask: Tensor) -> dict:
+    """``fit_additive``'s ridge solve plus refinement folded into one matrix per design (dense: O(n²) memory)."""
     ops = {}
     for three in (True, False):
         xtx, factor = normal_system(mask, three, _RIDGE)
@@ -65,10 +63,18 @@ def geometry(n: int, sink: int, window: int | None, device: torch.device | str =
         for _ in range(_REFINE):  # β_{t+1} = β_t + M(r − Aβ_t)  ⇒  β = Σ_t E^t M r
             p = m_inv + e @ p
         ops[three] = p
-    g = Geometry(n, sink, window, mask, md.sum(-1), dmask, md, md.sum(-2), dmask.sum(-2), (dmask.sum(-2) > 0).double(), ops)
-    for name in ("mask", "cnt", "dmask", "maskd", "ncol", "ndiag", "amask"):
-        setattr(g, name, getattr(g, name).to(device))
-    g.ops = {k: v.to(device) for k, v in ops.items()}
+    return ops
+
+
+def geometry(n: int, sink: int, window: int | None, device: torch.device | str = "cpu") -> Geometry:
+    """Mask ``j ∈ [max(sink, i−w+1), i]`` with its counts (LRU-cached, on ``device``)."""
+    key = (n, sink, window, str(device))
+    if key in _GEOMS:
+        return _GEOMS[key]
+    mask = causal_mask(n, sink=sink, sliding_window=window).to(device)
+    bd = band(n, sink, window, device)
+    ops = {} if bd.structured else {k: v.to(device) for k, v in _dense_ops(mask.cpu()).items()}
+    g = Geometry(n, sink, window, mask, bd, bd.cnt, bd.ncol, bd.ndiag, (bd.ndiag > 0).double(), ops)
     if len(_GEOMS) >= 6:
         _GEOMS.pop(next(iter(_GEOMS)))
     _GEOMS[key] = g
@@ -183,7 +189,7 @@ def _fit_solve(t: Target, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor
     mean = sx.sum(-1) / g.cnt.sum()
     parts = [diag - mean[:, None] * g.ndiag] + ([sx - mean[:, None] * g.cnt] if three_axis else [])
     rhs = torch.cat(parts + [col - mean[:, None] * g.ncol], dim=-1)
-    beta = rhs @ g.ops[three_axis].T
+    beta = g.solve(rhs, three_axis)
     a, c_ = beta[:, :n], beta[:, -n:]
     b = beta[:, n : 2 * n] if three_axis else torch.zeros_like(a)
     return mean, a, b, c_
@@ -198,8 +204,8 @@ def _fit_moments(t: Target, g: Geometry, fit: tuple, xc: Tensor, xa: Tensor) -> 
     mean, a, b, c_ = fit
     sx, sxx = t.moments_x(s)
     mi = mean[:, None] + b
-    a1, a2 = a @ g.dmask.T, (a * a) @ g.dmask.T
-    c1, c2 = c_ @ g.maskd.T, (c_ * c_) @ g.maskd.T
+    a1, a2 = row_sums_a(g.band, a), row_sums_a(g.band, a * a)
+    c1, c2 = row_sums_c(g.band, c_), row_sums_c(g.band, c_ * c_)
     am = a * g.amask
     cm = c_ * (torch.arange(n, device=dev) >= s).double()
     conv = torch.fft.irfft(torch.fft.rfft(am, 2 * n) * torch.fft.rfft(cm, 2 * n), 2 * n)[:, :n]

@@ -1,0 +1,113 @@
+"""The structured D1/D2 least squares (posgen_tl.maths.additive) against the dense normal equations.
+
+Stated tolerance (docs/performance.md): the parameters equal the dense minimum-norm (pseudo-inverse) solution to
+1e-9 of their size and the fitted maps the dense ridge solve's to 1e-9 of the map's size, on every band mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posgen_tl.maths.additive import band, band_of_mask, gram_diagonal, gram_matvec, null_basis, solve
+from posgen_tl.maths.decompose import causal_mask, fit_additive, normal_system
+from posgen_tl.maths.moments import geometry
+
+bands = st.tuples(st.integers(1, 40), st.integers(0, 3), st.one_of(st.none(), st.integers(2, 45)), st.booleans())
+
+
+def _dense_min_norm(mask: torch.Tensor, rhs: torch.Tensor, three: bool) -> torch.Tensor:
+    xtx, _ = normal_system(mask, three, 1e-6)
+    return rhs @ torch.linalg.pinv(xtx, hermitian=True, rtol=1e-10).T
+
+
+@settings(max_examples=60, deadline=None)
+@given(bands, st.integers(0, 2**31 - 1))
+def test_the_structured_normal_matrix_is_the_dense_one(case, seed):
+    n, sink, window, three = case
+    sink = min(sink, n - 1)
+    mask = causal_mask(n, sink=sink, sliding_window=window)
+    bd = band_of_mask(mask)
+    assert bd is not None and torch.equal(bd.cnt, band(n, sink, window).cnt)
+    xtx, _ = normal_system(mask, three, 1e-6)
+    beta = torch.randn(3, xtx.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    assert torch.allclose(gram_matvec(bd, beta, three), beta @ xtx, rtol=0, atol=1e-10 * n)
+    assert torch.equal(gram_diagonal(bd, three), xtx.diagonal())
+    nb = null_basis(bd, three)
+    assert (xtx @ nb).abs().max() < 1e-9  # the basis really is null
+
+
+@settings(max_examples=60, deadline=None)
+@given(bands, st.integers(0, 2**31 - 1))
+def test_the_solve_is_the_dense_minimum_norm_solution(case, seed):
+    n, sink, window, three = case
+    sink = min(sink, n - 1)
+    mask = causal_mask(n, sink=sink, sliding_window=window)
+    bd = band_of_mask(mask)
+    assert bd is not None
+    xtx, _ = normal_system(mask, three, 1e-6)
+    g = torch.Generator().manual_seed(seed)
+    rhs = torch.randn(4, xtx.shape[0], dtype=torch.float64, generator=g) @ xtx  # Xᵀy of some map: in range
+    got = solve(bd, rhs, three)
+    want = _dense_min_norm(mask, rhs, three)
+    assert (got - want).abs().max() <= 1e-9 * want.abs().max().clamp(min=1.0)
+    # an rhs off the range by float32-like rounding: the consistent part's solution, not a walk along the null space
+    noisy = rhs + 1e-7 * rhs.abs().max() * torch.randn(rhs.shape, dtype=torch.float64, generator=g) * (xtx.diagonal() > 0)
+    got_noisy = solve(bd, noisy, three)
+    assert (got_noisy @ null_basis(bd, three)).abs().max() < 1e-8 * got_noisy.abs().max().clamp(min=1.0)
+    want_noisy = _dense_min_norm(mask, noisy, three)  # the pseudo-inverse ignores the null-space part too
+    assert (got_noisy - want_noisy).abs().max() <= 1e-9 * want_noisy.abs().max().clamp(min=1.0)
+
+
+@pytest.mark.parametrize(("n", "sink", "window"), [(24, 0, None), (40, 1, None), (48, 1, 9), (30, 2, 2)])
+@pytest.mark.parametrize("three", [True, False])
+def test_fit_additive_gives_the_dense_fit(n, sink, window, three):
+    mask = causal_mask(n, sink=sink, sliding_window=window)
+    W = torch.randn(5, n, n, generator=torch.Generator().manual_seed(n))
+    fast, dense = fit_additive(W, mask, three), fit_additive(W, mask, three, dense=True)
+    assert (fast.fitted - dense.fitted).abs().max() <= 1e-9 * W.abs().max()
+    for name in ("a", "b", "c"):
+        x, y = getattr(fast, name), getattr(dense, name)
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert (x - y).abs().max() <= 1e-8 * y.abs().max().clamp(min=1.0)
+
+
+def test_masks_outside_the_band_family_keep_the_dense_solve():
+    holey = causal_mask(12)
+    holey[7, 3] = False
+    assert band_of_mask(holey) is None
+    assert band_of_mask(torch.zeros(5, 5, dtype=torch.bool)) is None
+    one_key = causal_mask(10, sliding_window=1)  # only the diagonal: a larger null space
+    bd = band_of_mask(one_key)
+    assert bd is not None and not bd.structured
+    with pytest.raises(ValueError, match="one-key window"):
+        solve(bd, torch.zeros(1, 30, dtype=torch.float64), True)
+    W = torch.randn(2, 10, 10)
+    assert torch.equal(fit_additive(W, one_key).fitted, fit_additive(W, one_key, dense=True).fitted)
+
+
+def test_bad_widths_and_no_convergence_are_refused_by_name():
+    bd = band(16)
+    with pytest.raises(ValueError, match="has 47 parameters"):
+        solve(bd, torch.zeros(1, 47, dtype=torch.float64), True)
+    rhs = torch.randn(1, 48, dtype=torch.float64) @ normal_system(causal_mask(16), True, 1e-6)[0]
+    with pytest.raises(RuntimeError, match="did not converge on the band n=16"):
+        solve(bd, rhs, True, max_iter=2)
+
+
+def test_a_long_mask_costs_no_operator_of_size_n_squared():
+    """The scoring geometry of 16 384 tokens keeps O(n) numbers besides its boolean mask (the dense operators
+    were 2 × [3n, 3n] float64: 28 GB), and its fit solves 36 maps at once."""
+    n = 16_384
+    g = geometry(n, 1, None)
+    sizes = [t.numel() for t in (g.cnt, g.ncol, g.ndiag, g.amask, g.band.lo, g.band.hi)]
+    assert not g.ops and max(sizes) == n
+    rhs = torch.randn(36, 3 * n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rhs = rhs * (gram_diagonal(g.band, True) > 0)  # nothing on the parameters no entry uses (a_{n−1}, b_0, c_0)
+    beta = g.solve(rhs, True)  # a random right-hand side: the hardest for conjugate gradients
+    res = rhs - gram_matvec(g.band, beta, True)
+    q, _ = torch.linalg.qr(null_basis(g.band, True))
+    assert (res - (res @ q) @ q.T).abs().max() <= 1e-8 * rhs.abs().max()  # only the inconsistent part is left
