@@ -12,7 +12,8 @@ Same process, same 8×512 tokens, one thread:
 * ``decompose_s``: :func:`decompose_model` given k̄ (all layers and heads, D1/D2/D3, sink kept and
   excluded, 64 bound rows) — includes its own forward pass;
 * peak memory: the process's peak RSS (``VmHWM``), reset through ``/proc/self/clear_refs``
-  before each phase, minus the RSS at its start.
+  before each phase, minus the RSS at its start (``peak_rss_delta_mib``; memory freed by an earlier phase can be
+  reused without raising it), and the absolute high-water mark reached in each phase (``peak_rss_mib``).
 
 Prints one JSON object.
 """
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,8 +48,11 @@ def _reset_peak() -> bool:
         return False
 
 
-def measure(fn):
-    """``(result, seconds, peak RSS delta MiB)`` of ``fn()``."""
+PEAKS: dict[str, float] = {}  # the process's resident high-water mark (MiB) reached in each phase
+
+
+def measure(fn, name: str = ""):
+    """``(result, seconds, peak RSS delta MiB)`` of ``fn()``; the absolute peak goes to ``PEAKS[name]``."""
     import gc
 
     gc.collect()
@@ -57,6 +62,7 @@ def measure(fn):
     out = fn()
     dt = time.perf_counter() - t
     peak = _status("VmHWM") if ok else float("nan")
+    PEAKS[name] = peak
     return out, dt, peak - rss0
 
 
@@ -69,12 +75,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     args = ap.parse_args()
 
+    import posgen_tl
     import posgen_tl.maths.moments as moments
     from posgen_tl import load_model
     from posgen_tl.experiments import decomposition as dec
     from posgen_tl.hooks.capture import probe_hooks
     from posgen_tl.hooks.stream import stream_qk
     from posgen_tl.io.corpus import corpus_tokens
+    from posgen_tl.io.provenance import git_commit
 
     model = load_model(args.model)
     spec, _ = probe_hooks(model)
@@ -87,14 +95,14 @@ def main() -> None:
         with torch.no_grad():
             return model(tokens, return_type=None)
 
-    _, t_fwd, m_fwd = measure(forward)
-    _, t_cap, m_cap = measure(lambda: stream_qk(model, tokens, lambda c: None, batch_size=args.batch_size, progress=False))
-    kms, t_ref, m_ref = measure(lambda: dec.reference_key_means(model, ref, sink=1, batch_size=args.batch_size, progress=False))
+    _, t_fwd, m_fwd = measure(forward, "forward")
+    _, t_cap, m_cap = measure(lambda: stream_qk(model, tokens, lambda c: None, batch_size=args.batch_size, progress=False), "capture")
+    kms, t_ref, m_ref = measure(lambda: dec.reference_key_means(model, ref, sink=1, batch_size=args.batch_size, progress=False), "reference")
     moments._GEOMS.clear()
     windows = {spec.layer(i).sliding_window for i in range(spec.n_layers)}
-    _, t_geo, m_geo = measure(lambda: [moments.geometry(args.seq_len, s, w) for s in (0, 1) for w in windows])
+    _, t_geo, m_geo = measure(lambda: [moments.geometry(args.seq_len, s, w) for s in (0, 1) for w in windows], "geometry")
     df, t_dec, m_dec = measure(lambda: dec.decompose_model(
-        model, tokens, reference=ref, k_mean=kms, batch_size=args.batch_size, progress=False))
+        model, tokens, reference=ref, k_mean=kms, batch_size=args.batch_size, progress=False), "decompose")
     _, t_fwd2, _ = measure(forward)
     t_f = min(t_fwd, t_fwd2)
     print(json.dumps({
@@ -107,7 +115,9 @@ def main() -> None:
         "ratio_all_incl_reference_to_forward": round((t_dec + t_geo + t_ref) / t_f, 3),
         "peak_rss_delta_mib": {"forward": round(m_fwd, 1), "capture": round(m_cap, 1), "reference": round(m_ref, 1),
                                "geometry": round(m_geo, 1), "decompose": round(m_dec, 1)},
+        "peak_rss_mib": {k: round(v, 1) for k, v in PEAKS.items()},  # absolute: the process's high-water mark
         "rows": len(df), "d3_bound_holds_min": float(df["d3_bound_holds"].min()),
+        "posgen_tl": str(Path(posgen_tl.__file__).parent), "commit": git_commit(),
     }, indent=1))
 
 

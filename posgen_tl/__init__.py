@@ -55,6 +55,7 @@ _EXPORTS: dict[str, str] = {
     "run": "experiments.registry",
     # decomposition (docs/method.md §2)
     "decompose_head": "experiments.head_maps",
+    "decompose_heads": "experiments.head_maps",
     "decompose_model": "experiments.decomposition",
     "decompose_with_twin": "experiments.decomposition",
     # feature pattern (§3), head taxonomy (§6)
@@ -88,7 +89,8 @@ _NAMESPACES = ("io", "hooks", "maths", "stats", "experiments", "patching", "plot
 #: the common path (≤ 30 names); every name of ``_EXPORTS`` and ``_NAMESPACES`` resolves (``pg.patching`` too)
 __all__ = [
     *(n for n in _EXPORTS if n not in ("document_windows", "decompose_with_twin", "feature_pattern_with_twin",
-                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError", "gap_probe")),
+                                       "allow_unchecked", "UncheckedModelError", "IndexRangeError", "gap_probe",
+                                       "decompose_heads")),
     "io", "hooks", "maths", "stats", "experiments", "plot",
 ]
 
@@ -113,7 +115,7 @@ if TYPE_CHECKING:  # for editors and type checkers; nothing is imported at run t
     from posgen_tl.experiments.causal import causal_study
     from posgen_tl.experiments.decomposition import decompose_model, decompose_with_twin
     from posgen_tl.experiments.exactness import exactness_table
-    from posgen_tl.experiments.head_maps import decompose_head
+    from posgen_tl.experiments.head_maps import decompose_head, decompose_heads
     from posgen_tl.experiments.length import gap_probe
     from posgen_tl.experiments.pattern import feature_pattern, feature_pattern_with_twin
     from posgen_tl.experiments.registry import run

@@ -11,6 +11,7 @@ These are the analysis halves of two figures: :func:`decompose_head` feeds
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -25,7 +26,7 @@ from posgen_tl.hooks.stream import capture_from_cache, capture_qk
 from posgen_tl.maths.decompose import d3_split, fit_additive, score_maps
 from posgen_tl.maths.rope import causal_mask, to_bands
 
-__all__ = ["HeadDecomposition", "decompose_head", "phase_angles", "phase_angles_with_twin"]
+__all__ = ["HeadDecomposition", "decompose_head", "decompose_heads", "phase_angles", "phase_angles_with_twin"]
 
 KMean = Union[Literal["global", "per_sequence"], Float[Tensor, "kv_head d_head"], Float[Tensor, "d_head"]]  # noqa: UP007
 
@@ -177,11 +178,47 @@ def decompose_head(
     spec, _ = probe_hooks(model)
     layer, head = spec.layer_index(layer), spec.head_index(head)
     cap = _capture(model, tokens_or_cache, layer)
-    b, n = cap.q.shape[:2]
-    if not 0 <= seq < b:
-        raise ValueError(f"seq={seq} out of range for a batch of {b}")
-    kv = spec.kv_group(head)
+    if not 0 <= seq < cap.q.shape[0]:
+        raise ValueError(f"seq={seq} out of range for a batch of {cap.q.shape[0]}")
     km, kind = _k_means(model, cap, k_mean, reference, sink)
+    return _decompose(spec, cap, head, km, kind, sink, seq)
+
+
+def decompose_heads(
+    model: Any,
+    tokens_or_cache: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | Any,
+    layer: int,
+    heads: Sequence[int] | None = None,
+    *,
+    k_mean: KMean = "per_sequence",
+    reference: Int[Tensor, "n_ref pos"] | None = None,
+    sink: int = 1,
+    seq: int = 0,
+) -> dict[int, HeadDecomposition]:
+    """:func:`decompose_head` of several heads of one layer (default: every head) from ONE capture and one k̄:
+    a single forward pass (none from an ``ActivationCache``) however many heads, where a loop over
+    :func:`decompose_head` with tokens runs one per head. Returns ``{head: HeadDecomposition}`` in the order of
+    ``heads``; every map and score equals :func:`decompose_head`'s for that head.
+
+    Raises:
+        IndexRangeError: ``layer`` or a head outside the model (the message names the valid range).
+        ValueError: an empty ``heads`` or a repeated head."""
+    spec, _ = probe_hooks(model)
+    layer = spec.layer_index(layer)
+    hs = list(range(spec.n_heads)) if heads is None else [spec.head_index(h) for h in heads]
+    if not hs or len(set(hs)) != len(hs):
+        raise ValueError(f"heads must name distinct heads of the layer, got {heads!r}")
+    cap = _capture(model, tokens_or_cache, layer)
+    if not 0 <= seq < cap.q.shape[0]:
+        raise ValueError(f"seq={seq} out of range for a batch of {cap.q.shape[0]}")
+    km, kind = _k_means(model, cap, k_mean, reference, sink)
+    return {h: _decompose(spec, cap, h, km, kind, sink, seq) for h in hs}
+
+
+def _decompose(spec: Any, cap: QKCapture, head: int, km: Tensor, kind: str, sink: int, seq: int) -> HeadDecomposition:
+    """One head's :class:`HeadDecomposition` from a layer's capture and its k̄ ``[batch, kv_head, d_head]``."""
+    b, n = cap.q.shape[:2]
+    kv = spec.kv_group(head)
     window = cap.rope.sliding_window
     score_mask = causal_mask(n, sink=sink, sliding_window=window)
     rows, keep = [], None
@@ -196,6 +233,7 @@ def decompose_head(
                          **{k: float(v) for k, v in sc.items()}})
         if s == seq:
             keep = (split, fit)
+    assert keep is not None
     split, fit = keep
     W, f, g = split.W[0, 0].cpu(), split.f[0, 0].cpu(), split.g[0, 0].cpu()
     scores = pd.DataFrame(rows).assign(model=spec.model_name)

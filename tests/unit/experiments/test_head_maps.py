@@ -13,7 +13,7 @@ import tiny_models as tm
 import torch
 
 from posgen_tl import plot
-from posgen_tl.experiments.head_maps import decompose_head, phase_angles, phase_angles_with_twin
+from posgen_tl.experiments.head_maps import decompose_head, decompose_heads, phase_angles, phase_angles_with_twin
 from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.maths.decompose import d3_split, fit_additive, score_maps
@@ -60,6 +60,35 @@ def test_decompose_head_from_activation_cache_equals_tokens(llama):
     b = decompose_head(llama, cache, layer=0, head=1)
     torch.testing.assert_close(a.W, b.W, rtol=1e-5, atol=1e-5)
     pd.testing.assert_frame_equal(a.scores, b.scores, rtol=1e-4)
+
+
+def test_every_head_of_a_layer_from_one_forward(llama):
+    """decompose_heads: the maps and scores of decompose_head for each head, from ONE forward pass (counted by a
+    hook on block 0) instead of one per head."""
+    toks, ref = _tokens(2), _tokens(3, seed=5)
+    spec, _ = probe_hooks(llama)
+    decompose_head(llama, toks, layer=1, head=0, k_mean="global", reference=ref)  # warm-up (the hook probe)
+
+    def forwards(fn):
+        calls = []
+        with llama.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, hook: calls.append(1))]):
+            out = fn()
+        return out, len(calls)
+
+    every, n_all = forwards(lambda: decompose_heads(llama, toks, layer=1, k_mean="global", reference=ref, seq=1))
+    one, n_one = forwards(lambda: decompose_head(llama, toks, layer=1, head=0, k_mean="global", reference=ref, seq=1))
+    assert n_one >= 1 and n_all == n_one  # every head costs what one head costs (the capture and the k̄ pass)
+    assert list(every) == list(range(spec.n_heads))
+    for h in (0, spec.n_heads - 1):
+        one = decompose_head(llama, toks, layer=1, head=h, k_mean="global", reference=ref, seq=1)
+        torch.testing.assert_close(every[h].W, one.W)
+        torch.testing.assert_close(every[h].f, one.f)
+        pd.testing.assert_frame_equal(every[h].scores, one.scores)
+    assert list(decompose_heads(llama, toks, layer=0, heads=[2, 0])) == [2, 0]
+    with pytest.raises(ValueError, match="distinct heads"):
+        decompose_heads(llama, toks, layer=0, heads=[1, 1])
+    with pytest.raises(ValueError, match="head"):
+        decompose_heads(llama, toks, layer=0, heads=[99])
 
 
 def test_decompose_head_k_mean_kinds(llama):
