@@ -133,10 +133,25 @@ def test_fuzz_arguments_never_traceback(argv):
         ([], "required"),
     ],
 )
-def test_bad_arguments_say_what_to_change(argv, needle):
-    r = subprocess.run([sys.executable, "-m", "posgen_tl.cli", *argv], capture_output=True, text=True)
+def test_bad_arguments_say_what_to_change(argv, needle, capsys):
+    """In process (the same ``main`` the console script calls): exit status 2 and a message naming the problem."""
+    from posgen_tl.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+
+
+def test_the_console_command_exits_2_on_bad_arguments():
+    """The real process: ``python -m posgen_tl.cli`` with a bad value exits 2 with one clear line, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "posgen_tl.cli", "study", "decomposition", "--n-seq", "0"],
+                       capture_output=True, text=True)
     assert r.returncode == 2
-    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert "n_seq='0' (decomposition): 0 is not positive" in r.stderr and "Traceback" not in r.stderr
 
 
 _texts = st.one_of(st.text(max_size=200), st.lists(st.text(max_size=50), max_size=5),
