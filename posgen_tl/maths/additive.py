@@ -5,10 +5,11 @@ The fits ``W[i, j] ≈ a[i − j] + b[i] + c[j]`` (D1; D2 without ``b``) are sco
 first keys excluded, an optional sliding window ``w``). For such a mask every row, column and diagonal is one
 contiguous run, so the normal matrix ``XᵀX`` applied to a parameter vector is a few prefix sums: O(n) time and
 memory per map (:func:`gram_matvec`), where the dense ``[3n, 3n]`` operator costs O(n²) memory and O(n³) to
-build (9.8 s and 200 MB at 2 048 tokens; 28 GB at 16 384).
+build (with its factor and the D2 operator, 3.5 GB at 2 048 tokens; the ``[3n, 3n]`` matrix alone is 4.8 GB at
+8 192 and 19 GB at 16 384).
 
 :func:`solve` finds the minimum-norm least-squares parameters by conjugate gradients preconditioned with the
-diagonal (the entry counts; ≈ 20 iterations whatever ``n``), then removes the exact null space of the design
+diagonal (the entry counts; 15–30 iterations whatever ``n``), then removes the exact null space of the design
 (:func:`null_basis`: the constant shifts between axes and the linear trend ``t·(i − j) − t·i + t·j``), so the
 parameters equal the dense pseudo-inverse solution, not only the fitted map (a test compares both with the
 dense solve, the parameters to 1e-10 of their size). A window of one key (only the diagonal) has a larger null
