@@ -142,7 +142,7 @@ def shard_documents(
     return keep.nonzero().flatten()
 
 
-def _shard_rows(n: int, world_size: int, rank: int) -> Int[Tensor, "local"]:
+def shard_rows(n: int, world_size: int, rank: int) -> Int[Tensor, "local"]:
     """Contiguous near-equal row split (for reference sets, whose documents do not matter)."""
     bounds = [round(i * n / world_size) for i in range(world_size + 1)]
     return torch.arange(bounds[rank], bounds[rank + 1])
@@ -171,7 +171,7 @@ def guarded(fn: Callable[..., T], *args: Any, what: str = "work", **kw: Any) -> 
         err = e
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         status = (d.rank, False, tb)
-    statuses = _all_gather_object(status, what=what)
+    statuses = gather_objects(status, what=what)
     failed = [s for s in statuses if not s[1]]
     if failed:
         msg = "; ".join(f"rank {r}: {m}" for r, _, m in failed)
@@ -181,7 +181,7 @@ def guarded(fn: Callable[..., T], *args: Any, what: str = "work", **kw: Any) -> 
     return result
 
 
-def _all_gather_object(obj: Any, *, what: str) -> list[Any]:
+def gather_objects(obj: Any, *, what: str) -> list[Any]:
     d = current()
     out: list[Any] = [None] * d.world_size
     try:
@@ -274,6 +274,6 @@ def gather_frame(df: pd.DataFrame, index: Int[Tensor, "local"] | None = None, *,
         df[column] = index.numpy()[df[column].to_numpy().astype(int)]
     if not current().active:
         return df.reset_index(drop=True)
-    parts = _all_gather_object(df, what=what)
+    parts = gather_objects(df, what=what)
     parts = [p for p in parts if len(p)]
     return pd.concat(parts, ignore_index=True) if parts else df.iloc[0:0]

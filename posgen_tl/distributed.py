@@ -49,15 +49,15 @@ from posgen_tl.collectives import (
     Dist,
     DistributedRunError,
     ShardError,
-    _all_gather_object,
-    _shard_rows,
     all_reduce_states,
     current,
     gather_frame,
+    gather_objects,
     guarded,
     merge_means,
     setup,
     shard_documents,
+    shard_rows,
     teardown,
 )
 from posgen_tl.io.sampling import Windows
@@ -116,7 +116,7 @@ def key_means_distributed(
 
     spec, _ = probe_hooks(model)
     d = current()
-    rows = _shard_rows(tokens.shape[0], d.world_size, d.rank) if shard and d.active else torch.arange(tokens.shape[0])
+    rows = shard_rows(tokens.shape[0], d.world_size, d.rank) if shard and d.active else torch.arange(tokens.shape[0])
     want = spec.layer_indices(layers)
 
     def local() -> dict[int, Tensor]:
@@ -189,7 +189,7 @@ def pattern_distributed(
                   what="feature pattern")
     if not current().active:
         return res
-    parts = _all_gather_object(res, what="pattern states")
+    parts = gather_objects(res, what="pattern states")
     out = parts[0]
     for p in parts[1:]:
         out = out.merge(p)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 from posgen_tl.experiments.base import PRESETS, Config
 from posgen_tl.io.defaults import DEFAULT_MODEL
@@ -172,7 +172,25 @@ def inputs(name: str, *, checkpoint: Path | None = None, twin: Any = None,
     return out
 
 
-def run_experiment(name: str, ctx: Any, cfg: Config) -> tuple[Any, float]:
+class _Folder(Protocol):
+    @property
+    def dir(self) -> Path: ...
+
+
+class StageContext(Protocol):
+    """What :func:`run_experiment` needs of a report's or a study's context (``posgen_tl.report.context.Context``):
+    the model, the folder it writes into, the shared random twin and the Results already run, by name."""
+
+    model: Any
+    results: dict
+
+    @property
+    def work(self) -> _Folder: ...
+
+    def twin(self) -> Any: ...
+
+
+def run_experiment(name: str, ctx: StageContext, cfg: Config) -> tuple[Any, float]:
     """Run experiment ``name`` in ``ctx`` (a study's folder, model and shared twin) and render it; returns
     ``(Section, seconds of the run)``. The run resumes from ``<folder>/.partial`` where the experiment keeps a
     checkpoint (removed once the Result is saved); the Result is saved into the folder and kept in

@@ -38,7 +38,7 @@ def _attention_of(layer: Any) -> Any | None:
     return None
 
 
-def _hf_rotary(hf: Any) -> Any | None:
+def hf_rotary(hf: Any) -> Any | None:
     """The HF rotary-embedding module (one holding an ``inv_freq`` / ``{layer_type}_inv_freq`` buffer)."""
     for _, mod in hf.named_modules():
         bufs = dict(mod.named_buffers(recurse=False))
@@ -125,7 +125,7 @@ def sincos_tables(hf: Any, attns: list | None = None) -> list[torch.Tensor] | No
     return None
 
 
-def _kv_heads(attn: Any, cfg: Any, n_heads: int) -> int:
+def hf_kv_heads(attn: Any, cfg: Any, n_heads: int) -> int:
     """The number of key/value heads the attention module really uses: its own attribute where it has
     one (Falcon's multi-query attention keeps ``config.num_kv_heads`` = the query heads but uses 1),
     else ``config.num_key_value_heads``, else one per query head."""
@@ -139,7 +139,7 @@ def _kv_heads(attn: Any, cfg: Any, n_heads: int) -> int:
     return int(getattr(cfg, "num_key_value_heads", None) or n_heads)
 
 
-def _head_dim(text_cfg: Any, attns: list, n_heads: int, name: str, arch: str) -> int:
+def hf_head_dim(text_cfg: Any, attns: list, n_heads: int, name: str, arch: str) -> int:
     """The head dimension every attention layer uses — each module's own ``head_dim`` where it has one
     (never a per-layer config attribute read globally: transformers refuses that for Gemma 4).
 

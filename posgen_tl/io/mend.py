@@ -68,9 +68,9 @@ def mend_hf_for_bridge(hf: Any) -> list[str]:
 
 def _rotary_returns_other_dtype(hf: Any, dtype: torch.dtype) -> bool:
     """Whether the model's HF rotary module returns cos/sin in another dtype than its input's."""
-    from posgen_tl.io.spec import _hf_rotary  # noqa: PLC0415
+    from posgen_tl.io.spec import hf_rotary  # noqa: PLC0415
 
-    rotary = _hf_rotary(hf)
+    rotary = hf_rotary(hf)
     if rotary is None:
         return False
     buf = next(rotary.buffers(), None)

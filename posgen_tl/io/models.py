@@ -35,12 +35,12 @@ from posgen_tl.io.zoo import (  # noqa: F401 (the names stay importable here)
     ZOO,
     ModelEntry,
     ModelLoadError,
-    _load_zoo_hf,
-    _manifest_ok,
-    _placement,
-    _write_manifest,
     cache_dir,
     clear_cache,
+    load_zoo_hf,
+    manifest_ok,
+    write_manifest,
+    zoo_placement,
 )
 
 __all__ = [
@@ -308,7 +308,7 @@ def _load(name_or_model: Any, *, device: str | None, dtype: torch.dtype, use_cac
         entry = ZOO[key]
         if backend == "hooked":
             _require_hooked()  # fail before the (long) weight conversion
-        hf, tok, _ = _load_zoo_hf(entry, dtype, use_cache, verbose, device_map)
+        hf, tok, _ = load_zoo_hf(entry, dtype, use_cache, verbose, device_map)
         if backend == "hooked":
             _drop_gguf_marker(hf, entry.name)
             return _boot_hooked(hf, tok, entry.name, entry.tl_name, device, dtype)
@@ -317,7 +317,7 @@ def _load(name_or_model: Any, *, device: str | None, dtype: torch.dtype, use_cac
     if path.exists() and path.is_dir():
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-        kw = _placement(dtype, device_map)
+        kw = zoo_placement(dtype, device_map)
         if not _has_tokenizer_files(path):
             raise ModelLoadError(
                 f"the folder {path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); save one beside the "
@@ -346,7 +346,7 @@ def _load(name_or_model: Any, *, device: str | None, dtype: torch.dtype, use_cac
             f"unknown model {name!r}: not in the offline zoo ({', '.join(ZOO)}), not a local folder, "
             "and not a TransformerLens/HF hub name (hub names look like 'org/name')"
         )
-    _placement(dtype, device_map)  # a clear error if accelerate is missing
+    zoo_placement(dtype, device_map)  # a clear error if accelerate is missing
     try:
         from transformer_lens.model_bridge import TransformerBridge  # noqa: PLC0415
 

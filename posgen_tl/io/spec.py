@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from posgen_tl.io.hf_modules import _head_dim, _hf_rotary, _kv_heads, hf_attention_modules, sincos_tables
-from posgen_tl.io.spec_tl import _from_native, _from_tl_config
+from posgen_tl.io.hf_modules import hf_attention_modules, hf_head_dim, hf_kv_heads, hf_rotary, sincos_tables
+from posgen_tl.io.spec_tl import spec_from_native, spec_from_tl_config
 from posgen_tl.maths.rope import LayerRope, Layout, RopeError, RopeSpec
 
 _LAYOUTS: tuple[Layout, ...] = ("half", "adjacent")
@@ -81,11 +81,11 @@ def rope_spec(model: Any) -> RopeSpec:
     if inner is not None and hasattr(inner, "config") and hasattr(inner, "named_modules"):
         return spec_from_hf(model, inner, name)
     if inner is not None and getattr(inner, "rotary", None) is not None:
-        return _from_native(model, inner, name)
+        return spec_from_native(model, inner, name)
     if inner is not None and pe is not None:
         raise RopeError(f"model {name!r}: a rotary model whose rotary module could not be found")
     if cfg is not None and pe is not None and hasattr(model, "blocks"):
-        return _from_tl_config(model, name)
+        return spec_from_tl_config(model, name)
     raise RopeError(
         f"cannot read a RoPE spec from {type(model).__name__}: expected a TransformerBridge "
         "or a HookedTransformer with positional_embedding_type='rotary'."
@@ -137,11 +137,11 @@ def spec_from_hf(model: Any, hf: Any, name: str) -> RopeSpec:
     if len(attn_modules) != n_layers:
         raise RopeError(f"model {name!r} ({arch}): found {len(attn_modules)} attention modules for {n_layers} layers")
     n_heads = int(text_cfg.num_attention_heads)
-    n_kv = _kv_heads(attn_modules[0], text_cfg, n_heads)
-    d_head = _head_dim(text_cfg, attn_modules, n_heads, name, arch)
+    n_kv = hf_kv_heads(attn_modules[0], text_cfg, n_heads)
+    d_head = hf_head_dim(text_cfg, attn_modules, n_heads, name, arch)
     bridge_cfg = getattr(model, "cfg", None)
     n_ctx = int(getattr(text_cfg, "max_position_embeddings", 0) or getattr(bridge_cfg, "n_ctx", 0))
-    rotary = _hf_rotary(hf)
+    rotary = hf_rotary(hf)
     if rotary is None:
         if sincos_tables(hf, attn_modules) is not None:  # GPT-J / CodeGen: a fixed sin|cos table, no inv_freq
             return _from_sincos_table(model, hf, name, attn_modules, n_heads, n_kv, d_head, n_ctx)
@@ -293,7 +293,7 @@ def _rotary_of(model: Any) -> Any | None:
     try:
         return _ROTARY_CACHE[inner]
     except KeyError:
-        rot = _ROTARY_CACHE[inner] = _hf_rotary(inner)
+        rot = _ROTARY_CACHE[inner] = hf_rotary(inner)
         return rot
 
 

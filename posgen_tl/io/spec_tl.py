@@ -19,7 +19,7 @@ __all__: list[str] = []
 # ----------------------------------------------------------------------------- native
 
 
-def _from_native(model: Any, native: Any, name: str) -> RopeSpec:
+def spec_from_native(model: Any, native: Any, name: str) -> RopeSpec:
     cfg = model.cfg
     rotary = native.rotary
     rotary_dim = int(rotary.rotary_dim)
@@ -127,7 +127,7 @@ def _verify_tl_table(attn: Any, lr: LayerRope, name: str, layer: int, n_check: i
         )
 
 
-def _from_tl_config(model: Any, name: str) -> RopeSpec:
+def spec_from_tl_config(model: Any, name: str) -> RopeSpec:
     """HookedTransformer (TransformerLens 3.x): per layer, the frequencies its attention module
     uses (``rotary_base`` or ``rotary_base_local``, NTK-by-parts, YaRN, linear scaling), the
     module's own ``attn_scale`` and ``attn_type``/``window_size`` — each frequency table checked

@@ -131,7 +131,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _manifest_ok(folder: Path) -> bool:
+def manifest_ok(folder: Path) -> bool:
     manifest = folder / "manifest.json"
     if not manifest.exists():
         return False
@@ -146,7 +146,7 @@ def _manifest_ok(folder: Path) -> bool:
         return False
 
 
-def _write_manifest(folder: Path) -> None:
+def write_manifest(folder: Path) -> None:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "manifest.json")
     data = {
         "files": {str(p.relative_to(folder)): _sha256(p) for p in files},
@@ -156,7 +156,7 @@ def _write_manifest(folder: Path) -> None:
     (folder / "manifest.json").write_text(json.dumps(data, indent=1))
 
 
-def _placement(dtype: torch.dtype, device_map: Any = None) -> dict[str, Any]:
+def zoo_placement(dtype: torch.dtype, device_map: Any = None) -> dict[str, Any]:
     """``from_pretrained`` keyword arguments: ``dtype`` and, if given, accelerate's ``device_map``."""
     kw: dict[str, Any] = {"dtype": dtype}
     if device_map is not None:
@@ -176,7 +176,7 @@ def _load_hf_from_gguf(entry: ModelEntry, dtype: torch.dtype, device_map: Any = 
         warnings.simplefilter("ignore")
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  **_placement(dtype, device_map))
+                                                  **zoo_placement(dtype, device_map))
     hf.config.architectures = [entry.architecture]
     return hf.eval(), tok
 
@@ -198,22 +198,22 @@ def _save_cache(entry: ModelEntry, hf, tok, folder: Path) -> None:
         plain.load_state_dict(hf.state_dict(), assign=True)
         plain.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
-        _write_manifest(tmp)
+        write_manifest(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose: bool, device_map: Any = None):
+def load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose: bool, device_map: Any = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     folder = cache_dir() / "models" / entry.name
     if use_cache and folder.exists():
-        if _manifest_ok(folder):
+        if manifest_ok(folder):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                hf = AutoModelForCausalLM.from_pretrained(str(folder), **_placement(dtype, device_map)).eval()
+                hf = AutoModelForCausalLM.from_pretrained(str(folder), **zoo_placement(dtype, device_map)).eval()
                 tok = AutoTokenizer.from_pretrained(str(folder))
             hf.config.architectures = [entry.architecture]
             return hf, tok, "cache"
@@ -239,8 +239,8 @@ def _load_zoo_hf(entry: ModelEntry, dtype: torch.dtype, use_cache: bool, verbose
             )
     if device_map is not None:  # place the de-quantised weights with accelerate (from the cache if written)
         del hf
-        if use_cache and _manifest_ok(folder):
-            return _load_zoo_hf(entry, dtype, True, False, device_map)
+        if use_cache and manifest_ok(folder):
+            return load_zoo_hf(entry, dtype, True, False, device_map)
         hf, tok = _load_hf_from_gguf(entry, dtype, device_map)
         return hf, tok, "gguf"
     if dtype != torch.float32:

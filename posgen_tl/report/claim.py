@@ -192,11 +192,11 @@ def claim_discussion(runs: list[Run]) -> list[str]:
 def primary_answer(runs: list[Run]) -> str:
     """One plain sentence answering the primary question (does tolerance depend on the pattern?) from the
     causal claim on the corpora that ran it — or saying that it has no published answer yet."""
-    q, a = _primary(runs)
+    q, a = primary_claim(runs)
     return f"**{q}** {a}"
 
 
-def _primary(runs: list[Run]) -> tuple[str, str]:
+def primary_claim(runs: list[Run]) -> tuple[str, str]:
     """``(question, answer)`` of :func:`primary_answer` (the answer links ``{prefix}causal.md``)."""
     q = "Does position tolerance depend on the key pattern in the fast RoPE bands?"
     corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY))

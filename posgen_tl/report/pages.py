@@ -31,12 +31,12 @@ import pandas as pd
 from posgen_tl.experiments import registry
 from posgen_tl.report.claim import (
     CLAIM_STUDY,
-    _primary,
     claim_discussion,
     claim_method,
     claim_section,
     claim_table,
     primary_answer,
+    primary_claim,
 )
 from posgen_tl.report.html import QUESTIONS, Finding, Section
 from posgen_tl.report.runs import Run
@@ -232,7 +232,7 @@ def answer_sentence(study: str, runs: list[Run]) -> str:
     The causal study answers with the declared claim (:func:`primary_answer`); a study without headline findings
     with each run's verdict."""
     if study == CLAIM_STUDY:
-        return _primary(runs)[1].replace(" ([causal]({prefix}causal.md))", "")
+        return primary_claim(runs)[1].replace(" ([causal]({prefix}causal.md))", "")
     rows = _study_rows(study, runs)
     mine = [r for r in runs if r.study == study]
     if not rows:
@@ -307,7 +307,7 @@ def top_block(study: str, runs: list[Run], figs: dict[str, bytes] | None, link_p
     from posgen_tl.plot.forest import plot_forest  # noqa: PLC0415
     from posgen_tl.report.html import figure_to_png  # noqa: PLC0415
 
-    question = _primary(runs)[0] if study == CLAIM_STUDY else PAGE_QUESTIONS.get(study, study)
+    question = primary_claim(runs)[0] if study == CLAIM_STUDY else PAGE_QUESTIONS.get(study, study)
     out = [f"**Question.** {question}", "",
            f"**Answer.** {answer_sentence(study, runs)}", ""]
     rows = _study_rows(study, runs)

@@ -36,7 +36,7 @@ import pandas as pd
 from scipy import optimize
 
 from posgen_tl.stats.curves import doc_bootstrap
-from posgen_tl.stats.inference import _power, check_alpha, sign_flip
+from posgen_tl.stats.inference import check_alpha, sign_flip, t_test_power
 
 __all__ = ["DoseDesign", "isotonic", "tolerance_at", "curves_at_levels", "damage_curves", "common_damage_contrasts",
            "dose_verdict", "iut_mde", "VERDICTS"]
@@ -239,7 +239,7 @@ def iut_mde(sds: Sequence[float], n: int, *, alpha: float = 0.05, power: float =
         return 0.0
 
     def joint(delta: float) -> float:
-        return math.prod(_power(delta, sd, n, alpha) if sd > 0 else 1.0 for sd in s)
+        return math.prod(t_test_power(delta, sd, n, alpha) if sd > 0 else 1.0 for sd in s)
 
     hi = max(s)
     while joint(hi) < power:

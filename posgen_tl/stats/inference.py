@@ -364,7 +364,7 @@ def tost(d: Any, margin: float, *, clusters: Any = None, alpha: float = 0.05) ->
     return dict(mean=m, lo=lo, hi=hi, ci_level=1 - 2 * alpha, p=p, equivalent=bool(p < alpha), margin=float(margin), n=n)
 
 
-def _power(delta: float, sd: float, n: int, alpha: float) -> float:
+def t_test_power(delta: float, sd: float, n: int, alpha: float) -> float:
     """Power of the two-sided one-sample (paired) t-test at true mean ``delta``."""
     df, ncp = n - 1, delta * math.sqrt(n) / sd
     tc = float(sps.t.ppf(1 - alpha / 2, df))
@@ -408,9 +408,9 @@ def _mde_unit(n: int, alpha: float, power: float) -> float:
     df = n - 1
     approx = (float(sps.t.ppf(1 - alpha / 2, df)) + float(sps.t.ppf(power, df))) / math.sqrt(n)
     hi = max(approx, 1.0 / math.sqrt(n))
-    while _power(hi, 1.0, n, alpha) < power:
+    while t_test_power(hi, 1.0, n, alpha) < power:
         hi *= 2.0
-    return float(optimize.brentq(lambda x: _power(x, 1.0, n, alpha) - power, 0.0, hi, xtol=1e-12, rtol=1e-12))
+    return float(optimize.brentq(lambda x: t_test_power(x, 1.0, n, alpha) - power, 0.0, hi, xtol=1e-12, rtol=1e-12))
 
 
 # ----------------------------------------------------------------------------- slopes

@@ -99,3 +99,69 @@ def test_each_default_is_written_once():
             if isinstance(node, ast.Constant) and node.value == DEFAULT_MODEL:
                 found.append(f"{rel}:{node.lineno}")
     assert not found, f"{DEFAULT_MODEL!r} written as a literal outside io/defaults.py: {found}"
+
+
+def _import_findings(root: Path, package: str) -> tuple[list[list[str]], list[str]]:
+    """``(cycles, private)`` of the package under ``root``: cycles among module-level imports (imports inside a
+    function or an ``if TYPE_CHECKING`` block do not run at import time and are left out), and every import of a
+    ``_private`` name from another module of the package."""
+    import ast
+
+    def name(f: Path) -> str:
+        return ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+    mods = {name(f): f for f in (root / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    private = []
+    for m, f in mods.items():
+        tree = ast.parse(f.read_text())
+        deps: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(package):
+                deps.add(str(node.module))
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith(package))
+        graph[m] = {d for d in deps if d in mods and d != m}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package) and node.module != m:
+                private += [f"{m} imports {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(u: str, stack: list[str]) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                cycles.append(stack[stack.index(v) :] + [v])
+            elif v not in state:
+                visit(v, stack)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    return cycles, private
+
+
+def test_no_import_cycle_and_no_private_cross_import():
+    """Issue #33: no import cycle among the package's module-level imports, and no module takes another's
+    ``_private`` name (a helper two modules share is public in the one that defines it)."""
+    cycles, private = _import_findings(ROOT, "posgen_tl")
+    assert not cycles, cycles
+    assert not private, private
+
+
+def test_the_import_check_finds_a_planted_cycle_and_private_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import _helper\n")
+    (pkg / "b.py").write_text("import pkg.a\n\ndef _helper():\n    pass\n")
+    (pkg / "c.py").write_text("def f():\n    from pkg.a import x  # inside a function: not a cycle\n")
+    cycles, private = _import_findings(tmp_path, "pkg")
+    assert cycles == [["pkg.a", "pkg.b", "pkg.a"]]
+    assert private == ["pkg.a imports pkg.b._helper"]

@@ -118,25 +118,25 @@ def test_manifest_detects_corruption(tmp_path):
     d.mkdir()
     (d / "model.safetensors").write_bytes(os.urandom(1000))
     (d / "config.json").write_text("{}")
-    zoo._write_manifest(d)
-    assert zoo._manifest_ok(d)
+    zoo.write_manifest(d)
+    assert zoo.manifest_ok(d)
     with open(d / "model.safetensors", "r+b") as f:  # same size, one byte flipped
         f.seek(10)
         b = f.read(1)
         f.seek(10)
         f.write(bytes([b[0] ^ 0xFF]))
-    assert not zoo._manifest_ok(d)
+    assert not zoo.manifest_ok(d)
     (d / "model.safetensors").write_bytes(os.urandom(10))  # truncated
-    assert not zoo._manifest_ok(d)
+    assert not zoo.manifest_ok(d)
     (d / "manifest.json").write_text("not json")
-    assert not zoo._manifest_ok(d)
+    assert not zoo.manifest_ok(d)
 
 
 @pytest.mark.real
 @pytest.mark.slow
 def test_truncated_cache_is_rebuilt_not_used(tmp_path, monkeypatch, smollm2):
     src = zoo.cache_dir() / "models" / "smollm2-135m"
-    assert zoo._manifest_ok(src)
+    assert zoo.manifest_ok(src)
     dst = tmp_path / "cache" / "models" / "smollm2-135m"
     shutil.copytree(src, dst)
     st = dst / "model.safetensors"
@@ -148,7 +148,7 @@ def test_truncated_cache_is_rebuilt_not_used(tmp_path, monkeypatch, smollm2):
     toks = torch.tensor([[504, 3575, 282, 4649, 314]])
     with torch.no_grad():
         assert torch.equal(m(toks), smollm2(toks))
-    assert zoo._manifest_ok(dst)  # rebuilt
+    assert zoo.manifest_ok(dst)  # rebuilt
     assert json.loads((dst / "manifest.json").read_text())["files"]
 
 

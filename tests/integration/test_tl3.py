@@ -29,7 +29,7 @@ needs_hooked = pytest.mark.skipif(
     reason=f"needs TransformerLens 3.x (HookedTransformer); installed {compat.tl_version()}",
 )
 
-#: tiny HookedTransformerConfigs covering every RoPE/attention variant _from_tl_config claims
+#: tiny HookedTransformerConfigs covering every RoPE/attention variant spec_from_tl_config claims
 HOOKED = {
     "half_mha": {},
     "adjacent_gqa_partial": dict(rotary_adjacent_pairs=True, n_key_value_heads=2, rotary_dim=6),
