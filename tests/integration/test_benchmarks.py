@@ -1,4 +1,4 @@
-"""The benchmark suite's verdict logic (benchmarks/suite.py): exponents, met / not met / not measured,
+"""The benchmark suite's verdict logic (benchmarks/suite.py, benchmarks/suite_tables.py): exponents, met / not met / not measured,
 merging of separately run parts. Pure functions on results dicts — no model is loaded, nothing is timed."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "suite.py"
 _spec = importlib.util.spec_from_file_location("posgen_benchmark_suite", _PATH)
 suite = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(suite)
+import suite_tables as tables  # noqa: E402  (on sys.path once the suite is loaded: its targets and tables)
 
 
 def _timing(medians: dict[str, float], forwards: dict[str, int] | None = None) -> dict:
@@ -27,8 +28,8 @@ def _timing(medians: dict[str, float], forwards: dict[str, int] | None = None) -
 
 def _series(mem: list[float], xs=(4, 8, 16, 32)) -> dict:
     pts = [{"n_seq": x, "seq_len": 512, "min_s": float(x), "peak_delta_mib": m} for x, m in zip(xs, mem)]
-    return {"points": pts, "time_exponent": suite._fit_exponent(list(xs), [float(x) for x in xs]),
-            "memory_exponent": suite._fit_exponent(list(xs), mem)}
+    return {"points": pts, "time_exponent": tables.fit_exponent(list(xs), [float(x) for x in xs]),
+            "memory_exponent": tables.fit_exponent(list(xs), mem)}
 
 
 def _result(commit: str, sizes: dict, scaling: dict) -> dict:
@@ -38,10 +39,10 @@ def _result(commit: str, sizes: dict, scaling: dict) -> dict:
 
 def test_fit_exponent_recovers_a_power_law_and_refuses_too_few_points():
     xs = [256, 512, 1024, 2048]
-    assert suite._fit_exponent(xs, [3.0 * x**1.7 for x in xs]) == pytest.approx(1.7, abs=1e-9)
-    assert suite._fit_exponent(xs, [5.0] * 4) == pytest.approx(0.0, abs=1e-12)
-    assert suite._fit_exponent(xs, [1.0, None, float("nan"), 0.0]) is None  # one usable point
-    assert suite._fit_exponent(xs, [1.0, None, 4.0, None]) == pytest.approx(math.log(4) / math.log(4))
+    assert tables.fit_exponent(xs, [3.0 * x**1.7 for x in xs]) == pytest.approx(1.7, abs=1e-9)
+    assert tables.fit_exponent(xs, [5.0] * 4) == pytest.approx(0.0, abs=1e-12)
+    assert tables.fit_exponent(xs, [1.0, None, float("nan"), 0.0]) is None  # one usable point
+    assert tables.fit_exponent(xs, [1.0, None, 4.0, None]) == pytest.approx(math.log(4) / math.log(4))
 
 
 def test_evaluate_says_met_not_met_and_not_measured():
@@ -51,7 +52,7 @@ def test_evaluate_says_met_not_met_and_not_measured():
               "decomposition": {"peak_delta_mib": 1700.0}}
     res = _result("abc", {"8x512": {"timing": timing, "memory": memory}},
                   {"count": {"pattern": _series([500, 505, 498, 502]), "decomposition": _series([600, 700, 900, 1300])}})
-    rows = {(r["size"], r["target"].split(" (")[0]): r for r in suite.evaluate(res)}
+    rows = {(r["size"], r["target"].split(" (")[0]): r for r in tables.evaluate(res)}
     assert rows[("8x512", "decomposition ≤ 1.3× forward")]["met"] is True
     assert rows[("8x512", "pattern ≤ 1.0× forward")]["met"] is False
     assert rows[("8x512", "causal_condition ≤ 1.1× the forwards it needs")]["met"] is True
@@ -71,10 +72,10 @@ def test_evaluate_says_met_not_met_and_not_measured():
 
 def test_cost_over_the_capture_pass_divides_by_the_forwards_a_step_needs():
     t = _timing({"capture": 0.5, "decomposition": 1.25, "causal_condition": 1.0}, forwards={"causal_condition": 3})
-    assert suite._over_capture(t, "decomposition") == pytest.approx(2.5)  # 12.5 s over 5 s
-    assert suite._over_capture(t, "causal_condition") == pytest.approx(2.0)  # 30 s over 3 × 5 s
-    assert suite._over_capture(_timing({"decomposition": 1.25}), "decomposition") is None  # no capture measured
-    md = suite.markdown(_result("c", {"8x512": {"timing": t, "memory": {}}}, {}))
+    assert tables.over_capture(t, "decomposition") == pytest.approx(2.5)  # 12.5 s over 5 s
+    assert tables.over_capture(t, "causal_condition") == pytest.approx(2.0)  # 30 s over 3 × 5 s
+    assert tables.over_capture(_timing({"decomposition": 1.25}), "decomposition") is None  # no capture measured
+    md = tables.markdown(_result("c", {"8x512": {"timing": t, "memory": {}}}, {}))
     assert "| median ÷ capture |" in md and "| decomposition | 1.250 | 1.250 | 1.250 | 2.500 |" in md
 
 
@@ -84,7 +85,7 @@ def test_merge_replaces_only_what_a_later_part_measured():
                 {"length": {"forward": _series([1, 2, 4, 8])}, "count": {"forward": _series([9, 9, 9, 9])}})
     b = _result("bbb", {"8x512": {"timing": _timing({"decomposition": 1.6}), "memory": {}}},
                 {"count": {"forward": _series([5, 5, 5, 5])}})
-    out = suite.merge_results([a, b])
+    out = tables.merge_results([a, b])
     m = out["models"]["m"]
     assert list(m["sizes"]) == ["8x512", "4x2048"]  # the long size stays last (memory targets read it)
     assert m["sizes"]["8x512"]["timing"]["ratios"]["decomposition"]["median"] == 1.6
@@ -94,7 +95,7 @@ def test_merge_replaces_only_what_a_later_part_measured():
     assert [p["commit"] for p in out["parts"]] == ["aaa", "bbb"]
     assert m["sizes"]["8x512"]["commit"] == "bbb" and m["sizes"]["4x2048"]["commit"] == "aaa"
     assert m["scaling_commit"] == {"length": "aaa", "count": "bbb"}
-    md = suite.markdown(out)
+    md = tables.markdown(out)
     assert "**m, 4 × 2048 tokens** (commit aaa;" in md and "**m, 8 × 512 tokens** (commit bbb;" in md
     assert "scaling vs number of sequences** (commit bbb)" in md
     assert out["parts"][1]["measured"] == {"m": {"sizes": ["8x512"], "scaling": ["count"]}}
