@@ -213,8 +213,9 @@ def primary_claim(runs: list[Run]) -> tuple[str, str]:
     if holds:
         ans = f"Yes for {', '.join(holds)} (on both corpora); not established for the other {len(ran) - len(holds)} entries run"
     else:
-        ans = (f"Not established: no entry of the claim shows a dependence on both corpora ({len(ran)} of "
-               f"{len(entries)} entries run)")
+        both = [e for e, w in words.items() if len(w) >= 2]
+        ans = (f"Not established: no entry of the claim shows a dependence on both corpora ({len(both)} of "
+               f"{len(entries)} entries run on both so far, {len(ran) - len(both)} on one)")
     clauses = [_entry_clause(e, c, t.loc[e]) for c, t in tables.items() for e in t.index
                if t.loc[e, "verdict"] != "not run"]
     per = (" " + "; ".join(clauses) + ".") if clauses else ""

@@ -182,6 +182,12 @@ def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path,
     _dose_run(dose_result, res / "smollm2-135m" / "readmes" / "causal", "smollm2-135m", {"L1": 0.5})
     text = "\n".join(pages.claim_discussion(pages.find_runs(res)))
     assert "- **smollm2-135m, layers L1** — the corpora disagree: not claimed." in text
+    # the headline counts the entries that could be claimed (both corpora run) apart from those run on one
+    answer = pages.readme_headlines(pages.find_runs(res)).splitlines()[0]
+    assert "(2 of 4 entries run on both so far, 0 on one)" in answer  # smollm2-135m L1, L2; gemma3 not run
+    shutil.rmtree(res / "smollm2-135m" / "readmes")
+    answer = pages.readme_headlines(pages.find_runs(res)).splitlines()[0]
+    assert "(0 of 4 entries run on both so far, 2 on one)" in answer
 
 
 def test_withdrawn_runs_print_no_number_and_give_no_headline():
