@@ -96,6 +96,34 @@ def run(name: str, args: list[str], out: Path, logs: Path) -> tuple[str, int, fl
     return name, rc, time.time() - t0
 
 
+def write_readmes(folder: Path, record: Path) -> None:
+    """Write the package-README corpus into ``folder``. Where ``record`` (the provenance of the published runs)
+    exists, the written documents must be exactly the recorded ones (name and SHA-256 of every document): installed
+    versions move, and a silently different corpus would make new runs incomparable with the published ones.
+
+    Raises:
+        SystemExit: the installed descriptions differ from the record (the documents are named, with the recorded
+            versions to take them from)."""
+    from posgen_tl.io.corpus import package_readmes
+
+    prov = package_readmes(folder)
+    if record.exists():
+        want = {d["name"]: d for d in json.loads(record.read_text())}
+        have = {d["name"]: d for d in prov}
+        diff = sorted(n for n in set(want) | set(have) if want.get(n, {}).get("sha256") != have.get(n, {}).get("sha256"))
+        if diff:
+            for f in folder.glob("*.txt"):
+                f.unlink()
+            names = ", ".join(f"{n} (recorded {want[n]['version'] if n in want else 'absent'}, installed "
+                              f"{have[n]['version'] if n in have else 'absent'})" for n in diff)
+            raise SystemExit(f"the package-README corpus differs from {record} in {len(diff)} document(s): {names}. "
+                             "Write those descriptions from the recorded versions (the METADATA payload of their "
+                             "wheels) into the folder, or start a new record on purpose by removing the file.")
+        return
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(prov, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="results folder")
@@ -111,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     out, logs, readmes = Path(a.out), Path(a.logs), Path(a.readmes)
     logs.mkdir(parents=True, exist_ok=True)
     if not any(readmes.glob("*.txt")):
-        from posgen_tl.io.corpus import package_readmes
-
-        prov = package_readmes(readmes)
-        (out / "corpora").mkdir(parents=True, exist_ok=True)
-        (out / "corpora" / "readmes.json").write_text(json.dumps(prov, indent=1))
+        write_readmes(readmes, out / "corpora" / "readmes.json")
     skip = [x for x in a.skip.split(",") if x]
     todo = [(n, j) for n, j in jobs(str(readmes), frozenset(x for x in a.default_preset.split(",") if x))
             if a.only in n and not any(x in n for x in skip)]

@@ -1,0 +1,53 @@
+"""scripts/run_studies.py writes the package-README corpus only as recorded: installed versions move, and a corpus
+that silently differs from the one the published runs used would make new runs incomparable with them."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+import posgen_tl.io.corpus as corpus
+
+_PATH = Path(__file__).resolve().parents[3] / "scripts" / "run_studies.py"
+_spec = importlib.util.spec_from_file_location("posgen_run_studies", _PATH)
+run_studies = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_studies)
+
+DOCS = {"alpha": ("1.0", "a" * 3100), "beta": ("2.0", "b" * 3200)}
+
+
+def _fake_readmes(docs):
+    def write(dest, **_):
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        out = []
+        for name, (version, text) in docs.items():
+            (Path(dest) / f"{name}.txt").write_text(text)
+            out.append(dict(name=name, version=version, chars=len(text), sha256=hashlib.sha256(text.encode()).hexdigest()))
+        return out
+    return write
+
+
+def test_a_first_corpus_is_recorded_and_an_equal_one_keeps_the_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus, "package_readmes", _fake_readmes(DOCS))
+    record = tmp_path / "corpora" / "readmes.json"
+    run_studies.write_readmes(tmp_path / "a", record)
+    first = record.read_text()
+    assert [d["name"] for d in json.loads(first)] == ["alpha", "beta"]
+    run_studies.write_readmes(tmp_path / "b", record)
+    assert record.read_text() == first and len(list((tmp_path / "b").glob("*.txt"))) == 2
+
+
+def test_a_corpus_that_moved_is_refused_by_name_and_the_record_kept(tmp_path, monkeypatch):
+    record = tmp_path / "readmes.json"
+    monkeypatch.setattr(corpus, "package_readmes", _fake_readmes(DOCS))
+    run_studies.write_readmes(tmp_path / "a", record)
+    kept = record.read_text()
+    moved = {**DOCS, "beta": ("2.1", "c" * 3300)}
+    monkeypatch.setattr(corpus, "package_readmes", _fake_readmes(moved))
+    with pytest.raises(SystemExit, match=r"1 document\(s\): beta \(recorded 2.0, installed 2.1\)"):
+        run_studies.write_readmes(tmp_path / "b", record)
+    assert record.read_text() == kept and not list((tmp_path / "b").glob("*.txt"))  # nothing half-written is used
