@@ -6,6 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 __all__ = ["plot_forest"]
 
@@ -52,6 +53,7 @@ def plot_forest(df: pd.DataFrame, *, title: str = "") -> Figure:
             ax.annotate(str(v), (1.01, y), xycoords=("axes fraction", "data"), va="center", fontsize=7.5)
         ax.set_title(str(what), fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))  # at most ~6 labels: small-number ticks never run together
     if title:
         fig.suptitle(title, fontsize=10)
     fig.text(0.01, 0.005, "hollow: exploratory (fewer than 32 documents); bars: 95 % intervals", fontsize=7,

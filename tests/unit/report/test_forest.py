@@ -36,3 +36,18 @@ def test_bad_input_is_named():
         plot_forest(_df().drop(columns="verdict"))
     with pytest.raises(ValueError, match="at least one row"):
         plot_forest(_df().iloc[:0])
+
+
+def test_small_effects_get_tick_labels_that_do_not_run_together():
+    """The Gemma3 L6-11 panel (an effect of 0.0011 with an interval 0.00026 … 0.0020) once printed nine labels
+    '0.00000 0.00025 …' into one another: every x tick label now has room of its own."""
+    df = pd.DataFrame({"what": ["destroy − C4 (nats × p)"], "label": ["gemma3-270m · pydoc"], "effect": [0.00113],
+                       "ci_low": [0.000261], "ci_high": [0.002], "verdict": ["not detected"], "exploratory": [False]})
+    fig = plot_forest(df)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    boxes = sorted((t.get_window_extent() for t in ax.get_xticklabels()
+                    if t.get_text() and lo <= t.get_position()[0] <= hi), key=lambda b: b.x0)
+    assert len(boxes) >= 3
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [(b.x0, b.x1) for b in boxes]
