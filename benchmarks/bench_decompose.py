@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -75,7 +74,6 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     args = ap.parse_args()
 
-    import posgen_tl
     import posgen_tl.maths.moments as moments
     from posgen_tl import load_model
     from posgen_tl.experiments import decomposition as dec
@@ -117,7 +115,7 @@ def main() -> None:
                                "geometry": round(m_geo, 1), "decompose": round(m_dec, 1)},
         "peak_rss_mib": {k: round(v, 1) for k, v in PEAKS.items()},  # absolute: the process's high-water mark
         "rows": len(df), "d3_bound_holds_min": float(df["d3_bound_holds"].min()),
-        "posgen_tl": str(Path(posgen_tl.__file__).parent), "commit": git_commit(),
+        "commit": git_commit(),  # of the package imported (a worktree's when run through its PYTHONPATH)
     }, indent=1))
 
 
