@@ -21,6 +21,7 @@ interrupted run continues where it stopped.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,8 @@ class Config(base.Config):
                                      "seq_len / 4)", "count")
     corruption: str = base.option("swaps", "the corrupted run's ids: swaps (T2: a fraction of adjacent pairs swapped "
                                            "in the ids), gap (the target span moved past the trained context) or "
-                                           "shift (every id + 1000: the null control)", "text")
+                                           "shift (every id + 1000: the null control); several, comma-separated "
+                                           "(swaps,gap), are each swept on the same windows", "text")
     frac: float = base.option(0.2, "swaps: fraction of disjoint adjacent pairs swapped (≈ 2·frac of the tokens move)",
                               "float")
     gap: int = base.option(0, "gap: positions between the context and the target span; 0 = the model's trained "
@@ -99,15 +101,17 @@ class Config(base.Config):
         swap fraction outside (0, 0.5], a target that does not fit, α outside (0, 1)."""
         if self.n_seq < 3:
             raise ValueError(f"{NAME}: n_seq={self.n_seq}: a test over documents needs at least 3")
-        if self.corruption not in CORRUPTIONS:
-            raise ValueError(f"{NAME}: corruption={self.corruption!r}; one of {', '.join(CORRUPTIONS)}")
+        names = self.corruptions()
+        if not names or any(c not in CORRUPTIONS for c in names) or len(set(names)) < len(names):
+            raise ValueError(f"{NAME}: corruption={self.corruption!r}; one or more distinct names of "
+                             f"{', '.join(CORRUPTIONS)}, comma-separated")
         bad = [q for q in self.quantities if q not in P.QUANTITIES]
         if bad or not self.quantities:
             raise ValueError(f"{NAME}: quantities {bad or '(none)'}; choose from {', '.join(P.QUANTITIES)}")
         badd = [d for d in self.directions if d not in DIRECTIONS]
         if badd or not self.directions:
             raise ValueError(f"{NAME}: directions {badd or '(none)'}; choose from {', '.join(DIRECTIONS)}")
-        if self.corruption == "swaps" and not 0 < self.frac <= 0.5:
+        if "swaps" in names and not 0 < self.frac <= 0.5:
             raise ValueError(f"{NAME}: frac={self.frac} must be in (0, 0.5]")
         if not 0 < self.target() < self.seq_len - 2:
             raise ValueError(f"{NAME}: target_len={self.target()} must be in (0, {self.seq_len - 2})")
@@ -116,18 +120,38 @@ class Config(base.Config):
         if self.taxonomy is not None and not Path(self.taxonomy).is_file():
             raise ValueError(f"{NAME}: taxonomy={self.taxonomy!r} is not a file (a taxonomy study's heads.csv)")
 
+    def corruptions(self) -> tuple[str, ...]:
+        """The corruption names ``corruption`` lists, in its order (``"swaps,gap"`` → ``("swaps", "gap")``)."""
+        return tuple(c.strip() for c in str(self.corruption).split(",") if c.strip())
+
     def target(self) -> int:
         """The target length in tokens (``target_len``, or ``min(32, seq_len // 4)`` when it is 0)."""
         return self.target_len or min(32, self.seq_len // 4)
 
 
-def corruption_of(cfg: Config, n_ctx: int) -> P.Corruption:
-    """The :class:`posgen_tl.patching.Corruption` a Config names (``gap = 0``: the trained context ``n_ctx``)."""
-    if cfg.corruption == "swaps":
+def corruption_of(cfg: Config, n_ctx: int, name: str | None = None) -> P.Corruption:
+    """The :class:`posgen_tl.patching.Corruption` called ``name`` with a Config's options (``gap = 0``: the trained
+    context ``n_ctx``); ``name`` may be left out when the Config names one corruption.
+
+    Raises:
+        ValueError: ``name`` left out while the Config names several, or not one the Config names."""
+    names = cfg.corruptions()
+    if name is None:
+        if len(names) != 1:
+            raise ValueError(f"{NAME}: the config names {len(names)} corruptions ({cfg.corruption}); say which")
+        name = names[0]
+    if name not in names:
+        raise ValueError(f"{NAME}: corruption {name!r} is not among the config's ({cfg.corruption})")
+    if name == "swaps":
         return P.Swaps(cfg.frac, seed=cfg.seed)
-    if cfg.corruption == "gap":
+    if name == "gap":
         return P.Gap(cfg.gap or int(n_ctx))
     return P.Shift(1000)
+
+
+def corruptions_of(cfg: Config, n_ctx: int) -> dict[str, P.Corruption]:
+    """Every corruption a Config names, ``{name: Corruption}`` in its order (:func:`corruption_of`)."""
+    return {c: corruption_of(cfg, n_ctx, c) for c in cfg.corruptions()}
 
 
 class Result(base.Result):
@@ -150,10 +174,10 @@ def random_means(k_means: dict[int, torch.Tensor], seed: int) -> dict[int, torch
     return out
 
 
-def _batch_rows(model: Any, w: Windows, cfg: Config, corr: P.Corruption, layers: list[int], km: dict | None,
-                n_idx: dict[str, int], km_random: dict | None = None) -> list[dict[str, Any]]:
-    """Unit rows of one batch of windows: per document × (quantity, direction, level, layer, head) the patched
-    metrics and both baselines."""
+def _batch_rows(model: Any, w: Windows, cfg: Config, corrs: dict[str, P.Corruption], layers: list[int],
+                km: dict | None, n_idx: dict[str, int], km_random: dict | None = None) -> list[dict[str, Any]]:
+    """Unit rows of one batch of windows: per document × (corruption, quantity, direction, level, layer, head) the
+    patched metrics and both baselines (one clean run serves every corruption)."""
     toks = w.tokens
     metric = P.target_metrics(model, toks, cfg.target())
     docs, starts = w.doc_ids.tolist(), w.starts.tolist()
@@ -161,21 +185,21 @@ def _batch_rows(model: Any, w: Windows, cfg: Config, corr: P.Corruption, layers:
     jobs = [(q, q, km) for q in cfg.quantities]
     if km_random is not None:
         jobs += [(q + RANDOM, q, km_random) for q in cfg.quantities if q in TERMS]
-    done: dict[tuple[str, str], P.PatchSweep] = {}  # a control reuses its term's recording and baselines
-    for label, q, means in jobs:
+    done: dict[tuple[str, str, str], P.PatchSweep] = {}  # a control reuses its term's recording and baselines
+    for (cname, corr), (label, q, means) in itertools.product(corrs.items(), jobs):
         heads = [{layer: [h]} for layer in layers for h in range(n_idx[q])]
         whole = [{layer: list(range(n_idx[q]))} for layer in layers]
         for d in cfg.directions:
             sw = P.patch_sweep(model, corr, toks, metric, quantity=q, groups=heads + whole, direction=d,  # type: ignore[arg-type]
                                k_means=means if q in TERMS else None, doc_ids=docs, starts=starts,
-                               replicas=cfg.replicas or None, reuse=done.get((q, d)))
-            done.setdefault((q, d), sw)
+                               replicas=cfg.replicas or None, reuse=done.get((cname, q, d)))
+            done.setdefault((cname, q, d), sw)
             labels = [("head", layer, h) for layer in layers for h in range(n_idx[q])] + \
                      [("layer", layer, -1) for layer in layers]
             for g, (level, layer, h) in enumerate(labels):
                 for i in range(len(w)):
-                    rows.append(dict(doc=int(docs[i]), seq=i, quantity=label, direction=d, level=level, layer=layer,
-                                     head=h, nll=float(sw.values[g, i, 0]), kl=float(sw.values[g, i, 1]),
+                    rows.append(dict(doc=int(docs[i]), seq=i, corruption=cname, quantity=label, direction=d,
+                                     level=level, layer=layer, head=h, nll=float(sw.values[g, i, 0]), kl=float(sw.values[g, i, 1]),
                                      clean_nll=float(sw.clean[i, 0]), corrupted_nll=float(sw.corrupted[i, 0]),
                                      corrupted_kl=float(sw.corrupted[i, 1])))
     return rows
@@ -194,7 +218,7 @@ def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame
     u = _effects(u)
     out: dict[str, list[pd.DataFrame]] = {"head": [], "layer": []}
     kind = ""
-    for (level, q, d), g in u.groupby(["level", "quantity", "direction"], sort=False):
+    for (c, level, q, d), g in u.groupby(["corruption", "level", "quantity", "direction"], sort=False):
         piv = g.pivot_table(index="doc", columns=["layer", "head"], values="effect", aggfunc="mean")
         dmg = g.groupby("doc")["damage"].mean().reindex(piv.index).to_numpy()
         fw = maxt_signflip(piv.to_numpy(), n_perm=cfg.n_perm, seed=cfg.seed)
@@ -205,7 +229,8 @@ def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame
             e = piv.iloc[:, j].to_numpy()
             m, lo, hi = bootstrap_ci(e, seed=cfg.seed)
             rec, rlo, rhi = _ratio_ci(e, dmg, seed=cfg.seed)
-            rows.append(dict(quantity=q, direction=d, layer=int(layer), head=int(h), n_docs=len(e), effect=m,
+            rows.append(dict(corruption=c, quantity=q, direction=d, layer=int(layer), head=int(h), n_docs=len(e),
+                             effect=m,
                              ci_low=lo, ci_high=hi, ci_level=0.95, recovery=rec, recovery_low=rlo, recovery_high=rhi,
                              kl_effect=float(kl.loc[(layer, h)]), t=float(fw["t"][j]), p_fwe=float(fw["p_fwe"][j]),
                              p_kind=fw["p_kind"], significant=bool(fw["p_fwe"][j] <= cfg.test_alpha),
@@ -230,11 +255,20 @@ def _ratio_ci(e: np.ndarray, dmg: np.ndarray, *, seed: int, n_boot: int = 10_000
 
 
 def _baselines(u: pd.DataFrame) -> pd.DataFrame:
-    """Per document (its windows averaged, as everywhere): clean and corrupted NLL, the corrupted run's KL, damage."""
-    w = u.drop_duplicates("seq")[["doc", "seq", "clean_nll", "corrupted_nll", "corrupted_kl"]]
-    b = w.groupby("doc", sort=True)[["clean_nll", "corrupted_nll", "corrupted_kl"]].mean().reset_index()
+    """Per corruption and document (its windows averaged, as everywhere): clean and corrupted NLL, the corrupted
+    run's KL, damage."""
+    w = u.drop_duplicates(["corruption", "seq"])[["corruption", "doc", "seq", "clean_nll", "corrupted_nll",
+                                                  "corrupted_kl"]]
+    b = w.groupby(["corruption", "doc"], sort=False)[["clean_nll", "corrupted_nll", "corrupted_kl"]].mean()
+    b = b.reset_index().sort_values(["corruption", "doc"], key=_in_order(u), kind="stable", ignore_index=True)
     b["damage"] = b["corrupted_nll"] - b["clean_nll"]
     return b
+
+
+def _in_order(u: pd.DataFrame) -> Any:
+    """A sort key that keeps the corruptions in the order the run swept them (documents in number order)."""
+    order = {c: i for i, c in enumerate(dict.fromkeys(u["corruption"]))}
+    return lambda col: col.map(order) if col.name == "corruption" else col
 
 
 class _Checkpoint(RunFolder):
@@ -280,7 +314,7 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
             check_disjoint(ana, ref)
     km = key_means(model, ref.tokens, layers, batch_size=cfg.batch_size) if need_km and ref is not None else None
     km_random = random_means(km, cfg.seed) if km is not None and cfg.random_control else None
-    corr = corruption_of(cfg, spec.n_ctx)
+    corrs = corruptions_of(cfg, spec.n_ctx)
     n_idx = {q: spec.n_kv_heads if q == "rot_k" else spec.n_heads for q in cfg.quantities}  # by quantity
     from posgen_tl.hooks.capture import model_dtype  # noqa: PLC0415
 
@@ -295,7 +329,7 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         got = ck.get(i) if ck is not None else None
         if got is None:
             w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
-            got = pd.DataFrame(_batch_rows(model, w, cfg, corr, layers, km, n_idx, km_random))
+            got = pd.DataFrame(_batch_rows(model, w, cfg, corrs, layers, km, n_idx, km_random))
             got["seq"] += s
             if ck is not None:
                 ck.put(i, got)
@@ -303,31 +337,38 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     units = pd.concat(parts, ignore_index=True)
     heads, lay, kind = _summaries(units, cfg)
     b = _baselines(units)
-    dm, dlo, dhi = bootstrap_ci(b["damage"].to_numpy(), seed=cfg.seed)
     tables = dict(heads=heads, layers=lay, baselines=b, units=units)
     if cfg.taxonomy:
         tables["taxonomy_link"] = taxonomy_link(heads, pd.read_csv(cfg.taxonomy), seed=cfg.seed)
-    twin_meta = None
     if cfg.twin:
-        tables["twin"] = _twin_damage(model, ana, corr, cfg)
-        tm_, tlo, thi = bootstrap_ci(tables["twin"]["damage"].to_numpy(), seed=cfg.seed)
-        twin_meta = dict(mean=tm_, ci_low=tlo, ci_high=thi)
-    meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs, corruption=str(corr), layers=layers,
-                target_len=cfg.target(), p_kind=kind, damage=dict(mean=dm, ci_low=dlo, ci_high=dhi),
-                damage_detected=bool(dlo > 0 or dhi < 0), commit=git_commit(), wall_s=time.time() - t0,
-                n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, twin_damage=twin_meta)
+        tables["twin"] = _twin_damage(model, ana, corrs, cfg)
+    meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs,
+                corruption={c: str(k) for c, k in corrs.items()}, layers=layers, target_len=cfg.target(), p_kind=kind,
+                damage=_damage(b, cfg.seed), commit=git_commit(), wall_s=time.time() - t0, n_layers=spec.n_layers,
+                n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+                twin_damage=_damage(tables["twin"], cfg.seed) if cfg.twin else None)
     return Result(tables, cfg.as_dict(), meta)
+
+
+def _damage(b: pd.DataFrame, seed: int) -> dict[str, dict[str, Any]]:
+    """Per corruption of a per-document table (``corruption, doc, damage``): the mean damage with its 95 %
+    document-bootstrap interval and whether the interval excludes 0 (``detected``: recovery is defined)."""
+    out = {}
+    for c, g in b.groupby("corruption", sort=False):
+        m, lo, hi = bootstrap_ci(g["damage"].to_numpy(), seed=seed)
+        out[str(c)] = dict(mean=m, ci_low=lo, ci_high=hi, detected=bool(lo > 0 or hi < 0))
+    return out
 
 
 def taxonomy_link(heads: pd.DataFrame, labels: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
     """Do the heads a taxonomy labels ``positional`` carry more patching effect than its ``symbolic`` heads? Per map
-    (quantity, direction), per layer holding both kinds among the patched heads: mean effect of its positional heads
+    ((corruption,) quantity, direction), per layer holding both kinds among the patched heads: mean effect of its positional heads
     − mean effect of its symbolic heads; the LAYER is the unit (heads of one layer share their input and are not
     independent): mean over layers, 95 % bootstrap over layers, exact sign-flip over layers.
 
     ``labels``: ``layer, head, label`` (a taxonomy study's ``heads.csv``; rows of its random twin are ignored).
-    Returns one row per map: ``quantity, direction, n_layers, estimate, ci_low, ci_high, ci_level, p, p_kind``
-    (``n_layers < 3``: no test, NaN)."""
+    Returns one row per map: ``(corruption,) quantity, direction, n_layers, estimate, ci_low, ci_high, ci_level,
+    p, p_kind`` (``n_layers < 3``: no test, NaN)."""
     from posgen_tl.stats.inference import sign_flip  # noqa: PLC0415
 
     missing = {"layer", "head", "label"} - set(labels.columns)
@@ -336,13 +377,15 @@ def taxonomy_link(heads: pd.DataFrame, labels: pd.DataFrame, *, seed: int = 0) -
     lab = labels[labels["twin"] == "trained"] if "twin" in labels.columns else labels
     lab = lab[["layer", "head", "label"]]
     rows = []
-    for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
+    keys = [k for k in ("corruption", "quantity", "direction") if k in heads.columns]
+    for key, g in heads.groupby(keys, sort=False):
         m = g.merge(lab, on=["layer", "head"])
         per = m[m["label"].isin(["positional", "symbolic"])].groupby(["layer", "label"])["effect"].mean().unstack()
         per = per.dropna() if {"positional", "symbolic"} <= set(per.columns) else per.iloc[0:0]
         diff = (per["positional"] - per["symbolic"]).to_numpy() if len(per) else np.array([])
-        row: dict[str, Any] = dict(quantity=q, direction=d, n_layers=len(diff), estimate=np.nan, ci_low=np.nan,
-                                   ci_high=np.nan, ci_level=0.95, p=np.nan, p_kind="too few layers with both kinds")
+        row: dict[str, Any] = dict(zip(keys, key))
+        row.update(n_layers=len(diff), estimate=np.nan, ci_low=np.nan, ci_high=np.nan, ci_level=0.95, p=np.nan,
+                   p_kind="too few layers with both kinds")
         if len(diff) >= 3:
             est, lo, hi = bootstrap_ci(diff, seed=seed)
             p, kind = sign_flip(diff)
@@ -351,20 +394,22 @@ def taxonomy_link(heads: pd.DataFrame, labels: pd.DataFrame, *, seed: int = 0) -
     return pd.DataFrame(rows)
 
 
-def _twin_damage(model: Any, ana: Windows, corr: P.Corruption, cfg: Config) -> pd.DataFrame:
-    """The same corruption on the random-init twin: per document clean and corrupted NLL and the damage (a twin
-    that does not use positions takes no damage, and a recovery would divide noise by ≈ 0: it gets no map)."""
+def _twin_damage(model: Any, ana: Windows, corrs: dict[str, P.Corruption], cfg: Config) -> pd.DataFrame:
+    """The same corruptions on the random-init twin: per corruption and document clean and corrupted NLL and the
+    damage (a twin that does not use positions takes no damage, and a recovery would divide noise by ≈ 0: it gets no
+    map)."""
     from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
     twin = random_twin(model, cfg.seed)
     rows = []
-    for s in range(0, len(ana), cfg.batch_size):
+    for (cname, corr), s in itertools.product(corrs.items(), range(0, len(ana), cfg.batch_size)):
         w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
         b = P.baselines(twin, corr, w.tokens, P.target_nll(w.tokens, cfg.target()), doc_ids=w.doc_ids.tolist(),
                         starts=w.starts.tolist())
-        rows += [dict(doc=int(d), clean_nll=float(c), corrupted_nll=float(k)) for d, c, k in
+        rows += [dict(corruption=cname, doc=int(d), clean_nll=float(c), corrupted_nll=float(k)) for d, c, k in
                  zip(w.doc_ids.tolist(), b["clean"], b["corrupted"])]
-    t = pd.DataFrame(rows).groupby("doc", sort=True).mean().reset_index()
+    t = pd.DataFrame(rows).groupby(["corruption", "doc"], sort=False).mean().reset_index()
+    t = t.sort_values(["corruption", "doc"], key=_in_order(pd.DataFrame(rows)), kind="stable", ignore_index=True)
     t["damage"] = t["corrupted_nll"] - t["clean_nll"]
     return t
 
@@ -403,72 +448,96 @@ _WORDS = {"rot_q": "rotated queries", "rot_k": "rotated keys", "pos_term": "posi
 _WORDS.update({k + RANDOM: v + " with a random k̄ (control)" for k, v in list(_WORDS.items())})
 
 
+def _groups(heads: pd.DataFrame, keys: tuple[str, ...] = ("corruption", "quantity", "direction")) -> Any:
+    """``heads`` grouped by the map's keys present in it, in the run's order."""
+    return heads.groupby([k for k in keys if k in heads.columns], sort=False)
+
+
 def ranked(heads: pd.DataFrame, k: int = 10) -> pd.DataFrame:
     """The ``k`` heads with the largest mean effect of each map, with word headers (what a page shows)."""
     rows = []
-    for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
+    several = "corruption" in heads.columns and heads["corruption"].nunique() > 1
+    for _, g in _groups(heads):
         top = g.sort_values("effect", ascending=False).head(k)
         for r in top.itertuples():
-            rows.append({"patched": _WORDS.get(str(q), str(q)), "direction": d, "layer": r.layer, "head": r.head,
-                         "effect (nats)": r.effect, "95 % interval": f"[{r.ci_low:.3g}, {r.ci_high:.3g}]",
-                         "recovery": r.recovery, "KL effect (nats)": r.kl_effect, "family-wise p (max-T)": r.p_fwe,
+            rows.append({**({"corruption": r.corruption} if several else {}),
+                         "patched": _WORDS.get(str(r.quantity), str(r.quantity)), "direction": r.direction,
+                         "layer": r.layer, "head": r.head, "effect (nats)": r.effect,
+                         "95 % interval": f"[{r.ci_low:.3g}, {r.ci_high:.3g}]", "recovery": r.recovery,
+                         "KL effect (nats)": r.kl_effect, "family-wise p (max-T)": r.p_fwe,
                          "significant": (r.sign if r.significant else "no")})
     return pd.DataFrame(rows)
 
 
 def _sentence(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> str:
-    dmg = meta["damage"]
-    parts = [f"{meta['corruption']} raised the target NLL by {dmg['mean']:.3g} nats [{dmg['ci_low']:.3g}, "
-             f"{dmg['ci_high']:.3g}] over {meta['n_docs']} documents"
-             + ("" if meta["damage_detected"] else " — no damage distinguishable from 0, so no recovery is defined "
-                "(the maps show the effects in nats)")]
+    parts = []
     n = int(meta["n_docs"])
     if 2 / 2**n > alpha:  # exact max-T: the identity and its mirror tie, so p ≥ 2/2^n
         parts.append(f"with {n} documents the smallest family-wise p a head can reach is 2/2^{n} = {2 / 2**n:.3g} > "
                      f"α = {alpha:g}: no head can be significant at this n")
-    tw = meta.get("twin_damage")
-    if tw:
-        parts.append(f"on the random-init twin the same corruption did {tw['mean']:.3g} nats [{tw['ci_low']:.3g}, "
-                     f"{tw['ci_high']:.3g}] (a recovery there would divide by ≈ 0: no map)")
-    for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
-        sig = g[g["significant"]].sort_values("effect", ascending=False)
-        pos, neg = sig[sig["effect"] > 0], sig[sig["effect"] <= 0]
-        names = ", ".join(f"L{r.layer}H{r.head}" for r in pos.head(5).itertuples())
-        more = f" and {len(pos) - 5} more" if len(pos) > 5 else ""
-        what = "account for part of the damage" if d == "denoising" else "do part of the damage alone"
-        parts.append(f"{_WORDS.get(str(q), q)} ({d}): {len(pos)} of {len(g)} heads significantly {what} at "
-                     f"family-wise α = {alpha:g}" + (f" ({names}{more})" if len(pos) else "")
-                     + (f", {len(neg)} significantly the opposite" if len(neg) else ""))
+    for c, what_c in meta["corruption"].items():
+        dmg = meta["damage"][c]
+        parts.append(f"{what_c} raised the target NLL by {dmg['mean']:.3g} nats [{dmg['ci_low']:.3g}, "
+                     f"{dmg['ci_high']:.3g}] over {n} documents"
+                     + ("" if dmg["detected"] else " — no damage distinguishable from 0, so no recovery is defined "
+                        "(the maps show the effects in nats)"))
+        tw = (meta.get("twin_damage") or {}).get(c)
+        if tw:
+            parts.append(f"on the random-init twin the same corruption did {tw['mean']:.3g} nats [{tw['ci_low']:.3g}, "
+                         f"{tw['ci_high']:.3g}] (a recovery there would divide by ≈ 0: no map)")
+        for (q, d), g in _groups(heads[heads["corruption"] == c], ("quantity", "direction")):
+            sig = g[g["significant"]].sort_values("effect", ascending=False)
+            pos, neg = sig[sig["effect"] > 0], sig[sig["effect"] <= 0]
+            names = ", ".join(f"L{r.layer}H{r.head}" for r in pos.head(5).itertuples())
+            more = f" and {len(pos) - 5} more" if len(pos) > 5 else ""
+            what = "account for part of the damage" if d == "denoising" else "do part of the damage alone"
+            parts.append(f"{_WORDS.get(str(q), q)} ({d}): {len(pos)} of {len(g)} heads significantly {what} at "
+                         f"family-wise α = {alpha:g}" + (f" ({names}{more})" if len(pos) else "")
+                         + (f", {len(neg)} significantly the opposite" if len(neg) else ""))
     return "; ".join(parts) + "."
 
 
+def _figures(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> list[tuple[Any, str]]:
+    """One figure per (corruption, patched quantity): its maps in both directions side by side, a logit term's
+    random-k̄ control below it, on one colour scale."""
+    from posgen_tl.plot.patching import plot_patching_maps  # noqa: PLC0415
+
+    out = []
+    for c, gc in heads.groupby("corruption", sort=False):
+        for q in dict.fromkeys(str(x) for x in gc["quantity"] if not str(x).endswith(RANDOM)):
+            maps = {("random k̄ (control), " if qq.endswith(RANDOM) else "") + str(d): g for qq in (q, q + RANDOM)
+                    for (d,), g in _groups(gc[gc["quantity"] == qq], ("direction",))}
+            fig = plot_patching_maps(maps, n_layers=meta["n_layers"], title=f"{meta['model']}: {_WORDS.get(q, q)} "
+                                     f"patched — {meta['corruption'][c]}", ncols=len(set(gc["direction"])))
+            out.append((fig, f"{_WORDS.get(q, q)} patched per head ({c}){' and its random-k̄ control' if q in TERMS else ''}"
+                             f": normalised recovery per head; outlined: significant at family-wise α = {alpha:g} "
+                             "(max-T sign-flip over documents)"))
+    return out
+
+
 def render(result: Result) -> Any:
-    """The report section: one sentence with the damage and the significant heads per map, a layer × head heatmap
-    of normalised recovery per map (fixed −1 … 1 scale, family-wise significant heads outlined), the ranked heads,
-    the per-layer patches."""
-    from posgen_tl.plot.patching import plot_patching_heatmap  # noqa: PLC0415
+    """The report section: one sentence with the damage and the significant heads per map, per (corruption, patched
+    quantity) a figure of layer × head maps of normalised recovery (both directions, a term's random-k̄ control
+    below; fixed −1 … 1 scale, family-wise significant heads outlined), the ranked heads, the per-layer patches."""
     from posgen_tl.report.html import Finding, Section, figure_to_png, skipped_section  # noqa: PLC0415
 
     t, meta, cfg = result.tables, result.meta, result.config
     if "skipped" in meta:
         return skipped_section(TITLE, meta["skipped"], NAME, meta.get("hint"))
     heads = t["heads"]
-    figs = []
-    for (q, d), g in heads.groupby(["quantity", "direction"], sort=False):
-        fig = plot_patching_heatmap(g, n_layers=meta["n_layers"],
-                                    title=f"{meta['model']}: {_WORDS.get(str(q), q)} patched ({d})")
-        figs.append((figure_to_png(fig), f"Normalised recovery per head, {_WORDS.get(str(q), q)}, {d}; outlined: "
-                                         f"significant at family-wise α = {cfg['test_alpha']:g} (max-T sign-flip over "
-                                         "documents)"))
+    figs = [(figure_to_png(f), cap) for f, cap in _figures(heads, meta, cfg["test_alpha"])]
     sentence = _sentence(heads, meta, cfg["test_alpha"])
+    several = len(meta["corruption"]) > 1
     findings = [Finding("patching", f"{int((g['significant'] & (g['effect'] > 0)).sum())} heads",
                         effect=float(g["effect"].max()),
-                        what=f"largest per-head effect, {_WORDS.get(str(q), q)} {d} (nats)", n=int(meta["n_docs"]))
-                for (q, d), g in heads.groupby(["quantity", "direction"], sort=False)]
+                        what=f"largest per-head effect, {_WORDS.get(str(q), q)} {d}{f' ({c})' if several else ''} "
+                             "(nats)", n=int(meta["n_docs"]))
+                for (c, q, d), g in _groups(heads)]
+    corr = "; ".join(meta["corruption"].values())
     return Section(
         TITLE, verdict=sentence,
         paragraphs=[f"{meta['n_seq']} windows of {meta['n_docs']} documents; clean ids 0 … n−1, corrupted: "
-                    f"{meta['corruption']}; metric: mean NLL of the last {meta['target_len']} tokens (tokens never "
+                    f"{corr}; metric: mean NLL of the last {meta['target_len']} tokens (tokens never "
                     "change). Effect = the part of the damage a patch accounts for (denoising: corrupted − patched; "
                     "noising: patched − clean); recovery = mean effect / mean damage; KL effect = the same for the "
                     "KL of the target's next-token distributions to the clean run's (denoising: KL removed; "

@@ -16,6 +16,7 @@ returned figure is therefore shown exactly once, as the cell's value; in a scrip
 ``dose_curves(df, levels)`` :func:`posgen_tl.causal_study` ``["curves"]`` (one entry)
 ``length_buckets(df)``     :func:`posgen_tl.experiments.tolerance.length_summary`
 ``patching_heatmap(df)``   ``posgen_tl.experiments.patching.run(...)["heads"]`` (one quantity and direction)
+``patching_maps(maps)``    several such maps side by side on one colour scale
 ``forest(df)``             the headline findings of several runs (:func:`posgen_tl.report.pages.top_block`)
 ``gap_probe``, ``gap_heads``, ``sufficiency``: :mod:`posgen_tl.experiments.length`, :mod:`posgen_tl.experiments.sufficiency`
 ``positional_symbolic_plane``, ``frequency_usage``, ``taxonomy_vs_share``, ``label_counts``: :func:`posgen_tl.head_taxonomy`
@@ -30,6 +31,7 @@ from posgen_tl.plot.gap_attention import plot_gap_heads as gap_heads
 from posgen_tl.plot.length import plot_gap_probe as gap_probe
 from posgen_tl.plot.length import plot_window_removal as window_removal
 from posgen_tl.plot.patching import plot_patching_heatmap as patching_heatmap
+from posgen_tl.plot.patching import plot_patching_maps as patching_maps
 from posgen_tl.plot.pattern import plot_band_heatmaps as band_heatmaps
 from posgen_tl.plot.pattern import plot_pattern_distribution as pattern_distribution
 from posgen_tl.plot.pattern import plot_pattern_vs_d3 as pattern_vs_d3
@@ -53,6 +55,7 @@ __all__ = [
     "gap_probe",
     "length_buckets",
     "patching_heatmap",
+    "patching_maps",
     "sufficiency",
     "pattern_distribution",
     "pattern_vs_d3",

@@ -53,7 +53,7 @@ def test_tables_summarise_the_document_rows(result):
     effect = (g["corrupted_nll"] - g["nll"]).to_numpy()
     damage = (g["corrupted_nll"] - g["clean_nll"]).to_numpy()
     assert row["effect"].iloc[0] == pytest.approx(effect.mean(), rel=1e-9)
-    if result.meta["damage_detected"]:
+    if result.meta["damage"]["swaps"]["detected"]:
         assert row["recovery"].iloc[0] == pytest.approx(effect.mean() / damage.mean(), rel=1e-9)
     else:  # no detectable damage: recovery undefined everywhere, never a number
         assert h["recovery"].isna().all() and h["recovery_low"].isna().all()
@@ -63,7 +63,8 @@ def test_tables_summarise_the_document_rows(result):
     means = (nz["nll"] - nz["clean_nll"]).groupby([nz["quantity"], nz["layer"], nz["head"]]).mean()
     pd.testing.assert_series_equal(hn.sort_index(), means.sort_index(), check_names=False, rtol=1e-9)
     assert (h["p_fwe"].between(0, 1)).all() and h["p_kind"].iloc[0] == "exact sign-flip max-T (2^5)"
-    assert result.meta["damage"]["mean"] > 0  # the swaps did damage on this model
+    assert result.meta["damage"]["swaps"]["mean"] > 0  # the swaps did damage on this model
+    assert set(u["corruption"]) == {"swaps"} and set(h["corruption"]) == {"swaps"}
 
 
 def test_recovery_is_a_ratio_of_means_with_a_bootstrap_interval_and_undefined_without_damage():
@@ -78,10 +79,10 @@ def test_recovery_is_a_ratio_of_means_with_a_bootstrap_interval_and_undefined_wi
 def test_the_random_twins_damage_is_shown_beside_and_gets_no_map(result):
     tw = result["twin"]
     assert len(tw) == 5 and np.isfinite(tw["damage"]).all()
-    d = result.meta["twin_damage"]
+    d = result.meta["twin_damage"]["swaps"]
     assert d["mean"] == pytest.approx(tw["damage"].mean(), rel=1e-9)
     # a fresh init barely uses positions: far less damage than the (sharpened) trained stand-in
-    assert abs(d["mean"]) < abs(result.meta["damage"]["mean"])
+    assert abs(d["mean"]) < abs(result.meta["damage"]["swaps"]["mean"])
     sec = pe.render(result)
     assert f"on the random-init twin the same corruption did {d['mean']:.3g} nats" in sec.verdict
     assert all("twin" not in cap for _, cap in sec.figures)
@@ -124,10 +125,12 @@ def test_save_load_render_round_trip(result, tmp_path):
     for name in result.tables:
         pd.testing.assert_frame_equal(back[name], result[name], check_dtype=False, check_exact=False, rtol=1e-12)
     sec = pe.render(back)
-    assert len(sec.figures) == 6  # one map per (quantity, direction), the control's included
-    d = result.meta["damage"]
-    assert sec.verdict.startswith(f"T2 swaps (p = 0.2, seed 0) raised the target NLL by {d['mean']:.3g} nats")
-    assert "with 5 documents the smallest family-wise p a head can reach is 2/2^5 = 0.0625 > α = 0.05" in sec.verdict
+    # one figure per patched quantity (rot_q; pos_term with its control), its maps in both directions
+    assert len(sec.figures) == 2 and "random-k̄ control" in sec.figures[1][1]
+    d = result.meta["damage"]["swaps"]
+    assert sec.verdict.startswith("with 5 documents the smallest family-wise p a head can reach is 2/2^5 = 0.0625 > "
+                                  "α = 0.05: no head can be significant at this n; T2 swaps (p = 0.2, seed 0) raised "
+                                  f"the target NLL by {d['mean']:.3g} nats")
     assert "positional term f (noising): " in sec.verdict and "do part of the damage alone at family-wise α = 0.05" \
         in sec.verdict and "heads significantly account for part of the damage" in sec.verdict
     top = pe.ranked(result["heads"], k=3)
@@ -158,9 +161,13 @@ def test_heatmap_shows_a_fixed_scale_and_outlines_the_significant_heads():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(n_seq=2), "at least 3"), (dict(corruption="scramble"), "corruption"), (dict(quantities=("v",)), "quantities"),
+    (dict(corruption="swaps,swaps"), "distinct"), (dict(corruption="gap,"), None), (dict(corruption=","), "corruption"),
     (dict(directions=("sideways",)), "directions"), (dict(frac=0.7), "frac"), (dict(test_alpha=1.5), "test_alpha"),
 ])
 def test_bad_options_are_named(kw, match):
+    if match is None:  # a trailing comma is only spacing
+        assert pe.Config(**kw).corruptions() == ("gap",)
+        return
     with pytest.raises(ValueError, match=match):
         pe.Config(**kw)
 
@@ -199,3 +206,47 @@ def test_gap_corruption_defaults_to_the_trained_context():
     c = pe.corruption_of(pe.Config(corruption="gap"), n_ctx=2048)
     assert c.gap == 2048 and "gap of 2048" in str(c)
     assert "null control" in str(pe.corruption_of(pe.Config(corruption="shift"), 2048))
+    two = pe.Config(corruption="swaps, gap")
+    assert list(pe.corruptions_of(two, 2048)) == ["swaps", "gap"] and pe.corruption_of(two, 2048, "gap").gap == 2048
+    with pytest.raises(ValueError, match="2 corruptions"):
+        pe.corruption_of(two, 2048)
+    with pytest.raises(ValueError, match="not among"):
+        pe.corruption_of(two, 2048, "shift")
+
+
+def test_several_corruptions_sweep_the_same_windows_and_equal_their_single_runs(sharp):
+    """swaps,shift in one run = each alone (same windows, one shared clean run); the null shift does no damage, so
+    its recovery is undefined and its maps show effects in nats; per-corruption tables and sentences."""
+    kw = {**OPTS, "quantities": ("rot_q",), "directions": ("denoising",), "n_seq": 4}
+    both = pe.run(sharp, corpus=tm.token_corpus(14), corruption="swaps,shift", **kw)
+    for c in ("swaps", "shift"):
+        alone = pe.run(sharp, corpus=tm.token_corpus(14), corruption=c, **kw)
+        for name in ("heads", "layers", "baselines", "twin"):
+            pd.testing.assert_frame_equal(both[name][both[name]["corruption"] == c].reset_index(drop=True),
+                                          alone[name], check_exact=False, rtol=1e-9, atol=1e-12)
+        assert both.meta["damage"][c] == alone.meta["damage"][c]
+    assert list(both.meta["corruption"]) == ["swaps", "shift"] and list(dict.fromkeys(both["heads"]["corruption"])) \
+        == ["swaps", "shift"]
+    sh = both.meta["damage"]["shift"]
+    assert abs(sh["mean"]) < 1e-5 and not sh["detected"]
+    assert both["heads"].loc[both["heads"]["corruption"] == "shift", "recovery"].isna().all()
+    sec = pe.render(both)
+    assert len(sec.figures) == 2 and [cap.split("(")[1].split(")")[0] for _, cap in sec.figures] == ["swaps", "shift"]
+    assert "uniform shift by 1000 (null control) raised the target NLL by" in sec.verdict
+    assert "no damage distinguishable from 0, so no recovery is defined" in sec.verdict
+    top = pe.ranked(both["heads"], k=2)
+    assert top.columns[0] == "corruption" and list(top["corruption"]) == ["swaps"] * 2 + ["shift"] * 2
+
+
+def test_several_maps_share_one_colour_scale():
+    from posgen_tl.plot.patching import plot_patching_maps
+
+    a = pd.DataFrame([dict(layer=la, head=h, recovery=np.nan, effect=0.01 * (la - h), significant=False)
+                      for la in range(3) for h in range(2)])
+    fig = plot_patching_maps({"left": a, "right": a.assign(effect=a["effect"] * 5)}, n_layers=3, ncols=2)
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == ["left", "right"]
+    assert {ax.images[0].get_clim() for ax in panels} == {(-0.1, 0.1)}  # the larger map's range, shared
+    assert "recovery undefined" in fig.axes[-1].get_ylabel()
+    with pytest.raises(ValueError, match="no map"):
+        plot_patching_maps({})
