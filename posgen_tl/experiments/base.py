@@ -397,6 +397,41 @@ def twin_of(model: Any, twin: Any, seed: int) -> Any:
     return twin if isinstance(twin, torch.nn.Module) or not callable(twin) else twin()
 
 
+def means_fingerprint(k_means: Mapping[int, Any] | None) -> str | None:
+    """SHA-1 of given per-layer k̄ (layer order, float64 bytes), so that a checkpoint tells two sets of given means
+    apart; ``None`` for none."""
+    import hashlib  # noqa: PLC0415
+
+    if k_means is None:
+        return None
+    h = hashlib.sha1()
+    for layer in sorted(k_means):
+        h.update(str(layer).encode())
+        h.update(k_means[layer].detach().double().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def pieces(checkpoint: Any, what: str, cfg: Config, model: Any, windows: Any, *,
+           statistics: Sequence[str] = (), **extra: Any) -> Any:
+    """The :class:`posgen_tl.io.checkpoint.Pieces` of one run: kept in ``checkpoint`` (a folder; ``None`` keeps
+    nothing) under the design's fingerprint — the config without the ``statistics``-only options, the model's name
+    and dtype, the analysed ``windows`` and any ``extra`` (e.g. the reference windows). ``what`` names the
+    experiment in a refusal.
+
+    Raises:
+        ValueError: the folder keeps pieces of another design."""
+    from posgen_tl.engine.swaps import windows_fingerprint  # noqa: PLC0415
+    from posgen_tl.hooks.capture import model_dtype, probe_hooks  # noqa: PLC0415
+    from posgen_tl.io.checkpoint import Pieces  # noqa: PLC0415
+
+    if checkpoint is None:
+        return Pieces(None, {}, what)
+    design = {k: v for k, v in cfg.as_dict().items() if k not in statistics}
+    fp = dict(config=design, model=probe_hooks(model)[0].model_name, dtype=str(model_dtype(model)),
+              windows=windows_fingerprint(windows), **extra)
+    return Pieces(checkpoint, fp, what)
+
+
 # ----------------------------------------------------------------------------- a Result's files
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -28,6 +29,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.edits import reference_key_means
@@ -171,7 +173,7 @@ def _global_kbar(model, ref: Windows | None, k_means, layers=None) -> dict:
 def gap_probe(
     model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, *,
     conditions: Sequence[str] = CONDITIONS, cap: int | None = None, n_sink: int = 1, k_means: dict | None = None,
-    reference: Windows | None = None, progress: bool = True, **options: Any,
+    reference: Windows | None = None, checkpoint: str | Path | None = None, progress: bool = True, **options: Any,
 ) -> LengthResult:  # fmt: skip
     """Gap probe: NLL of a suffix whose position ids are moved ``G`` past its prefix.
 
@@ -200,6 +202,8 @@ def gap_probe(
         cap: ``C`` of both approximations (default ``n_ctx``: only unseen distances are touched).
         n_sink: keys kept at their true distance.
         k_means: global k̄ per layer (default: from ``n_ref`` windows of disjoint documents).
+        checkpoint: a folder that keeps each finished (gap, condition); a rerun of the same design continues where
+            an interrupted one stopped (another design's folder is refused: ValueError).
 
     Returns:
         :class:`LengthResult`: ``rows`` (model-independent columns ``condition, gap_frac, gap,
@@ -224,12 +228,14 @@ def gap_probe(
     win, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=n,
                                n_ref=cfg.n_ref if "disentangled" in conditions and k_means is None else 0, seed=cfg.seed)
     tokens = check_tokens(model, win.tokens[:, :n], spec)
+    ck = base.pieces(checkpoint, NAME, cfg, model, win, part="gap probe", conditions=list(conditions), cap=cap,
+                     n_sink=n_sink, reference=None if ref is None else windows_fingerprint(ref),
+                     k_means=base.means_fingerprint(k_means))
     if "disentangled" in conditions:
         k_means = _global_kbar(model, ref, k_means)
-    rows = _gap_rows(model, tokens, win, [(float(g), c) for g in gaps for c in conditions], n_ctx=n_ctx,
-                     prefix_len=prefix_len, suffix_len=suffix_len, skip=skip, cap=cap, n_sink=n_sink, k_means=k_means,
-                     delta0=delta0, batch_size=batch_size, progress=progress)
-    df = pd.DataFrame(rows)
+    df = _gap_rows(model, tokens, win, [(float(g), c) for g in gaps for c in conditions], n_ctx=n_ctx,
+                   prefix_len=prefix_len, suffix_len=suffix_len, skip=skip, cap=cap, n_sink=n_sink, k_means=k_means,
+                   delta0=delta0, batch_size=batch_size, progress=progress, pieces=ck)
     cfg = dict(model=spec.model_name, n_ctx=n_ctx, prefix_len=prefix_len, suffix_len=suffix_len, skip=skip, cap=cap,
                n_sink=n_sink, delta0=delta0, n_seq=len(win), n_docs=win.n_docs, k_mean="global (disjoint documents)")
     return LengthResult(df, gap_summary(df), cfg)
@@ -269,32 +275,30 @@ def _gap_conditions(spec: RopeSpec, conditions: Sequence[str], gaps: Sequence[fl
 
 def _gap_rows(model: Any, tokens: Tensor, win: Windows, jobs: list[tuple[float, str]], *, n_ctx: int, prefix_len: int,
               suffix_len: int, skip: int, cap: int, n_sink: int, k_means: dict | None, delta0: int, batch_size: int,
-              progress: bool) -> list[dict[str, Any]]:
+              progress: bool, pieces: Any = None) -> pd.DataFrame:
     """The per-sequence rows of :func:`gap_probe`, one ``(gap fraction, condition)`` job after another, ``tokens``
     ``[seq, prefix_len + suffix_len]`` in batches of ``batch_size``; a job whose largest distance stays within ``cap``
-    reuses the vanilla rows of its gap (``reused=True``: the approximations are exact no-ops there).
+    reuses the vanilla rows of its gap (``reused=True``: the approximations are exact no-ops there). ``pieces``
+    (:func:`posgen_tl.experiments.base.pieces`) keeps each computed job.
 
     Returns:
-        one dict per job × sequence: ``condition, gap_frac, gap, max_distance, seq, doc, doc_name, nll, nll_first,
+        one row per job × sequence: ``condition, gap_frac, gap, max_distance, seq, doc, doc_name, nll, nll_first,
         reused``.
     """
+    from posgen_tl.io.checkpoint import Pieces  # noqa: PLC0415
+
+    ck = Pieces(None, {}, NAME) if pieces is None else pieces
     n = prefix_len + suffix_len
     docs = win.doc_ids.cpu().numpy()
-    rows: list[dict[str, Any]] = []
-    for frac, cond in tqdm(jobs, desc="gap probe", disable=not progress, leave=False):
-        gap = int(round(frac * n_ctx))
-        pos = gap_position_ids(prefix_len, suffix_len, gap)
-        max_d = int(pos[-1] - pos[0])
-        reused = cond != "vanilla" and max_d <= cap
-        if reused:
-            vanilla = [r for r in rows if r["condition"] == "vanilla" and r["gap"] == gap]
-            rows += [{**r, "condition": cond, "reused": True} for r in vanilla]
-            continue
+    parts: list[pd.DataFrame] = []
+
+    def job_rows(frac: float, cond: str, gap: int, pos: Tensor, max_d: int) -> pd.DataFrame:
         hooks = []
         if cond == "lm_infinite":
             hooks = lm_infinite_hooks(model, cap, n_sink=n_sink, position_ids=pos)
         elif cond == "disentangled":
             hooks = disentangled_hooks(model, k_means, cap, delta0=delta0, n_sink=n_sink, position_ids=pos)
+        rows = []
         for s in range(0, tokens.shape[0], batch_size):
             b = tokens[s : s + batch_size]
             nll = span_nll(model, b, prefix_len + 1, n, position_ids=pos, fwd_hooks=hooks)
@@ -303,7 +307,18 @@ def _gap_rows(model: Any, tokens: Tensor, win: Windows, jobs: list[tuple[float, 
                                  doc=int(docs[s + i]), doc_name=win.doc_names[int(docs[s + i])],
                                  nll=float(nll[i, skip - 1 :].mean()), nll_first=float(nll[i, : skip - 1].mean()),
                                  reused=False))
-    return rows
+        return pd.DataFrame(rows)
+
+    for j, (frac, cond) in enumerate(tqdm(jobs, desc="gap probe", disable=not progress, leave=False)):
+        gap = int(round(frac * n_ctx))
+        pos = gap_position_ids(prefix_len, suffix_len, gap)
+        max_d = int(pos[-1] - pos[0])
+        if cond != "vanilla" and max_d <= cap:
+            vanilla = [p for p in parts if p["condition"].iloc[0] == "vanilla" and p["gap"].iloc[0] == gap]
+            parts += [v.assign(condition=cond, reused=True) for v in vanilla]
+            continue
+        parts.append(ck.rows(f"gap_{j:03d}", lambda f=frac, c=cond, g=gap, p=pos, m=max_d: job_rows(f, c, g, p, m)))
+    return pd.concat(parts, ignore_index=True)
 
 
 def gap_summary(rows: pd.DataFrame, value: str = "nll") -> pd.DataFrame:
@@ -335,8 +350,8 @@ def gap_summary(rows: pd.DataFrame, value: str = "nll") -> pd.DataFrame:
 def window_removal(
     model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, *,
     conditions: Sequence[str] = ("window", "no_window", "lm_infinite", "disentangled"), cap: int | None = None,
-    n_sink: int = 1, k_means: dict | None = None, reference: Windows | None = None, progress: bool = True,
-    **options: Any,
+    n_sink: int = 1, k_means: dict | None = None, reference: Windows | None = None,
+    checkpoint: str | Path | None = None, progress: bool = True, **options: Any,
 ) -> LengthResult:  # fmt: skip
     """Gemma3 local layers without their sliding window, NLL by position bucket.
 
@@ -353,7 +368,8 @@ def window_removal(
     short, so a long document may give several (disjoint) windows (``max_per_doc``); the unit stays
     the window, clustered by document. The k̄ reference uses ``min(256, seq_len // 4)``-token windows
     of documents too short to give a ``seq_len`` window (disjoint by construction); fewer analysed
-    windows than ``window_n_seq`` are used as they are.
+    windows than ``window_n_seq`` are used as they are. ``checkpoint``: a folder that keeps each finished condition
+    (its per-token NLL); a rerun of the same design continues where an interrupted one stopped.
 
     Returns:
         :class:`LengthResult`: rows ``condition, seq, doc, doc_name, bucket_start, nll`` (mean NLL
@@ -382,6 +398,9 @@ def window_removal(
                                   reference_docs="short")
         win = win.subset(range(min(n_seq, len(win))))
     tokens = check_tokens(model, win.tokens, spec)
+    ck = base.pieces(checkpoint, NAME, cfg, model, win, part="window removal", conditions=list(conditions), cap=cap,
+                     n_sink=n_sink, reference=None if ref is None else windows_fingerprint(ref),
+                     k_means=base.means_fingerprint(k_means))
     if "disentangled" in conditions:
         k_means = _global_kbar(model, ref, k_means, local)
     hooks = {
@@ -401,15 +420,26 @@ def window_removal(
     # condition (tested), so the no-window conditions reuse the window run's NLL there
     conditions = sorted(conditions, key=lambda c: c != "window")
     first: dict[int, Tensor] = {}
-    for cond in conditions:
+
+    def per_token(cond: str) -> pd.DataFrame:
+        """Per sequence the NLL of every predicted token (``t`` = 1 … n − 1), float32 as the model gives it."""
+        out = []
         for s in tqdm(range(tokens.shape[0]), desc=f"window removal: {cond}", disable=not progress, leave=False):
             if cond != "window" and s in first and window + 1 < n:
                 tail = span_nll(model, tokens[s : s + 1], window + 1, n, fwd_hooks=hooks[cond])[0]
                 nll = torch.cat([first[s], tail])
             else:
                 nll = span_nll(model, tokens[s : s + 1], 1, n, fwd_hooks=hooks[cond])[0]  # token t at nll[t − 1]
-                if cond == "window":
-                    first[s] = nll[:window]
+            out.append(pd.DataFrame(dict(seq=s, t=np.arange(1, n), nll=nll.double().cpu().numpy())))
+        return pd.concat(out, ignore_index=True)
+
+    for cond in conditions:
+        tok = ck.rows(f"window_{cond}", lambda c=cond: per_token(c))
+        for key, g in tok.groupby("seq", sort=True):
+            s = int(key)
+            nll = torch.tensor(g.sort_values("t")["nll"].to_numpy(), dtype=torch.float32)  # exact: float32 values
+            if cond == "window":
+                first[s] = nll[:window]
             for b0 in range(0, n - 1, bucket):
                 rows.append(dict(condition=cond, seq=s, doc=int(docs[s]), doc_name=win.doc_names[int(docs[s])],
                                  bucket_start=b0 + 1, nll=float(nll[b0 : b0 + bucket].mean())))
@@ -461,20 +491,24 @@ FILES = {"gap_rows": "length_gap_rows.csv", "gap_summary": "length_gap_summary.c
 LEGACY_META = {"gap": "length_gap_meta.json", "window": "length_window_meta.json"}
 
 
-def run(model: Any, cfg: Config | None = None, *, corpus: CorpusLike | Windows = None, progress: bool = True,
-        **options: Any) -> Result:
+def run(model: Any, cfg: Config | None = None, *, corpus: CorpusLike | Windows = None,
+        checkpoint: str | Path | None = None, progress: bool = True, **options: Any) -> Result:
     """The gap probe (:func:`gap_probe`) and, on a model with sliding-window layers, window removal
-    (:func:`window_removal`), as ``cfg`` (with ``options`` applied) asks. Returns their :class:`Result`."""
+    (:func:`window_removal`), as ``cfg`` (with ``options`` applied) asks. Returns their :class:`Result`.
+    ``checkpoint``: a folder that keeps each finished piece of both (subfolders ``gap``, ``window``), so an
+    interrupted run continues where it stopped."""
     cfg = base.config_of(Config, cfg, options)
     corpus = cfg.corpus if corpus is None else corpus
     tables: dict[str, pd.DataFrame] = {}
     meta: dict[str, Any] = {"model": probe_hooks(model)[0].model_name, "gap": {"gap": False}}
     if cfg.gap:
-        res = gap_probe(model, corpus, cfg, progress=progress)
+        res = gap_probe(model, corpus, cfg, progress=progress,
+                        checkpoint=None if checkpoint is None else Path(checkpoint) / "gap")
         tables.update(gap_rows=res.rows, gap_summary=res.summary)
         meta["gap"] = res.config
     if local_layers(model) and cfg.window:
-        wr = window_removal(model, corpus, cfg, progress=progress)
+        wr = window_removal(model, corpus, cfg, progress=progress,
+                            checkpoint=None if checkpoint is None else Path(checkpoint) / "window")
         tables.update(window_rows=wr.rows, window_summary=wr.summary)
         meta["window"] = wr.config
     return Result(tables, cfg.as_dict(), meta)

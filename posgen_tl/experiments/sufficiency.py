@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -28,7 +29,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from posgen_tl import stats
-from posgen_tl.engine.swaps import nll_on_target, transposition_curve
+from posgen_tl.engine.swaps import nll_on_target, transposition_curve, windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.edits import reference_key_means
@@ -121,7 +122,7 @@ LEGACY_META = "sufficiency_meta.json"
 def run(
     model: Any, cfg: Config | None = None, *, corpus: CorpusLike | Windows = None,
     groups: dict[str, Sequence[int]] | None = None, k_means: dict | None = None, reference: Windows | None = None,
-    progress: bool = True, **options: Any,
+    checkpoint: str | Path | None = None, progress: bool = True, **options: Any,
 ) -> Result:  # fmt: skip
     """Substitute ``W ← f + g_Δ0`` (and the controls) in layer groups; clean NLL and tolerance.
 
@@ -133,6 +134,8 @@ def run(
         corpus: a corpus or ready :class:`~posgen_tl.io.sampling.Windows` (default ``cfg.corpus``).
         groups: ``{label: layers}`` (default :func:`layer_groups`: the layer thirds + all).
         k_means: global k̄ per layer (default: ``n_ref`` windows of disjoint documents).
+        checkpoint: a folder that keeps the clean run and each finished (source, group); a rerun of the same design
+            continues where an interrupted one stopped (another design's folder is refused: ValueError).
 
     Returns:
         :class:`Result` (tables ``rows``, ``summary``, ``equivalence``).
@@ -154,30 +157,45 @@ def run(
         k_means = reference_key_means(model, ref.tokens, sink=1, progress=False)
     tokens = win.tokens
     docs = win.doc_ids.cpu().numpy()
-    clean = nll_on_target(model, tokens, target_len=target_len, batch_size=batch_size)
     tol_set = {tuple(t) for t in tolerance}
+    ck = base.pieces(checkpoint, NAME, cfg, model, win, groups={k: list(v) for k, v in groups.items()},
+                     reference=windows_fingerprint(ref) if ref is not None else base.means_fingerprint(k_means))
 
     def slopes(hooks, base) -> np.ndarray:
         df = transposition_curve(model, tokens, fracs=fracs, seeds=seeds, target_len=target_len, fwd_hooks=hooks,
                                  batch_size=batch_size, clean=base, progress=False)
         return stats.per_sequence_slopes(df).sort_index().to_numpy(float)
 
-    clean_slope = slopes([], clean) if tol_set else None
-    rows = []
-    jobs = [(s, g) for g in groups for s in sources]
-    for source, group in tqdm(jobs, desc="sufficiency", disable=not progress, leave=False):
+    def clean_rows() -> pd.DataFrame:
+        c = nll_on_target(model, tokens, target_len=target_len, batch_size=batch_size)
+        out = pd.DataFrame(dict(seq=range(len(win)), clean_nll=c.double().cpu().numpy()))
+        if tol_set:
+            out["clean_slope"] = slopes([], c)
+        return out
+
+    base_rows = ck.rows("clean", clean_rows)
+    clean = base_rows["clean_nll"].to_numpy(float)
+    clean_slope = base_rows["clean_slope"].to_numpy(float) if tol_set else None
+
+    def job_rows(source: str, group: str) -> pd.DataFrame:
         layers = list(groups[group])
         hooks = sufficiency_hooks_for(model, source, layers, k_means, gamma=gamma, delta0=delta0, keep_sink=keep_sink)
         nll = nll_on_target(model, tokens, target_len=target_len, fwd_hooks=hooks, batch_size=batch_size)
         sl = slopes(hooks, nll) if (source, group) in tol_set else None
+        rows = []
         for i in range(len(win)):
             r = dict(source=source, group=group, layers=f"{layers[0]}–{layers[-1]}", seq=i, doc=int(docs[i]),
                      doc_name=win.doc_names[int(docs[i])], clean_nll=float(clean[i]), nll=float(nll[i]),
-                     dnll=float(nll[i] - clean[i]))
-            if sl is not None:
+                     dnll=float(nll[i]) - float(clean[i]))
+            if sl is not None and clean_slope is not None:
                 r.update(slope=float(sl[i]), clean_slope=float(clean_slope[i]), dslope=float(sl[i] - clean_slope[i]))
             rows.append(r)
-    df = pd.DataFrame(rows)
+        return pd.DataFrame(rows)
+
+    jobs = [(s, g) for g in groups for s in sources]
+    parts = [ck.rows(f"job_{j:03d}", lambda s=s, g=g: job_rows(s, g))
+             for j, (s, g) in enumerate(tqdm(jobs, desc="sufficiency", disable=not progress, leave=False))]
+    df = pd.concat(parts, ignore_index=True)
     meta = dict(model=spec.model_name, n_seq=len(win), n_docs=win.n_docs, seq_len=tokens.shape[1],
                 target_len=target_len, gamma=gamma, delta0=delta0, keep_sink=keep_sink,
                 k_mean="global (disjoint documents)", fracs=list(fracs), seeds=list(seeds),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
@@ -106,7 +107,7 @@ LEGACY_META = "tolerance_meta.json"
 @torch.no_grad()
 def run(
     model: Any, cfg: Config | None = None, *, corpus: CorpusLike = None, twin: Any = None,
-    windows: Windows | None = None, progress: bool = True, **options: Any,
+    windows: Windows | None = None, checkpoint: str | Path | None = None, progress: bool = True, **options: Any,
 ) -> Result:  # fmt: skip
     """T1/T2 tolerance curves (docs/method.md §4) of the trained model and its random twin.
 
@@ -122,6 +123,8 @@ def run(
             :func:`posgen_tl.io.models.random_twin` with ``cfg.seed``; none runs when ``twin`` is ``False`` or
             ``cfg.twin`` is false.
         windows: analysed windows (default: sampled by ``cfg`` from ``corpus``, default ``cfg.corpus``).
+        checkpoint: a folder that keeps each finished batch (per model); a rerun of the same design continues
+            where an interrupted one stopped (another design's folder is refused: ValueError).
 
     Returns:
         :class:`Result` (tables ``curves``, ``units``, ``summary``, ``contrasts``, ``tost``).
@@ -141,20 +144,23 @@ def run(
     batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
     info = ana.frame()
     frames, times = [], {}
+    ck = base.pieces(checkpoint, NAME, cfg, model, ana)
+
+    def batch_rows(m: Any, b: list[int], sds: tuple[int, ...], name: str) -> pd.DataFrame:
+        w = ana.subset(b)
+        clean = nll_on_target(m, w.tokens, target_len=target_len, batch_size=len(b))
+        out = []
+        for mode in ("T1", "T2"):
+            df = pd.DataFrame(curve_rows(m, w, clean, fracs=fracs, seeds=sds, mode=mode, target_len=target_len,
+                                         base_seed=seed))
+            df["seq"] = [b[i] for i in df["seq"]]
+            out.append(df.assign(twin=name, mode=mode))
+        return pd.concat(out, ignore_index=True)
+
     for name, m, sds in models:
         t0 = time.time()
-        jobs = [(b, mode) for b in batches for mode in ("T1", "T2")]
-        bar = tqdm(total=len(jobs), desc=f"T1/T2 {name}", disable=not progress)
-        for b in batches:
-            w = ana.subset(b)
-            clean = nll_on_target(m, w.tokens, target_len=target_len, batch_size=len(b))
-            for mode in ("T1", "T2"):
-                df = pd.DataFrame(curve_rows(m, w, clean, fracs=fracs, seeds=sds, mode=mode, target_len=target_len,
-                                             base_seed=seed))
-                df["seq"] = [b[i] for i in df["seq"]]
-                frames.append(df.assign(twin=name, mode=mode))
-                bar.update(1)
-        bar.close()
+        for i, b in enumerate(tqdm(batches, desc=f"T1/T2 {name}", disable=not progress)):
+            frames.append(ck.rows(f"{name}_{i:06d}", lambda m=m, b=b, sds=sds, name=name: batch_rows(m, b, sds, name)))
         times[f"{name}_s"] = time.time() - t0
     rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
     rows = rows[["twin", "mode", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta"]]

@@ -2,19 +2,20 @@
 
 Every piece is written atomically (to a temporary name, then renamed): a piece that exists is complete. Tables
 are CSV read back with exact floats (``float_precision="round_trip"``), records are JSON. What a piece means and
-which design a folder belongs to is the experiment's business (:mod:`posgen_tl.experiments.causal`,
-:mod:`posgen_tl.experiments.patching`).
+which design a folder belongs to is the experiment's business (:mod:`posgen_tl.experiments.causal`;
+:class:`Pieces` serves the experiments whose pieces are independent tables).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["RunFolder"]
+__all__ = ["RunFolder", "Pieces"]
 
 
 class RunFolder:
@@ -65,3 +66,41 @@ class RunFolder:
         """The JSON records matching ``pattern`` whose table of the same name exists, in name order."""
         return [json.loads(f.read_text()) for f in sorted(self.dir.glob(f"{pattern}.json"))
                 if f.with_suffix(".csv").exists()]
+
+
+class Pieces:
+    """The finished tables of one run design, each computed once: ``rows(name, compute)`` returns the table kept
+    under ``name`` or computes, keeps and returns it. Without a folder (``folder=None``) nothing is kept and
+    ``compute`` always runs, so an experiment writes one code path for both.
+
+    ``fingerprint`` (JSON-able: the options that change a number, the model, its dtype, the windows) names the
+    design; a folder holding another design's pieces is refused — ``what`` names the experiment in the error.
+
+    Raises:
+        ValueError: ``folder`` keeps pieces of another design."""
+
+    def __init__(self, folder: str | Path | None, fingerprint: dict[str, Any], what: str):
+        self.folder: RunFolder | None = None
+        if folder is None:
+            return
+        self.folder = RunFolder(folder)
+        key = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+        old = self.folder.read_json("fingerprint")
+        if old is not None and old != key:
+            raise ValueError(f"{what}: {self.folder.dir} holds a checkpoint of another {what} design (config, model or "
+                             "windows differ); remove it or choose another output folder")
+        self.folder.write_json("fingerprint", key, indent=1, sort_keys=True)
+
+    def rows(self, name: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
+        """The table ``name`` of this design: read back exactly where it was kept, else ``compute()`` (kept)."""
+        if self.folder is None:
+            return compute()
+        got = self.folder.read_rows(name)
+        if got is None:
+            got = compute()
+            self.folder.write_rows(name, got)
+        return got
+
+    def kept(self) -> list[str]:
+        """The names of the tables kept so far (none without a folder)."""
+        return [] if self.folder is None else sorted(f.stem for f in self.folder.dir.glob("*.csv"))

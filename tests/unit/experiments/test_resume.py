@@ -1,0 +1,83 @@
+"""Every experiment that keeps a checkpoint continues an interrupted run to the same numbers: a run interrupted
+after its first kept piece, started again on the same folder, computes only the missing pieces and gives the
+tables of an uninterrupted run; a folder of another design is refused by name. (The causal and patching studies
+have their own tests of this: tests/unit/experiments/test_causal.py, test_patching.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import pytest
+import tiny_models as tm
+import torch
+
+from posgen_tl.experiments import registry
+from posgen_tl.io import checkpoint as ck_mod
+
+SIZES = {
+    "tolerance": ("quick", dict(n_seq=4, seq_len=24, batch_size=2, fracs=(0.0, 0.2), seeds=(0,), twin_seeds=(0,))),
+    "sufficiency": ("quick", dict(n_seq=3, seq_len=24, n_ref=2)),
+    # the gap probe (3 gaps × 3 conditions) and window removal (4 conditions) of a tiny sliding-window model
+    "length": ("quick", dict(n_seq=3, seq_len=24, n_ref=2, gaps=(0.0, 1.0, 2.0), window_seq_len=16, window_n_seq=3,
+                             bucket=4)),
+}
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    folder = tmp_path_factory.mktemp("docs")
+    for i in range(10):
+        (folder / f"d{i}.txt").write_text(" ".join(f"w{int(t)}" for t in torch.randint(0, 90, (80,), generator=g)))
+    for i in range(3):  # short documents: window removal's k̄ reference
+        (folder / f"s{i}.txt").write_text(" ".join(["t5"] * 5))
+    return {"llama": tm.hf_llama(n_layers=2)[0], "gemma3": tm.hf_gemma3()[0]}, str(folder)
+
+
+def test_the_generic_checkpoint_is_used_by_these_experiments():
+    assert {n for n in registry.ORDER if registry.resumable(n)} >= {"causal", "patching", *SIZES}
+
+
+#: where each run is interrupted: after this many kept pieces (length: in the gap probe, and after window removal's
+#: first condition, whose kept per-token NLL the later conditions reuse)
+STOPS = [("tolerance", 1), ("sufficiency", 1), ("length", 1), ("length", 8)]
+
+
+@pytest.mark.parametrize("name, stop", STOPS)
+def test_an_interrupted_run_continues_to_the_same_numbers(name, stop, setting, tmp_path, monkeypatch):
+    models, corpus = setting
+    model = models["gemma3" if name == "length" else "llama"]
+    preset, opts = SIZES[name]
+    cfg = dataclasses.replace(registry.make_config(name, preset), **opts, corpus=corpus)
+    whole = registry.run(name, model, cfg, progress=False)
+
+    real, computed = ck_mod.Pieces.rows, []
+
+    def interrupted(self, piece, compute):
+        def counted():
+            if len(computed) == stop:
+                raise KeyboardInterrupt
+            computed.append(piece)
+            return compute()
+        return real(self, piece, counted)
+
+    monkeypatch.setattr(ck_mod.Pieces, "rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        registry.run(name, model, cfg, checkpoint=tmp_path / "ck", progress=False)
+    kept = (tmp_path / "ck").rglob("*.csv")
+    assert sorted(p.stem for p in kept) == sorted(computed) and len(computed) == stop  # finished pieces kept
+
+    again: list[str] = []
+    monkeypatch.setattr(ck_mod.Pieces, "rows", lambda self, piece, compute: real(
+        self, piece, lambda: (again.append(piece), compute())[1]))
+    resumed = registry.run(name, model, cfg, checkpoint=tmp_path / "ck", progress=False)
+    assert not set(computed) & set(again) and len(again) >= 1  # kept pieces read back, the rest computed
+    if name == "length":
+        assert "window_rows" in whole.tables and (stop < 8 or computed[-1] == "window_window")
+    for t in whole.tables:
+        pd.testing.assert_frame_equal(resumed[t], whole[t], check_exact=False, rtol=1e-12, atol=1e-15)
+
+    other = dataclasses.replace(cfg, seed=1)
+    with pytest.raises(ValueError, match=f"another {name} design"):
+        registry.run(name, model, other, checkpoint=tmp_path / "ck", progress=False)
