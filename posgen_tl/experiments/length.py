@@ -275,7 +275,7 @@ def _gap_conditions(spec: RopeSpec, conditions: Sequence[str], gaps: Sequence[fl
 
 def _gap_rows(model: Any, tokens: Tensor, win: Windows, jobs: list[tuple[float, str]], *, n_ctx: int, prefix_len: int,
               suffix_len: int, skip: int, cap: int, n_sink: int, k_means: dict | None, delta0: int, batch_size: int,
-              progress: bool, pieces: Any = None) -> pd.DataFrame:
+              progress: bool, pieces: Any) -> pd.DataFrame:
     """The per-sequence rows of :func:`gap_probe`, one ``(gap fraction, condition)`` job after another, ``tokens``
     ``[seq, prefix_len + suffix_len]`` in batches of ``batch_size``; a job whose largest distance stays within ``cap``
     reuses the vanilla rows of its gap (``reused=True``: the approximations are exact no-ops there). ``pieces``
@@ -285,9 +285,6 @@ def _gap_rows(model: Any, tokens: Tensor, win: Windows, jobs: list[tuple[float, 
         one row per job × sequence: ``condition, gap_frac, gap, max_distance, seq, doc, doc_name, nll, nll_first,
         reused``.
     """
-    from posgen_tl.io.checkpoint import Pieces  # noqa: PLC0415
-
-    ck = Pieces(None, {}, NAME) if pieces is None else pieces
     n = prefix_len + suffix_len
     docs = win.doc_ids.cpu().numpy()
     parts: list[pd.DataFrame] = []
@@ -317,7 +314,7 @@ def _gap_rows(model: Any, tokens: Tensor, win: Windows, jobs: list[tuple[float, 
             vanilla = [p for p in parts if p["condition"].iloc[0] == "vanilla" and p["gap"].iloc[0] == gap]
             parts += [v.assign(condition=cond, reused=True) for v in vanilla]
             continue
-        parts.append(ck.rows(f"gap_{j:03d}", lambda f=frac, c=cond, g=gap, p=pos, m=max_d: job_rows(f, c, g, p, m)))
+        parts.append(pieces.rows(f"gap_{j:03d}", lambda f=frac, c=cond, g=gap, p=pos, m=max_d: job_rows(f, c, g, p, m)))
     return pd.concat(parts, ignore_index=True)
 
 

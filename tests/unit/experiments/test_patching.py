@@ -131,8 +131,17 @@ def test_save_load_render_round_trip(result, tmp_path):
     assert sec.verdict.startswith("with 5 documents the smallest family-wise p a head can reach is 2/2^5 = 0.0625 > "
                                   "α = 0.05: no head can be significant at this n; T2 swaps (p = 0.2, seed 0) raised "
                                   f"the target NLL by {d['mean']:.3g} nats")
-    assert "positional term f (noising): " in sec.verdict and "do part of the damage alone at family-wise α = 0.05" \
-        in sec.verdict and "heads significantly account for part of the damage" in sec.verdict
+    assert "positional term f — denoising: " in sec.verdict and ", noising: " in sec.verdict
+    assert "heads significantly do part of the damage alone" in sec.verdict and "heads significantly account for " \
+        "part of the damage" in sec.verdict and "; with a random k̄ (control): " in sec.verdict
+    assert sec.verdict.endswith("significance: family-wise α = 0.05 over each map's heads (max-T sign-flip over "
+                                "documents).")
+    # the pages' headline: one map per corruption (f, denoising), "k of H heads", the strongest head's recovery
+    (f,) = sec.findings
+    top = result["heads"][(result["heads"]["quantity"] == "pos_term") & (result["heads"]["direction"] == "denoising")]
+    best = top.sort_values("effect").iloc[-1]
+    assert f.verdict == f"{int((top['significant'] & (top['effect'] > 0)).sum())} of 8 heads" and f.p == best["p_fwe"]
+    assert f.effect == (best["recovery"] if d["detected"] else best["effect"]) and "not adjusted" in f.note
     top = pe.ranked(result["heads"], k=3)
     assert list(top.columns[:4]) == ["patched", "direction", "layer", "head"] and len(top) == 6 * 3
     assert "positional term f with a random k̄ (control)" in set(top["patched"])
