@@ -216,8 +216,8 @@ def primary_claim(runs: list[Run]) -> tuple[str, str]:
         both = [e for e, w in words.items() if len(w) >= 2]
         ans = (f"Not established: no entry of the claim shows a dependence on both corpora ({len(both)} of "
                f"{len(entries)} entries run on both so far, {len(ran) - len(both)} on one)")
-    clauses = [_entry_clause(e, c, t.loc[e]) for c, t in tables.items() for e in t.index
-               if t.loc[e, "verdict"] != "not run"]
+    clauses = [_entry_clauses(e, {c: t.loc[e] for c, t in tables.items() if e in t.index
+                                  and t.loc[e, "verdict"] != "not run"}) for e in entries if words[e]]
     per = (" " + "; ".join(clauses) + ".") if clauses else ""
     return q, f"{ans} ([causal]({{prefix}}causal.md)).{per}"
 
@@ -226,22 +226,54 @@ def _interval(est: float, lo: float, hi: float) -> str:
     return f"{sig3(est)} [{sig3(lo)}, {sig3(hi)}]"
 
 
-def _entry_clause(entry: str, corpus: str, row: pd.Series) -> str:
-    """One entry of the claim in words, derived from its verdict: what removing the pattern did (destroy − none at
-    common damage) and what decided (the binding contrast, or why the entry is not testable)."""
-    name = f"{entry.replace(':', ' ')} ({corpus})"
+def _parts(row: pd.Series) -> tuple[str, str, dict[str, str]]:
+    """``(verdict word, kind of clause, numbers)`` of one entry on one corpus: the kind is "untestable", "depends",
+    "none" (no change detected) or "control" (a cost, not beyond a control at the same damage)."""
     verdict = str(row["verdict"])
-    dn = f"destroy − none {_interval(row['estimate'], row['ci_low'], row['ci_high'])} nats × p"
+    nums = {"dn": _interval(row["estimate"], row["ci_low"], row["ci_high"]), "mde": sig3(row["mde"]),
+            "p": sig3(row["p_iut"]),
+            "why": str(row.get("reason", "")).split(":")[0].strip() or "the rule's preconditions failed",
+            "b": (f"{row['binding']} {_interval(row['binding_estimate'], row['binding_ci_low'], row['binding_ci_high'])}"
+                  if row["binding_estimate"] == row["binding_estimate"] else str(row["binding"]))}
     if verdict.startswith("not testable"):
-        why = str(row.get("reason", "")).split(":")[0].strip() or "the rule's preconditions failed"
-        return f"{name}: not testable — {why}"
-    costs = row["ci_low"] > 0
-    b = (f"{row['binding']} {_interval(row['binding_estimate'], row['binding_ci_low'], row['binding_ci_high'])}"
-         if row["binding_estimate"] == row["binding_estimate"] else str(row["binding"]))
+        return verdict, "untestable", nums
     if verdict.startswith("depends"):
-        return f"{name}: depends — {dn}, beyond every control at common damage (weakest: {b}, p {sig3(row['p_iut'])})"
-    mde = f"the whole test's MDE {sig3(row['mde'])}"
-    if str(row["binding"]) == "destroy − none" or not costs:
-        return f"{name}: {verdict} — no change of tolerance by removing the pattern is detected ({dn}; {mde})"
-    return (f"{name}: {verdict} — removing the pattern costs tolerance ({dn}), but not detectably more than a "
-            f"control with the same damage ({b}; {mde})")
+        return verdict, "depends", nums
+    if str(row["binding"]) == "destroy − none" or not row["ci_low"] > 0:
+        return verdict, "none", nums
+    return verdict, "control", nums
+
+
+def _clause(kind: str, n: dict[str, str]) -> str:
+    """The words after the verdict; ``n``'s values may list several corpora's numbers."""
+    if kind == "untestable":
+        return n["why"]
+    if kind == "depends":
+        return (f"destroy − none (nats × p) {n['dn']}, beyond every control at common damage (weakest: {n['b']}, "
+                f"p {n['p']})")
+    if kind == "none":
+        return f"no change of tolerance by removing the pattern is detected (destroy − none (nats × p) {n['dn']}; " \
+               f"the whole test's MDE {n['mde']})"
+    return (f"removing the pattern costs tolerance (destroy − none (nats × p) {n['dn']}), but not detectably more than a "
+            f"control with the same damage ({n['b']}; the whole test's MDE {n['mde']})")
+
+
+def _entry_clauses(entry: str, rows: dict[str, pd.Series]) -> str:
+    """One entry of the claim in words over the corpora that ran it: where verdict and reason agree, once ("not
+    detected on pydoc and readmes — …", each number given per corpus); where they differ, per corpus."""
+    name = entry.replace(":", " ")
+    parts = {c: _parts(r) for c, r in rows.items()}
+    if len(parts) > 1 and len({(v, k) for v, k, _ in parts.values()}) == 1:
+        verdict, kind, _ = next(iter(parts.values()))
+        merged = {}
+        for key in ("dn", "mde", "p", "why", "b"):
+            vals = {c: n[key] for c, (_, _, n) in parts.items()}
+            merged[key] = (next(iter(vals.values())) if len(set(vals.values())) == 1
+                           else ", ".join(f"{v} on {c}" for c, v in vals.items()))
+        return f"{name}: {verdict} on {' and '.join(parts)} — {_clause(kind, merged)}"
+    return "; ".join(f"{name} ({c}): {v} — {_clause(k, n)}" for c, (v, k, n) in parts.items())
+
+
+def _entry_clause(entry: str, corpus: str, row: pd.Series) -> str:
+    """One entry of the claim in words on one corpus (:func:`_entry_clauses`)."""
+    return _entry_clauses(entry, {corpus: row})

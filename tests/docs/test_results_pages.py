@@ -163,7 +163,8 @@ def test_causal_headline_quotes_the_claim_table_not_its_run(tmp_path, dose_resul
     assert "[causal](docs/results/causal.md)" in text
     # the sentence names every entry run with its verdict, what removing the pattern did and what decided
     first = text.splitlines()[0]
-    assert "smollm2-135m L2 (pydoc): depends — destroy − none " in first and "weakest: destroy − C1" in first
+    assert "smollm2-135m L2 (pydoc): depends (exploratory) — destroy − none (nats × p) " in first
+    assert "weakest: destroy − C1" in first
     assert "gemma3-270m L2 (pydoc): " in first
 
 
@@ -178,6 +179,10 @@ def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path,
     assert "the claim holds here" in line
     assert "the claim holds (both corpora) for smollm2-135m:L1" in text
     assert "not run yet: gemma3-270m:L1, gemma3-270m:L2" in text and "- **gemma3-270m, layers L1** — not run yet." in text
+    # an entry with one verdict on both corpora is said once, its numbers per corpus where they differ
+    same = pages.readme_headlines(pages.find_runs(res)).splitlines()[0]
+    assert "smollm2-135m L1: depends (exploratory) on pydoc and readmes — destroy − none (nats × p) " in same
+    assert "smollm2-135m L1 (pydoc)" not in same
     shutil.rmtree(res / "smollm2-135m" / "readmes")
     _dose_run(dose_result, res / "smollm2-135m" / "readmes" / "causal", "smollm2-135m", {"L1": 0.5})
     text = "\n".join(pages.claim_discussion(pages.find_runs(res)))
@@ -185,6 +190,8 @@ def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path,
     # the headline counts the entries that could be claimed (both corpora run) apart from those run on one
     answer = pages.readme_headlines(pages.find_runs(res)).splitlines()[0]
     assert "(2 of 4 entries run on both so far, 0 on one)" in answer  # smollm2-135m L1, L2; gemma3 not run
+    assert "smollm2-135m L1 (pydoc): depends (exploratory) — " in answer  # verdicts differ: said per corpus
+    assert "smollm2-135m L1 (readmes): not detected (exploratory) — " in answer
     shutil.rmtree(res / "smollm2-135m" / "readmes")
     answer = pages.readme_headlines(pages.find_runs(res)).splitlines()[0]
     assert "(0 of 4 entries run on both so far, 2 on one)" in answer
