@@ -411,6 +411,21 @@ def means_fingerprint(k_means: Mapping[int, Any] | None) -> str | None:
     return h.hexdigest()
 
 
+def model_digest(model: Any, per_tensor: int = 256) -> str:
+    """A cheap SHA-1 of a model's weights — the first ``per_tensor`` values of every parameter, in order — so that a
+    checkpoint tells two models of one name apart (e.g. two random twins of different seeds)."""
+    import hashlib  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    h = hashlib.sha1()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().reshape(-1)[:per_tensor].double().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def pieces(checkpoint: Any, what: str, cfg: Config, model: Any, windows: Any, *,
            statistics: Sequence[str] = (), **extra: Any) -> Any:
     """The :class:`posgen_tl.io.checkpoint.Pieces` of one run: kept in ``checkpoint`` (a folder; ``None`` keeps
@@ -427,8 +442,9 @@ def pieces(checkpoint: Any, what: str, cfg: Config, model: Any, windows: Any, *,
     if checkpoint is None:
         return Pieces(None, {}, what)
     design = {k: v for k, v in cfg.as_dict().items() if k not in statistics}
-    fp = dict(config=design, model=probe_hooks(model)[0].model_name, dtype=str(model_dtype(model)),
-              windows=windows_fingerprint(windows), **extra)
+    fp = dict(format=1, config=design, model=probe_hooks(model)[0].model_name, dtype=str(model_dtype(model)),
+              weights=model_digest(model), windows=windows_fingerprint(windows), docs=windows.doc_ids.tolist(),
+              starts=windows.starts.tolist(), **extra)
     return Pieces(checkpoint, fp, what)
 
 

@@ -45,7 +45,7 @@ from posgen_tl.stats.familywise import maxt_signflip
 from posgen_tl.stats.inference import bootstrap_ci
 
 __all__ = ["NAME", "ABOUT", "NEEDS", "TITLE", "TABLES", "Config", "Result", "run", "run_or_skip", "save", "load",
-           "render", "corruption_of"]
+           "render", "corruption_of", "corruptions_of", "headline_findings", "ranked", "taxonomy_link", "upgrade"]
 
 NAME = "patching"
 ABOUT = ("which heads carry the damage of perturbed positions? activation patching of rotated q/k, the positional "
@@ -319,7 +319,7 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     from posgen_tl.hooks.capture import model_dtype  # noqa: PLC0415
 
     design = {k: v for k, v in cfg.as_dict().items() if k not in ("test_alpha", "n_perm")}  # statistics only
-    fp = dict(config=design, model=spec.model_name, dtype=str(model_dtype(model)), windows=windows_fingerprint(ana),
+    fp = dict(format=2, config=design, model=spec.model_name, dtype=str(model_dtype(model)), windows=windows_fingerprint(ana),
               docs=ana.doc_ids.tolist(), starts=ana.starts.tolist(), layers=layers,
               reference=windows_fingerprint(ref) if ref is not None and km is not None else None)
     ck = _Checkpoint(checkpoint, fp) if checkpoint is not None else None
@@ -431,6 +431,26 @@ def save(result: Result, folder: str | Path) -> list[Path]:
     return registry.save(NAME, result, folder)
 
 
+def upgrade(result: Result) -> Result:
+    """A Result saved before several corruptions could be swept in one run (no ``corruption`` column; meta
+    ``corruption`` a string, ``damage``/``damage_detected``/``twin_damage`` of the one corruption) in today's form:
+    the config's one corruption name added to every table and the meta keyed by it. Today's Results come back
+    unchanged."""
+    meta = result.meta
+    if "skipped" in meta or isinstance(meta.get("corruption"), dict):
+        return result
+    name = str(result.config.get("corruption", "swaps"))
+    tables = {k: (v if "corruption" in v.columns or not len(v.columns) else v.assign(corruption=name)[
+        ["corruption", *v.columns]]) for k, v in result.tables.items()}
+    dmg = dict(meta.get("damage") or {})
+    dmg["detected"] = bool(meta.get("damage_detected", dmg.get("ci_low", 0) > 0 or dmg.get("ci_high", 0) < 0))
+    new = {**{k: v for k, v in meta.items() if k != "damage_detected"}, "corruption": {name: str(meta.get("corruption"))},
+           "damage": {name: dmg}}
+    tw = meta.get("twin_damage")
+    new["twin_damage"] = {name: {**tw, "detected": bool(tw["ci_low"] > 0 or tw["ci_high"] < 0)}} if tw else None
+    return Result(tables, result.config, new)
+
+
 def load(folder: str | Path) -> Result:
     """The :class:`Result` :func:`save` wrote into ``folder`` (:func:`posgen_tl.experiments.registry.load`).
 
@@ -438,7 +458,7 @@ def load(folder: str | Path) -> Result:
         FileNotFoundError: no result of this experiment there."""
     from posgen_tl.experiments import registry  # noqa: PLC0415
 
-    return registry.load(NAME, folder)
+    return upgrade(registry.load(NAME, folder))
 
 
 # ----------------------------------------------------------------------------- render
@@ -517,9 +537,11 @@ def _figures(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> list[tu
                     for (d,), g in _groups(gc[gc["quantity"] == qq], ("direction",))}
             fig = plot_patching_maps(maps, n_layers=meta["n_layers"], title=f"{meta['model']}: {_WORDS.get(q, q)} "
                                      f"patched — {meta['corruption'][c]}", ncols=len(set(gc["direction"])))
-            out.append((fig, f"{_WORDS.get(q, q)} patched per head ({c}){' and its random-k̄ control' if q in TERMS else ''}"
-                             f": normalised recovery per head; outlined: significant at family-wise α = {alpha:g} "
-                             "(max-T sign-flip over documents)"))
+            ctrl = " and its random-k̄ control" if (gc["quantity"] == q + RANDOM).any() else ""
+            value = ("normalised recovery" if meta["damage"][str(c)]["detected"] else
+                     "mean effect in nats (no detectable damage: recovery undefined)")
+            out.append((fig, f"{_WORDS.get(q, q)} patched per head ({c}){ctrl}: {value} per head; outlined: "
+                             f"significant at family-wise α = {alpha:g} (max-T sign-flip over documents)"))
     return out
 
 
@@ -538,7 +560,8 @@ def headline_findings(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -
         ds = list(dict.fromkeys(gc.loc[gc["quantity"] == q, "direction"]))
         d = "denoising" if "denoising" in ds else ds[0]
         g = gc[(gc["quantity"] == q) & (gc["direction"] == d)]
-        rec = bool(meta["damage"][str(c)]["detected"])
+        dmg = meta["damage"][str(c)]
+        rec = bool(dmg["detected"])
         top = g.sort_values("effect", ascending=False).iloc[0]
         k = int((g["significant"] & (g["effect"] > 0)).sum())
         ctrl = gc[(gc["quantity"] == q + RANDOM) & (gc["direction"] == d)]
@@ -548,7 +571,9 @@ def headline_findings(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -
         note = (f"{c}: strongest head L{int(top['layer'])}H{int(top['head'])}, selected among {len(g)} on these "
                 "documents (its interval is not adjusted for that choice; its p is family-wise)"
                 + (f"; the random-k̄ control: {kc} significant heads" if kc is not None else "")
-                + ("" if rec else "; no detectable damage, so no recovery is defined"))
+                + ("" if rec else "; no detectable damage, so no recovery is defined")
+                + ("; the corruption LOWERED the target NLL, so a positive recovery moves it back up" if dmg["ci_high"] < 0
+                   else ""))
         out.append(Finding("patching", f"{k} of {len(g)} heads",
                            effect=float(top["recovery"] if rec else top["effect"]),
                            ci=(float(top["recovery_low"]), float(top["recovery_high"])) if rec else
@@ -564,6 +589,7 @@ def render(result: Result) -> Any:
     below; fixed −1 … 1 scale, family-wise significant heads outlined), the ranked heads, the per-layer patches."""
     from posgen_tl.report.html import Section, figure_to_png, skipped_section  # noqa: PLC0415
 
+    result = upgrade(result)
     t, meta, cfg = result.tables, result.meta, result.config
     if "skipped" in meta:
         return skipped_section(TITLE, meta["skipped"], NAME, meta.get("hint"))

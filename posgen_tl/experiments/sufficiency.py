@@ -158,8 +158,9 @@ def run(
     tokens = win.tokens
     docs = win.doc_ids.cpu().numpy()
     tol_set = {tuple(t) for t in tolerance}
-    ck = base.pieces(checkpoint, NAME, cfg, model, win, groups={k: list(v) for k, v in groups.items()},
-                     reference=windows_fingerprint(ref) if ref is not None else base.means_fingerprint(k_means))
+    ck = base.pieces(checkpoint, NAME, cfg, model, win, groups=[[k, list(v)] for k, v in groups.items()],
+                     reference=None if ref is None else windows_fingerprint(ref),
+                     k_means=base.means_fingerprint(k_means))
 
     def slopes(hooks, base) -> np.ndarray:
         df = transposition_curve(model, tokens, fracs=fracs, seeds=seeds, target_len=target_len, fwd_hooks=hooks,

@@ -144,7 +144,8 @@ def run(
     batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
     info = ana.frame()
     frames, times = [], {}
-    ck = base.pieces(checkpoint, NAME, cfg, model, ana)
+    ck = base.pieces(checkpoint, NAME, cfg, model, ana, twin=[base.model_digest(m) for nm, m, _ in models
+                                                               if nm == "random"] if checkpoint is not None else None)
 
     def batch_rows(m: Any, b: list[int], sds: tuple[int, ...], name: str) -> pd.DataFrame:
         w = ana.subset(b)

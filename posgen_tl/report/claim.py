@@ -205,7 +205,7 @@ def primary_claim(runs: list[Run]) -> tuple[str, str]:
         return q, ("No published answer yet: the earlier verdicts were withdrawn (their controls never did "
                    "destroy's damage), and the dose–response re-runs that replace them are under way "
                    "([causal]({prefix}causal.md)).")
-    entries = list(next(iter(tables.values())).index)
+    entries = list(dict.fromkeys(e for t in tables.values() for e in t.index))
     words = {e: {c: str(t.loc[e, "verdict"]).split(" (")[0] for c, t in tables.items() if e in t.index
                  and t.loc[e, "verdict"] != "not run"} for e in entries}
     holds = [e for e, w in words.items() if len(w) >= 2 and set(w.values()) == {"depends"}]

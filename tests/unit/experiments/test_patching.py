@@ -259,3 +259,21 @@ def test_several_maps_share_one_colour_scale():
     assert "recovery undefined" in fig.axes[-1].get_ylabel()
     with pytest.raises(ValueError, match="no map"):
         plot_patching_maps({})
+
+
+def test_a_result_saved_before_several_corruptions_still_loads_and_renders(result, tmp_path):
+    """The old layout (no corruption column; meta corruption a string, damage of the one corruption) is upgraded on
+    load and in render to today's, with the same numbers."""
+    old_tables = {k: v.drop(columns="corruption") for k, v in result.tables.items()}
+    m = dict(result.meta)
+    d = m["damage"]["swaps"]
+    m.update(corruption=m["corruption"]["swaps"], damage={k: d[k] for k in ("mean", "ci_low", "ci_high")},
+             damage_detected=d["detected"], twin_damage={k: m["twin_damage"]["swaps"][k]
+                                                          for k in ("mean", "ci_low", "ci_high")})
+    old = pe.Result(old_tables, result.config, m)
+    pe.save(old, tmp_path)
+    back = pe.load(tmp_path)
+    assert back.meta["damage"] == result.meta["damage"] and back.meta["corruption"] == result.meta["corruption"]
+    pd.testing.assert_frame_equal(back["heads"], result["heads"], check_dtype=False, rtol=1e-12)
+    assert pe.render(old).verdict == pe.render(result).verdict
+    assert pe.upgrade(result) is result  # today's Results unchanged

@@ -81,3 +81,28 @@ def test_an_interrupted_run_continues_to_the_same_numbers(name, stop, setting, t
     other = dataclasses.replace(cfg, seed=1)
     with pytest.raises(ValueError, match=f"another {name} design"):
         registry.run(name, model, other, checkpoint=tmp_path / "ck", progress=False)
+
+
+def test_a_checkpoint_tells_apart_what_changes_the_numbers(setting, tmp_path):
+    """Same tokens under other document ids (the swaps are seeded per document), another twin, or the same layer
+    groups in another order (pieces are numbered by position) are other designs: refused, never reused."""
+    from posgen_tl.experiments import base, sufficiency
+    from posgen_tl.io.models import random_twin
+    from posgen_tl.io.sampling import sample_windows
+
+    models, corpus = setting
+    model = models["llama"]
+    cfg = dataclasses.replace(registry.make_config("tolerance", "quick"), **SIZES["tolerance"][1], corpus=corpus)
+    win = sample_windows(model, corpus, n_seq=4, seq_len=24, seed=0)[0]
+    base.pieces(tmp_path / "a", "tolerance", cfg, model, win)
+    other_ids = dataclasses.replace(win, doc_ids=win.doc_ids + 100)
+    with pytest.raises(ValueError, match="another tolerance design"):
+        base.pieces(tmp_path / "a", "tolerance", cfg, model, other_ids)
+    registry.run("tolerance", model, cfg, checkpoint=tmp_path / "t", twin=random_twin(model, 0), progress=False)
+    with pytest.raises(ValueError, match="another tolerance design"):
+        registry.run("tolerance", model, cfg, checkpoint=tmp_path / "t", twin=random_twin(model, 1), progress=False)
+    scfg = dataclasses.replace(registry.make_config("sufficiency", "quick"), **SIZES["sufficiency"][1], corpus=corpus)
+    groups = {"a": [0], "b": [1]}
+    sufficiency.run(model, scfg, groups=groups, checkpoint=tmp_path / "s", progress=False)
+    with pytest.raises(ValueError, match="another sufficiency design"):
+        sufficiency.run(model, scfg, groups=dict(reversed(groups.items())), checkpoint=tmp_path / "s", progress=False)
