@@ -55,9 +55,9 @@ from posgen_tl.hooks.edits import feature_means, reference_key_means  # noqa: F4
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows
-from posgen_tl.maths.decompose import kbar_batched, sequence_key_mean
+from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
 from posgen_tl.maths.groups import layer_group
-from posgen_tl.maths.moments import Geometry, Target, all_fit_moments, d3_moments, geometry, scores
+from posgen_tl.maths.moments import Geometry, Target, all_fit_moments, d3_moments, geometry, scores, streamed_moments
 from posgen_tl.maths.rope import angles, expand_kv, rotate, to_bands
 from posgen_tl.report.text import fmt
 
@@ -73,6 +73,8 @@ __all__ = [
 
 ESTIMATORS = ("D1", "D2", "D3")
 K_MEAN_KINDS = ("global", "per_sequence")
+#: sequences longer than this are scored a block of query rows at a time (:func:`streamed_moments`), by default
+STREAM_ABOVE, STREAM_BLOCK = 2048, 256
 SCORE_COLUMNS = ("r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds")
 COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
            "sink_excluded", *SCORE_COLUMNS]
@@ -122,6 +124,14 @@ def _w_map(c: QKCapture, q2: Tensor, cache: dict | None = None) -> Tensor:
     return rearrange(w, _GROUPED, i=c.q.shape[1])
 
 
+def _k_y(c: QKCapture, k_mean: Tensor) -> Tensor:
+    """``[R_j k̄ | k_j − k̄]`` float32 ``[b, kv, 2·d_head, key_pos]``: the key side of :func:`_y_map`."""
+    b, n, kv = c.k.shape[:3]
+    kbar = kbar_batched(k_mean.to(c.k.device, torch.float32), b, kv)  # b kv d
+    rot_kbar = rotate(kbar[:, None].expand(b, n, *kbar.shape[1:]), c.positions, c.rope)
+    return rearrange(torch.cat([rot_kbar, c.k - kbar[:, None]], dim=-1), "b j kv d -> b kv d j")
+
+
 def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) -> Tensor:
     """``f + g`` of :func:`d3_split` as ONE matmul of width ``2·d_head``: ``q2 · [R_j k̄ | k_j − k̄]``.
 
@@ -129,42 +139,23 @@ def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) 
     Returns float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat); written
     into the run's map buffer when ``cache`` is given (W must be consumed by then).
     """
+    return rearrange(torch.matmul(q2, _k_y(c, k_mean), out=_map_buffer(cache, c)), _GROUPED, i=c.k.shape[1])
+
+
+def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None) -> Any:
+    """``(r0, r1) ↦`` query rows ``r0 … r1 − 1`` of W (``k_mean`` None, :func:`_w_map`) or of ``f + g``
+    (:func:`_y_map`), float32 ``[(batch head_index), r1 − r0, key_pos]``: the maps a row block at a time."""
     b, n, kv = c.k.shape[:3]
-    kbar = kbar_batched(k_mean.to(c.k.device, torch.float32), b, kv)  # b kv d
-    rot_kbar = rotate(kbar[:, None].expand(b, n, *kbar.shape[1:]), c.positions, c.rope)
-    k_y = rearrange(torch.cat([rot_kbar, c.k - kbar[:, None]], dim=-1), "b j kv d -> b kv d j")
-    return rearrange(torch.matmul(q2, k_y, out=_map_buffer(cache, c)), _GROUPED, i=n)
+    d = c.q.shape[-1]
+    q5 = q2.view(b, kv, c.q.shape[2] // kv, n, 2 * d)
+    keys = rearrange(c.rot_k, "b j kv d -> b kv d j") if k_mean is None else _k_y(c, k_mean)
+    q5 = q5[..., :d] if k_mean is None else q5
 
+    def rows(r0: int, r1: int) -> Tensor:
+        part = q5[:, :, :, r0:r1].reshape(b, kv, -1, q5.shape[-1])
+        return rearrange(part @ keys, _GROUPED, i=r1 - r0)
 
-def _bound_table(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tensor, rope, chunk: int = 8) -> Tensor:
-    """``Σ_m |q_im|·|k_jm − k̄_m|·2|sin((φ_im − φ_jm)/2)|`` on query ``rows``, causal part ``j ≤ i`` (0 elsewhere).
-
-    ``qn``: float64 ``[b, rows, head_index, band]`` (``|q|`` per band); ``k``: ``[b, key_pos, kv_head, d_head]``;
-    ``k_mean``: ``[kv_head, d_head]`` or ``[b, kv_head, d_head]``; ``phi``: float64 ``[b, pos, band]``.
-    The key side is built once per kv-group (GQA: no repeat per query head) and the rows are
-    batched ``chunk`` at a time (one masked ``sin`` table per chunk, shared by all sequences when
-    their positions are). Returns float64 ``[(b head_index), rows, key_pos]``.
-    """
-    b, n, kv = k.shape[:3]
-    g = qn.shape[2] // kv
-    kb = kbar_batched(k_mean.to(k.device).double(), b, kv)  # b kv d
-    zk, zb = to_bands(k.double(), rope.rotary_dim, rope.layout), to_bands(kb, rope.rotary_dim, rope.layout)
-    kn = rearrange((zk - zb[:, None]).abs(), "b j kv m -> b kv 1 j m")
-    qg = rearrange(qn, "b r (kv g) m -> b kv r m g", kv=kv)
-    shared = bool((phi == phi[:1]).all())  # same positions in every sequence (the default)
-    ph = phi[:1] if shared else phi
-    out = torch.zeros(b, kv, len(rows), n, g, dtype=torch.float64, device=k.device)
-    rows_l = rows.tolist()
-    for s in range(0, len(rows_l), chunk):
-        r = slice(s, s + chunk)
-        rc, jn = len(rows_l[r]), max(rows_l[r]) + 1  # keys j > max row are 0 for the whole chunk
-        dphi = ph[:, rows[r], None, :] - ph[:, None, :jn, :]  # b' r j m
-        sin = 2 * (dphi / 2).sin().abs() * (torch.arange(jn, device=k.device) <= rows[r, None].to(k.device))[..., None]
-        t = torch.empty(b, kv, rc, jn, kn.shape[-1], dtype=torch.float64, device=k.device)
-        torch.mul(kn[..., :jn, :], sin[:, None], out=t)  # (out= keeps it contiguous: no copy in the view below)
-        t = t.view(b * kv * rc, jn, -1)  # (b kv r) j m
-        out[:, :, r, :jn] = torch.bmm(t, qg[:, :, r].reshape(b * kv * rc, -1, g)).reshape(b, kv, rc, jn, g)
-    return rearrange(out, "b kv r j g -> (b kv g) r j")
+    return rows
 
 
 def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, Geometry]) -> dict[int, dict[str, Tensor]]:
@@ -173,7 +164,7 @@ def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, Ge
 
     ``k_mean``: ``[kv_head, d_head]`` or ``[batch, kv_head, d_head]``. ``W, f, g`` in float64
     as in :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on ``(Re, Im)``
-    band coordinates; the bound (float64) only on ``j ≤ i`` (:func:`_bound_table`).
+    band coordinates; the bound (float64) only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.d3_bound_rows`).
     Each ``[batch, head_index]``, flattened to ``[(batch head_index)]``.
     """
     rope, h, r = c.rope, c.n_heads, c.rope.rotary_dim
@@ -200,7 +191,7 @@ def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, Ge
         g = g + qp @ (kp - kbp[..., None])
     w, f, g = s * w, s * f, s * g
     err = (w - f - g).abs()
-    bound = _bound_table(zq[:, rows].abs(), c.k, k_mean, phi, rows, rope).reshape(err.shape) * (s * a2)
+    bound = d3_bound_rows(zq[:, rows].abs(), c.k, k_mean, phi, rows, rope).reshape(err.shape) * (s * a2)
     holds = err <= bound + _BOUND_RTOL * (w.abs() + f.abs() + g.abs())
     out = {}
     for sk, geo in geoms.items():
@@ -231,7 +222,7 @@ def k_mean_kinds(k_mean: Any) -> tuple[list[str], dict[int, Tensor] | Tensor | N
 
 
 def score_windows(model, windows: Windows, kinds, k_means, layers, *, sink, batch_size, bound_rows, twin_label, model_label,
-         progress, extra_hooks):
+         progress, extra_hooks, row_block: int = 0):
     spec, _ = probe_hooks(model)
     tokens = windows.tokens
     n = tokens.shape[1]
@@ -263,10 +254,21 @@ def score_windows(model, windows: Windows, kinds, k_means, layers, *, sink, batc
     def geoms_of(c: QKCapture) -> dict[int, Geometry]:
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
+    block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
+
     def on_layer(c: QKCapture) -> None:
         geoms = geoms_of(c)
         r = rows.to(c.q.device)
         q2 = _q2(c)
+        if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
+            bnds = {kind: _bound_check(c, kbar_of(kind, c), r, geoms) for kind in kinds}
+            fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbar_of(k, c)) for k in kinds}, n=n,
+                                         nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
+                                         sinks=sinks, block=block, device=c.q.device)
+            emit(c, fit_m, bnds[kinds[0]], {"D1": "none", "D2": "none"})
+            for kind in kinds:
+                emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
+            return
         w = _w_map(c, q2, cache)
         t = None
         for kind in kinds:
@@ -305,6 +307,9 @@ class Config(base.Config):
                                "sink_excluded rows)", "count")
     batch_size: int = base.batch_option(4)
     bound_rows: int = base.option(32, "query rows on which the D3 bound is checked (float64)", "int")
+    row_block: int = base.option(0, f"query rows per block of the logit maps: 0 = whole maps up to {STREAM_ABOVE} "
+                                    f"tokens, blocks of {STREAM_BLOCK} beyond (memory O(block · n) per head instead "
+                                    "of O(n²))", "count")
 
 
 def decompose_model(
@@ -361,7 +366,7 @@ def decompose_model(
                                     extra_hooks=extra_hooks)
     df = score_windows(model, windows, kinds, given, layers, sink=cfg.sink, batch_size=cfg.batch_size,
               bound_rows=cfg.bound_rows, twin_label=twin_label, model_label=model_label, progress=progress,
-              extra_hooks=extra_hooks)
+              extra_hooks=extra_hooks, row_block=cfg.row_block)
     df.attrs["analysed_docs"] = sorted({windows.doc_names[i] for i in windows.doc_ids.tolist()})
     df.attrs["reference_docs"] = [] if ref is None else sorted({ref.doc_names[i] for i in ref.doc_ids.tolist()})
     return df

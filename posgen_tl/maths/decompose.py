@@ -40,6 +40,7 @@ __all__ = [
     "D3Split",
     "d3_split",
     "d3_bound",
+    "d3_bound_rows",
     "d3_logits",
     "sequence_key_mean",
     "pearson_r",
@@ -470,3 +471,34 @@ def score_maps(
         "r2": r_squared(target, approx, mask),
         "r_within": within_row_r(target, approx, mask),
     }
+
+
+def d3_bound_rows(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tensor, rope: LayerRope, chunk: int = 8) -> Tensor:
+    """``Σ_m |q_im|·|k_jm − k̄_m|·2|sin((φ_im − φ_jm)/2)|`` on query ``rows``, causal part ``j ≤ i`` (0 elsewhere).
+
+    ``qn``: float64 ``[b, rows, head_index, band]`` (``|q|`` per band); ``k``: ``[b, key_pos, kv_head, d_head]``;
+    ``k_mean``: ``[kv_head, d_head]`` or ``[b, kv_head, d_head]``; ``phi``: float64 ``[b, pos, band]``.
+    The key side is built once per kv-group (GQA: no repeat per query head) and the rows are
+    batched ``chunk`` at a time (one masked ``sin`` table per chunk, shared by all sequences when
+    their positions are). Returns float64 ``[(b head_index), rows, key_pos]``.
+    """
+    b, n, kv = k.shape[:3]
+    g = qn.shape[2] // kv
+    kb = kbar_batched(k_mean.to(k.device).double(), b, kv)  # b kv d
+    zk, zb = to_bands(k.double(), rope.rotary_dim, rope.layout), to_bands(kb, rope.rotary_dim, rope.layout)
+    kn = rearrange((zk - zb[:, None]).abs(), "b j kv m -> b kv 1 j m")
+    qg = rearrange(qn, "b r (kv g) m -> b kv r m g", kv=kv)
+    shared = bool((phi == phi[:1]).all())  # same positions in every sequence (the default)
+    ph = phi[:1] if shared else phi
+    out = torch.zeros(b, kv, len(rows), n, g, dtype=torch.float64, device=k.device)
+    rows_l = rows.tolist()
+    for s in range(0, len(rows_l), chunk):
+        r = slice(s, s + chunk)
+        rc, jn = len(rows_l[r]), max(rows_l[r]) + 1  # keys j > max row are 0 for the whole chunk
+        dphi = ph[:, rows[r], None, :] - ph[:, None, :jn, :]  # b' r j m
+        sin = 2 * (dphi / 2).sin().abs() * (torch.arange(jn, device=k.device) <= rows[r, None].to(k.device))[..., None]
+        t = torch.empty(b, kv, rc, jn, kn.shape[-1], dtype=torch.float64, device=k.device)
+        torch.mul(kn[..., :jn, :], sin[:, None], out=t)  # (out= keeps it contiguous: no copy in the view below)
+        t = t.view(b * kv * rc, jn, -1)  # (b kv r) j m
+        out[:, :, r, :jn] = torch.bmm(t, qg[:, :, r].reshape(b * kv * rc, -1, g)).reshape(b, kv, rc, jn, g)
+    return rearrange(out, "b kv r j g -> (b kv g) r j")

@@ -5,14 +5,16 @@ per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.experim
   (:mod:`posgen_tl.maths.additive`: O(n) per map through the band's structure);
 * :class:`Target` — one batch of logit maps, centred and masked in place, with its row/column/diagonal sums;
 * ``_fit_*`` / ``d3_moments`` — moments (Σx, Σy, Σx², Σy², Σxy per row) of each approximation;
-* :func:`scores` — Pearson r, R² and within-row r from those moments.
+* :func:`scores` — Pearson r, R² and within-row r from those moments;
+* :func:`streamed_moments` — the same moments from query-row blocks of the maps (two passes; extra memory
+  O(maps · block · n) instead of O(maps · n²)), for long sequences.
 
 Pure tensor maths (no model); the experiment that uses it is :mod:`posgen_tl.experiments.decomposition`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +159,7 @@ class Target:
             buf = cache["buf"] = W.new_zeros(nm, n, 2 * n)
         x = buf[..., n:]
         _mask_(torch.sub(W, mu[:, None, None], out=x), g0)
-        self.mu, self.x, self.n = mu, x, n
+        self.mu, self.x, self.n, self.device = mu, x, n, W.device
         self.view = buf.as_strided((nm, n, n), (2 * n * n, 2 * n + 1, 1), 1)  # e = n−1−d
         self.sx = x.sum(-1).double()
         self.sxx = _rowsq(x)
@@ -176,7 +178,7 @@ class Target:
         return self.sx - s.sum(-1), self.sxx - (s * s).sum(-1)
 
 
-def _fit_solve(t: Target, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fit_solve(t: Target | RowStats, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(mean, a, b, c)`` of ``fit_additive(x, g.mask, three_axis)`` (float64; ``b = 0`` for D2)."""
     n, s = t.n, g.sink
     sx, _ = t.moments_x(s)
@@ -195,12 +197,12 @@ def _fit_solve(t: Target, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor
     return mean, a, b, c_
 
 
-def _fit_moments(t: Target, g: Geometry, fit: tuple, xc: Tensor, xa: Tensor) -> _Moments:
+def _fit_moments(t: Target | RowStats, g: Geometry, fit: tuple, xc: Tensor, xa: Tensor) -> _Moments:
     """Moments of x and of the fitted map ``mean + a[i−j] + b[i] + c[j]`` on mask ``g``.
 
     ``xc = Σ_j x_ij c_j`` and ``xa = Σ_d x[i, i−d] a_d`` over the sink-KEPT mask (``[maps, i]``).
     """
-    n, s, dev = t.n, g.sink, t.x.device
+    n, s, dev = t.n, g.sink, t.device
     mean, a, b, c_ = fit
     sx, sxx = t.moments_x(s)
     mi = mean[:, None] + b
@@ -222,12 +224,19 @@ def _fit_moments(t: Target, g: Geometry, fit: tuple, xc: Tensor, xa: Tensor) -> 
     return _Moments(sx, sy, sxx, syy, sxy, t.xmax, ymax)
 
 
+def _fits(t: Target | RowStats, geoms: dict[int, Geometry]) -> tuple[dict[tuple[int, str], tuple], Tensor, Tensor]:
+    """D1 and D2 on every mask: ``(fits, cs, as_)`` — the parameters per (sink, estimator) and the column / distance
+    effects stacked float32 ``[maps, fits, n]`` for the two map-sized products (distances flipped to the view's e)."""
+    fits = {(s, est): _fit_solve(t, g, est == "D1") for s, g in geoms.items() for est in ("D1", "D2")}
+    cs = torch.stack([fits[k][3] for k in fits], 1).float()  # [maps, fits, j]
+    as_ = torch.stack([fits[k][1].flip(-1) for k in fits], 1).float()
+    return fits, cs, as_
+
+
 def all_fit_moments(t: Target, geoms: dict[int, Geometry]) -> dict[tuple[int, str], _Moments]:
     """D1 and D2 on every mask; the two map-sized products for all fits in one pass each."""
-    fits = {(s, est): _fit_solve(t, g, est == "D1") for s, g in geoms.items() for est in ("D1", "D2")}
+    fits, cs, as_ = _fits(t, geoms)
     keys = list(fits)
-    cs = torch.stack([fits[k][3] for k in keys], 1).float()  # [maps, fits, j]
-    as_ = torch.stack([fits[k][1].flip(-1) for k in keys], 1).float()
     # (x·c)ᵀ = cᵀ·xᵀ: the skinny product in this orientation is 2–4× faster on CPU BLAS (same sums)
     xc, xa = torch.bmm(cs, t.x.transpose(1, 2)).double(), torch.bmm(as_, t.view.transpose(1, 2)).double()
     return {k: _fit_moments(t, geoms[k[0]], fits[k], xc[:, i], xa[:, i]) for i, k in enumerate(keys)}
@@ -250,3 +259,100 @@ def d3_moments(t: Target, y: Tensor, g0: Geometry, sinks: Sequence[int]) -> dict
         else:
             out[s] = _Moments(sx, sy, sxx, syy, sxy, t.xmax, ymax)
     return out
+
+
+# ----------------------------------------------------------------------------- query-row blocks (long sequences)
+
+
+class RowStats:
+    """What the D1/D2 fits and the scores need of the shifted, masked target ``x = (W − μ)·mask₀``, accumulated
+    over query-row blocks: per-row ``Σx``, ``Σx²`` (float64 ``[maps, n]``), column and diagonal sums, and the first
+    ``max_sink`` columns of every row — the interface of :class:`Target` without its ``[maps, n, 2n]`` buffer."""
+
+    def __init__(self, nm: int, n: int, mu: Tensor, max_sink: int, device: torch.device) -> None:
+        def z(*shape: int) -> Tensor:
+            return torch.zeros(*shape, dtype=torch.float64, device=device)
+
+        self.n, self.mu, self.device = n, mu, device
+        self.sx, self.sxx, self.col, self.diag = z(nm, n), z(nm, n), z(nm, n), z(nm, n)
+        self.sinks = torch.zeros(nm, n, max_sink, device=device)
+        self.xmax = z(nm)
+
+    def add(self, x: Tensor, view: Tensor, r0: int) -> None:
+        """Rows ``r0 …`` of x (``[maps, block, n]``) and their diagonal view (``view[m, i, e] = x[m, i, i − (n−1−e)]``)."""
+        r1 = r0 + x.shape[1]
+        self.sx[:, r0:r1] = x.sum(-1).double()
+        self.sxx[:, r0:r1] = _rowsq(x)
+        self.col += x.sum(-2).double()
+        self.diag += view.sum(-2).double().flip(-1)
+        self.sinks[:, r0:r1] = x[..., : self.sinks.shape[-1]]
+        self.xmax = _scale(self.sxx, self.mu)
+
+    def sink_cols(self, sink: int) -> Tensor:
+        return self.sinks[..., :sink]
+
+    def moments_x(self, sink: int) -> tuple[Tensor, Tensor]:
+        """Row sums ``Σx``, ``Σx²`` over the mask with the first ``sink`` keys excluded."""
+        if sink == 0:
+            return self.sx, self.sxx
+        s = self.sink_cols(sink).double()
+        return self.sx - s.sum(-1), self.sxx - (s * s).sum(-1)
+
+
+def _block_rows(rows: Tensor, g0: Geometry, mu: Tensor, buf: Tensor, r0: int) -> tuple[Tensor, Tensor]:
+    """``x`` of query rows ``r0 … r0 + block − 1`` (``rows``: ``W`` there, ``[maps, block, n]``) shifted and masked
+    into the right half of ``buf`` (``[maps, ≥ block, 2n]``, left half zero), and its diagonal view."""
+    nm, blk, n = rows.shape
+    x = buf[:, :blk, n:]
+    torch.sub(rows, mu[:, None, None], out=x)
+    x.tril_(r0)  # j ≤ i
+    if g0.window is not None:
+        x.triu_(r0 - (g0.window - 1))
+    view = buf.as_strided((nm, blk, n), (buf.stride(0), 2 * n + 1, 1), buf.storage_offset() + r0 + 1)
+    return x, view
+
+
+def streamed_moments(
+    w_rows: Callable[[int, int], Tensor], y_rows: Mapping[str, Callable[[int, int], Tensor]], *, n: int, nm: int,
+    mu: Tensor, geoms: dict[int, Geometry], sinks: Sequence[int], block: int, device: torch.device,
+) -> tuple[dict[tuple[int, str], _Moments], dict[str, dict[int, _Moments]]]:
+    """The moments of :func:`all_fit_moments` and, per k̄ kind, of :func:`d3_moments`, from query-row blocks:
+    ``w_rows(r0, r1)`` gives the logit map's rows ``[maps, r1 − r0, n]`` (float32) and ``y_rows[kind](r0, r1)`` the
+    D3 approximation's. Two passes over the rows (the fits need every row's sums first), so ``W`` is computed twice;
+    the extra memory is O(maps · block · n). Equal to the whole-map functions up to float32 summation order.
+
+    Returns ``(fit moments by (sink, estimator), {kind: D3 moments by sink})``."""
+    g0 = geoms[0]
+    starts = range(0, n, block)
+    buf = torch.zeros(nm, min(block, n), 2 * n, device=device)
+    st = RowStats(nm, n, mu, max(sinks), device)
+    for r0 in starts:
+        st.add(*_block_rows(w_rows(r0, min(r0 + block, n)), g0, mu, buf, r0), r0)
+    fits, cs, as_ = _fits(st, geoms)
+    xc, xa = (torch.zeros(nm, len(fits), n, dtype=torch.float64, device=device) for _ in range(2))
+    acc = {k: {m: torch.zeros(nm, n, dtype=torch.float64, device=device) for m in ("sy", "syy", "sxy")}
+           for k in y_rows}
+    ycols = {k: torch.zeros(nm, n, max(sinks), dtype=torch.float64, device=device) for k in y_rows}
+    for r0 in starts:
+        r1 = min(r0 + block, n)
+        x, view = _block_rows(w_rows(r0, r1), g0, mu, buf, r0)
+        xc[..., r0:r1] = torch.bmm(cs, x.transpose(1, 2)).double()
+        xa[..., r0:r1] = torch.bmm(as_, view.transpose(1, 2)).double()
+        for k, fn in y_rows.items():
+            y = fn(r0, r1).sub_(mu[:, None, None]).tril_(r0)
+            if g0.window is not None:
+                y.triu_(r0 - (g0.window - 1))
+            acc[k]["sy"][:, r0:r1], acc[k]["syy"][:, r0:r1] = y.sum(-1).double(), _rowsq(y)
+            ycols[k][:, r0:r1] = y[..., : max(sinks)].double()
+            acc[k]["sxy"][:, r0:r1] = y.mul_(x).sum(-1).double()
+    fit_m = {k: _fit_moments(st, geoms[k[0]], fits[k], xc[:, i], xa[:, i]) for i, k in enumerate(fits)}
+    d3: dict[str, dict[int, _Moments]] = {}
+    for k, a in acc.items():
+        ymax = _scale(a["syy"], mu)
+        d3[k] = {}
+        for s in sinks:
+            sx, sxx = st.moments_x(s)
+            yc, xcs = ycols[k][..., :s], st.sink_cols(s).double()
+            d3[k][s] = _Moments(sx, a["sy"] - yc.sum(-1), sxx, a["syy"] - (yc * yc).sum(-1),
+                                a["sxy"] - (xcs * yc).sum(-1), st.xmax, ymax)
+    return fit_m, d3

@@ -244,3 +244,36 @@ def test_global_k_mean_reference_documents_are_disjoint():
     assert set(only[only.estimator == "D3"].k_mean) == {"per_sequence"}
     with pytest.raises(ValueError, match="k_mean"):
         decompose_model(model, windows, k_mean="sequence", layers=[0], progress=False)
+
+
+@pytest.mark.parametrize("block", [5, 8, 23])
+def test_row_blocks_give_the_whole_maps_scores(tiny, block):
+    """Query-row streaming (docs/performance.md: long texts in bounded memory) computes every score of the
+    whole-map path — D1/D2 fits, D3 per k̄ kind, with and without the sink, the bound check — to float32
+    summation order; blocks that do not divide n, and a one-row last block, included. Gemma3's sliding window
+    (4 keys) crosses block edges."""
+    whole = _run(tiny)
+    streamed = _run(tiny, row_block=block)
+    keys = ["layer", "head", "seq", "estimator", "k_mean", "sink_excluded"]
+    a, b = (d.sort_values(keys).reset_index(drop=True) for d in (whole, streamed))
+    pd.testing.assert_frame_equal(a[keys], b[keys])
+    for col in ("r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds"):
+        np.testing.assert_allclose(b[col].to_numpy(float), a[col].to_numpy(float), rtol=1e-6, atol=1e-6,
+                                   equal_nan=True, err_msg=col)
+    assert np.isfinite(b["r"].to_numpy(float)).mean() > 0.9
+
+
+def test_long_sequences_stream_by_default(monkeypatch):
+    """Past STREAM_ABOVE tokens the runner takes the row-block path without being asked (and only then)."""
+    from posgen_tl.experiments import decomposition as dm
+
+    calls = []
+    real = dm.streamed_moments
+    monkeypatch.setattr(dm, "streamed_moments", lambda *a, **k: calls.append(k["block"]) or real(*a, **k))
+    model = tm.hf_llama(n_layers=1)[0]
+    _run(model)
+    assert calls == []
+    monkeypatch.setattr(dm, "STREAM_ABOVE", 16)
+    monkeypatch.setattr(dm, "STREAM_BLOCK", 7)
+    _run(model)
+    assert calls and set(calls) == {7}
