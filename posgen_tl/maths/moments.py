@@ -142,7 +142,24 @@ def _mask_(x: Tensor, g: Geometry) -> Tensor:
     return x
 
 
-class Target:
+class _RowSums:
+    """Per-row sums of a masked target: ``sx``, ``sxx`` (float64 ``[maps, n]``) and its first columns."""
+
+    sx: Tensor
+    sxx: Tensor
+
+    def sink_cols(self, sink: int) -> Tensor:  # pragma: no cover - each subclass has its own
+        raise NotImplementedError
+
+    def moments_x(self, sink: int) -> tuple[Tensor, Tensor]:
+        """Row sums ``Σx``, ``Σx²`` over the mask with the first ``sink`` keys excluded."""
+        if sink == 0:
+            return self.sx, self.sxx
+        s = self.sink_cols(sink).double()
+        return self.sx - s.sum(-1), self.sxx - (s * s).sum(-1)
+
+
+class Target(_RowSums):
     """The shifted, masked logit maps of one (batch, layer) and their sink-kept row sums.
 
     ``x = (W − μ)·mask₀`` (``μ`` a per-map shift, the masked mean of the bound rows; any
@@ -169,13 +186,6 @@ class Target:
 
     def sink_cols(self, sink: int) -> Tensor:
         return self.x[..., :sink]
-
-    def moments_x(self, sink: int) -> tuple[Tensor, Tensor]:
-        """Row sums ``Σx``, ``Σx²`` over the mask with the first ``sink`` keys excluded."""
-        if sink == 0:
-            return self.sx, self.sxx
-        s = self.sink_cols(sink).double()
-        return self.sx - s.sum(-1), self.sxx - (s * s).sum(-1)
 
 
 def _fit_solve(t: Target | RowStats, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -264,7 +274,7 @@ def d3_moments(t: Target, y: Tensor, g0: Geometry, sinks: Sequence[int]) -> dict
 # ----------------------------------------------------------------------------- query-row blocks (long sequences)
 
 
-class RowStats:
+class RowStats(_RowSums):
     """What the D1/D2 fits and the scores need of the shifted, masked target ``x = (W − μ)·mask₀``, accumulated
     over query-row blocks: per-row ``Σx``, ``Σx²`` (float64 ``[maps, n]``), column and diagonal sums, and the first
     ``max_sink`` columns of every row — the interface of :class:`Target` without its ``[maps, n, 2n]`` buffer."""
@@ -290,13 +300,6 @@ class RowStats:
 
     def sink_cols(self, sink: int) -> Tensor:
         return self.sinks[..., :sink]
-
-    def moments_x(self, sink: int) -> tuple[Tensor, Tensor]:
-        """Row sums ``Σx``, ``Σx²`` over the mask with the first ``sink`` keys excluded."""
-        if sink == 0:
-            return self.sx, self.sxx
-        s = self.sink_cols(sink).double()
-        return self.sx - s.sum(-1), self.sxx - (s * s).sum(-1)
 
 
 def _block_rows(rows: Tensor, g0: Geometry, mu: Tensor, buf: Tensor, r0: int) -> tuple[Tensor, Tensor]:
