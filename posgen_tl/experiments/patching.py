@@ -43,6 +43,7 @@ from posgen_tl.io.provenance import git_commit
 from posgen_tl.io.sampling import Windows, check_disjoint, sample_windows
 from posgen_tl.stats.familywise import maxt_signflip
 from posgen_tl.stats.inference import bootstrap_ci
+from posgen_tl.stats.taxonomy_tables import taxonomy_link
 
 __all__ = ["NAME", "ABOUT", "NEEDS", "TITLE", "TABLES", "Config", "Result", "run", "run_or_skip", "save", "load",
            "render", "corruption_of", "corruptions_of", "headline_findings", "ranked", "taxonomy_link", "upgrade"]
@@ -358,40 +359,6 @@ def _damage(b: pd.DataFrame, seed: int) -> dict[str, dict[str, Any]]:
         m, lo, hi = bootstrap_ci(g["damage"].to_numpy(), seed=seed)
         out[str(c)] = dict(mean=m, ci_low=lo, ci_high=hi, detected=bool(lo > 0 or hi < 0))
     return out
-
-
-def taxonomy_link(heads: pd.DataFrame, labels: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
-    """Do the heads a taxonomy labels ``positional`` carry more patching effect than its ``symbolic`` heads? Per map
-    ((corruption,) quantity, direction), per layer holding both kinds among the patched heads: mean effect of its positional heads
-    − mean effect of its symbolic heads; the LAYER is the unit (heads of one layer share their input and are not
-    independent): mean over layers, 95 % bootstrap over layers, exact sign-flip over layers.
-
-    ``labels``: ``layer, head, label`` (a taxonomy study's ``heads.csv``; rows of its random twin are ignored).
-    Returns one row per map: ``(corruption,) quantity, direction, n_layers, estimate, ci_low, ci_high, ci_level,
-    p, p_kind`` (``n_layers < 3``: no test, NaN)."""
-    from posgen_tl.stats.inference import sign_flip  # noqa: PLC0415
-
-    missing = {"layer", "head", "label"} - set(labels.columns)
-    if missing:
-        raise ValueError(f"the taxonomy table lacks the column(s) {sorted(missing)} (a taxonomy study's heads.csv has them)")
-    lab = labels[labels["twin"] == "trained"] if "twin" in labels.columns else labels
-    lab = lab[["layer", "head", "label"]]
-    rows = []
-    keys = [k for k in ("corruption", "quantity", "direction") if k in heads.columns]
-    for key, g in heads.groupby(keys, sort=False):
-        m = g.merge(lab, on=["layer", "head"])
-        per = m[m["label"].isin(["positional", "symbolic"])].groupby(["layer", "label"])["effect"].mean().unstack()
-        per = per.dropna() if {"positional", "symbolic"} <= set(per.columns) else per.iloc[0:0]
-        diff = (per["positional"] - per["symbolic"]).to_numpy() if len(per) else np.array([])
-        row: dict[str, Any] = dict(zip(keys, key))
-        row.update(n_layers=len(diff), estimate=np.nan, ci_low=np.nan, ci_high=np.nan, ci_level=0.95, p=np.nan,
-                   p_kind="too few layers with both kinds")
-        if len(diff) >= 3:
-            est, lo, hi = bootstrap_ci(diff, seed=seed)
-            p, kind = sign_flip(diff)
-            row.update(estimate=est, ci_low=lo, ci_high=hi, p=p, p_kind=kind)
-        rows.append(row)
-    return pd.DataFrame(rows)
 
 
 def _twin_damage(model: Any, ana: Windows, corrs: dict[str, P.Corruption], cfg: Config) -> pd.DataFrame:

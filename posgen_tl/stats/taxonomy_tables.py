@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 from scipy.stats import mannwhitneyu, spearmanr
@@ -15,7 +17,8 @@ from scipy.stats import mannwhitneyu, spearmanr
 from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.taxonomy import LABELS
 
-__all__ = ["label_counts", "share_by_class", "taxonomy_agreement", "labels_by_layer_group", "agreement_table"]
+__all__ = ["label_counts", "share_by_class", "taxonomy_agreement", "labels_by_layer_group", "agreement_table",
+           "taxonomy_link"]
 
 
 def _heads(df: pd.DataFrame) -> pd.DataFrame:
@@ -107,3 +110,37 @@ def agreement_table(head_df: pd.DataFrame) -> pd.DataFrame:
     """:func:`taxonomy_agreement` as a tidy table ``twin, n_heads, spearman, p``."""
     return pd.DataFrame([{"twin": t, "n_heads": a["n"], "spearman": a["rho"], "p": a["p"]}
                          for t, a in taxonomy_agreement(head_df).items()])
+
+
+def taxonomy_link(heads: pd.DataFrame, labels: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
+    """Do the heads a taxonomy labels ``positional`` carry more patching effect than its ``symbolic`` heads? Per map
+    ((corruption,) quantity, direction), per layer holding both kinds among the patched heads: mean effect of its positional heads
+    − mean effect of its symbolic heads; the LAYER is the unit (heads of one layer share their input and are not
+    independent): mean over layers, 95 % bootstrap over layers, exact sign-flip over layers.
+
+    ``labels``: ``layer, head, label`` (a taxonomy study's ``heads.csv``; rows of its random twin are ignored).
+    Returns one row per map: ``(corruption,) quantity, direction, n_layers, estimate, ci_low, ci_high, ci_level,
+    p, p_kind`` (``n_layers < 3``: no test, NaN)."""
+    from posgen_tl.stats.inference import bootstrap_ci, sign_flip  # noqa: PLC0415
+
+    missing = {"layer", "head", "label"} - set(labels.columns)
+    if missing:
+        raise ValueError(f"the taxonomy table lacks the column(s) {sorted(missing)} (a taxonomy study's heads.csv has them)")
+    lab = labels[labels["twin"] == "trained"] if "twin" in labels.columns else labels
+    lab = lab[["layer", "head", "label"]]
+    rows = []
+    keys = [k for k in ("corruption", "quantity", "direction") if k in heads.columns]
+    for key, g in heads.groupby(keys, sort=False):
+        m = g.merge(lab, on=["layer", "head"])
+        per = m[m["label"].isin(["positional", "symbolic"])].groupby(["layer", "label"])["effect"].mean().unstack()
+        per = per.dropna() if {"positional", "symbolic"} <= set(per.columns) else per.iloc[0:0]
+        diff = (per["positional"] - per["symbolic"]).to_numpy() if len(per) else np.array([])
+        row: dict[str, Any] = dict(zip(keys, key))
+        row.update(n_layers=len(diff), estimate=np.nan, ci_low=np.nan, ci_high=np.nan, ci_level=0.95, p=np.nan,
+                   p_kind="too few layers with both kinds")
+        if len(diff) >= 3:
+            est, lo, hi = bootstrap_ci(diff, seed=seed)
+            p, kind = sign_flip(diff)
+            row.update(estimate=est, ci_low=lo, ci_high=hi, p=p, p_kind=kind)
+        rows.append(row)
+    return pd.DataFrame(rows)
