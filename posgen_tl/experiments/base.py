@@ -400,30 +400,25 @@ def twin_of(model: Any, twin: Any, seed: int) -> Any:
 def means_fingerprint(k_means: Mapping[int, Any] | None) -> str | None:
     """SHA-1 of given per-layer k̄ (layer order, float64 bytes), so that a checkpoint tells two sets of given means
     apart; ``None`` for none."""
+    return None if k_means is None else _digest((str(layer), k_means[layer]) for layer in sorted(k_means))
+
+
+def _digest(items: Any, per_tensor: int | None = None) -> str:
+    """SHA-1 of ``(name, tensor)`` pairs: each name, then the tensor's first ``per_tensor`` values (all: None) as
+    float64 bytes."""
     import hashlib  # noqa: PLC0415
 
-    if k_means is None:
-        return None
     h = hashlib.sha1()
-    for layer in sorted(k_means):
-        h.update(str(layer).encode())
-        h.update(k_means[layer].detach().double().cpu().numpy().tobytes())
+    for name, t in items:
+        h.update(name.encode())
+        h.update(t.detach().reshape(-1)[:per_tensor].double().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
 def model_digest(model: Any, per_tensor: int = 256) -> str:
     """A cheap SHA-1 of a model's weights — the first ``per_tensor`` values of every parameter, in order — so that a
     checkpoint tells two models of one name apart (e.g. two random twins of different seeds)."""
-    import hashlib  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-
-    h = hashlib.sha1()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            h.update(name.encode())
-            h.update(p.detach().reshape(-1)[:per_tensor].double().cpu().numpy().tobytes())
-    return h.hexdigest()
+    return _digest(model.named_parameters(), per_tensor)
 
 
 def pieces(checkpoint: Any, what: str, cfg: Config, model: Any, windows: Any, *,

@@ -296,7 +296,11 @@ class RowStats(_RowSums):
         self.col += x.sum(-2).double()
         self.diag += view.sum(-2).double().flip(-1)
         self.sinks[:, r0:r1] = x[..., : self.sinks.shape[-1]]
+
+    def finish(self) -> RowStats:
+        """After the last block: the magnitude of x for the degeneracy test (as :class:`Target`'s)."""
         self.xmax = _scale(self.sxx, self.mu)
+        return self
 
     def sink_cols(self, sink: int) -> Tensor:
         return self.sinks[..., :sink]
@@ -331,6 +335,7 @@ def streamed_moments(
     st = RowStats(nm, n, mu, max(sinks), device)
     for r0 in starts:
         st.add(*_block_rows(w_rows(r0, min(r0 + block, n)), g0, mu, buf, r0), r0)
+    st.finish()
     fits, cs, as_ = _fits(st, geoms)
     xc, xa = (torch.zeros(nm, len(fits), n, dtype=torch.float64, device=device) for _ in range(2))
     acc = {k: {m: torch.zeros(nm, n, dtype=torch.float64, device=device) for m in ("sy", "syy", "sxy")}
