@@ -30,6 +30,7 @@ import copy
 import functools
 import inspect
 import json
+import re
 import sys
 import tempfile
 import time
@@ -850,3 +851,20 @@ def readme_claim(data: dict) -> str:
 
 def load_json(path: Path) -> dict | None:
     return json.loads(Path(path).read_text()) if Path(path).exists() else None
+
+
+#: a refusal may quote measurements ("logits differ by 4.27 (max |logit| 7.97)"); the last digits of such a number move with the
+#: machine's bfloat16 kernels and thread count, so two statuses agree when their words and every other number are
+#: equal and each measured number agrees within this relative tolerance.
+MEASURED_RTOL = 0.1
+_MEASURED = re.compile(r"(\bdiffers? (?:from \S+ )?by |max \|\w+\| )([-+0-9.eE]+)")
+
+
+def same_status(committed: str | None, measured: str) -> bool:
+    """Whether the committed table's status says what this run measured (see :data:`MEASURED_RTOL`)."""
+    if committed is None:
+        return False
+    a, b = _MEASURED.findall(committed), _MEASURED.findall(measured)
+    if _MEASURED.sub(r"\1#", committed) != _MEASURED.sub(r"\1#", measured) or len(a) != len(b):
+        return False
+    return all(abs(float(x) - float(y)) <= MEASURED_RTOL * max(abs(float(x)), abs(float(y))) for (_, x), (_, y) in zip(a, b))
