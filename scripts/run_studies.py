@@ -10,7 +10,10 @@ skipped, so an interrupted run resumes. ``--only`` picks jobs by a substring of 
 Corpora: ``pydoc`` — the default (the stdlib's pydoc topics: the Python language reference);
 ``readmes`` — the long descriptions of the installed Python distributions
 (:func:`posgen_tl.io.corpus.package_readmes`, written to ``--readmes`` and recorded in
-``<out>/corpora/readmes.json``): a second genre, for the replication of every headline.
+``<out>/corpora/readmes.json``): a second genre, for the replication of every headline; ``docstrings`` — the
+docstrings of the standard library's modules (:func:`posgen_tl.io.corpus.stdlib_docstrings`, written to
+``--docstrings`` and recorded in ``<out>/corpora/docstrings.json``): fresh documents for the one confirmatory causal
+test the exploratory runs could not power (:data:`CONFIRM`).
 """
 
 from __future__ import annotations
@@ -30,12 +33,19 @@ CLAIM = "smollm2-135m:L10-19,smollm2-135m:L20-29,gemma3-270m:L6-11,gemma3-270m:L
 N = {"smollm2-135m": {"causal": 64, "tolerance": 64}, "gemma3-270m": {"causal": 32, "tolerance": 32}}
 #: the replication's causal sizes: 32 documents per model (the smallest n that is not exploratory)
 N_REPLICATION = {"smollm2-135m": {"causal": 32, "tolerance": 32}, "gemma3-270m": {"causal": 32, "tolerance": 32}}
+#: the confirmatory causal test, declared before its run: one entry (its own family, so α is not split), on documents
+#: none of the exploratory runs saw, with every document of the docstring corpus but the 16 reference ones analysed
+#: (200 modules of Python 3.11.7: n = 184; the exploratory pilots put the n needed for an effect of 0.001 nats × p at
+#: 181–379 with α split four ways, about 0.7 × that with one entry)
+CONFIRM = {"model": "smollm2-135m", "groups": "late", "claim": "smollm2-135m:L20-29", "n_seq": 184, "n_ref": 16}
 
 
-def jobs(readmes: str, default_preset: frozenset[str] = frozenset()) -> list[tuple[str, list[str]]]:
-    """``(name, posgen-tl arguments)`` in priority order (the causal claim and its replication first).
-    Studies named in ``default_preset`` run at their default sizes (no ``--full``, no size override)."""
-    corpora = {"pydoc": [], "readmes": ["--corpus", readmes]}
+def jobs(readmes: str, default_preset: frozenset[str] = frozenset(),
+         docstrings: str = "results/corpora/docstrings") -> list[tuple[str, list[str]]]:
+    """``(name, posgen-tl arguments)`` in priority order (the causal claim and its replication first, then the
+    confirmatory test). Studies named in ``default_preset`` run at their default sizes (no ``--full``, no size
+    override)."""
+    corpora = {"pydoc": [], "readmes": ["--corpus", readmes], "docstrings": ["--corpus", docstrings]}
     out: list[tuple[str, list[str]]] = []
 
     def add(study: str, model: str, corpus: str, *extra: str) -> None:
@@ -50,6 +60,9 @@ def jobs(readmes: str, default_preset: frozenset[str] = frozenset()) -> list[tup
             add("causal", model, corpus, "--n-seq", str(n[model]["causal"]), "--claim", CLAIM)
         for model in ("smollm2-135m", "gemma3-270m"):
             add("tolerance", model, corpus, "--n-seq", str(n[model]["tolerance"]))
+    c = CONFIRM
+    add("causal", str(c["model"]), "docstrings", "--n-seq", str(c["n_seq"]), "--n-ref", str(c["n_ref"]), "--groups",
+        str(c["groups"]), "--claim", str(c["claim"]))
     for corpus in ("pydoc", "readmes"):
         for model in ("smollm2-135m", "gemma3-270m"):
             add("sufficiency", model, corpus)
@@ -96,17 +109,15 @@ def run(name: str, args: list[str], out: Path, logs: Path) -> tuple[str, int, fl
     return name, rc, time.time() - t0
 
 
-def write_readmes(folder: Path, record: Path) -> None:
-    """Write the package-README corpus into ``folder``. Where ``record`` (the provenance of the published runs)
-    exists, the written documents must be exactly the recorded ones (name and SHA-256 of every document): installed
-    versions move, and a silently different corpus would make new runs incomparable with the published ones.
+def write_recorded(folder: Path, record: Path, prov: list[dict], what: str, hint: str) -> None:
+    """Keep a corpus just written into ``folder`` (its provenance ``prov``: name and SHA-256 per document) only if
+    it is the recorded one: where ``record`` (the provenance of the published runs) exists, the documents must be
+    exactly the recorded ones — installed versions move, and a silently different corpus would make new runs
+    incomparable with the published ones. Without a record, ``prov`` becomes it.
 
     Raises:
-        SystemExit: the installed descriptions differ from the record (the documents are named, with the recorded
-            versions to take them from)."""
-    from posgen_tl.io.corpus import package_readmes
-
-    prov = package_readmes(folder)
+        SystemExit: the written documents differ from the record (named, with the recorded and installed versions
+            where the record has them; ``hint`` says how to restore them); the folder's documents are removed."""
     if record.exists():
         want = {d["name"]: d for d in json.loads(record.read_text())}
         have = {d["name"]: d for d in prov}
@@ -114,14 +125,38 @@ def write_readmes(folder: Path, record: Path) -> None:
         if diff:
             for f in folder.glob("*.txt"):
                 f.unlink()
-            names = ", ".join(f"{n} (recorded {want[n]['version'] if n in want else 'absent'}, installed "
-                              f"{have[n]['version'] if n in have else 'absent'})" for n in diff)
-            raise SystemExit(f"the package-README corpus differs from {record} in {len(diff)} document(s): {names}. "
-                             "Write those descriptions from the recorded versions (the METADATA payload of their "
-                             "wheels) into the folder, or start a new record on purpose by removing the file.")
+
+            def version(d: dict | None) -> str:
+                return "absent" if d is None else str(d.get("version") or d.get("python") or "?")
+
+            names = ", ".join(f"{n} (recorded {version(want.get(n))}, installed {version(have.get(n))})" for n in diff)
+            raise SystemExit(f"the {what} corpus differs from {record} in {len(diff)} document(s): {names}. {hint}")
         return
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(prov, indent=1))
+
+
+def write_readmes(folder: Path, record: Path) -> None:
+    """Write the package-README corpus into ``folder``, exactly as recorded in ``record`` (:func:`write_recorded`).
+
+    Raises:
+        SystemExit: the installed descriptions differ from the record."""
+    from posgen_tl.io.corpus import package_readmes
+
+    write_recorded(folder, record, package_readmes(folder), "package-README",
+                   "Write those descriptions from the recorded versions (the METADATA payload of their wheels) into "
+                   "the folder, or start a new record on purpose by removing the file.")
+
+
+def write_docstrings(folder: Path, record: Path) -> None:
+    """Write the standard-library docstring corpus into ``folder``, exactly as recorded in ``record``.
+
+    Raises:
+        SystemExit: this interpreter's standard library gives other documents than the record's."""
+    from posgen_tl.io.corpus import stdlib_docstrings
+
+    write_recorded(folder, record, stdlib_docstrings(folder), "standard-library docstring",
+                   "Run with the recorded Python version, or start a new record on purpose by removing the file.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="results folder")
     p.add_argument("--readmes", required=True, help="folder for the package-README corpus (written if empty; give a "
                                                    "path relative to the repository so the recorded commands are too)")
+    p.add_argument("--docstrings", default="results/corpora/docstrings",
+                   help="folder for the standard-library docstring corpus (written if empty)")
     p.add_argument("--logs", required=True, help="folder for the studies' console logs (not part of the results)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", default="", help="run only jobs whose name contains this")
@@ -140,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     if not any(readmes.glob("*.txt")):
         write_readmes(readmes, out / "corpora" / "readmes.json")
+    if not any(Path(a.docstrings).glob("*.txt")):
+        write_docstrings(Path(a.docstrings), out / "corpora" / "docstrings.json")
     skip = [x for x in a.skip.split(",") if x]
-    todo = [(n, j) for n, j in jobs(str(readmes), frozenset(x for x in a.default_preset.split(",") if x))
+    todo = [(n, j) for n, j in jobs(str(readmes), frozenset(x for x in a.default_preset.split(",") if x), a.docstrings)
             if a.only in n and not any(x in n for x in skip)]
     with ThreadPoolExecutor(a.workers) as ex:
         results = list(ex.map(lambda nj: run(nj[0], nj[1], out, logs), todo))

@@ -36,6 +36,7 @@ __all__ = [
     "NATIVE_BOS",
     "named_documents",
     "package_readmes",
+    "stdlib_docstrings",
 ]
 
 #: the tokenizer's own BOS policy, recorded by :func:`posgen_tl.io.models.load_model` before
@@ -266,4 +267,71 @@ def package_readmes(dest: str | os.PathLike, *, min_chars: int = 3000, exclude: 
                         sha256=hashlib.sha256(text.encode()).hexdigest()))
     if len(out) < 2:
         raise CorpusError(f"only {len(out)} installed distributions have a description of ≥ {min_chars} characters")
+    return out
+
+
+#: parts of the standard library left out of :func:`stdlib_docstrings`: tests, GUI and tooling packages, vendored
+#: or legacy trees (their text is not documentation of the library)
+DOCSTRING_SKIP = ("test", "tests", "idlelib", "site-packages", "dist-packages", "turtledemo", "__pycache__", "lib2to3",
+                  "tkinter", "ensurepip", "venv")
+
+
+def module_docstrings(source: str) -> str:
+    """The documentation text of one Python module's source: its docstring, then each public (not ``_``-prefixed)
+    class and function — methods under their class — as ``name`` followed by its docstring, in source order,
+    separated by blank lines; ``""`` when it has none. Read with :mod:`ast` (nothing is imported or run)."""
+    import ast  # noqa: PLC0415
+
+    tree = ast.parse(source)
+    out = [d] if (d := ast.get_docstring(tree)) else []
+
+    def walk(node: Any, prefix: str) -> None:
+        for n in node.body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not n.name.startswith("_"):
+                if d := ast.get_docstring(n):
+                    out.append(f"{prefix}{n.name}\n{d}")
+                if isinstance(n, ast.ClassDef):
+                    walk(n, f"{prefix}{n.name}.")
+
+    walk(tree, "")
+    return "\n\n".join(out)
+
+
+def stdlib_docstrings(dest: str | os.PathLike, *, min_chars: int = 1500, root: str | os.PathLike | None = None) -> list[dict]:
+    """Write a third corpus: the docstrings of the Python standard library's modules (:func:`module_docstrings`:
+    API documentation written by the library's authors — one document per module with at least ``min_chars``
+    characters, ``<dotted.module.name>.txt``) into ``dest``. ``root``: the library's folder (default: this
+    interpreter's). Tests, GUI/tooling packages and vendored trees (:data:`DOCSTRING_SKIP`) are left out.
+
+    Returns:
+        One dict per written document: ``name, chars, sha256`` and the interpreter's ``python`` version (the text
+        depends on it, so a run records it).
+
+    Raises:
+        CorpusError: fewer than 2 modules qualify."""
+    import hashlib  # noqa: PLC0415
+    import platform  # noqa: PLC0415
+    import sysconfig  # noqa: PLC0415
+
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    folder = Path(dest)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for p in sorted(base.rglob("*.py")):
+        rel = p.relative_to(base)
+        if any(part in DOCSTRING_SKIP for part in rel.parts):
+            continue
+        try:
+            text = module_docstrings(p.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):  # a file the parser cannot read is no document
+            continue
+        if len(text) < min_chars:
+            continue
+        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        (folder / f"{name}.txt").write_text(text, encoding="utf-8")
+        out.append(dict(name=name, chars=len(text), sha256=hashlib.sha256(text.encode()).hexdigest(),
+                        python=platform.python_version()))
+    if len(out) < 2:
+        raise CorpusError(f"only {len(out)} standard-library modules under {base} have ≥ {min_chars} characters of "
+                          "docstrings")
     return out

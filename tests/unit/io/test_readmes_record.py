@@ -51,3 +51,30 @@ def test_a_corpus_that_moved_is_refused_by_name_and_the_record_kept(tmp_path, mo
     with pytest.raises(SystemExit, match=r"1 document\(s\): beta \(recorded 2.0, installed 2.1\)"):
         run_studies.write_readmes(tmp_path / "b", record)
     assert record.read_text() == kept and not list((tmp_path / "b").glob("*.txt"))  # nothing half-written is used
+
+
+def test_the_docstring_corpus_is_kept_only_as_recorded(tmp_path, monkeypatch):
+    def fake(texts, python):
+        def write(dest, **_):
+            Path(dest).mkdir(parents=True, exist_ok=True)
+            for name, text in texts.items():
+                (Path(dest) / f"{name}.txt").write_text(text)
+            return [dict(name=n, chars=len(t), sha256=hashlib.sha256(t.encode()).hexdigest(), python=python)
+                    for n, t in texts.items()]
+        return write
+
+    record = tmp_path / "docstrings.json"
+    monkeypatch.setattr(corpus, "stdlib_docstrings", fake({"heapq": "h" * 2000, "json": "j" * 2000}, "3.11.7"))
+    run_studies.write_docstrings(tmp_path / "a", record)
+    monkeypatch.setattr(corpus, "stdlib_docstrings", fake({"heapq": "h" * 2001, "json": "j" * 2000}, "3.12.1"))
+    with pytest.raises(SystemExit, match=r"docstring corpus differs .* 1 document\(s\): heapq \(recorded 3.11.7, "
+                                         r"installed 3.12.1\)"):
+        run_studies.write_docstrings(tmp_path / "b", record)
+    assert not list((tmp_path / "b").glob("*.txt"))
+
+
+def test_the_confirmatory_causal_job_is_declared_with_one_entry_on_the_docstrings():
+    name, args = next(j for j in run_studies.jobs("R") if j[0].endswith("docstrings/causal"))
+    assert name == "smollm2-135m/docstrings/causal"
+    assert args[args.index("--claim") + 1] == "smollm2-135m:L20-29" and args[args.index("--groups") + 1] == "late"
+    assert args[args.index("--corpus") + 1] == "results/corpora/docstrings"
