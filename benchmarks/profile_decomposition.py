@@ -28,7 +28,7 @@ def main() -> None:
     import torch
     from suite import Bench
 
-    import posgen_tl.experiments.decomposition as D
+    import posgen_tl.engine.decompose_scores as D
     import posgen_tl.maths.moments as M
 
     torch.set_num_threads(a.threads)

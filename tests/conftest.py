@@ -13,7 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two threads, or what OMP_NUM_THREADS asks for (1 beside a long run on this 2-core machine: a second thread waiting
+# for a busy core makes small tensor ops ~30× slower)
+torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1))))
 
 
 @pytest.fixture(scope="session")

@@ -443,6 +443,35 @@ def pieces(checkpoint: Any, what: str, cfg: Config, model: Any, windows: Any, *,
     return Pieces(checkpoint, fp, what)
 
 
+def model_pieces(checkpoint: Any, label: str, what: str, cfg: Config, model: Any, windows: Any, **extra: Any) -> Any:
+    """:func:`pieces` of one of a run's models (``label``: ``"trained"`` or ``"random"``), kept in the sub-folder
+    ``label`` of ``checkpoint`` under that model's own fingerprint (so another twin is another design)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    return pieces(None if checkpoint is None else Path(checkpoint) / label, what, cfg, model, windows, **extra)
+
+
+def kept_tables(kept: Any, label: str, names: Sequence[str], compute: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
+    """The tables ``names`` of ONE computation, each kept in ``kept`` (:class:`~posgen_tl.io.checkpoint.Pieces`) as
+    ``<label>_<name>``: ``compute()`` (a mapping holding each name's DataFrame, and maybe more) runs at most once, and
+    only when one of them is not kept. Float columns are float64, so a table read back from a checkpoint equals the
+    computed one exactly. Returns ``{name: DataFrame}``."""
+    import numpy as np  # noqa: PLC0415
+
+    memo: dict[str, Any] = {}
+
+    def one(name: str) -> Any:
+        if not memo:
+            got = compute()
+            for k in names:
+                df = got[k]
+                floats = [c for c in df.columns if df[c].dtype.kind == "f"]
+                memo[k] = df.astype({c: np.float64 for c in floats})
+        return memo[name]
+
+    return {n: kept.rows(f"{label}_{n}", lambda n=n: one(n)) for n in names}
+
+
 # ----------------------------------------------------------------------------- a Result's files
 
 

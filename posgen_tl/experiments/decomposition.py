@@ -41,24 +41,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import pandas as pd
-import torch
-from einops import rearrange
-from torch import Tensor
 
+from posgen_tl.engine.decompose_scores import (  # noqa: F401 (the scoring names stay importable here)
+    COLUMNS,
+    ESTIMATORS,
+    K_MEAN_KINDS,
+    SCORE_COLUMNS,
+    STREAM_ABOVE,
+    STREAM_BLOCK,
+    k_mean_kinds,
+    score_in_pieces,
+    score_windows,
+)
+from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, probe_hooks
+from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.edits import feature_means, reference_key_means  # noqa: F401 (the name stays importable here)
-from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows
-from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
-from posgen_tl.maths.groups import layer_group
-from posgen_tl.maths.moments import Geometry, Target, all_fit_moments, d3_moments, geometry, scores, streamed_moments
-from posgen_tl.maths.rope import angles, expand_kv, rotate, to_bands
 from posgen_tl.report.text import fmt
 
 __all__ = [
@@ -70,227 +74,6 @@ __all__ = [
     "decompose_with_twin",
     "summarize_decomposition",
 ]
-
-ESTIMATORS = ("D1", "D2", "D3")
-K_MEAN_KINDS = ("global", "per_sequence")
-#: sequences longer than this are scored a block of query rows at a time (:func:`streamed_moments`), by default
-STREAM_ABOVE, STREAM_BLOCK = 2048, 256
-SCORE_COLUMNS = ("r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds")
-COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
-           "sink_excluded", *SCORE_COLUMNS]
-_BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative to |W|+|f|+|g|)
-
-
-# ----------------------------------------------------------------------------- tokens, k̄
-
-
-
-
-# ----------------------------------------------------------------------------- W and D3 pieces
-
-
-def _q2(c: QKCapture) -> Tensor:
-    """``[s·R_i q_i | s·Λq_i]`` grouped by kv-head, ``[b, kv, (g i), 2·d_head]`` float32 (``Λ = a²`` on rotary dims)."""
-    rope, kv = c.rope, c.k.shape[-2]
-    lam = torch.ones(c.q.shape[-1], device=c.q.device)
-    lam[: rope.rotary_dim] = rope.attention_scaling**2
-    return rearrange(torch.cat([c.rot_q, c.q * lam], dim=-1) * rope.score_scale,
-                     "b i (kv g) d -> b kv (g i) d", kv=kv).contiguous()
-
-
-_GROUPED = "b kv (g i) j -> (b kv g) i j"
-
-
-def _map_buffer(cache: dict | None, c: QKCapture) -> Tensor | None:
-    """The run's one map-sized float32 scratch ``[b, kv, (g i), j]`` (W, then each ``f + g``), kept in
-    ``cache`` and reused across layers and batches: a fresh map per product costs page faults and,
-    with glibc, heap growth with the number of batches. ``None`` without a cache."""
-    if cache is None:
-        return None
-    b, n, kv = c.k.shape[:3]
-    shape = (b, kv, c.q.shape[2] // kv * n, n)
-    buf = cache.get("map")
-    if buf is None or tuple(buf.shape) != shape or buf.device != c.q.device:
-        cache.pop("map", None)
-        buf = cache["map"] = torch.empty(shape, dtype=torch.float32, device=c.q.device)
-    return buf
-
-
-def _w_map(c: QKCapture, q2: Tensor, cache: dict | None = None) -> Tensor:
-    """``W = s·R_i q_i · R_j k_j`` (= ``c.logits()``), float32 ``[(batch head_index), query_pos, key_pos]``
-    (written into the run's map buffer when ``cache`` is given)."""
-    d = c.q.shape[-1]
-    w = torch.matmul(q2[..., :d], rearrange(c.rot_k, "b j kv d -> b kv d j"), out=_map_buffer(cache, c))
-    return rearrange(w, _GROUPED, i=c.q.shape[1])
-
-
-def _k_y(c: QKCapture, k_mean: Tensor) -> Tensor:
-    """``[R_j k̄ | k_j − k̄]`` float32 ``[b, kv, 2·d_head, key_pos]``: the key side of :func:`_y_map`."""
-    b, n, kv = c.k.shape[:3]
-    kbar = kbar_batched(k_mean.to(c.k.device, torch.float32), b, kv)  # b kv d
-    rot_kbar = rotate(kbar[:, None].expand(b, n, *kbar.shape[1:]), c.positions, c.rope)
-    return rearrange(torch.cat([rot_kbar, c.k - kbar[:, None]], dim=-1), "b j kv d -> b kv d j")
-
-
-def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) -> Tensor:
-    """``f + g`` of :func:`d3_split` as ONE matmul of width ``2·d_head``: ``q2 · [R_j k̄ | k_j − k̄]``.
-
-    ``k_mean``: ``[kv_head, d_head]`` (global) or ``[batch, kv_head, d_head]`` (per sequence).
-    Returns float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat); written
-    into the run's map buffer when ``cache`` is given (W must be consumed by then).
-    """
-    return rearrange(torch.matmul(q2, _k_y(c, k_mean), out=_map_buffer(cache, c)), _GROUPED, i=c.k.shape[1])
-
-
-def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None) -> Any:
-    """``(r0, r1) ↦`` query rows ``r0 … r1 − 1`` of W (``k_mean`` None, :func:`_w_map`) or of ``f + g``
-    (:func:`_y_map`), float32 ``[(batch head_index), r1 − r0, key_pos]``: the maps a row block at a time."""
-    b, n, kv = c.k.shape[:3]
-    d = c.q.shape[-1]
-    q5 = q2.view(b, kv, c.q.shape[2] // kv, n, 2 * d)
-    keys = rearrange(c.rot_k, "b j kv d -> b kv d j") if k_mean is None else _k_y(c, k_mean)
-    q5 = q5[..., :d] if k_mean is None else q5
-
-    def rows(r0: int, r1: int) -> Tensor:
-        part = q5[:, :, :, r0:r1].reshape(b, kv, -1, q5.shape[-1])
-        return rearrange(part @ keys, _GROUPED, i=r1 - r0)
-
-    return rows
-
-
-def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, Geometry]) -> dict[int, dict[str, Tensor]]:
-    """D3 check on query ``rows``: mean |W − f − g|, mean bound (as :func:`d3_bound`) and
-    fraction of entries within the bound, over the masked entries of ``rows`` per mask.
-
-    ``k_mean``: ``[kv_head, d_head]`` or ``[batch, kv_head, d_head]``. ``W, f, g`` in float64
-    as in :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on ``(Re, Im)``
-    band coordinates; the bound (float64) only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.d3_bound_rows`).
-    Each ``[batch, head_index]``, flattened to ``[(batch head_index)]``.
-    """
-    rope, h, r = c.rope, c.n_heads, c.rope.rotary_dim
-    q, k = c.q.double(), expand_kv(c.k, h).double()
-    kb = kbar_batched(k_mean.to(q.device).double(), q.shape[0], h)  # b h d
-    zq, zk, zb = (to_bands(x, r, rope.layout) for x in (q, k, kb))
-    zb = zb[:, None]  # b 1 h m
-    phi = angles(c.positions.to(q.device), rope).double()  # b pos m
-    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]
-
-    def re(z: Tensor) -> Tensor:  # Re(x·conj(y)) = [xr, xi]·[yr, yi]
-        return rearrange(torch.view_as_real(z), "b p h m two -> b h p (m two)")
-
-    a2, s = rope.attention_scaling**2, rope.score_scale
-    qr, qb = re((zq * e)[:, rows]), re(zq[:, rows])
-    w = a2 * qr @ re(zk * e).transpose(-1, -2)
-    f = a2 * qr @ re(zb * e).transpose(-1, -2)
-    g = a2 * qb @ re(zk - zb).transpose(-1, -2)
-    if q.shape[-1] > r:
-        qp, kp = rearrange(q[:, rows, :, r:], "b i h d -> b h i d"), rearrange(k[..., r:], "b j h d -> b h d j")
-        kbp = kb[..., r:]  # b h dp
-        w = w + qp @ kp
-        f = f + torch.einsum("bhid,bhd->bhi", qp, kbp)[..., None]
-        g = g + qp @ (kp - kbp[..., None])
-    w, f, g = s * w, s * f, s * g
-    err = (w - f - g).abs()
-    bound = d3_bound_rows(zq[:, rows].abs(), c.k, k_mean, phi, rows, rope).reshape(err.shape) * (s * a2)
-    holds = err <= bound + _BOUND_RTOL * (w.abs() + f.abs() + g.abs())
-    out = {}
-    for sk, geo in geoms.items():
-        m = geo.mask[rows].double()
-        cnt = m.sum()
-
-        def mean(x: Tensor) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
-            return (x.reshape(x.shape[0] * x.shape[1], -1) @ m.reshape(-1)) / cnt  # noqa: B023
-
-        out[sk] = {"d3_err_mean": mean(err), "d3_bound_mean": mean(bound), "d3_bound_holds": mean(holds.double()),
-                   "mu": mean(w)}
-    return out
-
-
-# ----------------------------------------------------------------------------- runner
-
-
-def k_mean_kinds(k_mean: Any) -> tuple[list[str], dict[int, Tensor] | Tensor | None]:
-    """``(kinds, given)``: the k̄ kinds to score and a given k̄ (dict per layer or one tensor) if any."""
-    if isinstance(k_mean, (dict, Tensor)):
-        return ["given"], k_mean
-    kinds = [k_mean] if isinstance(k_mean, str) else list(k_mean)
-    bad = [k for k in kinds if k not in K_MEAN_KINDS]
-    if bad or not kinds or len(set(kinds)) != len(kinds):
-        raise ValueError(f"k_mean must be 'global', 'per_sequence', a sequence of them, a tensor or a "
-                         f"{{layer: tensor}} dict; got {k_mean!r}")
-    return kinds, None
-
-
-def score_windows(model, windows: Windows, kinds, k_means, layers, *, sink, batch_size, bound_rows, twin_label, model_label,
-         progress, extra_hooks, row_block: int = 0):
-    spec, _ = probe_hooks(model)
-    tokens = windows.tokens
-    n = tokens.shape[1]
-    rows = torch.linspace(0, n - 1, min(bound_rows, n)).round().long().unique()
-    sinks = [0, sink] if sink else [0]
-    docs = windows.doc_ids.cpu().numpy()
-    frames: list[dict[str, np.ndarray]] = []
-    cache: dict = {}  # map-sized scratch buffers, freed when the run ends
-
-    def kbar_of(kind: str, c: QKCapture) -> Tensor:
-        if kind == "per_sequence":
-            return sequence_key_mean(c.k, sink)
-        km = k_means if isinstance(k_means, Tensor) else k_means[c.layer]
-        return km
-
-    def emit(c, moments, bnd, est_kind: dict[str, str]) -> None:
-        b, h = c.q.shape[0], c.n_heads
-        seq = np.arange(b) + c.seq_offset
-        for (s, est), m in sorted(moments.items()):
-            sc = {k: v.cpu().numpy() for k, v in scores(m, geoms_of(c)[s]).items()}
-            for key in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds"):
-                sc[key] = bnd[s][key].cpu().numpy() if est == "D3" else np.full(b * h, np.nan)
-            sc["head"] = np.tile(np.arange(h), b)
-            sc["seq"] = np.repeat(seq, h)
-            sc["doc"] = np.repeat(docs[seq], h)
-            sc.update(layer=c.layer, kind=c.rope.kind, estimator=est, sink_excluded=bool(s), k_mean=est_kind[est])
-            frames.append(sc)
-
-    def geoms_of(c: QKCapture) -> dict[int, Geometry]:
-        return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
-
-    block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
-
-    def on_layer(c: QKCapture) -> None:
-        geoms = geoms_of(c)
-        r = rows.to(c.q.device)
-        q2 = _q2(c)
-        if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
-            bnds = {kind: _bound_check(c, kbar_of(kind, c), r, geoms) for kind in kinds}
-            fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbar_of(k, c)) for k in kinds}, n=n,
-                                         nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
-                                         sinks=sinks, block=block, device=c.q.device)
-            emit(c, fit_m, bnds[kinds[0]], {"D1": "none", "D2": "none"})
-            for kind in kinds:
-                emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
-            return
-        w = _w_map(c, q2, cache)
-        t = None
-        for kind in kinds:
-            kbar = kbar_of(kind, c)
-            bnd = _bound_check(c, kbar, r, geoms)
-            if t is None:  # the target (and its D1/D2 fits) do not depend on k̄
-                t = Target(w, geoms[0], bnd[0]["mu"].float(), cache)
-                del w
-                emit(c, all_fit_moments(t, geoms), bnd, {"D1": "none", "D2": "none"})
-            y = _y_map(c, q2, kbar, cache)  # the buffer W was in (copied into the target by now)
-            moments = {(s, "D3"): m for s, m in d3_moments(t, y, geoms[0], sinks).items()}
-            del y
-            emit(c, moments, bnd, {"D3": kind})
-
-    stream_qk(model, tokens, on_layer, layers, batch_size=batch_size, extra_hooks=extra_hooks,
-              progress=f"decompose[{twin_label}]" if progress else False)
-    df = pd.concat([pd.DataFrame(f) for f in frames], ignore_index=True)
-    df["model"] = model_label or spec.model_name
-    df["twin"] = twin_label
-    df["layer_group"] = [layer_group(int(x), spec.n_layers) for x in df["layer"]]
-    df = df[COLUMNS].sort_values(["layer", "estimator", "k_mean", "sink_excluded", "seq", "head"], kind="stable")
-    return df.reset_index(drop=True)
 
 
 @dataclass(frozen=True)
@@ -323,6 +106,7 @@ def decompose_model(
     model_label: str | None = None,
     progress: bool = True,
     extra_hooks: Sequence = (),
+    checkpoint: str | Path | None = None,
     **options: Any,
 ) -> pd.DataFrame:
     """D1/D2/D3 scores of every head's logit map, one row per (layer, head, sequence,
@@ -338,6 +122,8 @@ def decompose_model(
     sequence of both (scored in ONE pass), or a given k̄ — a ``[kv_head, d_head]`` tensor (all layers)
     or ``{layer: [kv_head, d_head]}`` — labelled ``"given"``. ``sink_excluded=True`` rows rescore with
     keys ``j < sink`` removed (only when ``sink > 0``). ``extra_hooks`` are attached to both passes.
+    ``checkpoint``: a folder that keeps each finished batch's rows; a rerun of the same design (config, model,
+    windows, reference, k̄) continues where an interrupted one stopped, to the same rows.
 
     Returns a tidy DataFrame with :data:`COLUMNS`: ``model, twin, k_mean ('global' |
     'per_sequence' | 'given' on D3 rows, 'none' on D1/D2 rows, which do not use k̄), layer,
@@ -364,9 +150,15 @@ def decompose_model(
                              "(a token tensor or Windows), or k_mean='per_sequence'")
         given = reference_key_means(model, ref, layers, sink=cfg.sink, batch_size=cfg.batch_size, progress=progress,
                                     extra_hooks=extra_hooks)
-    df = score_windows(model, windows, kinds, given, layers, sink=cfg.sink, batch_size=cfg.batch_size,
-              bound_rows=cfg.bound_rows, twin_label=twin_label, model_label=model_label, progress=progress,
-              extra_hooks=extra_hooks, row_block=cfg.row_block)
+    if checkpoint is not None and extra_hooks:
+        raise ValueError("decompose_model: a checkpoint cannot tell extra_hooks apart; run without checkpoint=")
+    ck = base.pieces(checkpoint, NAME, cfg, model, windows, twin=twin_label, label=model_label, kinds=kinds,
+                     reference=None if ref is None else windows_fingerprint(ref),
+                     k_means=base.means_fingerprint(given) if isinstance(given, dict) else
+                     None if given is None else base.means_fingerprint({-1: given}))
+    df = score_in_pieces(model, windows, kinds, given, layers, pieces=ck, sink=cfg.sink, batch_size=cfg.batch_size,
+                         bound_rows=cfg.bound_rows, twin_label=twin_label, model_label=model_label, progress=progress,
+                         extra_hooks=extra_hooks, row_block=cfg.row_block)
     df.attrs["analysed_docs"] = sorted({windows.doc_names[i] for i in windows.doc_ids.tolist()})
     df.attrs["reference_docs"] = [] if ref is None else sorted({ref.doc_names[i] for i in ref.doc_ids.tolist()})
     return df
@@ -374,11 +166,12 @@ def decompose_model(
 
 def decompose_with_twin(model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, *,
                         twin: Any = None, reference: Windows | Tensor | None = None, progress: bool = True,
-                        **options: Any) -> pd.DataFrame:
+                        checkpoint: str | Path | None = None, **options: Any) -> pd.DataFrame:
     """:func:`decompose_model` for ``model`` (twin ``'trained'``) and ``random_twin(model, cfg.seed)``
     (twin ``'random'``) on the SAME windows (and the same reference windows, each model computing its
     own global ``k̄``); both frames concatenated, ``model`` label shared. ``twin``: an already-built
-    random twin to reuse (built here if None)."""
+    random twin to reuse (built here if None). ``checkpoint``: a folder keeping each model's finished batches (in
+    ``trained/`` and ``random/``), so an interrupted run continues where it stopped."""
     from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
     cfg = base.config_of(Config, cfg, options)
@@ -386,10 +179,12 @@ def decompose_with_twin(model: Any, corpus: CorpusLike | Windows = None, cfg: Co
     windows, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
                                    n_ref=cfg.n_ref if needs_ref else 0, seed=cfg.seed)
     label = probe_hooks(model)[0].model_name
-    trained = decompose_model(model, windows, cfg, reference=ref, model_label=label, progress=progress)
+    sub = (lambda name: None) if checkpoint is None else (lambda name: Path(checkpoint) / name)
+    trained = decompose_model(model, windows, cfg, reference=ref, model_label=label, progress=progress,
+                              checkpoint=sub("trained"))
     twin = random_twin(model, cfg.seed) if twin is None else twin
     random = decompose_model(twin, windows, cfg, reference=ref, twin_label="random", model_label=label,
-                             progress=progress)
+                             progress=progress, checkpoint=sub("random"))
     out = pd.concat([trained, random], ignore_index=True)
     out.attrs = dict(trained.attrs)
     return out
@@ -455,11 +250,12 @@ LEGACY_META = "windows.json"
 
 
 def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, twin: Any = None, progress: bool = True,
-        **options: Any) -> Result:
+        checkpoint: str | Path | None = None, **options: Any) -> Result:
     """Decompose every head of the trained model and — unless ``cfg.twin`` is false or ``twin`` is ``False`` — of
     its random twin (``twin``: a model or a callable giving one; ``None`` builds it) on the same windows, and one
     head's maps (the middle analysed layer, head 0, first window, global k̄) for the figure. Returns the
-    :class:`Result`."""
+    :class:`Result`. ``checkpoint``: a folder that keeps each finished batch of each model; a rerun of the same
+    design continues where an interrupted one stopped, to the same numbers."""
     from posgen_tl.experiments.head_maps import decompose_head  # noqa: PLC0415
     from posgen_tl.io.sampling import sample_or_chunks  # noqa: PLC0415
 
@@ -468,9 +264,10 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, twin: Any 
                                           seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
     if cfg.twin and twin is not False:
         df = decompose_with_twin(model, windows, cfg, twin=base.twin_of(model, twin, cfg.seed), reference=ref,
-                                 progress=progress)
+                                 progress=progress, checkpoint=checkpoint)
     else:
-        df = decompose_model(model, windows, cfg, reference=ref, progress=progress)
+        df = decompose_model(model, windows, cfg, reference=ref, progress=progress,
+                             checkpoint=None if checkpoint is None else Path(checkpoint) / "trained")
     layers = sorted(df["layer"].unique())
     toks = windows.tokens
     head = decompose_head(model, toks[:1, : min(128, toks.shape[1])], int(layers[len(layers) // 2]), 0,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -44,6 +45,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.stream import stream_qk
@@ -435,11 +437,12 @@ FILES = {"bands": "pattern_bands.csv", "heads": "pattern_heads.csv", "rho_groups
 
 
 def run(model: Any, cfg: Config | None = None, *, upstream: dict[str, Any] | None = None, corpus: Any = None,
-        twin: Any = None, progress: bool = True, **options: Any) -> Result:
+        twin: Any = None, progress: bool = True, checkpoint: str | Path | None = None, **options: Any) -> Result:
     """Band statistics and pattern scores of the trained model beside its random twin (``twin``: a model or a
     callable giving one; ``None`` builds it), on the windows the decomposition uses, linked to the decomposition's
     heads. ``upstream["decomposition"]``: the decomposition's Result on the same windows (:data:`NEEDS`;
-    ``pg.run("pattern", model)`` runs it first). Returns the :class:`Result`.
+    ``pg.run("pattern", model)`` runs it first). ``checkpoint``: a folder that keeps each model's finished tables, so
+    a rerun of the same design after an interruption computes only the missing model. Returns the :class:`Result`.
 
     Raises:
         ValueError: no decomposition Result in ``upstream``."""
@@ -452,11 +455,15 @@ def run(model: Any, cfg: Config | None = None, *, upstream: dict[str, Any] | Non
                          "upstream={'decomposition': <its Result>}, or call pg.run('pattern', model, cfg), which runs it")
     windows, ref, _ = sample_or_chunks(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
                                        seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
-    tw = feature_pattern_with_twin(model, windows, cfg, reference=ref, twin=base.twin_of(model, twin, cfg.seed),
-                                   progress=progress)
-    bands = tw.bands
-    merged, summary = link_to_decomposition(tw.heads, dec.tables["rows"], on=("twin", "layer", "head"))
-    tables = {"bands": bands, "heads": tw.heads, "rho_groups": rho_by_band_group(bands), "link": merged,
+    label, parts = _model_label(model), []
+    for name, m in (("trained", model), ("random", base.twin_of(model, twin, cfg.seed))):
+        kept = base.model_pieces(checkpoint, name, NAME, cfg, m, windows, reference=windows_fingerprint(ref))
+        parts.append(base.kept_tables(kept, name, ("bands", "heads"), lambda m=m, name=name: vars(feature_pattern(
+            m, windows, cfg, reference=ref, model_label=label, twin_label=name, progress=progress))))
+    bands = pd.concat([p["bands"] for p in parts], ignore_index=True)
+    heads = pd.concat([p["heads"] for p in parts], ignore_index=True)
+    merged, summary = link_to_decomposition(heads, dec.tables["rows"], on=("twin", "layer", "head"))
+    tables = {"bands": bands, "heads": heads, "rho_groups": rho_by_band_group(bands), "link": merged,
               "link_summary": summary}
     meta = {"model": probe_hooks(model)[0].model_name, "n_seq": len(windows), "n_docs": windows.n_docs}
     return Result(tables, cfg.as_dict(), meta)

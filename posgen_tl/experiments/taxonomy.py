@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,6 +46,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.stream import stream_qk
@@ -417,21 +419,26 @@ LEGACY_META = "heads_meta.json"
 
 
 def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, twin: Any = None, progress: bool = True,
-        **options: Any) -> Result:
+        checkpoint: str | Path | None = None, **options: Any) -> Result:
     """Classify every head (and every band as a 2-D head) of the trained model and — unless ``cfg.twin`` is false
     or ``twin`` is ``False`` — of its random twin (``twin``: a model or a callable giving one; ``None`` builds it) on
-    the same prompts. Returns the :class:`Result`."""
+    the same prompts. ``checkpoint``: a folder that keeps each model's finished rows, so a rerun of the same design
+    after an interruption computes only the missing model. Returns the :class:`Result`."""
     from posgen_tl.io.sampling import sample_or_chunks  # noqa: PLC0415
 
     cfg = base.config_of(Config, cfg, options)
     tokens, ref, source = sample_or_chunks(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq,
                                            seq_len=cfg.seq_len, n_ref=cfg.n_ref, seed=cfg.seed)
     spec = probe_hooks(model)[0]
+    models = [("trained", model)]
     if cfg.twin and twin is not False:
-        df = head_taxonomy_with_twin(model, tokens, ref, cfg, twin=base.twin_of(model, twin, cfg.seed),
-                                     progress=progress)
-    else:
-        df = head_taxonomy(model, tokens, ref, cfg, model_label=spec.model_name, progress=progress)
+        models.append(("random", base.twin_of(model, twin, cfg.seed)))
+    label = str(getattr(getattr(model, "cfg", None), "model_name", "model")) if len(models) > 1 else spec.model_name
+    parts = [base.kept_tables(
+        base.model_pieces(checkpoint, name, NAME, cfg, m, tokens, reference=windows_fingerprint(ref)), name, ("rows",),
+        lambda m=m, name=name: {"rows": head_taxonomy(m, tokens, ref, cfg, model_label=label, twin_label=name,
+                                                      progress=progress)})["rows"] for name, m in models]
+    df = pd.concat(parts, ignore_index=True)
     region, n_query = cfg.region()
     meta = {"model": spec.model_name, "source": source, "region_len": region, "n_query": n_query, "n_perm": cfg.n_perm,
             "block": cfg.block, "n_prompts": len(tokens), "n_docs": int(df["n_docs"].iloc[0]),

@@ -265,7 +265,7 @@ def test_row_blocks_give_the_whole_maps_scores(tiny, block):
 
 def test_long_sequences_stream_by_default(monkeypatch):
     """Past STREAM_ABOVE tokens the runner takes the row-block path without being asked (and only then)."""
-    from posgen_tl.experiments import decomposition as dm
+    from posgen_tl.engine import decompose_scores as dm
 
     calls = []
     real = dm.streamed_moments

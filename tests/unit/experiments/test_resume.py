@@ -16,6 +16,11 @@ from posgen_tl.experiments import registry
 from posgen_tl.io import checkpoint as ck_mod
 
 SIZES = {
+    # two batches per model: the trained model's and the random twin's, each kept per batch
+    "decomposition": ("quick", dict(n_seq=4, seq_len=24, n_ref=2, batch_size=2)),
+    # each model's tables (pattern: bands and heads of one computation; taxonomy: its rows)
+    "pattern": ("quick", dict(n_seq=3, seq_len=24, n_ref=2)),
+    "taxonomy": ("quick", dict(n_seq=3, seq_len=24, n_ref=2)),
     "tolerance": ("quick", dict(n_seq=4, seq_len=24, batch_size=2, fracs=(0.0, 0.2), seeds=(0,), twin_seeds=(0,))),
     "sufficiency": ("quick", dict(n_seq=3, seq_len=24, n_ref=2)),
     # the gap probe (3 gaps × 3 conditions) and window removal (4 conditions) of a tiny sliding-window model
@@ -39,9 +44,10 @@ def test_the_generic_checkpoint_is_used_by_these_experiments():
     assert {n for n in registry.ORDER if registry.resumable(n)} >= {"causal", "patching", *SIZES}
 
 
-#: where each run is interrupted: after this many kept pieces (length: in the gap probe, and after window removal's
-#: first condition, whose kept per-token NLL the later conditions reuse)
-STOPS = [("tolerance", 1), ("sufficiency", 1), ("length", 1), ("length", 8)]
+#: where each run is interrupted: after this many kept pieces (decomposition: in the trained model's batches, and in
+#: the random twin's; pattern: between two tables of one computation, and after the trained model's; length: in the gap probe, and after window removal's first condition, whose kept per-token NLL
+#: the later conditions reuse)
+STOPS = [("decomposition", 1), ("decomposition", 3), ("pattern", 1), ("pattern", 2), ("taxonomy", 1), ("tolerance", 1), ("sufficiency", 1), ("length", 1), ("length", 8)]
 
 
 @pytest.mark.parametrize("name, stop", STOPS)
@@ -106,3 +112,28 @@ def test_a_checkpoint_tells_apart_what_changes_the_numbers(setting, tmp_path):
     sufficiency.run(model, scfg, groups=groups, checkpoint=tmp_path / "s", progress=False)
     with pytest.raises(ValueError, match="another sufficiency design"):
         sufficiency.run(model, scfg, groups=dict(reversed(groups.items())), checkpoint=tmp_path / "s", progress=False)
+
+
+def test_a_decomposition_checkpoint_tells_apart_twins_and_given_means(setting, tmp_path):
+    """The random twin's batches are kept under its own weights' digest, and a given k̄ under its values: another twin
+    or other means are another design (refused by name), never reused."""
+    from posgen_tl.experiments import decomposition
+    from posgen_tl.io.models import random_twin
+    from posgen_tl.io.sampling import sample_windows
+
+    models, corpus = setting
+    model = models["llama"]
+    cfg = dataclasses.replace(registry.make_config("decomposition", "quick"), **SIZES["decomposition"][1], corpus=corpus)
+    registry.run("decomposition", model, cfg, checkpoint=tmp_path / "d", twin=random_twin(model, 0), progress=False)
+    with pytest.raises(ValueError, match="another decomposition design"):
+        registry.run("decomposition", model, cfg, checkpoint=tmp_path / "d", twin=random_twin(model, 1), progress=False)
+    win = sample_windows(model, corpus, n_seq=2, seq_len=24, seed=0)[0]
+    km = {layer: torch.randn(1, 16, generator=torch.Generator().manual_seed(layer)) for layer in range(2)}
+    d = model.cfg.d_head
+    km = {layer: v[:, :d].expand(model.cfg.n_key_value_heads or model.cfg.n_heads, d) for layer, v in km.items()}
+    first = decomposition.decompose_model(model, win, cfg, k_mean=km, checkpoint=tmp_path / "g", progress=False)
+    again = decomposition.decompose_model(model, win, cfg, k_mean=km, checkpoint=tmp_path / "g", progress=False)
+    pd.testing.assert_frame_equal(first, again)
+    with pytest.raises(ValueError, match="another decomposition design"):
+        decomposition.decompose_model(model, win, cfg, k_mean={k: v * 2 for k, v in km.items()},
+                                      checkpoint=tmp_path / "g", progress=False)
