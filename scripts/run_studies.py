@@ -34,9 +34,10 @@ N = {"smollm2-135m": {"causal": 64, "tolerance": 64}, "gemma3-270m": {"causal": 
 #: the replication's causal sizes: 32 documents per model (the smallest n that is not exploratory)
 N_REPLICATION = {"smollm2-135m": {"causal": 32, "tolerance": 32}, "gemma3-270m": {"causal": 32, "tolerance": 32}}
 #: the confirmatory causal test, declared before its run: one entry (its own family, so α is not split), on documents
-#: none of the exploratory runs saw, with every document of the docstring corpus but the 16 reference ones analysed
-#: (200 modules of Python 3.11.7: n = 184; the exploratory pilots put the n needed for an effect of 0.001 nats × p at
-#: 181–379 with α split four ways, about 0.7 × that with one entry)
+#: none of the exploratory runs saw: 184 windows, one per document of the docstring corpus but the 16 reference ones
+#: (200 modules of Python 3.11.7; the exploratory pilots put the n needed for an effect of 0.001 nats × p at 181–379
+#: with α split four ways, about 0.7 × that with one entry). As run, the sampler kept a seeded quarter of the modules
+#: as the reference pool, so the 184 windows came from 150 documents (34 of them give two windows, averaged).
 CONFIRM = {"model": "smollm2-135m", "groups": "late", "claim": "smollm2-135m:L20-29", "n_seq": 184, "n_ref": 16}
 
 

@@ -17,7 +17,7 @@ from posgen_tl.report.text import md_table, sig3
 if TYPE_CHECKING:
     from posgen_tl.report.runs import Run
 
-__all__ = ["CLAIM_STUDY", "claim_table", "claim_section", "claim_method", "claim_discussion", "primary_answer"]
+__all__ = ["CLAIM_STUDY", "claim_table", "claim_tables", "claim_agreement", "confirmations", "claim_section", "claim_method", "claim_discussion", "primary_answer"]
 
 
 #: the study whose runs make up the causal claim (the dose–response test, docs/method.md §5, §8 v3)
@@ -67,6 +67,7 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
     missing = [e for e in claim if pd.isna(df.loc[e, "run_verdict"])]
     p_adj, method = family_adjust(df["p_test"].fillna(1.0).to_numpy(), "holm", claim)
     df["p_family"] = p_adj
+    df["alpha"] = alpha
     verdicts = []
     for e, q, rv, n in zip(claim, p_adj, df["run_verdict"], df["n_docs"].fillna(0)):
         if e in missing:
@@ -128,13 +129,57 @@ def _signed(x: Any) -> str:
     return t if t.startswith(("-", "–")) else "+" + t
 
 
+def claim_tables(runs: list[Run]) -> tuple[dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
+    """``(exploratory, confirmatory)``: the claim table (:func:`claim_table`) of every corpus whose runs declare the
+    exploratory claim (the one declared on pydoc, else on the first corpus by name), and of every corpus whose runs
+    declare another claim — a confirmatory test declared before its run on documents of its own, read on its own."""
+    corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY))
+    tables = {c: t for c in corpora if (t := claim_table(runs, c)[0]) is not None}
+    if not tables:
+        return {}, {}
+    ref = tuple(tables[min(tables, key=lambda c: (c != "pydoc", c))].index)
+    return ({c: t for c, t in tables.items() if tuple(t.index) == ref},
+            {c: t for c, t in tables.items() if tuple(t.index) != ref})
+
+
+def claim_agreement(runs: list[Run]) -> dict[str, str]:
+    """Per entry of the exploratory claim (:func:`claim_tables`): whether its corpora agree — ``"yes"`` (the same
+    verdict on every corpus, at least two), ``"NO — the corpora disagree"``, or ``"one corpus only"``."""
+    tables = claim_tables(runs)[0]
+    out = {}
+    for e in dict.fromkeys(e for t in tables.values() for e in t.index):
+        said = {str(t.loc[e, "verdict"]).split(" (")[0] for t in tables.values()
+                if e in t.index and t.loc[e, "verdict"] != "not run"}
+        ran = sum(1 for t in tables.values() if e in t.index and t.loc[e, "verdict"] != "not run")
+        out[e] = "one corpus only" if ran < 2 else "yes" if len(said) == 1 else "NO — the corpora disagree"
+    return out
+
+
+def confirmations(runs: list[Run]) -> list[str]:
+    """One sentence per entry of a confirmatory test (:func:`claim_tables`): its corpus, documents, verdict with
+    the numbers that decided it, and its power (the whole test's MDE against the run's smallest effect of
+    interest)."""
+    out = []
+    for c, t in claim_tables(runs)[1].items():
+        for entry, row in t.iterrows():
+            if row["verdict"] == "not run":
+                continue
+            model = entry.split(":", 1)[0]
+            run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == c)
+            effect = float(run.meta["config"].get("effect", float("nan")))
+            powered = "powered" if float(row["mde"]) <= effect else "NOT powered"
+            out.append(f"Confirmatory test, declared before its run on {int(row['n_docs'])} documents no exploratory run "
+                       f"saw ({c}), its own family: {_entry_clauses(entry, {c: row})}; {powered} for the smallest "
+                       f"effect of interest {sig3(effect)} nats × p.")
+    return out
+
+
 def claim_discussion(runs: list[Run]) -> list[str]:
     """Where the causal claim holds and where it does not, per declared entry, written from the runs' tables:
     the hypothesis; per corpus, the entry's destroy − none at common damage, what decided its verdict (the
     binding contrast of the intersection–union test, or why it is not testable) and the verdict over the
     claim; whether the corpora agree."""
-    corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY))
-    tables = {c: t for c in corpora if (t := claim_table(runs, c)[0]) is not None}
+    tables = claim_tables(runs)[0]
     if not tables:
         return []
     first = min(tables, key=lambda c: (c != "pydoc", c))
@@ -186,6 +231,9 @@ def claim_discussion(runs: list[Run]) -> list[str]:
                                                         ("not run yet:", not_run)) if es]
     out += ["", "In short: " + "; ".join(said) + ". 'Not detected' is not evidence of no effect: each run's page gives "
             "the minimum detectable effect of the whole test.", ""]
+    conf = confirmations(runs)
+    if conf:
+        out += ["### The confirmatory test", "", *conf, ""]
     return out
 
 
@@ -199,8 +247,7 @@ def primary_answer(runs: list[Run]) -> str:
 def primary_claim(runs: list[Run]) -> tuple[str, str]:
     """``(question, answer)`` of :func:`primary_answer` (the answer links ``{prefix}causal.md``)."""
     q = "Does position tolerance depend on the key pattern in the fast RoPE bands?"
-    corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY))
-    tables = {c: t for c in corpora if (t := claim_table(runs, c)[0]) is not None}
+    tables = claim_tables(runs)[0]
     if not tables:
         return q, ("No published answer yet: the earlier verdicts were withdrawn (their controls never did "
                    "destroy's damage), and the dose–response re-runs that replace them are under way "
@@ -219,7 +266,8 @@ def primary_claim(runs: list[Run]) -> tuple[str, str]:
     clauses = [_entry_clauses(e, {c: t.loc[e] for c, t in tables.items() if e in t.index
                                   and t.loc[e, "verdict"] != "not run"}) for e in entries if words[e]]
     per = (" " + "; ".join(clauses) + ".") if clauses else ""
-    return q, f"{ans} ([causal]({{prefix}}causal.md)).{per}"
+    conf = " ".join(confirmations(runs))
+    return q, f"{ans} ([causal]({{prefix}}causal.md)).{per}" + (f" {conf}" if conf else "")
 
 
 def _interval(est: float, lo: float, hi: float) -> str:
@@ -228,7 +276,8 @@ def _interval(est: float, lo: float, hi: float) -> str:
 
 def _parts(row: pd.Series) -> tuple[str, str, dict[str, str]]:
     """``(verdict word, kind of clause, numbers)`` of one entry on one corpus: the kind is "untestable", "depends",
-    "none" (no change detected) or "control" (a cost, not beyond a control at the same damage)."""
+    "adjusted" (every contrast rejects at the test's level, the adjustment over the claim does not), "none" (no change
+    detected) or "control" (a cost, not beyond a control at the same damage)."""
     verdict = str(row["verdict"])
     nums = {"dn": _interval(row["estimate"], row["ci_low"], row["ci_high"]), "mde": sig3(row["mde"]),
             "p": sig3(row["p_iut"]),
@@ -239,6 +288,11 @@ def _parts(row: pd.Series) -> tuple[str, str, dict[str, str]]:
         return verdict, "untestable", nums
     if verdict.startswith("depends"):
         return verdict, "depends", nums
+    alpha = float(row.get("alpha", 0.05))
+    if str(row.get("iut_rejects", False)) == "True" and float(row["p_iut"]) < alpha <= float(row.get("p_family", 1.0)):
+        # every contrast rejects at the test's level, but not after the adjustment over the claim
+        nums["pf"], nums["alpha"] = sig3(row["p_family"]), sig3(alpha)
+        return verdict, "adjusted", nums
     if str(row["binding"]) == "destroy − none" or not row["ci_low"] > 0:
         return verdict, "none", nums
     return verdict, "control", nums
@@ -251,6 +305,10 @@ def _clause(kind: str, n: dict[str, str]) -> str:
     if kind == "depends":
         return (f"destroy − none (nats × p) {n['dn']}, beyond every control at common damage (weakest: {n['b']}, "
                 f"p {n['p']})")
+    if kind == "adjusted":
+        return (f"removing the pattern costs tolerance (destroy − none (nats × p) {n['dn']}) and more than every control "
+                f"at common damage at level {n['alpha']} (weakest: {n['b']}, p {n['p']}), but not after the adjustment for the "
+                f"claim's entries (p {n['pf']})")
     if kind == "none":
         return f"no change of tolerance by removing the pattern is detected (destroy − none (nats × p) {n['dn']}; " \
                f"the whole test's MDE {n['mde']})"
@@ -266,7 +324,7 @@ def _entry_clauses(entry: str, rows: dict[str, pd.Series]) -> str:
     if len(parts) > 1 and len({(v, k) for v, k, _ in parts.values()}) == 1:
         verdict, kind, _ = next(iter(parts.values()))
         merged = {}
-        for key in ("dn", "mde", "p", "why", "b"):
+        for key in next(iter(parts.values()))[2]:
             vals = {c: n[key] for c, (_, _, n) in parts.items()}
             merged[key] = (next(iter(vals.values())) if len(set(vals.values())) == 1
                            else ", ".join(f"{v} on {c}" for c, v in vals.items()))

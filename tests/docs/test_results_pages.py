@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from posgen_tl.report import pages
+from posgen_tl.report import claim, pages
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS, DOCS, README = ROOT / "results", ROOT / "docs", ROOT / "README.md"
@@ -115,9 +115,10 @@ def dose_result():
                   progress=False)
 
 
-def _dose_run(result, folder: Path, model: str, p_iut: dict[str, float]) -> None:
+def _dose_run(result, folder: Path, model: str, p_iut: dict[str, float], claim: tuple[str, ...] = CLAIM) -> None:
     """``result`` saved as the causal_dose run of ``model`` in ``folder``, each entry's verdict set to 'depends' with
-    the intersection–union p given (an entry missing from ``p_iut`` stays as measured)."""
+    the intersection–union p given (an entry missing from ``p_iut`` stays as measured; ``claim``: the declared
+    family; entries of the run outside it are dropped)."""
     import dataclasses as dc
     import json
 
@@ -130,9 +131,11 @@ def _dose_run(result, folder: Path, model: str, p_iut: dict[str, float]) -> None
         # the binding contrast's own row: its p is the intersection–union p
         con.loc[(con["layers"] == layers) & (con["contrast"] == "destroy − C1"), ["estimate", "ci_low", "ci_high", "p"]] = [
             0.004, 0.001, 0.007, p]
+    mine = {e.split(":", 1)[1] for e in claim if e.startswith(f"{model}:")}
+    v = v[v["layers"].isin(mine)].reset_index(drop=True)
     res = dc.replace(result, tables={**result.tables, "verdicts": v, "contrasts": con}, meta={**result.meta, "model": model,
-                                                                           "claim": list(CLAIM)},
-                     config={**result.config, "claim": list(CLAIM)})
+                                                                           "claim": list(claim)},
+                     config={**result.config, "claim": list(claim)})
     folder.mkdir(parents=True)
     files = [p.name for p in cd.save(res, folder)]
     meta = dict(study="causal", model=model, preset="default", command="posgen-tl study causal …",
@@ -192,6 +195,9 @@ def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path,
     assert "(2 of 4 entries run on both so far, 0 on one)" in answer  # smollm2-135m L1, L2; gemma3 not run
     assert "smollm2-135m L1 (pydoc): depends (exploratory) — " in answer  # verdicts differ: said per corpus
     assert "smollm2-135m L1 (readmes): not detected (exploratory) — " in answer
+    # the table's second-corpus cell compares the entries' verdicts (their deciding contrasts may differ)
+    row = next(x for x in pages.readme_headlines(pages.find_runs(res)).splitlines() if x.startswith("| [Does tolerance "))
+    assert "NO — the corpora disagree" in row.rsplit("|", 2)[-2]  # L1 disagrees (L2 agrees)
     shutil.rmtree(res / "smollm2-135m" / "readmes")
     answer = pages.readme_headlines(pages.find_runs(res)).splitlines()[0]
     assert "(0 of 4 entries run on both so far, 2 on one)" in answer
@@ -259,3 +265,45 @@ def test_answer_sentence_is_derived_from_the_verdicts(monkeypatch):
     assert list(t.columns) == ["run", "answer", "effect", "95 % interval", "p", "n", "second corpus"]
     assert t.loc[0, "95 % interval"] == "[0.01, 0.03]" and t.loc[0, "n"] == "40 documents"
     assert t.loc[0, "second corpus"] == "yes"
+
+
+def test_an_entry_rejected_before_the_family_adjustment_is_not_called_undetectable():
+    """Every contrast rejecting at the test's level while the family adjustment does not: the sentence says exactly
+    that (with both p), never 'not detectably more than a control' (whose interval may well exclude 0)."""
+    import pandas as pd
+
+    from posgen_tl.report import claim
+
+    row = pd.Series(dict(verdict="not detected", estimate=0.00155, ci_low=0.00115, ci_high=0.00196, mde=0.0015,
+                         p_iut=0.0484, reason="destroy − none and destroy − every control … reject", iut_rejects=True,
+                         binding="destroy − C4", binding_estimate=0.000816, binding_ci_low=6.55e-06,
+                         binding_ci_high=0.00158, p_family=0.194))
+    text = claim._entry_clauses("gemma3-270m:L12-17", {"readmes": row})
+    assert "not detectably" not in text
+    assert "more than every control at common damage at level 0.05 (weakest: destroy − C4 0.000816" in text
+    assert "p 0.0484), but not after the adjustment for the claim's entries (p 0.194)" in text
+    no_rejection = pd.Series({**row.to_dict(), "iut_rejects": False, "p_iut": 0.3})
+    assert "not detectably more than a control" in claim._entry_clauses("gemma3-270m:L12-17", {"readmes": no_rejection})
+
+
+def test_a_confirmatory_test_is_read_on_its_own_beside_the_exploratory_claim(tmp_path, dose_result):
+    """A corpus whose run declares another claim (one entry, fresh documents) is not a third 'corpus' of the
+    exploratory claim: the primary answer counts pydoc and readmes only and adds one sentence for the confirmatory
+    test — its verdict over its own family and whether it was powered; the discussion gives it its own section."""
+    res = tmp_path / "results"
+    for corpus in ("pydoc", "readmes"):
+        _dose_run(dose_result, res / "smollm2-135m" / corpus / "causal", "smollm2-135m", {"L1": 0.5})
+    _dose_run(dose_result, res / "smollm2-135m" / "docstrings" / "causal", "smollm2-135m", {"L2": 0.03},
+              claim=("smollm2-135m:L2",))
+    runs = pages.find_runs(res)
+    exploratory, confirmatory = claim.claim_tables(runs)
+    assert set(exploratory) == {"pydoc", "readmes"} and list(confirmatory) == ["docstrings"]
+    assert confirmatory["docstrings"].loc["smollm2-135m:L2", "p_family"] == pytest.approx(0.03)  # its own family
+    answer = pages.readme_headlines(runs).splitlines()[0]
+    assert "(2 of 4 entries run on both so far, 0 on one)" in answer  # the docstrings run is not a third corpus
+    conf = answer[answer.index("Confirmatory test"):]
+    assert conf.startswith("Confirmatory test, declared before its run on 6 documents no exploratory run saw "
+                           "(docstrings), its own family: smollm2-135m L2 (docstrings): depends (exploratory) — ")
+    assert "NOT powered for the smallest effect of interest 0.001 nats × p" in conf
+    text = "\n".join(pages.claim_discussion(runs))
+    assert "### The confirmatory test" in text and text.count("Confirmatory test, declared") == 1
