@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
+from torch import Tensor
 
 from posgen_tl.engine.decompose_scores import (  # noqa: F401 (the scoring names stay importable here)
     COLUMNS,

@@ -39,6 +39,7 @@ from posgen_tl.report.claim import (
     primary_answer,
     primary_claim,
 )
+from posgen_tl.report.corpora import CORPORA, corpus_lines
 from posgen_tl.report.html import QUESTIONS, Finding, Section
 from posgen_tl.report.runs import Run
 from posgen_tl.report.text import md_table, sig3, table_lines
@@ -53,20 +54,6 @@ HEADLINE_ORDER = ("causal", "tolerance", "decomposition", "pattern", "sufficienc
 #: cites them
 EARLIER = "v1"
 
-#: what each corpus is, as the pages say it
-CORPORA = {
-    "pydoc": "the Python standard library's pydoc topics (the language reference: 79 documents of formal prose)",
-    "readmes": "the long descriptions of the installed Python distributions (package READMEs: install guides, "
-               "feature lists, changelogs — Markdown/reStructuredText with code). Chosen as the second corpus because "
-               "its genre differs from the language reference's formal prose while it ships with every Python "
-               "environment, so it is rebuilt offline by `posgen_tl.io.corpus.package_readmes` (each document's "
-               "version and SHA-256 are recorded)",
-    "docstrings": "the docstrings of the Python standard library's modules (API documentation: one document per module "
-                  "with at least 1 500 characters, read from the source without importing it, tests and GUI packages "
-                  "left out; rebuilt offline by `posgen_tl.io.corpus.stdlib_docstrings`, each document's SHA-256 and the "
-                  "Python version recorded). Documents none of the exploratory runs saw, for the one confirmatory causal "
-                  "test, declared with its size before it ran",
-}
 
 
 def find_runs(results: Path) -> list[Run]:
@@ -403,19 +390,6 @@ def agreement(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _corpus_line(results: Path | None, corpora: set[str]) -> list[str]:
-    if results is None:
-        return []
-    out = []
-    for prov in sorted((Path(results) / "corpora").glob("*.json")):
-        if prov.stem not in corpora:  # a corpus recorded for a run not published yet
-            continue
-        docs = json.loads(prov.read_text())
-        out.append(f"The **{prov.stem}** corpus of these runs: {len(docs)} documents ({sum(d['chars'] for d in docs):,} "
-                   f"characters), each named with its version and SHA-256 in `{_rel(prov, Path(results))}`.")
-    return out + ([""] if out else [])
-
-
 def index_page(runs: list[Run], results: Path | None = None) -> str:
     """``docs/results/index.md``: the primary question answered in one sentence, then per study its question, the
     answer in one sentence and its small table (:func:`top_block`, no figure: each page has its own), then where
@@ -428,7 +402,7 @@ def index_page(runs: list[Run], results: Path | None = None) -> str:
            "give the same verdict on runs of at least 32 documents each (the *second corpus* column); units and words "
            "are in the [glossary](../glossary.md).", "",
            "<details markdown=\"1\"><summary>The corpora</summary>", "",
-           *[f"- **{k}**: {v}." for k, v in CORPORA.items() if k in used], "", *_corpus_line(results, used),
+           *[f"- **{k}**: {v}." for k, v in CORPORA.items() if k in used], "", *corpus_lines(results, used),
            "</details>", ""]
     studies = [s for s in registry.ORDER if any(r.study == s for r in runs)]
     for study in studies:
