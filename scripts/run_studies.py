@@ -156,6 +156,8 @@ def write_docstrings(folder: Path, record: Path) -> None:
         SystemExit: this interpreter's standard library gives other documents than the record's."""
     from posgen_tl.io.corpus import stdlib_docstrings
 
+    for f in Path(folder).glob("*.txt"):  # what another run left there is no part of this corpus
+        f.unlink()
     write_recorded(folder, record, stdlib_docstrings(folder), "standard-library docstring",
                    "Run with the recorded Python version, or start a new record on purpose by removing the file.")
 
@@ -165,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="results folder")
     p.add_argument("--readmes", required=True, help="folder for the package-README corpus (written if empty; give a "
                                                    "path relative to the repository so the recorded commands are too)")
-    p.add_argument("--docstrings", default="results/corpora/docstrings",
-                   help="folder for the standard-library docstring corpus (written if empty)")
+    p.add_argument("--docstrings", default=None,
+                   help="folder for the standard-library docstring corpus (default: OUT/corpora/docstrings; written "
+                        "and checked against its record whenever a selected job reads it)")
     p.add_argument("--logs", required=True, help="folder for the studies' console logs (not part of the results)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--only", default="", help="run only jobs whose name contains this")
@@ -178,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     if not any(readmes.glob("*.txt")):
         write_readmes(readmes, out / "corpora" / "readmes.json")
-    if not any(Path(a.docstrings).glob("*.txt")):
-        write_docstrings(Path(a.docstrings), out / "corpora" / "docstrings.json")
+    docstrings = a.docstrings or str(out / "corpora" / "docstrings")
     skip = [x for x in a.skip.split(",") if x]
-    todo = [(n, j) for n, j in jobs(str(readmes), frozenset(x for x in a.default_preset.split(",") if x), a.docstrings)
+    todo = [(n, j) for n, j in jobs(str(readmes), frozenset(x for x in a.default_preset.split(",") if x), docstrings)
             if a.only in n and not any(x in n for x in skip)]
+    if any(docstrings in j for _, j in todo):  # rewritten each time (a second): a partial folder is never used
+        write_docstrings(Path(docstrings), out / "corpora" / "docstrings.json")
     with ThreadPoolExecutor(a.workers) as ex:
         results = list(ex.map(lambda nj: run(nj[0], nj[1], out, logs), todo))
     failed = [n for n, rc, _ in results if rc]

@@ -857,7 +857,7 @@ def load_json(path: Path) -> dict | None:
 #: machine's bfloat16 kernels and thread count, so two statuses agree when their words and every other number are
 #: equal and each measured number agrees within this relative tolerance.
 MEASURED_RTOL = 0.1
-_MEASURED = re.compile(r"(\bdiffers? (?:from \S+ )?by |max \|\w+\| )([-+0-9.eE]+)")
+_MEASURED = re.compile(r"(\bdiffers? (?:from [^()]*? )?by |max \|\w+\| )([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
 
 
 def same_status(committed: str | None, measured: str) -> bool:

@@ -131,27 +131,41 @@ def _signed(x: Any) -> str:
 
 def claim_tables(runs: list[Run]) -> tuple[dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
     """``(exploratory, confirmatory)``: the claim table (:func:`claim_table`) of every corpus whose runs declare the
-    exploratory claim (the one declared on pydoc, else on the first corpus by name), and of every corpus whose runs
-    declare another claim — a confirmatory test declared before its run on documents of its own, read on its own."""
+    exploratory claim (the claim declared on the most corpora; ties: pydoc's), and of every corpus whose runs declare
+    another claim — a confirmatory test declared before its run on documents of its own, read on its own."""
     corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY))
     tables = {c: t for c in corpora if (t := claim_table(runs, c)[0]) is not None}
     if not tables:
         return {}, {}
-    ref = tuple(tables[min(tables, key=lambda c: (c != "pydoc", c))].index)
-    return ({c: t for c, t in tables.items() if tuple(t.index) == ref},
-            {c: t for c, t in tables.items() if tuple(t.index) != ref})
+    # the exploratory claim is the one declared on the most corpora (ties: the one declared on pydoc); entries compared
+    # as sets, so a claim declared in another order is the same claim
+    claims = [frozenset(t.index) for t in tables.values()]
+    ref = max(claims, key=lambda k: (claims.count(k), "pydoc" in tables and frozenset(tables["pydoc"].index) == k))
+    return ({c: t for c, t in tables.items() if frozenset(t.index) == ref},
+            {c: t for c, t in tables.items() if frozenset(t.index) != ref})
 
 
 def claim_agreement(runs: list[Run]) -> dict[str, str]:
     """Per entry of the exploratory claim (:func:`claim_tables`): whether its corpora agree — ``"yes"`` (the same
-    verdict on every corpus, at least two), ``"NO — the corpora disagree"``, or ``"one corpus only"``."""
+    tested verdict on at least two corpora, each run of ≥ 32 documents), ``"same verdict; not a replication"`` (a
+    run is exploratory), ``"not testable on <corpus>"``, ``"NO — the corpora disagree"`` or ``"one corpus only"``."""
     tables = claim_tables(runs)[0]
     out = {}
     for e in dict.fromkeys(e for t in tables.values() for e in t.index):
-        said = {str(t.loc[e, "verdict"]).split(" (")[0] for t in tables.values()
+        said = {c: str(t.loc[e, "verdict"]) for c, t in tables.items()
                 if e in t.index and t.loc[e, "verdict"] != "not run"}
-        ran = sum(1 for t in tables.values() if e in t.index and t.loc[e, "verdict"] != "not run")
-        out[e] = "one corpus only" if ran < 2 else "yes" if len(said) == 1 else "NO — the corpora disagree"
+        words = {v.split(" (")[0] for v in said.values()}
+        untestable = [c for c, v in said.items() if v.startswith("not testable")]
+        if len(said) < 2:
+            out[e] = "one corpus only"
+        elif untestable:
+            out[e] = f"not testable on {' and '.join(untestable)}"
+        elif len(words) > 1:
+            out[e] = "NO — the corpora disagree"
+        elif any("exploratory" in v for v in said.values()):
+            out[e] = "same verdict; not a replication (fewer than 32 documents)"
+        else:
+            out[e] = "yes"
     return out
 
 
@@ -167,10 +181,11 @@ def confirmations(runs: list[Run]) -> list[str]:
             model = entry.split(":", 1)[0]
             run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == c)
             effect = float(run.meta["config"].get("effect", float("nan")))
-            powered = "powered" if float(row["mde"]) <= effect else "NOT powered"
-            out.append(f"Confirmatory test, declared before its run on {int(row['n_docs'])} documents no exploratory run "
-                       f"saw ({c}), its own family: {_entry_clauses(entry, {c: row})}; {powered} for the smallest "
-                       f"effect of interest {sig3(effect)} nats × p.")
+            power = ("" if effect != effect else
+                     f"; {'powered' if float(row['mde']) <= effect else 'NOT powered'} for the smallest effect of "
+                     f"interest {sig3(effect)} nats × p")
+            out.append(f"Confirmatory test (its own family, declared before its run), run on {int(row['n_docs'])} "
+                       f"documents no exploratory run saw ({c}): {_entry_clauses(entry, {c: row})}{power}.")
     return out
 
 
@@ -306,9 +321,9 @@ def _clause(kind: str, n: dict[str, str]) -> str:
         return (f"destroy − none (nats × p) {n['dn']}, beyond every control at common damage (weakest: {n['b']}, "
                 f"p {n['p']})")
     if kind == "adjusted":
-        return (f"removing the pattern costs tolerance (destroy − none (nats × p) {n['dn']}) and more than every control "
-                f"at common damage at level {n['alpha']} (weakest: {n['b']}, p {n['p']}), but not after the adjustment for the "
-                f"claim's entries (p {n['pf']})")
+        return (f"destroy − none (nats × p) {n['dn']} and destroy − every control at common damage reject in one "
+                f"direction at level {n['alpha']} (weakest: {n['b']}, p {n['p']}), but not after the adjustment for "
+                f"the claim's entries (p {n['pf']})")
     if kind == "none":
         return f"no change of tolerance by removing the pattern is detected (destroy − none (nats × p) {n['dn']}; " \
                f"the whole test's MDE {n['mde']})"

@@ -17,10 +17,10 @@ CORPORA = {
                "environment, so it is rebuilt offline by `posgen_tl.io.corpus.package_readmes` (each document's "
                "version and SHA-256 are recorded)",
     "docstrings": "the docstrings of the Python standard library's modules (API documentation: one document per module "
-                  "with at least 1 500 characters, read from the source without importing it, tests and GUI packages "
-                  "left out; rebuilt offline by `posgen_tl.io.corpus.stdlib_docstrings`, each document's SHA-256 and the "
+                  "with at least 1 500 characters, read from the source without importing it, tests and the tkinter and IDLE "
+                  "packages left out; rebuilt offline by `posgen_tl.io.corpus.stdlib_docstrings`, each document's SHA-256 and the "
                   "Python version recorded). Documents none of the exploratory runs saw, for the one confirmatory causal "
-                  "test, declared with its size before it ran",
+                  "test, declared before it ran",
 }
 
 

@@ -458,8 +458,8 @@ def readme_headlines(runs: list[Run], link_prefix: str = "docs/results/") -> str
             ps.append(sig3(r.p) if r.p is not None else "–")
             ns.append("–" if r.n is None or r.n != r.n else str(int(r.n)))
             if study == CLAIM_STUDY:  # the claim's entries agree or not by verdict (their deciding contrasts differ)
-                layers = re.search(r"\bL\d+(?:-\d+)?\b", str(r.what))
-                reps.append(claim_agree.get(f"{r.model}:{layers.group(0) if layers else ''}", "one corpus only"))
+                layers = str(r.what).rsplit(", ", 1)[-1].split(" (")[0]  # as _quoted_findings reads the entry
+                reps.append(claim_agree.get(f"{r.model}:{layers}", "one corpus only"))
                 continue
             rep = agree[(agree["question"] == study) & (agree["model"] == r.model) & (agree["what"] == r.what)] \
                 if len(agree) else agree

@@ -280,7 +280,8 @@ def test_an_entry_rejected_before_the_family_adjustment_is_not_called_undetectab
                          binding_ci_high=0.00158, p_family=0.194))
     text = claim._entry_clauses("gemma3-270m:L12-17", {"readmes": row})
     assert "not detectably" not in text
-    assert "more than every control at common damage at level 0.05 (weakest: destroy − C4 0.000816" in text
+    assert "destroy − every control at common damage reject in one direction at level 0.05 (weakest: destroy − C4 " \
+           "0.000816" in text
     assert "p 0.0484), but not after the adjustment for the claim's entries (p 0.194)" in text
     no_rejection = pd.Series({**row.to_dict(), "iut_rejects": False, "p_iut": 0.3})
     assert "not detectably more than a control" in claim._entry_clauses("gemma3-270m:L12-17", {"readmes": no_rejection})
@@ -302,8 +303,32 @@ def test_a_confirmatory_test_is_read_on_its_own_beside_the_exploratory_claim(tmp
     answer = pages.readme_headlines(runs).splitlines()[0]
     assert "(2 of 4 entries run on both so far, 0 on one)" in answer  # the docstrings run is not a third corpus
     conf = answer[answer.index("Confirmatory test"):]
-    assert conf.startswith("Confirmatory test, declared before its run on 6 documents no exploratory run saw "
-                           "(docstrings), its own family: smollm2-135m L2 (docstrings): depends (exploratory) — ")
+    assert conf.startswith("Confirmatory test (its own family, declared before its run), run on 6 documents no "
+                           "exploratory run saw (docstrings): smollm2-135m L2 (docstrings): depends (exploratory) — ")
     assert "NOT powered for the smallest effect of interest 0.001 nats × p" in conf
     text = "\n".join(pages.claim_discussion(runs))
-    assert "### The confirmatory test" in text and text.count("Confirmatory test, declared") == 1
+    assert "### The confirmatory test" in text and text.count("Confirmatory test (its own family") == 1
+    # the exploratory claim is the one declared on the most corpora, whatever the corpora's names
+    shutil.rmtree(res / "smollm2-135m" / "pydoc")
+    _dose_run(dose_result, res / "smollm2-135m" / "zeta" / "causal", "smollm2-135m", {"L1": 0.5})
+    exploratory, confirmatory = claim.claim_tables(pages.find_runs(res))
+    assert set(exploratory) == {"readmes", "zeta"} and list(confirmatory) == ["docstrings"]
+
+
+def test_the_second_corpus_cell_of_the_claim_says_not_testable_and_exploratory(monkeypatch):
+    """Verdicts compared per entry: an untestable corpus is named (never 'yes' or 'disagree'), same verdicts of a
+    run under 32 documents are not a replication, different tested verdicts disagree."""
+    import pandas as pd
+
+    from posgen_tl.report import claim
+
+    t = {"pydoc": pd.DataFrame({"verdict": ["not testable", "not testable", "not detected", "not detected",
+                                            "depends"]}, index=list("abcde")),
+         "readmes": pd.DataFrame({"verdict": ["not testable", "not detected", "not detected (exploratory)",
+                                              "not detected", "not run"]}, index=list("abcde"))}
+    monkeypatch.setattr(claim, "claim_tables", lambda runs: (t, {}))
+    assert claim.claim_agreement([]) == {"a": "not testable on pydoc and readmes", "b": "not testable on pydoc",
+                                         "c": "same verdict; not a replication (fewer than 32 documents)", "d": "yes",
+                                         "e": "one corpus only"}
+    t["readmes"].loc["d", "verdict"] = "depends"
+    assert claim.claim_agreement([])["d"] == "NO — the corpora disagree"

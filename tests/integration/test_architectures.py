@@ -349,6 +349,10 @@ def test_a_status_agrees_up_to_the_noise_of_its_measured_number_only():
     assert not am.same_status(base.format("4.27"), "exact")
     assert not am.same_status(None, "exact")
     assert am.same_status("exact", "exact")
+    rot = "our RoPE differs from the model's layer-0 hook_rot_q by {} (max |rot_q| 4.16); the RoPE variant"
+    assert am.same_status(rot.format("0.163"), rot.format("0.165"))  # a subject of several words
+    assert not am.same_status(rot.format("0.163"), rot.format("0.5"))
+    assert not am.same_status("logits differ by 4.27.", "logits differ by each run")  # no crash on a word
     pattern = "layer 0 failed: attention pattern differs from hook_pattern by {} (learned attention sinks"
     assert am.same_status(pattern.format("0.894"), pattern.format("0.898"))
     assert not am.same_status(pattern.format("0.894"), pattern.format("0.1"))
