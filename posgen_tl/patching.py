@@ -413,11 +413,6 @@ def patch_sweep(
     return PatchSweep(torch.cat(out), clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted), store, prefix)
 
 
-def _baselines(model: Any, tokens: Tensor, metric: Metric, ids: Tensor) -> tuple[Tensor, Tensor]:
-    """The metric of the clean run (natural ids) and of the corrupted run (``ids``)."""
-    return _run_metric(model, tokens, metric, [], 1)[0], _run_metric(model, tokens, metric, reposition_hooks(model, ids), 1)[0]
-
-
 # ----------------------------------------------------------------------------- the generic function + partials
 
 
@@ -491,12 +486,27 @@ def get_act_patch_heads(model: Any, corrupted: Corruption, clean: Tensor, metric
 def baselines(model: Any, corrupted: Corruption, clean: Tensor, metric: Metric, *,
               doc_ids: Sequence[int] | None = None, starts: Sequence[int] | None = None) -> dict[str, Tensor]:
     """``{"clean", "corrupted"}``: the metric of the two unpatched runs (``[]`` or ``[batch]``)."""
+    got = corrupted_metrics(model, {"corrupted": corrupted}, clean, metric, doc_ids=doc_ids, starts=starts)
+    return {"clean": got["clean"], "corrupted": got["corrupted"]}
+
+
+def corrupted_metrics(model: Any, corruptions: Mapping[str, Corruption], clean: Tensor, metric: Metric, *,
+                      doc_ids: Sequence[int] | None = None, starts: Sequence[int] | None = None) -> dict[str, Tensor]:
+    """The metric of the clean run (key ``"clean"``, natural ids) and of each named corruption's run (its name), from
+    ONE clean forward and one forward per corruption — ``[]`` or ``[batch]`` each.
+
+    Raises:
+        ValueError: a corruption is named ``"clean"``."""
+    if "clean" in corruptions:
+        raise ValueError("a corruption cannot be named 'clean' (that key holds the clean run's metric)")
     spec, _ = probe_hooks(model)
     tokens = check_tokens(model, clean, spec)
-    ids = corrupted.position_ids(tokens.shape[1], n_seq=tokens.shape[0], doc_ids=doc_ids, starts=starts,
-                                 keep_last=int(getattr(metric, "target_len", 0))).to(tokens.device)
-    c, k = _baselines(model, tokens, metric, ids)
-    return {"clean": c, "corrupted": k}
+    out = {"clean": _run_metric(model, tokens, metric, [], 1)[0]}
+    for name, corr in corruptions.items():
+        ids = corr.position_ids(tokens.shape[1], n_seq=tokens.shape[0], doc_ids=doc_ids, starts=starts,
+                                keep_last=int(getattr(metric, "target_len", 0))).to(tokens.device)
+        out[name] = _run_metric(model, tokens, metric, reposition_hooks(model, ids), 1)[0]
+    return out
 
 
 def normalised_recovery(patched: Tensor, clean: Tensor, corrupted: Tensor, direction: Direction = "denoising") -> Tensor:

@@ -443,12 +443,18 @@ def pieces(checkpoint: Any, what: str, cfg: Config, model: Any, windows: Any, *,
     return Pieces(checkpoint, fp, what)
 
 
-def model_pieces(checkpoint: Any, label: str, what: str, cfg: Config, model: Any, windows: Any, **extra: Any) -> Any:
-    """:func:`pieces` of one of a run's models (``label``: ``"trained"`` or ``"random"``), kept in the sub-folder
-    ``label`` of ``checkpoint`` under that model's own fingerprint (so another twin is another design)."""
+def model_folder(checkpoint: Any, label: str) -> Any:
+    """The sub-folder of ``checkpoint`` that keeps one of a run's models' pieces (``label``: ``"trained"`` or
+    ``"random"``); ``None`` without a checkpoint."""
     from pathlib import Path  # noqa: PLC0415
 
-    return pieces(None if checkpoint is None else Path(checkpoint) / label, what, cfg, model, windows, **extra)
+    return None if checkpoint is None else Path(checkpoint) / label
+
+
+def model_pieces(checkpoint: Any, label: str, what: str, cfg: Config, model: Any, windows: Any, **extra: Any) -> Any:
+    """:func:`pieces` of one of a run's models (``label``: ``"trained"`` or ``"random"``), kept in
+    :func:`model_folder` under that model's own fingerprint (so another twin is another design)."""
+    return pieces(model_folder(checkpoint, label), what, cfg, model, windows, **extra)
 
 
 def kept_tables(kept: Any, label: str, names: Sequence[str], compute: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:

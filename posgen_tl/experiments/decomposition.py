@@ -180,12 +180,11 @@ def decompose_with_twin(model: Any, corpus: CorpusLike | Windows = None, cfg: Co
     windows, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
                                    n_ref=cfg.n_ref if needs_ref else 0, seed=cfg.seed)
     label = probe_hooks(model)[0].model_name
-    sub = (lambda name: None) if checkpoint is None else (lambda name: Path(checkpoint) / name)
     trained = decompose_model(model, windows, cfg, reference=ref, model_label=label, progress=progress,
-                              checkpoint=sub("trained"))
+                              checkpoint=base.model_folder(checkpoint, "trained"))
     twin = random_twin(model, cfg.seed) if twin is None else twin
     random = decompose_model(twin, windows, cfg, reference=ref, twin_label="random", model_label=label,
-                             progress=progress, checkpoint=sub("random"))
+                             progress=progress, checkpoint=base.model_folder(checkpoint, "random"))
     out = pd.concat([trained, random], ignore_index=True)
     out.attrs = dict(trained.attrs)
     return out
@@ -268,7 +267,7 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, twin: Any 
                                  progress=progress, checkpoint=checkpoint)
     else:
         df = decompose_model(model, windows, cfg, reference=ref, progress=progress,
-                             checkpoint=None if checkpoint is None else Path(checkpoint) / "trained")
+                             checkpoint=base.model_folder(checkpoint, "trained"))
     layers = sorted(df["layer"].unique())
     toks = windows.tokens
     head = decompose_head(model, toks[:1, : min(128, toks.shape[1])], int(layers[len(layers) // 2]), 0,

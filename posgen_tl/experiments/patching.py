@@ -38,7 +38,7 @@ from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.edits import key_means
 from posgen_tl.hooks.patching import TERMS
-from posgen_tl.io.checkpoint import RunFolder
+from posgen_tl.io.checkpoint import Pieces
 from posgen_tl.io.provenance import git_commit
 from posgen_tl.io.sampling import Windows, check_disjoint, sample_windows
 from posgen_tl.stats.familywise import maxt_signflip
@@ -272,24 +272,6 @@ def _in_order(u: pd.DataFrame) -> Any:
     return lambda col: col.map(order) if col.name == "corruption" else col
 
 
-class _Checkpoint(RunFolder):
-    """Finished batches of one run in a folder: ``fingerprint.json`` (the design) and ``batch_NNNNNN.csv``."""
-
-    def __init__(self, folder: str | Path, fingerprint: dict[str, Any]):
-        super().__init__(folder)
-        old = self.read_json("fingerprint")
-        if old is not None and old != fingerprint:
-            raise ValueError(f"{self.dir} holds a checkpoint of another patching design (config, model or windows "
-                             "differ); remove it or choose another output folder")
-        self.write_json("fingerprint", fingerprint, indent=1, sort_keys=True)
-
-    def get(self, i: int) -> pd.DataFrame | None:
-        return self.read_rows(f"batch_{i:06d}")
-
-    def put(self, i: int, rows: pd.DataFrame) -> None:
-        self.write_rows(f"batch_{i:06d}", rows)
-
-
 @torch.no_grad()
 def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: Windows | None = None,
         checkpoint: str | Path | None = None, progress: bool = True, **options: Any) -> Result:
@@ -323,19 +305,22 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     fp = dict(format=2, config=design, model=spec.model_name, dtype=str(model_dtype(model)), windows=windows_fingerprint(ana),
               docs=ana.doc_ids.tolist(), starts=ana.starts.tolist(), layers=layers,
               reference=windows_fingerprint(ref) if ref is not None and km is not None else None)
-    ck = _Checkpoint(checkpoint, fp) if checkpoint is not None else None
-    parts = []
+    ck = Pieces(checkpoint, fp, "patching")
     starts = list(range(0, len(ana), cfg.batch_size))
-    for i, s in enumerate(tqdm(starts, desc=f"{NAME} batches", disable=not progress)):
-        got = ck.get(i) if ck is not None else None
-        if got is None:
-            w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
-            got = pd.DataFrame(_batch_rows(model, w, cfg, corrs, layers, km, n_idx, km_random))
-            got["seq"] += s
-            if ck is not None:
-                ck.put(i, got)
-        parts.append(got)
-    units = pd.concat(parts, ignore_index=True)
+    parts: list[pd.DataFrame | None] = [ck.get(f"batch_{i:06d}") for i in range(len(starts))]
+    todo = [i for i, got in enumerate(parts) if got is None]
+    bar = tqdm(total=len(starts), initial=len(starts) - len(todo), desc=f"{NAME} batches", disable=not progress)
+    if len(todo) < len(starts):  # a resumed run says so at once, with the kept batches counted
+        bar.set_postfix_str(f"resumed: {len(starts) - len(todo)} kept")
+    for i in todo:
+        s = starts[i]
+        w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
+        got = pd.DataFrame(_batch_rows(model, w, cfg, corrs, layers, km, n_idx, km_random))
+        got["seq"] += s
+        parts[i] = ck.rows(f"batch_{i:06d}", _given(got))
+        bar.update(1)
+    bar.close()
+    units = pd.concat([p for p in parts if p is not None], ignore_index=True)
     heads, lay, kind = _summaries(units, cfg)
     b = _baselines(units)
     tables = dict(heads=heads, layers=lay, baselines=b, units=units)
@@ -349,6 +334,11 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
                 n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                 twin_damage=_damage(tables["twin"], cfg.seed) if cfg.twin else None)
     return Result(tables, cfg.as_dict(), meta)
+
+
+def _given(rows: pd.DataFrame) -> Any:
+    """A ``compute`` for :meth:`Pieces.rows` that returns the rows already computed (kept as they are)."""
+    return lambda: rows
 
 
 def _damage(b: pd.DataFrame, seed: int) -> dict[str, dict[str, Any]]:
@@ -369,12 +359,12 @@ def _twin_damage(model: Any, ana: Windows, corrs: dict[str, P.Corruption], cfg: 
 
     twin = random_twin(model, cfg.seed)
     rows = []
-    for (cname, corr), s in itertools.product(corrs.items(), range(0, len(ana), cfg.batch_size)):
+    for s in range(0, len(ana), cfg.batch_size):  # one clean forward per batch, one per corruption
         w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
-        b = P.baselines(twin, corr, w.tokens, P.target_nll(w.tokens, cfg.target()), doc_ids=w.doc_ids.tolist(),
-                        starts=w.starts.tolist())
-        rows += [dict(corruption=cname, doc=int(d), clean_nll=float(c), corrupted_nll=float(k)) for d, c, k in
-                 zip(w.doc_ids.tolist(), b["clean"], b["corrupted"])]
+        b = P.corrupted_metrics(twin, corrs, w.tokens, P.target_nll(w.tokens, cfg.target()),
+                                doc_ids=w.doc_ids.tolist(), starts=w.starts.tolist())
+        rows += [dict(corruption=cname, doc=int(d), clean_nll=float(c), corrupted_nll=float(k))
+                 for cname in corrs for d, c, k in zip(w.doc_ids.tolist(), b["clean"], b[cname])]
     t = pd.DataFrame(rows).groupby(["corruption", "doc"], sort=False).mean().reset_index()
     t = t.sort_values(["corruption", "doc"], key=_in_order(pd.DataFrame(rows)), kind="stable", ignore_index=True)
     t["damage"] = t["corrupted_nll"] - t["clean_nll"]

@@ -74,22 +74,33 @@ class Pieces:
     ``compute`` always runs, so an experiment writes one code path for both.
 
     ``fingerprint`` (JSON-able: the options that change a number, the model, its dtype, the windows) names the
-    design; a folder holding another design's pieces is refused — ``what`` names the experiment in the error.
+    design, together with the package's version (``code``: pieces computed by another release are not mixed with
+    this one's); a folder holding another design's pieces is refused — ``what`` names the experiment in the error.
 
     Raises:
         ValueError: ``folder`` keeps pieces of another design."""
 
     def __init__(self, folder: str | Path | None, fingerprint: dict[str, Any], what: str):
+        from posgen_tl._version import __version__  # noqa: PLC0415
+
         self.folder: RunFolder | None = None
         if folder is None:
             return
         self.folder = RunFolder(folder)
-        key = json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+        key = json.loads(json.dumps({**fingerprint, "code": __version__}, sort_keys=True, default=str))
         old = self.folder.read_json("fingerprint")
         if old is not None and old != key:
-            raise ValueError(f"{what}: {self.folder.dir} holds a checkpoint of another {what} design (config, model or "
-                             "windows differ); remove it or choose another output folder")
+            why = ("it was computed by posgen_tl " + str(old.get("code", "before 0.2.0.dev0"))
+                   if {k: v for k, v in old.items() if k != "code"} == {k: v for k, v in key.items() if k != "code"}
+                   else "config, model or windows differ")
+            raise ValueError(f"{what}: {self.folder.dir} holds a checkpoint of another {what} design ({why}); remove "
+                             "it or choose another output folder")
         self.folder.write_json("fingerprint", key, indent=1, sort_keys=True)
+
+    def get(self, name: str) -> pd.DataFrame | None:
+        """The table ``name`` where it was kept, else ``None`` (nothing is computed; always ``None`` without a
+        folder)."""
+        return None if self.folder is None else self.folder.read_rows(name)
 
     def rows(self, name: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
         """The table ``name`` of this design: read back exactly where it was kept, else ``compute()`` (kept)."""

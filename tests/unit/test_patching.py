@@ -240,6 +240,23 @@ def test_uniform_shift_moves_no_metric(model, tokens, k_means):
     assert (s["corrupted"] - s["clean"]).abs().max() > 1e-3
 
 
+def test_several_corruptions_share_one_clean_forward(model, tokens):
+    metric = P.target_nll(tokens, T)
+    calls = []
+    counted = lambda lg: (calls.append(1), metric(lg))[1]  # noqa: E731
+    counted.target_len = T
+    corrs = {"swaps": P.Swaps(0.3), "gap": P.Gap(40)}
+    got = P.corrupted_metrics(model, corrs, tokens, counted)
+    assert len(calls) == 1 + len(corrs)  # one clean forward, one per corruption
+    for name, corr in corrs.items():  # the same numbers as one pair of forwards per corruption
+        b = P.baselines(model, corr, tokens, metric)
+        torch.testing.assert_close(got["clean"], b["clean"], rtol=0, atol=0)
+        torch.testing.assert_close(got[name], b["corrupted"], rtol=0, atol=0)
+    assert (got["swaps"] - got["gap"]).abs().max() > 1e-4  # each corruption its own run
+    with pytest.raises(ValueError, match="cannot be named 'clean'"):
+        P.corrupted_metrics(model, {"clean": P.Swaps(0.3)}, tokens, metric)
+
+
 def test_sweep_agrees_with_one_patch_per_forward_and_has_tl_shapes(model, tokens, k_means):
     metric = P.target_nll(tokens, T)
     corr = P.Swaps(0.3)

@@ -94,7 +94,7 @@ def test_the_corrupted_and_clean_runs_are_the_baselines_of_every_row(result):
     assert (per_doc == 1).all().all()  # one clean and one corrupted value per document, whatever was patched
 
 
-def test_an_interrupted_run_continues_to_the_same_numbers(sharp, tmp_path, monkeypatch):
+def test_an_interrupted_run_continues_to_the_same_numbers(sharp, tmp_path, monkeypatch, capsys):
     kw = {**OPTS, "quantities": ("rot_q",), "directions": ("denoising",)}
     whole = pe.run(sharp, corpus=tm.token_corpus(14), **kw)
     real, calls = pe._batch_rows, {"n": 0}
@@ -111,8 +111,13 @@ def test_an_interrupted_run_continues_to_the_same_numbers(sharp, tmp_path, monke
     assert len(list((tmp_path / "ck").glob("batch_*.csv"))) == 1
     calls["n"] = 0
     monkeypatch.setattr(pe, "_batch_rows", lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), real(*a, **k))[1])
-    resumed = pe.run(sharp, corpus=tm.token_corpus(14), checkpoint=tmp_path / "ck", **kw)
+    capsys.readouterr()
+    resumed = pe.run(sharp, corpus=tm.token_corpus(14), checkpoint=tmp_path / "ck", **{**kw, "progress": True})
     assert calls["n"] == 2  # batches 2 and 3 of 3; the first came from the checkpoint
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    # the bar starts at the kept batch, says so, and ends at 3 of 3 (never "0/3" after a resume)
+    assert any("patching batches:  33%" in b and "1/3" in b and "resumed: 1 kept" in b for b in bar), bar
+    assert not any(" 0/3 " in b for b in bar) and any("3/3" in b for b in bar)
     for name in ("heads", "layers", "units"):
         pd.testing.assert_frame_equal(resumed[name], whole[name], check_exact=False, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="another patching design"):

@@ -137,3 +137,18 @@ def test_a_decomposition_checkpoint_tells_apart_twins_and_given_means(setting, t
     with pytest.raises(ValueError, match="another decomposition design"):
         decomposition.decompose_model(model, win, cfg, k_mean={k: v * 2 for k, v in km.items()},
                                       checkpoint=tmp_path / "g", progress=False)
+
+
+def test_pieces_of_another_release_are_refused_and_the_refusal_says_why(tmp_path, monkeypatch):
+    import posgen_tl._version as version
+
+    fp = {"config": {"n_seq": 4}, "model": "m"}
+    kept = ck_mod.Pieces(tmp_path, fp, "demo")
+    kept.rows("a", lambda: pd.DataFrame({"x": [0.1]}))
+    assert ck_mod.Pieces(tmp_path, fp, "demo").get("a")["x"].tolist() == [0.1]  # same design and release: read back
+    assert ck_mod.Pieces(tmp_path, fp, "demo").get("b") is None and ck_mod.Pieces(None, fp, "demo").get("a") is None
+    monkeypatch.setattr(version, "__version__", "9.9.9")
+    with pytest.raises(ValueError, match=r"another demo design \(it was computed by posgen_tl "):
+        ck_mod.Pieces(tmp_path, fp, "demo")
+    with pytest.raises(ValueError, match=r"another demo design \(config, model or windows differ\)"):
+        ck_mod.Pieces(tmp_path, {**fp, "model": "other"}, "demo")
