@@ -37,6 +37,8 @@ __all__ = [
     "named_documents",
     "package_readmes",
     "stdlib_docstrings",
+    "package_docstrings",
+    "DOCSTRING_PACKAGES",
 ]
 
 #: the tokenizer's own BOS policy, recorded by :func:`posgen_tl.io.models.load_model` before
@@ -309,15 +311,70 @@ def stdlib_docstrings(dest: str | os.PathLike, *, min_chars: int = 1500, root: s
 
     Raises:
         CorpusError: fewer than 2 modules qualify."""
-    import hashlib  # noqa: PLC0415
     import platform  # noqa: PLC0415
     import sysconfig  # noqa: PLC0415
 
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
-    folder = Path(dest)
+    out = _docstring_documents(base, sorted(base.rglob("*.py")), Path(dest), min_chars,
+                               dict(python=platform.python_version()))
+    if len(out) < 2:
+        raise CorpusError(f"only {len(out)} standard-library modules under {base} have ≥ {min_chars} characters of "
+                          "docstrings")
+    return out
+
+
+#: the packages of :func:`package_docstrings`: the scientific Python stack the project's lock pins
+#: (constraints/tl4.txt), documented in prose by their authors (numpydoc)
+DOCSTRING_PACKAGES = ("numpy", "scipy", "pandas", "networkx", "matplotlib")
+
+
+def package_docstrings(dest: str | os.PathLike, packages: Sequence[str] = DOCSTRING_PACKAGES, *,
+                       min_chars: int = 1500, root: str | os.PathLike | None = None) -> list[dict]:
+    """Write a fourth corpus: the docstrings of installed packages' modules (:func:`module_docstrings`; one
+    document per module with at least ``min_chars`` characters, ``<dotted.module.name>.txt``) into ``dest``.
+    ``packages``: import names (default :data:`DOCSTRING_PACKAGES`); ``root``: the folder holding them (default:
+    this environment's site-packages). Test trees and :data:`DOCSTRING_SKIP` are left out; a text that another
+    module already gave (a re-export shim) is written once, under the first name in path order.
+
+    Returns:
+        One dict per written document: ``name, chars, sha256, package`` and the package's installed ``version``
+        (the text depends on it, so a run records it).
+
+    Raises:
+        CorpusError: a package is not installed under ``root``, or fewer than 2 modules qualify."""
+    import importlib.metadata as md  # noqa: PLC0415
+    import sysconfig  # noqa: PLC0415
+
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["purelib"])
+    out: list[dict] = []
+    seen: set[str] = set()
+    for pkg in packages:
+        if not (base / pkg).is_dir():
+            raise CorpusError(f"package {pkg!r} is not installed under {base}")
+        try:
+            version = md.version(pkg)
+        except md.PackageNotFoundError:
+            version = "unknown"
+        files = [f for f in sorted((base / pkg).rglob("*.py"))
+                 if not {"testing", "_testing"} & set(f.relative_to(base).parts)]
+        got = _docstring_documents(base, files, Path(dest), min_chars, dict(package=pkg, version=version), seen)
+        out += got
+    if len(out) < 2:
+        raise CorpusError(f"only {len(out)} modules of {', '.join(packages)} have ≥ {min_chars} characters of docstrings")
+    return out
+
+
+def _docstring_documents(base: Path, files: Sequence[Path], folder: Path, min_chars: int, fields: dict,
+                         seen: set[str] | None = None) -> list[dict]:
+    """Write :func:`module_docstrings` of each of ``files`` (under ``base``; :data:`DOCSTRING_SKIP` left out) with at
+    least ``min_chars`` characters as ``<dotted name>.txt`` in ``folder``; a text whose SHA-256 is in ``seen`` is
+    skipped (and each written one added). Returns one ``dict(name, chars, sha256, **fields)`` per document."""
+    import hashlib  # noqa: PLC0415
+
     folder.mkdir(parents=True, exist_ok=True)
+    seen = set() if seen is None else seen
     out = []
-    for p in sorted(base.rglob("*.py")):
+    for p in files:
         rel = p.relative_to(base)
         if any(part in DOCSTRING_SKIP for part in rel.parts):
             continue
@@ -325,13 +382,11 @@ def stdlib_docstrings(dest: str | os.PathLike, *, min_chars: int = 1500, root: s
             text = module_docstrings(p.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):  # a file the parser cannot read is no document
             continue
-        if len(text) < min_chars:
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if len(text) < min_chars or digest in seen:
             continue
+        seen.add(digest)
         name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         (folder / f"{name}.txt").write_text(text, encoding="utf-8")
-        out.append(dict(name=name, chars=len(text), sha256=hashlib.sha256(text.encode()).hexdigest(),
-                        python=platform.python_version()))
-    if len(out) < 2:
-        raise CorpusError(f"only {len(out)} standard-library modules under {base} have ≥ {min_chars} characters of "
-                          "docstrings")
+        out.append(dict(name=name, chars=len(text), sha256=digest, **fields))
     return out

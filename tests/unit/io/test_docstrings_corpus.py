@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from posgen_tl.io.corpus import CorpusError, module_docstrings, named_documents, stdlib_docstrings
+from posgen_tl.io.corpus import CorpusError, module_docstrings, named_documents, package_docstrings, stdlib_docstrings
 
 SOURCE = '''"""Module doc."""
 import sys
@@ -62,3 +62,28 @@ def test_stdlib_docstrings_writes_long_modules_with_their_provenance(tmp_path):
     assert len(docs) == 2 and docs[0].startswith("word")
     with pytest.raises(CorpusError, match="only 0 standard-library modules"):
         stdlib_docstrings(tmp_path / "none", root=root / "pkg", min_chars=10**6)
+
+
+def test_package_docstrings_writes_each_text_once_with_the_package_and_its_version(tmp_path):
+    root = tmp_path / "site"
+    for pkg in ("numpy", "scipy"):
+        (root / pkg / "testing").mkdir(parents=True)
+        (root / pkg / "tests").mkdir()
+    long = '"""' + "word " * 400 + '"""\n'
+    (root / "numpy" / "linalg.py").write_text(long)
+    (root / "numpy" / "shim.py").write_text(long)  # the same text again (a re-export shim): written once
+    (root / "numpy" / "testing" / "helpers.py").write_text(long.replace("word", "help"))  # test helpers: left out
+    (root / "numpy" / "tests" / "test_x.py").write_text(long.replace("word", "test"))
+    (root / "scipy" / "__init__.py").write_text(long.replace("word", "sci"))
+    rec = package_docstrings(tmp_path / "out", ("numpy", "scipy"), root=root)
+    assert [(r["name"], r["package"]) for r in rec] == [("numpy.linalg", "numpy"), ("scipy", "scipy")]
+    import importlib.metadata as md
+
+    assert rec[0]["version"] == md.version("numpy")  # the installed version, recorded (the text depends on it)
+    for r in rec:
+        text = (tmp_path / "out" / f"{r['name']}.txt").read_text()
+        assert r["sha256"] == hashlib.sha256(text.encode()).hexdigest() and r["chars"] == len(text)
+    with pytest.raises(CorpusError, match="package 'nopkg' is not installed"):
+        package_docstrings(tmp_path / "x", ("nopkg",), root=root)
+    with pytest.raises(CorpusError, match="only 0 modules of numpy"):
+        package_docstrings(tmp_path / "y", ("numpy",), root=root, min_chars=10**6)

@@ -78,3 +78,32 @@ def test_the_confirmatory_causal_job_is_declared_with_one_entry_on_the_docstring
     assert name == "smollm2-135m/docstrings/causal"
     assert args[args.index("--claim") + 1] == "smollm2-135m:L20-29" and args[args.index("--groups") + 1] == "late"
     assert args[args.index("--corpus") + 1] == "results/corpora/docstrings"
+
+
+def test_the_second_confirmatory_job_is_sized_for_power_on_fresh_documents():
+    name, args = next(j for j in run_studies.jobs("R") if j[0].endswith("scidocs/causal"))
+    assert name == "smollm2-135m/scidocs/causal" and args[args.index("--corpus") + 1] == "results/corpora/scidocs"
+    assert args[args.index("--claim") + 1] == "smollm2-135m:L20-29" and int(args[args.index("--n-seq") + 1]) == 256
+    # sized from the first confirmatory run's spread: MDE ∝ 1/√n, 0.00111 at 143 documents → under 0.001 at 256
+    assert 0.00111 * (143 / 256) ** 0.5 < 0.001
+
+
+def test_the_scientific_docstring_corpus_is_kept_only_as_recorded(tmp_path, monkeypatch):
+    def fake(version):
+        def write(dest, **_):
+            Path(dest).mkdir(parents=True, exist_ok=True)
+            text = "n" * 2000 if version == "2.4.6" else "n" * 2001
+            (Path(dest) / "numpy.linalg.txt").write_text(text)
+            return [dict(name="numpy.linalg", chars=len(text), sha256=hashlib.sha256(text.encode()).hexdigest(),
+                         package="numpy", version=version)]
+        return write
+
+    record = tmp_path / "scidocs.json"
+    monkeypatch.setattr(corpus, "package_docstrings", fake("2.4.6"))
+    run_studies.write_scidocs(tmp_path / "a", record)
+    assert json.loads(record.read_text())[0]["version"] == "2.4.6"
+    monkeypatch.setattr(corpus, "package_docstrings", fake("2.5.0"))
+    with pytest.raises(SystemExit, match=r"scientific-stack docstring corpus differs .* numpy.linalg \(recorded "
+                                         r"2.4.6, installed 2.5.0\)"):
+        run_studies.write_scidocs(tmp_path / "b", record)
+    assert not list((tmp_path / "b").glob("*.txt"))
