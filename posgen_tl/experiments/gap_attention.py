@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -71,7 +72,7 @@ def _var_within(x: Tensor, mask: Tensor) -> Tensor:
 def gap_attention(
     model: Any, windows: Windows, *, prefix_len: int, suffix_len: int, gap: int | None = None,
     k_means: dict, skip: int = 16, sink: int = 1, layers: Sequence[int] | None = None, batch_size: int = 1,
-    progress: bool = True,
+    progress: bool = True, kept: Any = None,
 ) -> pd.DataFrame:  # fmt: skip
     """Per (sequence, layer, head): how attention changes when the suffix is moved ``gap`` ids away.
 
@@ -86,9 +87,13 @@ def gap_attention(
       rows × prefix keys ``≥ sink``) at G = ``gap`` and at G = 0; ``r_near`` on suffix × suffix keys.
       With ``gap ≥ n_ctx`` every far entry lies beyond the trained context.
 
-    Entries a sliding window hides are excluded. Returns a tidy DataFrame with ``seq, doc, layer,
+    Entries a sliding window hides are excluded. ``kept``: a :class:`~posgen_tl.io.checkpoint.Pieces` that keeps each
+    finished batch (an interrupted run continues where it stopped). Returns a tidy DataFrame with ``seq, doc, layer,
     head`` and the columns above.
     """
+    from posgen_tl.io.checkpoint import Pieces  # noqa: PLC0415
+
+    kept = Pieces(None, {}, "gap attention") if kept is None else kept
     spec, _ = probe_hooks(model)
     gap = 2 * spec.n_ctx if gap is None else int(gap)
     n = prefix_len + suffix_len
@@ -96,9 +101,10 @@ def gap_attention(
     layers = list(range(spec.n_layers)) if layers is None else sorted(layers)
     rows_q = torch.arange(prefix_len + skip, n)
     docs = windows.doc_ids.cpu().numpy()
-    out = []
-    for s in tqdm(range(0, tokens.shape[0], batch_size), desc="gap attention", disable=not progress, leave=False):
+
+    def batch_rows(s: int) -> pd.DataFrame:
         b = tokens[s : s + batch_size]
+        out = []
         res: dict[int, dict[str, Tensor]] = {}
         for tag, g in (("0", 0), ("gap", gap)):
             pos = gap_position_ids(prefix_len, suffix_len, g).expand(b.shape[0], -1)
@@ -141,7 +147,11 @@ def gap_attention(
                                     kl=float(kl[i, h]), mass_far_0=float(m0[i, h]), mass_far_gap=float(mg[i, h]),
                                     f_share=float(d["f_share"][i, h]), r_far=float(d["r_far_gap"][i, h]),
                                     r_far_0=float(d["r_far_0"][i, h]), r_near=float(d["r_near"][i, h])))
-    return pd.DataFrame(out)
+        return pd.DataFrame(out)
+
+    parts = [kept.rows(f"batch_{s:06d}", lambda s=s: batch_rows(s))
+             for s in tqdm(range(0, tokens.shape[0], batch_size), desc="gap attention", disable=not progress, leave=False)]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
 def classes_from_taxonomy(heads: pd.DataFrame, *, twin: str = "trained") -> pd.DataFrame:
@@ -226,9 +236,13 @@ FILES = {"rows": "gap_attention_rows.csv", "summary": "gap_attention_summary.csv
 LEGACY_META = "gap_attention_meta.json"
 
 
-def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, progress: bool = True, **options: Any) -> Result:
+def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, progress: bool = True,
+        checkpoint: str | Path | None = None, **options: Any) -> Result:
     """Per-head attention change under the gap and its positional − symbolic contrasts (``cfg`` with ``options``
-    applied; head classes from ``cfg.classes``, a taxonomy study's ``heads.csv``). Returns its :class:`Result`."""
+    applied; head classes from ``cfg.classes``, a taxonomy study's ``heads.csv``). ``checkpoint``: a folder that
+    keeps each finished batch; a rerun of the same design continues where an interrupted one stopped, to the same
+    numbers. Returns its :class:`Result`."""
+    from posgen_tl.engine.swaps import windows_fingerprint  # noqa: PLC0415
     from posgen_tl.io.sampling import sample_windows  # noqa: PLC0415
 
     cfg = base.config_of(Config, cfg, options)
@@ -239,8 +253,10 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, progress: 
     assert ref is not None
     km = reference_key_means(model, ref.tokens, sink=1, progress=False)
     n_ctx = int(model.cfg.n_ctx)
+    kept = base.pieces(checkpoint, NAME, cfg, model, win, reference=windows_fingerprint(ref),
+                       statistics=("classes",))
     rows = gap_attention(model, win, prefix_len=pre, suffix_len=suf, gap=int(round(cfg.gap * n_ctx)), k_means=km,
-                           skip=skip, progress=progress)
+                         skip=skip, progress=progress, kept=kept)
     meta = dict(n_seq=len(win), n_docs=win.n_docs, gap=cfg.gap, n_ctx=n_ctx, prefix_len=pre, suffix_len=suf,
                 classes=cfg.classes)
     return Result({"rows": rows, "summary": head_class_test(rows, classes)}, cfg.as_dict(), meta)

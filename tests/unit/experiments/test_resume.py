@@ -26,6 +26,8 @@ SIZES = {
     # the gap probe (3 gaps × 3 conditions) and window removal (4 conditions) of a tiny sliding-window model
     "length": ("quick", dict(n_seq=3, seq_len=24, n_ref=2, gaps=(0.0, 1.0, 2.0), window_seq_len=16, window_n_seq=3,
                              bucket=4)),
+    # one kept batch per sequence (the two passes, G = 0 and G = gap, of each)
+    "gap_attention": ("quick", dict(n_seq=3, seq_len=24, n_ref=2)),
 }
 
 
@@ -47,7 +49,8 @@ def test_the_generic_checkpoint_is_used_by_these_experiments():
 #: where each run is interrupted: after this many kept pieces (decomposition: in the trained model's batches, and in
 #: the random twin's; pattern: between two tables of one computation, and after the trained model's; length: in the gap probe, and after window removal's first condition, whose kept per-token NLL
 #: the later conditions reuse)
-STOPS = [("decomposition", 1), ("decomposition", 3), ("pattern", 1), ("pattern", 2), ("taxonomy", 1), ("tolerance", 1), ("sufficiency", 1), ("length", 1), ("length", 8)]
+STOPS = [("decomposition", 1), ("decomposition", 3), ("pattern", 1), ("pattern", 2), ("taxonomy", 1), ("tolerance", 1), ("sufficiency", 1), ("length", 1), ("length", 8),
+         ("gap_attention", 1)]
 
 
 @pytest.mark.parametrize("name, stop", STOPS)
