@@ -81,7 +81,7 @@ def _render(am, data: dict, args: argparse.Namespace) -> None:
         from posgen_tl.report.pages import fill_block  # noqa: PLC0415
 
         path = Path(args.readme)
-        path.write_text(fill_block(path.read_text(), "architectures", textwrap.fill(am.readme_claim(data), 100, break_on_hyphens=False, break_long_words=False)))
+        path.write_text(fill_block(path.read_text(), "architectures", textwrap.fill(am.readme_claim(data), 118, break_on_hyphens=False, break_long_words=False)))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from posgen_tl.report.text import md_table, sig3
 if TYPE_CHECKING:
     from posgen_tl.report.runs import Run
 
-__all__ = ["CLAIM_STUDY", "claim_table", "claim_tables", "claim_agreement", "confirmations", "claim_section", "claim_method", "claim_discussion", "primary_answer"]
+__all__ = ["CLAIM_STUDY", "claim_table", "claim_tables", "claim_agreement", "confirmations", "claim_section", "claim_method",
+           "claim_discussion", "primary_answer", "headline_rows"]
 
 
 #: the study whose runs make up the causal claim (the dose–response test, docs/method.md §5, §8 v3)
@@ -169,10 +170,42 @@ def claim_agreement(runs: list[Run]) -> dict[str, str]:
     return out
 
 
-def confirmations(runs: list[Run]) -> list[str]:
+def headline_rows(runs: list[Run]) -> list[dict[str, str]]:
+    """The causal rows of the README's headline table: one per entry of the exploratory claim (its first corpus,
+    pydoc where it ran) and one per entry of each confirmatory test. Each gives the entry, its answer, the contrast
+    its test's p belongs to (the binding contrast of the intersection–union test, with its 95 % interval; "–" where
+    the entry is not testable, with the reason), that p and its Holm adjustment over the declared family, the
+    documents, and whether the second corpus agrees (:func:`claim_agreement`). Keys: ``entry, corpus, answer,
+    effect, p, n, second``."""
+    exploratory, confirmatory = claim_tables(runs)
+    agree = claim_agreement(runs)
+    out = []
+
+    def row(entry: str, corpus: str, r: pd.Series, second: str, n_entries: int) -> dict[str, str]:
+        testable = not str(r["verdict"]).startswith("not testable") and isinstance(r["binding"], str) and r["binding"]
+        why = str(r.get("reason", "")).split(":")[0].strip()
+        effect = (f"{r['binding']} at common damage (nats × p): "
+                  f"{_interval(r['binding_estimate'], r['binding_ci_low'], r['binding_ci_high'])}" if testable
+                  else f"– ({why})" if why else "–")
+        p = (f"{sig3(r['p_iut'])} (its test); {sig3(r['p_family'])} (Holm over {n_entries})" if testable else "–")
+        return dict(entry=entry, corpus=corpus, answer=str(r["verdict"]), effect=effect, p=p,
+                    n="–" if r["n_docs"] != r["n_docs"] else str(int(r["n_docs"])), second=second)
+
+    if exploratory:
+        first = min(exploratory, key=lambda c: (c != "pydoc", c))
+        t = exploratory[first]
+        out += [row(e, first, r, agree.get(e, "one corpus only"), len(t)) for e, r in t.iterrows()
+                if r["verdict"] != "not run"]
+    for c, t in confirmatory.items():
+        out += [row(e, c, r, "confirmatory: fresh documents", len(t)) for e, r in t.iterrows() if r["verdict"] != "not run"]
+    return out
+
+
+def confirmations(runs: list[Run], *, short: bool = False) -> list[str]:
     """One sentence per entry of a confirmatory test (:func:`claim_tables`): its corpus, documents, verdict with
     the numbers that decided it, and its power (the whole test's MDE against the run's smallest effect of
-    interest)."""
+    interest). ``short``: the verdict and the power only (for an answer sentence; the numbers stay in the
+    discussion)."""
     out = []
     for c, t in claim_tables(runs)[1].items():
         for entry, row in t.iterrows():
@@ -181,6 +214,13 @@ def confirmations(runs: list[Run]) -> list[str]:
             model = entry.split(":", 1)[0]
             run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == c)
             effect = float(run.meta["config"].get("effect", float("nan")))
+            if short:
+                power = ("" if effect != effect else
+                         f", {'powered' if float(row['mde']) <= effect else 'NOT powered'} (the whole test's MDE "
+                         f"{sig3(row['mde'])} vs the effect of interest {sig3(effect)} nats × p)")
+                out.append(f"Confirmatory test of {entry.replace(':', ' ')} on {int(row['n_docs'])} fresh documents "
+                           f"({c}, declared before its run): {row['verdict']}{power}.")
+                continue
             power = ("" if effect != effect else
                      f"; {'powered' if float(row['mde']) <= effect else 'NOT powered'} for the smallest effect of "
                      f"interest {sig3(effect)} nats × p")
@@ -278,10 +318,16 @@ def primary_claim(runs: list[Run]) -> tuple[str, str]:
         both = [e for e, w in words.items() if len(w) >= 2]
         ans = (f"Not established: no entry of the claim shows a dependence on both corpora ({len(both)} of "
                f"{len(entries)} entries run on both so far, {len(ran) - len(both)} on one)")
-    clauses = [_entry_clauses(e, {c: t.loc[e] for c, t in tables.items() if e in t.index
-                                  and t.loc[e, "verdict"] != "not run"}) for e in entries if words[e]]
-    per = (" " + "; ".join(clauses) + ".") if clauses else ""
-    conf = " ".join(confirmations(runs))
+    short = []
+    for e in entries:
+        if not words[e]:
+            continue
+        said = {c: str(t.loc[e, "verdict"]) for c, t in tables.items() if c in words[e]}
+        short.append(f"{e.replace(':', ' ')} {next(iter(said.values()))} on {' and '.join(said)}"
+                     if len(set(said.values())) == 1 else
+                     f"{e.replace(':', ' ')} " + ", ".join(f"{v} on {c}" for c, v in said.items()))
+    per = (" Per entry: " + "; ".join(short) + ".") if short else ""
+    conf = " ".join(confirmations(runs, short=True))
     return q, f"{ans} ([causal]({{prefix}}causal.md)).{per}" + (f" {conf}" if conf else "")
 
 

@@ -36,6 +36,7 @@ from posgen_tl.report.claim import (
     claim_method,
     claim_section,
     claim_table,
+    headline_rows,
     primary_answer,
     primary_claim,
 )
@@ -443,6 +444,13 @@ def readme_headlines(runs: list[Run], link_prefix: str = "docs/results/") -> str
               "|---|---|---|---|---|---|"]
     for study in HEADLINE_ORDER:
         g = df[df["question"] == study]
+        if study == CLAIM_STUDY and headline_rows(runs):  # one row per declared entry: the p belongs to its effect
+            for h in headline_rows(runs):
+                conf = "" if h["second"] != "confirmatory: fresh documents" else f" (confirmatory, {h['corpus']})"
+                ask = QUESTIONS.get(study, study).split(" (§")[0]
+                q = f"[{ask} — {h['entry'].replace(':', ' ')}{conf}]({link_prefix}{study}.md)"
+                lines.append(f"| {q} | {h['answer']} | {h['effect']} | {h['p']} | {h['n']} | {h['second']} |")
+            continue
         if not len(g):
             continue
         first = sorted(g["corpus"].unique(), key=lambda c: (c != "pydoc", c))[0]

@@ -164,11 +164,15 @@ def test_causal_headline_quotes_the_claim_table_not_its_run(tmp_path, dose_resul
     assert row["what"].startswith("destroy − C1 at common damage") and row["verdict"] == "depends"
     text = pages.readme_headlines(runs)
     assert "[causal](docs/results/causal.md)" in text
-    # the sentence names every entry run with its verdict, what removing the pattern did and what decided
+    # the sentence names every entry run with its verdict in a few words; each entry's table row gives the contrast
+    # that decided, its interval and ITS p (the intersection–union p), with the adjustment over the claim beside it
     first = text.splitlines()[0]
-    assert "smollm2-135m L2 (pydoc): depends (exploratory) — destroy − none (nats × p) " in first
-    assert "weakest: destroy − C1" in first
-    assert "gemma3-270m L2 (pydoc): " in first
+    assert "Per entry: " in first and "smollm2-135m L2 depends (exploratory) on pydoc" in first
+    assert "gemma3-270m L2 " in first and "destroy − none (nats × p)" not in first
+    row = next(x for x in text.splitlines() if x.startswith("| [Does tolerance depend on the pattern? — smollm2-135m L2]"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:5] == ["depends (exploratory)", "destroy − C1 at common damage (nats × p): 0.004 [0.001, 0.007]",
+                          "0.02 (its test); 0.04 (Holm over 4)", "6"]
 
 
 def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path, dose_result):
@@ -184,8 +188,7 @@ def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path,
     assert "not run yet: gemma3-270m:L1, gemma3-270m:L2" in text and "- **gemma3-270m, layers L1** — not run yet." in text
     # an entry with one verdict on both corpora is said once, its numbers per corpus where they differ
     same = pages.readme_headlines(pages.find_runs(res)).splitlines()[0]
-    assert "smollm2-135m L1: depends (exploratory) on pydoc and readmes — destroy − none (nats × p) " in same
-    assert "smollm2-135m L1 (pydoc)" not in same
+    assert "smollm2-135m L1 depends (exploratory) on pydoc and readmes" in same
     shutil.rmtree(res / "smollm2-135m" / "readmes")
     _dose_run(dose_result, res / "smollm2-135m" / "readmes" / "causal", "smollm2-135m", {"L1": 0.5})
     text = "\n".join(pages.claim_discussion(pages.find_runs(res)))
@@ -193,8 +196,8 @@ def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path,
     # the headline counts the entries that could be claimed (both corpora run) apart from those run on one
     answer = pages.readme_headlines(pages.find_runs(res)).splitlines()[0]
     assert "(2 of 4 entries run on both so far, 0 on one)" in answer  # smollm2-135m L1, L2; gemma3 not run
-    assert "smollm2-135m L1 (pydoc): depends (exploratory) — " in answer  # verdicts differ: said per corpus
-    assert "smollm2-135m L1 (readmes): not detected (exploratory) — " in answer
+    # verdicts differ: said per corpus
+    assert "smollm2-135m L1 depends (exploratory) on pydoc, not detected (exploratory) on readmes" in answer
     # the table's second-corpus cell compares the entries' verdicts (their deciding contrasts may differ)
     row = next(x for x in pages.readme_headlines(pages.find_runs(res)).splitlines() if x.startswith("| [Does tolerance "))
     assert "NO — the corpora disagree" in row.rsplit("|", 2)[-2]  # L1 disagrees (L2 agrees)
@@ -303,11 +306,16 @@ def test_a_confirmatory_test_is_read_on_its_own_beside_the_exploratory_claim(tmp
     answer = pages.readme_headlines(runs).splitlines()[0]
     assert "(2 of 4 entries run on both so far, 0 on one)" in answer  # the docstrings run is not a third corpus
     conf = answer[answer.index("Confirmatory test"):]
-    assert conf.startswith("Confirmatory test (its own family, declared before its run), run on 6 documents no "
-                           "exploratory run saw (docstrings): smollm2-135m L2 (docstrings): depends (exploratory) — ")
-    assert "NOT powered for the smallest effect of interest 0.001 nats × p" in conf
+    mde = claim.sig3(confirmatory["docstrings"].loc["smollm2-135m:L2", "mde"])
+    assert conf == ("Confirmatory test of smollm2-135m L2 on 6 fresh documents (docstrings, declared before its run): "
+                    f"depends (exploratory), NOT powered (the whole test's MDE {mde} vs the effect of interest 0.001 "
+                    "nats × p).")
+    # the answer names each entry's verdict per corpus in a few words; the numbers are in the discussion
+    assert " Per entry: smollm2-135m L1 " in answer and "destroy − none (nats × p)" not in answer
     text = "\n".join(pages.claim_discussion(runs))
     assert "### The confirmatory test" in text and text.count("Confirmatory test (its own family") == 1
+    assert "run on 6 documents no exploratory run saw (docstrings): smollm2-135m L2 (docstrings): depends " \
+           "(exploratory) — " in text and "NOT powered for the smallest effect of interest 0.001 nats × p" in text
     # the exploratory claim is the one declared on the most corpora, whatever the corpora's names
     shutil.rmtree(res / "smollm2-135m" / "pydoc")
     _dose_run(dose_result, res / "smollm2-135m" / "zeta" / "causal", "smollm2-135m", {"L1": 0.5})
