@@ -88,7 +88,9 @@ def gap_attention(
       With ``gap ≥ n_ctx`` every far entry lies beyond the trained context.
 
     Entries a sliding window hides are excluded. ``kept``: a :class:`~posgen_tl.io.checkpoint.Pieces` that keeps each
-    finished batch (an interrupted run continues where it stopped). Returns a tidy DataFrame with ``seq, doc, layer,
+    finished batch (an interrupted run continues where it stopped); its fingerprint must name everything here that
+    changes a number (the windows, ``k_means``, the layout, ``gap``, ``skip``, ``sink``, ``layers``), as :func:`run`'s
+    does. Returns a tidy DataFrame with ``seq, doc, layer,
     head`` and the columns above.
     """
     from posgen_tl.io.checkpoint import Pieces  # noqa: PLC0415
@@ -149,7 +151,7 @@ def gap_attention(
                                     r_far_0=float(d["r_far_0"][i, h]), r_near=float(d["r_near"][i, h])))
         return pd.DataFrame(out)
 
-    parts = [kept.rows(f"batch_{s:06d}", lambda s=s: batch_rows(s))
+    parts = [kept.rows(f"batch{batch_size}_{s:06d}", lambda s=s: batch_rows(s))  # a piece names its batch size
              for s in tqdm(range(0, tokens.shape[0], batch_size), desc="gap attention", disable=not progress, leave=False)]
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 

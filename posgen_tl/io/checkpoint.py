@@ -75,7 +75,9 @@ class Pieces:
 
     ``fingerprint`` (JSON-able: the options that change a number, the model, its dtype, the windows) names the
     design, together with the package's version (``code``: pieces computed by another release are not mixed with
-    this one's); a folder holding another design's pieces is refused — ``what`` names the experiment in the error.
+    this one's — a release-level check: between two commits of one development version pieces are shared, so a
+    change that moves numbers must bump the version or clear the folder); a folder holding another design's pieces
+    is refused — ``what`` names the experiment in the error.
 
     Raises:
         ValueError: ``folder`` keeps pieces of another design."""
@@ -90,7 +92,9 @@ class Pieces:
         key = json.loads(json.dumps({**fingerprint, "code": __version__}, sort_keys=True, default=str))
         old = self.folder.read_json("fingerprint")
         if old is not None and old != key:
-            why = ("it was computed by posgen_tl " + str(old.get("code", "before 0.2.0.dev0"))
+            why = (f"it was computed by posgen_tl {old['code']}" if "code" in old else
+                   "it was computed by an earlier build, which recorded no version")
+            why = (why
                    if {k: v for k, v in old.items() if k != "code"} == {k: v for k, v in key.items() if k != "code"}
                    else "config, model or windows differ")
             raise ValueError(f"{what}: {self.folder.dir} holds a checkpoint of another {what} design ({why}); remove "

@@ -337,8 +337,8 @@ def package_docstrings(dest: str | os.PathLike, packages: Sequence[str] = DOCSTR
     module already gave (a re-export shim) is written once, under the first name in path order.
 
     Returns:
-        One dict per written document: ``name, chars, sha256, package`` and the package's installed ``version``
-        (the text depends on it, so a run records it).
+        One dict per written document: ``name, chars, sha256, package`` and the package's ``version`` as its
+        ``*.dist-info`` under ``root`` says (``"unknown"`` without one; the text depends on it, so a run records it).
 
     Raises:
         CorpusError: a package is not installed under ``root``, or fewer than 2 modules qualify."""
@@ -351,10 +351,9 @@ def package_docstrings(dest: str | os.PathLike, packages: Sequence[str] = DOCSTR
     for pkg in packages:
         if not (base / pkg).is_dir():
             raise CorpusError(f"package {pkg!r} is not installed under {base}")
-        try:
-            version = md.version(pkg)
-        except md.PackageNotFoundError:
-            version = "unknown"
+        dists = [d for d in md.distributions(path=[str(base)])
+                 if str(d.metadata.get("Name", "")).lower().replace("-", "_") == pkg.lower()]
+        version = str(dists[0].metadata.get("Version")) if dists else "unknown"
         files = [f for f in sorted((base / pkg).rglob("*.py"))
                  if not {"testing", "_testing"} & set(f.relative_to(base).parts)]
         got = _docstring_documents(base, files, Path(dest), min_chars, dict(package=pkg, version=version), seen)
@@ -367,12 +366,11 @@ def package_docstrings(dest: str | os.PathLike, packages: Sequence[str] = DOCSTR
 def _docstring_documents(base: Path, files: Sequence[Path], folder: Path, min_chars: int, fields: dict,
                          seen: set[str] | None = None) -> list[dict]:
     """Write :func:`module_docstrings` of each of ``files`` (under ``base``; :data:`DOCSTRING_SKIP` left out) with at
-    least ``min_chars`` characters as ``<dotted name>.txt`` in ``folder``; a text whose SHA-256 is in ``seen`` is
-    skipped (and each written one added). Returns one ``dict(name, chars, sha256, **fields)`` per document."""
+    least ``min_chars`` characters as ``<dotted name>.txt`` in ``folder``; with ``seen`` (a set of SHA-256) a text
+    already in it is skipped and each written one added (without it nothing is deduplicated). Returns one ``dict(name, chars, sha256, **fields)`` per document."""
     import hashlib  # noqa: PLC0415
 
     folder.mkdir(parents=True, exist_ok=True)
-    seen = set() if seen is None else seen
     out = []
     for p in files:
         rel = p.relative_to(base)
@@ -383,9 +381,10 @@ def _docstring_documents(base: Path, files: Sequence[Path], folder: Path, min_ch
         except (SyntaxError, UnicodeDecodeError, ValueError):  # a file the parser cannot read is no document
             continue
         digest = hashlib.sha256(text.encode()).hexdigest()
-        if len(text) < min_chars or digest in seen:
+        if len(text) < min_chars or (seen is not None and digest in seen):
             continue
-        seen.add(digest)
+        if seen is not None:
+            seen.add(digest)
         name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
         (folder / f"{name}.txt").write_text(text, encoding="utf-8")
         out.append(dict(name=name, chars=len(text), sha256=digest, **fields))

@@ -98,17 +98,18 @@ def claim_section(runs: list[Run]) -> list[str]:
         rows = []
         for entry, r in df.iterrows():
             ran = r["verdict"] != "not run"
-            rows.append({"entry": entry, "answer": r["verdict"],
+            rows.append({"entry": entry, "answer": r["verdict"] + (" (contrasts point different ways)" if _split(r) else ""),
                          "destroy − none": _interval(r["estimate"], r["ci_low"], r["ci_high"]) if ran else "–",
                          "deciding contrast": (f"{r['binding']}: "
                                                f"{_interval(r['binding_estimate'], r['binding_ci_low'], r['binding_ci_high'])}"
                                                if isinstance(r["binding"], str) and r["binding"] else "–"),
-                         "its p": sig3(r["p_iut"]), "p over the claim": sig3(r["p_family"]) if ran else "–",
+                         "its p": sig3(r["p_test"]), "p over the claim": sig3(r["p_family"]) if ran else "–",
                          "documents": "–" if r["n_docs"] != r["n_docs"] else str(int(r["n_docs"]))})
         out += [f"*The declared claim on {corpus}* (effects in nats × p at common damage, 95 % intervals)", "",
                 md_table(pd.DataFrame(rows)), "",
                 f"<small>its p: the largest p of the intersection–union test (destroy − none and destroy − every "
-                f"control); p over the claim: {method}; α = 0.05.</small>", ""]
+                f"control), 1 where the contrasts point different ways; p over the claim: {method}; α = 0.05.</small>",
+                ""]
     return out
 
 
@@ -187,8 +188,10 @@ def headline_rows(runs: list[Run]) -> list[dict[str, str]]:
         effect = (f"{r['binding']} at common damage (nats × p): "
                   f"{_interval(r['binding_estimate'], r['binding_ci_low'], r['binding_ci_high'])}" if testable
                   else f"– ({why})" if why else "–")
-        p = (f"{sig3(r['p_iut'])} (its test); {sig3(r['p_family'])} (Holm over {n_entries})" if testable else "–")
-        return dict(entry=entry, corpus=corpus, answer=str(r["verdict"]), effect=effect, p=p,
+        if testable and _split(r):  # the test's p is 1: say why, and whose p the smaller number is
+            effect += f"; the contrasts point different ways, so the test's p is 1 (this contrast's own p {sig3(r['p_iut'])})"
+        p = (f"{sig3(r['p_test'])} (its test); {sig3(r['p_family'])} (Holm over {n_entries})" if testable else "–")
+        return dict(entry=entry, corpus=corpus, answer=_plain(str(r["verdict"]), corpus in confirmatory), effect=effect, p=p,
                     n="–" if r["n_docs"] != r["n_docs"] else str(int(r["n_docs"])), second=second)
 
     if exploratory:
@@ -199,6 +202,16 @@ def headline_rows(runs: list[Run]) -> list[dict[str, str]]:
     for c, t in confirmatory.items():
         out += [row(e, c, r, "confirmatory: fresh documents", len(t)) for e, r in t.iterrows() if r["verdict"] != "not run"]
     return out
+
+
+def _split(r: pd.Series) -> bool:
+    """Whether an entry's contrasts point different ways (its test's p is 1 whatever the binding contrast's p)."""
+    return bool(r["p_test"] == r["p_test"] and r["p_iut"] == r["p_iut"] and float(r["p_test"]) != float(r["p_iut"]))
+
+
+def _plain(verdict: str, confirmatory: bool) -> str:
+    """A verdict as a confirmatory test's row says it: "(exploratory)" there only means fewer than 32 documents."""
+    return verdict.replace("(exploratory)", "(fewer than 32 documents)") if confirmatory else verdict
 
 
 def confirmations(runs: list[Run], *, short: bool = False) -> list[str]:
@@ -219,7 +232,7 @@ def confirmations(runs: list[Run], *, short: bool = False) -> list[str]:
                          f", {'powered' if float(row['mde']) <= effect else 'NOT powered'} (the whole test's MDE "
                          f"{sig3(row['mde'])} vs the effect of interest {sig3(effect)} nats × p)")
                 out.append(f"Confirmatory test of {entry.replace(':', ' ')} on {int(row['n_docs'])} fresh documents "
-                           f"({c}, declared before its run): {row['verdict']}{power}.")
+                           f"({c}, declared before its run): {_plain(str(row['verdict']), True)}{power}.")
                 continue
             power = ("" if effect != effect else
                      f"; {'powered' if float(row['mde']) <= effect else 'NOT powered'} for the smallest effect of "

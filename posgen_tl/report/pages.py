@@ -444,8 +444,9 @@ def readme_headlines(runs: list[Run], link_prefix: str = "docs/results/") -> str
               "|---|---|---|---|---|---|"]
     for study in HEADLINE_ORDER:
         g = df[df["question"] == study]
-        if study == CLAIM_STUDY and headline_rows(runs):  # one row per declared entry: the p belongs to its effect
-            for h in headline_rows(runs):
+        claim_rows = headline_rows(runs) if study == CLAIM_STUDY else []
+        if claim_rows:  # one row per declared entry: the p belongs to its effect
+            for h in claim_rows:
                 conf = "" if h["second"] != "confirmatory: fresh documents" else f" (confirmatory, {h['corpus']})"
                 ask = QUESTIONS.get(study, study).split(" (§")[0]
                 q = f"[{ask} — {h['entry'].replace(':', ' ')}{conf}]({link_prefix}{study}.md)"

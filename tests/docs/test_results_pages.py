@@ -308,7 +308,8 @@ def test_a_confirmatory_test_is_read_on_its_own_beside_the_exploratory_claim(tmp
     conf = answer[answer.index("Confirmatory test"):]
     mde = claim.sig3(confirmatory["docstrings"].loc["smollm2-135m:L2", "mde"])
     assert conf == ("Confirmatory test of smollm2-135m L2 on 6 fresh documents (docstrings, declared before its run): "
-                    f"depends (exploratory), NOT powered (the whole test's MDE {mde} vs the effect of interest 0.001 "
+                    f"depends (fewer than 32 documents), NOT powered (the whole test's MDE {mde} vs the effect of "
+                    "interest 0.001 "
                     "nats × p).")
     # the answer names each entry's verdict per corpus in a few words; the numbers are in the discussion
     assert " Per entry: smollm2-135m L1 " in answer and "destroy − none (nats × p)" not in answer
@@ -340,3 +341,27 @@ def test_the_second_corpus_cell_of_the_claim_says_not_testable_and_exploratory(m
                                          "e": "one corpus only"}
     t["readmes"].loc["d", "verdict"] = "depends"
     assert claim.claim_agreement([])["d"] == "NO — the corpora disagree"
+
+
+def test_an_entry_whose_contrasts_point_different_ways_shows_its_tests_p_not_the_contrasts(monkeypatch):
+    """The README row prints the entry's TEST p (1 when its contrasts point different ways) and says why beside the
+    binding contrast's interval; a confirmatory row never calls a small run 'exploratory'."""
+    import pandas as pd
+
+    from posgen_tl.report import claim
+
+    base = dict(binding="destroy − C4", binding_estimate=0.00113, binding_ci_low=0.000261, binding_ci_high=0.002,
+                n_docs=37, estimate=0.0025, ci_low=0.00133, ci_high=0.00366)
+    t = pd.DataFrame([dict(base, verdict="not detected", p_iut=0.0182, p_test=1.0, p_family=1.0,
+                           reason="the contrasts do not share one direction"),
+                      dict(base, verdict="depends", p_iut=0.001, p_test=0.001, p_family=0.002, reason="largest p")],
+                     index=["g:L6-11", "g:L12-17"])
+    c = pd.DataFrame([dict(base, verdict="depends (exploratory)", p_iut=0.01, p_test=0.01, p_family=0.01, n_docs=20,
+                           reason="largest p")], index=["s:L20-29"])
+    monkeypatch.setattr(claim, "claim_tables", lambda runs: ({"pydoc": t}, {"fresh": c}))
+    split, fine, conf = claim.headline_rows([])
+    assert split["p"] == "1 (its test); 1 (Holm over 2)" and "0.0182 (its test)" not in split["p"]
+    assert split["effect"].endswith("the contrasts point different ways, so the test's p is 1 (this contrast's own "
+                                    "p 0.0182)")
+    assert fine["p"] == "0.001 (its test); 0.002 (Holm over 2)" and "point different ways" not in fine["effect"]
+    assert conf["answer"] == "depends (fewer than 32 documents)" and conf["second"] == "confirmatory: fresh documents"

@@ -151,7 +151,12 @@ def test_pieces_of_another_release_are_refused_and_the_refusal_says_why(tmp_path
     assert ck_mod.Pieces(tmp_path, fp, "demo").get("a")["x"].tolist() == [0.1]  # same design and release: read back
     assert ck_mod.Pieces(tmp_path, fp, "demo").get("b") is None and ck_mod.Pieces(None, fp, "demo").get("a") is None
     monkeypatch.setattr(version, "__version__", "9.9.9")
-    with pytest.raises(ValueError, match=r"another demo design \(it was computed by posgen_tl "):
+    with pytest.raises(ValueError, match=r"another demo design \(it was computed by posgen_tl 0"):
         ck_mod.Pieces(tmp_path, fp, "demo")
     with pytest.raises(ValueError, match=r"another demo design \(config, model or windows differ\)"):
         ck_mod.Pieces(tmp_path, {**fp, "model": "other"}, "demo")
+    import json
+
+    (tmp_path / "fingerprint.json").write_text(json.dumps(fp))  # written before versions were recorded
+    with pytest.raises(ValueError, match="computed by an earlier build, which recorded no version"):
+        ck_mod.Pieces(tmp_path, fp, "demo")
