@@ -55,6 +55,7 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
                              ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, p_iut=x.p_iut, p_test=x.p_test,
                              iut_rejects=bool(x.iut_rejects), binding=x.binding, run_verdict=x.verdict, mde=x.mde,
                              n_docs=x.n_docs, reason=str(x.reason),
+                             effect=float(r.meta["config"].get("effect", np.nan)),
                              binding_estimate=np.nan if b is None else float(b["estimate"]),
                              binding_ci_low=np.nan if b is None else float(b["ci_low"]),
                              binding_ci_high=np.nan if b is None else float(b["ci_high"])))
@@ -191,7 +192,11 @@ def headline_rows(runs: list[Run]) -> list[dict[str, str]]:
         if testable and _split(r):  # the test's p is 1: say why, and whose p the smaller number is
             effect += f"; the contrasts point different ways, so the test's p is 1 (this contrast's own p {sig3(r['p_iut'])})"
         p = (f"{sig3(r['p_test'])} (its test); {sig3(r['p_family'])} (Holm over {n_entries})" if testable else "–")
-        return dict(entry=entry, corpus=corpus, answer=_plain(str(r["verdict"]), corpus in confirmatory), effect=effect, p=p,
+        answer = _plain(str(r["verdict"]), corpus in confirmatory)
+        if testable and r["mde"] == r["mde"] and r["effect"] == r["effect"]:  # power, stated beside the verdict
+            answer += (f"; MDE {sig3(r['mde'])} {'≤' if r['mde'] <= r['effect'] else '>'} {sig3(r['effect'])}: "
+                       f"{'powered' if r['mde'] <= r['effect'] else 'not powered'}")
+        return dict(entry=entry, corpus=corpus, answer=answer, effect=effect, p=p,
                     n="–" if r["n_docs"] != r["n_docs"] else str(int(r["n_docs"])), second=second)
 
     if exploratory:

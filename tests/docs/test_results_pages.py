@@ -171,8 +171,9 @@ def test_causal_headline_quotes_the_claim_table_not_its_run(tmp_path, dose_resul
     assert "gemma3-270m L2 " in first and "destroy − none (nats × p)" not in first
     row = next(x for x in text.splitlines() if x.startswith("| [Does tolerance depend on the pattern? — smollm2-135m L2]"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:5] == ["depends (exploratory)", "destroy − C1 at common damage (nats × p): 0.004 [0.001, 0.007]",
+    assert cells[2:5] == ["destroy − C1 at common damage (nats × p): 0.004 [0.001, 0.007]",
                           "0.02 (its test); 0.04 (Holm over 4)", "6"]
+    assert cells[1].startswith("depends (exploratory)")  # (its power beside it where the run has an MDE)
 
 
 def test_claim_discussion_says_where_the_claim_holds_from_both_corpora(tmp_path, dose_result):
@@ -351,7 +352,7 @@ def test_an_entry_whose_contrasts_point_different_ways_shows_its_tests_p_not_the
     from posgen_tl.report import claim
 
     base = dict(binding="destroy − C4", binding_estimate=0.00113, binding_ci_low=0.000261, binding_ci_high=0.002,
-                n_docs=37, estimate=0.0025, ci_low=0.00133, ci_high=0.00366)
+                n_docs=37, estimate=0.0025, ci_low=0.00133, ci_high=0.00366, mde=0.002, effect=0.001)
     t = pd.DataFrame([dict(base, verdict="not detected", p_iut=0.0182, p_test=1.0, p_family=1.0,
                            reason="the contrasts do not share one direction"),
                       dict(base, verdict="depends", p_iut=0.001, p_test=0.001, p_family=0.002, reason="largest p")],
@@ -364,4 +365,7 @@ def test_an_entry_whose_contrasts_point_different_ways_shows_its_tests_p_not_the
     assert split["effect"].endswith("the contrasts point different ways, so the test's p is 1 (this contrast's own "
                                     "p 0.0182)")
     assert fine["p"] == "0.001 (its test); 0.002 (Holm over 2)" and "point different ways" not in fine["effect"]
-    assert conf["answer"] == "depends (fewer than 32 documents)" and conf["second"] == "confirmatory: fresh documents"
+    assert conf["answer"] == "depends (fewer than 32 documents); MDE 0.002 > 0.001: not powered"
+    assert conf["second"] == "confirmatory: fresh documents"
+    c.loc["s:L20-29", "mde"] = 0.0008
+    assert claim.headline_rows([])[2]["answer"].endswith("; MDE 0.0008 ≤ 0.001: powered")
