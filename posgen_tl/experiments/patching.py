@@ -283,7 +283,7 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         CorpusError: the corpus cannot give the windows. CaptureError: the model cannot deliver a quantity.
         ValueError: a checkpoint of another design in ``checkpoint``."""
     cfg = base.config_of(Config, cfg, options)
-    t0 = time.time()
+    t0, commit = time.time(), git_commit()  # the code that runs is the code at the start
     spec, _ = probe_hooks(model)
     layers = base.resolve_layers(cfg.layers, spec.n_layers)
     need_km = any(q in TERMS for q in cfg.quantities)
@@ -330,7 +330,8 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         tables["twin"] = _twin_damage(model, ana, corrs, cfg)
     meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs,
                 corruption={c: str(k) for c, k in corrs.items()}, layers=layers, target_len=cfg.target(), p_kind=kind,
-                damage=_damage(b, cfg.seed), commit=git_commit(), wall_s=time.time() - t0, n_layers=spec.n_layers,
+                damage=_damage(b, cfg.seed), commit=commit, wall_s=time.time() - t0,
+                kept_batches=len(starts) - len(todo), n_layers=spec.n_layers,
                 n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                 twin_damage=_damage(tables["twin"], cfg.seed) if cfg.twin else None)
     return Result(tables, cfg.as_dict(), meta)
@@ -562,7 +563,9 @@ def render(result: Result) -> Any:
                     "change). Effect = the part of the damage a patch accounts for (denoising: corrupted − patched; "
                     "noising: patched − clean); recovery = mean effect / mean damage; KL effect = the same for the "
                     "KL of the target's next-token distributions to the clean run's (denoising: KL removed; "
-                    f"noising: KL added). p: {meta['p_kind']}, over every head of a map."],
+                    f"noising: KL added). p: {meta['p_kind']}, over every head of a map."
+                    + (f" Resumed: {meta['kept_batches']} batches were kept from an earlier, interrupted run; the "
+                       "wall time is this run's only." if meta.get("kept_batches") else "")],
         tables=[("Heads with the largest effect per map", ranked(heads)),
                 ("Whole layers patched (all heads together)", t["layers"]),
                 *([("Positional − symbolic heads (taxonomy labels), mean effect per layer; the layer is the unit",

@@ -147,13 +147,14 @@ def _sorted_subset_sums(x: np.ndarray) -> np.ndarray:
 
 
 #: ``p_kind`` label of an exact sign-flip p (``{n}``: the number of flipped units).
-P_KIND_EXACT = "exact sign-flip (all 2^{n} sign patterns of {n} documents)"
+P_KIND_EXACT = "exact sign-flip (all 2^{n} sign patterns of {n} {unit})"
 #: ``p_kind`` label of a Monte Carlo sign-flip p.
-P_KIND_MC = "Monte Carlo sign-flip ({draws} draws; floor 1/({draws}+1) = {floor:.1e}) over {n} documents"
+P_KIND_MC = "Monte Carlo sign-flip ({draws} draws; floor 1/({draws}+1) = {floor:.1e}) over {n} {unit}"
 
 
 def sign_flip(
-    d: Any, *, clusters: Any = None, n_mc: int = 20_000, seed: int = 0, exact_max_n: int = _EXACT_LIMIT
+    d: Any, *, clusters: Any = None, n_mc: int = 20_000, seed: int = 0, exact_max_n: int = _EXACT_LIMIT,
+    unit: str = "documents",
 ) -> tuple[float, str]:
     """Two-sided paired sign-flip (permutation) test of ``mean(d) = 0``, with the KIND of its p.
 
@@ -168,6 +169,8 @@ def sign_flip(
       the null distribution is symmetric, so ``#{|T*| ≥ t} = 2·#{T* ≥ t}``): ≈ 0.1 s at n = 40;
     - otherwise ``n_mc`` seeded Monte Carlo patterns (``numpy.random.default_rng(seed)``), and
       ``p = (1 + #{|T*| ≥ |T|}) / (1 + n_mc)`` (a valid p-value, never below the floor ``1/(1+n_mc)``).
+
+    ``unit``: what the flipped units are, as the label names them (default ``"documents"``; e.g. ``"layers"``).
 
     Returns:
         ``(p, p_kind)``: the two-sided p in ``(0, 1]`` (all-zero ``d`` gives 1) and its label,
@@ -185,7 +188,8 @@ def sign_flip(
     exact = n <= exact_max_n
     if not exact and n_mc < 1:
         raise ValueError(f"n_mc must be >= 1, got {n_mc}")
-    kind = P_KIND_EXACT.format(n=n) if exact else P_KIND_MC.format(draws=n_mc, floor=1 / (n_mc + 1), n=n)
+    kind = (P_KIND_EXACT.format(n=n, unit=unit) if exact else
+            P_KIND_MC.format(draws=n_mc, floor=1 / (n_mc + 1), n=n, unit=unit))
     scale = float(np.abs(x).sum())
     thr = abs(float(x.sum())) - _TIE_RTOL * scale
     if thr <= 0.0:  # T = 0 (or all zero): every pattern is at least as extreme

@@ -140,7 +140,7 @@ def taxonomy_link(heads: pd.DataFrame, labels: pd.DataFrame, *, seed: int = 0) -
                    p_kind="too few layers with both kinds")
         if len(diff) >= 3:
             est, lo, hi = bootstrap_ci(diff, seed=seed)
-            p, kind = sign_flip(diff)
+            p, kind = sign_flip(diff, unit="layers")
             row.update(estimate=est, ci_low=lo, ci_high=hi, p=p, p_kind=kind)
         rows.append(row)
     return pd.DataFrame(rows)

@@ -120,6 +120,10 @@ def test_an_interrupted_run_continues_to_the_same_numbers(sharp, tmp_path, monke
     assert not any(" 0/3 " in b for b in bar) and any("3/3" in b for b in bar)
     for name in ("heads", "layers", "units"):
         pd.testing.assert_frame_equal(resumed[name], whole[name], check_exact=False, rtol=1e-9, atol=1e-12)
+    # the resumed run records and says that part of it was kept (its wall time is its own only)
+    assert resumed.meta["kept_batches"] == 1 and whole.meta["kept_batches"] == 0
+    assert "Resumed: 1 batches were kept from an earlier, interrupted run" in pe.render(resumed).paragraphs[0]
+    assert "Resumed" not in pe.render(whole).paragraphs[0]
     with pytest.raises(ValueError, match="another patching design"):
         pe.run(sharp, corpus=tm.token_corpus(14), checkpoint=tmp_path / "ck", **{**kw, "frac": 0.3})
 
@@ -207,7 +211,7 @@ def test_taxonomy_link_uses_the_layer_as_the_unit():
     link = pe.taxonomy_link(pd.DataFrame(heads), pd.DataFrame(labels))
     r = link.iloc[0]
     assert r["n_layers"] == 8 and r["estimate"] == pytest.approx(0.1, abs=0.01) and r["p"] == pytest.approx(2 / 256)
-    assert r["p_kind"].startswith("exact") and r["ci_low"] > 0.09
+    assert r["p_kind"] == "exact sign-flip (all 2^8 sign patterns of 8 layers)" and r["ci_low"] > 0.09
     few = pe.taxonomy_link(pd.DataFrame(heads)[lambda d: d["layer"] < 2], pd.DataFrame(labels))
     assert few.iloc[0]["n_layers"] == 2 and np.isnan(few.iloc[0]["p"])  # 2 layers: no test
     with pytest.raises(ValueError, match="label"):
