@@ -21,6 +21,7 @@ interrupted run continues where it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -335,6 +336,26 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
                 n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
                 twin_damage=_damage(tables["twin"], cfg.seed) if cfg.twin else None)
     return Result(tables, cfg.as_dict(), meta)
+
+
+def restat(result: Result, *, kept_batches: int | None = None) -> Result:
+    """``result`` with its statistics recomputed from its kept per-document rows (``units``) by today's code — the
+    head and layer maps with their family-wise p, the baselines, the damage and the taxonomy link (no forward runs;
+    the random twin's rows are kept as they are). ``kept_batches``: record how many batches the run had kept from an
+    interrupted earlier run, where the run itself did not (its page then says so). Returns the new Result."""
+    cfg = Config(**{k: v for k, v in result.config.items() if k in {f.name for f in dataclasses.fields(Config)}})
+    units = result["units"]
+    heads, lay, kind = _summaries(units, cfg)
+    b = _baselines(units)
+    tables = dict(heads=heads, layers=lay, baselines=b, units=units)
+    if cfg.taxonomy:
+        tables["taxonomy_link"] = taxonomy_link(heads, pd.read_csv(cfg.taxonomy), seed=cfg.seed)
+    if "twin" in result.tables:
+        tables["twin"] = result["twin"]
+    meta = {**result.meta, "p_kind": kind, "damage": _damage(b, cfg.seed)}
+    if kept_batches is not None:
+        meta["kept_batches"] = int(kept_batches)
+    return Result(tables, result.config, meta)
 
 
 def _given(rows: pd.DataFrame) -> Any:

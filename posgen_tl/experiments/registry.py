@@ -219,13 +219,44 @@ def _markdown(name: str, meta: dict[str, Any], sec: Any, files: list[str]) -> st
     out = [f"# posgen-tl study {name} — {meta['model']}" + (" — UNCHECKED" if meta.get("unchecked") else ""), "",
            *stamp,
            f"- command: `{meta['command']}`", f"- git commit: {meta['git_commit']}",
-           f"- wall time: {meta['wall_seconds']:.1f} s", f"- configuration: `{json.dumps(meta['config'])}`", ""]
+           f"- wall time: {meta['wall_seconds']:.1f} s", f"- configuration: `{json.dumps(meta['config'])}`",
+           *([f"- statistics recomputed from the kept rows: `{meta['restat']['command']}` (commit "
+              f"{meta['restat']['git_commit']})"] if meta.get("restat") else []), ""]
     out += section_markdown(sec, level=2, fold_details=False)
     figs = [f for f in files if f.endswith(".png")]
     if figs:
         out += ["## Figures", ""] + [f"![{f}]({f})" for f in figs] + [""]
     out += ["## Files", ""] + [f"- `{f}`" for f in files] + [""]
     return "\n".join(out)
+
+
+def restat_study(name: str, out: str | Path, *, command: str, **options: Any) -> Path:
+    """Recompute the statistics of the study ``name`` in the folder ``out`` from its kept per-document rows
+    (``<module>.restat(result, **options)``; no model is loaded, no forward runs) and rewrite its tables, figures,
+    ``<name>.md`` and ``<name>.json``. The run's command, commit, configuration and wall time stay; ``restat``
+    records this ``command`` and the commit that recomputed. Returns the markdown's path.
+
+    Raises:
+        ValueError: the experiment cannot recompute its statistics. FileNotFoundError: no study ``name`` there."""
+    from posgen_tl.io.provenance import git_commit  # noqa: PLC0415
+    from posgen_tl.report.context import atomic_write, jsonable  # noqa: PLC0415
+
+    mod, out = experiment(name), Path(out)
+    if not hasattr(mod, "restat"):
+        raise ValueError(f"the {name} study keeps no per-document rows to recompute its statistics from")
+    old = json.loads((out / f"{name}.json").read_text())
+    result = mod.restat(load(name, out), **options)
+    save(name, result, out)
+    sec = mod.render(result)
+    for i, (png, _) in enumerate(sec.figures):
+        (out / f"fig_{name}_{i}.png").write_bytes(png)
+    meta = {k: v for k, v in old.items() if k not in ("findings", "results", "files", "restat")}
+    meta["restat"] = {"command": command, "git_commit": git_commit()}
+    files = list(old["files"])
+    atomic_write(out / f"{name}.md", _markdown(name, meta, sec, files).encode())
+    payload = {**meta, "findings": [f.as_dict() for f in sec.findings], "results": sec.results, "files": files}
+    atomic_write(out / f"{name}.json", json.dumps(payload, indent=1, default=jsonable).encode())
+    return out / f"{name}.md"
 
 
 def run_study(name: str, cfg: Config, out: str | Path, *, model: Any = DEFAULT_MODEL, preset: str = "default",

@@ -286,3 +286,34 @@ def test_a_result_saved_before_several_corruptions_still_loads_and_renders(resul
     pd.testing.assert_frame_equal(back["heads"], result["heads"], check_dtype=False, rtol=1e-12)
     assert pe.render(old).verdict == pe.render(result).verdict
     assert pe.upgrade(result) is result  # today's Results unchanged
+
+
+def test_a_study_recomputes_its_statistics_from_its_kept_rows(sharp, tmp_path):
+    """restat: the same numbers from the kept units (no forward), the run's provenance kept, the recomputation
+    recorded, and a resumed run's kept batches said on its page."""
+    import json
+
+    from posgen_tl.experiments import registry
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, text in enumerate(tm.token_corpus(14)):
+        (docs / f"d{i:02d}.txt").write_text(text)
+    opts = {k: v for k, v in OPTS.items() if k != "progress"}
+    cfg = pe.Config(**{**opts, "quantities": ("rot_q",), "directions": ("denoising",)}, corpus=str(docs))
+    out = tmp_path / "study"
+    registry.run_study("patching", cfg, out, model=sharp, command="posgen-tl study patching …")
+    before = json.loads((out / "patching.json").read_text())
+    heads = pd.read_csv(out / "patching_heads.csv")
+    md = registry.restat_study("patching", out, command="python scripts/restat.py patching study --kept-batches 1",
+                               kept_batches=1)
+    after = json.loads((out / "patching.json").read_text())
+    pd.testing.assert_frame_equal(pd.read_csv(out / "patching_heads.csv"), heads, check_exact=False, rtol=1e-12)
+    assert {k: after[k] for k in ("command", "git_commit", "wall_seconds", "config")} == \
+        {k: before[k] for k in ("command", "git_commit", "wall_seconds", "config")}
+    assert after["restat"]["command"].endswith("--kept-batches 1") and after["results"]["meta"]["kept_batches"] == 1
+    text = md.read_text()
+    assert "- statistics recomputed from the kept rows: `python scripts/restat.py patching study --kept-batches 1`" \
+        in text and "Resumed: 1 batches were kept from an earlier, interrupted run" in text
+    with pytest.raises(ValueError, match="keeps no per-document rows"):
+        registry.restat_study("exactness", out, command="x")
