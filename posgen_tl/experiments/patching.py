@@ -322,11 +322,8 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         bar.update(1)
     bar.close()
     units = pd.concat([p for p in parts if p is not None], ignore_index=True)
-    heads, lay, kind = _summaries(units, cfg)
-    b = _baselines(units)
-    tables = dict(heads=heads, layers=lay, baselines=b, units=units)
-    if cfg.taxonomy:
-        tables["taxonomy_link"] = taxonomy_link(heads, pd.read_csv(cfg.taxonomy), seed=cfg.seed)
+    tables, kind = _statistics(units, cfg)
+    b = tables["baselines"]
     if cfg.twin:
         tables["twin"] = _twin_damage(model, ana, corrs, cfg)
     meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs,
@@ -344,18 +341,23 @@ def restat(result: Result, *, kept_batches: int | None = None) -> Result:
     the random twin's rows are kept as they are). ``kept_batches``: record how many batches the run had kept from an
     interrupted earlier run, where the run itself did not (its page then says so). Returns the new Result."""
     cfg = Config(**{k: v for k, v in result.config.items() if k in {f.name for f in dataclasses.fields(Config)}})
-    units = result["units"]
-    heads, lay, kind = _summaries(units, cfg)
-    b = _baselines(units)
-    tables = dict(heads=heads, layers=lay, baselines=b, units=units)
-    if cfg.taxonomy:
-        tables["taxonomy_link"] = taxonomy_link(heads, pd.read_csv(cfg.taxonomy), seed=cfg.seed)
+    tables, kind = _statistics(result["units"], cfg)
     if "twin" in result.tables:
         tables["twin"] = result["twin"]
-    meta = {**result.meta, "p_kind": kind, "damage": _damage(b, cfg.seed)}
+    meta = {**result.meta, "p_kind": kind, "damage": _damage(tables["baselines"], cfg.seed)}
     if kept_batches is not None:
         meta["kept_batches"] = int(kept_batches)
     return Result(tables, result.config, meta)
+
+
+def _statistics(units: pd.DataFrame, cfg: Config) -> tuple[dict[str, pd.DataFrame], str]:
+    """The tables computed from the per-document rows (heads, layers, baselines, units, the taxonomy link where
+    ``cfg.taxonomy`` names one) and the p kind: the statistics :func:`run` and :func:`restat` share."""
+    heads, lay, kind = _summaries(units, cfg)
+    tables = dict(heads=heads, layers=lay, baselines=_baselines(units), units=units)
+    if cfg.taxonomy:
+        tables["taxonomy_link"] = taxonomy_link(heads, pd.read_csv(cfg.taxonomy), seed=cfg.seed)
+    return tables, kind
 
 
 def _given(rows: pd.DataFrame) -> Any:

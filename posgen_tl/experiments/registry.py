@@ -239,7 +239,6 @@ def restat_study(name: str, out: str | Path, *, command: str, **options: Any) ->
     Raises:
         ValueError: the experiment cannot recompute its statistics. FileNotFoundError: no study ``name`` there."""
     from posgen_tl.io.provenance import git_commit  # noqa: PLC0415
-    from posgen_tl.report.context import atomic_write, jsonable  # noqa: PLC0415
 
     mod, out = experiment(name), Path(out)
     if not hasattr(mod, "restat"):
@@ -252,7 +251,14 @@ def restat_study(name: str, out: str | Path, *, command: str, **options: Any) ->
         (out / f"fig_{name}_{i}.png").write_bytes(png)
     meta = {k: v for k, v in old.items() if k not in ("findings", "results", "files", "restat")}
     meta["restat"] = {"command": command, "git_commit": git_commit()}
-    files = list(old["files"])
+    return _write_study(name, out, meta, sec, list(old["files"]))
+
+
+def _write_study(name: str, out: Path, meta: dict[str, Any], sec: Any, files: list[str]) -> Path:
+    """Write ``<name>.md`` and ``<name>.json`` (``meta`` with the section's findings and results, ``files``) into
+    ``out``; returns the markdown's path."""
+    from posgen_tl.report.context import atomic_write, jsonable  # noqa: PLC0415
+
     atomic_write(out / f"{name}.md", _markdown(name, meta, sec, files).encode())
     payload = {**meta, "findings": [f.as_dict() for f in sec.findings], "results": sec.results, "files": files}
     atomic_write(out / f"{name}.json", json.dumps(payload, indent=1, default=jsonable).encode())
@@ -284,7 +290,7 @@ def _run_study(name: str, cfg: Config, out: Path, *, model: Any, preset: str, pa
                command: str | None, load: Mapping[str, Any] | None) -> Path:
     from posgen_tl.hooks.capture import probe_hooks  # noqa: PLC0415
     from posgen_tl.io.provenance import git_commit  # noqa: PLC0415
-    from posgen_tl.report.context import Context, OutFolder, atomic_write, jsonable  # noqa: PLC0415
+    from posgen_tl.report.context import Context, OutFolder  # noqa: PLC0415
 
     mod = experiment(name)
     t0 = time.time()
@@ -313,11 +319,9 @@ def _run_study(name: str, cfg: Config, out: Path, *, model: Any, preset: str, pa
             "command": command or shlex.join(["posgen-tl", *sys.argv[1:]]), "git_commit": commit,
             "config": cfg.as_dict(), "wall_seconds": wall, "device": str(model_device(model)),
             "dtype": str(model_dtype(model)).removeprefix("torch."), "unchecked": unchecked_reason(model)}
-    atomic_write(out / f"{name}.md", _markdown(name, meta, sec, files).encode())
-    payload = {**meta, "findings": [f.as_dict() for f in sec.findings], "results": sec.results, "files": files}
-    atomic_write(out / f"{name}.json", json.dumps(payload, indent=1, default=jsonable).encode())
-    print(f"[posgen-tl] wrote {out / (name + '.md')} ({wall:.0f} s)")
-    return out / f"{name}.md"
+    path = _write_study(name, out, meta, sec, files)
+    print(f"[posgen-tl] wrote {path} ({wall:.0f} s)")
+    return path
 
 
 def presets() -> tuple[str, ...]:
