@@ -46,10 +46,19 @@ N_REPLICATION = {"smollm2-135m": {"causal": 32, "tolerance": 32}, "gemma3-270m":
 #: 2. scidocs (declared after 1 was found not powered, before any run on this corpus): 256 windows, one per document
 #:    (815 modules, 611 in the analysed pool). Sized from run 1's spread: MDE ∝ 1/√n gives 0.00111 · √(143/256) ≈
 #:    0.00083 at 256 documents (≈ 0.0009 if 5 % of them miss a level), under the effect of interest 0.001.
+#: 3. scidocs, Gemma3 L12-17 (declared while run 2 was under way, before any Gemma3 run on this corpus; its own
+#:    family, read on its own beside run 2): the entry whose intersection–union p came closest (0.0484 on readmes,
+#:    not after Holm over 4; not testable on pydoc, C2 bracketing 70 % of documents). Sized from the exploratory
+#:    spreads at one entry's α (MDE × ≈ 0.87 against α / 4): readmes 0.0015 · 0.87 · √(52/192) ≈ 0.00068, pydoc's
+#:    pilot 0.00236 · 0.87 · √(37/192) ≈ 0.0009 at 192 documents, under the effect of interest 0.001. It may again be
+#:    "not testable" if a control cannot reach destroy's damage on these documents: that is its answer, not a reason
+#:    to re-run.
 CONFIRMS = ({"corpus": "docstrings", "model": "smollm2-135m", "groups": "late", "claim": "smollm2-135m:L20-29",
              "n_seq": 184, "n_ref": 16},
             {"corpus": "scidocs", "model": "smollm2-135m", "groups": "late", "claim": "smollm2-135m:L20-29",
-             "n_seq": 256, "n_ref": 16})
+             "n_seq": 256, "n_ref": 16},
+            {"corpus": "scidocs", "model": "gemma3-270m", "groups": "late", "claim": "gemma3-270m:L12-17",
+             "n_seq": 192, "n_ref": 16})
 
 
 def jobs(readmes: str, default_preset: frozenset[str] = frozenset(),

@@ -25,8 +25,8 @@ CORPORA = {
                "the versions the project's lock pins (API documentation in prose: one document per module with at least "
                "1 500 characters, each text once, test trees left out; rebuilt offline by "
                "`posgen_tl.io.corpus.package_docstrings`, each document's package, version and SHA-256 recorded). "
-               "Fresh documents for the second confirmatory causal test, declared after the first was found not "
-               "powered and sized from its spread",
+               "Fresh documents for the second confirmatory causal test (SmolLM2), declared after the first was found "
+               "not powered and sized from its spread, and for the third (Gemma3), declared before its run",
 }
 
 
