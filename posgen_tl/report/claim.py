@@ -32,56 +32,66 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
     over the WHOLE declared claim of each entry's ``p_test`` — its intersection–union p, or 1 where its contrasts
     point different ways; entries not run or not testable count as p = 1, which keeps the adjustment valid) and
     the claim's ``verdict``: "depends" where the entry's own test rejected (``iut_rejects``, before any family
-    step) and ``p_family`` < the runs' α.
+    step) and ``p_family`` < the runs' α. ``family_size`` / ``family_method``: the declared family each entry's
+    ``p_family`` is adjusted over.
+
+    A corpus may hold several claims when they share no entry — e.g. two confirmatory tests, one per model, each
+    declared as its own one-entry family: each is adjusted over its own entries only.
 
     Returns ``(table indexed by entry, method text)``; ``(None, reason)`` when no run declares a claim or the runs
-    declare different claims."""
+    declare claims that overlap without being the same (or different levels α)."""
     from posgen_tl.stats.verdicts import family_adjust  # noqa: PLC0415
 
-    rows, claims, alphas = [], set(), set()
+    rows, alphas = [], set()
     for r in (r for r in runs if r.corpus == corpus and r.study == CLAIM_STUDY):
         declared = tuple(r.meta["config"].get("claim") or ())
         if not declared:
             continue
-        claims.add(tuple(json.loads((r.folder / f"{CLAIM_STUDY}_result.json").read_text())["meta"].get("claim")
-                         or declared))
+        claim = tuple(json.loads((r.folder / f"{CLAIM_STUDY}_result.json").read_text())["meta"].get("claim")
+                      or declared)
         alphas.add(float(r.meta["config"].get("test_alpha", 0.05)))
         v = pd.read_csv(r.folder / f"{CLAIM_STUDY}_verdicts.csv")
         con = pd.read_csv(r.folder / f"{CLAIM_STUDY}_contrasts.csv").set_index(["layers", "contrast"])
         for x in v.itertuples():
             b = con.loc[(x.layers, x.binding)] if isinstance(x.binding, str) and (x.layers, x.binding) in con.index \
                 else None
-            rows.append(dict(entry=f"{r.model}:{x.layers}", model=r.model, layers=x.layers, estimate=x.estimate,
-                             ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, p_iut=x.p_iut, p_test=x.p_test,
-                             iut_rejects=bool(x.iut_rejects), binding=x.binding, run_verdict=x.verdict, mde=x.mde,
-                             n_docs=x.n_docs, reason=str(x.reason),
+            rows.append(dict(entry=f"{r.model}:{x.layers}", claim=claim, model=r.model, layers=x.layers,
+                             estimate=x.estimate, ci_low=x.ci_low, ci_high=x.ci_high, p=x.p, p_iut=x.p_iut,
+                             p_test=x.p_test, iut_rejects=bool(x.iut_rejects), binding=x.binding,
+                             run_verdict=x.verdict, mde=x.mde, n_docs=x.n_docs, reason=str(x.reason),
                              effect=float(r.meta["config"].get("effect", np.nan)),
                              binding_estimate=np.nan if b is None else float(b["estimate"]),
                              binding_ci_low=np.nan if b is None else float(b["ci_low"]),
                              binding_ci_high=np.nan if b is None else float(b["ci_high"])))
     if not rows:
         return None, "no run declares a claim"
-    if len(claims) != 1 or len(alphas) != 1:
+    claims = list(dict.fromkeys(r["claim"] for r in rows))
+    entries = [e for c in claims for e in c]
+    if len(entries) != len(set(entries)) or len(alphas) != 1:
         return None, "The runs declare different claims (or levels α): no family verdict."
-    claim: list[str] = list(next(iter(claims)))
     alpha = next(iter(alphas))
-    df = pd.DataFrame(rows).set_index("entry").reindex(claim)
-    missing = [e for e in claim if pd.isna(df.loc[e, "run_verdict"])]
-    p_adj, method = family_adjust(df["p_test"].fillna(1.0).to_numpy(), "holm", claim)
-    df["p_family"] = p_adj
-    df["alpha"] = alpha
-    verdicts = []
-    for e, q, rv, n in zip(claim, p_adj, df["run_verdict"], df["n_docs"].fillna(0)):
-        if e in missing:
-            verdicts.append("not run")
-        elif rv == "not testable":
-            verdicts.append("not testable")
-        else:
-            rejects = bool(df.loc[e, "iut_rejects"])  # the entry's own test, before any family adjustment
-            verdicts.append(("depends" if rejects and q < alpha else "not detected")
-                            + (" (exploratory)" if n < 32 else ""))
-    df["verdict"] = verdicts
-    return df, method + (f" (not run: {', '.join(missing)}, counted as p = 1)" if missing else "")
+    frames, methods = [], []
+    for claim in claims:
+        df = pd.DataFrame([r for r in rows if r["claim"] == claim]).drop(columns="claim").set_index("entry")
+        df = df.reindex(list(claim))
+        missing = [e for e in claim if pd.isna(df.loc[e, "run_verdict"])]
+        p_adj, method = family_adjust(df["p_test"].fillna(1.0).to_numpy(), "holm", list(claim))
+        method += f" (not run: {', '.join(missing)}, counted as p = 1)" if missing else ""
+        df["p_family"], df["alpha"], df["family_size"], df["family_method"] = p_adj, alpha, len(claim), method
+        verdicts = []
+        for e, q, rv, n in zip(claim, p_adj, df["run_verdict"], df["n_docs"].fillna(0)):
+            if e in missing:
+                verdicts.append("not run")
+            elif rv == "not testable":
+                verdicts.append("not testable")
+            else:
+                rejects = bool(df.loc[e, "iut_rejects"])  # the entry's own test, before any family adjustment
+                verdicts.append(("depends" if rejects and q < alpha else "not detected")
+                                + (" (exploratory)" if n < 32 else ""))
+        df["verdict"] = verdicts
+        frames.append(df)
+        methods.append(method if len(claims) == 1 else f"{', '.join(claim)}: {method}")
+    return pd.concat(frames), "; ".join(methods)
 
 
 def claim_section(runs: list[Run]) -> list[str]:
@@ -191,7 +201,8 @@ def headline_rows(runs: list[Run]) -> list[dict[str, str]]:
                   else f"– ({why})" if why else "–")
         if testable and _split(r):  # the test's p is 1: say why, and whose p the smaller number is
             effect += f"; the contrasts point different ways, so the test's p is 1 (this contrast's own p {sig3(r['p_iut'])})"
-        p = (f"{sig3(r['p_test'])} (its test); {sig3(r['p_family'])} (Holm over {n_entries})" if testable else "–")
+        family = int(r["family_size"]) if "family_size" in r and r["family_size"] == r["family_size"] else n_entries
+        p = (f"{sig3(r['p_test'])} (its test); {sig3(r['p_family'])} (Holm over {family})" if testable else "–")
         answer = _plain(str(r["verdict"]), corpus in confirmatory)
         if testable and r["mde"] == r["mde"] and r["effect"] == r["effect"]:  # power, stated beside the verdict
             answer += (f"; MDE {sig3(r['mde'])} {'≤' if r['mde'] <= r['effect'] else '>'} {sig3(r['effect'])}: "

@@ -353,7 +353,8 @@ def _quoted_findings(runs: list[Run]) -> Iterator[tuple[Run, Finding]]:
                 row = df.loc[entry]
                 f = dataclasses.replace(f, verdict=str(row["verdict"]).split(" (")[0],
                                         note=f"{layers}; intersection–union p {sig3(row['p_iut'])} ({row['binding']}), "
-                                             f"p over the declared claim {sig3(row['p_family'])} ({method})")
+                                             f"p over the declared claim {sig3(row['p_family'])} "
+                                             f"({row.get('family_method', method)})")
             yield run, f
 
 

@@ -325,6 +325,42 @@ def test_a_confirmatory_test_is_read_on_its_own_beside_the_exploratory_claim(tmp
     assert set(exploratory) == {"readmes", "zeta"} and list(confirmatory) == ["docstrings"]
 
 
+def test_two_confirmatory_tests_on_one_corpus_are_each_their_own_family(tmp_path, dose_result):
+    """Two models' confirmatory runs on the same fresh corpus, each declaring its own one-entry claim, are two
+    families: each entry's p over its claim is its own p (Holm over 1), both get a headline row and a sentence; claims
+    that overlap without being the same give no family verdict."""
+    res = tmp_path / "results"
+    for corpus in ("pydoc", "readmes"):
+        _dose_run(dose_result, res / "smollm2-135m" / corpus / "causal", "smollm2-135m", {"L1": 0.5})
+    _dose_run(dose_result, res / "smollm2-135m" / "fresh" / "causal", "smollm2-135m", {"L2": 0.03},
+              claim=("smollm2-135m:L2",))
+    _dose_run(dose_result, res / "gemma3-270m" / "fresh" / "causal", "gemma3-270m", {"L1": 0.02},
+              claim=("gemma3-270m:L1",))
+    runs = pages.find_runs(res)
+    table, method = claim.claim_table(runs, "fresh")
+    assert list(table.index) == ["gemma3-270m:L1", "smollm2-135m:L2"] or \
+        list(table.index) == ["smollm2-135m:L2", "gemma3-270m:L1"]
+    assert table.loc["smollm2-135m:L2", "p_family"] == pytest.approx(0.03)  # not Holm over 2
+    assert table.loc["gemma3-270m:L1", "p_family"] == pytest.approx(0.02)
+    assert set(table["family_size"]) == {1}
+    assert "smollm2-135m:L2: Holm over the 1 entries" in method and "gemma3-270m:L1: Holm over the 1 entries" in method
+    exploratory, confirmatory = claim.claim_tables(runs)
+    assert set(exploratory) == {"pydoc", "readmes"} and list(confirmatory) == ["fresh"]
+    rows = {r["entry"]: r for r in claim.headline_rows(runs) if r["corpus"] == "fresh"}
+    assert set(rows) == {"smollm2-135m:L2", "gemma3-270m:L1"}
+    assert rows["gemma3-270m:L1"]["p"].endswith("(Holm over 1)")
+    sentences = claim.confirmations(runs, short=True)
+    assert len(sentences) == 2 and any(x.startswith("Confirmatory test of gemma3-270m L1 on 6 fresh documents (fresh")
+                                       for x in sentences)
+    # an overlapping but different claim on the same corpus: no family verdict
+    _dose_run(dose_result, res / "gemma3-270m" / "fresh2" / "causal", "gemma3-270m", {"L1": 0.02},
+              claim=("gemma3-270m:L1",))
+    _dose_run(dose_result, res / "smollm2-135m" / "fresh2" / "causal", "smollm2-135m", {"L2": 0.03},
+              claim=("smollm2-135m:L2", "gemma3-270m:L1"))
+    table, method = claim.claim_table(pages.find_runs(res), "fresh2")
+    assert table is None and method.startswith("The runs declare different claims")
+
+
 def test_the_second_corpus_cell_of_the_claim_says_not_testable_and_exploratory(monkeypatch):
     """Verdicts compared per entry: an untestable corpus is named (never 'yes' or 'disagree'), same verdicts of a
     run under 32 documents are not a replication, different tested verdicts disagree."""
