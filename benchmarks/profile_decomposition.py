@@ -46,9 +46,10 @@ def main() -> None:
 
         setattr(mod, name, g)
 
-    for name in ("_q2", "_w_map", "_y_map", "_bound_check", "all_fit_moments", "d3_moments", "scores"):
+    for name in ("_q2", "_w_map", "_y_map", "_bound_checks", "d3_bound_rows", "all_fit_moments", "d3_moments", "scores"):
         timed(D, name)
     timed(M, "Target")
+    timed(M, "_fits")  # inside all_fit_moments: the D1/D2 solves
     D.Target = M.Target
     b = Bench(a.model, a.n_seq, a.seq_len)
     b.kbar()

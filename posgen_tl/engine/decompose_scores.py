@@ -19,13 +19,13 @@ from einops import rearrange
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.hooks.capture import QKCapture, probe_hooks
+from posgen_tl.hooks.capture import QKCapture, model_dtype, probe_hooks
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
 from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.moments import Geometry, Target, all_fit_moments, d3_moments, geometry, scores, streamed_moments
-from posgen_tl.maths.rope import angles, expand_kv, rotate, to_bands
+from posgen_tl.maths.rope import angles, rotate, to_bands
 
 __all__ = ["COLUMNS", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds", "score_windows",
            "score_in_pieces"]
@@ -119,52 +119,95 @@ def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None) -> Any:
     return rows
 
 
-def _bound_check(c: QKCapture, k_mean: Tensor, rows: Tensor, geoms: dict[int, Geometry]) -> dict[int, dict[str, Tensor]]:
-    """D3 check on query ``rows``: mean |W − f − g|, mean bound (as :func:`d3_bound`) and
-    fraction of entries within the bound, over the masked entries of ``rows`` per mask.
+def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor,
+                  geoms: dict[int, Geometry]) -> tuple[dict[str, dict[int, dict[str, Tensor]]], Tensor]:
+    """D3 check on query ``rows`` for each k̄ of ``k_means`` (``{kind: [kv_head, d_head] or [batch, kv_head,
+    d_head]}``): mean |W − f − g|, mean bound (as :func:`d3_bound`), fraction of entries within the bound and
+    the mean of W (``mu``), over the masked entries of ``rows`` per mask — ``{kind: {sink: {name: [(batch
+    head_index)]}}}`` —, and W itself on ``rows`` (float64 ``[(batch head_index), rows, key_pos]``).
 
-    ``k_mean``: ``[kv_head, d_head]`` or ``[batch, kv_head, d_head]``. ``W, f, g`` in float64
-    as in :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on ``(Re, Im)``
-    band coordinates; the bound (float64) only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.d3_bound_rows`).
-    Each ``[batch, head_index]``, flattened to ``[(batch head_index)]``.
+    ``W, f, g`` in float64 as in :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on
+    ``(Re, Im)`` band coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked
+    query rows only; what does not depend on k̄ (the queries' and keys' bands, the phasors, W) is computed once
+    for every kind. The bound (float64) only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.d3_bound_rows`).
     """
-    rope, h, r = c.rope, c.n_heads, c.rope.rotary_dim
-    q, k = c.q.double(), expand_kv(c.k, h).double()
-    kb = kbar_batched(k_mean.to(q.device).double(), q.shape[0], h)  # b h d
-    zq, zk, zb = (to_bands(x, r, rope.layout) for x in (q, k, kb))
-    zb = zb[:, None]  # b 1 h m
+    rope, r = c.rope, c.rope.rotary_dim
+    b, n, kv = c.k.shape[:3]
+    q, k = c.q[:, rows].double(), c.k.double()  # b r h d, b n kv d
+    zq, zk = to_bands(q, r, rope.layout), to_bands(k, r, rope.layout)
     phi = angles(c.positions.to(q.device), rope).double()  # b pos m
-    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]
+    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # b pos 1 m
 
-    def re(z: Tensor) -> Tensor:  # Re(x·conj(y)) = [xr, xi]·[yr, yi]
-        return rearrange(torch.view_as_real(z), "b p h m two -> b h p (m two)")
+    def re_q(z: Tensor) -> Tensor:  # query side of Re(x·conj(y)) = [xr, xi]·[yr, yi], grouped by kv-head
+        return rearrange(torch.view_as_real(z), "b i (kv g) m two -> b kv (g i) (m two)", kv=kv)
+
+    def re_k(z: Tensor) -> Tensor:  # key side
+        return rearrange(torch.view_as_real(z), "b j kv m two -> b kv (m two) j")
+
+    def heads(x: Tensor) -> Tensor:  # b kv (g i) j -> (b kv g) i j: query head h = kv·G + g
+        return rearrange(x, "b kv (g i) j -> (b kv g) i j", i=len(rows))
 
     a2, s = rope.attention_scaling**2, rope.score_scale
-    qr, qb = re((zq * e)[:, rows]), re(zq[:, rows])
-    w = a2 * qr @ re(zk * e).transpose(-1, -2)
-    f = a2 * qr @ re(zb * e).transpose(-1, -2)
-    g = a2 * qb @ re(zk - zb).transpose(-1, -2)
+    qr, qb = a2 * re_q(zq * e[:, rows]), a2 * re_q(zq)
+    w = qr @ re_k(zk * e)
+    qp = kp = None
     if q.shape[-1] > r:
-        qp, kp = rearrange(q[:, rows, :, r:], "b i h d -> b h i d"), rearrange(k[..., r:], "b j h d -> b h d j")
-        kbp = kb[..., r:]  # b h dp
+        qp = rearrange(q[..., r:], "b i (kv g) d -> b kv (g i) d", kv=kv)
+        kp = rearrange(k[..., r:], "b j kv d -> b kv d j")
         w = w + qp @ kp
-        f = f + torch.einsum("bhid,bhd->bhi", qp, kbp)[..., None]
-        g = g + qp @ (kp - kbp[..., None])
-    w, f, g = s * w, s * f, s * g
-    err = (w - f - g).abs()
-    bound = d3_bound_rows(zq[:, rows].abs(), c.k, k_mean, phi, rows, rope).reshape(err.shape) * (s * a2)
-    holds = err <= bound + _BOUND_RTOL * (w.abs() + f.abs() + g.abs())
-    out = {}
-    for sk, geo in geoms.items():
-        m = geo.mask[rows].double()
-        cnt = m.sum()
+    w = heads(s * w)
+    qn = zq.abs()
+    masks = {sk: (geo.mask[rows].double(), geo.mask[rows].double().sum()) for sk, geo in geoms.items()}
 
-        def mean(x: Tensor) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
-            return (x.reshape(x.shape[0] * x.shape[1], -1) @ m.reshape(-1)) / cnt  # noqa: B023
+    def mean(x: Tensor, sk: int) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
+        m, cnt = masks[sk]
+        return (x.reshape(x.shape[0], -1) @ m.reshape(-1)) / cnt
 
-        out[sk] = {"d3_err_mean": mean(err), "d3_bound_mean": mean(bound), "d3_bound_holds": mean(holds.double()),
-                   "mu": mean(w)}
-    return out
+    mus = {sk: mean(w, sk) for sk in geoms}
+    out: dict[str, dict[int, dict[str, Tensor]]] = {}
+    for kind, k_mean in k_means.items():
+        kb = kbar_batched(k_mean.to(q.device).double(), b, kv)  # b kv d
+        zb = to_bands(kb, r, rope.layout)[:, None]  # b 1 kv m
+        f = qr @ re_k(zb * e)
+        g = qb @ re_k(zk - zb)
+        if qp is not None and kp is not None:
+            kbp = kb[..., r:]  # b kv dp
+            f = f + (qp @ kbp[..., None])
+            g = g + qp @ (kp - kbp[..., None])
+        f, g = heads(s * f), heads(s * g)
+        err = (w - f - g).abs()
+        bound = d3_bound_rows(qn, c.k, k_mean, phi, rows, rope) * (s * a2)
+        holds = err <= bound + _BOUND_RTOL * (w.abs() + f.abs() + g.abs())
+        out[kind] = {sk: {"d3_err_mean": mean(err, sk), "d3_bound_mean": mean(bound, sk),
+                          "d3_bound_holds": mean(holds.double(), sk), "mu": mus[sk]} for sk in geoms}
+    return out, w
+
+
+#: the largest difference (relative to the rows' largest |W|) at which the score hook's logits count as W
+SCORES_RTOL = 1e-5
+
+
+def scores_are_w(model: Any) -> bool:
+    """Whether ``hook_attn_scores`` holds the logits W themselves on this model: pre-softmax (the probe compared
+    them with our logits), no soft-cap, float32 (a half-precision model's own logits are rounded to its dtype)."""
+    spec, info = probe_hooks(model)
+    return (info.scores_kind == "pre_softmax" and not spec.extra.get("attn_logit_softcapping")
+            and model_dtype(model) == torch.float32)
+
+
+def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor | None:
+    """The layer's W taken from the forward's own ``hook_attn_scores`` (float32 ``[(batch head_index), query_pos,
+    key_pos]``, a view: never written to), after comparing it on the checked ``rows`` with W recomputed in float64
+    (``w_rows``, :func:`_bound_checks`) on the entries the mask keeps; ``None`` (recompute) when the capture has no
+    scores or they differ by more than :data:`SCORES_RTOL` — the hidden entries (−inf) are masked by the caller."""
+    if c.scores is None or c.scores.dtype != torch.float32:
+        return None
+    b, h, n = c.scores.shape[0], c.scores.shape[1], c.scores.shape[-1]
+    sv = c.scores.reshape(b * h, n, n)
+    m = g0.mask[rows]
+    ref = w_rows[:, m]
+    err = float((sv[:, rows][:, m].double() - ref).abs().max()) if ref.numel() else 0.0
+    return sv if err <= SCORES_RTOL * (float(ref.abs().max()) if ref.numel() else 0.0) else None
 
 
 # ----------------------------------------------------------------------------- runner
@@ -184,11 +227,13 @@ def k_mean_kinds(k_mean: Any) -> tuple[list[str], dict[int, Tensor] | Tensor | N
 
 def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: Any, layers: Sequence[int], *, sink: int,
                   batch_size: int, bound_rows: int, twin_label: str, model_label: str | None, progress: bool | str,
-                  extra_hooks: Sequence = (), row_block: int = 0) -> pd.DataFrame:
+                  extra_hooks: Sequence = (), row_block: int = 0, w_from_scores: bool | None = None) -> pd.DataFrame:
     """D1/D2/D3 scores of every head of ``layers`` on ``windows`` in one streaming pass: one row per (layer, head,
     window, estimator, k̄ kind of ``kinds``, sink excluded or not) with :data:`COLUMNS` (score columns float64; ``seq``
     indexes ``windows``). ``k_means``: the given or global k̄ (one ``[kv_head, d_head]`` tensor or ``{layer: …}``);
-    ``row_block``: query rows per block of the logit maps (0: whole maps up to :data:`STREAM_ABOVE` tokens)."""
+    ``row_block``: query rows per block of the logit maps (0: whole maps up to :data:`STREAM_ABOVE` tokens);
+    ``w_from_scores``: take W from the forward's own ``hook_attn_scores`` instead of recomputing it (``None``: where
+    :func:`scores_are_w`; each layer and batch compares them on the bound rows first and recomputes if they differ)."""
     spec, _ = probe_hooks(model)
     tokens = windows.tokens
     n = tokens.shape[1]
@@ -221,13 +266,14 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
     block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
+    use_hook = (w_from_scores if w_from_scores is not None else scores_are_w(model)) and not 0 < block < n
 
     def on_layer(c: QKCapture) -> None:
         geoms = geoms_of(c)
         r = rows.to(c.q.device)
         q2 = _q2(c)
         if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
-            bnds = {kind: _bound_check(c, kbar_of(kind, c), r, geoms) for kind in kinds}
+            bnds, _ = _bound_checks(c, {kind: kbar_of(kind, c) for kind in kinds}, r, geoms)
             fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbar_of(k, c)) for k in kinds}, n=n,
                                          nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
                                          sinks=sinks, block=block, device=c.q.device)
@@ -235,11 +281,14 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             for kind in kinds:
                 emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
             return
-        w = _w_map(c, q2, cache)
+        kbars = {kind: kbar_of(kind, c) for kind in kinds}
+        bnds, w_rows = _bound_checks(c, kbars, r, geoms)
+        w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
+        if w is None:
+            w = _w_map(c, q2, cache)
         t = None
         for kind in kinds:
-            kbar = kbar_of(kind, c)
-            bnd = _bound_check(c, kbar, r, geoms)
+            kbar, bnd = kbars[kind], bnds[kind]
             if t is None:  # the target (and its D1/D2 fits) do not depend on k̄
                 t = Target(w, geoms[0], bnd[0]["mu"].float(), cache)
                 del w
@@ -249,7 +298,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             del y
             emit(c, moments, bnd, {"D3": kind})
 
-    stream_qk(model, tokens, on_layer, layers, batch_size=batch_size, extra_hooks=extra_hooks,
+    stream_qk(model, tokens, on_layer, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
               progress=f"decompose[{twin_label}]" if progress else False)
     df = pd.concat([pd.DataFrame(f) for f in frames], ignore_index=True)
     df["model"] = model_label or spec.model_name

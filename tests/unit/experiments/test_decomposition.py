@@ -277,3 +277,51 @@ def test_long_sequences_stream_by_default(monkeypatch):
     monkeypatch.setattr(dm, "STREAM_BLOCK", 7)
     _run(model)
     assert calls and set(calls) == {7}
+
+
+def _spied(monkeypatch, use: bool) -> list:
+    """Force (or forbid) W from the score hook and record what each layer's check returned."""
+    import posgen_tl.engine.decompose_scores as D
+
+    took: list = []
+    real = D._hook_w
+    monkeypatch.setattr(D, "scores_are_w", lambda model: use)
+    monkeypatch.setattr(D, "_hook_w", lambda *a: took.append(real(*a)) or took[-1])
+    return took
+
+
+def test_w_from_the_score_hook_equals_the_recomputed_w(tiny, monkeypatch):
+    """Where hook_attn_scores holds the logits (float32, pre-softmax, no soft-cap), every layer takes W from the
+    forward instead of recomputing it, and every score equals the recomputed path's to float32 rounding; where it
+    holds the pattern (the native bridge), forcing the hook path still recomputes W (each layer's check fails)."""
+    import posgen_tl.engine.decompose_scores as D
+
+    logits = probe_hooks(tiny)[1].scores_kind == "pre_softmax"
+    assert D.scores_are_w(tiny) == logits  # the default path takes the hook exactly where it holds the logits
+    took = _spied(monkeypatch, True)
+    hook = _run(tiny)
+    assert took and all((t is not None) == logits for t in took)  # from the hook on every layer and batch, or never
+    took = _spied(monkeypatch, False)
+    again = _run(tiny)
+    assert not took
+    cols = ["r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds"]
+    np.testing.assert_allclose(hook[cols].to_numpy(), again[cols].to_numpy(), rtol=2e-5, atol=2e-6)
+    assert hook.drop(columns=cols).equals(again.drop(columns=cols))
+
+
+def test_scores_that_are_not_the_logits_are_recomputed(monkeypatch):
+    """A hook that shifts hook_attn_scores (so the scores are no longer W) fails each layer's comparison on the
+    bound rows: W is recomputed, and the numbers are those of the recomputed path."""
+    model = tm.hf_llama()[0]
+    spec, _ = probe_hooks(model)
+
+    def shift(t, hook):
+        return t + 0.5
+
+    hooks = [(f"blocks.{layer}.attn.hook_attn_scores", shift) for layer in range(spec.n_layers)]
+    took = _spied(monkeypatch, True)
+    shifted = _run(model, extra_hooks=hooks)
+    assert took and all(t is None for t in took)
+    _spied(monkeypatch, False)
+    plain = _run(model, extra_hooks=hooks)
+    pd.testing.assert_frame_equal(shifted, plain)
