@@ -529,9 +529,9 @@ def _figures(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> list[tu
 def headline_findings(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -> list[Any]:
     """The pages' headline of a sweep: per corruption, ONE map — the positional term f (else the first patched
     quantity), denoising (else noising) — as "k of H heads" significantly carrying part of the damage at
-    family-wise ``alpha``, with the strongest head's normalised recovery (its mean effect in nats where the damage
-    is not detectable), its 95 % document-bootstrap interval and its family-wise p. The head is selected as the
-    strongest on these documents, so its interval is not adjusted for that choice (the note says so); the p is."""
+    family-wise ``alpha``, with ONE head's normalised recovery (mean effect in nats where the damage is not detectable),
+    95 % document-bootstrap interval and family-wise p: the strongest significant head, else the strongest head. It is
+    selected on these documents, so its interval is not adjusted for that choice (the note says so); the p is."""
     from posgen_tl.report.html import Finding  # noqa: PLC0415
 
     out = []
@@ -543,13 +543,14 @@ def headline_findings(heads: pd.DataFrame, meta: dict[str, Any], alpha: float) -
         g = gc[(gc["quantity"] == q) & (gc["direction"] == d)]
         dmg = meta["damage"][str(c)]
         rec = bool(dmg["detected"])
-        top = g.sort_values("effect", ascending=False).iloc[0]
-        k = int((g["significant"] & (g["effect"] > 0)).sum())
+        k = int((sig := g["significant"] & (g["effect"] > 0)).sum())
+        top = (g[sig] if k else g).sort_values("effect", ascending=False).iloc[0]
         ctrl = gc[(gc["quantity"] == q + RANDOM) & (gc["direction"] == d)]
         kc = int((ctrl["significant"] & (ctrl["effect"] > 0)).sum()) if len(ctrl) else None
-        what = (f"{'normalised recovery' if rec else 'effect (nats)'} by the strongest head, {_WORDS.get(q, q)} "
-                f"patched ({d}), {meta['corruption'][c]}")
-        note = (f"{c}: strongest head L{int(top['layer'])}H{int(top['head'])}, selected among {len(g)} on these "
+        what = (f"{'normalised recovery' if rec else 'effect (nats)'} by the strongest significant head (else the "
+                f"strongest head), {_WORDS.get(q, q)} patched ({d}), {meta['corruption'][c]}")
+        note = (f"{c}: {'strongest significant head' if k else 'strongest head (none significant)'} "
+                f"L{int(top['layer'])}H{int(top['head'])}, selected among {len(g)} on these "
                 "documents (its interval is not adjusted for that choice; its p is family-wise)"
                 + (f"; the random-k̄ control: {kc} significant heads" if kc is not None else "")
                 + ("" if rec else "; no detectable damage, so no recovery is defined")

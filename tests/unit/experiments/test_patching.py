@@ -159,6 +159,25 @@ def test_save_load_render_round_trip(result, tmp_path):
     assert first["effect (nats)"] == pytest.approx(best["effect"].max())
 
 
+def test_the_headline_shows_the_strongest_significant_head_beside_the_count():
+    """"k of H heads" stands beside a head of those k (the strongest significant one, its p below α), not beside a
+    stronger head that is not significant; with none significant, the strongest head, and the note says so."""
+    rows = [dict(layer=0, head=0, effect=0.9, recovery=0.6, significant=False, p_fwe=0.17),
+            dict(layer=1, head=1, effect=0.4, recovery=0.25, significant=True, p_fwe=0.0005),
+            dict(layer=2, head=2, effect=0.2, recovery=0.12, significant=True, p_fwe=0.03),
+            dict(layer=3, head=0, effect=-0.5, recovery=-0.3, significant=True, p_fwe=0.001)]
+    heads = pd.DataFrame([dict(r, corruption="swaps", quantity="pos_term", direction="denoising", recovery_low=0.0,
+                               recovery_high=1.0, ci_low=0.0, ci_high=1.0) for r in rows])
+    meta = {"damage": {"swaps": {"detected": True, "ci_high": 0.3}}, "corruption": {"swaps": "T2 swaps"}, "n_docs": 32,
+            "p_kind": "exact"}
+    (f,) = pe.headline_findings(heads, meta, 0.05)
+    assert f.verdict == "2 of 4 heads" and f.effect == 0.25 and f.p == 0.0005
+    assert "strongest significant head L1H1" in f.note
+    (f,) = pe.headline_findings(heads.assign(significant=False), meta, 0.05)
+    assert f.verdict == "0 of 4 heads" and f.effect == 0.6 and f.p == 0.17
+    assert "strongest head (none significant) L0H0" in f.note
+
+
 def test_heatmap_shows_a_fixed_scale_and_outlines_the_significant_heads():
     heads = pd.DataFrame([dict(layer=la, head=h, recovery=(la - h) / 2, effect=0.01 * (la - h), significant=(la, h) in
                                {(0, 1), (2, 0)}) for la in range(3) for h in range(4)])
