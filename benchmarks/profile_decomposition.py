@@ -1,10 +1,12 @@
 """Per-function time split of the streaming decomposition (diagnostic, not a target).
 
-    python benchmarks/profile_decomposition.py [--n-seq 4] [--seq-len 512] [--threads 1]
+    python benchmarks/profile_decomposition.py [--n-seq 4] [--seq-len 512] [--threads 1] [--ab-scores 3]
 
 Prints the forward, the capture-only pass and the decomposition of the same tokens, then the
 seconds spent in each piece of :mod:`posgen_tl.experiments.decomposition` (wrapped timers, summed
 over layers and batches). Run it on an idle machine; under load the split is only indicative.
+``--ab-scores N``: instead, N rounds of forward / decomposition with W from the score hook / decomposition with W
+recomputed, alternating in one process (so a loaded machine slows all three alike), and their medians.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def main() -> None:
     ap.add_argument("--n-seq", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ab-scores", type=int, default=0)
     a = ap.parse_args()
     import torch
     from suite import Bench
@@ -32,6 +35,9 @@ def main() -> None:
     import posgen_tl.maths.moments as M
 
     torch.set_num_threads(a.threads)
+    if a.ab_scores:
+        ab_scores(a, D)
+        return
     spent: dict[str, float] = collections.defaultdict(float)
 
     def timed(mod, name):
@@ -64,6 +70,31 @@ def main() -> None:
     print(f"{'decomposition':<18}{time.perf_counter() - t:8.2f} s   of which:")
     for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {k:<16}{v:8.2f} s")
+
+
+def ab_scores(a: argparse.Namespace, D) -> None:  # noqa: N803 - the module under test
+    """Forward, decomposition with W from ``hook_attn_scores`` and with W recomputed, alternating."""
+    import statistics
+
+    from suite import Bench
+
+    b = Bench(a.model, a.n_seq, a.seq_len)
+    b.kbar()
+    b.decomposition()  # warm-up
+    real, secs = D.scores_are_w, collections.defaultdict(list)
+    try:
+        for _ in range(a.ab_scores):
+            for label in ("forward", "W from the score hook", "W recomputed"):
+                D.scores_are_w = (lambda m: True) if label.endswith("hook") else (lambda m: False)
+                t = time.perf_counter()
+                b.forward() if label == "forward" else b.decomposition()
+                secs[label].append(time.perf_counter() - t)
+    finally:
+        D.scores_are_w = real
+    fwd = statistics.median(secs["forward"])
+    for label, v in secs.items():
+        med = statistics.median(v)
+        print(f"{label:<24}{med:8.2f} s median ({', '.join(f'{x:.2f}' for x in v)}); {med / fwd:.3f}× the forward")
 
 
 if __name__ == "__main__":
