@@ -143,14 +143,16 @@ def withdrawn_section(study: str, runs: list[Run]) -> list[str]:
     if not runs:
         return []
     folder, why = WITHDRAWN[study]
-    out = [f"## Earlier runs ({folder}, withdrawn)", "", why, ""]
+    out = [f"## Earlier runs ({folder}, withdrawn)", "", why, "",
+           f'<details markdown="1"><summary>The {len(runs)} withdrawn runs: how each was made and the verdicts it '
+           "printed</summary>", ""]
     for run in runs:
-        out += [f"### {run.key} ({folder})", "", *_provenance(run, depth=3), ""]
+        out += [f"**{run.key} ({folder})**", "", *_provenance(run, depth=3), ""]
         vpath = run.folder / f"{study}_verdicts.csv"
         if vpath.exists():
             v = pd.read_csv(vpath).rename(columns={"verdict": "verdict printed then (withdrawn)"})
             out += [md_table(v, ["layers", "verdict printed then (withdrawn)", "n_docs"]), ""]
-    return out
+    return [*out, "</details>", ""]
 
 
 def study_page(study: str, runs: list[Run], earlier: list[Run] | None = None) -> tuple[str, dict[str, bytes]]:

@@ -214,12 +214,23 @@ def test_withdrawn_runs_print_no_number_and_give_no_headline():
     text, figs = pages.study_page("causal", [], old)
     assert pages.WITHDRAWN["causal"][1] in text and not figs
     part = text.split("## Earlier runs (v2, withdrawn)", 1)[1]
+    assert "<details" in part.split("|", 1)[0]  # collapsed: the reader sees why they were withdrawn, not the runs
     tables = [x for x in part.splitlines() if x.startswith("| ")]
     assert tables and all(x.count("|") == 4 for x in tables)  # layers, verdict word, documents: nothing else
     causal = [r for r in pages.find_runs(RESULTS) if r.study == "causal"]  # (the claim table reads only these)
     v3 = [(r, f) for r, f in pages._findings(causal) if r.study == "causal"]
     assert all(not str(r.folder).split("results", 1)[1].startswith("/v2") for r, _ in v3)  # headlines: v3 runs only
     assert all(f"`results/v2/{r.model}/{r.corpus}/causal/`" in text for r in old)
+
+
+def test_the_causal_page_shows_at_most_250_lines_with_its_details_collapsed():
+    """The committed causal page: what a reader sees without opening a collapsed block stays short."""
+    text = (ROOT / "docs" / "results" / "causal.md").read_text()
+    depth, shown = 0, 0
+    for line in text.splitlines():
+        depth += line.count("<details") - line.count("</details>")
+        shown += depth == 0
+    assert shown <= 250, f"{shown} lines of docs/results/causal.md are visible with every block collapsed"
 
 
 def _table_headers(md: str) -> list[list[str]]:
