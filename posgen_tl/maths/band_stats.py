@@ -339,13 +339,17 @@ def within_row_spread_qk(
     lo = lo.clamp(min=sink)
     cnt = (pos - lo + 1).clamp(min=0)
     valid = cnt >= 2
+
+    def first_key(i: int) -> int:  # = lo[i], in Python: no device-to-host copy per block on a GPU
+        return max(sink, i - sliding_window + 1) if sliding_window is not None else sink
+
     ss = torch.zeros(b, kv, q.shape[2], dtype=torch.float64, device=dev)
     for t in range(nb):
         i0, i1 = t * block, min(n, (t + 1) * block)
         qi = q[:, :, :, i0:i1]  # b kv g r d
         s1 = torch.zeros(qi.shape[:-1], dtype=torch.float64, device=dev)
         s2 = torch.zeros_like(s1)
-        a_min, a_max = int(lo[i0]), int(lo[i1 - 1])  # lo is non-decreasing: every row sees [a_max, i0]
+        a_min, a_max = first_key(i0), first_key(i1 - 1)  # lo is non-decreasing: every row sees [a_max, i0]
         f0, f1 = -(-a_max // block), (i0 + 1) // block  # whole key blocks inside [a_max, i0]
         spans = [(a_min, i1)]
         if f0 < f1:
