@@ -256,8 +256,8 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.q.device)
         cols = []  # every score of the layer stacked on the device: ONE copy to the host (no sync per score)
         for (s, est), m in items:
-            sc = scores(m, geoms_of(c)[s])
-            cols.append(torch.stack([sc[k].double() for k in ("r", "r2", "r_within")]
+            fit = scores(m, geoms_of(c)[s])
+            cols.append(torch.stack([fit[k].double() for k in ("r", "r2", "r_within")]
                                     + [bnd[s][k].double() if est == "D3" else nan
                                        for k in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds")]))
         host = torch.stack(cols).cpu().numpy()  # [items, score, (b h)]
