@@ -200,7 +200,7 @@ def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor 
     key_pos]``, a view: never written to), after comparing it on the checked ``rows`` with W recomputed in float64
     (``w_rows``, :func:`_bound_checks`) on the entries the mask keeps; ``None`` (recompute) when the capture has no
     scores or they differ by more than :data:`SCORES_RTOL` — the hidden entries (−inf) are masked by the caller."""
-    if c.scores is None or c.scores.dtype != torch.float32:
+    if c.scores is None:  # (the capture holds float32: a half-precision model is excluded by scores_are_w)
         return None
     b, h, n = c.scores.shape[0], c.scores.shape[1], c.scores.shape[-1]
     sv = c.scores.reshape(b * h, n, n)
@@ -254,7 +254,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         seq = np.arange(b) + c.seq_offset
         items = sorted(moments.items())
         nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.q.device)
-        cols = []  # every score of the layer stacked on the device: ONE copy to the host (no sync per score)
+        cols = []  # every score of these moments stacked on the device: one copy to the host, not one per score
         for (s, est), m in items:
             fit = scores(m, geoms_of(c)[s])
             cols.append(torch.stack([fit[k].double() for k in ("r", "r2", "r_within")]
@@ -273,7 +273,8 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
     block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
-    use_hook = (w_from_scores if w_from_scores is not None else scores_are_w(model)) and not 0 < block < n
+    use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model)) and not 0 < block < n
+                and probe_hooks(model)[1].scores_kind != "absent")  # no score hook: W is recomputed
 
     def on_layer(c: QKCapture) -> None:
         geoms = geoms_of(c)

@@ -32,8 +32,8 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
     over the WHOLE declared claim of each entry's ``p_test`` — its intersection–union p, or 1 where its contrasts
     point different ways; entries not run or not testable count as p = 1, which keeps the adjustment valid) and
     the claim's ``verdict``: "depends" where the entry's own test rejected (``iut_rejects``, before any family
-    step) and ``p_family`` < the runs' α. ``family_size`` / ``family_method``: the declared family each entry's
-    ``p_family`` is adjusted over.
+    step) and ``p_family`` < the runs' α. ``family`` / ``family_size`` / ``family_method``: the declared claim each
+    entry's ``p_family`` is adjusted over (its entries joined by commas), its size and the adjustment in words.
 
     A corpus may hold several claims when they share no entry — e.g. two confirmatory tests, one per model, each
     declared as its own one-entry family: each is adjusted over its own entries only.
@@ -42,13 +42,14 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
     declare claims that overlap without being the same (or different levels α)."""
     from posgen_tl.stats.verdicts import family_adjust  # noqa: PLC0415
 
-    rows, alphas = [], set()
+    rows, alphas, claims = [], set(), []
     for r in (r for r in runs if r.corpus == corpus and r.study == CLAIM_STUDY):
         declared = tuple(r.meta["config"].get("claim") or ())
         if not declared:
             continue
         claim = tuple(json.loads((r.folder / f"{CLAIM_STUDY}_result.json").read_text())["meta"].get("claim")
                       or declared)
+        claims += [claim] if claim not in claims else []  # declared, whether or not the run has verdict rows
         alphas.add(float(r.meta["config"].get("test_alpha", 0.05)))
         v = pd.read_csv(r.folder / f"{CLAIM_STUDY}_verdicts.csv")
         con = pd.read_csv(r.folder / f"{CLAIM_STUDY}_contrasts.csv").set_index(["layers", "contrast"])
@@ -63,17 +64,19 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
                              binding_estimate=np.nan if b is None else float(b["estimate"]),
                              binding_ci_low=np.nan if b is None else float(b["ci_low"]),
                              binding_ci_high=np.nan if b is None else float(b["ci_high"])))
-    if not rows:
+    if not claims:
         return None, "no run declares a claim"
-    claims = list(dict.fromkeys(r["claim"] for r in rows))
     entries = [e for c in claims for e in c]
     if len(entries) != len(set(entries)) or len(alphas) != 1:
         return None, "The runs declare different claims (or levels α): no family verdict."
     alpha = next(iter(alphas))
     frames, methods = [], []
     for claim in claims:
-        df = pd.DataFrame([r for r in rows if r["claim"] == claim]).drop(columns="claim").set_index("entry")
-        df = df.reindex(list(claim))
+        mine = [r for r in rows if r["claim"] == claim]
+        df = pd.DataFrame(mine, columns=list(mine[0]) if mine else ["entry", "run_verdict", "p_test", "n_docs",
+                                                                       "iut_rejects"]).drop(columns="claim", errors="ignore")
+        df = df.set_index("entry").reindex(list(claim))
+        df["family"] = ",".join(claim)
         missing = [e for e in claim if pd.isna(df.loc[e, "run_verdict"])]
         p_adj, method = family_adjust(df["p_test"].fillna(1.0).to_numpy(), "holm", list(claim))
         method += f" (not run: {', '.join(missing)}, counted as p = 1)" if missing else ""
@@ -143,19 +146,26 @@ def _signed(x: Any) -> str:
 
 
 def claim_tables(runs: list[Run]) -> tuple[dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
-    """``(exploratory, confirmatory)``: the claim table (:func:`claim_table`) of every corpus whose runs declare the
-    exploratory claim (the claim declared on the most corpora; ties: pydoc's), and of every corpus whose runs declare
-    another claim — a confirmatory test declared before its run on documents of its own, read on its own."""
+    """``(exploratory, confirmatory)``: per corpus, the rows of the claim table (:func:`claim_table`) that belong to
+    the exploratory claim (the claim declared on the most corpora; ties: pydoc's), and the rows of every other claim —
+    a confirmatory test declared before its run on documents of its own, read on its own. Split per declared claim,
+    so a corpus may appear in both."""
     corpora = list(dict.fromkeys(r.corpus for r in runs if r.study == CLAIM_STUDY))
     tables = {c: t for c in corpora if (t := claim_table(runs, c)[0]) is not None}
     if not tables:
         return {}, {}
-    # the exploratory claim is the one declared on the most corpora (ties: the one declared on pydoc); entries compared
-    # as sets, so a claim declared in another order is the same claim
-    claims = [frozenset(t.index) for t in tables.values()]
-    ref = max(claims, key=lambda k: (claims.count(k), "pydoc" in tables and frozenset(tables["pydoc"].index) == k))
-    return ({c: t for c, t in tables.items() if frozenset(t.index) == ref},
-            {c: t for c, t in tables.items() if frozenset(t.index) != ref})
+    # the exploratory claim is the one declared on the most corpora (ties: the one declared on pydoc); a claim's
+    # entries compared as a set, so a claim declared in another order is the same claim
+    fams = {c: {frozenset(f.split(",")): f for f in dict.fromkeys(t["family"])} for c, t in tables.items()}
+    counts = [k for f in fams.values() for k in f]
+    ref = max(counts, key=lambda k: (counts.count(k), k in fams.get("pydoc", {})))
+
+    def part(c: str, t: pd.DataFrame, keep: bool) -> pd.DataFrame:
+        return t[t["family"].isin([f for k, f in fams[c].items() if (k == ref) == keep])]
+
+    exploratory = {c: part(c, t, True) for c, t in tables.items() if ref in fams[c]}
+    confirmatory = {c: part(c, t, False) for c, t in tables.items() if any(k != ref for k in fams[c])}
+    return exploratory, confirmatory
 
 
 def claim_agreement(runs: list[Run]) -> dict[str, str]:
@@ -193,7 +203,7 @@ def headline_rows(runs: list[Run]) -> list[dict[str, str]]:
     agree = claim_agreement(runs)
     out = []
 
-    def row(entry: str, corpus: str, r: pd.Series, second: str, n_entries: int) -> dict[str, str]:
+    def row(entry: str, corpus: str, r: pd.Series, second: str, n_entries: int, confirm: bool = False) -> dict[str, str]:
         testable = not str(r["verdict"]).startswith("not testable") and isinstance(r["binding"], str) and r["binding"]
         why = str(r.get("reason", "")).split(":")[0].strip()
         effect = (f"{r['binding']} at common damage (nats × p): "
@@ -203,7 +213,7 @@ def headline_rows(runs: list[Run]) -> list[dict[str, str]]:
             effect += f"; the contrasts point different ways, so the test's p is 1 (this contrast's own p {sig3(r['p_iut'])})"
         family = int(r["family_size"]) if "family_size" in r and r["family_size"] == r["family_size"] else n_entries
         p = (f"{sig3(r['p_test'])} (its test); {sig3(r['p_family'])} (Holm over {family})" if testable else "–")
-        answer = _plain(str(r["verdict"]), corpus in confirmatory)
+        answer = _plain(str(r["verdict"]), confirm)
         if testable and r["mde"] == r["mde"] and r["effect"] == r["effect"]:  # power, stated beside the verdict
             answer += (f"; MDE {sig3(r['mde'])} {'≤' if r['mde'] <= r['effect'] else '>'} {sig3(r['effect'])}: "
                        f"{'powered' if r['mde'] <= r['effect'] else 'not powered'}")
@@ -216,7 +226,8 @@ def headline_rows(runs: list[Run]) -> list[dict[str, str]]:
         out += [row(e, first, r, agree.get(e, "one corpus only"), len(t)) for e, r in t.iterrows()
                 if r["verdict"] != "not run"]
     for c, t in confirmatory.items():
-        out += [row(e, c, r, "confirmatory: fresh documents", len(t)) for e, r in t.iterrows() if r["verdict"] != "not run"]
+        out += [row(e, c, r, "confirmatory: fresh documents", len(t), True) for e, r in t.iterrows()
+                if r["verdict"] != "not run"]
     return out
 
 

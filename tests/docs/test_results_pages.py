@@ -230,6 +230,7 @@ def test_the_causal_page_shows_at_most_250_lines_with_its_details_collapsed():
     for line in text.splitlines():
         depth += line.count("<details") - line.count("</details>")
         shown += depth == 0
+    assert depth == 0, "an unclosed <details> block"
     assert shown <= 250, f"{shown} lines of docs/results/causal.md are visible with every block collapsed"
 
 
@@ -370,6 +371,17 @@ def test_two_confirmatory_tests_on_one_corpus_are_each_their_own_family(tmp_path
               claim=("smollm2-135m:L2", "gemma3-270m:L1"))
     table, method = claim.claim_table(pages.find_runs(res), "fresh2")
     assert table is None and method.startswith("The runs declare different claims")
+    # a corpus holding the exploratory claim AND a disjoint confirmatory one: split per claim, not per corpus
+    shutil.rmtree(res / "gemma3-270m" / "fresh2")
+    shutil.rmtree(res / "smollm2-135m" / "fresh2")
+    _dose_run(dose_result, res / "other-model" / "readmes" / "causal", "other-model", {"L1": 0.02},
+              claim=("other-model:L1",))
+    exploratory, confirmatory = claim.claim_tables(pages.find_runs(res))
+    assert set(exploratory) == {"pydoc", "readmes"} and set(confirmatory) == {"fresh", "readmes"}
+    assert list(confirmatory["readmes"].index) == ["other-model:L1"]
+    assert "other-model:L1" not in exploratory["readmes"].index and "smollm2-135m:L1" in exploratory["readmes"].index
+    rows = claim.headline_rows(pages.find_runs(res))
+    assert [r["second"] for r in rows if r["corpus"] == "readmes"] == ["confirmatory: fresh documents"]
 
 
 def test_the_second_corpus_cell_of_the_claim_says_not_testable_and_exploratory(monkeypatch):
