@@ -44,8 +44,9 @@ def batch_size_for(seq_len: int) -> int:
 class Bench:
     """The model, the tokens and every step of the suite as a zero-argument callable."""
 
-    def __init__(self, model_name: str, n_seq: int, seq_len: int, batch_size: int | None = None,
+    def __init__(self, model_name: str | object, n_seq: int, seq_len: int, batch_size: int | None = None,
                  device: str = "cpu") -> None:
+        """``model_name``: a zoo name or folder (loaded here), or a model object already loaded (tests)."""
         import torch
 
         from posgen_tl.hooks.capture import probe_hooks
@@ -54,7 +55,7 @@ class Bench:
 
         self.torch = torch
         self.device = device
-        self.model = load_model(model_name, device=device)
+        self.model = load_model(model_name, device=device) if isinstance(model_name, str) else model_name
         self.spec, self.info = probe_hooks(self.model)
         self.n_ref = max(1, n_seq // 2)
         # the tokens live where the model does: a CUDA timing never includes a host-to-device copy
@@ -129,16 +130,16 @@ class Bench:
 
         reference_key_means(self.model, self.ref, sink=1, batch_size=self.bs, progress=False)
 
-    def decomposition(self) -> None:
+    def decomposition(self):
         from posgen_tl.experiments.decomposition import decompose_model
 
-        decompose_model(self.model, self.tokens, reference=self.ref, k_mean=self.kbar(), batch_size=self.bs,
-                        progress=False)
+        return decompose_model(self.model, self.tokens, reference=self.ref, k_mean=self.kbar(), batch_size=self.bs,
+                               progress=False)
 
-    def pattern(self) -> None:
+    def pattern(self):
         from posgen_tl.experiments.pattern import feature_pattern
 
-        feature_pattern(self.model, self.tokens, batch_size=self.bs, progress=False)
+        return feature_pattern(self.model, self.tokens, batch_size=self.bs, progress=False)
 
     def tolerance_curve(self) -> None:
         from posgen_tl.engine.swaps import transposition_curve
@@ -182,6 +183,7 @@ class Bench:
 
     @contextlib.contextmanager
     def _replay(self, module):
+        """``module.stream_qk`` (the streaming pass the analysis calls) replaced by the cached captures."""
         caps = self._cached_captures()
         orig = module.stream_qk
 
@@ -196,21 +198,22 @@ class Bench:
         finally:
             module.stream_qk = orig
 
-    def naive_decomposition(self) -> None:
+    def naive_decomposition(self):
+        from posgen_tl.engine import decompose_scores
         from posgen_tl.experiments import decomposition as dec
 
         km = self.kbar()
-        with self._replay(dec):
-            dec.decompose_model(self.model, self.tokens, reference=self.ref, k_mean=km, batch_size=self.n_seq,
-                                progress=False)
+        with self._replay(decompose_scores):
+            return dec.decompose_model(self.model, self.tokens, reference=self.ref, k_mean=km, batch_size=self.n_seq,
+                                       progress=False)
 
-    def naive_pattern(self) -> None:
+    def naive_pattern(self):
         from posgen_tl.experiments import pattern as pat
 
         with self._replay(pat):
-            pat.feature_pattern(self.model, self.tokens, batch_size=self.n_seq, progress=False)
+            return pat.feature_pattern(self.model, self.tokens, batch_size=self.n_seq, progress=False)
 
-    def steps(self) -> dict[str, tuple[Callable[[], None], int]]:
+    def steps(self) -> dict[str, tuple[Callable[[], object], int]]:
         """``{name: (callable, forwards it is compared with)}``."""
         out = {
             "forward": (self.forward, 1), "capture": (self.capture, 1), "kbar_pass": (self.kbar_pass, 1),

@@ -1,5 +1,6 @@
 """The benchmark suite's verdict logic (benchmarks/suite.py, benchmarks/suite_tables.py): exponents, met / not met / not measured,
-merging of separately run parts. Pure functions on results dicts — no model is loaded, nothing is timed."""
+merging of separately run parts — pure functions on results dicts —, and its steps on a tiny model (what each one
+computes, never how long it takes)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,27 @@ def test_bad_arguments_name_the_problem(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         suite.main(argv)
     assert msg in str(e.value)
+
+
+def test_every_step_of_the_suite_runs_and_the_naive_route_computes_the_same_tables():
+    """Each timed step runs on today's code (a step that breaks after a refactor made whole timing runs fail silently
+    into "not measured"), and the naive run_with_cache route the streaming analyses are compared with computes the
+    SAME decomposition and feature statistics — the comparison is between two ways of one computation."""
+    import sys
+
+    import pandas as pd
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tiny_models as tm
+    from suite_steps import Bench
+
+    b = Bench(tm.hf_llama()[0], 2, 96, batch_size=1)
+    out = {name: fn() for name, (fn, _) in b.steps().items()}
+    assert set(out) == {"forward", "capture", "kbar_pass", "decomposition", "pattern", "tolerance_curve",
+                        "causal_condition", "naive_decomposition", "naive_pattern", "sufficiency"}
+    streamed, naive = out["decomposition"], out["naive_decomposition"]
+    assert len(streamed) and set(streamed["seq"]) == {0, 1}
+    pd.testing.assert_frame_equal(streamed, naive, check_exact=False, rtol=1e-4, atol=1e-6)
+    for name in ("bands", "heads"):
+        pd.testing.assert_frame_equal(getattr(out["pattern"], name), getattr(out["naive_pattern"], name),
+                                      check_exact=False, rtol=1e-4, atol=1e-6)
