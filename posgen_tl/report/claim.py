@@ -254,6 +254,11 @@ def confirmations(runs: list[Run], *, short: bool = False) -> list[str]:
             model = entry.split(":", 1)[0]
             run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == c)
             effect = float(run.meta["config"].get("effect", float("nan")))
+            if str(row["verdict"]).startswith("not testable"):  # no test ran: power is beside the point, the reason is not
+                why = str(row.get("reason", "")).split(";")[0].strip()
+                out.append(f"Confirmatory test of {entry.replace(':', ' ')} on {int(row['n_docs'])} fresh documents "
+                           f"({c}, declared before its run): not testable" + (f" — {why}" if why else "") + ".")
+                continue
             if short:
                 power = ("" if effect != effect else
                          f", {'powered' if float(row['mde']) <= effect else 'NOT powered'} (the whole test's MDE "

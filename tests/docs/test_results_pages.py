@@ -364,6 +364,15 @@ def test_two_confirmatory_tests_on_one_corpus_are_each_their_own_family(tmp_path
     sentences = claim.confirmations(runs, short=True)
     assert len(sentences) == 2 and any(x.startswith("Confirmatory test of gemma3-270m L1 on 6 fresh documents (fresh")
                                        for x in sentences)
+    # a confirmatory entry that is not testable gives its reason, never "powered"
+    t = claim.claim_tables(runs)[1]["fresh"]
+    t.loc["gemma3-270m:L1", ["verdict", "reason"]] = ["not testable", "unreachable at the declared damage levels: C3 "
+                                                      "(60%) of documents bracket every level (needs 75%); no control"]
+    import unittest.mock as um
+    with um.patch.object(claim, "claim_tables", lambda runs: ({}, {"fresh": t})):
+        said = [x for x in claim.confirmations(runs, short=True) + claim.confirmations(runs) if "gemma3" in x]
+    assert len(said) == 2 and all("not testable — unreachable at the declared damage levels: C3 (60%) of documents "
+                                  "bracket every level (needs 75%)." in x and "powered" not in x for x in said)
     # an overlapping but different claim on the same corpus: no family verdict
     _dose_run(dose_result, res / "gemma3-270m" / "fresh2" / "causal", "gemma3-270m", {"L1": 0.02},
               claim=("gemma3-270m:L1",))
