@@ -157,7 +157,7 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor,
         w = w + qp @ kp
     w = heads(s * w)
     qn = zq.abs()
-    masks = {sk: (geo.mask[rows].double(), geo.mask[rows].double().sum()) for sk, geo in geoms.items()}
+    masks = {sk: (m, m.sum()) for sk, m in ((sk, geo.mask[rows].double()) for sk, geo in geoms.items())}
 
     def mean(x: Tensor, sk: int) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
         m, cnt = masks[sk]
@@ -280,17 +280,16 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         geoms = geoms_of(c)
         r = rows.to(c.q.device)
         q2 = _q2(c)
+        kbars = {kind: kbar_of(kind, c) for kind in kinds}  # each k̄ once per layer and batch
+        bnds, w_rows = _bound_checks(c, kbars, r, geoms)
         if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
-            bnds, _ = _bound_checks(c, {kind: kbar_of(kind, c) for kind in kinds}, r, geoms)
-            fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbar_of(k, c)) for k in kinds}, n=n,
+            fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbars[k]) for k in kinds}, n=n,
                                          nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
                                          sinks=sinks, block=block, device=c.q.device)
             emit(c, fit_m, bnds[kinds[0]], {"D1": "none", "D2": "none"})
             for kind in kinds:
                 emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
             return
-        kbars = {kind: kbar_of(kind, c) for kind in kinds}
-        bnds, w_rows = _bound_checks(c, kbars, r, geoms)
         w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         if w is None:
             w = _w_map(c, q2, cache)
