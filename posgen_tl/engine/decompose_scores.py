@@ -206,8 +206,10 @@ def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor 
     sv = c.scores.reshape(b * h, n, n)
     m = g0.mask[rows]
     ref = w_rows[:, m]
-    err = float((sv[:, rows][:, m].double() - ref).abs().max()) if ref.numel() else 0.0
-    return sv if err <= SCORES_RTOL * (float(ref.abs().max()) if ref.numel() else 0.0) else None
+    if not ref.numel():  # nothing to compare on these rows: never taken unchecked
+        return None
+    err = float((sv[:, rows][:, m].double() - ref).abs().max())  # NaN anywhere: the comparison fails, W is recomputed
+    return sv if err <= SCORES_RTOL * float(ref.abs().max()) else None
 
 
 # ----------------------------------------------------------------------------- runner
