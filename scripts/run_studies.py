@@ -53,12 +53,25 @@ N_REPLICATION = {"smollm2-135m": {"causal": 32, "tolerance": 32}, "gemma3-270m":
 #:    pilot 0.00236 · 0.87 · √(37/192) ≈ 0.0009 at 192 documents, under the effect of interest 0.001. It may again be
 #:    "not testable" if a control cannot reach destroy's damage on these documents: that is its answer, not a reason
 #:    to re-run.
+#: 4. scidocs-2, Gemma3 L12-17 (declared after run 3 was found not testable, before this run; its own family): the
+#:    NEXT 160 documents of the same seeded order (``--skip 192``: none of run 3's documents; the same 16 reference
+#:    windows, so the same pilot and strength grids). Run 3 was not testable because control C3 (a rotation of the
+#:    offset) reached its top level on 60 % of documents only: a rotation cannot be dosed past a full turn (its mean
+#:    squared change peaks at α ≈ 0.72 of a turn), so its cap cannot be raised; on 10 % of run 3's documents no edit
+#:    harms the clean text until destroy's strongest point. The levels are therefore declared from run 3's
+#:    192 documents (disjoint from these): 0.0025, 0.005 and 0.0075 nats, the damages every control brackets for at
+#:    least 82 % of them (C3 82 %, the others ≥ 87 %), at which the whole-test MDE from their spread is 0.00067 at
+#:    0.82 · 160 documents, under the effect of interest 0.001. Chosen by coverage and power only, not by any
+#:    contrast's value. If C3 still brackets them for fewer than 75 % of these documents, the entry is "not testable"
+#:    and that is its answer.
 CONFIRMS = ({"corpus": "docstrings", "model": "smollm2-135m", "groups": "late", "claim": "smollm2-135m:L20-29",
              "n_seq": 184, "n_ref": 16},
             {"corpus": "scidocs", "model": "smollm2-135m", "groups": "late", "claim": "smollm2-135m:L20-29",
              "n_seq": 256, "n_ref": 16},
             {"corpus": "scidocs", "model": "gemma3-270m", "groups": "late", "claim": "gemma3-270m:L12-17",
-             "n_seq": 192, "n_ref": 16})
+             "n_seq": 192, "n_ref": 16},
+            {"corpus": "scidocs-2", "model": "gemma3-270m", "groups": "late", "claim": "gemma3-270m:L12-17",
+             "n_seq": 160, "n_ref": 16, "skip": 192, "levels": "0.0025,0.005,0.0075"})
 
 
 def jobs(readmes: str, default_preset: frozenset[str] = frozenset(),
@@ -68,7 +81,7 @@ def jobs(readmes: str, default_preset: frozenset[str] = frozenset(),
     confirmatory test). Studies named in ``default_preset`` run at their default sizes (no ``--full``, no size
     override)."""
     corpora = {"pydoc": [], "readmes": ["--corpus", readmes], "docstrings": ["--corpus", docstrings],
-               "scidocs": ["--corpus", scidocs]}
+               "scidocs": ["--corpus", scidocs], "scidocs-2": ["--corpus", scidocs]}
     out: list[tuple[str, list[str]]] = []
 
     def add(study: str, model: str, corpus: str, *extra: str) -> None:
@@ -84,8 +97,9 @@ def jobs(readmes: str, default_preset: frozenset[str] = frozenset(),
         for model in ("smollm2-135m", "gemma3-270m"):
             add("tolerance", model, corpus, "--n-seq", str(n[model]["tolerance"]))
     for c in CONFIRMS:
+        more = [a for k in ("skip", "levels") if k in c for a in (f"--{k}", str(c[k]))]
         add("causal", str(c["model"]), str(c["corpus"]), "--n-seq", str(c["n_seq"]), "--n-ref", str(c["n_ref"]),
-            "--groups", str(c["groups"]), "--claim", str(c["claim"]))
+            "--groups", str(c["groups"]), "--claim", str(c["claim"]), *more)
     for corpus in ("pydoc", "readmes"):
         for model in ("smollm2-135m", "gemma3-270m"):
             add("sufficiency", model, corpus)

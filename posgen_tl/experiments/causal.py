@@ -102,6 +102,9 @@ class Config(SwapOptions):
                                          "name groups, e.g. middle; other models' need labels, e.g. L6-11); must "
                                          "hold this run's entries; default: this run's entries. Entries of other "
                                          "runs bound the adjustment (Bonferroni)", "names")
+    skip: int = base.option(0, "leave out the first SKIP analysed windows of the seeded order (one per document "
+                               "first): with the same seed, a new run on documents an earlier run of SKIP windows "
+                               "never saw, on the same reference windows", "int")
     batch_size: int = base.batch_option(4)
 
     def check(self) -> None:
@@ -110,6 +113,8 @@ class Config(SwapOptions):
         not positive, a non-positive effect, α or coverage outside (0, 1)."""
         if self.n_seq < 3:
             raise ValueError(f"{NAME}: n_seq={self.n_seq}: a contrast needs at least 3 documents")
+        if self.skip < 0:
+            raise ValueError(f"{NAME}: skip={self.skip} must be at least 0")
         if not 0 < self.target() < self.seq_len - 2:
             raise ValueError(f"{NAME}: target_len={self.target()} must be in (0, {self.seq_len - 2})")
         if 0 not in self.fracs or not any(f > 0 for f in self.fracs):
@@ -172,7 +177,7 @@ class _Checkpoint(RunFolder):
     def __init__(self, folder: str | Path, fingerprint: dict[str, Any]):
         super().__init__(folder)
         pilot_fp = {k: v for k, v in fingerprint.items() if k != "analysed"}
-        pilot_fp["config"] = {k: v for k, v in fingerprint["config"].items() if k != "n_seq"}
+        pilot_fp["config"] = {k: v for k, v in fingerprint["config"].items() if k not in ("n_seq", "skip")}
         key = dict(pilot=json.dumps(pilot_fp, sort_keys=True, default=str),
                    run=json.dumps(fingerprint, sort_keys=True, default=str))
         old = self.read_json("fingerprint")
@@ -379,7 +384,7 @@ def run(
 def _sampled(model: Any, cfg: Config, corpus: Any) -> tuple[Windows, Windows]:
     """The analysed and reference windows of ``cfg`` (disjoint documents) from ``corpus`` (default ``cfg.corpus``)."""
     ana, ref = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
-                              n_ref=cfg.n_ref, seed=cfg.seed)
+                              n_ref=cfg.n_ref, seed=cfg.seed, skip=cfg.skip)
     assert ref is not None
     return ana, ref
 

@@ -211,6 +211,7 @@ def document_windows(
 def sample_windows(
     model: Any, corpus: CorpusLike = None, *, n_seq: int | None, seq_len: int, n_ref: int = 0, seed: int = 0,
     ref_seq_len: int | None = None, max_per_doc: int | None = None, reference_docs: str = "quarter",
+    skip: int = 0,
 ) -> tuple[Windows, Windows | None]:  # fmt: skip
     """``(analysed, reference)`` windows from DISJOINT document sets — the one sampling rule.
 
@@ -221,14 +222,20 @@ def sample_windows(
         max_per_doc: at most this many windows of one analysed document (default: as many as fit).
         reference_docs: ``"quarter"`` (a seeded quarter of the documents) or ``"short"`` (the
             documents too short for an analysed window, when at least two are; else a quarter).
+        skip: leave out the first ``skip`` analysed windows of the seeded order (one per document first):
+            with the same seed, the windows of a new run on documents none of an earlier run's first ``skip``
+            windows came from (checked), its reference windows the same.
 
     Returns:
         ``analysed`` (``[n_seq, seq_len]``) and ``reference`` (``[n_ref, ref_seq_len]``, ``None``
         when ``n_ref == 0``) :class:`Windows`; their documents never overlap (checked).
 
     Raises:
-        CorpusError: fewer than 2 documents, or too few windows (the message says how many exist).
+        CorpusError: fewer than 2 documents, too few windows (the message says how many exist), or ``skip``
+            windows that share a document with the kept ones.
     """
+    if skip < 0:
+        raise CorpusError(f"skip must be at least 0, got {skip}")
     texts, _ = named_documents(corpus)
     if reference_docs == "short":
         tok = model.tokenizer
@@ -241,8 +248,16 @@ def sample_windows(
         raise ValueError(f"reference_docs must be 'quarter' or 'short', got {reference_docs!r}")
     if not ana_docs:
         raise CorpusError(f"no document of the corpus holds {seq_len} tokens")
-    ana = document_windows(model, corpus, seq_len=seq_len, n_seq=n_seq, docs=ana_docs, seed=seed,
-                           max_per_doc=max_per_doc)
+    ana = document_windows(model, corpus, seq_len=seq_len, n_seq=None if n_seq is None else n_seq + skip,
+                           docs=ana_docs, seed=seed, max_per_doc=max_per_doc)
+    if skip:
+        left, ana = ana.subset(range(skip)), ana.subset(range(skip, len(ana)))
+        if not len(ana):
+            raise CorpusError(f"skip={skip} leaves no analysed window")
+        shared = set(left.doc_ids.tolist()) & set(ana.doc_ids.tolist())
+        if shared:
+            raise CorpusError(f"skip={skip}: {len(shared)} documents give windows both among the skipped and the "
+                              f"kept ones (the corpus has too few documents for {len(ana)} fresh ones)")
     ref = None
     if n_ref:
         ref = document_windows(model, corpus, seq_len=ref_seq_len or seq_len, n_seq=n_ref, docs=ref_docs, seed=seed)

@@ -27,6 +27,10 @@ CORPORA = {
                "`posgen_tl.io.corpus.package_docstrings`, each document's package, version and SHA-256 recorded). "
                "Fresh documents for the second confirmatory causal test (SmolLM2), declared after the first was found "
                "not powered and sized from its spread, and for the third (Gemma3), declared before its run",
+    "scidocs-2": "the same scidocs documents, but the next 160 of the seeded order (none of the third confirmatory "
+                 "test's 192, the same reference windows): fresh documents for the fourth confirmatory causal test "
+                 "(Gemma3), declared after the third was found not testable, with common damage levels every control "
+                 "reached on the third test's documents",
 }
 
 

@@ -51,6 +51,20 @@ def test_sample_windows_one_rule(model):
     assert torch.equal(more.tokens[:6], ana.tokens)
 
 
+def test_skip_gives_fresh_documents_and_the_same_reference(model):
+    first, ref = sample_windows(model, _docs(), n_seq=4, seq_len=16, n_ref=3, seed=1)
+    fresh, ref2 = sample_windows(model, _docs(), n_seq=5, seq_len=16, n_ref=3, seed=1, skip=4)
+    assert torch.equal(ref.tokens, ref2.tokens)  # the same reference windows (the same pilot)
+    assert not set(first.doc_ids.tolist()) & set(fresh.doc_ids.tolist()) and len(fresh) == 5
+    both, _ = sample_windows(model, _docs(), n_seq=9, seq_len=16, n_ref=3, seed=1)
+    assert torch.equal(both.tokens[4:], fresh.tokens)  # the continuation of the same seeded order
+    # 12 analysed documents: 10 + 4 windows would take second windows of documents among the skipped
+    with pytest.raises(CorpusError, match="both among the skipped and the kept"):
+        sample_windows(model, _docs(), n_seq=10, seq_len=16, seed=1, skip=4)
+    with pytest.raises(CorpusError, match="skip must be at least 0"):
+        sample_windows(model, _docs(), n_seq=2, seq_len=16, skip=-1)
+
+
 def test_short_reference_documents(model):
     docs = _docs(12, words=80) + _docs(4, words=5, seed=9)  # four documents too short for an analysed window
     ana, ref = sample_windows(model, docs, n_seq=None, seq_len=32, n_ref=2, ref_seq_len=4, reference_docs="short")
