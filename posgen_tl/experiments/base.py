@@ -16,7 +16,7 @@ Option kinds (text on the command line → value):
 
 * ``int`` (positive) / ``count`` (any integer) / ``float`` / ``bool`` (true/false/yes/no/1/0) / ``text``;
 * ``ints`` — ``10-19`` or ``0,5,10-12``; ``floats`` — ``0,0.02,0.05``; ``names`` — ``C1,C2``;
-* ``layers`` — ``all``, ``every5`` (every 5th layer and the last), a layer group (``early``,
+* ``layers`` — ``all``, ``every5`` (every 5th layer and the last; ``everyN`` likewise), a layer group (``early``,
   ``middle``, ``late``: :mod:`posgen_tl.maths.groups`) or a list as for ``ints``;
 * ``pairs`` — ``d3:all,d3:20-29`` (``source:group`` pairs).
 
@@ -104,9 +104,14 @@ def _pos_int(s: str) -> int:
 _LAYER_WORDS = ("all", "every5", "early", "middle", "late")
 
 
+def _every(v: str) -> int | None:
+    """``N`` of a layer word ``everyN`` (N ≥ 1), else None."""
+    return int(v[5:]) if v.startswith("every") and v[5:].isdigit() and int(v[5:]) >= 1 else None
+
+
 def _layers(s: str) -> str | tuple[int, ...]:
     v = s.strip().lower()
-    return v if v in _LAYER_WORDS else _ints(s)
+    return v if v in _LAYER_WORDS or _every(v) else _ints(s)
 
 
 def _text_or_none(s: str) -> str | None:
@@ -138,18 +143,19 @@ def gate(model: Any, cfg: Any, what: str) -> None:
 
 def resolve_layers(value: str | Sequence[int] | None, n_layers: int) -> list[int]:
     """The layer indices a ``layers`` option means for an ``n_layers`` model: ``"all"``/``None`` →
-    all, ``"every5"`` → every 5th and the last, ``"early"``/``"middle"``/``"late"`` → that group of
+    all, ``"every5"`` → every 5th and the last (``"everyN"``: every N-th and the last), ``"early"``/``"middle"``/``"late"`` → that group of
     :func:`posgen_tl.maths.groups.layer_groups`, a list → itself (checked against ``n_layers``)."""
     from posgen_tl.maths.groups import layer_groups  # noqa: PLC0415
 
     if value is None or value == "all":
         return list(range(n_layers))
-    if value == "every5":
-        return sorted(set(range(0, n_layers, 5)) | {n_layers - 1})
+    if isinstance(value, str) and (step := _every(value)):
+        return sorted(set(range(0, n_layers, step)) | {n_layers - 1})
     if isinstance(value, str):
         groups = layer_groups(n_layers)
         if value not in groups:
-            raise ValueError(f"layers={value!r}: expected all, every5, early, middle, late or a list like 10-19")
+            raise ValueError(f"layers={value!r}: expected all, everyN (e.g. every5), early, middle, late or a list like "
+                             "10-19")
         return groups[value]
     out = sorted({int(x) for x in value})
     bad = [x for x in out if not 0 <= x < n_layers]

@@ -84,7 +84,7 @@ class Config(base.Config):
     directions: tuple[str, ...] = base.option(("denoising",), "denoising (clean → corrupted: sufficiency) and/or "
                                               "noising (corrupted → clean: necessity)", "names",
                                               full=("denoising", "noising"))
-    layers: str | tuple[int, ...] = base.option("every5", "layers whose heads are patched (every5: every 5th and "
+    layers: str | tuple[int, ...] = base.option("every10", "layers whose heads are patched (every10: every 10th and "
                                                 "the last)", "layers", full="all")
     n_ref: int = base.n_ref_option(4, quick=2, full=8)
     test_alpha: float = base.option(0.05, "family-wise level α of the significant-head list (per map)", "float")

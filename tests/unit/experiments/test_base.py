@@ -51,6 +51,11 @@ def test_replace_checks_names_and_preset_names():
 def test_resolve_layers():
     assert base.resolve_layers("all", 4) == [0, 1, 2, 3] and base.resolve_layers(None, 2) == [0, 1]
     assert base.resolve_layers("every5", 12) == [0, 5, 10, 11]
+    assert base.resolve_layers("every10", 30) == [0, 10, 20, 29] and base.resolve_layers("every1", 3) == [0, 1, 2]
+    assert base.parse_value("layers", "Every10") == "every10" and base.parse_value("layers", "3,4") == (3, 4)
+    for bad in ("every0", "everyx", "sometimes"):
+        with pytest.raises(ValueError):
+            base.resolve_layers(base.parse_value("layers", bad), 30)
     assert base.resolve_layers("middle", 30) == list(range(10, 20))
     assert base.resolve_layers((3, 1, 3), 4) == [1, 3]
     with pytest.raises(ValueError, match=r"layers \[7\] do not exist in a 4-layer model"):
