@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -381,6 +381,12 @@ def run(
     return Result(tables, cfg.as_dict(), meta)
 
 
+def _skipped(cfg: Mapping[str, Any]) -> str:
+    """What the page says of ``skip`` (nothing when no window was left out)."""
+    k = int(cfg.get("skip", 0) or 0)
+    return f" (the first {k} windows of the seeded order left out: the documents of an earlier run)" if k else ""
+
+
 def _sampled(model: Any, cfg: Config, corpus: Any) -> tuple[Windows, Windows]:
     """The analysed and reference windows of ``cfg`` (disjoint documents) from ``corpus`` (default ``cfg.corpus``)."""
     ana, ref = sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=cfg.seq_len,
@@ -557,8 +563,8 @@ def render(result: Result) -> Any:
         TITLE,
         verdict="; ".join(headline(r) for _, r in v.iterrows()),
         paragraphs=[
-            f"{meta['n_seq']} windows from {meta['n_docs']} documents; the pilot ran on {meta['n_ref']} windows of "
-            f"{meta['ref_docs']} other documents. Every condition (destroy and controls {', '.join(cfg['controls'])}) "
+            f"{meta['n_seq']} windows from {meta['n_docs']} documents{_skipped(cfg)}; the pilot ran on {meta['n_ref']} "
+            f"windows of {meta['ref_docs']} other documents. Every condition (destroy and controls {', '.join(cfg['controls'])}) "
             f"ran at strengths ×{', ×'.join(f'{r:g}' for r in cfg['relative'])} of its tuned strength plus α = 0, "
             f"on the same swaps (p ∈ {list(cfg['fracs'])}).",
             "Rule (declared before the run): per document, each curve of tolerance loss against damage is read at the "

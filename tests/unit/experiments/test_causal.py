@@ -4,6 +4,8 @@ numbers, a result survives save/load, the family adjustment and the power plan a
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -125,6 +127,9 @@ def test_save_load_render_round_trip(result, tmp_path):
     assert line.startswith(f"{v['layers']}: {v['verdict']} — destroy − none at common damage")
     assert f"p = {cd._fmt(v['p'])}" in line and f"[{cd._fmt(v['ci_low'])}, {cd._fmt(v['ci_high'])}]" in line
     assert sec.findings[0].p == pytest.approx(v["p"]) and sec.findings[0].effect == pytest.approx(v["estimate"])
+    assert "left out" not in sec.paragraphs[0]  # nothing skipped, nothing said
+    skipped = dataclasses.replace(result, config={**result.config, "skip": 192})
+    assert "(the first 192 windows of the seeded order left out" in cd.render(skipped).paragraphs[0]
 
 
 def test_a_headline_quotes_the_binding_contrast_with_its_own_p():
@@ -184,6 +189,7 @@ def test_needed_n_is_the_smallest_n_that_reaches_the_effect():
     (dict(effect=0.0), "effect must be"),
     (dict(n_seq=2), "at least 3 documents"),
     (dict(fracs=(0.1, 0.2)), "must include 0"),
+    (dict(skip=-1), "skip=-1 must be at least 0"),
 ])
 def test_bad_options_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
