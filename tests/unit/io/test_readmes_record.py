@@ -87,6 +87,16 @@ def test_the_second_confirmatory_job_is_sized_for_power_on_fresh_documents():
     assert args[args.index("--groups") + 1] == "late" and "--full" in args
 
 
+def test_the_fourth_confirmatory_job_skips_the_third_runs_documents_at_declared_levels():
+    jobs = dict(run_studies.jobs("R"))
+    third, fourth = jobs["gemma3-270m/scidocs/causal"], jobs["gemma3-270m/scidocs-2/causal"]
+    assert fourth[fourth.index("--corpus") + 1] == third[third.index("--corpus") + 1] == "results/corpora/scidocs"
+    # the same seed and reference windows; the analysed windows start where the third run's ended
+    assert int(fourth[fourth.index("--skip") + 1]) == int(third[third.index("--n-seq") + 1]) == 192
+    assert fourth[fourth.index("--levels") + 1] == "0.0025,0.005,0.0075" and "--levels" not in third
+    assert fourth[fourth.index("--claim") + 1] == "gemma3-270m:L12-17" and "--seed" not in fourth
+
+
 def test_the_scientific_docstring_corpus_is_kept_only_as_recorded(tmp_path, monkeypatch):
     def fake(version):
         def write(dest, **_):
