@@ -97,33 +97,54 @@ def claim_table(runs: list[Run], corpus: str) -> tuple[pd.DataFrame | None, str]
     return pd.concat(frames), "; ".join(methods)
 
 
+def _section_rows(df: pd.DataFrame, corpus: str | None = None) -> list[dict[str, str]]:
+    """The rows of :func:`claim_section`'s tables (``corpus``: a first column naming it)."""
+    rows = []
+    for entry, r in df.iterrows():
+        ran = r["verdict"] != "not run"
+        rows.append({**({"corpus": corpus} if corpus else {}), "entry": entry,
+                     "answer": r["verdict"] + (" (contrasts point different ways)" if _split(r) else ""),
+                     "destroy − none": _interval(r["estimate"], r["ci_low"], r["ci_high"]) if ran else "–",
+                     "deciding contrast": (f"{r['binding']}: "
+                                           f"{_interval(r['binding_estimate'], r['binding_ci_low'], r['binding_ci_high'])}"
+                                           if isinstance(r["binding"], str) and r["binding"] else "–"),
+                     "its p": sig3(r["p_test"]), "p over the claim": sig3(r["p_family"]) if ran else "–",
+                     "documents": "–" if r["n_docs"] != r["n_docs"] else str(int(r["n_docs"]))})
+    return rows
+
+
+_ITS_P = ("its p: the largest p of the intersection–union test (destroy − none and destroy − every control), 1 where "
+          "the contrasts point different ways")
+
+
 def claim_section(runs: list[Run]) -> list[str]:
-    """The causal claim across runs, per corpus (:func:`claim_table`), as a small table with word headers: per
-    declared entry its answer, destroy − none at common damage, the contrast that decided (its effect and interval),
-    that contrast's p (the intersection–union p), the p over the declared claim and the documents. The verdict of the
-    claim is this table's, and the headlines quote it."""
+    """The causal claim across runs as small tables with word headers: per corpus of the exploratory claim
+    (:func:`claim_tables`), and one table of every confirmatory test (each its own declared family, a corpus column):
+    per declared entry its answer, destroy − none at common damage, the contrast that decided (its effect and
+    interval), that contrast's p (the intersection–union p), the p over the declared claim and the documents. The
+    verdict of the claim is these tables', and the headlines quote them."""
     out: list[str] = []
+    exploratory, confirmatory = claim_tables(runs)
     for corpus in dict.fromkeys(r.corpus for r in runs):
         df, method = claim_table(runs, corpus)
         if df is None:
             if method.startswith("The runs"):
                 out += [f"*The declared claim on {corpus}*", "", method, ""]
             continue
-        rows = []
-        for entry, r in df.iterrows():
-            ran = r["verdict"] != "not run"
-            rows.append({"entry": entry, "answer": r["verdict"] + (" (contrasts point different ways)" if _split(r) else ""),
-                         "destroy − none": _interval(r["estimate"], r["ci_low"], r["ci_high"]) if ran else "–",
-                         "deciding contrast": (f"{r['binding']}: "
-                                               f"{_interval(r['binding_estimate'], r['binding_ci_low'], r['binding_ci_high'])}"
-                                               if isinstance(r["binding"], str) and r["binding"] else "–"),
-                         "its p": sig3(r["p_test"]), "p over the claim": sig3(r["p_family"]) if ran else "–",
-                         "documents": "–" if r["n_docs"] != r["n_docs"] else str(int(r["n_docs"]))})
+        if corpus not in exploratory:
+            continue
+        part = exploratory[corpus]
+        how = "; ".join(dict.fromkeys(str(x) for x in part["family_method"]))
         out += [f"*The declared claim on {corpus}* (effects in nats × p at common damage, 95 % intervals)", "",
+                md_table(pd.DataFrame(_section_rows(part))), "",
+                f"<small>{_ITS_P}; p over the claim: {how}; α = 0.05.</small>", ""]
+    rows = [x for c, t in confirmatory.items() for x in _section_rows(t, c)]
+    if rows:
+        out += ["*The confirmatory tests*, each declared before its run on documents no exploratory run saw, each its "
+                "own family (effects in nats × p at common damage, 95 % intervals)", "",
                 md_table(pd.DataFrame(rows)), "",
-                f"<small>its p: the largest p of the intersection–union test (destroy − none and destroy − every "
-                f"control), 1 where the contrasts point different ways; p over the claim: {method}; α = 0.05.</small>",
-                ""]
+                f"<small>{_ITS_P}; p over the claim: Holm over the entries of each test's own declared claim; "
+                "α = 0.05.</small>", ""]
     return out
 
 
@@ -264,7 +285,8 @@ def confirmations(runs: list[Run], *, short: bool = False) -> list[str]:
                          f", {'powered' if float(row['mde']) <= effect else 'NOT powered'} (the whole test's MDE "
                          f"{sig3(row['mde'])} vs the effect of interest {sig3(effect)} nats × p)")
                 out.append(f"Confirmatory test of {entry.replace(':', ' ')} on {int(row['n_docs'])} fresh documents "
-                           f"({c}, declared before its run): {_plain(str(row['verdict']), True)}{power}.")
+                           f"({c}, declared before its run): {_plain(str(row['verdict']), True)}"
+                           f"{_deciding(row, effect)}{power}.")
                 continue
             power = ("" if effect != effect else
                      f"; {'powered' if float(row['mde']) <= effect else 'NOT powered'} for the smallest effect of "
@@ -272,6 +294,32 @@ def confirmations(runs: list[Run], *, short: bool = False) -> list[str]:
             out.append(f"Confirmatory test (its own family, declared before its run), run on {int(row['n_docs'])} "
                        f"documents no exploratory run saw ({c}): {_entry_clauses(entry, {c: row})}{power}.")
     return out
+
+
+def _deciding(row: pd.Series, effect: float) -> str:
+    """For a "depends": `` — <binding contrast> at common damage <effect> [<interval>], p <p> (…)``, the contrast
+    whose p decided the test, and whether it is smaller than the effect of interest; otherwise nothing."""
+    if not str(row["verdict"]).startswith("depends") or row["binding_estimate"] != row["binding_estimate"]:
+        return ""
+    small = (f"; smaller than the effect of interest {sig3(effect)} nats × p"
+             if effect == effect and abs(float(row["binding_estimate"])) < effect else "")
+    return (f" — {row['binding']} at common damage "
+            f"{_interval(row['binding_estimate'], row['binding_ci_low'], row['binding_ci_high'])} nats × p, p "
+            f"{sig3(row['p_iut'])} (the largest of its intersection–union test{small})")
+
+
+def _confirmed(runs: list[Run]) -> list[str]:
+    """The entries whose confirmatory test says "depends" at 32 documents or more and was powered (the whole
+    test's MDE at most its run's smallest effect of interest)."""
+    out = []
+    for c, t in claim_tables(runs)[1].items():
+        for entry, row in t.iterrows():
+            model = entry.split(":", 1)[0]
+            run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == c)
+            effect = float(run.meta["config"].get("effect", float("nan")))
+            if str(row["verdict"]) == "depends" and float(row["mde"]) <= effect:
+                out.append(entry.replace(":", " "))
+    return list(dict.fromkeys(out))
 
 
 def claim_discussion(runs: list[Run]) -> list[str]:
@@ -357,10 +405,15 @@ def primary_claim(runs: list[Run]) -> tuple[str, str]:
                  and t.loc[e, "verdict"] != "not run"} for e in entries}
     holds = [e for e, w in words.items() if len(w) >= 2 and set(w.values()) == {"depends"}]
     ran = [e for e, w in words.items() if w]
+    both = [e for e, w in words.items() if len(w) >= 2]
+    confirmed = _confirmed(runs)
     if holds:
         ans = f"Yes for {', '.join(holds)} (on both corpora); not established for the other {len(ran) - len(holds)} entries run"
+    elif confirmed:
+        ans = (f"Yes for {', '.join(confirmed)} in a powered confirmatory test on fresh documents; not established "
+               f"elsewhere: no entry of the exploratory claim shows a dependence on both corpora ({len(both)} of "
+               f"{len(entries)} entries run on both so far, {len(ran) - len(both)} on one)")
     else:
-        both = [e for e, w in words.items() if len(w) >= 2]
         ans = (f"Not established: no entry of the claim shows a dependence on both corpora ({len(both)} of "
                f"{len(entries)} entries run on both so far, {len(ran) - len(both)} on one)")
     short = []

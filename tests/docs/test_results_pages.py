@@ -320,10 +320,28 @@ def test_a_confirmatory_test_is_read_on_its_own_beside_the_exploratory_claim(tmp
     assert "(2 of 4 entries run on both so far, 0 on one)" in answer  # the docstrings run is not a third corpus
     conf = answer[answer.index("Confirmatory test"):]
     mde = claim.sig3(confirmatory["docstrings"].loc["smollm2-135m:L2", "mde"])
+    b = confirmatory["docstrings"].loc["smollm2-135m:L2"]
     assert conf == ("Confirmatory test of smollm2-135m L2 on 6 fresh documents (docstrings, declared before its run): "
-                    f"depends (fewer than 32 documents), NOT powered (the whole test's MDE {mde} vs the effect of "
-                    "interest 0.001 "
+                    f"depends (fewer than 32 documents) — {b['binding']} at common damage "
+                    f"{claim.sig3(b['binding_estimate'])} [{claim.sig3(b['binding_ci_low'])}, "
+                    f"{claim.sig3(b['binding_ci_high'])}] nats × p, p {claim.sig3(b['p_iut'])} (the largest of its "
+                    f"intersection–union test), NOT powered (the whole test's MDE {mde} vs the effect of interest 0.001 "
                     "nats × p).")
+    # an exploratory-sized confirmatory "depends", or an unpowered one, never leads the answer
+    assert answer.startswith("**Does position tolerance depend on the key pattern in the fast RoPE bands?** Not "
+                             "established")
+    # a powered confirmatory "depends" at 32+ documents leads it, with its deciding contrast and its size
+    import unittest.mock as um
+    t = confirmatory["docstrings"].copy()
+    t.loc["smollm2-135m:L2", ["verdict", "mde", "binding_estimate"]] = ["depends", 0.0005, 0.0004]
+    with um.patch.object(claim, "claim_tables", lambda runs: (exploratory, {"docstrings": t})):
+        q, ans = claim.primary_claim(runs)
+    assert ans.startswith("Yes for smollm2-135m L2 in a powered confirmatory test on fresh documents; not established "
+                          "elsewhere: no entry of the exploratory claim shows a dependence on both corpora (2 of 4 "
+                          "entries run on both so far, 0 on one)")
+    assert "(docstrings, declared before its run): depends — " in ans
+    assert "(the largest of its intersection–union test; smaller than the effect of interest 0.001 nats × p), " \
+           "powered (the whole test's MDE 0.0005" in ans
     # the answer names each entry's verdict per corpus in a few words; the numbers are in the discussion
     assert " Per entry: smollm2-135m L1 " in answer and "destroy − none (nats × p)" not in answer
     text = "\n".join(pages.claim_discussion(runs))
