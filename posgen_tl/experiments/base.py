@@ -101,7 +101,7 @@ def _pos_int(s: str) -> int:
     return v
 
 
-_LAYER_WORDS = ("all", "every5", "early", "middle", "late")
+_LAYER_WORDS = ("all", "early", "middle", "late")  # and everyN (:func:`_every`)
 
 
 def _every(v: str) -> int | None:

@@ -126,12 +126,9 @@ def claim_section(runs: list[Run]) -> list[str]:
     out: list[str] = []
     exploratory, confirmatory = claim_tables(runs)
     for corpus in dict.fromkeys(r.corpus for r in runs):
-        df, method = claim_table(runs, corpus)
-        if df is None:
-            if method.startswith("The runs"):
-                out += [f"*The declared claim on {corpus}*", "", method, ""]
-            continue
         if corpus not in exploratory:
+            if corpus not in confirmatory and (method := claim_table(runs, corpus)[1]).startswith("The runs"):
+                out += [f"*The declared claim on {corpus}*", "", method, ""]  # claims that cannot be read together
             continue
         part = exploratory[corpus]
         how = "; ".join(dict.fromkeys(str(x) for x in part["family_method"]))
@@ -262,6 +259,13 @@ def _plain(verdict: str, confirmatory: bool) -> str:
     return verdict.replace("(exploratory)", "(fewer than 32 documents)") if confirmatory else verdict
 
 
+def _effect_of(runs: list[Run], entry: str, corpus: str) -> float:
+    """The smallest effect of interest declared by the run of ``entry`` (``model:layers``) on ``corpus`` (NaN if none)."""
+    model = entry.split(":", 1)[0]
+    run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == corpus)
+    return float(run.meta["config"].get("effect", float("nan")))
+
+
 def confirmations(runs: list[Run], *, short: bool = False) -> list[str]:
     """One sentence per entry of a confirmatory test (:func:`claim_tables`): its corpus, documents, verdict with
     the numbers that decided it, and its power (the whole test's MDE against the run's smallest effect of
@@ -272,9 +276,7 @@ def confirmations(runs: list[Run], *, short: bool = False) -> list[str]:
         for entry, row in t.iterrows():
             if row["verdict"] == "not run":
                 continue
-            model = entry.split(":", 1)[0]
-            run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == c)
-            effect = float(run.meta["config"].get("effect", float("nan")))
+            effect = _effect_of(runs, entry, c)
             if str(row["verdict"]).startswith("not testable"):  # no test ran: power is beside the point, the reason is not
                 why = str(row.get("reason", "")).split(";")[0].strip()
                 out.append(f"Confirmatory test of {entry.replace(':', ' ')} on {int(row['n_docs'])} fresh documents "
@@ -314,9 +316,7 @@ def _confirmed(runs: list[Run]) -> list[str]:
     out = []
     for c, t in claim_tables(runs)[1].items():
         for entry, row in t.iterrows():
-            model = entry.split(":", 1)[0]
-            run = next(r for r in runs if r.study == CLAIM_STUDY and r.model == model and r.corpus == c)
-            effect = float(run.meta["config"].get("effect", float("nan")))
+            effect = _effect_of(runs, entry, c)
             if str(row["verdict"]) == "depends" and float(row["mde"]) <= effect:
                 out.append(entry.replace(":", " "))
     return list(dict.fromkeys(out))
