@@ -184,7 +184,10 @@ class _Grab:
             x = pre_rotation(self.model, info, layer, "q" if h == info.q_hook else "k", x, pos.shape[0], pos.shape[1],
                              spec.d_head)
         x = x.float()
-        if h not in ("hook_attn_scores", "hook_pattern") and not bool(torch.isfinite(x).all()):
+        # a sum of finite values is finite unless it overflows (then the exact test below runs): one reduction,
+        # no [batch, pos, head, d_head] boolean temporary per hook
+        if h not in ("hook_attn_scores", "hook_pattern") and not math.isfinite(float(x.sum())) \
+                and not bool(torch.isfinite(x).all()):
             bad = int((~torch.isfinite(x)).sum())
             raise CaptureError(
                 f"{spec.model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{layer}.attn.{h} "

@@ -15,13 +15,13 @@ Pure tensor maths (no model); the experiment that uses it is :mod:`posgen_tl.exp
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.maths.additive import Band, band, row_sums_a, row_sums_c, solve
+from posgen_tl.maths.additive import DIRECT_MAX, Band, band, direct, row_sums_a, row_sums_c, solve
 from posgen_tl.maths.decompose import causal_mask, normal_system
 
 _RIDGE, _REFINE = 1e-6, 3  # fit_additive's defaults
@@ -43,12 +43,20 @@ class Geometry:
     ndiag: Tensor  # float64 [d]
     amask: Tensor  # float64 [d]: distances in use
     ops: dict  # three_axis -> dense P [p, p] float64, only for a one-key window (else empty)
+    direct: dict = field(default_factory=dict)  # three_axis -> additive.Direct (or None), built on first use (n ≤ DIRECT_MAX)
 
     def solve(self, rhs: Tensor, three_axis: bool) -> Tensor:
-        """The fit's parameters ``[maps, p]`` from ``rhs = Xᵀx`` (min-norm least squares)."""
-        if self.band.structured:
-            return solve(self.band, rhs, three_axis)
-        return rhs @ self.ops[three_axis].T
+        """The fit's parameters ``[maps, p]`` from ``rhs = Xᵀx`` (min-norm least squares): up to
+        :data:`posgen_tl.maths.additive.DIRECT_MAX` tokens by the direct Schur solve (its operators built once per
+        mask and kept), beyond by conjugate gradients (O(n) memory); both to the same stated tolerance."""
+        if not self.band.structured:
+            return rhs @ self.ops[three_axis].T
+        if self.n <= DIRECT_MAX and three_axis not in self.direct:
+            try:
+                self.direct[three_axis] = direct(self.band, three_axis, self.mask.device)
+            except torch.linalg.LinAlgError:  # not positive definite after all: conjugate gradients alone
+                self.direct[three_axis] = None
+        return solve(self.band, rhs, three_axis, direct_op=self.direct.get(three_axis))
 
 
 _GEOMS: dict[tuple, Geometry] = {}

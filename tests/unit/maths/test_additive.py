@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posgen_tl.maths.additive import band, band_of_mask, gram_diagonal, gram_matvec, null_basis, solve
+from posgen_tl.maths.additive import band, band_of_mask, direct, gram_diagonal, gram_matvec, null_basis, solve
 from posgen_tl.maths.decompose import causal_mask, fit_additive, normal_system
 from posgen_tl.maths.moments import geometry
 
@@ -59,6 +59,43 @@ def test_the_solve_is_the_dense_minimum_norm_solution(case, seed):
     assert (got_noisy @ null_basis(bd, three)).abs().max() < 1e-8 * got_noisy.abs().max().clamp(min=1.0)
     want_noisy = _dense_min_norm(mask, noisy, three)  # the pseudo-inverse ignores the null-space part too
     assert (got_noisy - want_noisy).abs().max() <= 1e-9 * want_noisy.abs().max().clamp(min=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bands, st.integers(0, 2**31 - 1))
+def test_the_direct_solve_is_the_dense_minimum_norm_solution(case, seed):
+    """The direct (Schur complement) route gives the pseudo-inverse solution in ONE step: conjugate gradients, which
+    would go on from a residual above the tolerance, are not needed (max_iter=0 refuses any step)."""
+    n, sink, window, three = case
+    sink = min(sink, n - 1)
+    mask = causal_mask(n, sink=sink, sliding_window=window)
+    bd = band_of_mask(mask)
+    assert bd is not None
+    if not bd.structured:
+        return
+    xtx, _ = normal_system(mask, three, 1e-6)
+    g = torch.Generator().manual_seed(seed)
+    rhs = torch.randn(4, xtx.shape[0], dtype=torch.float64, generator=g) @ xtx
+    op = direct(bd, three)
+    got = solve(bd, rhs, three, direct_op=op, max_iter=0)
+    want = _dense_min_norm(mask, rhs, three)
+    assert (got - want).abs().max() <= 1e-9 * want.abs().max().clamp(min=1.0)
+    noisy = rhs + 1e-7 * rhs.abs().max() * torch.randn(rhs.shape, dtype=torch.float64, generator=g) * (xtx.diagonal() > 0)
+    want_noisy = _dense_min_norm(mask, noisy, three)
+    got_noisy = solve(bd, noisy, three, direct_op=op, max_iter=0)
+    assert (got_noisy - want_noisy).abs().max() <= 1e-9 * want_noisy.abs().max().clamp(min=1.0)
+
+
+def test_the_scoring_geometry_solves_directly_up_to_direct_max_and_by_gradients_beyond():
+    from posgen_tl.maths.additive import DIRECT_MAX
+
+    short, long_ = geometry(64, 1, None), geometry(DIRECT_MAX + 1, 1, None)
+    for g in (short, long_):
+        rhs = torch.randn(3, 3 * g.n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        rhs = gram_matvec(g.band, rhs, True)
+        beta = g.solve(rhs, True)
+        assert (gram_matvec(g.band, beta, True) - rhs).abs().max() <= 1e-9 * rhs.abs().max()
+    assert short.direct.get(True) is not None and not long_.direct  # the O(n²) operator only where n ≤ DIRECT_MAX
 
 
 @pytest.mark.parametrize(("n", "sink", "window"), [(24, 0, None), (40, 1, None), (48, 1, 9), (30, 2, 2)])
