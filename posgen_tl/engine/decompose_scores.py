@@ -20,6 +20,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl.hooks.capture import QKCapture, model_dtype, probe_hooks
+from posgen_tl.hooks.chunked import auto_chunk
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
@@ -229,13 +230,17 @@ def k_mean_kinds(k_mean: Any) -> tuple[list[str], dict[int, Tensor] | Tensor | N
 
 def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: Any, layers: Sequence[int], *, sink: int,
                   batch_size: int, bound_rows: int, twin_label: str, model_label: str | None, progress: bool | str,
-                  extra_hooks: Sequence = (), row_block: int = 0, w_from_scores: bool | None = None) -> pd.DataFrame:
+                  extra_hooks: Sequence = (), row_block: int = 0, w_from_scores: bool | None = None,
+                  chunk: int = -1) -> pd.DataFrame:
     """D1/D2/D3 scores of every head of ``layers`` on ``windows`` in one streaming pass: one row per (layer, head,
     window, estimator, k̄ kind of ``kinds``, sink excluded or not) with :data:`COLUMNS` (score columns float64; ``seq``
     indexes ``windows``). ``k_means``: the given or global k̄ (one ``[kv_head, d_head]`` tensor or ``{layer: …}``);
     ``row_block``: query rows per block of the logit maps (0: whole maps up to :data:`STREAM_ABOVE` tokens);
     ``w_from_scores``: take W from the forward's own ``hook_attn_scores`` instead of recomputing it (``None``: where
-    :func:`scores_are_w`; each layer and batch compares them on the bound rows first and recomputes if they differ)."""
+    :func:`scores_are_w`; each layer and batch compares them on the bound rows first and recomputes if they differ);
+    ``chunk``: the forward's query positions per chunk through the model's cache (:func:`posgen_tl.hooks.chunked.
+    auto_chunk`: −1 = chunks of 512 beyond 2 048 tokens where the model's cached forward is verified, 0 = one whole
+    forward) — W is then recomputed."""
     spec, _ = probe_hooks(model)
     tokens = windows.tokens
     n = tokens.shape[1]
@@ -275,8 +280,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
     block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
+    chunk = auto_chunk(model, n, chunk, extra_hooks)
     use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model)) and not 0 < block < n
-                and probe_hooks(model)[1].scores_kind != "absent")  # no score hook: W is recomputed
+                and not 0 < chunk < n and probe_hooks(model)[1].scores_kind != "absent")  # else W is recomputed
 
     def on_layer(c: QKCapture) -> None:
         geoms = geoms_of(c)
@@ -308,7 +314,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             emit(c, moments, bnd, {"D3": kind})
 
     stream_qk(model, tokens, on_layer, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
-              progress=f"decompose[{twin_label}]" if progress else False)
+              progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk)
     df = pd.concat([pd.DataFrame(f) for f in frames], ignore_index=True)
     df["model"] = model_label or spec.model_name
     df["twin"] = twin_label

@@ -94,6 +94,9 @@ class Config(base.Config):
     row_block: int = base.option(0, f"query rows per block of the logit maps: 0 = whole maps up to {STREAM_ABOVE} "
                                     f"tokens, blocks of {STREAM_BLOCK} beyond (memory O(block · n) per head instead "
                                     "of O(n²))", "count")
+    chunk: int = base.option(-1, "query positions per forward chunk through the model's key/value cache: -1 = "
+                                 "automatic (512 beyond 2048 tokens, where the model's cached forward is verified to "
+                                 "reproduce its whole forward), 0 = one whole forward (its score maps are O(n²))", "int")
 
 
 def decompose_model(
@@ -150,7 +153,7 @@ def decompose_model(
             raise ValueError("k_mean='global' needs reference windows from OTHER documents: pass reference= "
                              "(a token tensor or Windows), or k_mean='per_sequence'")
         given = reference_key_means(model, ref, layers, sink=cfg.sink, batch_size=cfg.batch_size, progress=progress,
-                                    extra_hooks=extra_hooks)
+                                    extra_hooks=extra_hooks, chunk=cfg.chunk)
     if checkpoint is not None and extra_hooks:
         raise ValueError("decompose_model: a checkpoint cannot tell extra_hooks apart; run without checkpoint=")
     ck = base.pieces(checkpoint, NAME, cfg, model, windows, twin=twin_label, label=model_label, kinds=kinds,
@@ -159,7 +162,7 @@ def decompose_model(
                      None if given is None else base.means_fingerprint({-1: given}))
     df = score_in_pieces(model, windows, kinds, given, layers, pieces=ck, sink=cfg.sink, batch_size=cfg.batch_size,
                          bound_rows=cfg.bound_rows, twin_label=twin_label, model_label=model_label, progress=progress,
-                         extra_hooks=extra_hooks, row_block=cfg.row_block)
+                         extra_hooks=extra_hooks, row_block=cfg.row_block, chunk=cfg.chunk)
     df.attrs["analysed_docs"] = sorted({windows.doc_names[i] for i in windows.doc_ids.tolist()})
     df.attrs["reference_docs"] = [] if ref is None else sorted({ref.doc_names[i] for i in ref.doc_ids.tolist()})
     return df

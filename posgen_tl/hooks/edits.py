@@ -163,7 +163,7 @@ def _span(b: Sequence[int]) -> str:
 def feature_means(
     model: Any, tokens: Int[Tensor, "batch pos"], layers: Sequence[int] | None = None, *,
     sink: int = 1, target: Literal["k", "q"] = "k", batch_size: int = 8, progress: bool | str = False,
-    extra_hooks: Sequence[tuple[str, Callable]] = (), dtype: torch.dtype = torch.float32,
+    extra_hooks: Sequence[tuple[str, Callable]] = (), dtype: torch.dtype = torch.float32, chunk: int = -1,
 ) -> dict[int, Float[Tensor, "head d_head"]]:  # fmt: skip
     """Mean pre-rotation key (or query) per layer and head, first ``sink`` positions excluded —
     the ``k̄`` of docs/method.md §2 and §5 (the package's one implementation of it).
@@ -171,7 +171,8 @@ def feature_means(
     Streamed with :class:`posgen_tl.maths.band_stats.BandStats` (float64 accumulation), so memory does
     not grow with ``tokens``. For the *global* k̄ pass tokens from documents disjoint from the
     analysed ones (:func:`posgen_tl.io.corpus.reference_windows`). ``extra_hooks`` are attached
-    during the pass (the means then see their edit).
+    during the pass (the means then see their edit). ``chunk``: the forward's positions per chunk
+    (:func:`posgen_tl.hooks.chunked.auto_chunk`; −1 automatic, 0 one whole forward).
 
     Returns:
         ``{layer: Float[Tensor, "kv_head d_head"]}`` (``"head_index d_head"`` for queries) in ``dtype``.
@@ -187,8 +188,10 @@ def feature_means(
         stats[c.layer].update(x, mask)
 
     label = progress if isinstance(progress, str) else "means"
+    from posgen_tl.hooks.chunked import auto_chunk  # noqa: PLC0415
+
     stream_qk(model, tokens, acc, layers, batch_size=batch_size, extra_hooks=extra_hooks,
-              progress=label if progress else False)
+              progress=label if progress else False, chunk=auto_chunk(model, tokens.shape[-1], chunk, extra_hooks))
     return {layer: s.mean().to(dtype) for layer, s in sorted(stats.items())}
 
 
@@ -450,10 +453,13 @@ def reference_key_means(
     batch_size: int = 4,
     progress: bool = True,
     extra_hooks: Sequence = (),
+    chunk: int = -1,
 ) -> dict[int, Float[Tensor, "kv_head d_head"]]:
     """Mean PRE-rotation key ``k̄`` per layer and kv-group over ``tokens`` (positions ``< sink``
     excluded): :func:`posgen_tl.hooks.edits.feature_means` in float64 (``tokens`` may be
-    :class:`~posgen_tl.io.corpus.Windows`). Returns ``{layer: Float[Tensor, "kv_head d_head"]}`` float64."""
+    :class:`~posgen_tl.io.corpus.Windows`; ``chunk`` as there). Returns ``{layer: Float[Tensor, "kv_head d_head"]}``
+    float64."""
     tokens = getattr(tokens, "tokens", tokens)  # Windows → their token ids
     return feature_means(model, tokens, layers, sink=sink, target="k", batch_size=batch_size,
-                         progress="k̄ reference" if progress else False, extra_hooks=extra_hooks, dtype=torch.float64)
+                         progress="k̄ reference" if progress else False, extra_hooks=extra_hooks, dtype=torch.float64,
+                         chunk=chunk)

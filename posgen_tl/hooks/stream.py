@@ -32,6 +32,7 @@ from posgen_tl.hooks.capture import (
     probe_hooks,
     run_forward,
 )
+from posgen_tl.hooks.chunked import check_chunked, run_chunks
 from posgen_tl.hooks.tables import model_rotation_table, table_to_bands
 from posgen_tl.io.spec import live_rope
 from posgen_tl.maths.rope import RopeSpec, rotate
@@ -58,6 +59,7 @@ def stream_qk(
     progress: bool | str = True,
     with_tables: bool = False,
     with_pattern: bool = False,
+    chunk: int = 0,
     _gate: bool = True,
 ) -> None:
     """Run the model over ``tokens`` in batches and call ``fn(QKCapture)`` per (batch, layer).
@@ -72,6 +74,12 @@ def stream_qk(
     captured q/k then show their effect. ``with_tables``: also give the model's own rotation
     table of the batch (``QKCapture.table_cos``/``table_sin``, where the model exposes one);
     ``with_pattern``: also its ``hook_pattern`` (``QKCapture.pattern``).
+
+    ``chunk``: run the forward this many positions at a time through the model's key/value cache
+    (:mod:`posgen_tl.hooks.chunked`: no ``[heads, n, n]`` score map is built, for long sequences); ``fn`` then gets
+    each layer of the whole sequence after the batch's chunked forward. Not with scores, patterns, tables, position
+    ids or extra hooks (their tensors would be a chunk's); a model whose cached forward does not reproduce its whole
+    forward is refused (checked once per model).
 
     Hooks are removed when this returns or raises (KeyboardInterrupt included).
     """
@@ -88,10 +96,23 @@ def stream_qk(
         position_ids = _checked_ids(spec, info, position_ids, tokens)
     need = _needed_hooks(spec, info, with_scores=with_scores, with_tables=with_tables, with_pattern=with_pattern)
     rot_tol = rotation_tolerance(model_dtype(model))
+    chunked = 0 < chunk < tokens.shape[1]
+    if chunked:
+        bad = [name for name, on in (("with_scores", with_scores), ("with_pattern", with_pattern), ("with_tables",
+               with_tables), ("position_ids", position_ids is not None), ("extra_hooks", bool(extra_hooks))) if on]
+        if bad:
+            raise ValueError(f"stream_qk(chunk={chunk}) cannot be combined with {', '.join(bad)}: those tensors "
+                             "would be one chunk's, not the sequence's")
+        check_chunked(model)
     desc = progress if isinstance(progress, str) else "capture"
     bar = tqdm(total=math.ceil(tokens.shape[0] / batch_size), desc=desc, disable=not progress, leave=False)
     try:
         for b_idx, (offset, batch) in enumerate(_batches(tokens, batch_size)):
+            if chunked:
+                _chunked_batch(model, batch, b_idx, offset, layers, need, fn, chunk=chunk, rot_tol=rot_tol)
+                bar.update(1)
+                release_freed_memory()
+                continue
             pos, pos_arg = _batch_positions(position_ids, batch, offset, tokens.shape[0])
             grab = _Grab(model, spec, info, need, pos, b_idx, offset, layers[-1], rot_tol, with_tables, fn)
             fwd = list(extra_hooks)
@@ -111,6 +132,44 @@ def stream_qk(
             release_freed_memory()
     finally:
         bar.close()
+
+
+def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: Sequence[int], need: Sequence[str],
+                    fn: Callable[[QKCapture], None], *, chunk: int, rot_tol: float) -> None:
+    """One batch of :func:`stream_qk` with ``chunk=`` (:mod:`posgen_tl.hooks.chunked`): ``fn`` gets each layer of ``layers``
+    (in order) as one :class:`QKCapture` of the whole sequence, after the chunked forward; peak memory of the forward
+    O(batch · heads · chunk · n) instead of O(batch · heads · n²); the gathered q/k of ``layers`` are held until
+    their layer is handed on."""
+    spec, info = probe_hooks(model)
+    pieces: dict[int, list[QKCapture]] = {layer: [] for layer in layers}
+
+    def keep(c: QKCapture) -> None:
+        pieces[c.layer].append(c)
+
+    def hooks_for(c0: int, c1: int) -> list:
+        pos = torch.arange(c0, c1, device=batch.device).expand(batch.shape[0], -1)
+        grab = _Grab(model, spec, info, need, pos, b_idx, offset, layers[-1], rot_tol, False, keep)
+        return [(info.name(layer, h), lambda t, hook, layer=layer, h=h: grab(t, layer, h))
+                for layer in layers for h in need]
+
+    run_chunks(model, batch, chunk, hooks_for)
+    n = batch.shape[1]
+    pos = torch.arange(n, device=batch.device).expand(batch.shape[0], -1)
+    for layer in layers:
+        got = pieces.pop(layer)
+        if sum(c.q.shape[1] for c in got) != n:
+            raise CaptureError(f"{spec.model_name}: layer {layer}'s hooks fired for {sum(c.q.shape[1] for c in got)} "
+                               f"of {n} positions in a chunked forward")
+
+        def cat(name: str, got: list = got) -> Tensor:
+            return torch.cat([getattr(c, name) for c in got], dim=1)
+
+        lr = live_rope(model, spec, layer, spec.layer(layer).for_positions(pos))
+        cap = QKCapture(layer=layer, q=cat("q"), k=cat("k"), rot_q=cat("rot_q"), rot_k=cat("rot_k"), positions=pos,
+                        rope=lr, rot_source=got[0].rot_source, batch_index=b_idx, seq_offset=offset)
+        del got
+        self_check(cap, rot_tol, spec.model_name)  # the whole sequence's rotation: one RoPE for every chunk
+        fn(cap)
 
 
 def _checked_ids(spec: RopeSpec, info: HookInfo, position_ids: Tensor, tokens: Tensor) -> Tensor:

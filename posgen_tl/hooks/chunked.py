@@ -1,0 +1,169 @@
+"""Long sequences in bounded memory: the capture of :func:`posgen_tl.hooks.stream.stream_qk` with the forward run a
+chunk of query positions at a time through the model's own key/value cache.
+
+A plain forward of ``n`` tokens builds every layer's ``[batch, heads, n, n]`` score map (SmolLM2 at 16 384 tokens:
+9.7 GB for one layer) before any analysis starts. Run ``chunk`` positions at a time with Hugging Face's cache, the
+model attends each chunk's queries to the cached keys: its largest transient is ``[batch, heads, chunk, n]``. The
+requested layers' pre-rotation and rotated q/k are gathered chunk by chunk — each chunk's rotation self-checked at its
+absolute positions — and each layer is handed on whole, its rotation checked again over all positions (so a RoPE that
+depends on the sequence length, which a cache would split into several, is an error, not a mixture).
+
+Whether a model's cached forward reproduces its full forward is checked once per model (:func:`check_chunked`: the
+rotated q/k of every layer of a probe sequence, chunked vs whole); a model that fails is refused by name.
+TransformerLens 4.3's bridge reads the cache only from ``past_key_values`` while transformers 5.x passes it as
+``cache``; :func:`_cache_kwarg` bridges the two for the duration of a chunked forward (removed on every exit path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posgen_tl.hooks.capture import CaptureError, StopForward, hooks_attached, model_dtype, probe_hooks
+
+__all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_RTOL", "auto_chunk", "check_chunked", "run_chunks"]
+
+#: query positions per chunk by default (the forward's transient is ``[batch, heads, CHUNK, n]``), used automatically
+#: for sequences longer than CHUNK_ABOVE tokens (:func:`auto_chunk`)
+CHUNK, CHUNK_ABOVE = 512, 2048
+#: the largest difference (relative to the largest |value| of the layer) between a chunked and a whole forward's
+#: rotated q/k that counts as float rounding (the two differ in matrix shapes, so in summation order)
+CHUNK_RTOL = 1e-4
+#: model -> {(dtype, device): None (passed) or why it failed}
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def _cache_kwarg(model: Any) -> Iterator[None]:
+    """Each attention component's ``_update_kv_cache`` also reads the cache passed as ``cache`` (transformers 5.x)."""
+    patched = []
+    for block in getattr(model, "blocks", []):
+        attn = getattr(block, "attn", None)
+        fn = getattr(attn, "_update_kv_cache", None)
+        if attn is None or fn is None or "_update_kv_cache" in vars(attn):
+            continue
+
+        def update(k: Tensor, v: Tensor, _fn: Callable = fn, **kw: Any) -> tuple[Tensor, Tensor]:
+            if kw.get("past_key_values") is None and kw.get("cache") is not None:
+                kw["past_key_values"] = kw["cache"]
+            return _fn(k, v, **kw)
+
+        attn._update_kv_cache = update
+        patched.append(attn)
+    try:
+        yield
+    finally:
+        for attn in patched:
+            vars(attn).pop("_update_kv_cache", None)
+
+
+def _new_cache(model: Any) -> Any:
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    config = getattr(getattr(model, "original_model", None), "config", None)
+    try:
+        return DynamicCache(config=config) if config is not None else DynamicCache()
+    except TypeError:  # an older transformers: no config argument
+        return DynamicCache()
+
+
+def run_chunks(model: Any, tokens: Tensor, chunk: int, hooks_for: Callable[[int, int], list]) -> None:
+    """The forward of ``tokens`` ``chunk`` positions at a time through one cache; ``hooks_for(c0, c1)`` gives the
+    hooks of the chunk ``[c0, c1)`` (a hook may raise :class:`StopForward` to end that chunk's pass)."""
+    cache = _new_cache(model)
+    n = tokens.shape[1]
+    with _cache_kwarg(model):
+        for c0 in range(0, n, chunk):
+            c1 = min(c0 + chunk, n)
+            pos = torch.arange(c0, c1, device=tokens.device).expand(tokens.shape[0], -1)
+            with torch.no_grad(), hooks_attached(model, hooks_for(c0, c1)):
+                try:
+                    model(tokens[:, c0:c1], return_type=None, position_ids=pos, cache=cache, use_cache=True)
+                except StopForward:
+                    pass
+
+
+def check_chunked(model: Any) -> None:
+    """Raise :class:`CaptureError` unless a forward run a chunk at a time through the model's cache gives every
+    layer's rotated q/k of a probe sequence as the whole forward does, within :data:`CHUNK_RTOL` of each layer's
+    largest |value|. The probe: 3 chunks of 16 tokens; with sliding windows (largest ``w``), chunks of ``w/2`` over
+    ``3w`` tokens, so the cache drops keys that fell out of a window. Checked once per model, dtype and device."""
+    spec, info = probe_hooks(model)
+    key = (model_dtype(model), str(next(iter(model.parameters())).device))
+    done = _CHECKED.setdefault(model, {})
+    if key not in done:
+        windows = [lr.sliding_window for lr in spec.layers if lr.sliding_window]
+        chunk = max(8, max(windows) // 2) if windows else 16
+        done[key] = _chunked_mismatch(model, spec, info, chunk, 6 if windows else 3)
+    if done[key] is not None:
+        raise CaptureError(f"{spec.model_name}: a chunked forward through the model's key/value cache does not "
+                           f"reproduce its whole forward ({done[key]}); analyse long sequences without chunk=")
+
+
+def auto_chunk(model: Any, n: int, chunk: int = -1, extra_hooks: Sequence = ()) -> int:
+    """The ``chunk`` to capture ``n``-token sequences with: ``chunk`` itself when ≥ 0 (0: one whole forward); for
+    ``-1`` (automatic) :data:`CHUNK` when ``n`` > :data:`CHUNK_ABOVE`, no extra hooks are attached (an intervention's
+    tensors would be a chunk's) and the model passes :func:`check_chunked` — else 0, with a warning naming why when
+    the model fails the check (its whole forward is exact, it only needs more memory)."""
+    if chunk >= 0:
+        return chunk
+    if n <= CHUNK_ABOVE or extra_hooks:
+        return 0
+    try:
+        check_chunked(model)
+    except CaptureError as e:
+        warnings.warn(f"{e} — capturing {n}-token sequences in one forward instead (exact; memory O(n²) per layer)",
+                      stacklevel=2)
+        return 0
+    return CHUNK
+
+
+def _chunked_mismatch(model: Any, spec: Any, info: Any, chunk: int, n_chunks: int) -> str | None:
+    """Why a chunked forward differs from the whole one on a probe sequence (``None``: it does not). Compared:
+    every layer's pre-rotation q/k hooks and, where they fire, its rotated q/k."""
+    if info.backend != "bridge":
+        return f"needs a TransformerBridge (this is a {info.backend} model)"
+    n = chunk * n_chunks
+    dev = next(iter(model.parameters())).device
+    d_vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 32)
+    tokens = torch.randint(1, max(d_vocab - 1, 2), (1, n), generator=torch.Generator().manual_seed(0)).to(dev)
+    kinds = [info.q_hook, info.k_hook] + (["hook_rot_q", "hook_rot_k"] if info.rot_fires else [])
+    names = [(layer, h) for layer in range(spec.n_layers) for h in kinds]
+    last = spec.n_layers - 1
+
+    def hooks(store: dict) -> list:
+        def keep(t: Tensor, hook: Any, key: tuple[int, str]) -> None:
+            store.setdefault(key, []).append(t.detach().float().clone())
+            if key[0] == last and all(len(store.get((last, h), [])) == len(store[(0, kinds[0])]) for h in kinds):
+                raise StopForward  # the unembedding is not compared
+
+        return [(info.name(layer, h), lambda t, hook, key=(layer, h): keep(t, hook, key)) for layer, h in names]
+
+    whole: dict = {}
+    try:
+        with torch.no_grad(), hooks_attached(model, hooks(whole)), contextlib.suppress(StopForward):
+            model(tokens, return_type=None)
+        parts: dict = {}
+        run_chunks(model, tokens, chunk, lambda c0, c1: hooks(parts))
+    except Exception as e:  # noqa: BLE001 - any failure of the cached forward means: not usable
+        return f"{type(e).__name__}: {e}"
+    for key in names:
+        got = parts.get(key, [])
+        if len(whole.get(key, [])) != 1 or len(got) != n_chunks:
+            return f"blocks.{key[0]}.attn.{key[1]} fired {len(got)} times over {n_chunks} chunks"
+        a = whole[key][0]
+        axes = [i for i, s in enumerate(a.shape) if s == n and got[0].shape[i] == chunk]
+        if len(axes) != 1:
+            return f"blocks.{key[0]}.attn.{key[1]}: no position axis in {tuple(got[0].shape)}"
+        b = torch.cat(got, dim=axes[0])
+        ref = float(a.abs().max())
+        err = float((a - b).abs().max())
+        if not err <= CHUNK_RTOL * max(ref, 1e-30):
+            return f"blocks.{key[0]}.attn.{key[1]}: relative difference {err / max(ref, 1e-30):.1e}"
+    return None

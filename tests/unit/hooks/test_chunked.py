@@ -1,0 +1,98 @@
+"""Chunked capture through the model's key/value cache (posgen_tl.hooks.chunked): the same q/k as one whole forward,
+refused where the cached forward is not the whole one, and the decomposition's scores unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import tiny_models as tm
+import torch
+
+import posgen_tl.hooks.chunked as ch
+from posgen_tl.experiments.decomposition import decompose_model
+from posgen_tl.hooks.capture import CaptureError
+from posgen_tl.hooks.stream import stream_qk
+
+N = 29  # not a multiple of the chunks below: a short last chunk
+
+
+@pytest.fixture(scope="module", params=["hf_llama", "hf_gemma3"])
+def tiny(request):
+    return getattr(tm, request.param)()[0]
+
+
+def _tokens(n_seq: int = 3, n: int = N, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, 90, (n_seq, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _captures(model, tokens, **kw) -> dict:
+    out: dict = {}
+
+    def keep(c) -> None:
+        out[(c.layer, c.seq_offset)] = {k: getattr(c, k).clone() for k in ("q", "k", "rot_q", "rot_k", "positions")}
+
+    stream_qk(model, tokens, keep, batch_size=2, progress=False, **kw)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 16])
+def test_a_chunked_capture_is_the_whole_forwards(tiny, chunk):
+    """Every layer arrives whole (all positions, in order), its q/k equal to the whole forward's to float32 rounding
+    — Gemma3's sliding window (4 keys) is shorter than some chunks and longer than others."""
+    toks = _tokens()
+    whole, parts = _captures(tiny, toks), _captures(tiny, toks, chunk=chunk)
+    assert whole.keys() == parts.keys()
+    for key, w in whole.items():
+        p = parts[key]
+        assert torch.equal(p["positions"], w["positions"]) and p["q"].shape == w["q"].shape
+        for name in ("q", "k", "rot_q", "rot_k"):
+            err = float((p[name] - w[name]).abs().max() / w[name].abs().max())
+            assert err < 1e-5, (key, name, err)
+
+
+def test_the_cached_forward_is_checked_and_a_wrong_one_refused(monkeypatch):
+    """Without the cache handed to the attention the chunks attend only to themselves: the check sees later layers'
+    q/k differ and refuses by name; auto_chunk then falls back to one whole forward, with a warning."""
+    model = tm.hf_llama(seed=3)[0]
+    monkeypatch.setattr(ch, "_cache_kwarg", lambda m: __import__("contextlib").nullcontext())
+    with pytest.raises(CaptureError, match="does not reproduce its whole forward .*relative difference"):
+        ch.check_chunked(model)
+    with pytest.warns(UserWarning, match="in one forward instead"):
+        assert ch.auto_chunk(model, ch.CHUNK_ABOVE + 1) == 0
+    with pytest.raises(CaptureError, match="does not reproduce"):
+        stream_qk(model, _tokens(), lambda c: None, chunk=8, progress=False)
+
+
+def test_chunks_are_refused_with_tensors_that_would_be_a_chunks(tiny):
+    for kw, name in ((dict(with_scores=True), "with_scores"), (dict(extra_hooks=[("x", lambda t, hook: None)]),
+                                                               "extra_hooks")):
+        with pytest.raises(ValueError, match=f"chunk=8.*{name}"):
+            stream_qk(tiny, _tokens(), lambda c: None, chunk=8, progress=False, **kw)
+
+
+def test_a_native_bridge_is_refused_by_name():
+    with pytest.raises(CaptureError, match="chunked forward"):
+        ch.check_chunked(tm.native(n_ctx=64))
+
+
+def test_auto_chunk_only_for_long_sequences_without_extra_hooks(tiny):
+    assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE) == 0
+    assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE + 1) == ch.CHUNK
+    assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE + 1, extra_hooks=[("x", None)]) == 0
+    assert ch.auto_chunk(tiny, 10, 6) == 6 and ch.auto_chunk(tiny, 10_000, 0) == 0
+
+
+def test_the_decomposition_through_chunks_gives_the_whole_forwards_scores(tiny):
+    """D1/D2/D3 of every head from a chunked capture (and its k̄ reference pass) equal the whole forward's."""
+    toks = _tokens(5)
+    kw = dict(sink=1, batch_size=2, bound_rows=8, progress=False)
+    whole = decompose_model(tiny, toks[:3], reference=toks[3:], chunk=0, **kw)
+    parts = decompose_model(tiny, toks[:3], reference=toks[3:], chunk=6, row_block=7, **kw)
+    keys = ["layer", "head", "seq", "estimator", "k_mean", "sink_excluded"]
+    a, b = (d.sort_values(keys).reset_index(drop=True) for d in (whole, parts))
+    pd.testing.assert_frame_equal(a[keys], b[keys])
+    for col in ("r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds"):
+        np.testing.assert_allclose(b[col].to_numpy(float), a[col].to_numpy(float), rtol=1e-5, atol=1e-6,
+                                   equal_nan=True, err_msg=col)
+    assert np.isfinite(b["r"].to_numpy(float)).mean() > 0.9
