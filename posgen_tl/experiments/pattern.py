@@ -48,6 +48,7 @@ from torch import Tensor
 from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, probe_hooks
+from posgen_tl.hooks.chunked import auto_chunk
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths.band_stats import (
@@ -377,7 +378,8 @@ def feature_pattern(
         a["spread"] = (a["spread"][0] + ss.cpu(), a["spread"][1] + n.cpu())
 
     desc = f"pattern {twin_label}" if progress else False
-    stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc)
+    # beyond 2 048 tokens the forward runs in chunks through the model's cache where verified (no [heads, n, n] scores)
+    stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc, chunk=auto_chunk(model, n_pos))
     states = {}
     for layer, d in acc.items():
         states[layer] = {w: d[w].state_dict() for w in ("q", "k", "q_seq", "k_seq")}

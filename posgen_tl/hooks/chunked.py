@@ -95,6 +95,11 @@ def check_chunked(model: Any) -> None:
     largest |value|. The probe: 3 chunks of 16 tokens; with sliding windows (largest ``w``), chunks of ``w/2`` over
     ``3w`` tokens, so the cache drops keys that fell out of a window. Checked once per model, dtype and device."""
     spec, info = probe_hooks(model)
+    length_dependent = sorted({"dynamic", "longrope"} & set(spec.rope_type.split("+")))
+    if length_dependent:
+        raise CaptureError(f"{spec.model_name}: its RoPE ({', '.join(length_dependent)}) chooses frequencies from the "
+                           "sequence length, so a forward in chunks would rotate each chunk differently; analyse long "
+                           "sequences without chunk=")
     key = (model_dtype(model), str(next(iter(model.parameters())).device))
     done = _CHECKED.setdefault(model, {})
     if key not in done:

@@ -96,3 +96,33 @@ def test_the_decomposition_through_chunks_gives_the_whole_forwards_scores(tiny):
         np.testing.assert_allclose(b[col].to_numpy(float), a[col].to_numpy(float), rtol=1e-5, atol=1e-6,
                                    equal_nan=True, err_msg=col)
     assert np.isfinite(b["r"].to_numpy(float)).mean() > 0.9
+
+
+def test_the_feature_statistics_through_chunks_are_the_whole_forwards(tiny, monkeypatch):
+    """The feature statistics chunk their forward automatically beyond CHUNK_ABOVE tokens (lowered here to 10): every
+    band and head statistic equals the whole forward's."""
+    from posgen_tl.experiments.pattern import feature_pattern
+
+    toks = _tokens(4)
+    whole = feature_pattern(tiny, toks, sink=1, batch_size=2, progress=False)
+    monkeypatch.setattr(ch, "CHUNK_ABOVE", 10)
+    monkeypatch.setattr(ch, "CHUNK", 8)
+    calls = []
+    real = ch.run_chunks
+    monkeypatch.setattr("posgen_tl.hooks.stream.run_chunks", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    parts = feature_pattern(tiny, toks, sink=1, batch_size=2, progress=False)
+    assert calls and set(calls) == {8}  # the chunked forward really ran
+    for name in ("bands", "heads"):
+        a, b = getattr(whole, name), getattr(parts, name)
+        num = [c for c in a.columns if a[c].dtype.kind == "f"]
+        pd.testing.assert_frame_equal(a.drop(columns=num), b.drop(columns=num))
+        np.testing.assert_allclose(b[num].to_numpy(float), a[num].to_numpy(float), rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+def test_a_rope_that_depends_on_the_length_is_refused_by_name():
+    """Dynamic NTK picks its frequencies from the longest position seen: chunks would be rotated differently."""
+    model = tm.hf_llama(rope={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1000.0})[0]
+    with pytest.raises(CaptureError, match=r"RoPE \(dynamic\) chooses frequencies from the sequence length"):
+        ch.check_chunked(model)
+    with pytest.warns(UserWarning, match="in one forward instead"):
+        assert ch.auto_chunk(model, ch.CHUNK_ABOVE + 1) == 0
