@@ -158,7 +158,7 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor,
         w = w + qp @ kp
     w = heads(s * w)
     qn = zq.abs()
-    masks = {sk: (m, m.sum()) for sk, m in ((sk, geo.mask[rows].double()) for sk, geo in geoms.items())}
+    masks = {sk: (m, m.sum()) for sk, m in ((sk, geo.mask_rows(rows).double()) for sk, geo in geoms.items())}
 
     def mean(x: Tensor, sk: int) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
         m, cnt = masks[sk]
@@ -205,7 +205,7 @@ def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor 
         return None
     b, h, n = c.scores.shape[0], c.scores.shape[1], c.scores.shape[-1]
     sv = c.scores.reshape(b * h, n, n)
-    m = g0.mask[rows]
+    m = g0.mask_rows(rows)
     ref = w_rows[:, m]
     if not ref.numel():  # nothing to compare on these rows: never taken unchecked
         return None
@@ -239,8 +239,8 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     ``w_from_scores``: take W from the forward's own ``hook_attn_scores`` instead of recomputing it (``None``: where
     :func:`scores_are_w`; each layer and batch compares them on the bound rows first and recomputes if they differ);
     ``chunk``: the forward's query positions per chunk through the model's cache (:func:`posgen_tl.hooks.chunked.
-    auto_chunk`: −1 = chunks of 512 beyond 2 048 tokens where the model's cached forward is verified, 0 = one whole
-    forward) — W is then recomputed."""
+    auto_chunk`: −1 = automatic where the model's cached forward is verified — a quarter of the sequence from 384
+    tokens, 512 beyond 2 048 —, 0 = one whole forward); with chunks W is recomputed."""
     spec, _ = probe_hooks(model)
     tokens = windows.tokens
     n = tokens.shape[1]

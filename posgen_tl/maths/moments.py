@@ -36,7 +36,7 @@ class Geometry:
     n: int
     sink: int
     window: int | None
-    mask: Tensor  # bool [i j]
+    device: torch.device
     band: Band  # the mask's runs and counts: the structured D1/D2 solve
     cnt: Tensor  # float64 [i] entries per row
     ncol: Tensor  # float64 [j]
@@ -44,6 +44,13 @@ class Geometry:
     amask: Tensor  # float64 [d]: distances in use
     ops: dict  # three_axis -> dense P [p, p] float64, only for a one-key window (else empty)
     direct: dict = field(default_factory=dict)  # three_axis -> additive.Direct (or None), built on first use (n ≤ DIRECT_MAX)
+
+    def mask_rows(self, rows: Tensor) -> Tensor:
+        """The mask's query ``rows``, bool ``[rows, key_pos]`` (the whole ``[n, n]`` mask is never kept: 268 MB at
+        16 384 tokens)."""
+        j = torch.arange(self.n, device=self.device)
+        r = rows.to(self.device)
+        return (j[None, :] >= self.band.lo.to(self.device)[r, None]) & (j[None, :] <= r[:, None])
 
     def solve(self, rhs: Tensor, three_axis: bool) -> Tensor:
         """The fit's parameters ``[maps, p]`` from ``rhs = Xᵀx`` (min-norm least squares): up to
@@ -53,7 +60,7 @@ class Geometry:
             return rhs @ self.ops[three_axis].T
         if self.n <= DIRECT_MAX and three_axis not in self.direct:
             try:
-                self.direct[three_axis] = direct(self.band, three_axis, self.mask.device)
+                self.direct[three_axis] = direct(self.band, three_axis, self.device)
             except torch.linalg.LinAlgError:  # not positive definite after all: conjugate gradients alone
                 self.direct[three_axis] = None
         return solve(self.band, rhs, three_axis, direct_op=self.direct.get(three_axis))
@@ -81,10 +88,10 @@ def geometry(n: int, sink: int, window: int | None, device: torch.device | str =
     key = (n, sink, window, str(device))
     if key in _GEOMS:
         return _GEOMS[key]
-    mask = causal_mask(n, sink=sink, sliding_window=window).to(device)
     bd = band(n, sink, window, device)
-    ops = {} if bd.structured else {k: v.to(device) for k, v in _dense_ops(mask.cpu()).items()}
-    g = Geometry(n, sink, window, mask, bd, bd.cnt, bd.ncol, bd.ndiag, (bd.ndiag > 0).double(), ops)
+    ops = {} if bd.structured else {k: v.to(device) for k, v in
+                                    _dense_ops(causal_mask(n, sink=sink, sliding_window=window)).items()}
+    g = Geometry(n, sink, window, torch.device(device), bd, bd.cnt, bd.ncol, bd.ndiag, (bd.ndiag > 0).double(), ops)
     if len(_GEOMS) >= 6:
         _GEOMS.pop(next(iter(_GEOMS)))
     _GEOMS[key] = g

@@ -76,8 +76,9 @@ def test_a_native_bridge_is_refused_by_name():
         ch.check_chunked(tm.native(n_ctx=64))
 
 
-def test_auto_chunk_only_for_long_sequences_without_extra_hooks(tiny):
-    assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE) == 0
+def test_auto_chunk_only_from_a_few_hundred_tokens_and_without_extra_hooks(tiny):
+    assert ch.auto_chunk(tiny, ch.CHUNK_FROM - 1) == 0
+    assert ch.auto_chunk(tiny, 512) == 128 and ch.auto_chunk(tiny, ch.CHUNK_ABOVE) == ch.CHUNK_ABOVE // 4
     assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE + 1) == ch.CHUNK
     assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE + 1, extra_hooks=[("x", None)]) == 0
     assert ch.auto_chunk(tiny, 10, 6) == 6 and ch.auto_chunk(tiny, 10_000, 0) == 0
@@ -99,12 +100,13 @@ def test_the_decomposition_through_chunks_gives_the_whole_forwards_scores(tiny):
 
 
 def test_the_feature_statistics_through_chunks_are_the_whole_forwards(tiny, monkeypatch):
-    """The feature statistics chunk their forward automatically beyond CHUNK_ABOVE tokens (lowered here to 10): every
-    band and head statistic equals the whole forward's."""
+    """The feature statistics chunk their forward automatically (CHUNK_FROM / CHUNK_ABOVE lowered here to 5 / 10):
+    every band and head statistic equals the whole forward's."""
     from posgen_tl.experiments.pattern import feature_pattern
 
     toks = _tokens(4)
     whole = feature_pattern(tiny, toks, sink=1, batch_size=2, progress=False)
+    monkeypatch.setattr(ch, "CHUNK_FROM", 5)
     monkeypatch.setattr(ch, "CHUNK_ABOVE", 10)
     monkeypatch.setattr(ch, "CHUNK", 8)
     calls = []
