@@ -136,15 +136,17 @@ def stream_qk(
 
 def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: Sequence[int], need: Sequence[str],
                     fn: Callable[[QKCapture], None], *, chunk: int, rot_tol: float) -> None:
-    """One batch of :func:`stream_qk` with ``chunk=`` (:mod:`posgen_tl.hooks.chunked`): ``fn`` gets each layer of ``layers``
-    (in order) as one :class:`QKCapture` of the whole sequence, after the chunked forward; peak memory of the forward
-    O(batch · heads · chunk · n) instead of O(batch · heads · n²); the gathered q/k of ``layers`` are held until
-    their layer is handed on."""
+    """One batch of :func:`stream_qk` with ``chunk=`` (:mod:`posgen_tl.hooks.chunked`): ``fn`` gets each layer of
+    ``layers`` (in order) as one :class:`QKCapture` of the whole sequence, after the chunked forward; peak memory of
+    the forward O(batch · heads · chunk · n) instead of O(batch · heads · n²). Only the pre-rotation q/k of ``layers``
+    are held until their layer is handed on: each chunk's rotation was checked against the model's own
+    (``hook_rot_q/k``, where they fire) at its absolute positions, and the whole layer's is recomputed from them
+    (``rot_source="computed"``) — half the memory of keeping both."""
     spec, info = probe_hooks(model)
-    pieces: dict[int, list[QKCapture]] = {layer: [] for layer in layers}
+    pieces: dict[int, list[tuple[Tensor, Tensor]]] = {layer: [] for layer in layers}
 
     def keep(c: QKCapture) -> None:
-        pieces[c.layer].append(c)
+        pieces[c.layer].append((c.q, c.k))
 
     def hooks_for(c0: int, c1: int) -> list:
         pos = torch.arange(c0, c1, device=batch.device).expand(batch.shape[0], -1)
@@ -157,19 +159,15 @@ def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: S
     pos = torch.arange(n, device=batch.device).expand(batch.shape[0], -1)
     for layer in layers:
         got = pieces.pop(layer)
-        if sum(c.q.shape[1] for c in got) != n:
-            raise CaptureError(f"{spec.model_name}: layer {layer}'s hooks fired for {sum(c.q.shape[1] for c in got)} "
+        if sum(q.shape[1] for q, _ in got) != n:
+            raise CaptureError(f"{spec.model_name}: layer {layer}'s hooks fired for {sum(q.shape[1] for q, _ in got)} "
                                f"of {n} positions in a chunked forward")
-
-        def cat(name: str, got: list = got) -> Tensor:
-            return torch.cat([getattr(c, name) for c in got], dim=1)
-
-        lr = live_rope(model, spec, layer, spec.layer(layer).for_positions(pos))
-        cap = QKCapture(layer=layer, q=cat("q"), k=cat("k"), rot_q=cat("rot_q"), rot_k=cat("rot_k"), positions=pos,
-                        rope=lr, rot_source=got[0].rot_source, batch_index=b_idx, seq_offset=offset)
+        q, k = (torch.cat(parts, dim=1) for parts in zip(*got))
         del got
-        self_check(cap, rot_tol, spec.model_name)  # the whole sequence's rotation: one RoPE for every chunk
-        fn(cap)
+        lr = live_rope(model, spec, layer, spec.layer(layer).for_positions(pos))
+        fn(QKCapture(layer=layer, q=q, k=k, rot_q=rotate(q, pos, lr), rot_k=rotate(k, pos, lr), positions=pos, rope=lr,
+                     rot_source="computed", batch_index=b_idx, seq_offset=offset))
+        del q, k
 
 
 def _checked_ids(spec: RopeSpec, info: HookInfo, position_ids: Tensor, tokens: Tensor) -> Tensor:
