@@ -194,7 +194,7 @@ class Direct:
     made invertible on its null space (``S + σ·VVᵀ``, ``V`` the null space's ``y`` part) and inverted once.
     For a right-hand side in the range of ``XᵀX`` this gives an exact solution in two matrix products of
     ``[maps, y] × [y, y]`` (float64) — the per-mask cost that conjugate gradients pay in ~17 steps of small
-    operations. Memory O(n²): 8·(2n)² bytes for D1 (34 MB at n = 1 024)."""
+    operations. Memory O(n²): 8·(2n)² bytes for D1 (8.4 MB at n = 512)."""
 
     three_axis: bool
     inv_a: Tensor  # [delta] 1/ndiag (0 where unused)
@@ -209,8 +209,9 @@ class Direct:
         return torch.cat([(ra - y @ self.b.T) * self.inv_a, y], -1)
 
 
-#: the largest ``n`` whose solve is direct (:class:`Direct`; beyond it conjugate gradients, O(n) memory)
-DIRECT_MAX = 1024
+#: the largest ``n`` whose solve is direct (:class:`Direct`; beyond it conjugate gradients, O(n) memory): at 1 024 tokens
+#: the direct step saves little (`benchmarks/bench_fits.py`: 18 vs 25 ms for 36 D1 maps) for a 0.6 s build per mask
+DIRECT_MAX = 768
 
 
 def direct(bd: Band, three_axis: bool, device: torch.device | str = "cpu") -> Direct:
