@@ -121,9 +121,12 @@ class Bench:
                 del out
 
     def capture(self) -> None:
+        """The pass the analyses stream from, as they run it (a chunked forward where :func:`auto_chunk` says so)."""
+        from posgen_tl.hooks.chunked import auto_chunk
         from posgen_tl.hooks.stream import stream_qk
 
-        stream_qk(self.model, self.tokens, lambda c: None, batch_size=self.bs, progress=False)
+        stream_qk(self.model, self.tokens, lambda c: None, batch_size=self.bs, progress=False,
+                  chunk=auto_chunk(self.model, self.tokens.shape[1]))
 
     def kbar_pass(self) -> None:
         from posgen_tl.experiments.decomposition import reference_key_means

@@ -128,3 +128,21 @@ def test_a_rope_that_depends_on_the_length_is_refused_by_name():
         ch.check_chunked(model)
     with pytest.warns(UserWarning, match="in one forward instead"):
         assert ch.auto_chunk(model, ch.CHUNK_ABOVE + 1) == 0
+
+
+def test_nothing_is_left_on_the_model_when_a_chunked_forward_raises(tiny):
+    """Hooks and the cache bridge are removed on every exit path: a hook raising in the second chunk leaves no
+    forward hook and no patched ``_update_kv_cache`` behind, and the next whole forward is the same as before."""
+    toks = _tokens(1)
+    before = _captures(tiny, toks)
+    name = "blocks.0.attn.hook_rot_k"
+
+    def boom(t, hook):
+        raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        ch.run_chunks(tiny, toks, 8, lambda c0, c1: [(name, boom)] if c0 else [])
+    assert all(len(hp._forward_hooks) == 0 for hp in tiny.hook_dict.values())
+    assert not any("_update_kv_cache" in vars(b.attn) for b in tiny.blocks)
+    after = _captures(tiny, toks)
+    assert all(torch.equal(after[k]["q"], before[k]["q"]) for k in before)
