@@ -35,6 +35,7 @@ def one(args: argparse.Namespace) -> dict:
     from posgen_tl import load_model
     from posgen_tl.experiments import decomposition as dec
     from posgen_tl.hooks.chunked import auto_chunk
+    from posgen_tl.hooks.stream import release_freed_memory
     from posgen_tl.io.corpus import corpus_tokens
     from posgen_tl.io.provenance import git_commit
 
@@ -46,13 +47,16 @@ def one(args: argparse.Namespace) -> dict:
         model(tokens[:, :16], return_type=None)  # warm-up
     delta: dict = {}
     out: dict = {"model": args.model, "tokens": n, "threads": args.threads, "chunk": auto_chunk(model, n)}
-    # the decomposition first, in a fresh heap (a phase before it would leave freed memory it reuses)
+    # the decomposition first, with the heap's freed pages returned (loading leaves some resident; a phase would
+    # reuse them without raising the mark, so its rise above the start would understate what it needs)
+    release_freed_memory()
     df, out["decompose_s"], delta["decompose"] = measure(
         lambda: dec.decompose_model(model, tokens, k_mean="per_sequence", batch_size=1, progress=False), "decompose")
     if n <= args.forward_max:
         def forward():
             with torch.no_grad():
                 model(tokens, return_type=None)
+        release_freed_memory()
         _, out["forward_s"], delta["forward"] = measure(forward, "forward")
     out["peak_rss_mib"] = {k: round(v, 1) for k, v in PEAKS.items()}
     out["peak_rss_delta_mib"] = {k: round(v, 1) for k, v in delta.items()}
