@@ -145,8 +145,8 @@ def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: S
     spec, info = probe_hooks(model)
     pieces: dict[int, list[tuple[Tensor, Tensor]]] = {layer: [] for layer in layers}
 
-    def keep(c: QKCapture) -> None:
-        pieces[c.layer].append((c.q, c.k))
+    def keep(c: QKCapture) -> None:  # copies: the forward goes on after this hook and may reuse its tensors
+        pieces[c.layer].append((c.q.clone(), c.k.clone()))
 
     def hooks_for(c0: int, c1: int) -> list:
         pos = torch.arange(c0, c1, device=batch.device).expand(batch.shape[0], -1)
