@@ -121,7 +121,8 @@ class Bench:
                 del out
 
     def capture(self) -> None:
-        """The pass the analyses stream from, as they run it (a chunked forward where :func:`auto_chunk` says so)."""
+        """The pass the analyses stream from, as the feature statistics run it (a chunked forward where
+        :func:`auto_chunk` says so; the decomposition chunks only beyond 2 048 tokens)."""
         from posgen_tl.hooks.chunked import auto_chunk
         from posgen_tl.hooks.stream import stream_qk
 

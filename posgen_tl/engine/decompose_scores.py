@@ -239,8 +239,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     ``w_from_scores``: take W from the forward's own ``hook_attn_scores`` instead of recomputing it (``None``: where
     :func:`scores_are_w`; each layer and batch compares them on the bound rows first and recomputes if they differ);
     ``chunk``: the forward's query positions per chunk through the model's cache (:func:`posgen_tl.hooks.chunked.
-    auto_chunk`: −1 = automatic where the model's cached forward is verified — a quarter of the sequence from 384
-    tokens, 512 beyond 2 048 —, 0 = one whole forward); with chunks W is recomputed."""
+    auto_chunk`: −1 = chunks of 512 beyond 2 048 tokens where the model's cached forward is verified, 0 = one whole
+    forward); with chunks W is recomputed (below 2 048 tokens taking it from the whole forward's score hook costs
+    less than the chunks save)."""
     spec, _ = probe_hooks(model)
     tokens = windows.tokens
     n = tokens.shape[1]
@@ -280,7 +281,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
     block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
-    chunk = auto_chunk(model, n, chunk, extra_hooks)
+    chunk = auto_chunk(model, n, chunk, extra_hooks, memory_only=True)  # below: W from the score hook is cheaper
     use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model)) and not 0 < block < n
                 and not 0 < chunk < n and probe_hooks(model)[1].scores_kind != "absent")  # else W is recomputed
 

@@ -95,9 +95,8 @@ class Config(base.Config):
                                     f"tokens, blocks of {STREAM_BLOCK} beyond (memory O(block · n) per head instead "
                                     "of O(n²))", "count")
     chunk: int = base.option(-1, "query positions per forward chunk through the model's key/value cache: -1 = "
-                                 "automatic where the model's cached forward is verified to reproduce its whole forward "
-                                 "(a quarter of the sequence from 384 tokens, 512 beyond 2048), 0 = one whole forward "
-                                 "(its score maps are O(n²))", "int")
+                                 "automatic (512 beyond 2048 tokens, where the model's cached forward is verified to "
+                                 "reproduce its whole forward), 0 = one whole forward (its score maps are O(n²))", "int")
 
 
 def decompose_model(

@@ -1,6 +1,6 @@
 """The capture of :func:`posgen_tl.hooks.stream.stream_qk` with the forward run a chunk of query positions at a time
-through the model's own key/value cache: long sequences in bounded memory, and every sequence from a few hundred
-tokens a little faster.
+through the model's own key/value cache: long sequences in bounded memory, and sequences from a thousand tokens
+faster.
 
 A plain forward of ``n`` tokens builds every layer's ``[batch, heads, n, n]`` score map (SmolLM2 at 16 384 tokens:
 9.7 GB for one layer) before any analysis starts. Run ``chunk`` positions at a time with Hugging Face's cache, the
@@ -33,9 +33,9 @@ __all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_FROM", "CHUNK_RTOL", "auto_chunk", "ch
 
 #: automatic chunks (:func:`auto_chunk`): CHUNK positions beyond CHUNK_ABOVE tokens (memory: the forward's transient
 #: is ``[batch, heads, CHUNK, n]``), a quarter of the sequence from CHUNK_FROM tokens on (speed: the chunks compute only
-#: the causal part of the score maps — measured on SmolLM2, 1 thread: the capture pass 0.65× a plain forward at
-#: 4 × 512 tokens instead of 0.81×, 0.61× instead of 0.80× at 2 × 2048; at 128 tokens chunks cost more than they save)
-CHUNK, CHUNK_ABOVE, CHUNK_FROM = 512, 2048, 384
+#: the causal part of the score maps — `benchmarks/bench_chunks.py`, SmolLM2, 2 threads: the capture pass 0.65× a
+#: plain forward at 4 × 1024 tokens instead of 0.92×; at 8 × 512 0.86× instead of 0.82×, so not below 1 024 tokens)
+CHUNK, CHUNK_ABOVE, CHUNK_FROM = 512, 2048, 1024
 #: the largest difference (relative to the largest |value| of the layer) between a chunked and a whole forward's
 #: rotated q/k that counts as float rounding (the two differ in matrix shapes, so in summation order)
 CHUNK_RTOL = 1e-4
@@ -115,15 +115,17 @@ def check_chunked(model: Any) -> None:
                            f"reproduce its whole forward ({done[key]}); analyse long sequences without chunk=")
 
 
-def auto_chunk(model: Any, n: int, chunk: int = -1, extra_hooks: Sequence = ()) -> int:
+def auto_chunk(model: Any, n: int, chunk: int = -1, extra_hooks: Sequence = (), *, memory_only: bool = False) -> int:
     """The ``chunk`` to capture ``n``-token sequences with: ``chunk`` itself when ≥ 0 (0: one whole forward); for
     ``-1`` (automatic), where no extra hooks are attached (an intervention's tensors would be a chunk's) and the model
-    passes :func:`check_chunked`, :data:`CHUNK` beyond :data:`CHUNK_ABOVE` tokens and ``⌈n/4⌉`` from
-    :data:`CHUNK_FROM` tokens on — else 0. A model that fails the check gets one whole forward (exact), with a warning
-    beyond :data:`CHUNK_ABOVE` tokens, where that forward's memory grows as n²."""
+    passes :func:`check_chunked`, :data:`CHUNK` beyond :data:`CHUNK_ABOVE` tokens and, unless ``memory_only``,
+    ``⌈n/4⌉`` from :data:`CHUNK_FROM` tokens on — else 0. ``memory_only``: for an analysis that would pay for the
+    chunks elsewhere (the decomposition takes its logits from the whole forward's score hook). A model that fails the
+    check gets one whole forward (exact), with a warning beyond :data:`CHUNK_ABOVE` tokens, where that forward's
+    memory grows as n²."""
     if chunk >= 0:
         return chunk
-    if n < CHUNK_FROM or extra_hooks:
+    if n < (CHUNK_ABOVE + 1 if memory_only else CHUNK_FROM) or extra_hooks:
         return 0
     try:
         check_chunked(model)

@@ -77,10 +77,12 @@ def test_a_native_bridge_is_refused_by_name():
         ch.check_chunked(tm.native(n_ctx=64))
 
 
-def test_auto_chunk_only_from_a_few_hundred_tokens_and_without_extra_hooks(tiny):
+def test_auto_chunk_only_for_long_sequences_and_without_extra_hooks(tiny):
     assert ch.auto_chunk(tiny, ch.CHUNK_FROM - 1) == 0
-    assert ch.auto_chunk(tiny, 512) == 128 and ch.auto_chunk(tiny, ch.CHUNK_ABOVE) == ch.CHUNK_ABOVE // 4
+    assert ch.auto_chunk(tiny, 1024) == 256 and ch.auto_chunk(tiny, ch.CHUNK_ABOVE) == ch.CHUNK_ABOVE // 4
     assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE + 1) == ch.CHUNK
+    assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE, memory_only=True) == 0
+    assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE + 1, memory_only=True) == ch.CHUNK
     assert ch.auto_chunk(tiny, ch.CHUNK_ABOVE + 1, extra_hooks=[("x", None)]) == 0
     assert ch.auto_chunk(tiny, 10, 6) == 6 and ch.auto_chunk(tiny, 10_000, 0) == 0
 
