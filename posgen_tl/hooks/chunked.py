@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posgen_tl.hooks.capture import CaptureError, StopForward, hooks_attached, model_dtype, probe_hooks
+from posgen_tl.hooks.capture import CaptureError, StopForward, hooks_attached, model_device, model_dtype, probe_hooks
 
 __all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_FROM", "CHUNK_RTOL", "auto_chunk", "check_chunked", "run_chunks"]
 
@@ -95,7 +95,7 @@ def run_chunks(model: Any, tokens: Tensor, chunk: int, hooks_for: Callable[[int,
 
 def check_chunked(model: Any) -> None:
     """Raise :class:`CaptureError` unless a forward run a chunk at a time through the model's cache gives every
-    layer's rotated q/k of a probe sequence as the whole forward does, within :data:`CHUNK_RTOL` of each layer's
+    layer's pre-rotation (and, where its hooks fire, rotated) q/k of a probe sequence as the whole forward does, within :data:`CHUNK_RTOL` of each layer's
     largest |value|. The probe: 3 chunks of 16 tokens; with sliding windows (largest ``w``), chunks of ``w/2`` over
     ``3w`` tokens, so the cache drops keys that fell out of a window. Checked once per model, dtype and device."""
     spec, info = probe_hooks(model)
@@ -104,7 +104,7 @@ def check_chunked(model: Any) -> None:
         raise CaptureError(f"{spec.model_name}: its RoPE ({', '.join(length_dependent)}) chooses frequencies from the "
                            "sequence length, so a forward in chunks would rotate each chunk differently; analyse long "
                            "sequences without chunk=")
-    key = (model_dtype(model), str(next(iter(model.parameters())).device))
+    key = (model_dtype(model), str(model_device(model)))
     done = _CHECKED.setdefault(model, {})
     if key not in done:
         windows = [lr.sliding_window for lr in spec.layers if lr.sliding_window]
@@ -143,7 +143,7 @@ def _chunked_mismatch(model: Any, spec: Any, info: Any, chunk: int, n_chunks: in
     if info.backend != "bridge":
         return f"needs a TransformerBridge (this is a {info.backend} model)"
     n = chunk * n_chunks
-    dev = next(iter(model.parameters())).device
+    dev = model_device(model)
     d_vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 32)
     tokens = torch.randint(1, max(d_vocab - 1, 2), (1, n), generator=torch.Generator().manual_seed(0)).to(dev)
     kinds = [info.q_hook, info.k_hook] + (["hook_rot_q", "hook_rot_k"] if info.rot_fires else [])
