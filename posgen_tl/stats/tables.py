@@ -64,9 +64,15 @@ def contrast_row(d: Any, docs: Any, **kw: Any) -> dict[str, Any]:
 
 def finish_table(df: pd.DataFrame) -> pd.DataFrame:
     """Adds ``p_holm`` and ``holm_scope`` (Holm over every p of the table: one family) and ``label``
-    ("exploratory" when a row has fewer than 32 documents). Returns ``df`` (changed in place)."""
+    ("exploratory" when a row has fewer than 32 documents). Returns ``df`` (changed in place).
+
+    The columns are always there: a table without any p (every row's documents identical or too few) gets
+    ``p_holm`` NaN and a ``holm_scope`` that says so, so readers of the table never meet a missing column."""
     if "p" in df and df["p"].notna().any():
         df["p_holm"] = holm(df["p"].to_numpy(float))
         df["holm_scope"] = f"Holm over the {int(df['p'].notna().sum())} p-values of this table"
+    else:
+        df["p_holm"] = np.nan
+        df["holm_scope"] = "none: no p-value in this table"
     df["label"] = np.where(df["n_docs"] < EXPLORATORY_MIN_DOCS, f"exploratory (< {EXPLORATORY_MIN_DOCS} documents)", "")
     return df

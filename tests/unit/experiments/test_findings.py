@@ -61,3 +61,19 @@ def test_every_question_of_the_summary_comes_from_an_experiment():
     from posgen_tl.report.html import QUESTIONS
 
     assert set(QUESTIONS) <= set(registry.REPORT)
+
+
+def test_sufficiency_with_identically_zero_dnll_has_no_p_and_still_renders_its_headline():
+    """Every ΔNLL exactly 0 (a substitution that changes nothing the NLL can see: a tiny model on the H200 did
+    this): no p-value anywhere, yet the summary keeps its ``p_holm`` / ``holm_scope`` columns (NaN, saying why)
+    and the headline reads "no evidence of a cost" — before, the missing column crashed the report."""
+    import numpy as np
+
+    rows = pd.DataFrame([dict(source=s, group=g, layers="0–1", seq=i, doc=i, clean_nll=7.65, nll=7.65, dnll=0.0)
+                         for s in ("d3", "d1") for g in ("0", "all") for i in range(4)])
+    summ = sufficiency.sufficiency_summary(rows)
+    assert summ["p"].isna().all() and summ["p_holm"].isna().all()
+    assert set(summ["holm_scope"]) == {"none: no p-value in this table"}
+    (f,) = sufficiency._findings(summ)
+    assert f.verdict == "no evidence of a cost" and f.effect == 0.0 and np.isnan(f.p)
+    assert "identically zero" in f.p_kind
