@@ -91,20 +91,28 @@ def _run_timing(spec: dict) -> dict:
     b.kbar()
     b.causal_inputs()
     times: dict[str, list[float]] = {k: [] for k in steps}
+    cuda = b.device.startswith("cuda")
+    gpu_peak: dict[str, float] = {}  # on a GPU: each step's peak of allocated memory above its start (MiB)
     for _ in range(spec["repeats"]):
         for name, (fn, _) in steps.items():
             gc.collect()
             b.sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                m0 = torch.cuda.memory_allocated()
             t = time.perf_counter()
             fn()
             b.sync()
             times[name].append(time.perf_counter() - t)
+            if cuda:
+                gpu_peak[name] = max(gpu_peak.get(name, 0.0), (torch.cuda.max_memory_allocated() - m0) / 2**20)
     ratios = {}
     for name, (_, n_fwd) in steps.items():
         r = [x / (n_fwd * f) for x, f in zip(times[name], times["forward"])]
         ratios[name] = {"min": min(r), "median": statistics.median(r), "forwards": n_fwd}
     return {"seconds": times, "ratios": ratios, "geometry_s": geometry_s, "n_ref": b.n_ref, "batch_size": b.bs,
-            "layers": b.spec.n_layers, "heads": b.spec.n_heads, "load_avg_1min_end": os.getloadavg()[0]}
+            "layers": b.spec.n_layers, "heads": b.spec.n_heads, "load_avg_1min_end": os.getloadavg()[0],
+            **({"gpu": torch.cuda.get_device_name(), "gpu_peak_mib": gpu_peak} if cuda else {})}
 
 
 def _run_memory(spec: dict) -> dict:

@@ -55,7 +55,12 @@ class Bench:
 
         self.torch = torch
         self.device = device
-        self.model = load_model(model_name, device=device) if isinstance(model_name, str) else model_name
+        if isinstance(model_name, str) and model_name.startswith("random:"):  # a random-init model of a real shape
+            from random_shapes import build
+
+            self.model = build(model_name, device=device)
+        else:
+            self.model = load_model(model_name, device=device) if isinstance(model_name, str) else model_name
         self.spec, self.info = probe_hooks(self.model)
         self.n_ref = max(1, n_seq // 2)
         # the tokens live where the model does: a CUDA timing never includes a host-to-device copy

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.hooks.capture import QKCapture, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
+from posgen_tl.hooks.stacking import Stacker, stack_captures, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
@@ -213,6 +214,16 @@ def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor 
     return sv if err <= SCORES_RTOL * float(ref.abs().max()) else None
 
 
+def _stacked_kbar(c: QKCapture, parts: Sequence[QKCapture], kind: str, kbar_of: Any) -> Tensor:
+    """The k̄ of kind ``kind`` of a capture ``c`` made of the layers ``parts`` (:func:`stack_captures`): ``kbar_of(kind,
+    c)`` for one layer or per sequence (each sequence's mean of the stack's own keys), else each layer's k̄ as
+    ``[batch, kv_head, d_head]``, side by side on the kv-head axis."""
+    if len(parts) == 1 or kind == "per_sequence":
+        return kbar_of(kind, c)
+    b, kv = c.k.shape[0], parts[0].k.shape[-2]
+    return torch.cat([kbar_batched(kbar_of(kind, x).to(c.k.device), b, kv) for x in parts], dim=1)
+
+
 # ----------------------------------------------------------------------------- runner
 
 
@@ -231,7 +242,7 @@ def k_mean_kinds(k_mean: Any) -> tuple[list[str], dict[int, Tensor] | Tensor | N
 def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: Any, layers: Sequence[int], *, sink: int,
                   batch_size: int, bound_rows: int, twin_label: str, model_label: str | None, progress: bool | str,
                   extra_hooks: Sequence = (), row_block: int = 0, w_from_scores: bool | None = None,
-                  chunk: int = -1) -> pd.DataFrame:
+                  chunk: int = -1, stack: int | None = None) -> pd.DataFrame:
     """D1/D2/D3 scores of every head of ``layers`` on ``windows`` in one streaming pass: one row per (layer, head,
     window, estimator, k̄ kind of ``kinds``, sink excluded or not) with :data:`COLUMNS` (score columns float64; ``seq``
     indexes ``windows``). ``k_means``: the given or global k̄ (one ``[kv_head, d_head]`` tensor or ``{layer: …}``);
@@ -241,7 +252,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     ``chunk``: the forward's query positions per chunk through the model's cache (:func:`posgen_tl.hooks.chunked.
     auto_chunk`: −1 = chunks of 512 beyond 2 048 tokens where the model's cached forward is verified, 0 = one whole
     forward); with chunks W is recomputed (below 2 048 tokens taking it from the whole forward's score hook costs
-    less than the chunks save)."""
+    less than the chunks save); ``stack``: layers scored together, stacked on the head axis (``None``:
+    :func:`stack_size` — one on the CPU, as many as a memory budget allows on a GPU, where each operation costs a
+    kernel launch whatever its size; the numbers are the same up to float rounding)."""
     spec, _ = probe_hooks(model)
     tokens = windows.tokens
     n = tokens.shape[1]
@@ -257,47 +270,35 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         km = k_means if isinstance(k_means, Tensor) else k_means[c.layer]
         return km
 
-    def emit(c, moments, bnd, est_kind: dict[str, str]) -> None:
-        b, h = c.q.shape[0], c.n_heads
-        seq = np.arange(b) + c.seq_offset
-        items = sorted(moments.items())
-        nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.q.device)
-        cols = []  # every score of these moments stacked on the device: one copy to the host, not one per score
-        for (s, est), m in items:
-            fit = scores(m, geoms_of(c)[s])
-            cols.append(torch.stack([fit[k].double() for k in ("r", "r2", "r_within")]
-                                    + [bnd[s][k].double() if est == "D3" else nan
-                                       for k in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds")]))
-        host = torch.stack(cols).cpu().numpy()  # [items, score, (b h)]
-        for ((s, est), _), vals in zip(items, host):
-            sc: dict[str, Any] = dict(zip(SCORE_COLUMNS, vals))
-            sc["head"] = np.tile(np.arange(h), b)
-            sc["seq"] = np.repeat(seq, h)
-            sc["doc"] = np.repeat(docs[seq], h)
-            sc.update(layer=c.layer, kind=c.rope.kind, estimator=est, sink_excluded=bool(s), k_mean=est_kind[est])
-            frames.append(sc)
+    def emit(c, moments, bnd, est_kind: dict[str, str], layer_ids: Sequence[int]) -> None:
+        frames.extend(_rows(c, moments, bnd, est_kind, layer_ids, geoms_of(c), docs))
 
     def geoms_of(c: QKCapture) -> dict[int, Geometry]:
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
     block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
     chunk = auto_chunk(model, n, chunk, extra_hooks, memory_only=True)  # below: W from the score hook is cheaper
-    use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model)) and not 0 < block < n
+    group = 1 if 0 < block < n else (stack_size(model, min(batch_size, len(tokens)) * n * n, len(layers)) if stack is None
+                                     else max(1, int(stack)))  # row blocks bound memory: one layer at a time
+    use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model) and group == 1) and not 0 < block < n
                 and not 0 < chunk < n and probe_hooks(model)[1].scores_kind != "absent")  # else W is recomputed
 
-    def on_layer(c: QKCapture) -> None:
+    on_layer = Stacker(lambda cs: score(stack_captures(cs) if len(cs) > 1 else cs[0], [x.layer for x in cs], cs),
+                        1 if use_hook else group, layers[-1])  # the score hook's W comes one layer at a time
+
+    def score(c: QKCapture, layer_ids: list[int], parts: list[QKCapture]) -> None:
         geoms = geoms_of(c)
         r = rows.to(c.q.device)
         q2 = _q2(c)
-        kbars = {kind: kbar_of(kind, c) for kind in kinds}  # each k̄ once per layer and batch
+        kbars = {kind: _stacked_kbar(c, parts, kind, kbar_of) for kind in kinds}
         bnds, w_rows = _bound_checks(c, kbars, r, geoms)
         if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
             fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbars[k]) for k in kinds}, n=n,
                                          nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
                                          sinks=sinks, block=block, device=c.q.device)
-            emit(c, fit_m, bnds[kinds[0]], {"D1": "none", "D2": "none"})
+            emit(c, fit_m, bnds[kinds[0]], {"D1": "none", "D2": "none"}, layer_ids)
             for kind in kinds:
-                emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
+                emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind}, layer_ids)
             return
         w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         if w is None:
@@ -308,11 +309,11 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             if t is None:  # the target (and its D1/D2 fits) do not depend on k̄
                 t = Target(w, geoms[0], bnd[0]["mu"].float(), cache)
                 del w
-                emit(c, all_fit_moments(t, geoms), bnd, {"D1": "none", "D2": "none"})
+                emit(c, all_fit_moments(t, geoms), bnd, {"D1": "none", "D2": "none"}, layer_ids)
             y = _y_map(c, q2, kbar, cache)  # the buffer W was in (copied into the target by now)
             moments = {(s, "D3"): m for s, m in d3_moments(t, y, geoms[0], sinks).items()}
             del y
-            emit(c, moments, bnd, {"D3": kind})
+            emit(c, moments, bnd, {"D3": kind}, layer_ids)
 
     stream_qk(model, tokens, on_layer, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
               progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk)
@@ -322,6 +323,34 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     df["layer_group"] = [layer_group(int(x), spec.n_layers) for x in df["layer"]]
     df[list(SCORE_COLUMNS)] = df[list(SCORE_COLUMNS)].astype(np.float64)  # exact through a checkpoint's CSV
     return _ordered(df)
+
+
+def _rows(c: QKCapture, moments: dict, bnd: dict, est_kind: dict[str, str], layer_ids: Sequence[int],
+          geoms: dict[int, Geometry], docs: np.ndarray) -> list[dict[str, Any]]:
+    """One column dict per ``(sink, estimator)`` of ``moments``: the scores of every map of ``c`` — one layer's
+    capture or several layers' stacked on the head axis (maps ordered (batch, layer, head)) — with their keys."""
+    b, h = c.q.shape[0], c.n_heads
+    h0 = h // len(layer_ids)
+    seq = np.arange(b) + c.seq_offset
+    items = sorted(moments.items())
+    nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.q.device)
+    cols = []  # every score of these moments stacked on the device: one copy to the host, not one per score
+    for (s, est), m in items:
+        fit = scores(m, geoms[s])
+        cols.append(torch.stack([fit[k].double() for k in ("r", "r2", "r_within")]
+                                + [bnd[s][k].double() if est == "D3" else nan
+                                   for k in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds")]))
+    host = torch.stack(cols).cpu().numpy()  # [items, score, (b h)]
+    out = []
+    for ((s, est), _), vals in zip(items, host):
+        sc: dict[str, Any] = dict(zip(SCORE_COLUMNS, vals))
+        sc["head"] = np.tile(np.arange(h0), b * len(layer_ids))
+        sc["layer"] = np.tile(np.repeat(np.asarray(layer_ids), h0), b)
+        sc["seq"] = np.repeat(seq, h)
+        sc["doc"] = np.repeat(docs[seq], h)
+        sc.update(kind=c.rope.kind, estimator=est, sink_excluded=bool(s), k_mean=est_kind[est])
+        out.append(sc)
+    return out
 
 
 def _ordered(df: pd.DataFrame) -> pd.DataFrame:

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Float
@@ -49,22 +48,18 @@ from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
+from posgen_tl.hooks.stacking import Stacker, split_state, stack_captures, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths.band_stats import (
     BandStats,
-    distance_weights,
-    pattern_scores,
-    predicted_d3_error,
-    stats_frame,
     within_row_spread,
     within_row_spread_qk,
 )
 from posgen_tl.maths.decompose import causal_mask
-from posgen_tl.maths.groups import band_group
+from posgen_tl.maths.pattern_frames import BAND_COLUMNS, HEAD_COLUMNS, layer_frames, pattern_frames
 from posgen_tl.maths.rho import SequenceBandSums
-from posgen_tl.maths.rope import LayerRope, kv_head_index, to_bands
-from posgen_tl.maths.taxonomy import frequency_centroid
+from posgen_tl.maths.rope import LayerRope
 from posgen_tl.report.text import fmt
 from posgen_tl.stats.pattern_tables import (  # noqa: F401 (the names stay importable here)
     SCORES,
@@ -87,104 +82,6 @@ __all__ = [
 #: rows longer than this many × d_head get the spread from block-Gram sums (O(n·d²), no n × n map;
 #: :func:`~posgen_tl.maths.band_stats.within_row_spread_qk`); shorter ones from the explicit map (cheaper there).
 _GRAM_FROM = 5
-
-BAND_COLUMNS = [
-    "model", "twin", "layer", "kind", "which", "head", "band", "band_group", "energy_share",
-    "rho_within", "rho_cross", "stability", "offset_ratio", "phase_concentration", "residual_rms", "energy", "period",
-]
-HEAD_COLUMNS = [
-    "model", "twin", "layer", "head", "kv_group", "logit_spread", "pred_d3_err_global", "pred_d3_err_per_sequence",
-    "blind_d3_err_global", "blind_d3_err_per_sequence",
-    "fast_key_rho_within", "fast_key_rho_cross", "fast_key_stability", "key_energy_centroid",
-    "legacy_pattern_score", "expected_bound",
-]
-
-
-def pattern_frames(
-    q_stats: BandStats,
-    k_stats: BandStats,
-    rope: LayerRope,
-    *,
-    layer: int,
-    max_distance: int,
-    model: str = "",
-    twin: str = "trained",
-    q_seq: SequenceBandSums | None = None,
-    k_seq: SequenceBandSums | None = None,
-    spread: tuple[Tensor, Tensor] | None = None,
-    k_global: Float[Tensor, "kv_head d_head"] | None = None,
-    sink: int = 0,
-    n_splits: int = 16,
-    seed: int = 0,
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The ``bands`` and ``heads`` rows of one layer from its accumulators.
-
-    ``q_seq``/``k_seq``: per-sequence sums (ρ forms; NaN columns if absent); ``spread``:
-    ``(Σ within-row squared deviations [head_index], n entries)`` of the logits; ``k_global``:
-    the reference k̄ (``pred_d3_err_global`` is NaN without it).
-
-    Returns:
-        ``(bands, heads)``: ``bands`` has :data:`BAND_COLUMNS`, ``(H + G) · n_bands`` rows
-        (q rows per query head, k rows per kv-group); ``heads`` has :data:`HEAD_COLUMNS`,
-        ``H`` rows (one per query head, key statistics taken from its kv-group).
-    """
-    period = (2 * math.pi / rope.theta).cpu().numpy()  # inf for a zero frequency
-    nb = k_stats.n_bands
-    parts, forms = [], {}
-    for which, st, seq in (("q", q_stats, q_seq), ("k", k_stats, k_seq)):
-        f = stats_frame(st, layer=layer, which=which, model=model, twin=twin)
-        f["kind"] = rope.kind
-        f["period"] = period[f["band"].to_numpy()]
-        f["band_group"] = [band_group(int(b), nb) for b in f["band"]]
-        nan = torch.full((st.n_heads, nb), float("nan"), dtype=torch.float64)
-        forms[which] = seq.forms(n_splits, seed) if seq is not None else {k: nan for k in ("rho_within", "rho_cross", "stability")}
-        for key in ("rho_within", "rho_cross", "stability"):
-            f[key] = forms[which][key].reshape(-1).cpu().numpy()
-        parts.append(f)
-    bands = pd.concat(parts, ignore_index=True)[BAND_COLUMNS]
-
-    H, G = q_stats.n_heads, k_stats.n_heads
-    legacy = pattern_scores(q_stats, k_stats, rope, max_distance, sink=sink)
-    group = kv_head_index(H, G)
-    fast = max(1, nb // 3)
-    nan_h = torch.full((H,), float("nan"), dtype=torch.float64)
-    if spread is not None:
-        sigma = torch.where(spread[1] > 0, (spread[0] / spread[1].clamp(min=1)).sqrt(), torch.nan)
-        w = distance_weights(rope, max_distance, sink=sink)
-        scale = rope.score_scale * rope.attention_scaling**2
-        q_e = q_seq.energy() if q_seq is not None else q_stats.energy().double().cpu()
-        res_seq = k_seq.within_residual_energy() if k_seq is not None else None
-        flat = torch.full_like(w, float(w.mean()))  # control: every band the same (mean) rotation weight
-
-        def pred(res: Tensor | None, weights: Tensor) -> Tensor:
-            return nan_h if res is None else predicted_d3_error(q_e, res, weights, sigma, scale)["pred_d3_err"]
-
-        per_seq, blind_seq = pred(res_seq, w), pred(res_seq, flat)
-        res_g = None
-        if k_global is not None:
-            kg = to_bands(k_global.double().cpu(), rope.rotary_dim, rope.layout)
-            res_g = (k_seq.residual_energy(kg) if k_seq is not None else
-                     (k_stats.energy().double().cpu() - 2 * (k_stats.mean_bands().cpu() * kg.conj()).real + kg.abs().square()))
-        glob, blind_g = pred(res_g, w), pred(res_g, flat)
-    else:
-        sigma, per_seq, glob, blind_seq, blind_g = nan_h, nan_h, nan_h, nan_h, nan_h
-    centroid = frequency_centroid(k_stats.energy_share()).cpu()[group]
-    fk = {key: torch.nanmean(forms["k"][key][:, :fast].double(), -1)[group].cpu().numpy() for key in ("rho_within", "rho_cross", "stability")}
-    heads = pd.DataFrame({
-        "model": model, "twin": twin, "layer": layer, "head": np.arange(H), "kv_group": group.cpu().numpy(),
-        "logit_spread": sigma.cpu().numpy(),
-        "pred_d3_err_global": glob.cpu().numpy(),
-        "pred_d3_err_per_sequence": per_seq.cpu().numpy(),
-        "blind_d3_err_global": blind_g.cpu().numpy(),
-        "blind_d3_err_per_sequence": blind_seq.cpu().numpy(),
-        "fast_key_rho_within": fk["rho_within"], "fast_key_rho_cross": fk["rho_cross"],
-        "fast_key_stability": fk["stability"],
-        "key_energy_centroid": centroid.cpu().numpy(),
-        "legacy_pattern_score": legacy["legacy_pattern_score"].cpu().numpy(),
-        "expected_bound": legacy["expected_bound"].cpu().numpy(),
-    })[HEAD_COLUMNS]
-    return bands, heads
-
 
 @dataclass
 class PatternResult:
@@ -233,20 +130,10 @@ class PatternResult:
         """Rebuild the frames and ``k̄`` from raw accumulator states (``sink``: the states' own by default)."""
         if sink is None:
             sink = int(next(iter(states.values())).get("sink", 0)) if states else 0
-        bands, heads, k_means = [], [], {}
-        for layer in sorted(states):
-            st = states[layer]
-            q = BandStats.from_state_dict(st["q"])
-            k = BandStats.from_state_dict(st["k"])
-            seqs = {w: SequenceBandSums.from_state_dict(st[f"{w}_seq"]) if st.get(f"{w}_seq") else None for w in ("q", "k")}
-            b, h = pattern_frames(q, k, ropes[layer], layer=layer, max_distance=max_distance, model=model, twin=twin,
-                                  q_seq=seqs["q"], k_seq=seqs["k"], spread=st.get("spread"),
-                                  k_global=st.get("k_global"), sink=sink, n_splits=n_splits)
-            bands.append(b)
-            heads.append(h)
-            k_means[layer] = k.mean().float()
-        return cls(model, twin, pd.concat(bands, ignore_index=True), pd.concat(heads, ignore_index=True),
-                   states, k_means, dict(ropes), max_distance, sink, n_splits)
+        bands, heads = layer_frames(states, ropes, max_distance=max_distance, model=model, twin=twin, sink=sink,
+                                    n_splits=n_splits)  # layers with one rope computed together
+        k_means = {layer: BandStats.from_state_dict(states[layer]["k"]).mean().float() for layer in sorted(states)}
+        return cls(model, twin, bands, heads, states, k_means, dict(ropes), max_distance, sink, n_splits)
 
     def merge(self, other: PatternResult) -> PatternResult:
         """The result of having streamed both corpora (same model, layers, settings and global k̄)."""
@@ -311,6 +198,7 @@ def feature_pattern(
     model_label: str | None = None,
     twin_label: str = "trained",
     progress: bool = True,
+    stack: int | None = None,
     **options: Any,
 ) -> PatternResult:
     """Per-band q/k statistics (ρ in three forms) and per-head pattern scores of ``model``.
@@ -329,6 +217,8 @@ def feature_pattern(
             are excluded from all statistics (and from the logit spread and rotation weights).
         model_label: the ``model`` column.
         twin_label: the ``twin`` column.
+        stack: layers accumulated together, stacked on the head axis (``None``: one on the CPU, on a GPU as many
+            as :func:`posgen_tl.hooks.stacking.stack_size` allows — the same sums up to float rounding).
 
     Returns:
         :class:`PatternResult`; rotation weights use ``max_distance = seq_len − 1``.
@@ -348,21 +238,21 @@ def feature_pattern(
     layers = base.resolve_layers(cfg.layers, spec.n_layers)
     if k_means is None and ref is not None:
         k_means = reference_key_means(model, ref, layers, sink=sink, batch_size=batch_size, progress=progress)
-    acc: dict[int, dict[str, Any]] = {}
-    for layer in layers:
-        lr = spec.layer(layer)
-        acc[layer] = {
-            "q": BandStats(spec.n_heads, spec.d_head, lr.rotary_dim, lr.layout),
-            "k": BandStats(spec.n_kv_heads, spec.d_head, lr.rotary_dim, lr.layout),
-            "q_seq": SequenceBandSums(spec.n_heads, lr.rotary_dim, lr.layout),
-            "k_seq": SequenceBandSums(spec.n_kv_heads, lr.rotary_dim, lr.layout),
-            "spread": (torch.zeros(spec.n_heads, dtype=torch.float64), torch.zeros((), dtype=torch.float64)),
-        }
+    acc: dict[tuple[int, ...], dict[str, Any]] = {}  # per stack of layers (one layer each on the CPU)
+
+    def accumulators(group: tuple[int, ...], dev: torch.device) -> dict[str, Any]:  # on the device: no copy per batch
+        lr, h, g = spec.layer(group[0]), spec.n_heads * len(group), spec.n_kv_heads * len(group)
+        return {"q": BandStats(h, spec.d_head, lr.rotary_dim, lr.layout, device=dev),
+                "k": BandStats(g, spec.d_head, lr.rotary_dim, lr.layout, device=dev),
+                "q_seq": SequenceBandSums(h, lr.rotary_dim, lr.layout), "k_seq": SequenceBandSums(g, lr.rotary_dim, lr.layout),
+                "spread": (torch.zeros(h, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.float64, device=dev))}
+
     keep = torch.arange(n_pos) >= sink  # [pos]
     docs = windows.doc_ids
 
-    def update(c: QKCapture) -> None:
-        a = acc[c.layer]
+    def update(cs: list[QKCapture]) -> None:  # layers stacked on the head axis (hooks/stacking.py)
+        c, group = stack_captures(cs) if len(cs) > 1 else cs[0], tuple(x.layer for x in cs)
+        a = acc[group] if group in acc else acc.setdefault(group, accumulators(group, c.q.device))
         mask = keep.to(c.q.device).expand(c.q.shape[0], -1)
         d = docs[c.seq_offset : c.seq_offset + c.q.shape[0]]
         a["q"].update(c.q, mask)
@@ -375,17 +265,22 @@ def feature_pattern(
         else:
             ss, n = within_row_spread(c.logits(), causal_mask(n_pos, sink=sink, sliding_window=c.rope.sliding_window,
                                                               device=c.q.device))
-        a["spread"] = (a["spread"][0] + ss.cpu(), a["spread"][1] + n.cpu())
+        a["spread"] = (a["spread"][0] + ss.to(a["spread"][0].device), a["spread"][1] + n.to(a["spread"][1].device))
 
+    group = stack_size(model, min(batch_size, len(tokens)) * n_pos * n_pos, len(layers)) if stack is None else stack
     desc = f"pattern {twin_label}" if progress else False
     # beyond 2 048 tokens the forward runs in chunks through the model's cache where verified (no [heads, n, n] scores)
-    stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc, chunk=auto_chunk(model, n_pos))
-    states = {}
-    for layer, d in acc.items():
-        states[layer] = {w: d[w].state_dict() for w in ("q", "k", "q_seq", "k_seq")}
-        states[layer]["spread"] = d["spread"]
-        states[layer]["k_global"] = None if k_means is None else k_means[layer].double().cpu()
-        states[layer]["sink"] = sink
+    stream_qk(model, tokens, Stacker(update, group, layers[-1]), layers, batch_size=batch_size, progress=desc,
+              chunk=auto_chunk(model, n_pos))
+    states: dict[int, dict[str, Any]] = {}
+    for grp, d in acc.items():  # the sums come to the CPU once, at the end, cut into each layer's
+        parts = {w: split_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in d[w].state_dict().items()},
+                                len(grp), 1 if w.endswith("_seq") else 0) for w in ("q", "k", "q_seq", "k_seq")}
+        spread = torch.chunk(d["spread"][0].cpu(), len(grp))
+        for i, layer in enumerate(grp):
+            states[layer] = {w: parts[w][i] for w in parts} | {"spread": (spread[i].clone(), d["spread"][1].cpu()),
+                             "k_global": None if k_means is None else k_means[layer].double().cpu(), "sink": sink}
+    states = {layer: states[layer] for layer in sorted(states)}
     ropes = {layer: spec.layer(layer) for layer in layers}
     return PatternResult.from_states(states, ropes, max_distance=max(1, n_pos - 1), model=model_label or _model_label(model),
                                      twin=twin_label, sink=sink, n_splits=cfg.n_splits)

@@ -122,9 +122,11 @@ def auto_chunk(model: Any, n: int, chunk: int = -1, extra_hooks: Sequence = (), 
     ``⌈n/4⌉`` from :data:`CHUNK_FROM` tokens on — else 0. ``memory_only``: for an analysis that would pay for the
     chunks elsewhere (the decomposition takes its logits from the whole forward's score hook). A model that fails the
     check gets one whole forward (exact), with a warning beyond :data:`CHUNK_ABOVE` tokens, where that forward's
-    memory grows as n²."""
+    memory grows as n². On a GPU chunks only ever save memory (each chunk's forward costs as many kernel launches
+    as a whole one), so there ``memory_only`` always holds."""
     if chunk >= 0:
         return chunk
+    memory_only = memory_only or model_device(model).type != "cpu"
     if n < (CHUNK_ABOVE + 1 if memory_only else CHUNK_FROM) or extra_hooks:
         return 0
     try:

@@ -240,23 +240,12 @@ class _Grab:
         if h in (info.q_hook, info.k_hook):
             x = pre_rotation(self.model, info, layer, "q" if h == info.q_hook else "k", x, pos.shape[0], pos.shape[1],
                              spec.d_head)
-        x = x.float()
-        # a sum of finite values is finite unless it overflows (then the exact test below runs): one reduction,
-        # no [batch, pos, head, d_head] boolean temporary per hook
-        if h not in ("hook_attn_scores", "hook_pattern") and not math.isfinite(float(x.sum())) \
-                and not bool(torch.isfinite(x).all()):
-            bad = int((~torch.isfinite(x)).sum())
-            raise CaptureError(
-                f"{spec.model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{layer}.attn.{h} "
-                f"(batch {self.b_idx}); the model's activations overflowed or the weights are corrupted — "
-                "refusing to compute statistics from them"
-            )
-        d[h] = x
+        d[h] = x.float()
         if len(d) < len(self.need):
             return
         lr = live_rope(self.model, spec, layer, spec.layer(layer).for_positions(pos))
         cap = _make_capture(layer, d, lr, info, pos, self.b_idx, self.offset)
-        self_check(cap, self.rot_tol, spec.model_name)
+        _check_layer(cap, d, self.rot_tol, spec.model_name, self.b_idx)
         if self.with_tables:
             _attach_table(self.model, cap, d, info)
         del self.store[layer]
@@ -302,6 +291,51 @@ def rotation_tolerance(dtype: torch.dtype) -> float:
     return max(ROT_RTOL, 8 * eps)
 
 
+def _check_layer(cap: QKCapture, hooks: dict[str, Tensor], rel_tol: float, model_name: str, b_idx: int) -> None:
+    """The checks of one layer's capture with ONE read from the device (on a GPU each read waits for the queue):
+    every captured q/k hook finite and, where the model's rotated q/k fired, :func:`self_check`'s comparison.
+
+    Raises :class:`CaptureError` as they do (non-finite values name the hook, the layer and the batch)."""
+    names = [h for h in hooks if h not in ("hook_attn_scores", "hook_pattern")]
+    # a sum of finite values is finite unless it overflows (then the exact test runs): one reduction per hook,
+    # no [batch, pos, head, d_head] boolean temporary
+    parts = [torch.stack([hooks[h].sum() for h in names])] if names else []
+    if cap.rot_source == "hook":
+        parts.append(_rotation_errors(cap))
+    vals = torch.cat(parts).tolist() if parts else []
+    for h, v in zip(names, vals):
+        if not math.isfinite(v) and not bool(torch.isfinite(hooks[h]).all()):
+            bad = int((~torch.isfinite(hooks[h])).sum())
+            raise CaptureError(
+                f"{model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{cap.layer}.attn.{h} "
+                f"(batch {b_idx}); the model's activations overflowed or the weights are corrupted — "
+                "refusing to compute statistics from them"
+            )
+    if cap.rot_source == "hook":
+        _raise_if_rotation_differs(cap, vals[len(names):], rel_tol, model_name)
+
+
+def _rotation_errors(cap: QKCapture) -> Tensor:
+    """``[err_q, ref_q, err_k, ref_k]`` on the device: the largest |our rotation − the model's| and |the model's|."""
+    out = []
+    for pre, rot in ((cap.q, cap.rot_q), (cap.k, cap.rot_k)):
+        out += [(rotate(pre, cap.positions, cap.rope) - rot).abs().amax(), rot.abs().amax()]
+    return torch.stack(out).to(torch.float32)
+
+
+def _raise_if_rotation_differs(cap: QKCapture, errs: list[float], rel_tol: float, model_name: str) -> None:
+    rels = [err / ref if ref > 0 else err for err, ref in (errs[0:2], errs[2:4])]
+    worst = math.nan if any(math.isnan(r) for r in rels) else max(rels)
+    if not worst <= rel_tol:
+        raise CaptureError(
+            f"{model_name} layer {cap.layer}: the rotation the spec gives ({cap.rope.kind}, positions "
+            f"{int(cap.positions.min())}…{int(cap.positions.max())}) differs from the model's own hook_rot_q/hook_rot_k "
+            f"by {worst:.3g} (relative; tolerance {rel_tol:g}); refusing to compute from q/k whose rotation is not "
+            "the model's — a RoPE variant whose frequencies depend on the position ids or the length, or a hook "
+            "that changed the rotated q/k without the positions"
+        )
+
+
 def self_check(cap: QKCapture, rel_tol: float, model_name: str = "model") -> None:
     """Raise :class:`CaptureError` unless the spec's rotation of the captured pre-rotation q/k at the
     capture's positions reproduces the model's own rotated q/k (``hook_rot_q``/``hook_rot_k``) within
@@ -313,20 +347,7 @@ def self_check(cap: QKCapture, rel_tol: float, model_name: str = "model") -> Non
     another hook without the positions) an error instead of wrong numbers."""
     if cap.rot_source != "hook":
         return
-    rels = []
-    for pre, rot in ((cap.q, cap.rot_q), (cap.k, cap.rot_k)):
-        ref = float(rot.abs().max())
-        err = float((rotate(pre, cap.positions, cap.rope) - rot).abs().max())
-        rels.append(err / ref if ref > 0 else err)
-    worst = math.nan if any(math.isnan(r) for r in rels) else max(rels)
-    if not worst <= rel_tol:
-        raise CaptureError(
-            f"{model_name} layer {cap.layer}: the rotation the spec gives ({cap.rope.kind}, positions "
-            f"{int(cap.positions.min())}…{int(cap.positions.max())}) differs from the model's own hook_rot_q/hook_rot_k "
-            f"by {worst:.3g} (relative; tolerance {rel_tol:g}); refusing to compute from q/k whose rotation is not "
-            "the model's — a RoPE variant whose frequencies depend on the position ids or the length, or a hook "
-            "that changed the rotated q/k without the positions"
-        )
+    _raise_if_rotation_differs(cap, _rotation_errors(cap).tolist(), rel_tol, model_name)
 
 
 def _make_capture(layer, d, lr, info, pos, b_idx, offset) -> QKCapture:

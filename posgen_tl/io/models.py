@@ -247,14 +247,17 @@ def load_model(
     device_map: str | dict | None = None,
     backend: str = "bridge",
     unchecked: bool = False,
+    tokenizer: Any = None,
 ):
     """Return a ``TransformerBridge`` (or ``HookedTransformer``) for a zoo name, a hub name /
     local folder, or a model.
 
     Args:
         name_or_model: ``"smollm2-135m"`` (default), ``"gemma3-270m"``, any name
-            TransformerLens can boot (needs a hub or a local HF folder), or an
-            already-built model exposing the standard hook names (returned as is).
+            TransformerLens can boot (needs a hub or a local HF folder), an
+            already-built model exposing the standard hook names (returned as is), or a Hugging Face
+            causal LM in memory (``transformers.PreTrainedModel``: bridged as a loaded one is, in its own
+            dtype, moved to ``device``; give its ``tokenizer`` to analyse text).
         device: torch device for the whole model (default ``"cpu"``; not with ``device_map``).
         dtype: parameter dtype (float32 recommended; analyses run in float32/64 anyway;
             ``torch.bfloat16`` halves the memory of a big model).
@@ -278,7 +281,7 @@ def load_model(
             TransformerLens 4.x or with a ``device_map``.
     """
     model = _load(name_or_model, device=device, dtype=dtype, use_cache=use_cache, verbose=verbose,
-                  device_map=device_map, backend=backend)
+                  device_map=device_map, backend=backend, tokenizer=tokenizer)
     if unchecked:
         from posgen_tl.hooks.gate import allow_unchecked  # noqa: PLC0415
 
@@ -286,8 +289,17 @@ def load_model(
     return model
 
 
+def _is_hf_causal_lm(obj: Any) -> bool:
+    """A ``transformers.PreTrainedModel`` (not yet a TransformerLens model)."""
+    try:
+        from transformers import PreTrainedModel  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(obj, PreTrainedModel) and not hasattr(obj, "hook_dict")
+
+
 def _load(name_or_model: Any, *, device: str | None, dtype: torch.dtype, use_cache: bool, verbose: bool,
-          device_map: str | dict | None, backend: str) -> Any:
+          device_map: str | dict | None, backend: str, tokenizer: Any = None) -> Any:
     if backend not in BACKENDS:
         raise ModelLoadError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     if device_map is not None and device is not None:
@@ -296,6 +308,11 @@ def _load(name_or_model: Any, *, device: str | None, dtype: torch.dtype, use_cac
         raise ModelLoadError("backend='hooked' builds a HookedTransformer on one device; device_map is for bridges")
     if device_map is None and device is None:
         device = "cpu"
+    if not isinstance(name_or_model, (str, os.PathLike)) and _is_hf_causal_lm(name_or_model):
+        if backend != "bridge" or device_map is not None:
+            raise ModelLoadError("a Hugging Face model in memory is bridged on one device (backend='bridge', device=)")
+        cfg = name_or_model.config
+        return _boot(name_or_model.eval(), tokenizer, str(getattr(cfg, "name_or_path", "") or cfg.model_type), device)
     if not isinstance(name_or_model, (str, os.PathLike)):
         if not hasattr(name_or_model, "hook_dict") and not hasattr(name_or_model, "run_with_hooks"):
             raise ModelLoadError(

@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["Band", "DIRECT_MAX", "Direct", "band", "band_of_mask", "direct", "gram_matvec", "gram_diagonal", "null_basis",
+__all__ = ["Band", "DIRECT_MAX", "DIRECT_MAX_GPU", "Direct", "band", "band_of_mask", "direct", "gram_matvec", "gram_diagonal", "null_basis",
            "solve", "row_sums_a", "row_sums_c"]  # fmt: skip
 
 #: relative residual ‖XᵀXβ − r‖ / ‖r‖ at which :func:`solve` stops (float64 rounding sits near 1e-15)
@@ -212,6 +212,9 @@ class Direct:
 #: the largest ``n`` whose solve is direct (:class:`Direct`; beyond it conjugate gradients, O(n) memory): at 1 024 tokens
 #: the direct step saves little (`benchmarks/bench_fits.py`: 18 vs 25 ms for 36 D1 maps) for a 0.6 s build per mask
 DIRECT_MAX = 768
+#: the same limit on a GPU, where the O(n³) build takes milliseconds and conjugate gradients pay a host
+#: synchronisation per step: direct up to 2 048 tokens (operators 0.4 GB per mask there), beyond it O(n) memory
+DIRECT_MAX_GPU = 2048
 
 
 def direct(bd: Band, three_axis: bool, device: torch.device | str = "cpu") -> Direct:

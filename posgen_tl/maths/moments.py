@@ -21,7 +21,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.maths.additive import DIRECT_MAX, Band, band, direct, row_sums_a, row_sums_c, solve
+from posgen_tl.maths.additive import DIRECT_MAX, DIRECT_MAX_GPU, Band, band, direct, row_sums_a, row_sums_c, solve
 from posgen_tl.maths.decompose import causal_mask, normal_system
 
 _RIDGE, _REFINE = 1e-6, 3  # fit_additive's defaults
@@ -54,11 +54,13 @@ class Geometry:
 
     def solve(self, rhs: Tensor, three_axis: bool) -> Tensor:
         """The fit's parameters ``[maps, p]`` from ``rhs = Xᵀx`` (min-norm least squares): up to
-        :data:`posgen_tl.maths.additive.DIRECT_MAX` tokens by the direct Schur solve (its operators built once per
-        mask and kept), beyond by conjugate gradients (O(n) memory); both to the same stated tolerance."""
+        :data:`posgen_tl.maths.additive.DIRECT_MAX` tokens (:data:`~posgen_tl.maths.additive.DIRECT_MAX_GPU` on a GPU)
+        by the direct Schur solve (its operators built once per mask and kept), beyond by conjugate gradients (O(n)
+        memory); both to the same stated tolerance."""
         if not self.band.structured:
             return rhs @ self.ops[three_axis].T
-        if self.n <= DIRECT_MAX and three_axis not in self.direct:
+        limit = DIRECT_MAX if self.device.type == "cpu" else DIRECT_MAX_GPU
+        if self.n <= limit and three_axis not in self.direct:
             try:
                 self.direct[three_axis] = direct(self.band, three_axis, self.device)
             except torch.linalg.LinAlgError:  # not positive definite after all: conjugate gradients alone

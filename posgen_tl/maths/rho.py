@@ -54,10 +54,62 @@ class SequenceBandSums:
             raise ValueError(f"unknown layout {layout!r}; use 'half' or 'adjacent'")
         self.n_heads, self.rotary_dim, self.layout = n_heads, rotary_dim, layout
         nb = rotary_dim // 2
-        self.doc = torch.zeros(0, dtype=torch.int64)
-        self.n = torch.zeros(0, dtype=torch.int64)
-        self.sum_z = torch.zeros(0, n_heads, nb, dtype=torch.complex128)
-        self.sum_abs2 = torch.zeros(0, n_heads, nb, dtype=torch.float64)
+        self._pending: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # updates still on their device
+        self._doc = torch.zeros(0, dtype=torch.int64)
+        self._n = torch.zeros(0, dtype=torch.int64)
+        self._sum_z = torch.zeros(0, n_heads, nb, dtype=torch.complex128)
+        self._sum_abs2 = torch.zeros(0, n_heads, nb, dtype=torch.float64)
+
+    def _flush(self) -> None:
+        """Bring the updates still on their device to the CPU state, one copy per field (a GPU stream pays one
+        wait for all its batches, not one per update)."""
+        if not self._pending:
+            return
+        parts, self._pending = self._pending, []
+        for i, key in enumerate(_STATE_KEYS):
+            new = torch.cat([p[i].to(getattr(self, "_" + key).device) for p in parts]) if i == 0 else \
+                torch.cat([p[i] for p in parts]).cpu()
+            setattr(self, "_" + key, torch.cat([getattr(self, "_" + key), new]))
+
+    @property
+    def doc(self) -> Tensor:
+        self._flush()
+        return self._doc
+
+    @doc.setter
+    def doc(self, v: Tensor) -> None:
+        self._flush()
+        self._doc = v
+
+    @property
+    def n(self) -> Tensor:
+        self._flush()
+        return self._n
+
+    @n.setter
+    def n(self, v: Tensor) -> None:
+        self._flush()
+        self._n = v
+
+    @property
+    def sum_z(self) -> Tensor:
+        self._flush()
+        return self._sum_z
+
+    @sum_z.setter
+    def sum_z(self, v: Tensor) -> None:
+        self._flush()
+        self._sum_z = v
+
+    @property
+    def sum_abs2(self) -> Tensor:
+        self._flush()
+        return self._sum_abs2
+
+    @sum_abs2.setter
+    def sum_abs2(self, v: Tensor) -> None:
+        self._flush()
+        self._sum_abs2 = v
 
     @property
     def n_bands(self) -> int:
@@ -84,10 +136,8 @@ class SequenceBandSums:
         if tuple(keep.shape) != tuple(x.shape[:2]):
             raise ValueError(f"mask has shape {tuple(keep.shape)}; expected {tuple(x.shape[:2])}")
         w = keep.double()[..., None, None]
-        self.doc = torch.cat([self.doc, docs])
-        self.n = torch.cat([self.n, keep.sum(1).cpu().long()])
-        self.sum_z = torch.cat([self.sum_z, (z * w).sum(1).cpu()])
-        self.sum_abs2 = torch.cat([self.sum_abs2, ((z.real.square() + z.imag.square()) * w).sum(1).cpu()])
+        # kept on x's device until read (:meth:`_flush`): no copy to the host per batch and layer
+        self._pending.append((docs, keep.sum(1).long(), (z * w).sum(1), ((z.real.square() + z.imag.square()) * w).sum(1)))
 
     def merge(self, other: SequenceBandSums) -> SequenceBandSums:
         """A new accumulator holding both sets of sequences (inputs unchanged)."""
@@ -134,16 +184,12 @@ class SequenceBandSums:
         docs = torch.unique(self.doc[self.n > 0])
         if docs.numel() < 2:
             return torch.full(self.sum_z.shape[1:], torch.nan, dtype=torch.float64)
-        gen = torch.Generator().manual_seed(30_011 + int(seed))
-        acc = torch.zeros(self.sum_z.shape[1:], dtype=torch.float64)
-        for _ in range(max(1, n_splits)):
-            perm = docs[torch.randperm(docs.numel(), generator=gen)]
-            half_a = torch.isin(self.doc, perm[: docs.numel() // 2])
-            half_b = torch.isin(self.doc, perm[docs.numel() // 2 :])
-            za = self.sum_z[half_a].sum(0) / self.n[half_a].sum().double()
-            zb = self.sum_z[half_b].sum(0) / self.n[half_b].sum().double()
-            acc += (za * zb.conj()).real
-        return acc / max(1, n_splits)
+        half_a, half_b = _halves(tuple(docs.tolist()), tuple(self.doc.tolist()), max(1, n_splits), int(seed))
+        flat = self.sum_z.reshape(len(self.doc), -1)  # [seq, head·band]
+        n = self.n.double()
+        za = (half_a.to(flat.dtype) @ flat) / (half_a @ n)[:, None]  # [split, head·band]: each half's token mean
+        zb = (half_b.to(flat.dtype) @ flat) / (half_b @ n)[:, None]
+        return (za * zb.conj()).real.mean(0).reshape(self.sum_z.shape[1:])
 
     def rho_cross(self, n_splits: int = 16, seed: int = 0) -> Float[Tensor, "head_index band"]:
         """Cross-fitted ``Re⟨z̄_A, z̄_B⟩ / E|z|²`` (document halves; may be < 0)."""
@@ -189,6 +235,28 @@ class SequenceBandSums:
     def __repr__(self) -> str:
         return (f"SequenceBandSums(n_heads={self.n_heads}, rotary_dim={self.rotary_dim}, layout={self.layout!r}, "
                 f"n_seq={self.n_seq}, n_docs={int(torch.unique(self.doc).numel())})")
+
+
+_HALVES: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _halves(docs: tuple[int, ...], seq_docs: tuple[int, ...], n_splits: int, seed: int) -> tuple[Tensor, Tensor]:
+    """The ``n_splits`` seeded random halvings of the documents ``docs`` as float64 ``[split, seq]`` indicators of
+    the sequences (``seq_docs``) in half A and in half B — the splits of :meth:`SequenceBandSums.cross_offset`,
+    drawn once per (documents, splits, seed): every layer and q/k of a run shares them."""
+    key = (docs, seq_docs, n_splits, seed)
+    if key not in _HALVES:
+        if len(_HALVES) > 64:
+            _HALVES.clear()
+        gen = torch.Generator().manual_seed(30_011 + seed)
+        d, sd = torch.tensor(docs), torch.tensor(seq_docs, dtype=torch.int64)
+        a, b = [], []
+        for _ in range(n_splits):
+            perm = d[torch.randperm(len(docs), generator=gen)]
+            a.append(torch.isin(sd, perm[: len(docs) // 2]))
+            b.append(torch.isin(sd, perm[len(docs) // 2 :]))
+        _HALVES[key] = torch.stack(a).double(), torch.stack(b).double()
+    return _HALVES[key]
 
 
 def rho_forms(

@@ -154,6 +154,26 @@ class LayerRope:
         )
 
 
+def _same_tensor(a: Tensor | None, b: Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+
+
+def _shared_rope(lr: LayerRope, seen: list[LayerRope]) -> LayerRope:
+    """``lr``, or an earlier :class:`LayerRope` of ``seen`` equal to it in every field (tensors compared exactly)."""
+    for other in seen:
+        if other is lr or (all(getattr(lr, f.name) == getattr(other, f.name) for f in dataclasses.fields(LayerRope)
+                                if f.name not in _TENSOR_FIELDS)
+                           and all(_same_tensor(getattr(lr, f), getattr(other, f)) for f in _TENSOR_FIELDS)):
+            return other
+    seen.append(lr)
+    return lr
+
+
+_TENSOR_FIELDS = ("inv_freq", "angle_divisor", "long_inv_freq")
+
+
 @dataclass(frozen=True)
 class RopeSpec:
     """RoPE of a whole model: one :class:`LayerRope` per layer plus the head geometry.
@@ -182,6 +202,10 @@ class RopeSpec:
             raise RopeError(
                 f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
             )
+        # layers with an equal rope share ONE object (checked once, here): what is computed per rope — a rotation
+        # table, a stack of layers scored together — is then recognised by identity, with no device read per use
+        shared: list[LayerRope] = []
+        object.__setattr__(self, "layers", tuple(_shared_rope(lr, shared) for lr in self.layers))
 
     def layer(self, layer: int) -> LayerRope:
         """The :class:`LayerRope` of ``layer`` (``-1`` is the last layer).
@@ -319,15 +343,30 @@ def from_bands(
     return rot
 
 
+#: the last few rotation tables (:func:`_cos_sin`): every layer of a batch rotates at the same positions with an
+#: equal rope, so on a GPU the table's dozen kernel launches (and the frequencies' copy to the device) run once per
+#: batch instead of once per layer and tensor. Keyed by the objects themselves (held, so an id is never reused) and
+#: the positions' version counter (an in-place change of the positions is never served a stale table).
+_TABLES: list[tuple[tuple, tuple[Tensor, Tensor]]] = []
+_TABLES_MAX = 8
+
+
 def _cos_sin(
     positions: Tensor, rope: LayerRope, dtype: torch.dtype, sign: float = 1.0
 ) -> tuple[Tensor, Tensor]:
+    key = (positions, positions._version, rope, dtype, sign)
+    for k, v in _TABLES:
+        if k[0] is positions and k[1] == positions._version and k[2] is rope and k[3] == dtype and k[4] == sign:
+            return v
     ang = angles(positions, rope)
     if sign != 1.0:
         ang = ang * sign
     cos = ang.cos() * rope.attention_scaling
     sin = ang.sin() * rope.attention_scaling
-    return cos.to(dtype), sin.to(dtype)
+    out = cos.to(dtype), sin.to(dtype)
+    _TABLES.insert(0, (key, out))
+    del _TABLES[_TABLES_MAX:]
+    return out
 
 
 def _apply(x: Tensor, cos: Tensor, sin: Tensor, rope: LayerRope) -> Tensor:

@@ -60,6 +60,34 @@ def test_random_twin_lands_on_the_models_device():
     assert {p.device.type for p in twin.parameters()} == {"meta"}
 
 
+def test_a_hugging_face_model_in_memory_is_bridged_checked_and_analysable():
+    """``load_model(hf_model, tokenizer=)``: an in-memory HF causal LM becomes a bridge whose logits are the HF
+    model's own, whose exactness check passes on every layer, and whose tokenizer tokenizes text."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posgen_tl.experiments.exactness import exactness_table
+    from posgen_tl.io.corpus import corpus_tokens
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                      intermediate_size=64, vocab_size=100, max_position_embeddings=128,
+                      rope_parameters={"rope_theta": 1000.0, "rope_type": "default"})
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).eval()
+    toks = torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(toks).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model(hf, tokenizer=tm.tiny_tokenizer())
+    with torch.no_grad():
+        got = model(toks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert exactness_table(model, toks)["passed"].all()
+    assert corpus_tokens(model, None, seq_len=16, n_seq=2).shape == (2, 16)
+    with pytest.raises(ModelLoadError, match="one device"):
+        load_model(LlamaForCausalLM(cfg), device_map="cpu")
+
+
 def test_device_and_device_map_are_exclusive(tiny_folder):
     with pytest.raises(ModelLoadError, match="not both"):
         load_model(str(tiny_folder), device="cpu", device_map="auto")

@@ -258,6 +258,43 @@ def test_row_blocks_give_the_whole_maps_scores(tiny, block):
     assert_same_scores(whole, streamed, rtol=1e-6)
 
 
+@pytest.mark.parametrize("stack", [2, 64])
+def test_layers_stacked_on_the_head_axis_give_each_layers_scores(tiny, stack, monkeypatch):
+    """On a GPU the scoring stacks layers on the head axis (one set of kernels for many layers): forced here on the
+    CPU, every score equals the one-layer-at-a-time run's (W recomputed instead of read from the score hook: float32
+    rounding), with each row's layer and head where they belong — stacks of 2 (a partial last stack) and of every
+    layer; Gemma3's local and global layers (other windows and frequencies) never share a stack."""
+    from posgen_tl.engine import decompose_scores as D
+
+    one = _run(tiny)
+    seen: list[tuple[int, ...]] = []
+    real = D.stack_captures
+
+    def spy(cs):
+        seen.append(tuple(c.layer for c in cs))
+        return real(cs)
+
+    monkeypatch.setattr(D, "stack_size", lambda *a: stack)
+    monkeypatch.setattr(D, "stack_captures", spy)
+    stacked = _run(tiny)
+    assert_same_scores(one, stacked, rtol=1e-5)
+    spec, _ = probe_hooks(tiny)
+    assert seen and all(1 < len(g) <= stack for g in seen)
+    for g in seen:  # one rope and window per stack
+        assert len({(spec.layer(i).sliding_window, spec.layer(i).kind) for i in g}) == 1
+
+
+def test_stack_size_is_one_on_the_cpu_and_bounded_on_a_gpu(monkeypatch):
+    from posgen_tl.hooks import stacking as S
+
+    model = tm.hf_llama(n_layers=3)[0]
+    assert S.stack_size(model, 4 * 512 * 512, 30) == 1
+    monkeypatch.setattr(S, "model_device", lambda m: torch.device("meta"))  # not the CPU, not CUDA: the budget alone
+    heads = probe_hooks(model)[0].n_heads
+    assert S.stack_size(model, 4 * 512 * 512, 30) == min(30, S.STACK_ENTRIES // (4 * heads * 512 * 512))
+    assert S.stack_size(model, 2**30, 30) == 1  # a map beyond the budget: still one layer, never zero
+
+
 def test_long_sequences_stream_by_default(monkeypatch):
     """Past STREAM_ABOVE tokens the runner takes the row-block path without being asked (and only then)."""
     from posgen_tl.engine import decompose_scores as dm

@@ -281,3 +281,29 @@ def test_real_smollm2_ranges(smollm2, smollm2_tokens):
     assert res.heads["legacy_pattern_score"].between(0, 1).all()
     assert (res.heads["pred_d3_err_per_sequence"] > 0).all()
     assert res.n_tokens == 2 * 63
+
+
+@pytest.mark.parametrize("stack", [2, 64])
+def test_layers_stacked_on_the_head_axis_give_each_layers_statistics(stack):
+    """On a GPU the feature statistics accumulate layers stacked on the head axis; forced here on the CPU, every
+    band and head row equals the one-layer-at-a-time run's (float rounding), Gemma3's local and global layers
+    apart, and the raw states cut back per layer hold the same sums."""
+    import numpy as np
+    import pandas as pd
+
+    from posgen_tl.experiments.pattern import feature_pattern
+
+    for model in (tm.hf_llama(n_layers=3)[0], tm.hf_gemma3()[0]):
+        toks = torch.randint(3, 90, (5, 20), generator=torch.Generator().manual_seed(0))
+        one = feature_pattern(model, toks[:3], reference=toks[3:], batch_size=2, progress=False)
+        got = feature_pattern(model, toks[:3], reference=toks[3:], batch_size=2, progress=False, stack=stack)
+        for a, b in ((one.bands, got.bands), (one.heads, got.heads)):
+            assert list(a.columns) == list(b.columns) and len(a) == len(b)
+            num = [c for c in a.columns if pd.api.types.is_float_dtype(a[c])]
+            pd.testing.assert_frame_equal(a.drop(columns=num), b.drop(columns=num))
+            np.testing.assert_allclose(b[num].to_numpy(float), a[num].to_numpy(float), rtol=1e-6, atol=1e-9,
+                                       equal_nan=True)
+            assert np.isfinite(a[num].to_numpy(float)).mean() > 0.5
+        for layer, st in one.states.items():
+            assert got.states[layer]["q"]["sum_x"].shape == st["q"]["sum_x"].shape
+            torch.testing.assert_close(got.states[layer]["k_seq"]["sum_z"], st["k_seq"]["sum_z"])

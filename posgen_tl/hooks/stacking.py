@@ -1,0 +1,93 @@
+"""Layers stacked on the head axis: on a GPU an analysis that runs the same small operations on every layer pays a
+kernel launch per operation whatever its size, so layers that share shapes, positions and rope are processed together
+as ONE capture whose heads are the layers' heads (:func:`stack_captures`), a few at a time (:func:`stack_size`;
+:class:`Stacker` is the per-layer callback that gathers them). On the CPU one layer at a time is as fast and keeps
+memory one layer's. Used by the decomposition's scoring and the feature statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posgen_tl.hooks.capture import QKCapture, model_device, probe_hooks
+
+__all__ = ["STACK_ENTRIES", "Stacker", "split_state", "stack_captures", "stack_size"]
+
+#: on a GPU, the largest stack of layers processed together: its largest float32 buffer (the decomposition keeps about
+#: six map-sized ones: W, the target's padded copy, ``f + g``) holds at most this many entries, and 1/32 of free memory
+STACK_ENTRIES = 2**29
+
+
+def stack_size(model: Any, per_head: int, n_layers: int) -> int:
+    """How many layers an analysis processes at once (stacked on the head axis, :func:`stack_captures`): 1 on the
+    CPU (a layer is computed as fast alone; memory stays one layer's), else as many of ``n_layers`` as keep a
+    stack's largest float32 buffer — ``per_head`` entries per head, e.g. ``batch·n²`` for a logit map — within
+    :data:`STACK_ENTRIES` entries and 1/32 of the device's free memory: on a GPU the time of small per-layer
+    operations is kernel launches, the same for one layer or thirty."""
+    dev = model_device(model)
+    if dev.type == "cpu":
+        return 1
+    per_layer = max(1, per_head * probe_hooks(model)[0].n_heads)
+    budget = STACK_ENTRIES
+    if dev.type == "cuda":
+        budget = min(budget, torch.cuda.mem_get_info(dev)[0] // (4 * 32))
+    return max(1, min(n_layers, budget // per_layer))
+
+
+def _stack_key(c: QKCapture) -> tuple:
+    """What layers stacked together must share: shapes, the positions and the rope — the same objects (a model's
+    :class:`~posgen_tl.maths.rope.RopeSpec` gives layers with equal ropes one object; a rope made per forward, as
+    dynamic NTK's, is never stacked)."""
+    return tuple(c.q.shape), tuple(c.k.shape), id(c.positions), id(c.rope)
+
+
+def stack_captures(cs: Sequence[QKCapture]) -> QKCapture:
+    """Layers ``cs`` (same batch, shapes and rope: :func:`_stack_key`) as ONE capture whose heads are the layers'
+    heads in order: ``q``/``rot_q`` ``[batch, pos, layers·heads, d_head]``, ``k``/``rot_k`` ``[batch, pos,
+    layers·kv_heads, d_head]`` — query head ``L·H + h`` reads kv-head ``L·G + h // (H/G)``, the grouping every
+    scoring function already uses. ``layer`` is the first layer's; no scores (W is recomputed)."""
+    c0 = cs[0]
+
+    def cat(name: str) -> Tensor:
+        return torch.cat([getattr(c, name) for c in cs], dim=2)
+
+    return QKCapture(layer=c0.layer, q=cat("q"), k=cat("k"), rot_q=cat("rot_q"), rot_k=cat("rot_k"),
+                     positions=c0.positions, rope=c0.rope, rot_source=c0.rot_source, batch_index=c0.batch_index,
+                     seq_offset=c0.seq_offset)
+
+
+def split_state(state: dict, n_layers: int, head_dim: int) -> list[dict]:
+    """The ``state_dict`` of an accumulator of a stack of ``n_layers`` layers cut into each layer's: every tensor whose
+    axis ``head_dim`` holds the stack's ``state["n_heads"]`` heads is chunked along it (the layers' heads are
+    consecutive), everything else — token counts, per-sequence ids, settings — is each layer's as it is, and
+    ``n_heads`` is one layer's."""
+    h = int(state["n_heads"])
+    out: list[dict] = [dict(state, n_heads=h // n_layers) for _ in range(n_layers)]
+    for key, v in state.items():
+        if isinstance(v, Tensor) and v.ndim > head_dim and v.shape[head_dim] == h:
+            for o, part in zip(out, torch.chunk(v, n_layers, dim=head_dim)):
+                o[key] = part.clone()
+    return out
+
+
+class Stacker:
+    """The per-layer callback of a stream: hands the layers to ``score(captures)`` ``group`` at a time (a stack
+    closes early at a change of shape, positions or rope — :func:`_stack_key` — and at the batch's last layer)."""
+
+    def __init__(self, score: Any, group: int, last_layer: int) -> None:
+        self.score, self.group, self.last, self.pending = score, max(1, group), last_layer, list[QKCapture]()
+
+    def __call__(self, c: QKCapture) -> None:
+        if self.pending and _stack_key(self.pending[0]) != _stack_key(c):
+            self.flush()
+        self.pending.append(c)
+        if len(self.pending) >= self.group or c.layer == self.last:
+            self.flush()
+
+    def flush(self) -> None:
+        cs, self.pending = self.pending, []
+        self.score(cs)
