@@ -1,7 +1,7 @@
 """Where the analyses wait for the device: host synchronisations per call, by source line (diagnostic).
 
     python benchmarks/profile_syncs.py [--model smollm2-135m] [--n-seq 4] [--seq-len 128] [--device cpu|cuda]
-        [--steps decomposition,pattern,sufficiency] [--top 15] [--out syncs.json]
+        [--steps decomposition,pattern,sufficiency] [--top 15] [--out syncs.json] [--ops] [--stack N]
 
 On ``cuda`` the count is the driver's own: :func:`torch.cuda.set_sync_debug_mode` warns at every operation that
 makes the host wait for the GPU (``.item()``, ``.tolist()``, a copy to the CPU, a boolean-mask index, …), and each
@@ -11,6 +11,10 @@ On the CPU nothing waits, so the same sites are found by proxy: the tensor metho
 are wrapped for the duration of the step and tallied the same way (boolean-mask indexing and ``torch.unique`` are
 not caught by the proxy; ``cuda`` catches them).
 Each step runs once for warm-up (untallied: loading, hook probes, cached operators) and once tallied.
+
+``--ops``: count instead every tensor operation dispatched (a ``TorchDispatchMode``; on a GPU each is at least one
+kernel launch), by module. ``--stack N``: layers stacked on the head axis as a GPU would (:mod:`posgen_tl.hooks.stacking`;
+0 = the device's own choice, one layer on the CPU).
 """
 
 from __future__ import annotations
@@ -87,6 +91,20 @@ def tally(device: str, counts: collections.Counter):
             setattr(torch.Tensor, name, f)
 
 
+@contextlib.contextmanager
+def count_ops(counts: collections.Counter):
+    """Count every dispatched tensor operation into ``counts`` by the ``posgen_tl`` module it came from."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[_site().split(":")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        yield
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a zoo name or a model folder")
@@ -96,8 +114,16 @@ def main() -> None:
     ap.add_argument("--steps", default="decomposition,pattern,sufficiency")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default=None, help="write {step: {site: count}} as JSON")
+    ap.add_argument("--ops", action="store_true", help="count tensor operations by module instead of synchronisations")
+    ap.add_argument("--stack", type=int, default=0, help="layers stacked on the head axis (0: the device's choice)")
     a = ap.parse_args()
     from suite_steps import Bench
+
+    if a.stack:
+        import posgen_tl.engine.decompose_scores as dec
+        import posgen_tl.experiments.pattern as pat
+
+        dec.stack_size = pat.stack_size = lambda *args: a.stack  # type: ignore[assignment]
 
     b = Bench(a.model, a.n_seq, a.seq_len, device=a.device)
     steps = b.steps()
@@ -107,11 +133,12 @@ def main() -> None:
         fn = steps[name][0]
         fn()  # warm-up: cached operators, hook probes
         counts: collections.Counter = collections.Counter()
-        with tally(a.device, counts):
+        with count_ops(counts) if a.ops else tally(a.device, counts):
             fn()
         result[name] = dict(counts.most_common())
-        print(f"\n{name}: {sum(counts.values())} host synchronisations ({a.device}; {a.n_seq} x {a.seq_len}, "
-              f"{b.spec.n_layers} layers x {b.spec.n_heads} heads)")
+        what = "tensor operations" if a.ops else "host synchronisations"
+        print(f"\n{name}: {sum(counts.values())} {what} ({a.device}; {a.n_seq} x {a.seq_len}, "
+              f"{b.spec.n_layers} layers x {b.spec.n_heads} heads{f', stacks of {a.stack}' if a.stack else ''})")
         for site, c in counts.most_common(a.top):
             print(f"  {c:7d}  {site}")
     if a.out:
