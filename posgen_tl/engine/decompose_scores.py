@@ -256,6 +256,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     :func:`stack_size` — one on the CPU, as many as a memory budget allows on a GPU, where each operation costs a
     kernel launch whatever its size; the numbers are the same up to float rounding)."""
     spec, _ = probe_hooks(model)
+    layers = spec.layer_indices(layers)  # None: every layer
     tokens = windows.tokens
     n = tokens.shape[1]
     rows = torch.linspace(0, n - 1, min(bound_rows, n)).round().long().unique()
@@ -317,6 +318,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
 
     stream_qk(model, tokens, on_layer, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
               progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk)
+    on_layer.flush()
     df = pd.concat([pd.DataFrame(f) for f in frames], ignore_index=True)
     df["model"] = model_label or spec.model_name
     df["twin"] = twin_label

@@ -270,8 +270,9 @@ def feature_pattern(
     group = stack_size(model, min(batch_size, len(tokens)) * n_pos * n_pos, len(layers)) if stack is None else stack
     desc = f"pattern {twin_label}" if progress else False
     # beyond 2 048 tokens the forward runs in chunks through the model's cache where verified (no [heads, n, n] scores)
-    stream_qk(model, tokens, Stacker(update, group, layers[-1]), layers, batch_size=batch_size, progress=desc,
-              chunk=auto_chunk(model, n_pos))
+    stacker = Stacker(update, group, spec.layer_indices(layers)[-1])  # the stream's order: sorted indices
+    stream_qk(model, tokens, stacker, layers, batch_size=batch_size, progress=desc, chunk=auto_chunk(model, n_pos))
+    stacker.flush()
     states: dict[int, dict[str, Any]] = {}
     for grp, d in acc.items():  # the sums come to the CPU once, at the end, cut into each layer's
         parts = {w: split_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in d[w].state_dict().items()},

@@ -89,5 +89,8 @@ class Stacker:
             self.flush()
 
     def flush(self) -> None:
+        """Score the layers gathered so far (none: nothing; the caller's last call after the stream is a no-op
+        unless a stack was left open)."""
         cs, self.pending = self.pending, []
-        self.score(cs)
+        if cs:
+            self.score(cs)

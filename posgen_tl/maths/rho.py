@@ -23,6 +23,8 @@ around a per-sequence k̄) and the residual around any given k̄ (a global refer
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from jaxtyping import Bool, Complex, Float, Int
 from torch import Tensor
@@ -39,6 +41,24 @@ def _nan_div(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(den != 0, num / torch.where(den != 0, den, 1), torch.nan)
 
 
+class _Flushed:
+    """A state field of :class:`SequenceBandSums`, read and written after the updates still on their device are
+    brought in (``_flush``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        obj._flush()
+        return getattr(obj, self.attr)
+
+    def __set__(self, obj: Any, value: Tensor) -> None:
+        obj._flush()
+        setattr(obj, self.attr, value)
+
+
 class SequenceBandSums:
     """Per-sequence band sums of one layer's q or k, mergeable (concatenation of sequences).
 
@@ -46,6 +66,8 @@ class SequenceBandSums:
     token counts, ``sum_z`` [seq, head_index, band] complex ``Σ z``, ``sum_abs2``
     [seq, head_index, band] ``Σ |z|²``. Only the rotated dims enter (bands ``< rotary_dim/2``).
     """
+
+    doc, n, sum_z, sum_abs2 = _Flushed(), _Flushed(), _Flushed(), _Flushed()
 
     def __init__(self, n_heads: int, rotary_dim: int, layout: Layout) -> None:
         if rotary_dim <= 0 or rotary_dim % 2:
@@ -70,46 +92,6 @@ class SequenceBandSums:
             new = torch.cat([p[i].to(getattr(self, "_" + key).device) for p in parts]) if i == 0 else \
                 torch.cat([p[i] for p in parts]).cpu()
             setattr(self, "_" + key, torch.cat([getattr(self, "_" + key), new]))
-
-    @property
-    def doc(self) -> Tensor:
-        self._flush()
-        return self._doc
-
-    @doc.setter
-    def doc(self, v: Tensor) -> None:
-        self._flush()
-        self._doc = v
-
-    @property
-    def n(self) -> Tensor:
-        self._flush()
-        return self._n
-
-    @n.setter
-    def n(self, v: Tensor) -> None:
-        self._flush()
-        self._n = v
-
-    @property
-    def sum_z(self) -> Tensor:
-        self._flush()
-        return self._sum_z
-
-    @sum_z.setter
-    def sum_z(self, v: Tensor) -> None:
-        self._flush()
-        self._sum_z = v
-
-    @property
-    def sum_abs2(self) -> Tensor:
-        self._flush()
-        return self._sum_abs2
-
-    @sum_abs2.setter
-    def sum_abs2(self, v: Tensor) -> None:
-        self._flush()
-        self._sum_abs2 = v
 
     @property
     def n_bands(self) -> int:

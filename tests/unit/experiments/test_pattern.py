@@ -307,3 +307,16 @@ def test_layers_stacked_on_the_head_axis_give_each_layers_statistics(stack):
         for layer, st in one.states.items():
             assert got.states[layer]["q"]["sum_x"].shape == st["q"]["sum_x"].shape
             torch.testing.assert_close(got.states[layer]["k_seq"]["sum_z"], st["k_seq"]["sum_z"])
+
+
+def test_layers_given_in_any_order_are_all_accumulated_when_stacked():
+    """A ``layers`` option in another order than the stream's: every layer still gets its
+    rows when layers are stacked (a stack is closed at the stream's last layer, whatever order the option had)."""
+    from posgen_tl.experiments.pattern import feature_pattern
+
+    model = tm.hf_llama(n_layers=3)[0]
+    toks = torch.randint(3, 90, (3, 16), generator=torch.Generator().manual_seed(0))
+    one = feature_pattern(model, toks, batch_size=2, progress=False, layers=[2, 0])
+    got = feature_pattern(model, toks, batch_size=2, progress=False, layers=[2, 0], stack=2)
+    assert sorted(got.heads["layer"].unique()) == sorted(one.heads["layer"].unique()) == [0, 2]
+    assert len(got.bands) == len(one.bands)
