@@ -52,18 +52,13 @@ def measure(fn, repeats: int, warm: bool = True) -> dict:
 
 
 def scale(a: argparse.Namespace, model, tokens) -> dict:
-    import torch
+    from suite_steps import FRACS, Bench
 
-    from posgen_tl.engine.conditions import Condition, condition_rows
     from posgen_tl.experiments.decomposition import decompose_model
     from posgen_tl.experiments.exactness import exactness_table
     from posgen_tl.hooks.capture import probe_hooks
-    from posgen_tl.hooks.edits import Intervention, key_means
-    from posgen_tl.io.sampling import Windows
-    from posgen_tl.maths.groups import layer_groups
 
-    spec = probe_hooks(model)[0]
-    mid = spec.n_layers // 2
+    mid = probe_hooks(model)[0].n_layers // 2
     out: dict = {}
     table = exactness_table(model, tokens)
     out["check_passed_layers"] = int(table["passed"].sum())
@@ -72,17 +67,12 @@ def scale(a: argparse.Namespace, model, tokens) -> dict:
     out["decompose_one_layer"] = measure(
         lambda: decompose_model(model, tokens, k_mean="per_sequence", layers=[mid], batch_size=tokens.shape[0],
                                 progress=False), a.repeats)
-    target, fracs = 64, (0.0, 0.1, 0.2)
-    km = key_means(model, tokens[:, : tokens.shape[1] - target])
-    nb = spec.layer(0).n_bands
-    iv = Intervention("destroy", bands=list(range(max(1, nb // 4))), layers=layer_groups(spec.n_layers)["middle"],
-                      alpha=0.5, label="destroy fast-band key offset")
-    n = tokens.shape[0]
-    win = Windows(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long), [f"row{i}" for i in range(n)])
-    out["causal_condition"] = measure(
-        lambda: condition_rows(model, win, Condition("destroy", iv), k_means=km, target_len=target, fracs=fracs,
-                               seeds=(0,)), a.repeats)
-    out["causal_condition"]["forwards"] = len(fracs)
+    # the suite's causal step: its intervention (fast-band key offsets destroyed in the middle third, α 0.5), its
+    # swap fractions and target span, on the same number of sequences of the same length
+    b = Bench(model, tokens.shape[0], tokens.shape[1], device=a.device)
+    b.causal_inputs()
+    out["causal_condition"] = measure(b.causal_condition, a.repeats)
+    out["causal_condition"]["forwards"] = len(FRACS)
     return out
 
 

@@ -48,7 +48,7 @@ from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
-from posgen_tl.hooks.stacking import Stacker, split_state, stack_captures, stack_size
+from posgen_tl.hooks.stacking import Stacker, stack_captures, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths.band_stats import (
@@ -57,7 +57,7 @@ from posgen_tl.maths.band_stats import (
     within_row_spread_qk,
 )
 from posgen_tl.maths.decompose import causal_mask
-from posgen_tl.maths.pattern_frames import BAND_COLUMNS, HEAD_COLUMNS, layer_frames, pattern_frames
+from posgen_tl.maths.pattern_frames import BAND_COLUMNS, HEAD_COLUMNS, layer_frames, pattern_frames, split_state
 from posgen_tl.maths.rho import SequenceBandSums
 from posgen_tl.maths.rope import LayerRope
 from posgen_tl.report.text import fmt

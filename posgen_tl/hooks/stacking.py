@@ -2,7 +2,8 @@
 kernel launch per operation whatever its size, so layers that share shapes, positions and rope are processed together
 as ONE capture whose heads are the layers' heads (:func:`stack_captures`), a few at a time (:func:`stack_size`;
 :class:`Stacker` is the per-layer callback that gathers them). On the CPU one layer at a time is as fast and keeps
-memory one layer's. Used by the decomposition's scoring and the feature statistics.
+memory one layer's. Used by the decomposition's scoring and the feature statistics (whose accumulators of a stack are cut back per
+layer by :func:`posgen_tl.maths.pattern_frames.split_state`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from posgen_tl.hooks.capture import QKCapture, model_device, probe_hooks
 
-__all__ = ["STACK_ENTRIES", "Stacker", "split_state", "stack_captures", "stack_size"]
+__all__ = ["STACK_ENTRIES", "Stacker", "stack_captures", "stack_size"]
 
 #: on a GPU, the largest stack of layers processed together: its largest float32 buffer (the decomposition keeps about
 #: six map-sized ones: W, the target's padded copy, ``f + g``) holds at most this many entries, and 1/32 of free memory
@@ -58,20 +59,6 @@ def stack_captures(cs: Sequence[QKCapture]) -> QKCapture:
     return QKCapture(layer=c0.layer, q=cat("q"), k=cat("k"), rot_q=cat("rot_q"), rot_k=cat("rot_k"),
                      positions=c0.positions, rope=c0.rope, rot_source=c0.rot_source, batch_index=c0.batch_index,
                      seq_offset=c0.seq_offset)
-
-
-def split_state(state: dict, n_layers: int, head_dim: int) -> list[dict]:
-    """The ``state_dict`` of an accumulator of a stack of ``n_layers`` layers cut into each layer's: every tensor whose
-    axis ``head_dim`` holds the stack's ``state["n_heads"]`` heads is chunked along it (the layers' heads are
-    consecutive), everything else — token counts, per-sequence ids, settings — is each layer's as it is, and
-    ``n_heads`` is one layer's."""
-    h = int(state["n_heads"])
-    out: list[dict] = [dict(state, n_heads=h // n_layers) for _ in range(n_layers)]
-    for key, v in state.items():
-        if isinstance(v, Tensor) and v.ndim > head_dim and v.shape[head_dim] == h:
-            for o, part in zip(out, torch.chunk(v, n_layers, dim=head_dim)):
-                o[key] = part.clone()
-    return out
 
 
 class Stacker:

@@ -29,7 +29,7 @@ from posgen_tl.maths.rho import SequenceBandSums
 from posgen_tl.maths.rope import LayerRope, kv_head_index, to_bands
 from posgen_tl.maths.taxonomy import frequency_centroid
 
-__all__ = ["BAND_COLUMNS", "HEAD_COLUMNS", "layer_frames", "pattern_frames"]
+__all__ = ["BAND_COLUMNS", "HEAD_COLUMNS", "join_states", "layer_frames", "pattern_frames", "split_state"]
 
 BAND_COLUMNS = [
     "model", "twin", "layer", "kind", "which", "head", "band", "band_group", "energy_share",
@@ -129,9 +129,23 @@ def pattern_frames(
     return bands, heads
 
 
-def _join(states: Sequence[dict], head_dim: int) -> dict:
-    """Accumulator states of several layers as one of their heads side by side (the inverse of
-    :func:`posgen_tl.hooks.stacking.split_state`): tensors over the heads concatenated along ``head_dim``,
+def split_state(state: dict, n_layers: int, head_dim: int) -> list[dict]:
+    """The ``state_dict`` of an accumulator of a stack of ``n_layers`` layers cut into each layer's (the inverse of
+    :func:`join_states`): every tensor whose axis ``head_dim`` holds the stack's ``state["n_heads"]`` heads is
+    chunked along it (the layers' heads are consecutive), everything else — token counts, per-sequence ids,
+    settings — is each layer's as it is, and ``n_heads`` is one layer's."""
+    h = int(state["n_heads"])
+    out: list[dict] = [dict(state, n_heads=h // n_layers) for _ in range(n_layers)]
+    for key, v in state.items():
+        if isinstance(v, Tensor) and v.ndim > head_dim and v.shape[head_dim] == h:
+            for o, part in zip(out, torch.chunk(v, n_layers, dim=head_dim)):
+                o[key] = part.clone()
+    return out
+
+
+def join_states(states: Sequence[dict], head_dim: int) -> dict:
+    """Accumulator states of several layers as one of their heads side by side (the inverse of :func:`split_state`):
+    tensors over the heads concatenated along ``head_dim``,
     the rest (counts, ids, settings) taken from the first state."""
     h = int(states[0]["n_heads"])
     out = dict(states[0], n_heads=h * len(states))
@@ -190,7 +204,7 @@ def _frames_of(layers: list[int], sts: list[dict], rope: LayerRope, **kw: Any) -
     """:func:`pattern_frames` of ``layers`` (states ``sts``) as one stack, rows labelled with each one's layer."""
     one = len(layers) == 1
     st: dict[str, Any] = sts[0] if one else {
-        w: _join([s[w] for s in sts], 1 if w.endswith("_seq") else 0) if sts[0].get(w) else None
+        w: join_states([s[w] for s in sts], 1 if w.endswith("_seq") else 0) if sts[0].get(w) else None
         for w in ("q", "k", "q_seq", "k_seq")}
     if not one:
         st["spread"] = None if sts[0].get("spread") is None else (
