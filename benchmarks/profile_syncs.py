@@ -1,7 +1,8 @@
 """Where the analyses wait for the device: host synchronisations per call, by source line (diagnostic).
 
     python benchmarks/profile_syncs.py [--model smollm2-135m] [--n-seq 4] [--seq-len 128] [--device cpu|cuda]
-        [--steps decomposition,pattern,sufficiency] [--top 15] [--out syncs.json] [--ops] [--stack N]
+        [--steps decomposition,pattern,sufficiency] [--top 15] [--out syncs.json] [--ops [--lines]] [--stack N]
+        [--kernels]
 
 On ``cuda`` the count is the driver's own: :func:`torch.cuda.set_sync_debug_mode` warns at every operation that
 makes the host wait for the GPU (``.item()``, ``.tolist()``, a copy to the CPU, a boolean-mask index, …), and each
@@ -11,6 +12,9 @@ On the CPU nothing waits, so the same sites are found by proxy: the tensor metho
 are wrapped for the duration of the step and tallied the same way (boolean-mask indexing and ``torch.unique`` are
 not caught by the proxy; ``cuda`` catches them).
 Each step runs once for warm-up (untallied: loading, hook probes, cached operators) and once tallied.
+
+``--kernels``: instead, a :mod:`torch.profiler` trace of the step (CPU, and CUDA where it runs): wall time, the
+device's busy time, and the operations taking most device (or CPU) time — where a GPU analysis spends it.
 
 ``--ops``: count instead every tensor operation dispatched (a ``TorchDispatchMode``; on a GPU each is at least one
 kernel launch), by module. ``--stack N``: layers stacked on the head axis as a GPU would (:mod:`posgen_tl.hooks.stacking`;
@@ -92,17 +96,49 @@ def tally(device: str, counts: collections.Counter):
 
 
 @contextlib.contextmanager
-def count_ops(counts: collections.Counter):
-    """Count every dispatched tensor operation into ``counts`` by the ``posgen_tl`` module it came from."""
+def count_ops(counts: collections.Counter, by_line: bool = False):
+    """Count every dispatched tensor operation into ``counts`` by the ``posgen_tl`` module it came from (``by_line``:
+    by its source line)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counts[_site().split(":")[0]] += 1
+            site = _site()
+            counts[site if by_line else site.split(":")[0]] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():
         yield
+
+
+def kernel_profile(fn, device: str, top: int) -> dict:
+    """One run of ``fn`` under :mod:`torch.profiler`: ``{"wall_s", "device_busy_s", "ops": [...]}`` — the device's
+    busy time is the sum of its kernels' times; the ops (by name: operators, and the kernels they launched) sorted by
+    their own device time (CPU time on the CPU), each with calls and own CPU / device time."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "self_cuda_time_total", 0)
+        rows.append({"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                     "self_device_ms": dev_us / 1e3})
+    key = "self_device_ms" if cuda else "self_cpu_ms"
+    rows.sort(key=lambda r: -r[key])
+    busy = sum(e.self_device_time_total for e in prof.key_averages() if str(e.device_type).endswith("CUDA")) if cuda else 0
+    return {"wall_s": wall, "device_busy_s": busy / 1e6, "ops": rows[:top]}
 
 
 def main() -> None:
@@ -115,6 +151,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default=None, help="write {step: {site: count}} as JSON")
     ap.add_argument("--ops", action="store_true", help="count tensor operations by module instead of synchronisations")
+    ap.add_argument("--kernels", action="store_true", help="a torch.profiler trace: device time by operation")
+    ap.add_argument("--lines", action="store_true", help="with --ops: count by source line, not by module")
     ap.add_argument("--stack", type=int, default=0, help="layers stacked on the head axis (0: the device's choice)")
     a = ap.parse_args()
     from suite_steps import Bench
@@ -122,8 +160,9 @@ def main() -> None:
     if a.stack:
         import posgen_tl.engine.decompose_scores as dec
         import posgen_tl.experiments.pattern as pat
+        import posgen_tl.hooks.stream as stream
 
-        dec.stack_size = pat.stack_size = lambda *args: a.stack  # type: ignore[assignment]
+        dec.stack_size = pat.stack_size = stream.stack_size = lambda *args: a.stack  # type: ignore[assignment]
 
     b = Bench(a.model, a.n_seq, a.seq_len, device=a.device)
     steps = b.steps()
@@ -132,8 +171,17 @@ def main() -> None:
     for name in [s.strip() for s in a.steps.split(",") if s.strip()]:
         fn = steps[name][0]
         fn()  # warm-up: cached operators, hook probes
+        if a.kernels:
+            prof = kernel_profile(fn, a.device, a.top)
+            result[name] = prof  # type: ignore[assignment]
+            print(f"\n{name}: {prof['wall_s'] * 1e3:.1f} ms wall, device busy {prof['device_busy_s'] * 1e3:.1f} ms "
+                  f"({a.device}; {a.n_seq} x {a.seq_len})")
+            for r in prof["ops"]:
+                print(f"  {r['calls']:7d} calls  cpu {r['self_cpu_ms']:8.2f} ms  device {r['self_device_ms']:8.2f} ms  "
+                      f"{r['op']}")
+            continue
         counts: collections.Counter = collections.Counter()
-        with count_ops(counts) if a.ops else tally(a.device, counts):
+        with count_ops(counts, a.lines) if a.ops else tally(a.device, counts):
             fn()
         result[name] = dict(counts.most_common())
         what = "tensor operations" if a.ops else "host synchronisations"

@@ -132,7 +132,7 @@ class Bench:
         from posgen_tl.hooks.stream import stream_qk
 
         stream_qk(self.model, self.tokens, lambda c: None, batch_size=self.bs, progress=False,
-                  chunk=auto_chunk(self.model, self.tokens.shape[1]))
+                  chunk=auto_chunk(self.model, self.tokens.shape[1]), stack=0)  # stacked where the analyses stack
 
     def kbar_pass(self) -> None:
         from posgen_tl.experiments.decomposition import reference_key_means

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.hooks.capture import QKCapture, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
-from posgen_tl.hooks.stacking import Stacker, stack_captures, stack_size
+from posgen_tl.hooks.stacking import stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
@@ -214,14 +214,22 @@ def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor 
     return sv if err <= SCORES_RTOL * float(ref.abs().max()) else None
 
 
-def _stacked_kbar(c: QKCapture, parts: Sequence[QKCapture], kind: str, kbar_of: Any) -> Tensor:
-    """The k̄ of kind ``kind`` of a capture ``c`` made of the layers ``parts`` (:func:`stack_captures`): ``kbar_of(kind,
-    c)`` for one layer or per sequence (each sequence's mean of the stack's own keys), else each layer's k̄ as
-    ``[batch, kv_head, d_head]``, side by side on the kv-head axis."""
-    if len(parts) == 1 or kind == "per_sequence":
-        return kbar_of(kind, c)
-    b, kv = c.k.shape[0], parts[0].k.shape[-2]
-    return torch.cat([kbar_batched(kbar_of(kind, x).to(c.k.device), b, kv) for x in parts], dim=1)
+def _stacked_kbar(c: QKCapture, kind: str, kbar_of: Any, cache: dict) -> Tensor:
+    """The k̄ of kind ``kind`` of a capture ``c``, one layer or several stacked on the head axis
+    (:func:`posgen_tl.hooks.stacking.stack_captures`): per sequence, each sequence's mean of the capture's own keys
+    (``kbar_of(kind, c, layer)``); else the given/global k̄ of each layer on the capture's device, side by side on the
+    kv-head axis — ``[layers·kv_head, d_head]``, kept in ``cache`` per (layers, device) so that every batch reuses one
+    copy (a copy to a GPU waits for its queue)."""
+    if kind == "per_sequence":
+        return kbar_of(kind, c, c.layer)
+    key = (kind, c.layer_ids, c.k.device)
+    if key not in cache:
+        means = [kbar_of(kind, c, layer) for layer in c.layer_ids]
+        if any(m.ndim != 2 for m in means):  # per-sequence given means: no shared copy
+            b, kv = c.k.shape[0], c.k.shape[-2] // len(c.layer_ids)
+            return torch.cat([kbar_batched(m.to(c.k.device), b, kv) for m in means], dim=1)
+        cache[key] = torch.cat(means).to(c.k.device)
+    return cache[key]
 
 
 # ----------------------------------------------------------------------------- runner
@@ -264,15 +272,15 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     docs = windows.doc_ids.cpu().numpy()
     frames: list[dict[str, np.ndarray]] = []
     cache: dict = {}  # map-sized scratch buffers, freed when the run ends
+    kbar_cache: dict = {}  # the given/global k̄ of each stack of layers, on the device
 
-    def kbar_of(kind: str, c: QKCapture) -> Tensor:
+    def kbar_of(kind: str, c: QKCapture, layer: int) -> Tensor:
         if kind == "per_sequence":
             return sequence_key_mean(c.k, sink)
-        km = k_means if isinstance(k_means, Tensor) else k_means[c.layer]
-        return km
+        return k_means if isinstance(k_means, Tensor) else k_means[layer]
 
-    def emit(c, moments, bnd, est_kind: dict[str, str], layer_ids: Sequence[int]) -> None:
-        frames.extend(_rows(c, moments, bnd, est_kind, layer_ids, geoms_of(c), docs))
+    def emit(c, moments, bnd, est_kind: dict[str, str]) -> None:
+        frames.extend(_rows(c, moments, bnd, est_kind, geoms_of(c), docs))
 
     def geoms_of(c: QKCapture) -> dict[int, Geometry]:
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
@@ -284,22 +292,19 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model) and group == 1) and not 0 < block < n
                 and not 0 < chunk < n and probe_hooks(model)[1].scores_kind != "absent")  # else W is recomputed
 
-    on_layer = Stacker(lambda cs: score(stack_captures(cs) if len(cs) > 1 else cs[0], [x.layer for x in cs], cs),
-                        1 if use_hook else group, layers[-1])  # the score hook's W comes one layer at a time
-
-    def score(c: QKCapture, layer_ids: list[int], parts: list[QKCapture]) -> None:
+    def score(c: QKCapture) -> None:  # one layer, or a stack of layers on the head axis
         geoms = geoms_of(c)
         r = rows.to(c.q.device)
         q2 = _q2(c)
-        kbars = {kind: _stacked_kbar(c, parts, kind, kbar_of) for kind in kinds}
+        kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
         bnds, w_rows = _bound_checks(c, kbars, r, geoms)
         if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
             fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbars[k]) for k in kinds}, n=n,
                                          nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
                                          sinks=sinks, block=block, device=c.q.device)
-            emit(c, fit_m, bnds[kinds[0]], {"D1": "none", "D2": "none"}, layer_ids)
+            emit(c, fit_m, bnds[kinds[0]], {"D1": "none", "D2": "none"})
             for kind in kinds:
-                emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind}, layer_ids)
+                emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
             return
         w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         if w is None:
@@ -310,28 +315,28 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             if t is None:  # the target (and its D1/D2 fits) do not depend on k̄
                 t = Target(w, geoms[0], bnd[0]["mu"].float(), cache)
                 del w
-                emit(c, all_fit_moments(t, geoms), bnd, {"D1": "none", "D2": "none"}, layer_ids)
+                emit(c, all_fit_moments(t, geoms), bnd, {"D1": "none", "D2": "none"})
             y = _y_map(c, q2, kbar, cache)  # the buffer W was in (copied into the target by now)
             moments = {(s, "D3"): m for s, m in d3_moments(t, y, geoms[0], sinks).items()}
             del y
-            emit(c, moments, bnd, {"D3": kind}, layer_ids)
+            emit(c, moments, bnd, {"D3": kind})
 
-    stream_qk(model, tokens, on_layer, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
-              progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk)
-    on_layer.flush()
+    stream_qk(model, tokens, score, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
+              progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk,
+              stack=1 if use_hook else group)  # the score hook's W comes one layer at a time
     df = pd.concat([pd.DataFrame(f) for f in frames], ignore_index=True)
     df["model"] = model_label or spec.model_name
     df["twin"] = twin_label
-    df["layer_group"] = [layer_group(int(x), spec.n_layers) for x in df["layer"]]
+    df["layer_group"] = df["layer"].map({x: layer_group(int(x), spec.n_layers) for x in df["layer"].unique()})
     df[list(SCORE_COLUMNS)] = df[list(SCORE_COLUMNS)].astype(np.float64)  # exact through a checkpoint's CSV
     return _ordered(df)
 
 
-def _rows(c: QKCapture, moments: dict, bnd: dict, est_kind: dict[str, str], layer_ids: Sequence[int],
-          geoms: dict[int, Geometry], docs: np.ndarray) -> list[dict[str, Any]]:
+def _rows(c: QKCapture, moments: dict, bnd: dict, est_kind: dict[str, str], geoms: dict[int, Geometry],
+          docs: np.ndarray) -> list[dict[str, Any]]:
     """One column dict per ``(sink, estimator)`` of ``moments``: the scores of every map of ``c`` — one layer's
     capture or several layers' stacked on the head axis (maps ordered (batch, layer, head)) — with their keys."""
-    b, h = c.q.shape[0], c.n_heads
+    b, h, layer_ids = c.q.shape[0], c.n_heads, c.layer_ids
     h0 = h // len(layer_ids)
     seq = np.arange(b) + c.seq_offset
     items = sorted(moments.items())

@@ -48,7 +48,7 @@ from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
-from posgen_tl.hooks.stacking import Stacker, stack_captures, stack_size
+from posgen_tl.hooks.stacking import STACK_ENTRIES, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths.band_stats import (
@@ -82,6 +82,17 @@ __all__ = [
 #: rows longer than this many × d_head get the spread from block-Gram sums (O(n·d²), no n × n map;
 #: :func:`~posgen_tl.maths.band_stats.within_row_spread_qk`); shorter ones from the explicit map (cheaper there).
 _GRAM_FROM = 5
+
+
+def _spread_block(c: QKCapture) -> int:
+    """Query rows per block of :func:`~posgen_tl.maths.band_stats.within_row_spread_qk` (the numbers do not depend on
+    it): ``d_head / 2`` on the CPU (the fastest there); on a GPU, where each block costs ~25 kernel launches, an
+    eighth of the rows, as long as a block's ``[batch, heads, block, 2·block]`` float64 scores stay within
+    :data:`~posgen_tl.hooks.stacking.STACK_ENTRIES` / 4 entries."""
+    b, n, h, d = c.q.shape
+    if c.q.device.type == "cpu":
+        return max(8, d // 2)
+    return max(8, d // 2, min(-(-n // 8), math.isqrt(STACK_ENTRIES // (8 * b * h))))
 
 @dataclass
 class PatternResult:
@@ -250,8 +261,8 @@ def feature_pattern(
     keep = torch.arange(n_pos) >= sink  # [pos]
     docs = windows.doc_ids
 
-    def update(cs: list[QKCapture]) -> None:  # layers stacked on the head axis (hooks/stacking.py)
-        c, group = stack_captures(cs) if len(cs) > 1 else cs[0], tuple(x.layer for x in cs)
+    def update(c: QKCapture) -> None:  # one layer, or layers stacked on the head axis (hooks/stacking.py)
+        group = c.layer_ids
         a = acc[group] if group in acc else acc.setdefault(group, accumulators(group, c.q.device))
         mask = keep.to(c.q.device).expand(c.q.shape[0], -1)
         d = docs[c.seq_offset : c.seq_offset + c.q.shape[0]]
@@ -261,7 +272,7 @@ def feature_pattern(
         a["k_seq"].update(c.k, d, mask)
         if n_pos > _GRAM_FROM * c.q.shape[-1]:  # long rows: block-Gram sums, no n × n map (exact, float64)
             ss, n = within_row_spread_qk(c.rot_q, c.rot_k, c.rope.score_scale, sink=sink,
-                                         sliding_window=c.rope.sliding_window, block=max(8, c.q.shape[-1] // 2))
+                                         sliding_window=c.rope.sliding_window, block=_spread_block(c))
         else:
             ss, n = within_row_spread(c.logits(), causal_mask(n_pos, sink=sink, sliding_window=c.rope.sliding_window,
                                                               device=c.q.device))
@@ -270,9 +281,8 @@ def feature_pattern(
     group = stack_size(model, min(batch_size, len(tokens)) * n_pos * n_pos, len(layers)) if stack is None else stack
     desc = f"pattern {twin_label}" if progress else False
     # beyond 2 048 tokens the forward runs in chunks through the model's cache where verified (no [heads, n, n] scores)
-    stacker = Stacker(update, group, spec.layer_indices(layers)[-1])  # the stream's order: sorted indices
-    stream_qk(model, tokens, stacker, layers, batch_size=batch_size, progress=desc, chunk=auto_chunk(model, n_pos))
-    stacker.flush()
+    stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc, chunk=auto_chunk(model, n_pos),
+              stack=group)
     states: dict[int, dict[str, Any]] = {}
     for grp, d in acc.items():  # the sums come to the CPU once, at the end, cut into each layer's
         parts = {w: split_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in d[w].state_dict().items()},

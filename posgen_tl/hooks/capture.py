@@ -97,6 +97,8 @@ class QKCapture:
             available; ``table_source`` says which, ``table_format_err`` how far the raw table was from the
             layout's duplicated form (0 when it matches).
         pattern: the model's ``hook_pattern`` ``[batch, head_index, query_pos, key_pos]``, if requested.
+        layers: the layers of a capture stacked on the head axis (:func:`posgen_tl.hooks.stacking.stack_captures`),
+            in the head axis's order; empty for one layer (:attr:`layer_ids` gives both as a tuple).
     """
 
     layer: int
@@ -116,6 +118,12 @@ class QKCapture:
     table_source: str = "none"
     table_format_err: float = 0.0
     pattern: Float[Tensor, "batch head_index query_pos key_pos"] | None = None
+    layers: tuple[int, ...] = ()
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """The layers this capture holds: ``layers`` of a stack, else ``(layer,)``."""
+        return self.layers or (self.layer,)
 
     @property
     def n_heads(self) -> int:

@@ -1,7 +1,8 @@
 """Layers stacked on the head axis: on a GPU an analysis that runs the same small operations on every layer pays a
 kernel launch per operation whatever its size, so layers that share shapes, positions and rope are processed together
 as ONE capture whose heads are the layers' heads (:func:`stack_captures`), a few at a time (:func:`stack_size`;
-:class:`Stacker` is the per-layer callback that gathers them). On the CPU one layer at a time is as fast and keeps
+:class:`Stacker` is the per-layer callback that gathers them; ``stream_qk(stack=…)`` hands an analysis such stacks,
+each checked once). On the CPU one layer at a time is as fast and keeps
 memory one layer's. Used by the decomposition's scoring and the feature statistics (whose accumulators of a stack are cut back per
 layer by :func:`posgen_tl.maths.pattern_frames.split_state`).
 """
@@ -50,7 +51,8 @@ def stack_captures(cs: Sequence[QKCapture]) -> QKCapture:
     """Layers ``cs`` (same batch, shapes and rope: :func:`_stack_key`) as ONE capture whose heads are the layers'
     heads in order: ``q``/``rot_q`` ``[batch, pos, layers·heads, d_head]``, ``k``/``rot_k`` ``[batch, pos,
     layers·kv_heads, d_head]`` — query head ``L·H + h`` reads kv-head ``L·G + h // (H/G)``, the grouping every
-    scoring function already uses. ``layer`` is the first layer's; no scores (W is recomputed)."""
+    scoring function already uses. ``layer`` is the first layer's, ``layers`` names them all; no scores (W is
+    recomputed)."""
     c0 = cs[0]
 
     def cat(name: str) -> Tensor:
@@ -58,15 +60,19 @@ def stack_captures(cs: Sequence[QKCapture]) -> QKCapture:
 
     return QKCapture(layer=c0.layer, q=cat("q"), k=cat("k"), rot_q=cat("rot_q"), rot_k=cat("rot_k"),
                      positions=c0.positions, rope=c0.rope, rot_source=c0.rot_source, batch_index=c0.batch_index,
-                     seq_offset=c0.seq_offset)
+                     seq_offset=c0.seq_offset, layers=tuple(c.layer for c in cs))
 
 
 class Stacker:
-    """The per-layer callback of a stream: hands the layers to ``score(captures)`` ``group`` at a time (a stack
-    closes early at a change of shape, positions or rope — :func:`_stack_key` — and at the batch's last layer)."""
+    """The per-layer callback that gathers layers into stacks: hands ``score`` ONE capture per stack (the layers
+    stacked by :func:`stack_captures`, or the layer itself when alone), ``group`` layers at a time — a stack closes
+    early at a change of shape, positions or rope (:func:`_stack_key`) and at ``last_layer``. ``check(capture,
+    parts)``, if given, runs on each stack before ``score`` sees it (:func:`posgen_tl.hooks.stream.stream_qk` checks
+    a stack once instead of each layer)."""
 
-    def __init__(self, score: Any, group: int, last_layer: int) -> None:
-        self.score, self.group, self.last, self.pending = score, max(1, group), last_layer, list[QKCapture]()
+    def __init__(self, score: Any, group: int, last_layer: int, check: Any = None) -> None:
+        self.score, self.group, self.last, self.check = score, max(1, group), last_layer, check
+        self.pending = list[QKCapture]()
 
     def __call__(self, c: QKCapture) -> None:
         if self.pending and _stack_key(self.pending[0]) != _stack_key(c):
@@ -76,8 +82,11 @@ class Stacker:
             self.flush()
 
     def flush(self) -> None:
-        """Score the layers gathered so far (none: nothing; the caller's last call after the stream is a no-op
-        unless a stack was left open)."""
+        """Check and score the layers gathered so far (none: nothing)."""
         cs, self.pending = self.pending, []
-        if cs:
-            self.score(cs)
+        if not cs:
+            return
+        c = stack_captures(cs) if len(cs) > 1 else cs[0]
+        if self.check is not None:
+            self.check(c, cs)
+        self.score(c)

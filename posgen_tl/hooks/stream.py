@@ -33,6 +33,7 @@ from posgen_tl.hooks.capture import (
     run_forward,
 )
 from posgen_tl.hooks.chunked import check_chunked, run_chunks
+from posgen_tl.hooks.stacking import Stacker, stack_size
 from posgen_tl.hooks.tables import model_rotation_table, table_to_bands
 from posgen_tl.io.spec import live_rope
 from posgen_tl.maths.rope import RopeSpec, rotate
@@ -60,9 +61,11 @@ def stream_qk(
     with_tables: bool = False,
     with_pattern: bool = False,
     chunk: int = 0,
+    stack: int = 1,
     _gate: bool = True,
 ) -> None:
-    """Run the model over ``tokens`` in batches and call ``fn(QKCapture)`` per (batch, layer).
+    """Run the model over ``tokens`` in batches and call ``fn(QKCapture)`` per (batch, layer) — or per stack of
+    ``stack`` layers.
 
     Gated (:func:`posgen_tl.hooks.gate.require_exact`): raises ``UncheckedModelError`` if a requested
     layer's exactness check did not pass for this model, dtype and device.
@@ -74,6 +77,13 @@ def stream_qk(
     captured q/k then show their effect. ``with_tables``: also give the model's own rotation
     table of the batch (``QKCapture.table_cos``/``table_sin``, where the model exposes one);
     ``with_pattern``: also its ``hook_pattern`` (``QKCapture.pattern``).
+
+    ``stack``: hand ``fn`` up to this many layers of a batch at once, stacked on the head axis
+    (:func:`posgen_tl.hooks.stacking.stack_captures`; ``QKCapture.layers`` names them; a stack closes early at a
+    change of shape, positions or rope and at the batch's last layer), each stack checked once — on a GPU a check or
+    an analysis costs kernel launches per operation, whatever the number of layers. Not with scores, patterns or
+    tables (a stack carries q/k only). ``stack=0``: as many as :func:`posgen_tl.hooks.stacking.stack_size` allows for
+    holding a batch's q/k (one layer on the CPU, and with scores, patterns or tables).
 
     ``chunk``: run the forward this many positions at a time through the model's key/value cache
     (:mod:`posgen_tl.hooks.chunked`: no ``[heads, n, n]`` score map is built, for long sequences); ``fn`` then gets
@@ -95,6 +105,7 @@ def stream_qk(
     if position_ids is not None:
         position_ids = _checked_ids(spec, info, position_ids, tokens)
     need = _needed_hooks(spec, info, with_scores=with_scores, with_tables=with_tables, with_pattern=with_pattern)
+    stack = _stack_option(model, spec, stack, tokens, batch_size, len(layers), with_scores or with_tables or with_pattern)
     rot_tol = rotation_tolerance(model_dtype(model))
     chunked = 0 < chunk < tokens.shape[1]
     if chunked:
@@ -109,12 +120,14 @@ def stream_qk(
     try:
         for b_idx, (offset, batch) in enumerate(_batches(tokens, batch_size)):
             if chunked:
-                _chunked_batch(model, batch, b_idx, offset, layers, need, fn, chunk=chunk, rot_tol=rot_tol)
+                stacker = Stacker(fn, stack, layers[-1])  # (each chunk's rotation is checked as it runs)
+                _chunked_batch(model, batch, b_idx, offset, layers, need, stacker, chunk=chunk, rot_tol=rot_tol)
+                stacker.flush()
                 bar.update(1)
                 release_freed_memory()
                 continue
             pos, pos_arg = _batch_positions(position_ids, batch, offset, tokens.shape[0])
-            grab = _Grab(model, spec, info, need, pos, b_idx, offset, layers[-1], rot_tol, with_tables, fn)
+            grab = _Grab(model, spec, info, need, pos, b_idx, offset, layers[-1], rot_tol, with_tables, fn, stack)
             fwd = list(extra_hooks)
             for layer in layers:
                 for h in need:
@@ -124,6 +137,7 @@ def stream_qk(
                     run_forward(model, batch, pos_arg)
                 except StopForward:
                     pass
+            grab.stacker.flush()  # a stack left open (the forward ended before its last layer): checked, handed on
             if grab.store:
                 raise CaptureError(
                     f"{spec.model_name}: hooks {sorted(next(iter(grab.store.values())).keys())} fired but not all of {need}"
@@ -132,6 +146,20 @@ def stream_qk(
             release_freed_memory()
     finally:
         bar.close()
+
+
+def _stack_option(model: Any, spec: RopeSpec, stack: int, tokens: Tensor, batch_size: int, n_layers: int,
+                  per_layer_maps: bool) -> int:
+    """The layers per stack of :func:`stream_qk`: ``stack`` itself, or for ``stack=0`` as many as
+    :func:`~posgen_tl.hooks.stacking.stack_size` allows for a batch's q/k (one with scores, patterns or tables).
+    Raises ValueError for a stack with scores, patterns or tables (a stack carries q/k only)."""
+    if stack <= 0:  # held per layer: q, k and their rotations, [batch, pos, head_index, d_head] at most
+        return 1 if per_layer_maps else stack_size(model, 4 * min(batch_size, tokens.shape[0]) * tokens.shape[1]
+                                                   * spec.d_head, n_layers)
+    if stack > 1 and per_layer_maps:
+        raise ValueError(f"stream_qk(stack={stack}) cannot be combined with scores, patterns or tables: a stack of "
+                         "layers carries q/k only")
+    return stack
 
 
 def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: Sequence[int], need: Sequence[str],
@@ -223,15 +251,24 @@ def _batch_positions(position_ids: Tensor | None, batch: Tensor, offset: int,
 
 class _Grab:
     """The hook body of one batch of :func:`stream_qk`: collects a layer's hooks; once all of ``need`` fired,
-    builds and self-checks its :class:`QKCapture`, hands it to ``fn`` and drops it (the forward stops after
-    the last layer)."""
+    builds its :class:`QKCapture` and hands it on — checked (:func:`_check_capture`) and given to ``fn`` at once
+    (``stack`` 1), or gathered into stacks of ``stack`` layers, each checked once before ``fn`` gets it — and drops
+    it (the forward stops after the last layer)."""
 
     def __init__(self, model: Any, spec: RopeSpec, info: HookInfo, need: Sequence[str], pos: Tensor, b_idx: int,
-                 offset: int, last_layer: int, rot_tol: float, with_tables: bool, fn: Callable[[QKCapture], None]):
+                 offset: int, last_layer: int, rot_tol: float, with_tables: bool, fn: Callable[[QKCapture], None],
+                 stack: int = 1):
         self.model, self.spec, self.info, self.need, self.pos = model, spec, info, list(need), pos
         self.b_idx, self.offset, self.last_layer, self.rot_tol = b_idx, offset, last_layer, rot_tol
         self.with_tables, self.fn = with_tables, fn
         self.store: dict[int, dict[str, Tensor]] = {}
+        self.stacker = Stacker(fn, stack, last_layer, check=self._check_stack)
+
+    def _check_stack(self, cap: QKCapture, parts: Sequence[QKCapture]) -> None:  # parts: what cap stacks
+        hooks = {self.info.q_hook: cap.q, self.info.k_hook: cap.k}
+        if cap.rot_source == "hook":
+            hooks.update(hook_rot_q=cap.rot_q, hook_rot_k=cap.rot_k)
+        _check_capture(cap, hooks, self.rot_tol, self.spec.model_name, self.b_idx)
 
     def __call__(self, t: Tensor, layer: int, h: str) -> None:
         spec, info, pos = self.spec, self.info, self.pos
@@ -245,11 +282,14 @@ class _Grab:
             return
         lr = live_rope(self.model, spec, layer, spec.layer(layer).for_positions(pos))
         cap = _make_capture(layer, d, lr, info, pos, self.b_idx, self.offset)
-        _check_layer(cap, d, self.rot_tol, spec.model_name, self.b_idx)
-        if self.with_tables:
-            _attach_table(self.model, cap, d, info)
         del self.store[layer]
-        self.fn(cap)
+        if self.stacker.group > 1:
+            self.stacker(cap)  # checked once per stack, before fn sees it
+        else:
+            _check_capture(cap, d, self.rot_tol, spec.model_name, self.b_idx)
+            if self.with_tables:
+                _attach_table(self.model, cap, d, info)
+            self.fn(cap)
         if layer == self.last_layer:
             raise StopForward
 
@@ -291,49 +331,70 @@ def rotation_tolerance(dtype: torch.dtype) -> float:
     return max(ROT_RTOL, 8 * eps)
 
 
-def _check_layer(cap: QKCapture, hooks: dict[str, Tensor], rel_tol: float, model_name: str, b_idx: int) -> None:
-    """The checks of one layer's capture with ONE read from the device (on a GPU each read waits for the queue):
-    every captured q/k hook finite and, where the model's rotated q/k fired, :func:`self_check`'s comparison.
+def _check_capture(cap: QKCapture, hooks: dict[str, Tensor], rel_tol: float, model_name: str, b_idx: int) -> None:
+    """The checks of one capture — a layer, or a stack of layers (:func:`posgen_tl.hooks.stacking.stack_captures`;
+    ``hooks`` then holds the stacked tensors) — with ONE read from the device (on a GPU each read waits for the queue): every captured q/k
+    hook finite and, where the model's rotated q/k fired, :func:`self_check`'s comparison.
 
     Raises :class:`CaptureError` as they do (non-finite values name the hook, the layer and the batch)."""
     names = [h for h in hooks if h not in ("hook_attn_scores", "hook_pattern")]
     # a sum of finite values is finite unless it overflows (then the exact test runs): one reduction per hook,
     # no [batch, pos, head, d_head] boolean temporary
-    parts = [torch.stack([hooks[h].sum() for h in names])] if names else []
+    reads = [torch.stack([hooks[h].sum() for h in names])] if names else []
     if cap.rot_source == "hook":
-        parts.append(_rotation_errors(cap))
-    vals = torch.cat(parts).tolist() if parts else []
-    for h, v in zip(names, vals):
-        if not math.isfinite(v) and not bool(torch.isfinite(hooks[h]).all()):
-            bad = int((~torch.isfinite(hooks[h])).sum())
-            raise CaptureError(
-                f"{model_name}: {bad} non-finite value(s) (NaN/inf) in blocks.{cap.layer}.attn.{h} "
-                f"(batch {b_idx}); the model's activations overflowed or the weights are corrupted — "
-                "refusing to compute statistics from them"
-            )
+        reads.append(_rotation_errors(cap))
+    vals = torch.cat(reads).tolist() if reads else []
+    bad = [h for h, v in zip(names, vals) if not math.isfinite(v) and not bool(torch.isfinite(hooks[h]).all())]
+    if bad:  # named by its first layer (a stack's later layers inherit a NaN through the residual stream)
+        layer, h, n_bad = _first_non_finite(cap, {h: hooks[h] for h in bad})
+        raise CaptureError(
+            f"{model_name}: {n_bad} non-finite value(s) (NaN/inf) in blocks.{layer}.attn.{h} "
+            f"(batch {b_idx}); the model's activations overflowed or the weights are corrupted — "
+            "refusing to compute statistics from them"
+        )
     if cap.rot_source == "hook":
         _raise_if_rotation_differs(cap, vals[len(names):], rel_tol, model_name)
 
 
+def _first_non_finite(cap: QKCapture, bad: dict[str, Tensor]) -> tuple[int, str, int]:
+    """``(layer, hook, count)``: the first layer (then hook) of ``cap`` whose values in ``bad`` (hook → tensor, a
+    stack's layers side by side on the head axis) are not finite, and how many are not."""
+    n_layers = len(cap.layer_ids)
+    pieces = {h: torch.chunk(x, n_layers, dim=2) if n_layers > 1 else (x,) for h, x in bad.items()}
+    for i, layer in enumerate(cap.layer_ids):
+        for h, xs in pieces.items():
+            n_bad = int((~torch.isfinite(xs[i])).sum())
+            if n_bad:
+                return layer, h, n_bad
+    raise AssertionError("no non-finite value in the hooks reported non-finite")
+
+
 def _rotation_errors(cap: QKCapture) -> Tensor:
-    """``[err_q, ref_q, err_k, ref_k]`` on the device: the largest |our rotation − the model's| and |the model's|."""
+    """``[err_q, ref_q, err_k, ref_k]`` per layer of the capture, ``[4 · layers]`` on the device: the largest |our
+    rotation − the model's| and |the model's| of each layer (of a stack too: each layer against its own values)."""
     out = []
+    n_layers = len(cap.layer_ids)
     for pre, rot in ((cap.q, cap.rot_q), (cap.k, cap.rot_k)):
-        out += [(rotate(pre, cap.positions, cap.rope) - rot).abs().amax(), rot.abs().amax()]
-    return torch.stack(out).to(torch.float32)
+        per_layer = rot.shape[:2] + (n_layers, -1)
+        out += [(rotate(pre, cap.positions, cap.rope) - rot).abs().reshape(per_layer).amax(dim=(0, 1, 3)),
+                rot.abs().reshape(per_layer).amax(dim=(0, 1, 3))]
+    return torch.cat(out).to(torch.float32)
 
 
 def _raise_if_rotation_differs(cap: QKCapture, errs: list[float], rel_tol: float, model_name: str) -> None:
-    rels = [err / ref if ref > 0 else err for err, ref in (errs[0:2], errs[2:4])]
-    worst = math.nan if any(math.isnan(r) for r in rels) else max(rels)
-    if not worst <= rel_tol:
-        raise CaptureError(
-            f"{model_name} layer {cap.layer}: the rotation the spec gives ({cap.rope.kind}, positions "
-            f"{int(cap.positions.min())}…{int(cap.positions.max())}) differs from the model's own hook_rot_q/hook_rot_k "
-            f"by {worst:.3g} (relative; tolerance {rel_tol:g}); refusing to compute from q/k whose rotation is not "
-            "the model's — a RoPE variant whose frequencies depend on the position ids or the length, or a hook "
-            "that changed the rotated q/k without the positions"
-        )
+    n_layers = len(cap.layer_ids)
+    err_q, ref_q, err_k, ref_k = (errs[i * n_layers : (i + 1) * n_layers] for i in range(4))
+    for i, layer in enumerate(cap.layer_ids):
+        rels = [err / ref if ref > 0 else err for err, ref in ((err_q[i], ref_q[i]), (err_k[i], ref_k[i]))]
+        worst = math.nan if any(math.isnan(r) for r in rels) else max(rels)
+        if not worst <= rel_tol:
+            raise CaptureError(
+                f"{model_name} layer {layer}: the rotation the spec gives ({cap.rope.kind}, positions "
+                f"{int(cap.positions.min())}…{int(cap.positions.max())}) differs from the model's own "
+                f"hook_rot_q/hook_rot_k by {worst:.3g} (relative; tolerance {rel_tol:g}); refusing to compute from q/k "
+                "whose rotation is not the model's — a RoPE variant whose frequencies depend on the position ids or "
+                "the length, or a hook that changed the rotated q/k without the positions"
+            )
 
 
 def self_check(cap: QKCapture, rel_tol: float, model_name: str = "model") -> None:

@@ -298,9 +298,25 @@ def angles(
     if rope.position_scale != 1.0:
         pos = pos / rope.position_scale
     if rope.angle_divisor is not None:
-        return pos[..., None] / rope.angle_divisor.float().to(positions.device)
-    inv = rope.inv_freq.float().to(positions.device)
-    return pos[..., None] * inv
+        return pos[..., None] / _on_device(rope.angle_divisor, positions.device)
+    return pos[..., None] * _on_device(rope.inv_freq, positions.device)
+
+
+_COPIES: list[tuple[Tensor, int, torch.device, Tensor]] = []  # (source held: an id is never reused, its version, …)
+
+
+def _on_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t.float().to(device)``, made once per tensor (and version) and device: a copy from the host to a GPU waits
+    for the GPU's queue, and the frequencies are read at every layer of every batch."""
+    if t.device == device:
+        return t.float()
+    for src, version, dev, copy in _COPIES:
+        if src is t and version == t._version and dev == device:
+            return copy
+    copy = t.float().to(device)
+    _COPIES.insert(0, (t, t._version, device, copy))
+    del _COPIES[16:]
+    return copy
 
 
 def band_indices(rotary_dim: int, layout: Layout) -> tuple[Tensor, Tensor]:
@@ -327,11 +343,8 @@ def to_bands(
     return torch.complex(a.contiguous(), b.contiguous())
 
 
-def from_bands(
-    z: Complex[Tensor, "*batch band"],
-    layout: Layout,
-    passthrough: Float[Tensor, "*batch rest"] | None = None,
-) -> Float[Tensor, "*batch d_head"]:
+def from_bands(z: Complex[Tensor, "*batch band"], layout: Layout,
+               passthrough: Float[Tensor, "*batch rest"] | None = None) -> Float[Tensor, "*batch d_head"]:
     """Inverse of :func:`to_bands`; ``passthrough`` holds the unrotated dims ``>= r``."""
     a, b = z.real, z.imag
     if layout == "half":

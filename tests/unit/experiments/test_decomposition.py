@@ -265,17 +265,18 @@ def test_layers_stacked_on_the_head_axis_give_each_layers_scores(tiny, stack, mo
     rounding), with each row's layer and head where they belong — stacks of 2 (a partial last stack) and of every
     layer; Gemma3's local and global layers (other windows and frequencies) never share a stack."""
     from posgen_tl.engine import decompose_scores as D
+    from posgen_tl.hooks import stacking as S
 
     one = _run(tiny)
     seen: list[tuple[int, ...]] = []
-    real = D.stack_captures
+    real = S.stack_captures
 
     def spy(cs):
         seen.append(tuple(c.layer for c in cs))
         return real(cs)
 
     monkeypatch.setattr(D, "stack_size", lambda *a: stack)
-    monkeypatch.setattr(D, "stack_captures", spy)
+    monkeypatch.setattr(S, "stack_captures", spy)
     stacked = _run(tiny)
     assert_same_scores(one, stacked, rtol=1e-5)
     spec, _ = probe_hooks(tiny)

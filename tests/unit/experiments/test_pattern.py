@@ -320,3 +320,23 @@ def test_layers_given_in_any_order_are_all_accumulated_when_stacked():
     got = feature_pattern(model, toks, batch_size=2, progress=False, layers=[2, 0], stack=2)
     assert sorted(got.heads["layer"].unique()) == sorted(one.heads["layer"].unique()) == [0, 2]
     assert len(got.bands) == len(one.bands)
+
+
+def test_long_rows_spread_block_is_d_head_half_on_the_cpu_and_an_eighth_of_the_rows_on_a_gpu():
+    """The block-Gram spread's block (its numbers do not depend on it: test_band_stats) is d_head/2 on the CPU; on an
+    accelerator an eighth of the rows (fewer kernel launches), never more than the memory cap allows."""
+    from posgen_tl.experiments.pattern import _spread_block
+    from posgen_tl.hooks.capture import QKCapture
+    from posgen_tl.hooks.stacking import STACK_ENTRIES
+
+    def cap(b, n, h, device):
+        q = torch.empty(b, n, h, 64, device=device)
+        return QKCapture(layer=0, q=q, k=q[:, :, :1], rot_q=q, rot_k=q[:, :, :1], positions=torch.empty(0),
+                         rope=None, rot_source="hook")  # type: ignore[arg-type]
+
+    assert _spread_block(cap(1, 2048, 9, "cpu")) == 32
+    assert _spread_block(cap(1, 2048, 126, "meta")) == 256
+    assert _spread_block(cap(1, 16384, 9, "meta")) == 2048
+    capped = _spread_block(cap(4, 16384, 126, "meta"))  # the memory cap binds: [4, 126, block, 2·block] float64
+    assert capped == int((STACK_ENTRIES // (8 * 4 * 126)) ** 0.5) == 364 and 8 * 4 * 126 * capped**2 <= STACK_ENTRIES
+    assert _spread_block(cap(1, 400, 9, "meta")) == 50

@@ -186,3 +186,60 @@ def test_scores_requested_but_absent_is_refused(monkeypatch):
 def test_expand_kv_rejects_bad_grouping():
     with pytest.raises(RopeError, match="multiple"):
         expand_kv(torch.randn(1, 2, 3, 4), 4)
+
+
+@pytest.mark.parametrize("make", [lambda: tm.hf_llama(n_layers=3)[0], lambda: tm.hf_gemma3()[0]], ids=["llama", "gemma3"])
+def test_stream_hands_stacks_of_layers_each_checked_once(make, monkeypatch):
+    """``stream_qk(stack=…)``: ``fn`` gets each batch's layers stacked on the head axis — q/k/rotations equal to the
+    layers' own captures side by side, ``layers`` naming them, Gemma3's local and global layers (other windows) in
+    different stacks — and the finiteness/rotation check runs once per stack instead of once per layer."""
+    import posgen_tl.hooks.stream as st  # noqa: PLC0415
+    from posgen_tl.hooks.gate import check_result  # noqa: PLC0415
+
+    model = make()
+    check_result(model)  # the gate's exactness pass, before counting checks
+    spec, _ = probe_hooks(model)
+    toks = torch.randint(3, 90, (3, 10), generator=torch.Generator().manual_seed(0))
+    one: dict[tuple[int, int], object] = {}
+    stream_qk(model, toks, lambda c: one.__setitem__((c.batch_index, c.layer), c), batch_size=2, progress=False)
+    real, checks = st._check_capture, []
+    monkeypatch.setattr(st, "_check_capture", lambda cap, *a: checks.append(cap.layer_ids) or real(cap, *a))
+    stacks = []
+    stream_qk(model, toks, stacks.append, batch_size=2, progress=False, stack=64)
+    windows = [spec.layer(i).sliding_window for i in range(spec.n_layers)]
+    expected = [(0, 1, 2)] if len(set(windows)) == 1 else [(0, 1), (2,)]
+    assert [s.layer_ids for s in stacks] == expected * 2  # two batches
+    assert checks == expected * 2  # one check per stack, none per layer
+    for s in stacks:
+        for name in ("q", "k", "rot_q", "rot_k"):
+            parts = [getattr(one[(s.batch_index, layer)], name) for layer in s.layer_ids]
+            assert torch.equal(getattr(s, name), torch.cat(parts, dim=2)), name
+        assert s.rot_source == "hook"
+    checks.clear()
+    stream_qk(model, toks, lambda c: None, batch_size=2, progress=False)
+    assert checks == [(i,) for i in range(spec.n_layers)] * 2  # one layer at a time: one check per layer
+
+
+def test_a_stack_names_the_layer_whose_values_are_not_finite_or_not_rotated_as_the_spec_says():
+    """A check per stack still names the layer at fault: a NaN in layer 1's keys, or layer 1's rotated keys shifted
+    by one position (the relative tolerance is each layer's own, not the stack's largest value)."""
+    from posgen_tl.maths.rope import unrotate  # noqa: PLC0415
+
+    model = tm.hf_llama(n_layers=3)[0]
+    spec, info = probe_hooks(model)
+    toks = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(1))
+    poison = [(info.name(1, "hook_k"), lambda t, hook: t.index_fill(1, torch.tensor([2]), float("nan")))]
+    with pytest.raises(CaptureError, match=r"non-finite value\(s\) \(NaN/inf\) in blocks\.1\.attn\.hook_k"):
+        stream_qk(model, toks, lambda c: None, extra_hooks=poison, progress=False, stack=3)
+    rope = spec.layer(1)
+
+    def shift(x, hook):
+        ar = torch.arange(x.shape[1])
+        return rotate(unrotate(x.float(), ar, rope), ar + 1, rope).to(x.dtype)
+
+    with pytest.raises(CaptureError, match="layer 1: the rotation the spec gives"):
+        stream_qk(model, toks, lambda c: None, extra_hooks=[(info.name(1, "hook_rot_k"), shift)], progress=False,
+                  stack=3)
+    with pytest.raises(ValueError, match="scores, patterns or tables"):
+        stream_qk(model, toks, lambda c: None, with_scores=True, progress=False, stack=2)
+    assert not any(h.fwd_hooks for h in model.hook_dict.values())
