@@ -26,7 +26,7 @@ from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
 from posgen_tl.maths.groups import layer_group
-from posgen_tl.maths.moments import Geometry, Target, all_fit_moments, d3_moments, geometry, scores, streamed_moments
+from posgen_tl.maths.moments import Geometry, Target, all_fit_moments, d3_moments, geometry, scores_many, streamed_moments
 from posgen_tl.maths.rope import angles, rotate, to_bands
 
 __all__ = ["COLUMNS", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds", "score_windows",
@@ -341,9 +341,13 @@ def _rows(c: QKCapture, moments: dict, bnd: dict, est_kind: dict[str, str], geom
     seq = np.arange(b) + c.seq_offset
     items = sorted(moments.items())
     nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.q.device)
+    fits: dict[tuple, dict[str, Tensor]] = {}  # the estimators of one sink scored in one call
+    for s in {s for (s, _), _ in items}:
+        keys = [key for key, _ in items if key[0] == s]
+        fits.update(zip(keys, scores_many([moments[k] for k in keys], geoms[s])))
     cols = []  # every score of these moments stacked on the device: one copy to the host, not one per score
-    for (s, est), m in items:
-        fit = scores(m, geoms[s])
+    for (s, est), _ in items:
+        fit = fits[(s, est)]
         cols.append(torch.stack([fit[k].double() for k in ("r", "r2", "r_within")]
                                 + [bnd[s][k].double() if est == "D3" else nan
                                    for k in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds")]))

@@ -14,6 +14,7 @@ Pure tensor maths (no model); the experiment that uses it is :mod:`posgen_tl.exp
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -138,6 +139,17 @@ def scores(m: _Moments, g: Geometry) -> dict[str, Tensor]:
     nw = (g.cnt * ok).sum()
     rw = torch.where(degen(wx, m.xmax, nw) | degen(wy, m.ymax, nw) | (nw < 2), torch.nan, wxy / (wx * wy).sqrt())
     return {"r": r, "r2": r2, "r_within": rw}
+
+
+def scores_many(ms: list[_Moments], g: Geometry) -> list[dict[str, Tensor]]:
+    """:func:`scores` of several moments on one geometry (e.g. the estimators of one sink) as ONE call on their
+    maps side by side — the same numbers, a fraction of the operations (on a GPU each is a kernel launch)."""
+    if len(ms) == 1:
+        return [scores(ms[0], g)]
+    sizes = [m.sx.shape[0] for m in ms]
+    both = _Moments(*(torch.cat([getattr(m, f.name) for m in ms]) for f in dataclasses.fields(_Moments)))
+    out = {k: v.split(sizes) for k, v in scores(both, g).items()}
+    return [{k: v[i] for k, v in out.items()} for i in range(len(ms))]
 
 
 def _rowsq(x: Tensor) -> Tensor:
