@@ -155,3 +155,36 @@ def test_a_long_mask_costs_no_operator_of_size_n_squared():
     res = rhs - gram_matvec(g.band, beta, True)
     q, _ = torch.linalg.qr(null_basis(g.band, True))
     assert (res - (res @ q) @ q.T).abs().max() <= 1e-8 * rhs.abs().max()  # only the inconsistent part is left
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 12), sink=st.integers(0, 1), sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_scores_of_several_moments_in_one_call_equal_each_alone(n, sink, sizes, seed):
+    """``scores_many`` (the estimators of one sink scored side by side) gives each moments' own ``scores`` — r, R²
+    and within-row r, NaN where a map is degenerate (a constant map included here)."""
+    import dataclasses as dc
+
+    from posgen_tl.maths.moments import _Moments, scores, scores_many
+
+    g = geometry(n, sink, None)
+    gen = torch.Generator().manual_seed(seed)
+
+    def moments(maps: int) -> _Moments:
+        x, y = (torch.randn(maps, n, n, generator=gen, dtype=torch.float64) for _ in range(2))
+        y[0] = 0.5  # a constant approximation: its r is NaN
+        m = causal_mask(n, sink=sink).double()
+        xm, ym = x * m, y * m
+        return _Moments(sx=xm.sum(-1), sy=ym.sum(-1), sxx=(xm * x).sum(-1), syy=(ym * y).sum(-1),
+                        sxy=(xm * y).sum(-1), xmax=x.abs().amax((1, 2)), ymax=y.abs().amax((1, 2)))
+
+    ms = [moments(k) for k in sizes]
+    got = scores_many(ms, g)
+    assert len(got) == len(ms)
+    for m, fit in zip(ms, got):
+        want = scores(m, g)
+        assert set(fit) == set(want) == {"r", "r2", "r_within"}
+        for key in want:
+            torch.testing.assert_close(fit[key], want[key], equal_nan=True, rtol=0, atol=0)
+        assert torch.isnan(fit["r"][0])
+    assert [f.name for f in dc.fields(_Moments)] == ["sx", "sy", "sxx", "syy", "sxy", "xmax", "ymax"]
