@@ -1,7 +1,10 @@
 """Benchmark: a patching sweep (docs/method.md §9) as a ratio to a plain forward pass over the same tokens.
 
     python benchmarks/bench_patching.py [--model smollm2-135m] [--n-seq 4] [--seq-len 128] [--layers 3]
-                                        [--out benchmarks/results/results_patching.json]
+                                        [--out benchmarks/results/results_patching.json] [--device cuda]
+
+``--model random:smollm2-135m`` times a random-init model of that shape (``random_shapes.py``: a lent GPU, where real
+weights do not travel); on ``--device cuda`` the timers are read after the device's queue has drained.
 
 In one process, on the same tokens (1 thread): (1) a plain forward ``model(tokens)``; (2) a per-head map of
 ``rot_q`` and of ``pos_term`` over ``--layers`` layers with the heads of a layer stacked in the batch
@@ -28,8 +31,12 @@ torch.set_num_threads(1)
 def timed(fn, repeat: int = 1) -> float:
     best = float("inf")
     for _ in range(repeat):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         t = time.perf_counter()
         fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -41,7 +48,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--layers", type=int, default=3, help="layers patched (the middle ones)")
     ap.add_argument("--out", default="benchmarks/results/results_patching.json")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     import posgen_tl.patching as P
     from posgen_tl.hooks.capture import probe_hooks
@@ -50,10 +60,18 @@ def main() -> None:
     from posgen_tl.io.models import load_model
     from posgen_tl.io.sampling import sample_windows
 
-    model = load_model(args.model)
+    if args.model.startswith("random:"):
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from random_shapes import build
+
+        model = build(args.model, device=args.device)
+    else:
+        model = load_model(args.model, device=args.device)
     spec, _ = probe_hooks(model)
     ana, ref = sample_windows(model, None, n_seq=args.n_seq, seq_len=args.seq_len, n_ref=2)
-    tokens = ana.tokens
+    tokens = ana.tokens.to(args.device)
     mid = spec.n_layers // 2
     layers = list(range(mid, mid + args.layers))
     km = key_means(model, ref.tokens, layers)
@@ -66,7 +84,8 @@ def main() -> None:
     from posgen_tl.io.provenance import git_commit
 
     out = {"commit": git_commit(), "model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len, "layers": layers,
-           "heads_patched": n_heads, "threads": torch.get_num_threads(), "plain_forward_s": plain}
+           "heads_patched": n_heads, "threads": torch.get_num_threads(), "plain_forward_s": plain,
+           "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     maps: dict = {}
 
     def every_block():
