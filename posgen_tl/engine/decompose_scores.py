@@ -10,6 +10,7 @@ in :mod:`posgen_tl.experiments.decomposition`, which runs this for a model and i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -121,8 +122,8 @@ def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None) -> Any:
     return rows
 
 
-def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor,
-                  geoms: dict[int, Geometry]) -> tuple[dict[str, dict[int, dict[str, Tensor]]], Tensor]:
+def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: dict[int, Geometry],
+                  rows_list: Sequence[int] | None = None) -> tuple[dict[str, dict[int, dict[str, Tensor]]], Tensor]:
     """D3 check on query ``rows`` for each k̄ of ``k_means`` (``{kind: [kv_head, d_head] or [batch, kv_head,
     d_head]}``): mean |W − f − g|, mean bound (as :func:`d3_bound`), fraction of entries within the bound and
     the mean of W (``mu``), over the masked entries of ``rows`` per mask — ``{kind: {sink: {name: [(batch
@@ -132,6 +133,7 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor,
     ``(Re, Im)`` band coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked
     query rows only; what does not depend on k̄ (the queries' and keys' bands, the phasors, W) is computed once
     for every kind. The bound (float64) only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.d3_bound_rows`).
+    ``rows_list``: ``rows`` as a host list (spares a read from the device).
     """
     rope, r = c.rope, c.rope.rotary_dim
     b, n, kv = c.k.shape[:3]
@@ -159,6 +161,7 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor,
         w = w + qp @ kp
     w = heads(s * w)
     qn = zq.abs()
+    shared = True if c.positions.shape[0] == 1 or c.positions.stride(0) == 0 else None  # the stream's own positions
     masks = {sk: (m, m.sum()) for sk, m in ((sk, geo.mask_rows(rows).double()) for sk, geo in geoms.items())}
 
     def mean(x: Tensor, sk: int) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
@@ -178,11 +181,22 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor,
             g = g + qp @ (kp - kbp[..., None])
         f, g = heads(s * f), heads(s * g)
         err = (w - f - g).abs()
-        bound = d3_bound_rows(qn, c.k, k_mean, phi, rows, rope) * (s * a2)
+        bound = d3_bound_rows(qn, c.k, k_mean, phi, rows, rope, chunk=_bound_chunk(c, len(rows)), rows_list=rows_list,
+                              shared=shared) * (s * a2)
         holds = err <= bound + _BOUND_RTOL * (w.abs() + f.abs() + g.abs())
         out[kind] = {sk: {"d3_err_mean": mean(err, sk), "d3_bound_mean": mean(bound, sk),
                           "d3_bound_holds": mean(holds.double(), sk), "mu": mus[sk]} for sk in geoms}
     return out, w
+
+
+def _bound_chunk(c: QKCapture, n_rows: int) -> int:
+    """Query rows per step of :func:`d3_bound_rows` (the numbers do not depend on it): 8 on the CPU; on a GPU, where a
+    step costs its launches, as many as keep the step's ``[batch, kv_head, rows, key_pos, band]`` float64 scratch
+    within 2²⁷ entries (1 GiB)."""
+    if c.q.device.type == "cpu":
+        return 8
+    b, n, kv = c.k.shape[:3]
+    return max(8, min(n_rows, 2**27 // max(1, b * kv * n * c.rope.n_bands)))
 
 
 #: the largest difference (relative to the rows' largest |W|) at which the score hook's logits count as W
@@ -270,9 +284,11 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     rows = torch.linspace(0, n - 1, min(bound_rows, n)).round().long().unique()
     sinks = [0, sink] if sink else [0]
     docs = windows.doc_ids.cpu().numpy()
-    frames: list[dict[str, np.ndarray]] = []
+    pending: list[_Rows] = []  # every capture's scores, on the device until the end
     cache: dict = {}  # map-sized scratch buffers, freed when the run ends
     kbar_cache: dict = {}  # the given/global k̄ of each stack of layers, on the device
+    rows_on: dict = {}  # the bound rows on each device
+    rows_host = rows.tolist()
 
     def kbar_of(kind: str, c: QKCapture, layer: int) -> Tensor:
         if kind == "per_sequence":
@@ -280,7 +296,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         return k_means if isinstance(k_means, Tensor) else k_means[layer]
 
     def emit(c, moments, bnd, est_kind: dict[str, str]) -> None:
-        frames.extend(_rows(c, moments, bnd, est_kind, geoms_of(c), docs))
+        pending.append(_rows(c, moments, bnd, est_kind, geoms_of(c)))
 
     def geoms_of(c: QKCapture) -> dict[int, Geometry]:
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
@@ -294,10 +310,10 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
 
     def score(c: QKCapture) -> None:  # one layer, or a stack of layers on the head axis
         geoms = geoms_of(c)
-        r = rows.to(c.q.device)
+        r = rows_on.setdefault(c.q.device, rows.to(c.q.device))  # copied once: a copy to a GPU waits for its queue
         q2 = _q2(c)
         kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
-        bnds, w_rows = _bound_checks(c, kbars, r, geoms)
+        bnds, w_rows = _bound_checks(c, kbars, r, geoms, rows_host)
         if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
             fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbars[k]) for k in kinds}, n=n,
                                          nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
@@ -324,7 +340,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     stream_qk(model, tokens, score, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
               progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk,
               stack=1 if use_hook else group)  # the score hook's W comes one layer at a time
-    df = pd.concat([pd.DataFrame(f) for f in frames], ignore_index=True)
+    df = pd.concat([pd.DataFrame(f) for f in _host_frames(pending, docs)], ignore_index=True)
     df["model"] = model_label or spec.model_name
     df["twin"] = twin_label
     df["layer_group"] = df["layer"].map({x: layer_group(int(x), spec.n_layers) for x in df["layer"].unique()})
@@ -332,35 +348,67 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     return _ordered(df)
 
 
-def _rows(c: QKCapture, moments: dict, bnd: dict, est_kind: dict[str, str], geoms: dict[int, Geometry],
-          docs: np.ndarray) -> list[dict[str, Any]]:
-    """One column dict per ``(sink, estimator)`` of ``moments``: the scores of every map of ``c`` — one layer's
-    capture or several layers' stacked on the head axis (maps ordered (batch, layer, head)) — with their keys."""
-    b, h, layer_ids = c.q.shape[0], c.n_heads, c.layer_ids
-    h0 = h // len(layer_ids)
-    seq = np.arange(b) + c.seq_offset
+@dataclass
+class _Rows:
+    """The scores of one capture's maps (one layer, or layers stacked on the head axis: maps ordered (batch, layer,
+    head)), kept on the device — ``vals`` ``[items, score, (batch head)]`` — until the run's end, where every
+    capture's come to the host in ONE copy (:meth:`frames` then builds the column dicts)."""
+
+    vals: Tensor
+    keys: list[tuple[int, str]]
+    est_kind: dict[str, str]
+    batch: int
+    layer_ids: tuple[int, ...]
+    heads: int
+    seq_offset: int
+    kind: str
+
+    def frames(self, host: np.ndarray, docs: np.ndarray) -> list[dict[str, Any]]:
+        """One column dict per ``(sink, estimator)``, from this capture's scores ``host`` (``vals`` on the host)."""
+        b, h, layer_ids = self.batch, self.heads, self.layer_ids
+        h0 = h // len(layer_ids)
+        seq = np.arange(b) + self.seq_offset
+        out = []
+        for (s, est), vals in zip(self.keys, host.reshape(self.vals.shape)):
+            sc: dict[str, Any] = dict(zip(SCORE_COLUMNS, vals))
+            sc["head"] = np.tile(np.arange(h0), b * len(layer_ids))
+            sc["layer"] = np.tile(np.repeat(np.asarray(layer_ids), h0), b)
+            sc["seq"] = np.repeat(seq, h)
+            sc["doc"] = np.repeat(docs[seq], h)
+            sc.update(kind=self.kind, estimator=est, sink_excluded=bool(s), k_mean=self.est_kind[est])
+            out.append(sc)
+        return out
+
+
+def _rows(c: QKCapture, moments: dict, bnd: dict, est_kind: dict[str, str], geoms: dict[int, Geometry]) -> _Rows:
+    """The scores of every map of ``c`` per ``(sink, estimator)`` of ``moments``, stacked on the device
+    (:class:`_Rows`)."""
+    b, h = c.q.shape[0], c.n_heads
     items = sorted(moments.items())
     nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.q.device)
     fits: dict[tuple, dict[str, Tensor]] = {}  # the estimators of one sink scored in one call
     for s in {s for (s, _), _ in items}:
         keys = [key for key, _ in items if key[0] == s]
         fits.update(zip(keys, scores_many([moments[k] for k in keys], geoms[s])))
-    cols = []  # every score of these moments stacked on the device: one copy to the host, not one per score
+    cols = []  # every score of these moments stacked on the device
     for (s, est), _ in items:
         fit = fits[(s, est)]
         cols.append(torch.stack([fit[k].double() for k in ("r", "r2", "r_within")]
                                 + [bnd[s][k].double() if est == "D3" else nan
                                    for k in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds")]))
-    host = torch.stack(cols).cpu().numpy()  # [items, score, (b h)]
-    out = []
-    for ((s, est), _), vals in zip(items, host):
-        sc: dict[str, Any] = dict(zip(SCORE_COLUMNS, vals))
-        sc["head"] = np.tile(np.arange(h0), b * len(layer_ids))
-        sc["layer"] = np.tile(np.repeat(np.asarray(layer_ids), h0), b)
-        sc["seq"] = np.repeat(seq, h)
-        sc["doc"] = np.repeat(docs[seq], h)
-        sc.update(kind=c.rope.kind, estimator=est, sink_excluded=bool(s), k_mean=est_kind[est])
-        out.append(sc)
+    return _Rows(torch.stack(cols), [k for k, _ in items], est_kind, b, c.layer_ids, h, c.seq_offset, c.rope.kind)
+
+
+def _host_frames(pending: list[_Rows], docs: np.ndarray) -> list[dict[str, Any]]:
+    """Every capture's scores to the host in one copy (on a GPU one wait for the queue per run, not per capture),
+    as column dicts."""
+    if not pending:
+        return []
+    host = torch.cat([p.vals.reshape(-1) for p in pending]).cpu().numpy()
+    out, at = [], 0
+    for p in pending:
+        out.extend(p.frames(host[at : at + p.vals.numel()], docs))
+        at += p.vals.numel()
     return out
 
 

@@ -158,8 +158,8 @@ def decompose_model(
         raise ValueError("decompose_model: a checkpoint cannot tell extra_hooks apart; run without checkpoint=")
     ck = base.pieces(checkpoint, NAME, cfg, model, windows, twin=twin_label, label=model_label, kinds=kinds,
                      reference=None if ref is None else windows_fingerprint(ref),
-                     k_means=base.means_fingerprint(given) if isinstance(given, dict) else
-                     None if given is None else base.means_fingerprint({-1: given}))
+                     k_means=None if checkpoint is None or given is None else  # (only a checkpoint reads it)
+                     base.means_fingerprint(given if isinstance(given, dict) else {-1: given}))
     df = score_in_pieces(model, windows, kinds, given, layers, pieces=ck, sink=cfg.sink, batch_size=cfg.batch_size,
                          bound_rows=cfg.bound_rows, twin_label=twin_label, model_label=model_label, progress=progress,
                          extra_hooks=extra_hooks, row_block=cfg.row_block, chunk=cfg.chunk)

@@ -115,6 +115,7 @@ def stream_qk(
             raise ValueError(f"stream_qk(chunk={chunk}) cannot be combined with {', '.join(bad)}: those tensors "
                              "would be one chunk's, not the sequence's")
         check_chunked(model)
+    trim = tokens.device.type == "cpu"  # freed host heap back to the OS per batch (a GPU's tensors are not on it)
     desc = progress if isinstance(progress, str) else "capture"
     bar = tqdm(total=math.ceil(tokens.shape[0] / batch_size), desc=desc, disable=not progress, leave=False)
     try:
@@ -123,29 +124,35 @@ def stream_qk(
                 stacker = Stacker(fn, stack, layers[-1])  # (each chunk's rotation is checked as it runs)
                 _chunked_batch(model, batch, b_idx, offset, layers, need, stacker, chunk=chunk, rot_tol=rot_tol)
                 stacker.flush()
-                bar.update(1)
-                release_freed_memory()
-                continue
-            pos, pos_arg = _batch_positions(position_ids, batch, offset, tokens.shape[0])
-            grab = _Grab(model, spec, info, need, pos, b_idx, offset, layers[-1], rot_tol, with_tables, fn, stack)
-            fwd = list(extra_hooks)
-            for layer in layers:
-                for h in need:
-                    fwd.append((info.name(layer, h), lambda t, hook, layer=layer, h=h, grab=grab: grab(t, layer, h)))
-            with torch.no_grad(), hooks_attached(model, fwd):
-                try:
-                    run_forward(model, batch, pos_arg)
-                except StopForward:
-                    pass
-            grab.stacker.flush()  # a stack left open (the forward ended before its last layer): checked, handed on
-            if grab.store:
-                raise CaptureError(
-                    f"{spec.model_name}: hooks {sorted(next(iter(grab.store.values())).keys())} fired but not all of {need}"
-                )
+            else:
+                pos, pos_arg = _batch_positions(position_ids, batch, offset, tokens.shape[0])
+                grab = _Grab(model, spec, info, need, pos, b_idx, offset, layers[-1], rot_tol, with_tables, fn, stack)
+                _whole_batch(model, batch, pos_arg, grab, layers, extra_hooks)
             bar.update(1)
-            release_freed_memory()
+            if trim:
+                release_freed_memory()
     finally:
         bar.close()
+
+
+def _whole_batch(model: Any, batch: Tensor, pos_arg: Tensor | None, grab: _Grab, layers: Sequence[int],
+                 extra_hooks: Sequence[tuple[str, Callable]]) -> None:
+    """One batch of :func:`stream_qk` in one forward: ``grab``'s hooks on every layer of ``layers`` (and the user's
+    ``extra_hooks``) for that forward only; raises CaptureError when a layer's hooks did not all fire."""
+    info = grab.info
+    fwd = list(extra_hooks)
+    for layer in layers:
+        for h in grab.need:
+            fwd.append((info.name(layer, h), lambda t, hook, layer=layer, h=h: grab(t, layer, h)))
+    with torch.no_grad(), hooks_attached(model, fwd):
+        try:
+            run_forward(model, batch, pos_arg)
+        except StopForward:
+            pass
+    grab.stacker.flush()  # a stack left open (the forward ended before its last layer): checked, handed on
+    if grab.store:
+        raise CaptureError(f"{grab.spec.model_name}: hooks {sorted(next(iter(grab.store.values())).keys())} fired but "
+                           f"not all of {grab.need}")
 
 
 def _stack_option(model: Any, spec: RopeSpec, stack: int, tokens: Tensor, batch_size: int, n_layers: int,
@@ -300,7 +307,7 @@ _LIBC: Any = None
 def release_freed_memory() -> bool:
     """Return freed heap pages to the operating system (glibc's ``malloc_trim(0)``); ``True`` if it ran.
 
-    Called by :func:`stream_qk` after each batch. glibc keeps freed mid-sized blocks (below its
+    Called by :func:`stream_qk` after each batch on the CPU. glibc keeps freed mid-sized blocks (below its
     32 MiB ``mmap`` threshold) resident, and the holes between long-lived small objects are not
     reused by later requests of other sizes, so a streaming run's resident memory otherwise grows
     with the number of batches (measured: 625 → 1 317 MiB from 4 to 32 sequences of 512 tokens).

@@ -20,13 +20,14 @@ Pure float64 tensor maths; every function takes a :class:`Band` from :func:`band
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["Band", "DIRECT_MAX", "DIRECT_MAX_GPU", "Direct", "band", "band_of_mask", "direct", "gram_matvec", "gram_diagonal", "null_basis",
+__all__ = ["Band", "DIRECT_MAX", "DIRECT_MAX_GPU", "Direct", "band", "band_of_mask", "direct", "gram_matvec", "gram_diagonal", "null_basis", "solve_many",
            "solve", "row_sums_a", "row_sums_c"]  # fmt: skip
 
 #: relative residual ‖XᵀXβ − r‖ / ‖r‖ at which :func:`solve` stops (float64 rounding sits near 1e-15)
@@ -246,6 +247,63 @@ def solve(bd: Band, rhs: Float[Tensor, "maps param"], three_axis: bool, *, rtol:
     Raises:
         ValueError: a one-key window (use the dense solve) or a ``rhs`` of the wrong width.
         RuntimeError: conjugate gradients did not reach ``rtol`` in ``max_iter`` steps (never a silent answer)."""
+    return solve_many([(bd, rhs, three_axis, direct_op)], rtol=rtol, max_iter=max_iter)[0]
+
+
+def solve_many(systems: Sequence[tuple[Band, Tensor, bool, Direct | None]], *, rtol: float = RTOL,
+               max_iter: int = MAX_ITER) -> list[Float[Tensor, "maps param"]]:
+    """:func:`solve` of several ``(band, rhs, three_axis, direct_op)`` systems — the same numbers — whose first
+    convergence test (after the direct step, where there is one) is read from the device in ONE synchronisation: on a
+    GPU each read waits for the queue, and with direct operators it is usually the only one."""
+    states = [_cg_start(bd, rhs, three_axis, direct_op) for bd, rhs, three_axis, direct_op in systems]
+    done = torch.stack([st.converged(rtol) for st in states]).tolist() if states else []
+    return [st.x_final() if ok else st.iterate(rtol, max_iter) for st, ok in zip(states, done)]
+
+
+class _CG:
+    """The state of one preconditioned conjugate-gradient solve of :func:`solve_many` (see :func:`solve`)."""
+
+    def __init__(self, bd: Band, three_axis: bool, q: Tensor, inv: Tensor, r: Tensor, x: Tensor, scale: Tensor,
+                 live: Tensor) -> None:
+        self.bd, self.three_axis, self.q, self.inv = bd, three_axis, q, inv
+        self.r, self.x, self.scale, self.live = r, x, scale, live
+
+    def consistent(self, v: Tensor) -> Tensor:  # the part orthogonal to the null space
+        return v - (v @ self.q) @ self.q.T
+
+    def converged(self, rtol: float) -> Tensor:
+        return ((self.r.norm(dim=-1, keepdim=True) <= rtol * self.scale) | ~self.live).all()
+
+    def x_final(self) -> Tensor:
+        return self.consistent(self.x)
+
+    def iterate(self, rtol: float, max_iter: int) -> Tensor:
+        """Conjugate gradients from the state (its first convergence test already failed)."""
+        bd, three_axis, r, x = self.bd, self.three_axis, self.r, self.x
+        z = r * self.inv
+        d = z.clone()
+        rz = (r * z).sum(-1, keepdim=True)
+        for step in range(max_iter + 1):
+            if step and bool(((r.norm(dim=-1, keepdim=True) <= rtol * self.scale) | ~self.live).all()):
+                break
+            if step == max_iter:
+                worst = float((r.norm(dim=-1, keepdim=True) / self.scale.clamp(min=1e-300)).max())
+                raise RuntimeError(f"the structured D1/D2 solve did not converge on the band n={bd.n}, sink={bd.sink}, "
+                                   f"window={bd.window}: relative residual {worst:.2e} after {max_iter} steps (> {rtol:g})")
+            ad = gram_matvec(bd, d, three_axis)
+            dad = (d * ad).sum(-1, keepdim=True)
+            alpha = torch.where(dad > 0, rz / dad.clamp(min=1e-300), 0.0)
+            x = x + alpha * d
+            r = self.consistent(r - alpha * ad)
+            z = r * self.inv
+            rz_new = (r * z).sum(-1, keepdim=True)
+            d = z + torch.where(rz > 0, rz_new / rz.clamp(min=1e-300), 0.0) * d
+            rz = rz_new
+        return self.consistent(x)
+
+
+def _cg_start(bd: Band, rhs: Tensor, three_axis: bool, direct_op: Direct | None) -> _CG:
+    """The checked inputs of one :func:`solve`, the consistent residual and, with ``direct_op``, its direct step."""
     if not bd.structured:
         raise ValueError("a one-key window leaves more of the additive design unidentified: use the dense solve "
                          "(posgen_tl.maths.decompose.normal_system)")
@@ -256,37 +314,15 @@ def solve(bd: Band, rhs: Float[Tensor, "maps param"], three_axis: bool, *, rtol:
     rhs = rhs.double()
     dg = gram_diagonal(bd, three_axis).to(rhs.device)
     inv = torch.where(dg > 0, 1.0 / dg.clamp(min=1.0), 0.0)
-    q = _null_q(bd, three_axis, rhs.device)  # orthonormal null space
-
-    def consistent(v: Tensor) -> Tensor:  # the part orthogonal to the null space
-        return v - (v @ q) @ q.T
-
+    st = _CG(bd, three_axis, _null_q(bd, three_axis, rhs.device), inv, rhs, rhs, rhs, rhs)  # orthonormal null space
     # Xᵀy is orthogonal to the null space; sums taken in float32 are so only to rounding, and conjugate gradients
     # on a singular system would walk off along that rounding: keep the consistent part (every step)
-    r = consistent(rhs * (dg > 0))
-    scale = r.norm(dim=-1, keepdim=True)
-    live = scale > 0
-    x = torch.zeros_like(r)
+    r = st.consistent(rhs * (dg > 0))
+    st.scale = r.norm(dim=-1, keepdim=True)
+    st.live = st.scale > 0
+    st.x = torch.zeros_like(r)
     if direct_op is not None:  # one direct step (residual ~1e-15); conjugate gradients go on if it left more than rtol
-        x = direct_op.apply(r)
-        r = consistent(r - gram_matvec(bd, x, three_axis))
-    z = r * inv
-    d = z.clone()
-    rz = (r * z).sum(-1, keepdim=True)
-    for step in range(max_iter + 1):
-        if bool(((r.norm(dim=-1, keepdim=True) <= rtol * scale) | ~live).all()):
-            break
-        if step == max_iter:
-            worst = float((r.norm(dim=-1, keepdim=True) / scale.clamp(min=1e-300)).max())
-            raise RuntimeError(f"the structured D1/D2 solve did not converge on the band n={bd.n}, sink={bd.sink}, "
-                               f"window={bd.window}: relative residual {worst:.2e} after {max_iter} steps (> {rtol:g})")
-        ad = gram_matvec(bd, d, three_axis)
-        dad = (d * ad).sum(-1, keepdim=True)
-        alpha = torch.where(dad > 0, rz / dad.clamp(min=1e-300), 0.0)
-        x = x + alpha * d
-        r = consistent(r - alpha * ad)
-        z = r * inv
-        rz_new = (r * z).sum(-1, keepdim=True)
-        d = z + torch.where(rz > 0, rz_new / rz.clamp(min=1e-300), 0.0) * d
-        rz = rz_new
-    return consistent(x)
+        st.x = direct_op.apply(r)
+        r = st.consistent(r - gram_matvec(bd, st.x, three_axis))
+    st.r = r
+    return st

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -473,14 +474,17 @@ def score_maps(
     }
 
 
-def d3_bound_rows(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tensor, rope: LayerRope, chunk: int = 8) -> Tensor:
+def d3_bound_rows(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tensor, rope: LayerRope, chunk: int = 8, *,
+                  rows_list: Sequence[int] | None = None, shared: bool | None = None) -> Tensor:
     """``Σ_m |q_im|·|k_jm − k̄_m|·2|sin((φ_im − φ_jm)/2)|`` on query ``rows``, causal part ``j ≤ i`` (0 elsewhere).
 
     ``qn``: float64 ``[b, rows, head_index, band]`` (``|q|`` per band); ``k``: ``[b, key_pos, kv_head, d_head]``;
     ``k_mean``: ``[kv_head, d_head]`` or ``[b, kv_head, d_head]``; ``phi``: float64 ``[b, pos, band]``.
     The key side is built once per kv-group (GQA: no repeat per query head) and the rows are
     batched ``chunk`` at a time (one masked ``sin`` table per chunk, shared by all sequences when
-    their positions are). Returns float64 ``[(b head_index), rows, key_pos]``.
+    their positions are). ``rows_list`` (``rows`` as a host list) and ``shared`` (whether every sequence has the same
+    positions), where the caller knows them, spare a read from the device. Returns float64 ``[(b head_index), rows,
+    key_pos]``.
     """
     b, n, kv = k.shape[:3]
     g = qn.shape[2] // kv
@@ -488,10 +492,11 @@ def d3_bound_rows(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tens
     zk, zb = to_bands(k.double(), rope.rotary_dim, rope.layout), to_bands(kb, rope.rotary_dim, rope.layout)
     kn = rearrange((zk - zb[:, None]).abs(), "b j kv m -> b kv 1 j m")
     qg = rearrange(qn, "b r (kv g) m -> b kv r m g", kv=kv)
-    shared = bool((phi == phi[:1]).all())  # same positions in every sequence (the default)
+    if shared is None:
+        shared = bool((phi == phi[:1]).all())  # same positions in every sequence (the default)
     ph = phi[:1] if shared else phi
     out = torch.zeros(b, kv, len(rows), n, g, dtype=torch.float64, device=k.device)
-    rows_l = rows.tolist()
+    rows_l = list(rows_list) if rows_list is not None else rows.tolist()
     for s in range(0, len(rows_l), chunk):
         r = slice(s, s + chunk)
         rc, jn = len(rows_l[r]), max(rows_l[r]) + 1  # keys j > max row are 0 for the whole chunk

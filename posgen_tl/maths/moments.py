@@ -22,7 +22,17 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.maths.additive import DIRECT_MAX, DIRECT_MAX_GPU, Band, band, direct, row_sums_a, row_sums_c, solve
+from posgen_tl.maths.additive import (
+    DIRECT_MAX,
+    DIRECT_MAX_GPU,
+    Band,
+    Direct,
+    band,
+    direct,
+    row_sums_a,
+    row_sums_c,
+    solve_many,
+)
 from posgen_tl.maths.decompose import causal_mask, normal_system
 
 _RIDGE, _REFINE = 1e-6, 3  # fit_additive's defaults
@@ -58,15 +68,32 @@ class Geometry:
         :data:`posgen_tl.maths.additive.DIRECT_MAX` tokens (:data:`~posgen_tl.maths.additive.DIRECT_MAX_GPU` on a GPU)
         by the direct Schur solve (its operators built once per mask and kept), beyond by conjugate gradients (O(n)
         memory); both to the same stated tolerance."""
-        if not self.band.structured:
-            return rhs @ self.ops[three_axis].T
+        return solve_fits([(self, rhs, three_axis)])[0]
+
+    def direct_op(self, three_axis: bool) -> Direct | None:
+        """The direct operator of this mask and design (built on first use up to the device's limit), else None."""
         limit = DIRECT_MAX if self.device.type == "cpu" else DIRECT_MAX_GPU
         if self.n <= limit and three_axis not in self.direct:
             try:
                 self.direct[three_axis] = direct(self.band, three_axis, self.device)
             except torch.linalg.LinAlgError:  # not positive definite after all: conjugate gradients alone
                 self.direct[three_axis] = None
-        return solve(self.band, rhs, three_axis, direct_op=self.direct.get(three_axis))
+        return self.direct.get(three_axis)
+
+
+def solve_fits(items: Sequence[tuple[Geometry, Tensor, bool]]) -> list[Tensor]:
+    """:meth:`Geometry.solve` of several ``(geometry, rhs, three_axis)`` fits, the structured ones through
+    :func:`~posgen_tl.maths.additive.solve_many` (one device read for all their first convergence tests)."""
+    out: list[Tensor | None] = [None] * len(items)
+    structured = [i for i, (g, _, _) in enumerate(items) if g.band.structured]
+    for i, (g, rhs, three_axis) in enumerate(items):
+        if not g.band.structured:
+            out[i] = rhs @ g.ops[three_axis].T
+    sols = solve_many([(items[i][0].band, items[i][1], items[i][2], items[i][0].direct_op(items[i][2]))
+                       for i in structured])
+    for i, x in zip(structured, sols):
+        out[i] = x
+    return [x for x in out if x is not None]
 
 
 _GEOMS: dict[tuple, Geometry] = {}
@@ -217,8 +244,9 @@ class Target(_RowSums):
         return self.x[..., :sink]
 
 
-def _fit_solve(t: Target | RowStats, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(mean, a, b, c)`` of ``fit_additive(x, g.mask, three_axis)`` (float64; ``b = 0`` for D2)."""
+def _fit_rhs(t: Target | RowStats, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor]:
+    """``(mean, rhs)``: the map's masked mean and the right-hand side ``Xᵀ(x − mean)`` of its D1 (``three_axis``) or
+    D2 fit on mask ``g`` (float64)."""
     n, s = t.n, g.sink
     sx, _ = t.moments_x(s)
     diag, col = t.diag.clone(), t.col.clone()
@@ -229,8 +257,11 @@ def _fit_solve(t: Target | RowStats, g: Geometry, three_axis: bool) -> tuple[Ten
         col[:, :s] = 0.0
     mean = sx.sum(-1) / g.cnt.sum()
     parts = [diag - mean[:, None] * g.ndiag] + ([sx - mean[:, None] * g.cnt] if three_axis else [])
-    rhs = torch.cat(parts + [col - mean[:, None] * g.ncol], dim=-1)
-    beta = g.solve(rhs, three_axis)
+    return mean, torch.cat(parts + [col - mean[:, None] * g.ncol], dim=-1)
+
+
+def _fit_params(n: int, mean: Tensor, beta: Tensor, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(mean, a, b, c)`` from the fit's parameters ``beta`` (``b = 0`` for D2)."""
     a, c_ = beta[:, :n], beta[:, -n:]
     b = beta[:, n : 2 * n] if three_axis else torch.zeros_like(a)
     return mean, a, b, c_
@@ -266,7 +297,10 @@ def _fit_moments(t: Target | RowStats, g: Geometry, fit: tuple, xc: Tensor, xa: 
 def _fits(t: Target | RowStats, geoms: dict[int, Geometry]) -> tuple[dict[tuple[int, str], tuple], Tensor, Tensor]:
     """D1 and D2 on every mask: ``(fits, cs, as_)`` — the parameters per (sink, estimator) and the column / distance
     effects stacked float32 ``[maps, fits, n]`` for the two map-sized products (distances flipped to the view's e)."""
-    fits = {(s, est): _fit_solve(t, g, est == "D1") for s, g in geoms.items() for est in ("D1", "D2")}
+    keys = [(s, est) for s in geoms for est in ("D1", "D2")]  # solved together: one device read for all four
+    rhs = {k: _fit_rhs(t, geoms[k[0]], k[1] == "D1") for k in keys}
+    betas = solve_fits([(geoms[k[0]], rhs[k][1], k[1] == "D1") for k in keys])
+    fits = {k: _fit_params(t.n, rhs[k][0], beta, k[1] == "D1") for k, beta in zip(keys, betas)}
     cs = torch.stack([fits[k][3] for k in fits], 1).float()  # [maps, fits, j]
     as_ = torch.stack([fits[k][1].flip(-1) for k in fits], 1).float()
     return fits, cs, as_

@@ -358,3 +358,20 @@ def test_scores_that_are_not_the_logits_are_recomputed(monkeypatch):
     _spied(monkeypatch, False)
     plain = _run(model, extra_hooks=hooks)
     pd.testing.assert_frame_equal(shifted, plain)
+
+
+def test_bound_check_rows_per_step_are_eight_on_the_cpu_and_all_on_a_gpu_within_a_gib():
+    from posgen_tl.engine.decompose_scores import _bound_chunk
+    from posgen_tl.hooks.capture import QKCapture
+    from posgen_tl.maths.rope import LayerRope
+
+    rope = LayerRope(inv_freq=torch.ones(32), rotary_dim=64)
+
+    def cap(b, n, kv, device):
+        k = torch.empty(b, n, kv, 64, device=device)
+        return QKCapture(layer=0, q=k, k=k, rot_q=k, rot_k=k, positions=torch.empty(0), rope=rope, rot_source="hook")
+
+    assert _bound_chunk(cap(4, 512, 3, "cpu"), 32) == 8
+    assert _bound_chunk(cap(4, 512, 3, "meta"), 32) == 32  # every checked row in one step
+    big = _bound_chunk(cap(4, 512, 90, "meta"), 32)  # 30 layers stacked: 2^27 entries allow 22 rows
+    assert big == 2**27 // (4 * 90 * 512 * 32) == 22

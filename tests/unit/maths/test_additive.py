@@ -188,3 +188,30 @@ def test_scores_of_several_moments_in_one_call_equal_each_alone(n, sink, sizes, 
             torch.testing.assert_close(fit[key], want[key], equal_nan=True, rtol=0, atol=0)
         assert torch.isnan(fit["r"][0])
     assert [f.name for f in dc.fields(_Moments)] == ["sx", "sy", "sxx", "syy", "sxy", "xmax", "ymax"]
+
+
+def test_solving_several_fits_together_gives_each_fits_solution_with_one_host_read(monkeypatch):
+    """``solve_many``: the D1 and D2 fits of two masks (with direct operators) and one by conjugate gradients alone
+    give exactly ``solve``'s numbers; with direct operators only, ONE value is read from the device for all their
+    convergence tests (on a GPU each read waits for the queue)."""
+    from posgen_tl.maths.additive import solve_many
+
+    gen = torch.Generator().manual_seed(3)
+    systems = []
+    for n, sink, win in ((24, 0, None), (24, 1, None), (20, 1, 6)):
+        bd = band(n, sink, win)
+        for three in (True, False):
+            rhs = gram_matvec(bd, torch.randn(5, (3 if three else 2) * n, dtype=torch.float64, generator=gen), three)
+            systems.append((bd, rhs, three, direct(bd, three)))
+    want = [solve(bd, rhs, three, direct_op=op) for bd, rhs, three, op in systems]
+    cg = [(bd, rhs, three, None) for bd, rhs, three, _ in systems[:2]]
+    for got, exp in zip(solve_many(systems) + solve_many(cg), want + want[:2]):
+        torch.testing.assert_close(got, exp, atol=1e-9 * float(exp.abs().max()), rtol=0)
+    for got, exp in zip(solve_many(systems), want):
+        assert torch.equal(got, exp)  # the same operations in the same order
+    reads = []
+    for name in ("tolist", "item", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a))
+    solve_many(systems)
+    assert reads == ["tolist"]

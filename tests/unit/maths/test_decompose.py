@@ -367,6 +367,28 @@ def test_d3_bound_rows_and_chunking():
     assert (full[..., torch.arange(16), torch.arange(16)] == 0).all()  # zero distance, zero bound
 
 
+def test_d3_bound_rows_does_not_depend_on_its_row_chunk():
+    """The bound on the checked rows equals d3_bound's on those rows whatever the rows per step (8 on the CPU, all of
+    them on a GPU: fewer launches) — one sequence per batch row, GQA, per-sequence k̄ too."""
+    from posgen_tl.maths.decompose import d3_bound_rows
+    from posgen_tl.maths.rope import angles, to_bands
+
+    rope, d = make_rope(4, "half", 2, 1.2, 0.3)
+    q, k, km = qk(2, 20, 4, 2, d, 5)
+    pos = torch.arange(20).expand(2, 20)
+    rows = torch.tensor([0, 3, 7, 8, 13, 19])
+    qn = to_bands(q[:, rows], rope.rotary_dim, rope.layout).abs()
+    phi = angles(pos, rope).double()
+    want = d3_bound(q, k, km, pos, rope, rows=rows) / (rope.score_scale * rope.attention_scaling**2)
+    want = want * (torch.arange(20)[None, :] <= rows[:, None])  # d3_bound_rows: the causal part only
+    for k_mean in (km, km[None].expand(2, -1, -1) + 0.1):
+        got = {ch: d3_bound_rows(qn, k, k_mean, phi, rows, rope, chunk=ch) for ch in (1, 4, 8, len(rows))}
+        for ch in got:
+            torch.testing.assert_close(got[ch], got[8], atol=0, rtol=0)
+        if k_mean is km:
+            torch.testing.assert_close(got[len(rows)].reshape(want.shape), want, atol=1e-12, rtol=1e-12)
+
+
 # ----------------------------------------------------------------------------- D3 at a reference offset Δ0
 
 
