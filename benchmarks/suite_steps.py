@@ -120,7 +120,14 @@ class Bench:
     # ------------------------------------------------------------ steps
 
     def forward(self) -> None:
-        with self.torch.no_grad():
+        """The plain forward, on the CPU with large blocks kept in glibc's heap as every pass of the package runs
+        (``posgen_tl.hooks.heap.large_blocks_kept``: with glibc's defaults a CPU forward page-faults each big tensor
+        afresh; ``benchmarks/bench_heap.py`` measures that apart) — the ratios compare like with like."""
+        import contextlib
+
+        from posgen_tl.hooks.heap import large_blocks_kept
+
+        with self.torch.no_grad(), large_blocks_kept() if self.device == "cpu" else contextlib.nullcontext():
             for i in range(0, self.n_seq, self.bs):
                 out = self.model(self.tokens[i : i + self.bs])
                 del out

@@ -10,6 +10,7 @@ context tokens move; the swaps are drawn independently per (sequence, seed)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
+from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.positions import StopForward, distance_cap_hooks, final_residual_hook
 from posgen_tl.hooks.reentry import check_hooks_from, forward_from, recorded, resid_hooks, skips_blocks
 from posgen_tl.io.sampling import Windows
@@ -104,7 +106,8 @@ def nll_on_target(
     """Mean next-token NLL of the last ``target_len`` tokens of each sequence (float32, CPU).
 
     Only the span's logits are computed (final residual captured, then unembedded), so a
-    262k vocabulary costs ``target_len`` rows per sequence. ``fwd_hooks`` are attached.
+    262k vocabulary costs ``target_len`` rows per sequence. On the CPU the forwards run with large blocks kept in the
+    heap (:func:`posgen_tl.hooks.heap.large_blocks_kept`). ``fwd_hooks`` are attached.
     ``resid_at=(L, resid)``: resume from the residual entering block ``L`` (recorded by
     :func:`posgen_tl.hooks.reentry.resid_hooks`, or ``model(tokens, stop_at_layer=L)``) without
     computing blocks ``0 … L−1`` (:func:`posgen_tl.hooks.reentry.forward_from`); ``tokens``
@@ -117,15 +120,16 @@ def nll_on_target(
     if not 0 < target_len < tokens.shape[1]:
         raise ValueError(f"target_len={target_len} must be in (0, {tokens.shape[1]})")
     out = []
-    for s in range(0, tokens.shape[0], batch_size):
-        batch = tokens[s : s + batch_size]
-        pos = None
-        if position_ids is not None:
-            p = position_ids.to(batch.device)
-            pos = p.expand(batch.shape[0], -1) if p.ndim == 1 else p[s : s + batch.shape[0]]
-        resid = None if resid_at is None else resid_at[1][s : s + batch_size]
-        layer = None if resid_at is None else resid_at[0]
-        out.append(_target_nll(model, batch, target_len, pos, fwd_hooks, resid, layer).float().cpu())
+    with large_blocks_kept() if tokens.device.type == "cpu" else contextlib.nullcontext():  # (hooks/heap.py)
+        for s in range(0, tokens.shape[0], batch_size):
+            batch = tokens[s : s + batch_size]
+            pos = None
+            if position_ids is not None:
+                p = position_ids.to(batch.device)
+                pos = p.expand(batch.shape[0], -1) if p.ndim == 1 else p[s : s + batch.shape[0]]
+            resid = None if resid_at is None else resid_at[1][s : s + batch_size]
+            layer = None if resid_at is None else resid_at[0]
+            out.append(_target_nll(model, batch, target_len, pos, fwd_hooks, resid, layer).float().cpu())
     return torch.cat(out)
 
 

@@ -9,6 +9,7 @@ capture's rotation with the model's own; :func:`pattern_hooks` read or write att
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from posgen_tl.hooks.capture import (
     run_forward,
 )
 from posgen_tl.hooks.chunked import check_chunked, run_chunks
+from posgen_tl.hooks.heap import large_blocks_kept, release_freed_memory
 from posgen_tl.hooks.stacking import Stacker, stack_size
 from posgen_tl.hooks.tables import model_rotation_table, table_to_bands
 from posgen_tl.io.spec import live_rope
@@ -118,7 +120,8 @@ def stream_qk(
     trim = tokens.device.type == "cpu"  # freed host heap back to the OS per batch (a GPU's tensors are not on it)
     desc = progress if isinstance(progress, str) else "capture"
     bar = tqdm(total=math.ceil(tokens.shape[0] / batch_size), desc=desc, disable=not progress, leave=False)
-    try:
+    # on the CPU the forward's big tensors are reused from glibc's heap instead of mmapped afresh at every layer
+    with large_blocks_kept() if trim else contextlib.nullcontext(), contextlib.closing(bar):
         for b_idx, (offset, batch) in enumerate(_batches(tokens, batch_size)):
             if chunked:
                 stacker = Stacker(fn, stack, layers[-1])  # (each chunk's rotation is checked as it runs)
@@ -131,8 +134,6 @@ def stream_qk(
             bar.update(1)
             if trim:
                 release_freed_memory()
-    finally:
-        bar.close()
 
 
 def _whole_batch(model: Any, batch: Tensor, pos_arg: Tensor | None, grab: _Grab, layers: Sequence[int],
@@ -299,32 +300,6 @@ class _Grab:
             self.fn(cap)
         if layer == self.last_layer:
             raise StopForward
-
-
-_LIBC: Any = None
-
-
-def release_freed_memory() -> bool:
-    """Return freed heap pages to the operating system (glibc's ``malloc_trim(0)``); ``True`` if it ran.
-
-    Called by :func:`stream_qk` after each batch on the CPU. glibc keeps freed mid-sized blocks (below its
-    32 MiB ``mmap`` threshold) resident, and the holes between long-lived small objects are not
-    reused by later requests of other sizes, so a streaming run's resident memory otherwise grows
-    with the number of batches (measured: 625 → 1 317 MiB from 4 to 32 sequences of 512 tokens).
-    A no-op (``False``) where there is no glibc (macOS, Windows, musl)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes  # noqa: PLC0415
-
-            lib = ctypes.CDLL("libc.so.6")
-            _LIBC = lib if hasattr(lib, "malloc_trim") else False
-        except OSError:
-            _LIBC = False
-    if _LIBC is False:
-        return False
-    _LIBC.malloc_trim(0)
-    return True
 
 
 #: relative rotation tolerance of a float32 model (the exactness check's too)

@@ -1,0 +1,77 @@
+"""The host heap during a streamed pass on the CPU (glibc only; elsewhere every function is a no-op).
+
+A forward pass on the CPU allocates and frees its ``[batch, heads, n, n]`` score maps and other large activations
+once per layer. glibc serves blocks above its ``mmap`` threshold (at most 32 MiB by default) with fresh ``mmap``
+pages and unmaps them on ``free``, so every such tensor is page-faulted in again, zero-filled by the kernel, at every
+layer: measured on SmolLM2 at 4 × 512 tokens, 2 threads, a plain forward took 4.08 s with glibc's defaults and 3.36 s
+with large blocks kept in the heap. :func:`large_blocks_kept` does that for the duration of a pass (and puts glibc's
+own settings back after it); :func:`release_freed_memory` returns what the pass freed to the system after each batch,
+so resident memory does not grow with the number of batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["large_blocks_kept", "release_freed_memory"]
+
+_LIBC: Any = None
+_DEPTH = [0]  # nested passes: only the outermost sets and restores
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+#: glibc's own upper values of its dynamic thresholds on 64-bit systems (what a process that freed a tensor of 32 MiB
+#: or more runs with): restored after a pass
+GLIBC_MMAP_MAX, GLIBC_TRIM_MAX = 32 * 2**20, 64 * 2**20
+#: during a pass: blocks up to 1 GiB from the heap, never trimmed by ``free`` (the pass trims once per batch)
+KEEP_MMAP, KEEP_TRIM = 2**30, 2**31 - 1
+
+
+def _libc() -> Any:
+    """glibc (``malloc_trim`` and ``mallopt``), or ``False`` where there is none (macOS, Windows, musl)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes  # noqa: PLC0415
+
+            lib = ctypes.CDLL("libc.so.6")
+            _LIBC = lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else False
+        except OSError:
+            _LIBC = False
+    return _LIBC
+
+
+def release_freed_memory() -> bool:
+    """Return freed heap pages to the operating system (glibc's ``malloc_trim(0)``); ``True`` if it ran.
+
+    Called by :func:`posgen_tl.hooks.stream.stream_qk` after each batch on the CPU. glibc keeps freed blocks in its heap
+    (below its ``mmap`` threshold, and all of them during :func:`large_blocks_kept`), and the holes between
+    long-lived small objects are not reused by later requests of other sizes, so a streaming run's resident memory
+    otherwise grows with the number of batches (measured: 625 → 1 317 MiB from 4 to 32 sequences of 512 tokens).
+    A no-op (``False``) where there is no glibc."""
+    lib = _libc()
+    if lib is False:
+        return False
+    lib.malloc_trim(0)
+    return True
+
+
+@contextlib.contextmanager
+def large_blocks_kept() -> Iterator[bool]:
+    """For the duration of the block, glibc serves blocks up to 1 GiB from its heap and ``free`` does not trim it —
+    a freed score map is reused by the next layer's instead of being unmapped and page-faulted in again (the caller
+    trims once per batch with :func:`release_freed_memory`). Yields whether glibc took the settings; afterwards the
+    thresholds are glibc's own dynamic maxima again (32 MiB, 64 MiB) and the freed heap is returned to the system."""
+    lib = _libc()
+    outer = _DEPTH[0] == 0
+    ok = lib is not False and (not outer or bool(lib.mallopt(M_MMAP_THRESHOLD, KEEP_MMAP))
+                               and bool(lib.mallopt(M_TRIM_THRESHOLD, KEEP_TRIM)))
+    _DEPTH[0] += 1
+    try:
+        yield ok
+    finally:
+        _DEPTH[0] -= 1
+        if lib is not False and outer:
+            lib.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)
+            lib.mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_MAX)
+            lib.malloc_trim(0)
