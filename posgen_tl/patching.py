@@ -29,6 +29,7 @@ together restores the head exactly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.gate import require_exact
+from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.patching import QUANTITIES, TERMS, patch_hooks, patch_site, record_hooks
 from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.hooks.reentry import forward_from, hooks_from, recorded, resid_hooks, skips_blocks
@@ -253,7 +255,8 @@ def _run_logits(model: Any, batch: Tensor, hooks: list, rows: tuple[int, int] | 
     if resid_at is not None:
         skips_blocks(model)  # once per model, before any hook is attached
         hooks = hooks_from(hooks, resid_at[0])
-    with model.hooks(fwd_hooks=hooks + ([fin] if fin else [])):
+    heap = large_blocks_kept() if batch.device.type == "cpu" else contextlib.nullcontext()  # (hooks/heap.py)
+    with heap, model.hooks(fwd_hooks=hooks + ([fin] if fin else [])):
         try:
             logits = model(batch) if resid_at is None else forward_from(model, resid_at[1], resid_at[0], tokens=batch)
         except StopForward:

@@ -17,6 +17,7 @@ over documents, Holm-adjusted within one printed table. Fewer than 32 sequences 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.edits import reference_key_means
+from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, window_removal_hooks
 from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.io.corpus import CorpusLike
@@ -41,19 +43,8 @@ from posgen_tl.maths.perturb import gap_position_ids, nll_from_logits
 from posgen_tl.maths.rope import RopeError, RopeSpec
 from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 
-__all__ = [
-    "Config",
-    "Result",
-    "run",
-    "render",
-    "LengthResult",
-    "span_nll",
-    "gap_probe",
-    "gap_summary",
-    "window_removal",
-    "window_summary",
-    "CONDITIONS",
-]
+__all__ = ["Config", "Result", "run", "render", "LengthResult", "span_nll", "gap_probe", "gap_summary", "window_removal",
+           "window_summary", "CONDITIONS"]
 
 CONDITIONS = ("vanilla", "lm_infinite", "disentangled")
 DEFAULT_GAPS = (0.0, 0.25, 0.5, 1.0, 2.0)
@@ -108,7 +99,8 @@ def span_nll(
     store: dict = {}
     fin = final_residual_hook(model, store, start - 1, stop - 1)
     kw, moved = _position_kwargs(model, tokens, position_ids)
-    with model.hooks(fwd_hooks=list(fwd_hooks) + moved + ([fin] if fin else [])):
+    heap = large_blocks_kept() if tokens.device.type == "cpu" else contextlib.nullcontext()  # (hooks/heap.py)
+    with heap, model.hooks(fwd_hooks=list(fwd_hooks) + moved + ([fin] if fin else [])):
         try:
             logits = model(tokens, **kw)
             resid = None
