@@ -3,6 +3,11 @@ runs with: ``posgen_tl.hooks.heap.large_blocks_kept``), in ONE fresh process, de
 
     python benchmarks/bench_heap.py [--model smollm2-135m] [--n-seq 8] [--seq-len 512] [--threads 2] [--repeats 3]
         [--out benchmarks/results/results_heap.json]
+    python benchmarks/bench_heap.py --memory sufficiency --n-seq 4 --seq-len 2048 [--glibc-defaults]
+
+``--memory STEP``: instead, the peak resident memory above its start of one suite step (``suite_steps.Bench``;
+``sufficiency``, ``decomposition``, ``pattern``, ``capture``) run once after a warm-up of its inputs, with large blocks
+kept as the package runs it, or with ``--glibc-defaults`` as glibc would (run each in its own process).
 
 With glibc's defaults every tensor above its ``mmap`` threshold (a layer's ``[batch, heads, n, n]`` scores) is mapped
 afresh and page-faulted in at every layer. The process then times the same forward inside ``large_blocks_kept`` and,
@@ -32,7 +37,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--memory", default=None, help="a suite step whose peak memory to measure instead")
+    ap.add_argument("--glibc-defaults", action="store_true", help="with --memory: the passes without the setting")
     a = ap.parse_args()
+    if a.memory:
+        memory(a)
+        return
     import torch
 
     torch.set_num_threads(a.threads)
@@ -70,6 +80,32 @@ def main() -> None:
     print(f"kept / defaults: {out['kept_over_defaults_median']:.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+def memory(a: argparse.Namespace) -> None:
+    """Peak RSS above its start of one suite step, with or without large blocks kept (``--glibc-defaults``)."""
+    import contextlib
+
+    import torch
+
+    torch.set_num_threads(a.threads)
+    import suite_steps
+    from suite_steps import Bench, reset_peak, status_mib
+
+    import posgen_tl.engine.swaps as swaps
+    import posgen_tl.hooks.stream as stream
+
+    if a.glibc_defaults:  # the passes as they ran before posgen_tl.hooks.heap
+        swaps.large_blocks_kept = stream.large_blocks_kept = contextlib.nullcontext  # type: ignore[assignment]
+    b = Bench(a.model, a.n_seq, a.seq_len)
+    b.kbar()
+    step = suite_steps.sufficiency_step(b)[0] if a.memory == "sufficiency" else getattr(b, a.memory)
+    before = status_mib("VmRSS")
+    reset_peak()
+    step()
+    peak = status_mib("VmHWM") - before
+    print(f"{a.memory} {a.n_seq}x{a.seq_len} {'glibc defaults' if a.glibc_defaults else 'large blocks kept'}: "
+          f"peak {peak:.0f} MiB above its start")
 
 
 if __name__ == "__main__":
