@@ -310,7 +310,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
 
     def score(c: QKCapture) -> None:  # one layer, or a stack of layers on the head axis
         geoms = geoms_of(c)
-        r = rows_on.setdefault(c.q.device, rows.to(c.q.device))  # copied once: a copy to a GPU waits for its queue
+        if c.q.device not in rows_on:  # copied once: a copy to a GPU waits for its queue
+            rows_on[c.q.device] = rows.to(c.q.device)
+        r = rows_on[c.q.device]
         q2 = _q2(c)
         kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
         bnds, w_rows = _bound_checks(c, kbars, r, geoms, rows_host)

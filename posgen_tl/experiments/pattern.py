@@ -94,6 +94,7 @@ def _spread_block(c: QKCapture) -> int:
         return max(8, d // 2)
     return max(8, d // 2, min(-(-n // 8), math.isqrt(STACK_ENTRIES // (8 * b * h))))
 
+
 @dataclass
 class PatternResult:
     """Output of :func:`feature_pattern` for one model (trained or its random twin).
