@@ -46,7 +46,7 @@ def one(args: argparse.Namespace) -> dict:
     with torch.no_grad():
         model(tokens[:, :16], return_type=None)  # warm-up
     delta: dict = {}
-    out: dict = {"model": args.model, "tokens": n, "threads": args.threads, "chunk": auto_chunk(model, n, memory_only=True)}  # the decomposition's
+    out: dict = {"model": args.model, "tokens": n, "threads": args.threads, "chunk": auto_chunk(model, n)}  # the decomposition's
     # the decomposition first, with the heap's freed pages returned (loading leaves some resident; a phase would
     # reuse them without raising the mark, so its rise above the start would understate what it needs)
     release_freed_memory()

@@ -52,7 +52,7 @@ def main() -> None:
 
         setattr(mod, name, g)
 
-    for name in ("_q2", "_w_map", "_y_map", "_bound_checks", "d3_bound_rows", "all_fit_moments", "d3_moments", "scores"):
+    for name in ("_q2", "_w_map", "_y_map", "_bound_checks", "d3_bound_rows", "all_fit_moments", "d3_moments", "scores_many", "_hook_w", "streamed_moments"):
         timed(D, name)
     timed(M, "Target")
     timed(M, "_fits")  # inside all_fit_moments: the D1/D2 solves

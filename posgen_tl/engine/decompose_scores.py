@@ -27,7 +27,18 @@ from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
 from posgen_tl.maths.groups import layer_group
-from posgen_tl.maths.moments import Geometry, Target, all_fit_moments, d3_moments, geometry, scores_many, streamed_moments
+from posgen_tl.maths.moments import (
+    Geometry,
+    Sums,
+    Target,
+    d3_moments,
+    fit_columns,
+    fit_moments_many,
+    geometry,
+    scores_many,
+    streamed_moments,
+    sums_of,
+)
 from posgen_tl.maths.rope import angles, rotate, to_bands
 
 __all__ = ["COLUMNS", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds", "score_windows",
@@ -272,9 +283,10 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     ``w_from_scores``: take W from the forward's own ``hook_attn_scores`` instead of recomputing it (``None``: where
     :func:`scores_are_w`; each layer and batch compares them on the bound rows first and recomputes if they differ);
     ``chunk``: the forward's query positions per chunk through the model's cache (:func:`posgen_tl.hooks.chunked.
-    auto_chunk`: −1 = chunks of 512 beyond 2 048 tokens where the model's cached forward is verified, 0 = one whole
-    forward); with chunks W is recomputed (below 2 048 tokens taking it from the whole forward's score hook costs
-    less than the chunks save); ``stack``: layers scored together, stacked on the head axis (``None``:
+    auto_chunk`: −1 = on the CPU chunks of ⌈n/4⌉ from 1 024 tokens and of 512 beyond 2 048 where the model's cached
+    forward is verified, on a GPU only beyond 2 048; 0 = one whole forward); with chunks W is recomputed, which costs
+    less than the whole forward's ``n²`` score maps from 1 024 tokens on (SmolLM2 on 2 CPU threads: 4 × 1 024 tokens
+    1.86× a forward in chunks against 2.12× with W from the score hook; 2 × 2 048: 1.42× against 1.61×); ``stack``: layers scored together, stacked on the head axis (``None``:
     :func:`stack_size` — one on the CPU, as many as a memory budget allows on a GPU, where each operation costs a
     kernel launch whatever its size; the numbers are the same up to float rounding)."""
     spec, _ = probe_hooks(model)
@@ -296,13 +308,15 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         return k_means if isinstance(k_means, Tensor) else k_means[layer]
 
     def emit(c, moments, bnd, est_kind: dict[str, str]) -> None:
-        pending.append(_rows(c, moments, bnd, est_kind, geoms_of(c)))
+        pending.append(_rows(_Meta.of(c), moments, bnd, est_kind, geoms_of(c)))
+
+    fits = _Fits(pending)  # the D1/D2 fits of many captures, solved together
 
     def geoms_of(c: QKCapture) -> dict[int, Geometry]:
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
     block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
-    chunk = auto_chunk(model, n, chunk, extra_hooks, memory_only=True)  # below: W from the score hook is cheaper
+    chunk = auto_chunk(model, n, chunk, extra_hooks)  # below 1 024 tokens (CPU): W from the score hook is cheaper
     group = 1 if 0 < block < n else (stack_size(model, min(batch_size, len(tokens)) * n * n, len(layers)) if stack is None
                                      else max(1, int(stack)))  # row blocks bound memory: one layer at a time
     use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model) and group == 1) and not 0 < block < n
@@ -317,10 +331,10 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
         bnds, w_rows = _bound_checks(c, kbars, r, geoms, rows_host)
         if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
-            fit_m, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbars[k]) for k in kinds}, n=n,
+            stats, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbars[k]) for k in kinds}, n=n,
                                          nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
-                                         sinks=sinks, block=block, device=c.q.device)
-            emit(c, fit_m, bnds[kinds[0]], {"D1": "none", "D2": "none"})
+                                         block=block, device=c.q.device)
+            fits.add(sums_of(stats, fit_columns(geoms)), _Meta.of(c), bnds[kinds[0]], geoms)
             for kind in kinds:
                 emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
             return
@@ -333,15 +347,16 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             if t is None:  # the target (and its D1/D2 fits) do not depend on k̄
                 t = Target(w, geoms[0], bnd[0]["mu"].float(), cache)
                 del w
-                emit(c, all_fit_moments(t, geoms), bnd, {"D1": "none", "D2": "none"})
+                fits.add(sums_of(t, fit_columns(geoms)), _Meta.of(c), bnd, geoms)
             y = _y_map(c, q2, kbar, cache)  # the buffer W was in (copied into the target by now)
-            moments = {(s, "D3"): m for s, m in d3_moments(t, y, geoms[0], sinks).items()}
+            moments = {(s, "D3"): m for s, m in d3_moments(t, y, geoms).items()}
             del y
             emit(c, moments, bnd, {"D3": kind})
 
     stream_qk(model, tokens, score, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
               progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk,
               stack=1 if use_hook else group)  # the score hook's W comes one layer at a time
+    fits.flush()
     df = pd.concat([pd.DataFrame(f) for f in _host_frames(pending, docs)], ignore_index=True)
     df["model"] = model_label or spec.model_name
     df["twin"] = twin_label
@@ -382,12 +397,61 @@ class _Rows:
         return out
 
 
-def _rows(c: QKCapture, moments: dict, bnd: dict, est_kind: dict[str, str], geoms: dict[int, Geometry]) -> _Rows:
-    """The scores of every map of ``c`` per ``(sink, estimator)`` of ``moments``, stacked on the device
-    (:class:`_Rows`)."""
-    b, h = c.q.shape[0], c.n_heads
+@dataclass(frozen=True)
+class _Meta:
+    """What the score rows of a capture need of it (:func:`_rows`), without holding its tensors."""
+
+    batch: int
+    heads: int
+    layer_ids: tuple[int, ...]
+    seq_offset: int
+    kind: str
+    device: torch.device
+
+    @staticmethod
+    def of(c: QKCapture) -> _Meta:
+        return _Meta(c.q.shape[0], c.n_heads, c.layer_ids, c.seq_offset, c.rope.kind, c.q.device)
+
+
+#: (maps × positions) of D1/D2 fits that wait to be solved together (their float64 sums: ~50 bytes per entry)
+FIT_BATCH = 2**20
+
+
+class _Fits:
+    """The D1/D2 fits of many captures, kept as their O(n)-per-map sums (:class:`posgen_tl.maths.moments.Sums`) and
+    solved together (:func:`~posgen_tl.maths.moments.fit_moments_many`) once :data:`FIT_BATCH` entries wait, when
+    the masks change (a sliding window's layers) and at the end: each step of the solve costs the same few operations
+    for 9 maps or 300 (SmolLM2 at 2 048 tokens: ~150 ms per layer solved alone on 2 CPU threads)."""
+
+    def __init__(self, pending: list[_Rows]) -> None:
+        self.pending: list[_Rows] = pending
+        self.waiting: list[tuple[Sums, _Meta, dict]] = []
+        self.geoms: dict[int, Geometry] = {}
+        self.entries = 0
+
+    def add(self, sums: Sums, meta: _Meta, bnd: dict, geoms: dict[int, Geometry]) -> None:
+        if self.waiting and (geoms.keys() != self.geoms.keys() or any(geoms[k] is not self.geoms[k] for k in geoms)):
+            self.flush()  # other masks (a sliding window's layers): solved apart
+        self.waiting.append((sums, meta, bnd))
+        self.geoms = geoms
+        self.entries += sums.sx.numel()
+        if self.entries >= FIT_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.waiting:
+            moments = fit_moments_many([w[0] for w in self.waiting], self.geoms)
+            for (_, meta, bnd), m in zip(self.waiting, moments):
+                self.pending.append(_rows(meta, m, bnd, {"D1": "none", "D2": "none"}, self.geoms))
+        self.waiting, self.entries = [], 0
+
+
+def _rows(c: _Meta, moments: dict, bnd: dict, est_kind: dict[str, str], geoms: dict[int, Geometry]) -> _Rows:
+    """The scores of every map of a capture (``c``: :class:`_Meta`) per ``(sink, estimator)`` of ``moments``, stacked
+    on the device (:class:`_Rows`)."""
+    b, h = c.batch, c.heads
     items = sorted(moments.items())
-    nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.q.device)
+    nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.device)
     fits: dict[tuple, dict[str, Tensor]] = {}  # the estimators of one sink scored in one call
     for s in {s for (s, _), _ in items}:
         keys = [key for key, _ in items if key[0] == s]
@@ -398,7 +462,7 @@ def _rows(c: QKCapture, moments: dict, bnd: dict, est_kind: dict[str, str], geom
         cols.append(torch.stack([fit[k].double() for k in ("r", "r2", "r_within")]
                                 + [bnd[s][k].double() if est == "D3" else nan
                                    for k in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds")]))
-    return _Rows(torch.stack(cols), [k for k, _ in items], est_kind, b, c.layer_ids, h, c.seq_offset, c.rope.kind)
+    return _Rows(torch.stack(cols), [k for k, _ in items], est_kind, b, c.layer_ids, h, c.seq_offset, c.kind)
 
 
 def _host_frames(pending: list[_Rows], docs: np.ndarray) -> list[dict[str, Any]]:

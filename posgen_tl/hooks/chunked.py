@@ -120,7 +120,7 @@ def auto_chunk(model: Any, n: int, chunk: int = -1, extra_hooks: Sequence = (), 
     ``-1`` (automatic), where no extra hooks are attached (an intervention's tensors would be a chunk's) and the model
     passes :func:`check_chunked`, :data:`CHUNK` beyond :data:`CHUNK_ABOVE` tokens and, unless ``memory_only``,
     ``⌈n/4⌉`` from :data:`CHUNK_FROM` tokens on — else 0. ``memory_only``: for an analysis that would pay for the
-    chunks elsewhere (the decomposition takes its logits from the whole forward's score hook). A model that fails the
+    chunks elsewhere (a pass that would read a whole forward's score maps instead). A model that fails the
     check gets one whole forward (exact), with a warning beyond :data:`CHUNK_ABOVE` tokens, where that forward's
     memory grows as n². On a GPU chunks only ever save memory (each chunk's forward costs as many kernel launches
     as a whole one), so there ``memory_only`` always holds."""

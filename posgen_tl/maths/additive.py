@@ -101,14 +101,18 @@ def _prefix(x: Tensor) -> Tensor:
 
 def row_sums_a(bd: Band, a: Float[Tensor, "*maps delta"]) -> Float[Tensor, "*maps query_pos"]:
     """``Σ_{j ∈ row i} a[i − j]`` (distances ``0 … i − lo[i]``; 0 for an empty row)."""
+    if bd.window is None:  # lo = sink: a slice of the prefix sums (a gather costs 5× more on the CPU)
+        return torch.nn.functional.pad(_prefix(a)[..., 1 : bd.n - bd.sink + 1], (bd.sink, 0))
     k = (torch.arange(bd.n, device=a.device) - bd.lo + 1).clamp(min=0)
     return _prefix(a)[..., k]
 
 
 def row_sums_c(bd: Band, c: Float[Tensor, "*maps key_pos"]) -> Float[Tensor, "*maps query_pos"]:
     """``Σ_{j ∈ row i} c[j]`` (keys ``lo[i] … i``; 0 for an empty row)."""
-    i = torch.arange(bd.n, device=c.device)
     pc = _prefix(c)
+    if bd.window is None:  # lo = sink
+        return (pc[..., 1:] - pc[..., bd.sink : bd.sink + 1]) * (bd.cnt > 0)
+    i = torch.arange(bd.n, device=c.device)
     return (pc[..., i + 1] - pc[..., bd.lo.clamp(max=bd.n)]) * (bd.cnt > 0)
 
 
@@ -120,6 +124,8 @@ def gram_diagonal(bd: Band, three_axis: bool) -> Float[Tensor, "param"]:
 def gram_matvec(bd: Band, beta: Float[Tensor, "maps param"], three_axis: bool) -> Float[Tensor, "maps param"]:
     """``β ↦ XᵀX β`` for each row of ``beta`` (parameters ``[a_0…a_{n−1}, (b_0…b_{n−1},) c_0…c_{n−1}]``), O(n)
     per map: the distance, row and column sums of the map ``a[i − j] + b[i] + c[j]`` on the band."""
+    if bd.window is None:
+        return _gram_matvec_causal(bd, beta, three_axis)
     n, s = bd.n, bd.sink
     a, c = beta[..., :n], beta[..., -n:]
     dev = beta.device
@@ -136,6 +142,27 @@ def gram_matvec(bd: Band, beta: Float[Tensor, "maps param"], three_axis: bool) -
         pb = _prefix(b)
         parts[0] = out_a + (pb[..., n : n + 1] - pb[..., (i + s).clamp(max=n)]) * used_d
         out_c = out_c + (pb[..., bd.hi + 1] - pb[..., i]) * used_j
+        parts.append(bd.cnt * b + row_sums_a(bd, a) + row_sums_c(bd, c))
+    return torch.cat(parts + [out_c], -1)
+
+
+def _gram_matvec_causal(bd: Band, beta: Tensor, three_axis: bool) -> Tensor:
+    """:func:`gram_matvec` on a band without a window (``lo = sink``, ``hi = n − 1``): the same sums, its gathers
+    replaced by slices and flips of the prefix sums (a gather of ``[maps, n]`` costs 5× a flip on the CPU)."""
+    n, s = bd.n, bd.sink
+    a, c = beta[..., :n], beta[..., -n:]
+    used_d, used_j = bd.ndiag > 0, torch.arange(n, device=beta.device) >= s
+    pa, pc = _prefix(a), _prefix(c)
+    out_a = bd.ndiag * a + (pc[..., 1:].flip(-1) - pc[..., s : s + 1]) * used_d  # Σ c over keys s … n − 1 − d
+    out_c = bd.ncol * c + pa[..., 1:].flip(-1) * used_j  # Σ a over distances 0 … n − 1 − j
+    parts = [out_a]
+    if three_axis:
+        b = beta[..., n : 2 * n]
+        pb = _prefix(b)
+        shifted = pb[..., s:n] if s else pb[..., :n]  # pb[d + s] (d + s ≥ n only where the distance is unused)
+        shifted = torch.nn.functional.pad(shifted, (0, n - shifted.shape[-1]))
+        parts[0] = out_a + (pb[..., n : n + 1] - shifted) * used_d  # Σ b over rows d + s … n − 1
+        out_c = out_c + (pb[..., n : n + 1] - pb[..., :n]) * used_j  # Σ b over rows j … n − 1
         parts.append(bd.cnt * b + row_sums_a(bd, a) + row_sums_c(bd, c))
     return torch.cat(parts + [out_c], -1)
 

@@ -133,7 +133,9 @@ def geometry(n: int, sink: int, window: int | None, device: torch.device | str =
 
 @dataclass
 class _Moments:
-    """Per-map, per-row masked sums (float64 ``[maps, query_pos]``) of target x and approx y."""
+    """Masked sums of a target x and an approximation y on one mask: ``sx``, ``sy`` per row (float64 ``[maps,
+    query_pos]``); ``sxx``, ``syy``, ``sxy`` split by rows (float64 ``[maps, 2]``: the sum over the rows with at least
+    two entries — those the within-row r uses —, then over the other rows; :func:`split_rows`)."""
 
     sx: Tensor
     sy: Tensor
@@ -144,25 +146,32 @@ class _Moments:
     ymax: Tensor
 
 
+def split_rows(v: Float[Tensor, "maps query_pos"], g: Geometry) -> Float[Tensor, "maps 2"]:
+    """Per-row sums ``v`` → ``[Σ over rows with ≥ 2 entries of mask g, Σ over the other rows]`` (float64)."""
+    ok = (g.cnt >= 2).to(v.dtype)
+    return torch.stack([(v * ok).sum(-1), (v * (1 - ok)).sum(-1)], -1)
+
+
 def scores(m: _Moments, g: Geometry) -> dict[str, Tensor]:
     """r, R², within-row r from moments, with :mod:`posgen_tl.maths.decompose`'s NaN rules."""
     n = g.cnt.sum()
     sx, sy = m.sx.sum(-1), m.sy.sum(-1)
-    vx = m.sxx.sum(-1) - sx * sx / n
-    vy = m.syy.sum(-1) - sy * sy / n
-    cov = m.sxy.sum(-1) - sx * sy / n
+    sxx, syy, sxy = m.sxx.sum(-1), m.syy.sum(-1), m.sxy.sum(-1)
+    vx = sxx - sx * sx / n
+    vy = syy - sy * sy / n
+    cov = sxy - sx * sy / n
 
     def degen(ss: Tensor, ref: Tensor, cnt: Tensor) -> Tensor:
         return ss <= cnt * (1e-12 * ref) ** 2
 
     r = torch.where(degen(vx, m.xmax, n) | degen(vy, m.ymax, n) | (n < 2), torch.nan, cov / (vx * vy).sqrt())
-    ssres = m.sxx.sum(-1) - 2 * m.sxy.sum(-1) + m.syy.sum(-1)
-    r2 = torch.where(degen(vx, m.xmax, n), torch.nan, 1 - ssres / vx)
+    ssres = sxx - 2 * sxy + syy
+    r2 = torch.where(degen(vx, m.xmax, n) | (n < 2), torch.nan, 1 - ssres / vx)  # one entry: no variance to explain
     ok = (g.cnt >= 2).double()
-    c = g.cnt.clamp(min=1)
-    wx = ((m.sxx - m.sx**2 / c) * ok).sum(-1)
-    wy = ((m.syy - m.sy**2 / c) * ok).sum(-1)
-    wxy = ((m.sxy - m.sx * m.sy / c) * ok).sum(-1)
+    oc = ok / g.cnt.clamp(min=1)
+    wx = m.sxx[..., 0] - (m.sx**2 * oc).sum(-1)  # row by row: the same sums for any number of maps
+    wy = m.syy[..., 0] - (m.sy**2 * oc).sum(-1)
+    wxy = m.sxy[..., 0] - (m.sx * m.sy * oc).sum(-1)
     nw = (g.cnt * ok).sum()
     rw = torch.where(degen(wx, m.xmax, nw) | degen(wy, m.ymax, nw) | (nw < 2), torch.nan, wxy / (wx * wy).sqrt())
     return {"r": r, "r2": r2, "r_within": rw}
@@ -199,12 +208,22 @@ def _mask_(x: Tensor, g: Geometry) -> Tensor:
 
 
 class _RowSums:
-    """Per-row sums of a masked target: ``sx``, ``sxx`` (float64 ``[maps, n]``) and its first columns."""
+    """Per-row sums of a masked target: ``sx``, ``sxx`` (float64 ``[maps, n]``), column and diagonal sums and its
+    first columns."""
 
+    n: int
+    device: torch.device
     sx: Tensor
     sxx: Tensor
+    col: Tensor
+    diag: Tensor
+    xmax: Tensor  # [maps] ≥ max |x + μ| (the degeneracy test's magnitude)
 
     def sink_cols(self, sink: int) -> Tensor:  # pragma: no cover - each subclass has its own
+        raise NotImplementedError
+
+    def head(self, h: int) -> Tensor:  # pragma: no cover - each subclass has its own
+        """x (sink-kept mask) on its first ``h`` query rows and keys, float64 ``[maps, h, h]``."""
         raise NotImplementedError
 
     def moments_x(self, sink: int) -> tuple[Tensor, Tensor]:
@@ -213,6 +232,20 @@ class _RowSums:
             return self.sx, self.sxx
         s = self.sink_cols(sink).double()
         return self.sx - s.sum(-1), self.sxx - (s * s).sum(-1)
+
+    def sums_on(self, g: Geometry) -> tuple[Tensor, Tensor, Tensor]:
+        """``(Σx per row, per key column, per distance)`` on mask ``g`` (float64 ``[maps, n]`` each): the sink-kept
+        sums less the first ``g.sink`` keys."""
+        n, s = self.n, g.sink
+        sx, _ = self.moments_x(s)
+        if not s:
+            return sx, self.col, self.diag
+        cols = self.sink_cols(s).double()
+        diag, col = self.diag.clone(), self.col.clone()
+        for c in range(s):  # entry (i, c) sits on diagonal d = i − c
+            diag[:, : n - c] -= cols[:, c:, c]
+        col[:, :s] = 0.0
+        return sx, col, diag
 
 
 class Target(_RowSums):
@@ -243,18 +276,21 @@ class Target(_RowSums):
     def sink_cols(self, sink: int) -> Tensor:
         return self.x[..., :sink]
 
+    def head(self, h: int) -> Tensor:
+        """x on its first ``h`` rows and keys, float64 ``[maps, h, h]``."""
+        return self.x[:, :h, :h].double()
 
-def _fit_rhs(t: Target | RowStats, g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor]:
+
+def _head_rows(g: Geometry) -> int:
+    """How many leading query rows of mask ``g`` hold fewer than two entries (the within-row r leaves them out;
+    a band's row counts never decrease, so they are the first rows)."""
+    return int((g.cnt < 2).sum())
+
+
+def _fit_rhs(sums: tuple[Tensor, Tensor, Tensor], g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor]:
     """``(mean, rhs)``: the map's masked mean and the right-hand side ``Xᵀ(x − mean)`` of its D1 (``three_axis``) or
-    D2 fit on mask ``g`` (float64)."""
-    n, s = t.n, g.sink
-    sx, _ = t.moments_x(s)
-    diag, col = t.diag.clone(), t.col.clone()
-    if s:
-        cols = t.sink_cols(s).double()
-        for c in range(s):  # entry (i, c) sits on diagonal d = i − c
-            diag[:, : n - c] -= cols[:, c:, c]
-        col[:, :s] = 0.0
+    D2 fit on mask ``g`` from ``sums`` (:meth:`_RowSums.sums_on`, float64)."""
+    sx, col, diag = sums
     mean = sx.sum(-1) / g.cnt.sum()
     parts = [diag - mean[:, None] * g.ndiag] + ([sx - mean[:, None] * g.cnt] if three_axis else [])
     return mean, torch.cat(parts + [col - mean[:, None] * g.ncol], dim=-1)
@@ -267,71 +303,133 @@ def _fit_params(n: int, mean: Tensor, beta: Tensor, three_axis: bool) -> tuple[T
     return mean, a, b, c_
 
 
-def _fit_moments(t: Target | RowStats, g: Geometry, fit: tuple, xc: Tensor, xa: Tensor) -> _Moments:
+def _col_sums_a(g: Geometry, a: Tensor) -> Tensor:
+    """``Σ_{i ∈ column j} a[i − j]`` float64 ``[maps, key_pos]`` (distances ``0 … hi[j] − j``; 0 for a column the
+    mask leaves out)."""
+    n, bd = g.n, g.band
+    pa = torch.nn.functional.pad(a.cumsum(-1), (1, 0))
+    j = torch.arange(n, device=a.device)
+    sums = pa[..., 1:].flip(-1) if bd.window is None else pa[..., bd.hi.to(a.device) - j + 1]  # hi = n − 1: flipped
+    return sums * (j >= g.sink)
+
+
+def _fit_moments(t: _RowSums, g: Geometry, fit: tuple, sums: tuple[Tensor, Tensor, Tensor]) -> _Moments:
     """Moments of x and of the fitted map ``mean + a[i−j] + b[i] + c[j]`` on mask ``g``.
 
-    ``xc = Σ_j x_ij c_j`` and ``xa = Σ_d x[i, i−d] a_d`` over the sink-KEPT mask (``[maps, i]``).
-    """
-    n, s, dev = t.n, g.sink, t.device
+    Every sum over the mask of x times the fit is one of x's row, column or distance sums (``sums``,
+    :meth:`_RowSums.sums_on`) times a parameter, and ``Σ a[i−j]·c[j]`` a column sum of ``a`` times ``c``: no
+    map-sized product. The few leading rows with fewer than two entries (:func:`_head_rows`) are summed apart,
+    from their entries."""
+    dev = t.device
     mean, a, b, c_ = fit
-    sx, sxx = t.moments_x(s)
+    sx, col, diag = sums
+    _, sxx = t.moments_x(g.sink)
     mi = mean[:, None] + b
     a1, a2 = row_sums_a(g.band, a), row_sums_a(g.band, a * a)
     c1, c2 = row_sums_c(g.band, c_), row_sums_c(g.band, c_ * c_)
-    am = a * g.amask
-    cm = c_ * (torch.arange(n, device=dev) >= s).double()
-    conv = torch.fft.irfft(torch.fft.rfft(am, 2 * n) * torch.fft.rfft(cm, 2 * n), 2 * n)[:, :n]
     sy = g.cnt * mi + a1 + c1
-    syy = g.cnt * mi * mi + a2 + c2 + 2 * mi * (a1 + c1) + 2 * conv
-    if s:
-        cols = t.sink_cols(s).double()
-        xc = xc - (cols * c_[:, None, :s]).sum(-1)
-        ii, cc = torch.arange(n, device=dev)[:, None], torch.arange(s, device=dev)[None, :]
-        a_ic = a[:, (ii - cc).clamp(min=0)] * (ii >= cc)  # [maps, i, c]: a_{i−c}
-        xa = xa - (cols * a_ic).sum(-1)
-    sxy = mi * sx + xc + xa
+    syy_rows = g.cnt * mi * mi + a2 + c2 + 2 * mi * (a1 + c1)  # all but Σ_j 2·a[i−j]·c[j]
+    syy_all = syy_rows.sum(-1) + 2 * (c_ * _col_sums_a(g, a)).sum(-1)
+    sxy_all = (mi * sx).sum(-1) + (c_ * col).sum(-1) + (a * diag).sum(-1)
+    h = _head_rows(g)
+    rows = torch.arange(h, device=dev)
+    m = g.mask_rows(rows)[:, :h].double()  # [h, h]: entries of the head rows (keys j ≤ i < h)
+    d = (rows[:, None] - rows[None, :]).clamp(min=0)
+    y_h = (mi[:, :h, None] + a[:, d] + c_[:, None, :h]) * m
+    x_h = t.head(h) * m
+    rest_yy, rest_xy = (y_h * y_h).sum((-1, -2)), (x_h * y_h).sum((-1, -2))
+    syy = torch.stack([syy_all - rest_yy, rest_yy], -1)
+    sxy = torch.stack([sxy_all - rest_xy, rest_xy], -1)
     ymax = mean.abs() + b.abs().amax(-1) + a.abs().amax(-1) + c_.abs().amax(-1)
-    return _Moments(sx, sy, sxx, syy, sxy, t.xmax, ymax)
+    return _Moments(sx, sy, split_rows(sxx, g), syy, sxy, t.xmax, ymax)
 
 
-def _fits(t: Target | RowStats, geoms: dict[int, Geometry]) -> tuple[dict[tuple[int, str], tuple], Tensor, Tensor]:
-    """D1 and D2 on every mask: ``(fits, cs, as_)`` — the parameters per (sink, estimator) and the column / distance
-    effects stacked float32 ``[maps, fits, n]`` for the two map-sized products (distances flipped to the view's e)."""
+def _fits(t: _RowSums, geoms: dict[int, Geometry]) -> tuple[dict[tuple[int, str], tuple], dict[int, tuple]]:
+    """D1 and D2 on every mask: ``(fits, sums)`` — the parameters per (sink, estimator) and x's sums per mask."""
     keys = [(s, est) for s in geoms for est in ("D1", "D2")]  # solved together: one device read for all four
-    rhs = {k: _fit_rhs(t, geoms[k[0]], k[1] == "D1") for k in keys}
+    sums = {s: t.sums_on(g) for s, g in geoms.items()}
+    rhs = {k: _fit_rhs(sums[k[0]], geoms[k[0]], k[1] == "D1") for k in keys}
     betas = solve_fits([(geoms[k[0]], rhs[k][1], k[1] == "D1") for k in keys])
-    fits = {k: _fit_params(t.n, rhs[k][0], beta, k[1] == "D1") for k, beta in zip(keys, betas)}
-    cs = torch.stack([fits[k][3] for k in fits], 1).float()  # [maps, fits, j]
-    as_ = torch.stack([fits[k][1].flip(-1) for k in fits], 1).float()
-    return fits, cs, as_
+    return {k: _fit_params(t.n, rhs[k][0], beta, k[1] == "D1") for k, beta in zip(keys, betas)}, sums
 
 
-def all_fit_moments(t: Target, geoms: dict[int, Geometry]) -> dict[tuple[int, str], _Moments]:
-    """D1 and D2 on every mask; the two map-sized products for all fits in one pass each."""
-    fits, cs, as_ = _fits(t, geoms)
-    keys = list(fits)
-    # (x·c)ᵀ = cᵀ·xᵀ: the skinny product in this orientation is 2–4× faster on CPU BLAS (same sums)
-    xc, xa = torch.bmm(cs, t.x.transpose(1, 2)).double(), torch.bmm(as_, t.view.transpose(1, 2)).double()
-    return {k: _fit_moments(t, geoms[k[0]], fits[k], xc[:, i], xa[:, i]) for i, k in enumerate(keys)}
+def all_fit_moments(t: _RowSums, geoms: dict[int, Geometry]) -> dict[tuple[int, str], _Moments]:
+    """D1 and D2 on every mask (``geoms``: ``{sink: Geometry}``), keyed ``(sink, estimator)``."""
+    fits, sums = _fits(t, geoms)
+    return {k: _fit_moments(t, geoms[k[0]], fit, sums[k[0]]) for k, fit in fits.items()}
 
 
-def d3_moments(t: Target, y: Tensor, g0: Geometry, sinks: Sequence[int]) -> dict[int, _Moments]:
-    """Moments of x and the D3 approximation ``y = f + g`` (float32 ``[maps, i, j]``; OVERWRITTEN: it
-    ends holding ``x·(y − μ)``, so ``Σxy`` needs no map-sized temporary)."""
-    _mask_(y.sub_(t.mu[:, None, None]), g0)
-    sy, syy = y.sum(-1).double(), _rowsq(y)
-    ycols = {s: y[..., :s].double() for s in sinks if s}  # before the in-place product below
-    sxy = y.mul_(t.x).sum(-1).double()
-    ymax = _scale(syy, t.mu)
+class Sums(_RowSums):
+    """The O(n)-per-map part of a target that its D1/D2 fits and their moments need (:func:`sums_of`): row sums of x
+    and x², column and distance sums, the first ``keep`` columns of every row, the degeneracy magnitude — float64,
+    detached from the maps, so that the fits of many (batch, layer) captures are solved together
+    (:func:`fit_moments_many`)."""
+
+    def __init__(self, n: int, device: torch.device, sx: Tensor, sxx: Tensor, col: Tensor, diag: Tensor, first: Tensor,
+                 xmax: Tensor) -> None:
+        self.n, self.device = n, device
+        self.sx, self.sxx, self.col, self.diag, self.first, self.xmax = sx, sxx, col, diag, first, xmax
+
+    def sink_cols(self, sink: int) -> Tensor:
+        return self.first[..., :sink]
+
+    def head(self, h: int) -> Tensor:
+        return self.first[:, :h, :h]
+
+
+def fit_columns(geoms: Mapping[int, Geometry]) -> int:
+    """How many leading columns of x the fits on ``geoms`` read: the excluded sink keys and the head rows' entries."""
+    return max([max(geoms), *(_head_rows(g) for g in geoms.values())])
+
+
+def sums_of(t: _RowSums, keep: int) -> Sums:
+    """``t``'s :class:`Sums` with its first ``keep`` columns (:func:`fit_columns`)."""
+    first = t.sink_cols(keep).to(torch.float64, copy=True)
+    return Sums(t.n, t.device, t.sx, t.sxx, t.col, t.diag, first, t.xmax)
+
+
+def fit_moments_many(parts: Sequence[Sums], geoms: dict[int, Geometry]) -> list[dict[tuple[int, str], _Moments]]:
+    """:func:`all_fit_moments` of several captures' :class:`Sums` (same ``n``, same masks), their fits solved in ONE
+    call on their maps side by side — the same numbers; each step of the solve costs the same few operations for
+    any number of maps, so one call for many layers replaces one per layer. Returns each part's moments."""
+    if len(parts) == 1:
+        return [all_fit_moments(parts[0], geoms)]
+    both = Sums(parts[0].n, parts[0].device, *(torch.cat([getattr(p, f) for p in parts])
+                                               for f in ("sx", "sxx", "col", "diag", "first", "xmax")))
+    sizes = [p.sx.shape[0] for p in parts]
+    whole = all_fit_moments(both, geoms)
+    out: list[dict[tuple[int, str], _Moments]] = [{} for _ in parts]
+    for key, m in whole.items():
+        pieces = [getattr(m, f.name).split(sizes) for f in dataclasses.fields(_Moments)]
+        for i, d in enumerate(out):
+            d[key] = _Moments(*(p[i] for p in pieces))
+    return out
+
+
+def _d3_split(t: _RowSums, sy: Tensor, syy: Tensor, sxy: Tensor, ycols: dict[int, Tensor], ymax: Tensor,
+              geoms: dict[int, Geometry]) -> dict[int, _Moments]:
+    """The D3 moments per mask from the sink-kept row sums of y (``ycols``: y's first columns per sink, float64)."""
     out = {}
-    for s in sinks:
+    for s, g in geoms.items():
         sx, sxx = t.moments_x(s)
         if s:
             yc, xc = ycols[s], t.sink_cols(s).double()
-            out[s] = _Moments(sx, sy - yc.sum(-1), sxx, syy - (yc * yc).sum(-1), sxy - (xc * yc).sum(-1), t.xmax, ymax)
+            sy_s, syy_s, sxy_s = sy - yc.sum(-1), syy - (yc * yc).sum(-1), sxy - (xc * yc).sum(-1)
         else:
-            out[s] = _Moments(sx, sy, sxx, syy, sxy, t.xmax, ymax)
+            sy_s, syy_s, sxy_s = sy, syy, sxy
+        out[s] = _Moments(sx, sy_s, split_rows(sxx, g), split_rows(syy_s, g), split_rows(sxy_s, g), t.xmax, ymax)
     return out
+
+
+def d3_moments(t: Target, y: Tensor, geoms: dict[int, Geometry]) -> dict[int, _Moments]:
+    """Moments of x and the D3 approximation ``y = f + g`` (float32 ``[maps, i, j]``; OVERWRITTEN: it
+    ends holding ``x·(y − μ)``, so ``Σxy`` needs no map-sized temporary) on each mask of ``geoms``
+    (``{sink: Geometry}``; sink 0 among them)."""
+    _mask_(y.sub_(t.mu[:, None, None]), geoms[0])
+    sy, syy = y.sum(-1).double(), _rowsq(y)
+    ycols = {s: y[..., :s].to(torch.float64, copy=True) for s in geoms if s}  # a copy: y is overwritten below
+    sxy = y.mul_(t.x).sum(-1).double()
+    return _d3_split(t, sy, syy, sxy, ycols, _scale(syy, t.mu), geoms)
 
 
 # ----------------------------------------------------------------------------- query-row blocks (long sequences)
@@ -340,15 +438,16 @@ def d3_moments(t: Target, y: Tensor, g0: Geometry, sinks: Sequence[int]) -> dict
 class RowStats(_RowSums):
     """What the D1/D2 fits and the scores need of the shifted, masked target ``x = (W − μ)·mask₀``, accumulated
     over query-row blocks: per-row ``Σx``, ``Σx²`` (float64 ``[maps, n]``), column and diagonal sums, and the first
-    ``max_sink`` columns of every row — the interface of :class:`Target` without its ``[maps, n, 2n]`` buffer."""
+    ``keep`` columns of every row — the interface of :class:`Target` without its ``[maps, n, 2n]`` buffer."""
 
-    def __init__(self, nm: int, n: int, mu: Tensor, max_sink: int, device: torch.device) -> None:
+    def __init__(self, nm: int, n: int, mu: Tensor, keep: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         def z(*shape: int) -> Tensor:
             return torch.zeros(*shape, dtype=torch.float64, device=device)
 
         self.n, self.mu, self.device = n, mu, device
         self.sx, self.sxx, self.col, self.diag = z(nm, n), z(nm, n), z(nm, n), z(nm, n)
-        self.sinks = torch.zeros(nm, n, max_sink, device=device)
+        self.first = torch.zeros(nm, n, keep, dtype=dtype, device=device)
         self.xmax = z(nm)
 
     def add(self, x: Tensor, view: Tensor, r0: int) -> None:
@@ -358,7 +457,7 @@ class RowStats(_RowSums):
         self.sxx[:, r0:r1] = _rowsq(x)
         self.col += x.sum(-2).double()
         self.diag += view.sum(-2).double().flip(-1)
-        self.sinks[:, r0:r1] = x[..., : self.sinks.shape[-1]]
+        self.first[:, r0:r1] = x[..., : self.first.shape[-1]]
 
     def finish(self) -> RowStats:
         """After the last block: the magnitude of x for the degeneracy test (as :class:`Target`'s)."""
@@ -366,7 +465,10 @@ class RowStats(_RowSums):
         return self
 
     def sink_cols(self, sink: int) -> Tensor:
-        return self.sinks[..., :sink]
+        return self.first[..., :sink]
+
+    def head(self, h: int) -> Tensor:
+        return self.first[:, :h, :h].double()
 
 
 def _block_rows(rows: Tensor, g0: Geometry, mu: Tensor, buf: Tensor, r0: int) -> tuple[Tensor, Tensor]:
@@ -375,55 +477,48 @@ def _block_rows(rows: Tensor, g0: Geometry, mu: Tensor, buf: Tensor, r0: int) ->
     nm, blk, n = rows.shape
     x = buf[:, :blk, n:]
     torch.sub(rows, mu[:, None, None], out=x)
-    x.tril_(r0)  # j ≤ i
-    if g0.window is not None:
-        x.triu_(r0 - (g0.window - 1))
+    _mask_block_(x, g0, r0)
     view = buf.as_strided((nm, blk, n), (buf.stride(0), 2 * n + 1, 1), buf.storage_offset() + r0 + 1)
     return x, view
 
 
+def _mask_block_(x: Tensor, g0: Geometry, r0: int) -> Tensor:
+    """Zero the entries of query rows ``r0 …`` (``x [maps, block, n]``) outside the sink-kept mask, in place."""
+    x.tril_(r0)  # j ≤ i
+    if g0.window is not None:
+        x.triu_(r0 - (g0.window - 1))
+    return x
+
+
 def streamed_moments(
     w_rows: Callable[[int, int], Tensor], y_rows: Mapping[str, Callable[[int, int], Tensor]], *, n: int, nm: int,
-    mu: Tensor, geoms: dict[int, Geometry], sinks: Sequence[int], block: int, device: torch.device,
-) -> tuple[dict[tuple[int, str], _Moments], dict[str, dict[int, _Moments]]]:
-    """The moments of :func:`all_fit_moments` and, per k̄ kind, of :func:`d3_moments`, from query-row blocks:
+    mu: Tensor, geoms: dict[int, Geometry], block: int, device: torch.device,
+) -> tuple[RowStats, dict[str, dict[int, _Moments]]]:
+    """What :func:`all_fit_moments` needs of x and, per k̄ kind, the moments of :func:`d3_moments`, from query-row blocks:
     ``w_rows(r0, r1)`` gives the logit map's rows ``[maps, r1 − r0, n]`` (float32) and ``y_rows[kind](r0, r1)`` the
-    D3 approximation's. Two passes over the rows (the fits need every row's sums first), so ``W`` is computed twice;
-    the extra memory is O(maps · block · n). Equal to the whole-map functions up to float32 summation order.
+    D3 approximation's. ONE pass over the rows (the fits need only x's row, column and distance sums); the extra
+    memory is O(maps · block · n). Equal to the whole-map functions up to float32 summation order.
 
-    Returns ``(fit moments by (sink, estimator), {kind: D3 moments by sink})``."""
-    g0 = geoms[0]
-    starts = range(0, n, block)
-    buf = torch.zeros(nm, min(block, n), 2 * n, device=device)
-    st = RowStats(nm, n, mu, max(sinks), device)
-    for r0 in starts:
-        st.add(*_block_rows(w_rows(r0, min(r0 + block, n)), g0, mu, buf, r0), r0)
-    st.finish()
-    fits, cs, as_ = _fits(st, geoms)
-    xc, xa = (torch.zeros(nm, len(fits), n, dtype=torch.float64, device=device) for _ in range(2))
+    Returns ``(x's row, column and distance sums — the input of all_fit_moments / sums_of —, {kind: D3 moments by
+    sink})``."""
+    g0, sinks = geoms[0], list(geoms)
+    keep = fit_columns(geoms)  # sink columns and the head rows' entries
+    dtype = w_rows(0, 1).dtype  # the maps' own precision (float32 from the model, float64 in tests)
+    buf = torch.zeros(nm, min(block, n), 2 * n, dtype=dtype, device=device)
+    st = RowStats(nm, n, mu, keep, device, dtype)
     acc = {k: {m: torch.zeros(nm, n, dtype=torch.float64, device=device) for m in ("sy", "syy", "sxy")}
            for k in y_rows}
     ycols = {k: torch.zeros(nm, n, max(sinks), dtype=torch.float64, device=device) for k in y_rows}
-    for r0 in starts:
+    for r0 in range(0, n, block):
         r1 = min(r0 + block, n)
         x, view = _block_rows(w_rows(r0, r1), g0, mu, buf, r0)
-        xc[..., r0:r1] = torch.bmm(cs, x.transpose(1, 2)).double()
-        xa[..., r0:r1] = torch.bmm(as_, view.transpose(1, 2)).double()
+        st.add(x, view, r0)
         for k, fn in y_rows.items():
-            y = fn(r0, r1).sub_(mu[:, None, None]).tril_(r0)
-            if g0.window is not None:
-                y.triu_(r0 - (g0.window - 1))
+            y = _mask_block_(fn(r0, r1).sub_(mu[:, None, None]), g0, r0)
             acc[k]["sy"][:, r0:r1], acc[k]["syy"][:, r0:r1] = y.sum(-1).double(), _rowsq(y)
             ycols[k][:, r0:r1] = y[..., : max(sinks)].double()
             acc[k]["sxy"][:, r0:r1] = y.mul_(x).sum(-1).double()
-    fit_m = {k: _fit_moments(st, geoms[k[0]], fits[k], xc[:, i], xa[:, i]) for i, k in enumerate(fits)}
-    d3: dict[str, dict[int, _Moments]] = {}
-    for k, a in acc.items():
-        ymax = _scale(a["syy"], mu)
-        d3[k] = {}
-        for s in sinks:
-            sx, sxx = st.moments_x(s)
-            yc, xcs = ycols[k][..., :s], st.sink_cols(s).double()
-            d3[k][s] = _Moments(sx, a["sy"] - yc.sum(-1), sxx, a["syy"] - (yc * yc).sum(-1),
-                                a["sxy"] - (xcs * yc).sum(-1), st.xmax, ymax)
-    return fit_m, d3
+    st.finish()
+    d3 = {k: _d3_split(st, a["sy"], a["syy"], a["sxy"], {s: ycols[k][..., :s] for s in sinks if s},
+                       _scale(a["syy"], mu), geoms) for k, a in acc.items()}
+    return st, d3

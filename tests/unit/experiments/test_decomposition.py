@@ -375,3 +375,27 @@ def test_bound_check_rows_per_step_are_eight_on_the_cpu_and_all_on_a_gpu_within_
     assert _bound_chunk(cap(4, 512, 3, "meta"), 32) == 32  # every checked row in one step
     big = _bound_chunk(cap(4, 512, 90, "meta"), 32)  # 30 layers stacked: 2^27 entries allow 22 rows
     assert big == 2**27 // (4 * 90 * 512 * 32) == 22
+
+
+def test_the_fits_of_every_layer_are_solved_together(tiny, monkeypatch):
+    """The D1/D2 fits wait as O(n) sums and are solved in one call per mask family (Gemma3's sliding-window and
+    global layers apart) instead of one per layer and batch; FIT_BATCH entries or more start a call early — and
+    every score stays the same."""
+    import posgen_tl.engine.decompose_scores as D
+
+    calls: list[int] = []
+    real = D.fit_moments_many
+    monkeypatch.setattr(D, "fit_moments_many", lambda parts, geoms: calls.append(len(parts)) or real(parts, geoms))
+    whole = _run(tiny)
+    spec = probe_hooks(tiny)[0]
+    windows = [spec.layer(i).sliding_window for i in range(spec.n_layers)]
+    changes = sum(a != b for a, b in zip(windows, windows[1:]))
+    batches = -(-N_SEQ // 2)  # _run's batch_size
+    assert sum(calls) == spec.n_layers * batches  # every (layer, batch) solved, none twice
+    assert len(calls) <= (1 + changes) * batches  # a call per run of layers with the same masks
+    if not changes:
+        assert calls == [spec.n_layers * batches]  # one call for the whole run
+    calls.clear()
+    monkeypatch.setattr(D, "FIT_BATCH", 1)  # one capture's sums already fill it: a call per (layer, batch)
+    assert_same_scores(whole, _run(tiny), rtol=1e-9)
+    assert calls == [1] * spec.n_layers * batches

@@ -165,7 +165,7 @@ def test_scores_of_several_moments_in_one_call_equal_each_alone(n, sink, sizes, 
     and within-row r, NaN where a map is degenerate (a constant map included here)."""
     import dataclasses as dc
 
-    from posgen_tl.maths.moments import _Moments, scores, scores_many
+    from posgen_tl.maths.moments import _Moments, scores, scores_many, split_rows
 
     g = geometry(n, sink, None)
     gen = torch.Generator().manual_seed(seed)
@@ -175,8 +175,9 @@ def test_scores_of_several_moments_in_one_call_equal_each_alone(n, sink, sizes, 
         y[0] = 0.5  # a constant approximation: its r is NaN
         m = causal_mask(n, sink=sink).double()
         xm, ym = x * m, y * m
-        return _Moments(sx=xm.sum(-1), sy=ym.sum(-1), sxx=(xm * x).sum(-1), syy=(ym * y).sum(-1),
-                        sxy=(xm * y).sum(-1), xmax=x.abs().amax((1, 2)), ymax=y.abs().amax((1, 2)))
+        return _Moments(sx=xm.sum(-1), sy=ym.sum(-1), sxx=split_rows((xm * x).sum(-1), g),
+                        syy=split_rows((ym * y).sum(-1), g), sxy=split_rows((xm * y).sum(-1), g),
+                        xmax=x.abs().amax((1, 2)), ymax=y.abs().amax((1, 2)))
 
     ms = [moments(k) for k in sizes]
     got = scores_many(ms, g)
