@@ -282,9 +282,10 @@ class Target(_RowSums):
 
 
 def _head_rows(g: Geometry) -> int:
-    """How many leading query rows of mask ``g`` hold fewer than two entries (the within-row r leaves them out;
-    a band's row counts never decrease, so they are the first rows)."""
-    return int((g.cnt < 2).sum())
+    """How many leading query rows of mask ``g`` hold fewer than two entries (the within-row r leaves them out; a
+    band's row counts never decrease, so they are the first rows): rows ``0 … sink`` (``i − sink + 1 < 2``), or every
+    row of a one-key window — from the mask's numbers, not its counts (on a GPU a read of them waits for the queue)."""
+    return g.n if g.window == 1 else min(g.sink + 1, g.n)
 
 
 def _fit_rhs(sums: tuple[Tensor, Tensor, Tensor], g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor]:

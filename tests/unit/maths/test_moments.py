@@ -107,3 +107,14 @@ def test_the_fits_of_several_captures_solved_together_equal_each_alone(case, siz
         assert set(got) == set(alone)
         for key, m in alone.items():
             _assert_scores(scores(got[key], geoms[key[0]]), scores(m, geoms[key[0]]), f"{key} n={n} sizes={sizes}")
+
+
+@given(masks)
+def test_the_head_rows_are_the_rows_with_fewer_than_two_entries(case):
+    """The rows summed apart (fewer than two entries) are counted from the mask's numbers; they are the mask's own."""
+    from posgen_tl.maths.moments import _head_rows
+
+    n, sink, window = case
+    g = geometry(n, min(sink, n - 1), window)
+    h = _head_rows(g)
+    assert (g.cnt[:h] < 2).all() and (g.cnt[h:] >= 2).all()
