@@ -4,9 +4,11 @@ per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.experim
 * :class:`Geometry` — a mask (causal, sink, window) with its counts and the D1/D2 least-squares solve
   (:mod:`posgen_tl.maths.additive`: O(n) per map through the band's structure);
 * :class:`Target` — one batch of logit maps, centred and masked in place, with its row/column/diagonal sums;
-* ``_fit_*`` / ``d3_moments`` — moments (Σx, Σy, Σx², Σy², Σxy per row) of each approximation;
+* ``_fit_*`` / ``d3_moments`` — moments (Σx, Σy per row; Σx², Σy², Σxy split by rows) of each approximation, the
+  fits' from x's row, column and distance sums alone;
+* :class:`Sums` / :func:`fit_moments_many` — those O(n) sums of many captures, their D1/D2 fits solved together;
 * :func:`scores` — Pearson r, R² and within-row r from those moments;
-* :func:`streamed_moments` — the same moments from query-row blocks of the maps (two passes; extra memory
+* :func:`streamed_moments` — the same sums and moments from query-row blocks of the maps (one pass; extra memory
   O(maps · block · n) instead of O(maps · n²)), for long sequences.
 
 Pure tensor maths (no model); the experiment that uses it is :mod:`posgen_tl.experiments.decomposition`.
