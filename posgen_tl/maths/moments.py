@@ -506,7 +506,8 @@ def streamed_moments(
     sink})``."""
     g0, sinks = geoms[0], list(geoms)
     keep = fit_columns(geoms)  # sink columns and the head rows' entries
-    dtype = w_rows(0, 1).dtype  # the maps' own precision (float32 from the model, float64 in tests)
+    first = w_rows(0, min(block, n))  # its dtype sizes the buffers: the maps' own (float32 from a model)
+    dtype = first.dtype
     buf = torch.zeros(nm, min(block, n), 2 * n, dtype=dtype, device=device)
     st = RowStats(nm, n, mu, keep, device, dtype)
     acc = {k: {m: torch.zeros(nm, n, dtype=torch.float64, device=device) for m in ("sy", "syy", "sxy")}
@@ -514,7 +515,7 @@ def streamed_moments(
     ycols = {k: torch.zeros(nm, n, max(sinks), dtype=torch.float64, device=device) for k in y_rows}
     for r0 in range(0, n, block):
         r1 = min(r0 + block, n)
-        x, view = _block_rows(w_rows(r0, r1), g0, mu, buf, r0)
+        x, view = _block_rows(first if r0 == 0 else w_rows(r0, r1), g0, mu, buf, r0)  # the first block computed once
         st.add(x, view, r0)
         for k, fn in y_rows.items():
             y = _mask_block_(fn(r0, r1).sub_(mu[:, None, None]), g0, r0)
