@@ -52,7 +52,8 @@ def main() -> None:
 
         setattr(mod, name, g)
 
-    for name in ("_q2", "_w_map", "_y_map", "_bound_checks", "d3_bound_rows", "fit_moments_many", "d3_moments", "scores_many", "_hook_w", "streamed_moments"):
+    for name in ("_q2", "_w_map", "_y_map", "_bound_checks", "band_bound_rows", "fit_moments_many", "d3_moments", "scores_many",
+                 "_hook_w", "streamed_moments"):
         timed(D, name)
     timed(M, "Target")
     timed(M, "_fits")  # inside fit_moments_many: the D1/D2 solves

@@ -25,7 +25,7 @@ from posgen_tl.hooks.chunked import auto_chunk
 from posgen_tl.hooks.stacking import stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
-from posgen_tl.maths.decompose import d3_bound_rows, kbar_batched, sequence_key_mean
+from posgen_tl.maths.decompose import band_bound_rows, kbar_batched, sequence_key_mean
 from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.moments import (
     Geometry,
@@ -41,7 +41,8 @@ from posgen_tl.maths.moments import (
 )
 from posgen_tl.maths.rope import angles, rotate, to_bands
 
-__all__ = ["COLUMNS", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds", "score_windows",
+__all__ = ["COLUMNS", "CPU_BLOCK_BYTES", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds",
+           "rows_per_block", "score_windows",
            "score_in_pieces"]
 
 ESTIMATORS = ("D1", "D2", "D3")
@@ -53,7 +54,7 @@ COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "d
            "sink_excluded", *SCORE_COLUMNS]
 #: the rows' order (unique per row)
 ORDER = ("layer", "estimator", "k_mean", "sink_excluded", "seq", "head")
-_BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative to |W|+|f|+|g|)
+_BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative to the summands' magnitude)
 
 
 # ----------------------------------------------------------------------------- tokens, k̄
@@ -100,11 +101,11 @@ def _w_map(c: QKCapture, q2: Tensor, cache: dict | None = None) -> Tensor:
 
 
 def _k_y(c: QKCapture, k_mean: Tensor) -> Tensor:
-    """``[R_j k̄ | k_j − k̄]`` float32 ``[b, kv, 2·d_head, key_pos]``: the key side of :func:`_y_map`."""
+    """``[R_j k̄ | k_j − k̄]`` float32 ``[b, key_pos, kv, 2·d_head]``: the key side of :func:`_y_map`."""
     b, n, kv = c.k.shape[:3]
     kbar = kbar_batched(k_mean.to(c.k.device, torch.float32), b, kv)  # b kv d
     rot_kbar = rotate(kbar[:, None].expand(b, n, *kbar.shape[1:]), c.positions, c.rope)
-    return rearrange(torch.cat([rot_kbar, c.k - kbar[:, None]], dim=-1), "b j kv d -> b kv d j")
+    return torch.cat([rot_kbar, c.k - kbar[:, None]], dim=-1)
 
 
 def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) -> Tensor:
@@ -114,21 +115,23 @@ def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) 
     Returns float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat); written
     into the run's map buffer when ``cache`` is given (W must be consumed by then).
     """
-    return rearrange(torch.matmul(q2, _k_y(c, k_mean), out=_map_buffer(cache, c)), _GROUPED, i=c.k.shape[1])
+    keys = rearrange(_k_y(c, k_mean), "b j kv d -> b kv d j")
+    return rearrange(torch.matmul(q2, keys, out=_map_buffer(cache, c)), _GROUPED, i=c.k.shape[1])
 
 
 def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None) -> Any:
-    """``(r0, r1) ↦`` query rows ``r0 … r1 − 1`` of W (``k_mean`` None, :func:`_w_map`) or of ``f + g``
-    (:func:`_y_map`), float32 ``[(batch head_index), r1 − r0, key_pos]``: the maps a row block at a time."""
+    """``(r0, r1, kw) ↦`` query rows ``r0 … r1 − 1`` of W (``k_mean`` None, :func:`_w_map`) or of ``f + g``
+    (:func:`_y_map`) on keys ``0 … kw − 1``, float32 ``[(batch head_index), r1 − r0, kw]``: the maps a row block at a
+    time."""
     b, n, kv = c.k.shape[:3]
     d = c.q.shape[-1]
     q5 = q2.view(b, kv, c.q.shape[2] // kv, n, 2 * d)
-    keys = rearrange(c.rot_k, "b j kv d -> b kv d j") if k_mean is None else _k_y(c, k_mean)
+    keys = rearrange(c.rot_k if k_mean is None else _k_y(c, k_mean), "b j kv d -> b kv j d").contiguous()  # once
     q5 = q5[..., :d] if k_mean is None else q5
 
-    def rows(r0: int, r1: int) -> Tensor:
+    def rows(r0: int, r1: int, kw: int) -> Tensor:
         part = q5[:, :, :, r0:r1].reshape(b, kv, -1, q5.shape[-1])
-        return rearrange(part @ keys, _GROUPED, i=r1 - r0)
+        return rearrange(part @ keys[:, :, :kw].mT, _GROUPED, i=r1 - r0)  # a block's keys: a view, never copied
 
     return rows
 
@@ -140,11 +143,16 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
     the mean of W (``mu``), over the masked entries of ``rows`` per mask — ``{kind: {sink: {name: [(batch
     head_index)]}}}`` —, and W itself on ``rows`` (float64 ``[(batch head_index), rows, key_pos]``).
 
-    ``W, f, g`` in float64 as in :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on
-    ``(Re, Im)`` band coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked
-    query rows only; what does not depend on k̄ (the queries' and keys' bands, the phasors, W) is computed once
-    for every kind. The bound (float64) only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.d3_bound_rows`).
-    ``rows_list``: ``rows`` as a host list (spares a read from the device).
+    In float64 as :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on ``(Re, Im)`` band
+    coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked query rows only; what does
+    not depend on k̄ (the queries' and keys' bands, the phasors, W) is computed once for every kind. ``W − f − g`` is
+    ONE product, ``s·a²·Re Σ_m q_m·conj((k_m − k̄_m)·(e^{iφ_j} − e^{iφ_i}))·e^{iφ_i}`` written as
+    ``[R_i q | q]·[R_j(k − k̄); −(k − k̄)]`` (the unrotated dims cancel exactly), not the difference of three maps. An
+    entry holds when ``|W − f − g| ≤ bound + ε·M`` with ``ε`` = :data:`_BOUND_RTOL` and ``M = s·a²·Σ_m |q_m|·(|k_m| +
+    |k̄_m| + |k_m − k̄_m|)`` (+ the unrotated dims' ``s·Σ|q|·(|k| + |k̄| + |k − k̄|)``), the magnitude of the summands of
+    W, f and g, which bounds ``|W| + |f| + |g|``: float64 rounding where the bound is 0 (``j = i``). The bound (float64)
+    only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.band_bound_rows`). ``rows_list``: ``rows`` as a host list
+    (spares a read from the device).
     """
     rope, r = c.rope, c.rope.rotary_dim
     b, n, kv = c.k.shape[:3]
@@ -152,6 +160,7 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
     zq, zk = to_bands(q, r, rope.layout), to_bands(k, r, rope.layout)
     phi = angles(c.positions.to(q.device), rope).double()  # b pos m
     e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # b pos 1 m
+    s, sa2 = rope.score_scale, rope.score_scale * rope.attention_scaling**2
 
     def re_q(z: Tensor) -> Tensor:  # query side of Re(x·conj(y)) = [xr, xi]·[yr, yi], grouped by kv-head
         return rearrange(torch.view_as_real(z), "b i (kv g) m two -> b kv (g i) (m two)", kv=kv)
@@ -162,46 +171,52 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
     def heads(x: Tensor) -> Tensor:  # b kv (g i) j -> (b kv g) i j: query head h = kv·G + g
         return rearrange(x, "b kv (g i) j -> (b kv g) i j", i=len(rows))
 
-    a2, s = rope.attention_scaling**2, rope.score_scale
-    qr, qb = a2 * re_q(zq * e[:, rows]), a2 * re_q(zq)
+    qr = re_q(zq * e[:, rows] * sa2)
+    qn = zq.abs()  # b r h m
+    q_mag = rearrange(qn * sa2, "b i (kv g) m -> b kv (g i) m", kv=kv)
+    k_abs = zk.abs()  # b n kv m
     w = qr @ re_k(zk * e)
     qp = kp = None
-    if q.shape[-1] > r:
-        qp = rearrange(q[..., r:], "b i (kv g) d -> b kv (g i) d", kv=kv)
+    if q.shape[-1] > r:  # the unrotated dims: in W; they cancel exactly in W − f − g
+        qp = rearrange(q[..., r:] * s, "b i (kv g) d -> b kv (g i) d", kv=kv)
         kp = rearrange(k[..., r:], "b j kv d -> b kv d j")
         w = w + qp @ kp
-    w = heads(s * w)
-    qn = zq.abs()
+        q_mag = torch.cat([q_mag, qp.abs()], -1)
+    w = heads(w)
     shared = True if c.positions.shape[0] == 1 or c.positions.stride(0) == 0 else None  # the stream's own positions
-    masks = {sk: (m, m.sum()) for sk, m in ((sk, geo.mask_rows(rows).double()) for sk, geo in geoms.items())}
+    sinks = list(geoms)
+    m = torch.stack([geo.mask_rows(rows).reshape(-1) for geo in geoms.values()], -1).double()  # [(rows keys), sinks]
+    cnt = m.sum(0)
 
-    def mean(x: Tensor, sk: int) -> Tensor:  # masked mean over (rows, keys): one matmul, no temporary
-        m, cnt = masks[sk]
-        return (x.reshape(x.shape[0], -1) @ m.reshape(-1)) / cnt
+    def means(x: Tensor) -> list[Tensor]:  # masked means over (rows, keys) on every mask: one matmul
+        v = (x.reshape(x.shape[0], -1) @ m) / cnt
+        return list(v.unbind(-1))
 
-    mus = {sk: mean(w, sk) for sk in geoms}
+    mus = means(w)
+    qe = torch.cat([qr, re_q(zq * sa2)], -1)  # [R_i q | q]·s·a²
     out: dict[str, dict[int, dict[str, Tensor]]] = {}
     for kind, k_mean in k_means.items():
         kb = kbar_batched(k_mean.to(q.device).double(), b, kv)  # b kv d
         zb = to_bands(kb, r, rope.layout)[:, None]  # b 1 kv m
-        f = qr @ re_k(zb * e)
-        g = qb @ re_k(zk - zb)
-        if qp is not None and kp is not None:
-            kbp = kb[..., r:]  # b kv dp
-            f = f + (qp @ kbp[..., None])
-            g = g + qp @ (kp - kbp[..., None])
-        f, g = heads(s * f), heads(s * g)
-        err = (w - f - g).abs()
-        bound = d3_bound_rows(qn, c.k, k_mean, phi, rows, rope, chunk=_bound_chunk(c, len(rows)), rows_list=rows_list,
-                              shared=shared) * (s * a2)
-        holds = err <= bound + _BOUND_RTOL * (w.abs() + f.abs() + g.abs())
-        out[kind] = {sk: {"d3_err_mean": mean(err, sk), "d3_bound_mean": mean(bound, sk),
-                          "d3_bound_holds": mean(holds.double(), sk), "mu": mus[sk]} for sk in geoms}
+        zd = zk - zb
+        err = heads(qe @ torch.cat([re_k(zd * e), -re_k(zd)], -2)).abs_()
+        kn = zd.abs()
+        k_mag = rearrange(k_abs + zb.abs() + kn, "b j kv m -> b kv m j")
+        if kp is not None:
+            kbp = kb[..., r:, None]  # b kv dp 1
+            k_mag = torch.cat([k_mag, kp.abs() + kbp.abs() + (kp - kbp).abs()], -2)
+        bound = band_bound_rows(qn * sa2, kn, phi, rows, _bound_chunk(c, len(rows)), rows_list=rows_list, shared=shared)
+        thr = torch.baddbmm(bound.reshape(b * kv, -1, n), q_mag.reshape(b * kv, -1, q_mag.shape[-1]),
+                            k_mag.reshape(b * kv, k_mag.shape[-2], n), alpha=_BOUND_RTOL)
+        holds = (err <= thr.reshape(err.shape)).double()
+        em, bm, hm = means(err), means(bound), means(holds)
+        out[kind] = {sk: {"d3_err_mean": em[i], "d3_bound_mean": bm[i], "d3_bound_holds": hm[i], "mu": mus[i]}
+                     for i, sk in enumerate(sinks)}
     return out, w
 
 
 def _bound_chunk(c: QKCapture, n_rows: int) -> int:
-    """Query rows per step of :func:`d3_bound_rows` (the numbers do not depend on it): 8 on the CPU; on a GPU, where a
+    """Query rows per step of :func:`band_bound_rows` (the numbers do not depend on it): 8 on the CPU; on a GPU, where a
     step costs its launches, as many as keep the step's ``[batch, kv_head, rows, key_pos, band]`` float64 scratch
     within 2²⁷ entries (1 GiB)."""
     if c.q.device.type == "cpu":
@@ -232,11 +247,13 @@ def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor 
     b, h, n = c.scores.shape[0], c.scores.shape[1], c.scores.shape[-1]
     sv = c.scores.reshape(b * h, n, n)
     m = g0.mask_rows(rows)
-    ref = w_rows[:, m]
-    if not ref.numel():  # nothing to compare on these rows: never taken unchecked
+    if not bool(m.any()):  # nothing to compare on these rows: never taken unchecked
         return None
-    err = float((sv[:, rows][:, m].double() - ref).abs().max())  # NaN anywhere: the comparison fails, W is recomputed
-    return sv if err <= SCORES_RTOL * float(ref.abs().max()) else None
+    d = torch.where(m, sv.index_select(1, rows) - w_rows, 0.0)  # float64; the hidden entries (−inf) left out
+    scale = torch.where(m, w_rows, 0.0).abs_().amax()
+    err = d.abs_().amax()
+    # NaN anywhere: the comparison fails, W is recomputed
+    return sv if bool(err <= SCORES_RTOL * scale) else None
 
 
 def _stacked_kbar(c: QKCapture, kind: str, kbar_of: Any, cache: dict) -> Tensor:
@@ -272,6 +289,39 @@ def k_mean_kinds(k_mean: Any) -> tuple[list[str], dict[int, Tensor] | Tensor | N
     return kinds, None
 
 
+#: on the CPU the maps are scored a block of query rows at a time (:func:`streamed_moments`), each block's float32 maps
+#: within this many bytes — they stay in the processor's cache through the block's several passes — and its keys ending
+#: at its last row (SmolLM2, 4 × 512 tokens, 2 threads: 36 ms per layer in blocks of 64–128 rows against 55 ms for the
+#: whole maps; benchmarks/bench_blocks.py)
+CPU_BLOCK_BYTES = 6 * 2**20
+MIN_BLOCK = 32
+
+
+def rows_per_block(device: torch.device, maps: int, n: int, row_block: int = 0) -> int:
+    """Query rows per block of the logit maps (0: whole maps): ``row_block`` where given (> 0); on the CPU as many
+    as keep a block's ``maps`` float32 maps within :data:`CPU_BLOCK_BYTES` (at least :data:`MIN_BLOCK`; the blocks
+    evened out over ``n``); on a GPU, where each operation costs a kernel launch, whole maps up to
+    :data:`STREAM_ABOVE` tokens and blocks of :data:`STREAM_BLOCK` beyond."""
+    if row_block > 0:
+        return min(row_block, n)
+    if device.type != "cpu":
+        return STREAM_BLOCK if n > STREAM_ABOVE else 0
+    want = max(MIN_BLOCK, CPU_BLOCK_BYTES // max(1, 4 * maps * n))
+    n_blocks = -(-n // want)
+    return -(-n // n_blocks)
+
+
+def _block_moments(c: QKCapture, q2: Tensor, w: Tensor | None, kbars: dict[str, Tensor], geoms: dict[int, Geometry],
+                   mu: Tensor, block: int, cache: dict) -> tuple[Any, dict[str, dict[int, Any]]]:
+    """:func:`streamed_moments` of a capture: W's rows from ``w`` (the score hook's maps, a view) or recomputed,
+    ``f + g`` of each k̄ of ``kbars`` recomputed, ``block`` query rows at a time."""
+    n = c.k.shape[1]
+    w_rows = (lambda r0, r1, kw: w[:, r0:r1, :kw]) if w is not None else _row_maps(c, q2)
+    return streamed_moments(w_rows, {k: _row_maps(c, q2, kb) for k, kb in kbars.items()}, n=n,
+                            nm=c.q.shape[0] * c.n_heads, mu=mu, geoms=geoms, block=block, device=c.q.device,
+                            cache=cache)
+
+
 def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: Any, layers: Sequence[int], *, sink: int,
                   batch_size: int, bound_rows: int, twin_label: str, model_label: str | None, progress: bool | str,
                   extra_hooks: Sequence = (), row_block: int = 0, w_from_scores: bool | None = None,
@@ -279,7 +329,8 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     """D1/D2/D3 scores of every head of ``layers`` on ``windows`` in one streaming pass: one row per (layer, head,
     window, estimator, k̄ kind of ``kinds``, sink excluded or not) with :data:`COLUMNS` (score columns float64; ``seq``
     indexes ``windows``). ``k_means``: the given or global k̄ (one ``[kv_head, d_head]`` tensor or ``{layer: …}``);
-    ``row_block``: query rows per block of the logit maps (0: whole maps up to :data:`STREAM_ABOVE` tokens);
+    ``row_block``: query rows per block of the logit maps (0: :func:`rows_per_block` — on the CPU blocks sized to the
+    processor's cache, on a GPU whole maps up to :data:`STREAM_ABOVE` tokens);
     ``w_from_scores``: take W from the forward's own ``hook_attn_scores`` instead of recomputing it (``None``: where
     :func:`scores_are_w`; each layer and batch compares them on the bound rows first and recomputes if they differ);
     ``chunk``: the forward's query positions per chunk through the model's cache (:func:`posgen_tl.hooks.chunked.
@@ -315,11 +366,11 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     def geoms_of(c: QKCapture) -> dict[int, Geometry]:
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
-    block = row_block or (STREAM_BLOCK if n > STREAM_ABOVE else 0)
     chunk = auto_chunk(model, n, chunk, extra_hooks)  # below 1 024 tokens (CPU): W from the score hook is cheaper
-    group = 1 if 0 < block < n else (stack_size(model, min(batch_size, len(tokens)) * n * n, len(layers)) if stack is None
-                                     else max(1, int(stack)))  # row blocks bound memory: one layer at a time
-    use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model) and group == 1) and not 0 < block < n
+    long = 0 < row_block < n or (not row_block and n > STREAM_ABOVE)  # row blocks to bound memory
+    group = 1 if long else (stack_size(model, min(batch_size, len(tokens)) * n * n, len(layers)) if stack is None
+                            else max(1, int(stack)))  # row blocks bound memory: one layer at a time
+    use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model) and group == 1)
                 and not 0 < chunk < n and probe_hooks(model)[1].scores_kind != "absent")  # else W is recomputed
 
     def score(c: QKCapture) -> None:  # one layer, or a stack of layers on the head axis
@@ -330,15 +381,14 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         q2 = _q2(c)
         kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
         bnds, w_rows = _bound_checks(c, kbars, r, geoms, rows_host)
-        if 0 < block < n:  # long sequences: the maps a row block at a time (memory O(block · n) per head)
-            stats, d3 = streamed_moments(_row_maps(c, q2), {k: _row_maps(c, q2, kbars[k]) for k in kinds}, n=n,
-                                         nm=c.q.shape[0] * c.n_heads, mu=bnds[kinds[0]][0]["mu"].float(), geoms=geoms,
-                                         block=block, device=c.q.device)
+        w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
+        block = rows_per_block(c.q.device, c.q.shape[0] * c.n_heads, n, row_block)
+        if block:  # the maps a row block at a time (memory O(block · n) per head)
+            stats, d3 = _block_moments(c, q2, w, kbars, geoms, bnds[kinds[0]][0]["mu"].float(), block, cache)
             fits.add(sums_of(stats, fit_columns(geoms)), _Meta.of(c), bnds[kinds[0]], geoms)
             for kind in kinds:
                 emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
             return
-        w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         if w is None:
             w = _w_map(c, q2, cache)
         t = None

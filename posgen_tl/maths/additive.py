@@ -278,11 +278,17 @@ def solve(bd: Band, rhs: Float[Tensor, "maps param"], three_axis: bool, *, rtol:
 
 
 def solve_many(systems: Sequence[tuple[Band, Tensor, bool, Direct | None]], *, rtol: float = RTOL,
-               max_iter: int = MAX_ITER) -> list[Float[Tensor, "maps param"]]:
+               max_iter: int = MAX_ITER, floors: Sequence[Tensor | None] | None = None,
+               ) -> list[Float[Tensor, "maps param"]]:
     """:func:`solve` of several ``(band, rhs, three_axis, direct_op)`` systems — the same numbers — whose first
     convergence test (after the direct step, where there is one) is read from the device in ONE synchronisation: on a
-    GPU each read waits for the queue, and with direct operators it is usually the only one."""
-    states = [_cg_start(bd, rhs, three_axis, direct_op) for bd, rhs, three_axis, direct_op in systems]
+    GPU each read waits for the queue, and with direct operators it is usually the only one. ``floors``: per system,
+    ``None`` or the rounding level of each map's right-hand side (float64 ``[maps, 1]``): a map whose consistent
+    right-hand side is no larger is solved by 0 (its sums are those of an additive map: the fit is its mean), and a
+    residual at that level counts as converged — relative to a right-hand side of pure rounding, ``rtol`` cannot be
+    reached."""
+    fl = list(floors) if floors is not None else [None] * len(systems)
+    states = [_cg_start(bd, rhs, three_axis, direct_op, f) for (bd, rhs, three_axis, direct_op), f in zip(systems, fl)]
     done = torch.stack([st.converged(rtol) for st in states]).tolist() if states else []
     return [st.x_final() if ok else st.iterate(rtol, max_iter) for st, ok in zip(states, done)]
 
@@ -294,12 +300,16 @@ class _CG:
                  live: Tensor) -> None:
         self.bd, self.three_axis, self.q, self.inv = bd, three_axis, q, inv
         self.r, self.x, self.scale, self.live = r, x, scale, live
+        self.floor = torch.zeros_like(scale)  # the rounding level of the right-hand side (:func:`solve_many`)
 
     def consistent(self, v: Tensor) -> Tensor:  # the part orthogonal to the null space
         return v - (v @ self.q) @ self.q.T
 
     def converged(self, rtol: float) -> Tensor:
-        return ((self.r.norm(dim=-1, keepdim=True) <= rtol * self.scale) | ~self.live).all()
+        return self._done(self.r, rtol).all()
+
+    def _done(self, r: Tensor, rtol: float) -> Tensor:  # [maps, 1]: within the tolerance, or nothing to solve
+        return (r.norm(dim=-1, keepdim=True) <= torch.maximum(rtol * self.scale, self.floor)) | ~self.live
 
     def x_final(self) -> Tensor:
         return self.consistent(self.x)
@@ -311,7 +321,7 @@ class _CG:
         d = z.clone()
         rz = (r * z).sum(-1, keepdim=True)
         for step in range(max_iter + 1):
-            if step and bool(((r.norm(dim=-1, keepdim=True) <= rtol * self.scale) | ~self.live).all()):
+            if step and bool(self._done(r, rtol).all()):
                 break
             if step == max_iter:
                 worst = float((r.norm(dim=-1, keepdim=True) / self.scale.clamp(min=1e-300)).max())
@@ -329,7 +339,7 @@ class _CG:
         return self.consistent(x)
 
 
-def _cg_start(bd: Band, rhs: Tensor, three_axis: bool, direct_op: Direct | None) -> _CG:
+def _cg_start(bd: Band, rhs: Tensor, three_axis: bool, direct_op: Direct | None, floor: Tensor | None = None) -> _CG:
     """The checked inputs of one :func:`solve`, the consistent residual and, with ``direct_op``, its direct step."""
     if not bd.structured:
         raise ValueError("a one-key window leaves more of the additive design unidentified: use the dense solve "
@@ -346,7 +356,9 @@ def _cg_start(bd: Band, rhs: Tensor, three_axis: bool, direct_op: Direct | None)
     # on a singular system would walk off along that rounding: keep the consistent part (every step)
     r = st.consistent(rhs * (dg > 0))
     st.scale = r.norm(dim=-1, keepdim=True)
-    st.live = st.scale > 0
+    st.floor = torch.zeros_like(st.scale) if floor is None else floor.to(st.scale).reshape(-1, 1)
+    st.live = st.scale > st.floor
+    r = torch.where(st.live, r, 0.0)  # a right-hand side of rounding: solved by 0
     st.x = torch.zeros_like(r)
     if direct_op is not None:  # one direct step (residual ~1e-15); conjugate gradients go on if it left more than rtol
         st.x = direct_op.apply(r)

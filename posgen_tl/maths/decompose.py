@@ -42,6 +42,7 @@ __all__ = [
     "d3_split",
     "d3_bound",
     "d3_bound_rows",
+    "band_bound_rows",
     "d3_logits",
     "sequence_key_mean",
     "pearson_r",
@@ -487,22 +488,32 @@ def d3_bound_rows(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tens
     key_pos]``.
     """
     b, n, kv = k.shape[:3]
-    g = qn.shape[2] // kv
     kb = kbar_batched(k_mean.to(k.device).double(), b, kv)  # b kv d
     zk, zb = to_bands(k.double(), rope.rotary_dim, rope.layout), to_bands(kb, rope.rotary_dim, rope.layout)
-    kn = rearrange((zk - zb[:, None]).abs(), "b j kv m -> b kv 1 j m")
+    return band_bound_rows(qn, (zk - zb[:, None]).abs(), phi, rows, chunk, rows_list=rows_list, shared=shared)
+
+
+def band_bound_rows(qn: Tensor, kn: Tensor, phi: Tensor, rows: Tensor, chunk: int = 8, *,
+                    rows_list: Sequence[int] | None = None, shared: bool | None = None) -> Tensor:
+    """:func:`d3_bound_rows` from the band magnitudes: ``Σ_m qn[b, i, h, m]·kn[b, j, kv(h), m]·2|sin((φ_im − φ_jm)/2)|``
+    on query ``rows``, ``j ≤ i`` (0 elsewhere). ``qn``: float64 ``[b, rows, head_index, band]``; ``kn``: float64
+    ``[b, key_pos, kv_head, band]`` (``|k_j − k̄|`` per band); ``phi``: float64 ``[b, pos, band]``. Returns float64
+    ``[(b head_index), rows, key_pos]``."""
+    b, n, kv = kn.shape[:3]
+    g = qn.shape[2] // kv
+    kn = rearrange(kn, "b j kv m -> b kv 1 j m")
     qg = rearrange(qn, "b r (kv g) m -> b kv r m g", kv=kv)
     if shared is None:
         shared = bool((phi == phi[:1]).all())  # same positions in every sequence (the default)
     ph = phi[:1] if shared else phi
-    out = torch.zeros(b, kv, len(rows), n, g, dtype=torch.float64, device=k.device)
+    out = torch.zeros(b, kv, len(rows), n, g, dtype=torch.float64, device=kn.device)
     rows_l = list(rows_list) if rows_list is not None else rows.tolist()
     for s in range(0, len(rows_l), chunk):
         r = slice(s, s + chunk)
         rc, jn = len(rows_l[r]), max(rows_l[r]) + 1  # keys j > max row are 0 for the whole chunk
         dphi = ph[:, rows[r], None, :] - ph[:, None, :jn, :]  # b' r j m
-        sin = 2 * (dphi / 2).sin().abs() * (torch.arange(jn, device=k.device) <= rows[r, None].to(k.device))[..., None]
-        t = torch.empty(b, kv, rc, jn, kn.shape[-1], dtype=torch.float64, device=k.device)
+        sin = 2 * (dphi / 2).sin().abs() * (torch.arange(jn, device=kn.device) <= rows[r, None].to(kn.device))[..., None]
+        t = torch.empty(b, kv, rc, jn, kn.shape[-1], dtype=torch.float64, device=kn.device)
         torch.mul(kn[..., :jn, :], sin[:, None], out=t)  # (out= keeps it contiguous: no copy in the view below)
         t = t.view(b * kv * rc, jn, -1)  # (b kv r) j m
         out[:, :, r, :jn] = torch.bmm(t, qg[:, :, r].reshape(b * kv * rc, -1, g)).reshape(b, kv, rc, jn, g)

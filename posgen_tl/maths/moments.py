@@ -83,16 +83,18 @@ class Geometry:
         return self.direct.get(three_axis)
 
 
-def solve_fits(items: Sequence[tuple[Geometry, Tensor, bool]]) -> list[Tensor]:
+def solve_fits(items: Sequence[tuple[Geometry, Tensor, bool]], floors: Sequence[Tensor | None] | None = None,
+               ) -> list[Tensor]:
     """:meth:`Geometry.solve` of several ``(geometry, rhs, three_axis)`` fits, the structured ones through
-    :func:`~posgen_tl.maths.additive.solve_many` (one device read for all their first convergence tests)."""
+    :func:`~posgen_tl.maths.additive.solve_many` (one device read for all their first convergence tests; ``floors``:
+    each right-hand side's rounding level, as there)."""
     out: list[Tensor | None] = [None] * len(items)
     structured = [i for i, (g, _, _) in enumerate(items) if g.band.structured]
     for i, (g, rhs, three_axis) in enumerate(items):
         if not g.band.structured:
             out[i] = rhs @ g.ops[three_axis].T
     sols = solve_many([(items[i][0].band, items[i][1], items[i][2], items[i][0].direct_op(items[i][2]))
-                       for i in structured])
+                       for i in structured], floors=None if floors is None else [floors[i] for i in structured])
     for i, x in zip(structured, sols):
         out[i] = x
     return [x for x in out if x is not None]
@@ -290,13 +292,23 @@ def _head_rows(g: Geometry) -> int:
     return g.n if g.window == 1 else min(g.sink + 1, g.n)
 
 
-def _fit_rhs(sums: tuple[Tensor, Tensor, Tensor], g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor]:
-    """``(mean, rhs)``: the map's masked mean and the right-hand side ``Xᵀ(x − mean)`` of its D1 (``three_axis``) or
-    D2 fit on mask ``g`` from ``sums`` (:meth:`_RowSums.sums_on`, float64)."""
+#: a fit's right-hand side ``Xᵀ(x − mean)`` no larger than this times the norm of what it was centred from (the sums
+#: and ``mean`` × the counts) is float64 rounding: its map's sums are an additive map's (one entry, a constant map)
+RHS_ROUNDING = 1e-13
+
+
+def _fit_rhs(sums: tuple[Tensor, Tensor, Tensor], g: Geometry, three_axis: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean, rhs, floor)``: the map's masked mean, the right-hand side ``Xᵀ(x − mean)`` of its D1 (``three_axis``)
+    or D2 fit on mask ``g`` from ``sums`` (:meth:`_RowSums.sums_on`, float64) and its rounding level ``[maps, 1]``
+    (:data:`RHS_ROUNDING`)."""
     sx, col, diag = sums
     mean = sx.sum(-1) / g.cnt.sum()
-    parts = [diag - mean[:, None] * g.ndiag] + ([sx - mean[:, None] * g.cnt] if three_axis else [])
-    return mean, torch.cat(parts + [col - mean[:, None] * g.ncol], dim=-1)
+    m = mean[:, None]
+    parts = [diag - m * g.ndiag] + ([sx - m * g.cnt] if three_axis else []) + [col - m * g.ncol]
+    mags = [diag.abs() + m.abs() * g.ndiag] + ([sx.abs() + m.abs() * g.cnt] if three_axis else [])
+    mags.append(col.abs() + m.abs() * g.ncol)
+    floor = RHS_ROUNDING * torch.cat(mags, dim=-1).norm(dim=-1, keepdim=True)
+    return mean, torch.cat(parts, dim=-1), floor
 
 
 def _fit_params(n: int, mean: Tensor, beta: Tensor, three_axis: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -352,7 +364,7 @@ def _fits(t: _RowSums, geoms: dict[int, Geometry]) -> tuple[dict[tuple[int, str]
     keys = [(s, est) for s in geoms for est in ("D1", "D2")]  # solved together: one device read for all four
     sums = {s: t.sums_on(g) for s, g in geoms.items()}
     rhs = {k: _fit_rhs(sums[k[0]], geoms[k[0]], k[1] == "D1") for k in keys}
-    betas = solve_fits([(geoms[k[0]], rhs[k][1], k[1] == "D1") for k in keys])
+    betas = solve_fits([(geoms[k[0]], rhs[k][1], k[1] == "D1") for k in keys], floors=[rhs[k][2] for k in keys])
     return {k: _fit_params(t.n, rhs[k][0], beta, k[1] == "D1") for k, beta in zip(keys, betas)}, sums
 
 
@@ -454,13 +466,15 @@ class RowStats(_RowSums):
         self.xmax = z(nm)
 
     def add(self, x: Tensor, view: Tensor, r0: int) -> None:
-        """Rows ``r0 …`` of x (``[maps, block, n]``) and their diagonal view (``view[m, i, e] = x[m, i, i − (n−1−e)]``)."""
-        r1 = r0 + x.shape[1]
+        """Rows ``r0 …`` of x on their first keys (``[maps, block, keys]``: every key of the mask, ``j ≤ i``) and
+        their diagonal view (``view[m, i, e] = x[m, i, i − (keys−1−e)]``, distances ``keys − 1 … 0``)."""
+        r1, kw = r0 + x.shape[1], x.shape[-1]
         self.sx[:, r0:r1] = x.sum(-1).double()
         self.sxx[:, r0:r1] = _rowsq(x)
-        self.col += x.sum(-2).double()
-        self.diag += view.sum(-2).double().flip(-1)
-        self.first[:, r0:r1] = x[..., : self.first.shape[-1]]
+        self.col[:, :kw] += x.sum(-2).double()
+        self.diag[:, :kw] += view.sum(-2).double().flip(-1)
+        kk = min(self.first.shape[-1], kw)  # the keys beyond kw are outside the mask on these rows: 0
+        self.first[:, r0:r1, :kk] = x[..., :kk]
 
     def finish(self) -> RowStats:
         """After the last block: the magnitude of x for the degeneracy test (as :class:`Target`'s)."""
@@ -475,13 +489,15 @@ class RowStats(_RowSums):
 
 
 def _block_rows(rows: Tensor, g0: Geometry, mu: Tensor, buf: Tensor, r0: int) -> tuple[Tensor, Tensor]:
-    """``x`` of query rows ``r0 … r0 + block − 1`` (``rows``: ``W`` there, ``[maps, block, n]``) shifted and masked
-    into the right half of ``buf`` (``[maps, ≥ block, 2n]``, left half zero), and its diagonal view."""
-    nm, blk, n = rows.shape
-    x = buf[:, :blk, n:]
+    """``x`` of query rows ``r0 … r0 + block − 1`` on keys ``0 … kw − 1`` (``rows``: ``W`` there, ``[maps, block, kw]``,
+    ``kw ≥ r0 + block``: every key the causal mask keeps) shifted and masked into the right half of ``buf``
+    (``[maps, ≥ block, 2n]``, left half zero), and its diagonal view ``[maps, block, kw]`` (distances ``kw − 1 … 0``)."""
+    nm, blk, kw = rows.shape
+    n = buf.shape[-1] // 2
+    x = buf[:, :blk, n : n + kw]
     torch.sub(rows, mu[:, None, None], out=x)
     _mask_block_(x, g0, r0)
-    view = buf.as_strided((nm, blk, n), (buf.stride(0), 2 * n + 1, 1), buf.storage_offset() + r0 + 1)
+    view = buf.as_strided((nm, blk, kw), (buf.stride(0), 2 * n + 1, 1), buf.storage_offset() + r0 + 1 + n - kw)
     return x, view
 
 
@@ -494,33 +510,44 @@ def _mask_block_(x: Tensor, g0: Geometry, r0: int) -> Tensor:
 
 
 def streamed_moments(
-    w_rows: Callable[[int, int], Tensor], y_rows: Mapping[str, Callable[[int, int], Tensor]], *, n: int, nm: int,
-    mu: Tensor, geoms: dict[int, Geometry], block: int, device: torch.device,
+    w_rows: Callable[[int, int, int], Tensor], y_rows: Mapping[str, Callable[[int, int, int], Tensor]], *, n: int,
+    nm: int, mu: Tensor, geoms: dict[int, Geometry], block: int, device: torch.device, cache: dict | None = None,
 ) -> tuple[RowStats, dict[str, dict[int, _Moments]]]:
     """What :func:`all_fit_moments` needs of x and, per k̄ kind, the moments of :func:`d3_moments`, from query-row blocks:
-    ``w_rows(r0, r1)`` gives the logit map's rows ``[maps, r1 − r0, n]`` (float32) and ``y_rows[kind](r0, r1)`` the
-    D3 approximation's. ONE pass over the rows (the fits need only x's row, column and distance sums); the extra
-    memory is O(maps · block · n). Equal to the whole-map functions up to float32 summation order.
+    ``w_rows(r0, r1, kw)`` gives the logit map's rows ``r0 … r1 − 1`` on keys ``0 … kw − 1`` (``[maps, r1 − r0, ≥ kw]``,
+    float32; ``kw = r1``: the masks are causal, so a block never needs a later key — a block's products cost its share
+    of the lower triangle, not of the square) and ``y_rows[kind](r0, r1, kw)`` the D3 approximation's. ONE pass over the
+    rows (the fits need only x's row, column and distance sums); the extra memory is O(maps · block · n), and a block
+    small enough stays in the processor's cache through its several passes. Equal to the whole-map functions up to
+    float32 summation order. ``cache``: a dict that keeps the block buffer for the next call (its left half stays zero;
+    what its right half holds beyond a block's keys is never read).
 
     Returns ``(x's row, column and distance sums — the input of all_fit_moments / sums_of —, {kind: D3 moments by
     sink})``."""
     g0, sinks = geoms[0], list(geoms)
-    keep = fit_columns(geoms)  # sink columns and the head rows' entries
-    first = w_rows(0, min(block, n))  # its dtype sizes the buffers: the maps' own (float32 from a model)
+    keep, ys = fit_columns(geoms), max(sinks)  # sink columns and the head rows' entries; y's sink columns
+    first = w_rows(0, min(block, n), min(block, n))[..., : min(block, n)]  # its dtype sizes the buffers
     dtype = first.dtype
-    buf = torch.zeros(nm, min(block, n), 2 * n, dtype=dtype, device=device)
+    shape = (nm, min(block, n), 2 * n)
+    buf = None if cache is None else cache.get("rows")
+    if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != torch.device(device):
+        buf = torch.zeros(shape, dtype=dtype, device=device)
+        if cache is not None:
+            cache["rows"] = buf
     st = RowStats(nm, n, mu, keep, device, dtype)
     acc = {k: {m: torch.zeros(nm, n, dtype=torch.float64, device=device) for m in ("sy", "syy", "sxy")}
            for k in y_rows}
-    ycols = {k: torch.zeros(nm, n, max(sinks), dtype=torch.float64, device=device) for k in y_rows}
+    ycols = {k: torch.zeros(nm, n, ys, dtype=torch.float64, device=device) for k in y_rows}
     for r0 in range(0, n, block):
         r1 = min(r0 + block, n)
-        x, view = _block_rows(first if r0 == 0 else w_rows(r0, r1), g0, mu, buf, r0)  # the first block computed once
+        rows = first if r0 == 0 else w_rows(r0, r1, r1)[..., :r1]  # the first block computed once
+        x, view = _block_rows(rows, g0, mu, buf, r0)
         st.add(x, view, r0)
         for k, fn in y_rows.items():
-            y = _mask_block_(fn(r0, r1).sub_(mu[:, None, None]), g0, r0)
+            y = _mask_block_(fn(r0, r1, r1)[..., :r1].sub_(mu[:, None, None]), g0, r0)
             acc[k]["sy"][:, r0:r1], acc[k]["syy"][:, r0:r1] = y.sum(-1).double(), _rowsq(y)
-            ycols[k][:, r0:r1] = y[..., : max(sinks)].double()
+            kk = min(ys, r1)
+            ycols[k][:, r0:r1, :kk] = y[..., :kk].double()
             acc[k]["sxy"][:, r0:r1] = y.mul_(x).sum(-1).double()
     st.finish()
     d3 = {k: _d3_split(st, a["sy"], a["syy"], a["sxy"], {s: ycols[k][..., :s] for s in sinks if s},

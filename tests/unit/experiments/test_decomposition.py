@@ -278,7 +278,9 @@ def test_layers_stacked_on_the_head_axis_give_each_layers_scores(tiny, stack, mo
     monkeypatch.setattr(D, "stack_size", lambda *a: stack)
     monkeypatch.setattr(S, "stack_captures", spy)
     stacked = _run(tiny)
-    assert_same_scores(one, stacked, rtol=1e-5)
+    assert_same_scores(one, stacked, rtol=1e-5)  # stacks in row blocks (this CPU's path)
+    monkeypatch.setattr(D, "rows_per_block", lambda *a: 0)
+    assert_same_scores(one, _run(tiny), rtol=1e-5)  # stacks of whole maps (a GPU's path)
     spec, _ = probe_hooks(tiny)
     assert seen and all(1 < len(g) <= stack for g in seen)
     for g in seen:  # one rope and window per stack
@@ -296,8 +298,10 @@ def test_stack_size_is_one_on_the_cpu_and_bounded_on_a_gpu(monkeypatch):
     assert S.stack_size(model, 2**30, 30) == 1  # a map beyond the budget: still one layer, never zero
 
 
-def test_long_sequences_stream_by_default(monkeypatch):
-    """Past STREAM_ABOVE tokens the runner takes the row-block path without being asked (and only then)."""
+def test_the_maps_are_scored_in_row_blocks_where_they_should(monkeypatch):
+    """On the CPU every run takes the row-block path in cache-sized blocks (:func:`rows_per_block`), an explicit
+    ``row_block`` as given; on a GPU whole maps up to STREAM_ABOVE tokens and STREAM_BLOCK rows beyond; cache-sized
+    blocks keep a block's maps within CPU_BLOCK_BYTES (unless that is under MIN_BLOCK rows) and are evened out."""
     from posgen_tl.engine import decompose_scores as dm
 
     calls = []
@@ -305,11 +309,29 @@ def test_long_sequences_stream_by_default(monkeypatch):
     monkeypatch.setattr(dm, "streamed_moments", lambda *a, **k: calls.append(k["block"]) or real(*a, **k))
     model = tm.hf_llama(n_layers=1)[0]
     _run(model)
-    assert calls == []
-    monkeypatch.setattr(dm, "STREAM_ABOVE", 16)
-    monkeypatch.setattr(dm, "STREAM_BLOCK", 7)
-    _run(model)
+    assert calls and set(calls) == {N_POS}  # 24 tokens: one block
+    calls.clear()
+    _run(model, row_block=7)
     assert calls and set(calls) == {7}
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert dm.rows_per_block(gpu, 36, 512) == 0 and dm.rows_per_block(gpu, 36, 2048) == 0
+    assert dm.rows_per_block(gpu, 9, 4096) == dm.STREAM_BLOCK and dm.rows_per_block(gpu, 36, 512, 100) == 100
+    for maps, n in ((36, 512), (9, 2048), (9, 16384), (4, 100), (300, 4096)):
+        b = dm.rows_per_block(cpu, maps, n)
+        want = max(dm.MIN_BLOCK, dm.CPU_BLOCK_BYTES // (4 * maps * n))
+        assert 0 < b <= n and -(-n // b) == -(-n // want)  # as many blocks as the budget asks, evened out
+        assert b == n or 4 * maps * b * n <= dm.CPU_BLOCK_BYTES or b <= dm.MIN_BLOCK
+    assert dm.rows_per_block(cpu, 36, 512) == 74  # SmolLM2 at 4 × 512: 7 blocks
+
+
+def test_whole_maps_and_row_blocks_give_the_same_scores(tiny, monkeypatch):
+    """The whole-map path (a GPU's, below STREAM_ABOVE tokens) forced on the CPU scores as the row-block path does."""
+    from posgen_tl.engine import decompose_scores as dm
+
+    blocks = _run(tiny, row_block=5)
+    monkeypatch.setattr(dm, "rows_per_block", lambda *a: 0)
+    whole = _run(tiny)
+    assert_same_scores(blocks, whole, rtol=1e-5)
 
 
 def _spied(monkeypatch, use: bool) -> list:

@@ -216,3 +216,27 @@ def test_solving_several_fits_together_gives_each_fits_solution_with_one_host_re
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a))
     solve_many(systems)
     assert reads == ["tolist"]
+
+
+@pytest.mark.parametrize("direct_step", [False, True])
+def test_a_right_hand_side_of_rounding_is_solved_by_zero_and_a_real_one_as_without_a_floor(direct_step):
+    """With a floor (the rounding level of each right-hand side), a map whose consistent right-hand side is no larger
+    is solved by 0 at once — relative to pure rounding (a one-entry mask's centred sums, ~1e-31) the relative tolerance
+    cannot be reached, and conjugate gradients used to walk until MAX_ITER and raise —, while a real right-hand side
+    beside it gets the same solution as with no floor."""
+    from posgen_tl.maths.additive import solve_many
+
+    bd = band(4, 3)  # sink 3 of 4 positions: one entry, (3, 3)
+    op = direct(bd, True) if direct_step else None
+    noise = torch.tensor([[-2.2e-16, 1.1e-16] + [0.0] * 9 + [2.2e-16]], dtype=torch.float64) * 1e-15
+    got = solve_many([(bd, noise, True, op)], floors=[torch.tensor([[1e-13]], dtype=torch.float64)])[0]
+    assert torch.equal(got, torch.zeros_like(got))
+    bd = band(12, 1)
+    op = direct(bd, True) if direct_step else None
+    rhs = gram_matvec(bd, torch.randn(2, 36, dtype=torch.float64, generator=torch.Generator().manual_seed(0)), True)
+    rhs = torch.cat([rhs, noise.new_zeros(1, 36)])
+    floors = [torch.tensor([[1e-13], [1e-13], [1e-13]], dtype=torch.float64)]
+    with_floor = solve_many([(bd, rhs, True, op)], floors=floors)[0]
+    torch.testing.assert_close(with_floor, solve(bd, rhs, True, direct_op=op), rtol=1e-10, atol=1e-12)
+    assert torch.equal(with_floor[2], torch.zeros(36, dtype=torch.float64))
+    assert with_floor[:2].abs().max() > 0.1

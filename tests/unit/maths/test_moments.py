@@ -75,9 +75,13 @@ def test_a_block_of_query_rows_at_a_time_gives_the_whole_maps_scores(case, block
     mu = torch.full((MAPS,), -0.5, dtype=torch.float64)
     t = Target(w.clone(), geoms[0], mu, {})
     whole_fits, whole_d3 = all_fit_moments(t, geoms), d3_moments(t, y.clone(), geoms)
-    stats, d3 = streamed_moments(lambda r0, r1: w[:, r0:r1].clone(), {"a": lambda r0, r1: y[:, r0:r1].clone(),
-                                                                      "b": lambda r0, r1: 2 * y[:, r0:r1]},
+    asked = []
+    stats, d3 = streamed_moments(lambda r0, r1, kw: asked.append((r0, r1, kw)) or w[:, r0:r1, :kw].clone(),
+                                 {"a": lambda r0, r1, kw: y[:, r0:r1].clone(),  # wider than asked: cut
+                                  "b": lambda r0, r1, kw: 2 * y[:, r0:r1, :kw]},
                                 n=n, nm=MAPS, mu=mu, geoms=geoms, block=block, device=torch.device("cpu"))
+    # each block once, on the keys the causal mask can keep (j ≤ i < r1): never the square
+    assert asked == [(r0, min(r0 + block, n), min(r0 + block, n)) for r0 in range(0, n, block)]
     fits = all_fit_moments(stats, geoms)
     for s, g in geoms.items():
         for est in ("D1", "D2"):
@@ -118,3 +122,18 @@ def test_the_head_rows_are_the_rows_with_fewer_than_two_entries(case):
     g = geometry(n, min(sink, n - 1), window)
     h = _head_rows(g)
     assert (g.cnt[:h] < 2).all() and (g.cnt[h:] >= 2).all()
+
+
+def test_a_one_entry_mask_is_scored_without_iterating():
+    """A mask of one entry (4 positions, 3 sink keys excluded: only (3, 3)): its centred sums are rounding and its
+    fits are the mean — scored (NaN: no variance) at once; the case hypothesis found once made the solve raise after
+    2 000 steps."""
+    w, _ = _maps(4, 28896)
+    geoms = {s: geometry(4, s, None) for s in (0, 3)}
+    t = Target(w.clone(), geoms[0], torch.full((MAPS,), 0.25, dtype=torch.float64), {})
+    fits = all_fit_moments(t, geoms)
+    for est in ("D1", "D2"):
+        got = scores(fits[(3, est)], geoms[3])
+        assert torch.isnan(got["r"]).all() and torch.isnan(got["r2"]).all()
+        _assert_scores(got, score_maps(w, fit_additive(w, causal_mask(4, sink=3), est == "D1").fitted,
+                                       causal_mask(4, sink=3)), est)
