@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.hooks.capture import QKCapture, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
-from posgen_tl.hooks.stacking import stack_size
+from posgen_tl.hooks.stacking import cache_rows, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import band_bound_rows, kbar_batched, sequence_key_mean
@@ -41,7 +41,7 @@ from posgen_tl.maths.moments import (
 )
 from posgen_tl.maths.rope import angles, rotate, to_bands
 
-__all__ = ["COLUMNS", "CPU_BLOCK_BYTES", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds",
+__all__ = ["COLUMNS", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds",
            "rows_per_block", "score_windows",
            "score_in_pieces"]
 
@@ -289,26 +289,16 @@ def k_mean_kinds(k_mean: Any) -> tuple[list[str], dict[int, Tensor] | Tensor | N
     return kinds, None
 
 
-#: on the CPU the maps are scored a block of query rows at a time (:func:`streamed_moments`), each block's float32 maps
-#: within this many bytes — they stay in the processor's cache through the block's several passes — and its keys ending
-#: at its last row (SmolLM2, 4 × 512 tokens, 2 threads: 36 ms per layer in blocks of 64–128 rows against 55 ms for the
-#: whole maps; benchmarks/bench_blocks.py)
-CPU_BLOCK_BYTES = 6 * 2**20
-MIN_BLOCK = 32
-
-
 def rows_per_block(device: torch.device, maps: int, n: int, row_block: int = 0) -> int:
     """Query rows per block of the logit maps (0: whole maps): ``row_block`` where given (> 0); on the CPU as many
-    as keep a block's ``maps`` float32 maps within :data:`CPU_BLOCK_BYTES` (at least :data:`MIN_BLOCK`; the blocks
-    evened out over ``n``); on a GPU, where each operation costs a kernel launch, whole maps up to
+    as keep a block's ``maps`` float32 maps in the processor's cache (:func:`posgen_tl.hooks.stacking.cache_rows`; the
+    keys of a block end at its last row); on a GPU, where each operation costs a kernel launch, whole maps up to
     :data:`STREAM_ABOVE` tokens and blocks of :data:`STREAM_BLOCK` beyond."""
     if row_block > 0:
         return min(row_block, n)
     if device.type != "cpu":
         return STREAM_BLOCK if n > STREAM_ABOVE else 0
-    want = max(MIN_BLOCK, CPU_BLOCK_BYTES // max(1, 4 * maps * n))
-    n_blocks = -(-n // want)
-    return -(-n // n_blocks)
+    return cache_rows(maps, n)
 
 
 def _block_moments(c: QKCapture, q2: Tensor, w: Tensor | None, kbars: dict[str, Tensor], geoms: dict[int, Geometry],

@@ -48,7 +48,7 @@ from einops import rearrange
 from jaxtyping import Bool, Complex, Float
 from torch import Tensor
 
-from posgen_tl.maths.rope import LayerRope, Layout, kv_head_index, to_bands
+from posgen_tl.maths.rope import LayerRope, Layout, band_parts, kv_head_index, to_bands
 
 __all__ = [
     "BandStats",
@@ -58,6 +58,7 @@ __all__ = [
     "predicted_d3_error",
     "within_row_spread",
     "within_row_spread_qk",
+    "within_row_spread_rows",
     "fast_band_offset",
     "stats_frame",
 ]
@@ -140,15 +141,14 @@ class BandStats:
                 raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {tuple(x.shape[:2])}")
             tokens = tokens[rearrange(mask.to(tokens.device, torch.bool), "batch pos -> (batch pos)")]
         tokens = tokens.to(device=dev, dtype=self.dtype)
-        z = to_bands(tokens, self.rotary_dim, self.layout)  # tok head band
-        abs2 = z.real.square() + z.imag.square()
-        mag = abs2.sqrt()
-        nonzero = mag > 0
-        unit = torch.where(nonzero, z / torch.where(nonzero, mag, 1), 0)
+        a, b = band_parts(tokens, self.rotary_dim, self.layout)  # tok head band: Re z, Im z (views)
+        abs2 = a * a + b * b
+        nonzero = abs2 > 0
+        inv = torch.where(nonzero, abs2.rsqrt(), 0.0)  # 1/|z| (z/|z|: the unit phasor, 0 for z = 0)
         self.n += tokens.shape[0]
         self.sum_x += tokens.sum(0)
         self.sum_abs2 += abs2.sum(0)
-        self.sum_unit += unit.sum(0)
+        self.sum_unit += torch.complex((a * inv).sum(0), (b * inv).sum(0))
         self.pass_abs2 += tokens[..., self.rotary_dim :].square().sum((0, -1))
         self.n_nonzero += nonzero.sum(0)
 
@@ -369,6 +369,51 @@ def within_row_spread_qk(
         c = cnt[i0:i1].clamp(min=1).double()
         ss += ((s2 - s1 * s1 / c) * valid[i0:i1].double()).sum(-1)
     return rearrange(ss.sum(0), "kv g -> (kv g)"), (cnt * valid).sum().double() * b
+
+
+def within_row_spread_rows(
+    rot_q: Float[Tensor, "batch pos head_index d_head"],
+    rot_k: Float[Tensor, "batch pos kv_head d_head"],
+    score_scale: float,
+    *,
+    sink: int = 0,
+    sliding_window: int | None = None,
+    block: int = 64,
+) -> tuple[Float[Tensor, "head_index"], Float[Tensor, ""]]:
+    """:func:`within_row_spread` of ``W = s·rot_q·rot_kᵀ`` under ``causal_mask(n, sink=, sliding_window=)``, the maps
+    built ``block`` query rows at a time on the keys those rows can see (``lo[first row] … last row``): a block costs
+    its share of the band, not of the square, and its few passes stay in the processor's cache. Two-pass per row in the
+    inputs' precision (float32 from a model, as :func:`within_row_spread` on ``c.logits()``), rows summed in float64;
+    ``s²`` applied in float64 at the end. GQA: head ``h`` reads kv-group ``h // (H / G)``. Returns float64
+    ``([head_index], scalar)`` as :func:`within_row_spread`."""
+    if rot_q.ndim != 4 or rot_k.ndim != 4 or rot_q.shape[:2] != rot_k.shape[:2] or rot_q.shape[-1] != rot_k.shape[-1]:
+        raise ValueError(f"rot_q {tuple(rot_q.shape)} and rot_k {tuple(rot_k.shape)} must be [batch, pos, heads, d_head] "
+                         "with the same batch, pos and d_head")
+    b, n, h, d = rot_q.shape
+    kv = rot_k.shape[-2]
+    if h % kv or block < 1:
+        raise ValueError(f"{h} query heads must be a multiple of {kv} kv heads and block ({block}) >= 1")
+    g = h // kv
+    q = rearrange(rot_q, "b i (kv g) d -> b kv g i d", kv=kv)
+    k = rearrange(rot_k.to(rot_q.dtype), "b j kv d -> b kv j d").contiguous()
+    pos = torch.arange(n, device=rot_q.device)
+    lo = (pos - sliding_window + 1 if sliding_window is not None else torch.zeros_like(pos)).clamp(min=sink)
+    cnt = (pos - lo + 1).clamp(min=0)
+    valid = cnt >= 2
+    ss = torch.zeros(b, kv, g, dtype=torch.float64, device=rot_q.device)
+    for r0 in range(0, n, block):
+        r1 = min(n, r0 + block)
+        k0 = max(sink, r0 - sliding_window + 1) if sliding_window is not None else sink  # = lo[r0], from Python
+        if k0 >= r1:
+            continue
+        j = pos[k0:r1]
+        m = ((j[None, :] >= lo[r0:r1, None]) & (j[None, :] <= pos[r0:r1, None]) & valid[r0:r1, None]).to(q.dtype)
+        w = (q[:, :, :, r0:r1].reshape(b, kv, -1, d) @ k[:, :, k0:r1].mT).view(b, kv, g, r1 - r0, r1 - k0)
+        w.mul_(m)
+        mean = w.sum(-1, keepdim=True) / cnt[r0:r1, None].clamp(min=1).to(q.dtype)
+        w.addcmul_(mean, m, value=-1)  # two-pass: deviations from the row mean, zero off the mask
+        ss += w.square_().sum(-1).double().sum(-1)
+    return rearrange(ss.sum(0), "kv g -> (kv g)") * score_scale**2, (cnt * valid).sum().double() * b
 
 
 def predicted_d3_error(

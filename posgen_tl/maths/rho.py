@@ -29,7 +29,7 @@ import torch
 from jaxtyping import Bool, Complex, Float, Int
 from torch import Tensor
 
-from posgen_tl.maths.rope import Layout, to_bands
+from posgen_tl.maths.rope import Layout, band_parts
 
 __all__ = ["SequenceBandSums", "rho_forms", "RHO_FORMS"]
 
@@ -113,13 +113,18 @@ class SequenceBandSums:
         docs = torch.as_tensor(docs, dtype=torch.int64).reshape(-1).cpu()
         if docs.numel() != x.shape[0]:
             raise ValueError(f"{docs.numel()} document ids for {x.shape[0]} sequences")
-        z = to_bands(x.double(), self.rotary_dim, self.layout)  # b pos h m
         keep = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.to(x.device, torch.bool)
         if tuple(keep.shape) != tuple(x.shape[:2]):
             raise ValueError(f"mask has shape {tuple(keep.shape)}; expected {tuple(x.shape[:2])}")
-        w = keep.double()[..., None, None]
+        a, b = band_parts(x.double(), self.rotary_dim, self.layout)  # b pos h m: Re z, Im z
+        w = keep.double()
+
+        def masked_sum(v: Tensor) -> Tensor:  # Σ over kept positions per sequence: [b, h, m]
+            return torch.einsum("bp,bphm->bhm", w, v)
+
         # kept on x's device until read (:meth:`_flush`): no copy to the host per batch and layer
-        self._pending.append((docs, keep.sum(1).long(), (z * w).sum(1), ((z.real.square() + z.imag.square()) * w).sum(1)))
+        self._pending.append((docs, keep.sum(1).long(), torch.complex(masked_sum(a), masked_sum(b)),
+                              masked_sum(a * a + b * b)))
 
     def merge(self, other: SequenceBandSums) -> SequenceBandSums:
         """A new accumulator holding both sets of sequences (inputs unchanged)."""

@@ -41,6 +41,7 @@ __all__ = [
     "unrotate",
     "band_indices",
     "to_bands",
+    "band_parts",
     "from_bands",
     "rotate_bands",
     "relative_rotation_matrix",
@@ -330,16 +331,24 @@ def band_indices(rotary_dim: int, layout: Layout) -> tuple[Tensor, Tensor]:
     raise RopeError(f"unknown layout {layout!r}")
 
 
+def band_parts(
+    x: Float[Tensor, "*batch d_head"], rotary_dim: int, layout: Layout
+) -> tuple[Float[Tensor, "*batch band"], Float[Tensor, "*batch band"]]:
+    """The real and imaginary parts of :func:`to_bands` as VIEWS of ``x`` (``x[first_m]``, ``x[second_m]``): sums of
+    band quantities without building complex tensors."""
+    rot = x[..., :rotary_dim]
+    if layout == "half":
+        a, b = rot.chunk(2, dim=-1)
+        return a, b
+    pairs = rearrange(rot, "... (band two) -> ... band two", two=2)
+    return pairs[..., 0], pairs[..., 1]
+
+
 def to_bands(
     x: Float[Tensor, "*batch d_head"], rotary_dim: int, layout: Layout
 ) -> Complex[Tensor, "*batch band"]:
     """View the rotated part of ``x`` as complex bands ``z_m = x[first_m] + i·x[second_m]``."""
-    rot = x[..., :rotary_dim]
-    if layout == "half":
-        a, b = rot.chunk(2, dim=-1)
-    else:
-        pairs = rearrange(rot, "... (band two) -> ... band two", two=2)
-        a, b = pairs[..., 0], pairs[..., 1]
+    a, b = band_parts(x, rotary_dim, layout)
     return torch.complex(a.contiguous(), b.contiguous())
 
 

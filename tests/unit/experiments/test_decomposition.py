@@ -301,7 +301,7 @@ def test_stack_size_is_one_on_the_cpu_and_bounded_on_a_gpu(monkeypatch):
 def test_the_maps_are_scored_in_row_blocks_where_they_should(monkeypatch):
     """On the CPU every run takes the row-block path in cache-sized blocks (:func:`rows_per_block`), an explicit
     ``row_block`` as given; on a GPU whole maps up to STREAM_ABOVE tokens and STREAM_BLOCK rows beyond; cache-sized
-    blocks keep a block's maps within CPU_BLOCK_BYTES (unless that is under MIN_BLOCK rows) and are evened out."""
+    blocks keep a block's maps within hooks.stacking.CPU_BLOCK_BYTES (unless that is under MIN_BLOCK rows), evened out."""
     from posgen_tl.engine import decompose_scores as dm
 
     calls = []
@@ -316,11 +316,13 @@ def test_the_maps_are_scored_in_row_blocks_where_they_should(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert dm.rows_per_block(gpu, 36, 512) == 0 and dm.rows_per_block(gpu, 36, 2048) == 0
     assert dm.rows_per_block(gpu, 9, 4096) == dm.STREAM_BLOCK and dm.rows_per_block(gpu, 36, 512, 100) == 100
+    from posgen_tl.hooks.stacking import CPU_BLOCK_BYTES, MIN_BLOCK
+
     for maps, n in ((36, 512), (9, 2048), (9, 16384), (4, 100), (300, 4096)):
         b = dm.rows_per_block(cpu, maps, n)
-        want = max(dm.MIN_BLOCK, dm.CPU_BLOCK_BYTES // (4 * maps * n))
+        want = max(MIN_BLOCK, CPU_BLOCK_BYTES // (4 * maps * n))
         assert 0 < b <= n and -(-n // b) == -(-n // want)  # as many blocks as the budget asks, evened out
-        assert b == n or 4 * maps * b * n <= dm.CPU_BLOCK_BYTES or b <= dm.MIN_BLOCK
+        assert b == n or 4 * maps * b * n <= CPU_BLOCK_BYTES or b <= MIN_BLOCK
     assert dm.rows_per_block(cpu, 36, 512) == 74  # SmolLM2 at 4 × 512: 7 blocks
 
 

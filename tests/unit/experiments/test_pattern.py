@@ -322,9 +322,9 @@ def test_layers_given_in_any_order_are_all_accumulated_when_stacked():
     assert len(got.bands) == len(one.bands)
 
 
-def test_long_rows_spread_block_is_d_head_half_on_the_cpu_and_an_eighth_of_the_rows_on_a_gpu():
-    """The block-Gram spread's block (its numbers do not depend on it: test_band_stats) is d_head/2 on the CPU; on an
-    accelerator an eighth of the rows (fewer kernel launches), never more than the memory cap allows."""
+def test_long_rows_spread_block_is_one_and_a_half_d_head_on_the_cpu_and_an_eighth_of_the_rows_on_a_gpu():
+    """The block-Gram spread's block (its numbers do not depend on it: test_band_stats) is 1.5·d_head on the CPU; on
+    an accelerator an eighth of the rows (fewer kernel launches), never more than the memory cap allows."""
     from posgen_tl.experiments.pattern import _spread_block
     from posgen_tl.hooks.capture import QKCapture
     from posgen_tl.hooks.stacking import STACK_ENTRIES
@@ -334,9 +334,37 @@ def test_long_rows_spread_block_is_d_head_half_on_the_cpu_and_an_eighth_of_the_r
         return QKCapture(layer=0, q=q, k=q[:, :, :1], rot_q=q, rot_k=q[:, :, :1], positions=torch.empty(0),
                          rope=None, rot_source="hook")  # type: ignore[arg-type]
 
-    assert _spread_block(cap(1, 2048, 9, "cpu")) == 32
+    assert _spread_block(cap(1, 2048, 9, "cpu")) == 96
     assert _spread_block(cap(1, 2048, 126, "meta")) == 256
     assert _spread_block(cap(1, 16384, 9, "meta")) == 2048
     capped = _spread_block(cap(4, 16384, 126, "meta"))  # the memory cap binds: [4, 126, block, 2·block] float64
     assert capped == int((STACK_ENTRIES // (8 * 4 * 126)) ** 0.5) == 364 and 8 * 4 * 126 * capped**2 <= STACK_ENTRIES
     assert _spread_block(cap(1, 400, 9, "meta")) == 50
+
+
+@pytest.mark.parametrize("n, path", [(96, "rows"), (100, "gram")])
+def test_the_spread_on_the_cpu_comes_from_row_blocks_up_to_24_d_head_and_from_gram_sums_beyond(monkeypatch, n, path):
+    """On the CPU the logit spread of rows up to 24·d_head tokens is taken from the maps in cache-sized row blocks,
+    beyond from block-Gram sums — each equal to within_row_spread on the explicit maps (sink and window kept)."""
+    from types import SimpleNamespace
+
+    from posgen_tl.experiments import pattern as P
+    from posgen_tl.hooks.capture import QKCapture
+    from posgen_tl.maths import band_stats as B
+    from posgen_tl.maths.rope import causal_mask, scores_from_rotated
+
+    gen = torch.Generator().manual_seed(n)
+    q, k = torch.randn(2, n, 6, 4, generator=gen), torch.randn(2, n, 2, 4, generator=gen) + 3.0
+    rope = SimpleNamespace(score_scale=0.5, sliding_window=40)
+    c = QKCapture(layer=0, q=q, k=k, rot_q=q, rot_k=k, positions=torch.empty(0), rope=rope,  # type: ignore[arg-type]
+                  rot_source="hook")
+    took = []
+    for name in ("within_row_spread_rows", "within_row_spread_qk"):
+        real = getattr(B, name)
+        monkeypatch.setattr(P, name, lambda *a, _r=real, _n=name, **kw: took.append(_n) or _r(*a, **kw))
+    ss, cnt = P._spread(c, sink=2)
+    want, want_cnt = B.within_row_spread(scores_from_rotated(q.double(), k.double(), 0.5),
+                                         causal_mask(n, sink=2, sliding_window=40))
+    assert took == ["within_row_spread_rows" if path == "rows" else "within_row_spread_qk"]
+    assert float(cnt) == float(want_cnt)
+    torch.testing.assert_close(ss, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

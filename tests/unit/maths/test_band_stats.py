@@ -20,6 +20,7 @@ from posgen_tl.maths.band_stats import (
     stats_frame,
     within_row_spread,
     within_row_spread_qk,
+    within_row_spread_rows,
 )
 from posgen_tl.maths.rope import LayerRope, band_indices
 
@@ -390,6 +391,29 @@ def test_within_row_spread_qk_equals_the_map_version(b, n, kv, g, d, sink, win, 
     got, got_cnt = within_row_spread_qk(q, k, 0.7, sink=sink, sliding_window=win, block=block)
     assert float(got_cnt) == float(cnt)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * float(want.abs().max().clamp(min=1)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 2), n=st.integers(1, 40), kv=st.integers(1, 3), g=st.integers(1, 3), d=st.integers(1, 6),
+       sink=st.integers(0, 3), win=st.one_of(st.none(), st.integers(1, 12)), block=st.integers(1, 9),
+       shift=st.sampled_from([0.0, 40.0]), seed=st.integers(0, 2**16))
+def test_within_row_spread_in_row_blocks_equals_the_map_version(b, n, kv, g, d, sink, win, block, shift, seed):
+    """The spread from the maps a block of query rows at a time, on the keys the block's rows see, equals
+    within_row_spread on the whole explicit maps for any mask, block size and GQA grouping (float64 inputs: to
+    rounding; a large common key offset included), and float32 inputs give the float32 map version's."""
+    from posgen_tl.maths.rope import causal_mask, scores_from_rotated
+
+    gen = _gen(seed)
+    q = torch.randn(b, n, kv * g, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, n, kv, d, generator=gen, dtype=torch.float64) + shift
+    mask = causal_mask(n, sink=sink, sliding_window=win)
+    want, cnt = within_row_spread(scores_from_rotated(q, k, 0.7), mask)
+    got, got_cnt = within_row_spread_rows(q, k, 0.7, sink=sink, sliding_window=win, block=block)
+    assert float(got_cnt) == float(cnt)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * float(want.abs().max().clamp(min=1)))
+    got32, _ = within_row_spread_rows(q.float(), k.float(), 0.7, sink=sink, sliding_window=win, block=block)
+    want32, _ = within_row_spread(scores_from_rotated(q.float(), k.float(), 0.7), mask)
+    torch.testing.assert_close(got32, want32, rtol=1e-3, atol=1e-3 * float(want32.abs().max().clamp(min=1)))
 
 
 def test_within_row_spread_qk_rejects_bad_shapes():
