@@ -331,22 +331,14 @@ def band_indices(rotary_dim: int, layout: Layout) -> tuple[Tensor, Tensor]:
     raise RopeError(f"unknown layout {layout!r}")
 
 
-def band_parts(
-    x: Float[Tensor, "*batch d_head"], rotary_dim: int, layout: Layout
-) -> tuple[Float[Tensor, "*batch band"], Float[Tensor, "*batch band"]]:
-    """The real and imaginary parts of :func:`to_bands` as VIEWS of ``x`` (``x[first_m]``, ``x[second_m]``): sums of
-    band quantities without building complex tensors."""
+def band_parts(x: Float[Tensor, "*batch d_head"], rotary_dim: int, layout: Layout) -> tuple[Tensor, Tensor]:
+    """The real and imaginary parts of :func:`to_bands`, ``[*batch, band]`` each, as VIEWS of ``x``."""
     rot = x[..., :rotary_dim]
-    if layout == "half":
-        a, b = rot.chunk(2, dim=-1)
-        return a, b
-    pairs = rearrange(rot, "... (band two) -> ... band two", two=2)
-    return pairs[..., 0], pairs[..., 1]
+    pairs = rot.unflatten(-1, (2, -1)).movedim(-2, 0) if layout == "half" else rot.unflatten(-1, (-1, 2)).movedim(-1, 0)
+    return pairs[0], pairs[1]
 
 
-def to_bands(
-    x: Float[Tensor, "*batch d_head"], rotary_dim: int, layout: Layout
-) -> Complex[Tensor, "*batch band"]:
+def to_bands(x: Float[Tensor, "*batch d_head"], rotary_dim: int, layout: Layout) -> Complex[Tensor, "*batch band"]:
     """View the rotated part of ``x`` as complex bands ``z_m = x[first_m] + i·x[second_m]``."""
     a, b = band_parts(x, rotary_dim, layout)
     return torch.complex(a.contiguous(), b.contiguous())
