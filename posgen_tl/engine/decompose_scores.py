@@ -137,7 +137,8 @@ def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None) -> Any:
 
 
 def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: dict[int, Geometry],
-                  rows_list: Sequence[int] | None = None) -> tuple[dict[str, dict[int, dict[str, Tensor]]], Tensor]:
+                  rows_list: Sequence[int] | None = None, cache: dict | None = None,
+                  ) -> tuple[dict[str, dict[int, dict[str, Tensor]]], Tensor]:
     """D3 check on query ``rows`` for each k̄ of ``k_means`` (``{kind: [kv_head, d_head] or [batch, kv_head,
     d_head]}``): mean |W − f − g|, mean bound (as :func:`d3_bound`), fraction of entries within the bound and
     the mean of W (``mu``), over the masked entries of ``rows`` per mask — ``{kind: {sink: {name: [(batch
@@ -152,14 +153,14 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
     |k̄_m| + |k_m − k̄_m|)`` (+ the unrotated dims' ``s·Σ|q|·(|k| + |k̄| + |k − k̄|)``), the magnitude of the summands of
     W, f and g, which bounds ``|W| + |f| + |g|``: float64 rounding where the bound is 0 (``j = i``). The bound (float64)
     only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.band_bound_rows`). ``rows_list``: ``rows`` as a host list
-    (spares a read from the device).
+    (spares a read from the device); ``cache``: a dict that keeps the angles and phasors of the last positions and rope
+    for the next layers of the batch.
     """
     rope, r = c.rope, c.rope.rotary_dim
     b, n, kv = c.k.shape[:3]
     q, k = c.q[:, rows].double(), c.k.double()  # b r h d, b n kv d
     zq, zk = to_bands(q, r, rope.layout), to_bands(k, r, rope.layout)
-    phi = angles(c.positions.to(q.device), rope).double()  # b pos m
-    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # b pos 1 m
+    phi, e = _phases(c, cache)
     s, sa2 = rope.score_scale, rope.score_scale * rope.attention_scaling**2
 
     def re_q(z: Tensor) -> Tensor:  # query side of Re(x·conj(y)) = [xr, xi]·[yr, yi], grouped by kv-head
@@ -172,9 +173,9 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
         return rearrange(x, "b kv (g i) j -> (b kv g) i j", i=len(rows))
 
     qr = re_q(zq * e[:, rows] * sa2)
-    qn = zq.abs()  # b r h m
+    qn = _cabs(zq)  # b r h m
     q_mag = rearrange(qn * sa2, "b i (kv g) m -> b kv (g i) m", kv=kv)
-    k_abs = zk.abs()  # b n kv m
+    k_abs = _cabs(zk)  # b n kv m
     w = qr @ re_k(zk * e)
     qp = kp = None
     if q.shape[-1] > r:  # the unrotated dims: in W; they cancel exactly in W − f − g
@@ -200,8 +201,8 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
         zb = to_bands(kb, r, rope.layout)[:, None]  # b 1 kv m
         zd = zk - zb
         err = heads(qe @ torch.cat([re_k(zd * e), -re_k(zd)], -2)).abs_()
-        kn = zd.abs()
-        k_mag = rearrange(k_abs + zb.abs() + kn, "b j kv m -> b kv m j")
+        kn = _cabs(zd)
+        k_mag = rearrange(k_abs + _cabs(zb) + kn, "b j kv m -> b kv m j")
         if kp is not None:
             kbp = kb[..., r:, None]  # b kv dp 1
             k_mag = torch.cat([k_mag, kp.abs() + kbp.abs() + (kp - kbp).abs()], -2)
@@ -213,6 +214,25 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
         out[kind] = {sk: {"d3_err_mean": em[i], "d3_bound_mean": bm[i], "d3_bound_holds": hm[i], "mu": mus[i]}
                      for i, sk in enumerate(sinks)}
     return out, w
+
+
+def _cabs(z: Tensor) -> Tensor:
+    """``|z|`` of a complex tensor as ``√(Re² + Im²)`` (twice as fast as ``z.abs()``'s ``hypot`` on the CPU; the values
+    here are far from overflow)."""
+    return (z.real.square() + z.imag.square()).sqrt()
+
+
+def _phases(c: QKCapture, cache: dict | None) -> tuple[Tensor, Tensor]:
+    """``(φ, e^{iφ})`` of the capture's positions: float64 ``[b, pos, band]`` and complex ``[b, pos, 1, band]``; kept in
+    ``cache`` while the positions and rope are the same objects (the layers of one batch)."""
+    hit = None if cache is None else cache.get("phases")
+    if hit is not None and hit[0] is c.positions and hit[1] is c.rope and hit[2].device == c.q.device:
+        return hit[2], hit[3]
+    phi = angles(c.positions.to(c.q.device), c.rope).double()  # b pos m
+    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # b pos 1 m
+    if cache is not None:
+        cache["phases"] = (c.positions, c.rope, phi, e)
+    return phi, e
 
 
 def _bound_chunk(c: QKCapture, n_rows: int) -> int:
@@ -370,7 +390,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         r = rows_on[c.q.device]
         q2 = _q2(c)
         kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
-        bnds, w_rows = _bound_checks(c, kbars, r, geoms, rows_host)
+        bnds, w_rows = _bound_checks(c, kbars, r, geoms, rows_host, cache)
         w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         block = rows_per_block(c.q.device, c.q.shape[0] * c.n_heads, n, row_block)
         if block:  # the maps a row block at a time (memory O(block · n) per head)
@@ -397,7 +417,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
               progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk,
               stack=1 if use_hook else group)  # the score hook's W comes one layer at a time
     fits.flush()
-    df = pd.concat([pd.DataFrame(f) for f in _host_frames(pending, docs)], ignore_index=True)
+    df = _frame(_host_frames(pending, docs))
     df["model"] = model_label or spec.model_name
     df["twin"] = twin_label
     df["layer_group"] = df["layer"].map({x: layer_group(int(x), spec.n_layers) for x in df["layer"].unique()})
@@ -516,6 +536,23 @@ def _host_frames(pending: list[_Rows], docs: np.ndarray) -> list[dict[str, Any]]
         out.extend(p.frames(host[at : at + p.vals.numel()], docs))
         at += p.vals.numel()
     return out
+
+
+def _frame(frames: list[dict[str, Any]]) -> pd.DataFrame:
+    """ONE DataFrame from column dicts of arrays and scalars (a scalar is repeated over its dict's rows) — the frame
+    ``pd.concat`` of one DataFrame per dict gives, without building hundreds of small ones (SmolLM2 at 8 × 512 tokens:
+    360 dicts, 0.33 s → 0.02 s)."""
+    if not frames:
+        return pd.DataFrame({k: [] for k in COLUMNS})
+    lens = [len(f["head"]) for f in frames]
+    cols = {}
+    for key, first in frames[0].items():
+        if np.ndim(first):
+            cols[key] = np.concatenate([f[key] for f in frames])
+        else:
+            scalars = np.array([f[key] for f in frames], dtype=object if isinstance(first, str) else None)
+            cols[key] = np.repeat(scalars, lens)
+    return pd.DataFrame(cols)
 
 
 def _ordered(df: pd.DataFrame) -> pd.DataFrame:

@@ -91,9 +91,10 @@ class Config(base.Config):
                                "sink_excluded rows)", "count")
     batch_size: int = base.batch_option(4)
     bound_rows: int = base.option(32, "query rows on which the D3 bound is checked (float64)", "int")
-    row_block: int = base.option(0, f"query rows per block of the logit maps: 0 = whole maps up to {STREAM_ABOVE} "
-                                    f"tokens, blocks of {STREAM_BLOCK} beyond (memory O(block · n) per head instead "
-                                    "of O(n²))", "count")
+    row_block: int = base.option(0, "query rows per block of the logit maps (memory O(block · n) per head instead of "
+                                    "O(n²); a block's keys end at its last row): 0 = automatic — on the CPU blocks "
+                                    f"sized to the processor's cache, on a GPU whole maps up to {STREAM_ABOVE} tokens "
+                                    f"and blocks of {STREAM_BLOCK} beyond", "count")
     chunk: int = base.option(-1, "query positions per forward chunk through the model's key/value cache: -1 = "
                                  "automatic (512 beyond 2048 tokens, where the model's cached forward is verified to "
                                  "reproduce its whole forward), 0 = one whole forward (its score maps are O(n²))", "int")

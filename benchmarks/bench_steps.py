@@ -1,0 +1,67 @@
+"""Analyses against the plain forward pass IN ONE PROCESS, alternating: the ratio to read on a machine whose speed
+drifts (a shared host: the suite's separate worker processes can land in different minutes of it).
+
+    python benchmarks/bench_steps.py --n-seq 8 --seq-len 512 --steps decomposition,pattern --repeats 3 [--threads 2]
+
+Each round runs the forward, then each step, on the same tokens (:class:`suite_steps.Bench`, as the suite does);
+prints every round and, per step, the median seconds, the ratio of medians to the forward's and the ratio of the
+fastest round to the forward's fastest; ``--out`` writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--n-seq", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--steps", default="decomposition,pattern")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import torch
+    from suite_steps import Bench
+
+    torch.set_num_threads(a.threads)
+    b = Bench(a.model, a.n_seq, a.seq_len)
+    b.kbar()
+    steps = b.steps()
+    names = ["forward"] + [s for s in a.steps.split(",") if s != "forward"]
+    unknown = [s for s in names if s not in steps]
+    if unknown:
+        raise SystemExit(f"unknown steps {unknown}; known: {sorted(steps)}")
+    for s in names[1:]:
+        steps[s][0]()  # warm-up: fit operators, allocator
+    secs: dict[str, list[float]] = {s: [] for s in names}
+    for r in range(a.repeats):
+        for s in names:
+            t = time.perf_counter()
+            steps[s][0]()
+            secs[s].append((time.perf_counter() - t) / steps[s][1])
+        print(f"round {r}: " + ", ".join(f"{s} {secs[s][-1]:.2f} s" for s in names), flush=True)
+    fwd, fmin = statistics.median(secs["forward"]), min(secs["forward"])
+    out = {"model": a.model, "n_seq": a.n_seq, "seq_len": a.seq_len, "threads": a.threads, "repeats": a.repeats,
+           "steps": {s: {"seconds": secs[s], "median_s": statistics.median(secs[s]),
+                         "ratio_median": statistics.median(secs[s]) / fwd, "ratio_min": min(secs[s]) / fmin}
+                     for s in names}}
+    for s in names:
+        v = out["steps"][s]
+        print(f"{s:<16}{v['median_s']:8.2f} s median   {v['ratio_median']:.3f}× the forward (fastest rounds "
+              f"{v['ratio_min']:.3f}×)")
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
