@@ -119,10 +119,12 @@ def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) 
     return rearrange(torch.matmul(q2, keys, out=_map_buffer(cache, c)), _GROUPED, i=c.k.shape[1])
 
 
-def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None) -> Any:
+def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None, out: Tensor | None = None) -> Any:
     """``(r0, r1, kw) ↦`` query rows ``r0 … r1 − 1`` of W (``k_mean`` None, :func:`_w_map`) or of ``f + g``
     (:func:`_y_map`) on keys ``0 … kw − 1``, float32 ``[(batch head_index), r1 − r0, kw]``: the maps a row block at a
-    time."""
+    time. ``out``: a flat float32 scratch of at least ``maps · rows · kw`` entries that every block is written into
+    (each block's width differs: fresh tensors of a hundred sizes fragment the heap — 1 × 4 096 tokens peaked
+    600 MB higher), overwritten by the next call."""
     b, n, kv = c.k.shape[:3]
     d = c.q.shape[-1]
     q5 = q2.view(b, kv, c.q.shape[2] // kv, n, 2 * d)
@@ -131,7 +133,8 @@ def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None) -> Any:
 
     def rows(r0: int, r1: int, kw: int) -> Tensor:
         part = q5[:, :, :, r0:r1].reshape(b, kv, -1, q5.shape[-1])
-        return rearrange(part @ keys[:, :, :kw].mT, _GROUPED, i=r1 - r0)  # a block's keys: a view, never copied
+        dst = None if out is None else out[: part.shape[2] * kw * b * kv].view(b, kv, part.shape[2], kw)
+        return rearrange(torch.matmul(part, keys[:, :, :kw].mT, out=dst), _GROUPED, i=r1 - r0)  # keys: a view
 
     return rows
 
@@ -326,8 +329,17 @@ def _block_moments(c: QKCapture, q2: Tensor, w: Tensor | None, kbars: dict[str, 
     """:func:`streamed_moments` of a capture: W's rows from ``w`` (the score hook's maps, a view) or recomputed,
     ``f + g`` of each k̄ of ``kbars`` recomputed, ``block`` query rows at a time."""
     n = c.k.shape[1]
-    w_rows = (lambda r0, r1, kw: w[:, r0:r1, :kw]) if w is not None else _row_maps(c, q2)
-    return streamed_moments(w_rows, {k: _row_maps(c, q2, kb) for k, kb in kbars.items()}, n=n,
+    size = c.q.shape[0] * c.n_heads * min(block, n) * n
+
+    def scratch(name: str) -> Tensor:  # one per run and role, reused by every block, layer and batch
+        buf = cache.get(name)
+        if buf is None or buf.numel() < size or buf.device != c.q.device or buf.dtype != q2.dtype:
+            buf = cache[name] = torch.empty(size, dtype=q2.dtype, device=c.q.device)
+        return buf
+
+    w_rows = (lambda r0, r1, kw: w[:, r0:r1, :kw]) if w is not None else _row_maps(c, q2, out=scratch("w_rows"))
+    y = scratch("y_rows")
+    return streamed_moments(w_rows, {k: _row_maps(c, q2, kb, out=y) for k, kb in kbars.items()}, n=n,
                             nm=c.q.shape[0] * c.n_heads, mu=mu, geoms=geoms, block=block, device=c.q.device,
                             cache=cache)
 
@@ -473,8 +485,9 @@ class _Meta:
         return _Meta(c.q.shape[0], c.n_heads, c.layer_ids, c.seq_offset, c.rope.kind, c.q.device)
 
 
-#: (maps × positions) of D1/D2 fits that wait to be solved together (their float64 sums: ~50 bytes per entry)
-FIT_BATCH = 2**20
+#: (maps × positions) of D1/D2 fits that wait to be solved together (their float64 sums: ~50 bytes per entry; the
+#: solve of a batch holds a few dozen float64 vectors of 3 × this many entries: ~400 MB at 2²⁰, measured at 4 096 tokens)
+FIT_BATCH = 2**19
 
 
 class _Fits:

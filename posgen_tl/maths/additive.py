@@ -358,7 +358,7 @@ def _cg_start(bd: Band, rhs: Tensor, three_axis: bool, direct_op: Direct | None,
     st.scale = r.norm(dim=-1, keepdim=True)
     st.floor = torch.zeros_like(st.scale) if floor is None else floor.to(st.scale).reshape(-1, 1)
     st.live = st.scale > st.floor
-    r = torch.where(st.live, r, 0.0)  # a right-hand side of rounding: solved by 0
+    r.mul_(st.live)  # a right-hand side of rounding: solved by 0 (in place: r is this function's own)
     st.x = torch.zeros_like(r)
     if direct_op is not None:  # one direct step (residual ~1e-15); conjugate gradients go on if it left more than rtol
         st.x = direct_op.apply(r)
