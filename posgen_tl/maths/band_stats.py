@@ -296,6 +296,24 @@ def within_row_spread(
     return ss, mask.double().sum() * W.shape[0]
 
 
+def _spread_rows(rot_q: Tensor, rot_k: Tensor, sink: int, sliding_window: int | None,
+                 block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The checked inputs of the spread functions and each query row's keys: ``(pos, lo, cnt, valid)`` ``[pos]`` —
+    row ``i`` sees keys ``lo[i] … i`` (``cnt`` of them) and counts when it has at least two."""
+    if rot_q.ndim != 4 or rot_k.ndim != 4 or rot_q.shape[:2] != rot_k.shape[:2] or rot_q.shape[-1] != rot_k.shape[-1]:
+        raise ValueError(f"rot_q {tuple(rot_q.shape)} and rot_k {tuple(rot_k.shape)} must be [batch, pos, heads, d_head] "
+                         "with the same batch, pos and d_head")
+    h, kv = rot_q.shape[2], rot_k.shape[2]
+    if h % kv:
+        raise ValueError(f"{h} query heads are not a multiple of {kv} kv heads")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    pos = torch.arange(rot_q.shape[1], device=rot_q.device)
+    lo = (pos - sliding_window + 1 if sliding_window is not None else torch.zeros_like(pos)).clamp(min=sink)
+    cnt = (pos - lo + 1).clamp(min=0)
+    return pos, lo, cnt, cnt >= 2
+
+
 def within_row_spread_qk(
     rot_q: Float[Tensor, "batch pos head_index d_head"],
     rot_k: Float[Tensor, "batch pos kv_head d_head"],
@@ -316,15 +334,9 @@ def within_row_spread_qk(
     (a row constant: the spread is unchanged, the cancellation smaller). GQA: head ``h`` reads
     kv-group ``h // (H / G)``. Returns float64 ``([head_index], scalar)`` as :func:`within_row_spread`.
     """
-    if rot_q.ndim != 4 or rot_k.ndim != 4 or rot_q.shape[:2] != rot_k.shape[:2] or rot_q.shape[-1] != rot_k.shape[-1]:
-        raise ValueError(f"rot_q {tuple(rot_q.shape)} and rot_k {tuple(rot_k.shape)} must be [batch, pos, heads, d_head] "
-                         "with the same batch, pos and d_head")
+    pos, lo, cnt, valid = _spread_rows(rot_q, rot_k, sink, sliding_window, block)
     b, n, h, d = rot_q.shape
     kv = rot_k.shape[-2]
-    if h % kv:
-        raise ValueError(f"{h} query heads are not a multiple of {kv} kv heads")
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
     dev = rot_q.device
     q = rearrange(rot_q.double(), "b i (kv g) d -> b kv g i d", kv=kv)
     k = rot_k.double()
@@ -334,11 +346,6 @@ def within_row_spread_qk(
     zero1, zero2 = k.new_zeros(b, kv, 1, d), k.new_zeros(b, kv, 1, d, d)
     p1 = torch.cat([zero1, kp.sum(3).cumsum(2)], 2)  # b kv nb+1 d: Σ of keys before block t
     p2 = torch.cat([zero2, torch.einsum("bkxjd,bkxje->bkxde", kp, kp).cumsum(2)], 2)  # b kv nb+1 d d
-    pos = torch.arange(n, device=dev)
-    lo = pos - sliding_window + 1 if sliding_window is not None else torch.zeros_like(pos)
-    lo = lo.clamp(min=sink)
-    cnt = (pos - lo + 1).clamp(min=0)
-    valid = cnt >= 2
 
     def first_key(i: int) -> int:  # = lo[i], in Python: no device-to-host copy per block on a GPU
         return max(sink, i - sliding_window + 1) if sliding_window is not None else sink
@@ -386,20 +393,12 @@ def within_row_spread_rows(
     inputs' precision (float32 from a model, as :func:`within_row_spread` on ``c.logits()``), rows summed in float64;
     ``s²`` applied in float64 at the end. GQA: head ``h`` reads kv-group ``h // (H / G)``. Returns float64
     ``([head_index], scalar)`` as :func:`within_row_spread`."""
-    if rot_q.ndim != 4 or rot_k.ndim != 4 or rot_q.shape[:2] != rot_k.shape[:2] or rot_q.shape[-1] != rot_k.shape[-1]:
-        raise ValueError(f"rot_q {tuple(rot_q.shape)} and rot_k {tuple(rot_k.shape)} must be [batch, pos, heads, d_head] "
-                         "with the same batch, pos and d_head")
+    pos, lo, cnt, valid = _spread_rows(rot_q, rot_k, sink, sliding_window, block)
     b, n, h, d = rot_q.shape
     kv = rot_k.shape[-2]
-    if h % kv or block < 1:
-        raise ValueError(f"{h} query heads must be a multiple of {kv} kv heads and block ({block}) >= 1")
     g = h // kv
     q = rearrange(rot_q, "b i (kv g) d -> b kv g i d", kv=kv)
     k = rearrange(rot_k.to(rot_q.dtype), "b j kv d -> b kv j d").contiguous()
-    pos = torch.arange(n, device=rot_q.device)
-    lo = (pos - sliding_window + 1 if sliding_window is not None else torch.zeros_like(pos)).clamp(min=sink)
-    cnt = (pos - lo + 1).clamp(min=0)
-    valid = cnt >= 2
     ss = torch.zeros(b, kv, g, dtype=torch.float64, device=rot_q.device)
     for r0 in range(0, n, block):
         r1 = min(n, r0 + block)
