@@ -84,11 +84,15 @@ def _map_buffer(cache: dict | None, c: QKCapture) -> Tensor | None:
     if cache is None:
         return None
     b, n, kv = c.k.shape[:3]
-    shape = (b, kv, c.q.shape[2] // kv * n, n)
-    buf = cache.get("map")
-    if buf is None or tuple(buf.shape) != shape or buf.device != c.q.device:
-        cache.pop("map", None)
-        buf = cache["map"] = torch.empty(shape, dtype=torch.float32, device=c.q.device)
+    return _scratch(cache, "map", (b, kv, c.q.shape[2] // kv * n, n), torch.float32, c.q.device)
+
+
+def _scratch(cache: dict, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The run's scratch ``name`` of ``shape`` (kept in ``cache``, made anew when its shape, dtype or device differ)."""
+    buf = cache.get(name)
+    if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
+        cache.pop(name, None)  # freed before its successor is made
+        buf = cache[name] = torch.empty(shape, dtype=dtype, device=device)
     return buf
 
 
@@ -329,13 +333,10 @@ def _block_moments(c: QKCapture, q2: Tensor, w: Tensor | None, kbars: dict[str, 
     """:func:`streamed_moments` of a capture: W's rows from ``w`` (the score hook's maps, a view) or recomputed,
     ``f + g`` of each k̄ of ``kbars`` recomputed, ``block`` query rows at a time."""
     n = c.k.shape[1]
-    size = c.q.shape[0] * c.n_heads * min(block, n) * n
+    size = (c.q.shape[0] * c.n_heads * min(block, n) * n,)
 
     def scratch(name: str) -> Tensor:  # one per run and role, reused by every block, layer and batch
-        buf = cache.get(name)
-        if buf is None or buf.numel() < size or buf.device != c.q.device or buf.dtype != q2.dtype:
-            buf = cache[name] = torch.empty(size, dtype=q2.dtype, device=c.q.device)
-        return buf
+        return _scratch(cache, name, size, q2.dtype, c.q.device)
 
     w_rows = (lambda r0, r1, kw: w[:, r0:r1, :kw]) if w is not None else _row_maps(c, q2, out=scratch("w_rows"))
     y = scratch("y_rows")
