@@ -282,18 +282,18 @@ def feature_pattern(
                 "q_seq": SequenceBandSums(h, lr.rotary_dim, lr.layout), "k_seq": SequenceBandSums(g, lr.rotary_dim, lr.layout),
                 "spread": (torch.zeros(h, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.float64, device=dev))}
 
-    keep = torch.arange(n_pos) >= sink  # [pos]
     docs = windows.doc_ids
 
     def update(c: QKCapture) -> None:  # one layer, or layers stacked on the head axis (hooks/stacking.py)
         group = c.layer_ids
         a = acc[group] if group in acc else acc.setdefault(group, accumulators(group, c.q.device))
-        mask = keep.to(c.q.device).expand(c.q.shape[0], -1)
         d = docs[c.seq_offset : c.seq_offset + c.q.shape[0]]
-        a["q"].update(c.q, mask)
-        a["k"].update(c.k, mask)
-        a["q_seq"].update(c.q, d, mask)
-        a["k_seq"].update(c.k, d, mask)
+        # the positions from the sink on (the masked positions, as a view), in float64 once for both accumulators
+        q, k = c.q[:, sink:].double(), c.k[:, sink:].double()
+        a["q"].update(q)
+        a["k"].update(k)
+        a["q_seq"].update(q, d)
+        a["k_seq"].update(k, d)
         ss, n = _spread(c, sink)
         a["spread"] = (a["spread"][0] + ss.to(a["spread"][0].device), a["spread"][1] + n.to(a["spread"][1].device))
 

@@ -34,11 +34,11 @@ from posgen_tl.hooks.capture import (
     run_forward,
 )
 from posgen_tl.hooks.chunked import check_chunked, run_chunks
-from posgen_tl.hooks.heap import large_blocks_kept, release_freed_memory
+from posgen_tl.hooks.heap import BatchTrim, large_blocks_kept, release_freed_memory
 from posgen_tl.hooks.stacking import Stacker, stack_size
 from posgen_tl.hooks.tables import model_rotation_table, table_to_bands
 from posgen_tl.io.spec import live_rope
-from posgen_tl.maths.rope import RopeSpec, rotate
+from posgen_tl.maths.rope import RopeSpec, band_parts, rotate, rotation_table
 
 __all__ = ["stream_qk", "capture_qk", "capture_from_cache", "self_check", "rotation_tolerance", "pattern_hooks",
            "release_freed_memory"]
@@ -117,7 +117,8 @@ def stream_qk(
             raise ValueError(f"stream_qk(chunk={chunk}) cannot be combined with {', '.join(bad)}: those tensors "
                              "would be one chunk's, not the sequence's")
         check_chunked(model)
-    trim = tokens.device.type == "cpu"  # freed host heap back to the OS per batch (a GPU's tensors are not on it)
+    trim = tokens.device.type == "cpu"  # freed host heap back to the OS when it grew (a GPU's tensors are not on it)
+    trimmer = BatchTrim()
     desc = progress if isinstance(progress, str) else "capture"
     bar = tqdm(total=math.ceil(tokens.shape[0] / batch_size), desc=desc, disable=not progress, leave=False)
     # on the CPU the forward's big tensors are reused from glibc's heap instead of mmapped afresh at every layer
@@ -133,7 +134,7 @@ def stream_qk(
                 _whole_batch(model, batch, pos_arg, grab, layers, extra_hooks)
             bar.update(1)
             if trim:
-                release_freed_memory()
+                trimmer()
 
 
 def _whole_batch(model: Any, batch: Tensor, pos_arg: Tensor | None, grab: _Grab, layers: Sequence[int],
@@ -353,13 +354,26 @@ def _first_non_finite(cap: QKCapture, bad: dict[str, Tensor]) -> tuple[int, str,
 
 def _rotation_errors(cap: QKCapture) -> Tensor:
     """``[err_q, ref_q, err_k, ref_k]`` per layer of the capture, ``[4 · layers]`` on the device: the largest |our
-    rotation − the model's| and |the model's| of each layer (of a stack too: each layer against its own values)."""
-    out = []
+    rotation − the model's| and |the model's| of each layer (of a stack too: each layer against its own values).
+
+    Our rotation is :func:`~posgen_tl.maths.rope.rotate`'s, in its order of operations (``x·cos + rotate_half(x)·sin``,
+    each product rounded: bit for bit), written band by band into the difference: ``a·cos − b·sin − rot_a`` and ``b·cos + a·sin −
+    rot_b`` on the band parts, the unrotated dims compared as they are — no rotated copy, no concatenations (SmolLM2,
+    4 × 512 tokens: 5.5 → 2.6 ms per layer)."""
+    rope, r = cap.rope, cap.rope.rotary_dim
     n_layers = len(cap.layer_ids)
+    out = []
     for pre, rot in ((cap.q, cap.rot_q), (cap.k, cap.rot_k)):
-        per_layer = rot.shape[:2] + (n_layers, -1)
-        out += [(rotate(pre, cap.positions, cap.rope) - rot).abs().reshape(per_layer).amax(dim=(0, 1, 3)),
-                rot.abs().reshape(per_layer).amax(dim=(0, 1, 3))]
+        cos, sin = (t.unsqueeze(-2) for t in rotation_table(cap.positions.to(pre.device), rope, pre.dtype))
+        (a, b), (ra, rb) = band_parts(pre, r, rope.layout), band_parts(rot, r, rope.layout)
+        parts = [torch.mul(a, cos).sub_(torch.mul(b, sin)).sub_(ra), torch.mul(b, cos).add_(torch.mul(a, sin)).sub_(rb)]
+        if pre.shape[-1] > r:
+            parts.append(rot[..., r:] - pre[..., r:])
+
+        def top(x: Tensor) -> Tensor:  # the largest |x| of each layer (a stack's layers side by side on the head axis)
+            return torch.linalg.vector_norm(x.reshape(*x.shape[:2], n_layers, -1), ord=math.inf, dim=(0, 1, 3))
+
+        out += [torch.stack([top(x) for x in parts]).amax(0), top(rot)]
     return torch.cat(out).to(torch.float32)
 
 

@@ -113,18 +113,17 @@ class SequenceBandSums:
         docs = torch.as_tensor(docs, dtype=torch.int64).reshape(-1).cpu()
         if docs.numel() != x.shape[0]:
             raise ValueError(f"{docs.numel()} document ids for {x.shape[0]} sequences")
-        keep = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.to(x.device, torch.bool)
-        if tuple(keep.shape) != tuple(x.shape[:2]):
-            raise ValueError(f"mask has shape {tuple(keep.shape)}; expected {tuple(x.shape[:2])}")
+        if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}; expected {tuple(x.shape[:2])}")
         a, b = band_parts(x.double(), self.rotary_dim, self.layout)  # b pos h m: Re z, Im z
-        w = keep.double()
+        w = None if mask is None else mask.to(x.device, torch.bool).double()
 
         def masked_sum(v: Tensor) -> Tensor:  # Σ over kept positions per sequence: [b, h, m]
-            return torch.einsum("bp,bphm->bhm", w, v)
+            return v.sum(1) if w is None else torch.einsum("bp,bphm->bhm", w, v)
 
+        n = torch.full(x.shape[:1], x.shape[1], device=x.device) if w is None else w.sum(1)
         # kept on x's device until read (:meth:`_flush`): no copy to the host per batch and layer
-        self._pending.append((docs, keep.sum(1).long(), torch.complex(masked_sum(a), masked_sum(b)),
-                              masked_sum(a * a + b * b)))
+        self._pending.append((docs, n.long(), torch.complex(masked_sum(a), masked_sum(b)), masked_sum(a * a + b * b)))
 
     def merge(self, other: SequenceBandSums) -> SequenceBandSums:
         """A new accumulator holding both sets of sequences (inputs unchanged)."""

@@ -30,31 +30,10 @@ from torch import Tensor
 
 Layout = Literal["half", "adjacent"]
 
-__all__ = [
-    "Layout",
-    "LayerRope",
-    "RopeSpec",
-    "RopeError",
-    "IndexRangeError",
-    "angles",
-    "rotate",
-    "unrotate",
-    "band_indices",
-    "to_bands",
-    "band_parts",
-    "from_bands",
-    "rotate_bands",
-    "relative_rotation_matrix",
-    "rotation_matrix",
-    "scores_from_rotated",
-    "scores_from_prerotation",
-    "expand_kv",
-    "kv_head_index",
-    "band_periods",
-    "causal_mask",
-    "attention_pattern",
-    "rotate_with_table",
-]
+__all__ = ["Layout", "LayerRope", "RopeSpec", "RopeError", "IndexRangeError", "angles", "rotate", "unrotate",
+           "band_indices", "to_bands", "band_parts", "from_bands", "rotate_bands", "relative_rotation_matrix",
+           "rotation_matrix", "scores_from_rotated", "scores_from_prerotation", "expand_kv", "kv_head_index",
+           "band_periods", "causal_mask", "attention_pattern", "rotate_with_table", "rotation_table"]
 
 
 class RopeError(ValueError):
@@ -357,7 +336,7 @@ def from_bands(z: Complex[Tensor, "*batch band"], layout: Layout,
     return rot
 
 
-#: the last few rotation tables (:func:`_cos_sin`): every layer of a batch rotates at the same positions with an
+#: the last few rotation tables (:func:`rotation_table`): every layer of a batch rotates at the same positions with an
 #: equal rope, so on a GPU the table's dozen kernel launches (and the frequencies' copy to the device) run once per
 #: batch instead of once per layer and tensor. Keyed by the objects themselves (held, so an id is never reused) and
 #: the positions' version counter (an in-place change of the positions is never served a stale table).
@@ -365,9 +344,10 @@ _TABLES: list[tuple[tuple, tuple[Tensor, Tensor]]] = []
 _TABLES_MAX = 8
 
 
-def _cos_sin(
+def rotation_table(
     positions: Tensor, rope: LayerRope, dtype: torch.dtype, sign: float = 1.0
 ) -> tuple[Tensor, Tensor]:
+    """``(a·cos(sign·φ), a·sin(sign·φ))`` ``[*batch, pos, band]`` in ``dtype`` (cached for the last few tables)."""
     key = (positions, positions._version, rope, dtype, sign)
     for k, v in _TABLES:
         if k[0] is positions and k[1] == positions._version and k[2] is rope and k[3] == dtype and k[4] == sign:
@@ -423,7 +403,7 @@ def rotate(
     """
     if x.shape[-1] < rope.rotary_dim:
         raise RopeError(f"d_head={x.shape[-1]} is smaller than rotary_dim={rope.rotary_dim}")
-    cos, sin = _cos_sin(positions.to(x.device), rope, x.dtype)
+    cos, sin = rotation_table(positions.to(x.device), rope, x.dtype)
     return _apply(x, cos, sin, rope)
 
 
@@ -448,7 +428,7 @@ def unrotate(
     rope: LayerRope,
 ) -> Float[Tensor, "*batch pos head_index d_head"]:
     """Inverse of :func:`rotate`: ``R_{−p} x / a`` (undoes the attention scaling too)."""
-    cos, sin = _cos_sin(positions.to(x.device), rope, x.dtype, sign=-1.0)
+    cos, sin = rotation_table(positions.to(x.device), rope, x.dtype, sign=-1.0)
     a2 = rope.attention_scaling**2
     out = _apply(x, cos, sin, rope)
     if a2 != 1.0:

@@ -80,3 +80,34 @@ def test_a_stream_on_the_cpu_runs_with_large_blocks_kept_and_gives_the_same_capt
     want: dict[int, torch.Tensor] = {}
     stream.stream_qk(model, toks, lambda c: want.__setitem__(c.layer, c.rot_k.clone()), progress=False)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_batch_trim_trims_only_once_resident_memory_grew_past_the_first_batch_by_the_margin(monkeypatch):
+    """The first batch's end sets the level; a later batch trims only above it by TRIM_GROWTH (at least
+    TRIM_MIN_GROWTH); without a readable resident size every batch trims."""
+    lib = FakeLibc()
+    monkeypatch.setattr(heap, "_LIBC", lib)
+    gib = 2**30
+    sizes = iter([1 * gib, 1 * gib + 200 * 2**20, int(1.25 * gib), int(1.25 * gib) + 1, 1 * gib])
+    monkeypatch.setattr(heap, "resident_bytes", lambda: next(sizes))
+    trim = heap.BatchTrim()
+    assert [trim() for _ in range(5)] == [False, False, False, True, False]
+    assert lib.calls == [("trim", 0)]
+    small = iter([100 * 2**20, 100 * 2**20 + 127 * 2**20, 100 * 2**20 + 129 * 2**20])  # 25 % < 128 MiB: the floor
+    monkeypatch.setattr(heap, "resident_bytes", lambda: next(small))
+    trim = heap.BatchTrim()
+    assert [trim() for _ in range(3)] == [False, False, True]
+    monkeypatch.setattr(heap, "resident_bytes", lambda: None)
+    trim = heap.BatchTrim()
+    assert [trim() for _ in range(2)] == [True, True]
+    monkeypatch.setattr(heap, "_LIBC", False)  # no glibc: nothing to trim, whatever the sizes
+    assert heap.BatchTrim()() is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm")
+def test_resident_bytes_reads_this_process_s_resident_memory():
+    """Within the same page size and order as what the kernel reports in /proc/self/status (VmRSS, kB)."""
+    got = heap.resident_bytes()
+    with open("/proc/self/status") as f:
+        vm_rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    assert got is not None and abs(got - vm_rss) <= 0.05 * vm_rss + 16 * 2**20
