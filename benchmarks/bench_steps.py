@@ -5,13 +5,16 @@ drifts (a shared host: the suite's separate worker processes can land in differe
 
 Each round runs the forward, then each step, on the same tokens (:class:`suite_steps.Bench`, as the suite does);
 prints every round and, per step, the median seconds, the ratio of medians to the forward's and the ratio of the
-fastest round to the forward's fastest; ``--out`` writes them as JSON.
+fastest round to the forward's fastest, with the median process CPU seconds and minor page faults of a call (a page
+the kernel had to map and zero-fill: freed memory handed back to the system and touched again); ``--out`` writes them
+as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -44,21 +47,27 @@ def main() -> None:
     for s in names[1:]:
         steps[s][0]()  # warm-up: fit operators, allocator
     secs: dict[str, list[float]] = {s: [] for s in names}
+    cpu: dict[str, list[float]] = {s: [] for s in names}
+    faults: dict[str, list[int]] = {s: [] for s in names}
     for r in range(a.repeats):
         for s in names:
-            t = time.perf_counter()
+            f0, c0, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
             steps[s][0]()
             secs[s].append((time.perf_counter() - t) / steps[s][1])
+            cpu[s].append((time.process_time() - c0) / steps[s][1])
+            faults[s].append(round((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps[s][1]))
         print(f"round {r}: " + ", ".join(f"{s} {secs[s][-1]:.2f} s" for s in names), flush=True)
     fwd, fmin = statistics.median(secs["forward"]), min(secs["forward"])
     out = {"model": a.model, "n_seq": a.n_seq, "seq_len": a.seq_len, "threads": a.threads, "repeats": a.repeats,
            "steps": {s: {"seconds": secs[s], "median_s": statistics.median(secs[s]),
-                         "ratio_median": statistics.median(secs[s]) / fwd, "ratio_min": min(secs[s]) / fmin}
+                         "ratio_median": statistics.median(secs[s]) / fwd, "ratio_min": min(secs[s]) / fmin,
+                         "cpu_s": cpu[s], "minor_faults": faults[s]}
                      for s in names}}
     for s in names:
         v = out["steps"][s]
         print(f"{s:<16}{v['median_s']:8.2f} s median   {v['ratio_median']:.3f}× the forward (fastest rounds "
-              f"{v['ratio_min']:.3f}×)")
+              f"{v['ratio_min']:.3f}×); CPU {statistics.median(v['cpu_s']):.2f} s, "
+              f"{statistics.median(v['minor_faults']):.0f} page faults")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -357,9 +357,9 @@ def _rotation_errors(cap: QKCapture) -> Tensor:
     rotation − the model's| and |the model's| of each layer (of a stack too: each layer against its own values).
 
     Our rotation is :func:`~posgen_tl.maths.rope.rotate`'s, in its order of operations (``x·cos + rotate_half(x)·sin``,
-    each product rounded: bit for bit), written band by band into the difference: ``a·cos − b·sin − rot_a`` and ``b·cos + a·sin −
-    rot_b`` on the band parts, the unrotated dims compared as they are — no rotated copy, no concatenations (SmolLM2,
-    4 × 512 tokens: 5.5 → 2.6 ms per layer)."""
+    each product rounded: the same bits), written band by band into the difference — ``a·cos − b·sin − rot_a`` and
+    ``b·cos + a·sin − rot_b`` on the band parts, the unrotated dims compared as they are —: no rotated copy, no
+    concatenations (SmolLM2, one layer of 4 × 512 tokens, 2 threads: 12.5–13.7 → 8.6–8.7 ms)."""
     rope, r = cap.rope, cap.rope.rotary_dim
     n_layers = len(cap.layer_ids)
     out = []

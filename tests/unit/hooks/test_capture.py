@@ -9,7 +9,7 @@ import tiny_models as tm
 import torch
 
 from posgen_tl.experiments.exactness import ROT_RTOL, SCORE_RTOL, exactness_table
-from posgen_tl.hooks.capture import CaptureError, probe_hooks
+from posgen_tl.hooks.capture import CaptureError, QKCapture, probe_hooks
 from posgen_tl.hooks.stream import capture_qk, stream_qk
 from posgen_tl.maths.rope import RopeError, causal_mask, expand_kv, rotate, scores_from_prerotation
 
@@ -250,3 +250,28 @@ def test_a_stack_names_the_layer_whose_values_are_not_finite_or_not_rotated_as_t
     with pytest.raises(ValueError, match="scores, patterns or tables"):
         stream_qk(model, toks, lambda c: None, with_scores=True, progress=False, stack=2)
     assert not any(h.fwd_hooks for h in model.hook_dict.values())
+
+
+@pytest.mark.parametrize("layout", ["half", "adjacent"])
+def test_the_rotation_check_is_exact_on_the_spec_s_rotation_and_sees_a_change_in_any_dim_of_one_layer(layout):
+    """_rotation_errors on a stack of two layers, partial rotary (6 of 10 dims), attention scaling: 0 where rot_q/rot_k
+    are rotate()'s own output (the same bits), and a change of one value — a rotated dim or an unrotated one, in the
+    second layer only — shows as that layer's error, the first layer's staying 0; the reference is each layer's max."""
+    from posgen_tl.hooks.stream import _rotation_errors  # noqa: PLC0415
+    from posgen_tl.maths.rope import LayerRope  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(3)
+    rope = LayerRope(inv_freq=1.0 / (50.0 ** (torch.arange(0, 6, 2).float() / 6)), rotary_dim=6, layout=layout,
+                     attention_scaling=1.3)
+    pos = torch.arange(7).expand(2, 7)
+    q, k = torch.randn(2, 7, 4, 10, generator=gen), torch.randn(2, 7, 2, 10, generator=gen)
+    cap = QKCapture(layer=0, q=q, k=k, rot_q=rotate(q, pos, rope), rot_k=rotate(k, pos, rope), positions=pos, rope=rope,
+                    rot_source="hook", layers=(0, 1))
+    err = _rotation_errors(cap)  # [err_q (2 layers), ref_q, err_k, ref_k]
+    assert err[[0, 1, 4, 5]].tolist() == [0.0] * 4
+    torch.testing.assert_close(err[2:4], cap.rot_q.abs().reshape(2, 7, 2, -1).amax(dim=(0, 1, 3)))
+    for dim, value in ((1, 0.25), (8, -0.5)):  # a rotated dim, an unrotated one; heads 2-3 = the second layer
+        bumped = cap.rot_k.clone()
+        bumped[1, 3, 1, dim] += value  # kv-head 1 = the second layer's
+        err = _rotation_errors(QKCapture(**{**vars(cap), "rot_k": bumped}))
+        assert err[4] == 0.0 and err[5].item() == pytest.approx(abs(value), rel=1e-5)
