@@ -33,7 +33,8 @@ Layout = Literal["half", "adjacent"]
 __all__ = ["Layout", "LayerRope", "RopeSpec", "RopeError", "IndexRangeError", "angles", "rotate", "unrotate",
            "band_indices", "to_bands", "band_parts", "from_bands", "rotate_bands", "relative_rotation_matrix",
            "rotation_matrix", "scores_from_rotated", "scores_from_prerotation", "expand_kv", "kv_head_index",
-           "band_periods", "causal_mask", "attention_pattern", "rotate_with_table", "rotation_table"]
+           "band_periods", "causal_mask", "attention_pattern", "rotate_with_table", "rotation_table",
+           "rotation_residual"]
 
 
 class RopeError(ValueError):
@@ -405,6 +406,21 @@ def rotate(
         raise RopeError(f"d_head={x.shape[-1]} is smaller than rotary_dim={rope.rotary_dim}")
     cos, sin = rotation_table(positions.to(x.device), rope, x.dtype)
     return _apply(x, cos, sin, rope)
+
+
+def rotation_residual(
+    x: Float[Tensor, "*batch pos head_index d_head"],
+    rot: Float[Tensor, "*batch pos head_index d_head"],
+    positions: Int[Tensor, "*batch pos"] | Int[Tensor, "pos"],
+    rope: LayerRope,
+) -> list[Tensor]:
+    """``rotate(x, positions, rope) − rot`` without the rotated copy: :func:`_apply`'s products band by band (each
+    rounded as it rounds them: the same bits) written into the difference — the first and second band parts
+    ``[*batch, pos, head_index, band]``, then the unrotated dims ``[..., d_head − rotary_dim]`` where there are any."""
+    cos, sin = (t.unsqueeze(-2) for t in rotation_table(positions.to(x.device), rope, x.dtype))
+    (a, b), (ra, rb) = band_parts(x, rope.rotary_dim, rope.layout), band_parts(rot, rope.rotary_dim, rope.layout)
+    out = [torch.mul(a, cos).sub_(torch.mul(b, sin)).sub_(ra), torch.mul(b, cos).add_(torch.mul(a, sin)).sub_(rb)]
+    return out + ([x[..., rope.rotary_dim :] - rot[..., rope.rotary_dim :]] if x.shape[-1] > rope.rotary_dim else [])
 
 
 def rotate_with_table(

@@ -145,3 +145,21 @@ def test_bad_specs_raise():
     rope = LayerRope(torch.ones(4), 8)
     with pytest.raises(RopeError, match="smaller than rotary_dim"):
         rotate(torch.randn(1, 2, 1, 6), torch.arange(2)[None], rope)
+
+
+@pytest.mark.parametrize("layout", ["half", "adjacent"])
+def test_rotation_residual_is_rotate_minus_rot_bit_for_bit_band_by_band(layout):
+    """rotation_residual(x, rot) holds exactly rotate(x) − rot: the band parts of the rotated dims, then the unrotated
+    dims (partial rotary, attention scaling, per-sequence positions)."""
+    from posgen_tl.maths.rope import band_parts, rotation_residual  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(5)
+    rope = LayerRope(inv_freq=1.0 / (30.0 ** (torch.arange(0, 6, 2).float() / 6)), rotary_dim=6, layout=layout,
+                     attention_scaling=0.9)
+    x, rot = torch.randn(2, 5, 3, 9, generator=gen), torch.randn(2, 5, 3, 9, generator=gen)
+    pos = torch.stack([torch.arange(5), torch.arange(5) + 7])
+    diff = rotate(x, pos, rope) - rot
+    got = rotation_residual(x, rot, pos, rope)
+    assert len(got) == 3
+    assert torch.equal(got[0], band_parts(diff, 6, layout)[0]) and torch.equal(got[1], band_parts(diff, 6, layout)[1])
+    assert torch.equal(got[2], diff[..., 6:])
