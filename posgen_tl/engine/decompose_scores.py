@@ -68,10 +68,14 @@ _BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative t
 def _q2(c: QKCapture) -> Tensor:
     """``[s·R_i q_i | s·Λq_i]`` grouped by kv-head, ``[b, kv, (g i), 2·d_head]`` float32 (``Λ = a²`` on rotary dims)."""
     rope, kv = c.rope, c.k.shape[-2]
-    lam = torch.ones(c.q.shape[-1], device=c.q.device)
+    b, n, h, d = c.q.shape
+    lam = torch.ones(d, device=c.q.device)
     lam[: rope.rotary_dim] = rope.attention_scaling**2
-    return rearrange(torch.cat([c.rot_q, c.q * lam], dim=-1) * rope.score_scale,
-                     "b i (kv g) d -> b kv (g i) d", kv=kv).contiguous()
+    out = torch.empty(b, kv, h // kv, n, 2 * d, device=c.q.device)  # written in place in its final layout:
+    o = out.permute(0, 3, 1, 2, 4)  # b i kv g 2d — no concatenated copy, no rearranged copy (the same bits)
+    torch.mul(c.rot_q.reshape(b, n, kv, h // kv, d), rope.score_scale, out=o[..., :d])
+    torch.mul(c.q.reshape(b, n, kv, h // kv, d), lam, out=o[..., d:]).mul_(rope.score_scale)
+    return out.view(b, kv, h // kv * n, 2 * d)
 
 
 _GROUPED = "b kv (g i) j -> (b kv g) i j"

@@ -361,7 +361,9 @@ def _rotation_errors(cap: QKCapture) -> Tensor:
     n_layers = len(cap.layer_ids)
 
     def top(x: Tensor) -> Tensor:  # the largest |x| of each layer (a stack's layers side by side on the head axis)
-        return torch.linalg.vector_norm(x.reshape(*x.shape[:2], n_layers, -1), ord=math.inf, dim=(0, 1, 3))
+        # max(max x, −min x): no |x| temporary, ~10× faster on the CPU than vector_norm(ord=inf); a NaN propagates
+        y = x.reshape(*x.shape[:2], n_layers, -1)
+        return torch.maximum(y.amax(dim=(0, 1, 3)), y.amin(dim=(0, 1, 3)).neg_())
 
     out = []
     for pre, rot in ((cap.q, cap.rot_q), (cap.k, cap.rot_k)):

@@ -275,3 +275,7 @@ def test_the_rotation_check_is_exact_on_the_spec_s_rotation_and_sees_a_change_in
         bumped[1, 3, 1, dim] += value  # kv-head 1 = the second layer's
         err = _rotation_errors(QKCapture(**{**vars(cap), "rot_k": bumped}))
         assert err[4] == 0.0 and err[5].item() == pytest.approx(abs(value), rel=1e-5)
+    bumped = cap.rot_k.clone()
+    bumped[0, 2, 1, 4] = float("nan")  # a NaN is never the largest difference's absence: it propagates
+    err = _rotation_errors(QKCapture(**{**vars(cap), "rot_k": bumped}))
+    assert err[4] == 0.0 and err[5].isnan() and err[7].isnan()
