@@ -119,6 +119,7 @@ def stream_qk(
         check_chunked(model)
     trim = tokens.device.type == "cpu"  # freed host heap back to the OS when it grew (a GPU's tensors are not on it)
     trimmer = BatchTrim()
+    layer_trim = BatchTrim(growth=0.0)  # chunked: after each layer of a long sequence (seconds each), 128 MiB margin
     desc = progress if isinstance(progress, str) else "capture"
     bar = tqdm(total=math.ceil(tokens.shape[0] / batch_size), desc=desc, disable=not progress, leave=False)
     # on the CPU the forward's big tensors are reused from glibc's heap instead of mmapped afresh at every layer
@@ -126,7 +127,8 @@ def stream_qk(
         for b_idx, (offset, batch) in enumerate(_batches(tokens, batch_size)):
             if chunked:
                 stacker = Stacker(fn, stack, layers[-1])  # (each chunk's rotation is checked as it runs)
-                _chunked_batch(model, batch, b_idx, offset, layers, need, stacker, chunk=chunk, rot_tol=rot_tol)
+                _chunked_batch(model, batch, b_idx, offset, layers, need, stacker, chunk=chunk, rot_tol=rot_tol,
+                               after_layer=layer_trim if trim else None)
                 stacker.flush()
             else:
                 pos, pos_arg = _batch_positions(position_ids, batch, offset, tokens.shape[0])
@@ -172,9 +174,11 @@ def _stack_option(model: Any, spec: RopeSpec, stack: int, tokens: Tensor, batch_
 
 
 def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: Sequence[int], need: Sequence[str],
-                    fn: Callable[[QKCapture], None], *, chunk: int, rot_tol: float) -> None:
+                    fn: Callable[[QKCapture], None], *, chunk: int, rot_tol: float,
+                    after_layer: Callable[[], Any] | None = None) -> None:
     """One batch of :func:`stream_qk` with ``chunk=`` (:mod:`posgen_tl.hooks.chunked`): ``fn`` gets each layer of
-    ``layers`` (in order) as one :class:`QKCapture` of the whole sequence, after the chunked forward; peak memory of
+    ``layers`` (in order) as one :class:`QKCapture` of the whole sequence, after the chunked forward (then
+    ``after_layer()``, if given, runs: the pass's per-layer heap trimmer on the CPU); peak memory of
     the forward O(batch · heads · chunk · n) instead of O(batch · heads · n²). Only the pre-rotation q/k of ``layers``
     are held until their layer is handed on: each chunk's rotation was checked against the model's own
     (``hook_rot_q/k``, where they fire) at its absolute positions, and the whole layer's is recomputed from them
@@ -205,6 +209,8 @@ def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: S
         fn(QKCapture(layer=layer, q=q, k=k, rot_q=rotate(q, pos, lr), rot_k=rotate(k, pos, lr), positions=pos, rope=lr,
                      rot_source="computed", batch_index=b_idx, seq_offset=offset))
         del q, k
+        if after_layer is not None:
+            after_layer()
 
 
 def _checked_ids(spec: RopeSpec, info: HookInfo, position_ids: Tensor, tokens: Tensor) -> Tensor:

@@ -508,13 +508,20 @@ def band_bound_rows(qn: Tensor, kn: Tensor, phi: Tensor, rows: Tensor, chunk: in
     ph = phi[:1] if shared else phi
     out = torch.zeros(b, kv, len(rows), n, g, dtype=torch.float64, device=kn.device)
     rows_l = list(rows_list) if rows_list is not None else rows.tolist()
+    m, rc_max = kn.shape[-1], min(chunk, len(rows_l))
+    # two flat scratches sized for the longest chunk, every chunk's tables written into their leading part in place:
+    # no temporary per operation, and no heap growth from tables of a new size at every chunk (Gemma3, 1 × 8 192
+    # tokens: +1.3 GB over one layer's bound check when each chunk's five temporaries were fresh)
+    sin_buf = torch.empty(ph.shape[0] * rc_max * n * m, dtype=torch.float64, device=kn.device)
+    t_buf = torch.empty(b * kv * rc_max * n * m, dtype=torch.float64, device=kn.device)
     for s in range(0, len(rows_l), chunk):
         r = slice(s, s + chunk)
         rc, jn = len(rows_l[r]), max(rows_l[r]) + 1  # keys j > max row are 0 for the whole chunk
-        dphi = ph[:, rows[r], None, :] - ph[:, None, :jn, :]  # b' r j m
-        sin = 2 * (dphi / 2).sin().abs() * (torch.arange(jn, device=kn.device) <= rows[r, None].to(kn.device))[..., None]
-        t = torch.empty(b, kv, rc, jn, kn.shape[-1], dtype=torch.float64, device=kn.device)
-        torch.mul(kn[..., :jn, :], sin[:, None], out=t)  # (out= keeps it contiguous: no copy in the view below)
+        sin = sin_buf[: ph.shape[0] * rc * jn * m].view(ph.shape[0], rc, jn, m)  # b' r j m
+        torch.sub(ph[:, rows[r], None, :], ph[:, None, :jn, :], out=sin)  # φ_i − φ_j, then 2|sin(·/2)| on j ≤ i
+        sin.div_(2).sin_().abs_().mul_(2).mul_((torch.arange(jn, device=kn.device) <= rows[r, None].to(kn.device))[..., None])
+        t = t_buf[: b * kv * rc * jn * m].view(b, kv, rc, jn, m)
+        torch.mul(kn[..., :jn, :], sin[:, None], out=t)  # (contiguous: no copy in the view below)
         t = t.view(b * kv * rc, jn, -1)  # (b kv r) j m
         out[:, :, r, :jn] = torch.bmm(t, qg[:, :, r].reshape(b * kv * rc, -1, g)).reshape(b, kv, rc, jn, g)
     return rearrange(out, "b kv r j g -> (b kv g) r j")

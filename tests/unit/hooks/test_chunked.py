@@ -143,3 +143,26 @@ def test_nothing_is_left_on_the_model_when_a_chunked_forward_raises(tiny):
     assert not any("_update_kv_cache" in vars(b.attn) for b in tiny.blocks)
     after = _captures(tiny, toks)
     assert all(torch.equal(after[k]["q"], before[k]["q"]) for k in before)
+
+
+def test_a_chunked_pass_asks_after_each_layer_whether_to_return_the_freed_heap(tiny, monkeypatch):
+    """A long sequence's layers are scored one after another after its chunked forward, each for seconds, with tables
+    of its own sizes: the pass asks a second trimmer (margin 128 MiB, no proportional part) after every layer, and the
+    batch trimmer after every batch; the layer trimmer runs after the layer's analysis saw the layer."""
+    import posgen_tl.hooks.heap as heap  # noqa: PLC0415
+    import posgen_tl.hooks.stream as stream  # noqa: PLC0415
+
+    events: list = []
+
+    class Counting(heap.BatchTrim):
+        def __call__(self) -> bool:
+            events.append(("trim", self.growth, self.min_growth))
+            return super().__call__()
+
+    stream_qk(tiny, _tokens(), lambda c: None, batch_size=2, chunk=8, progress=False)  # the model's one-time checks
+    monkeypatch.setattr(stream, "BatchTrim", Counting)
+    n_layers = len(tiny.blocks)
+    stream_qk(tiny, _tokens(), lambda c: events.append(("layer", c.layer)), batch_size=2, chunk=8, progress=False)
+    layer_trim, batch_trim = ("trim", 0.0, heap.TRIM_MIN_GROWTH), ("trim", heap.TRIM_GROWTH, heap.TRIM_MIN_GROWTH)
+    one_batch = [e for i in range(n_layers) for e in (("layer", i), layer_trim)] + [batch_trim]
+    assert events == one_batch * 2  # 3 sequences in batches of 2

@@ -84,7 +84,8 @@ def test_a_stream_on_the_cpu_runs_with_large_blocks_kept_and_gives_the_same_capt
 
 def test_batch_trim_trims_only_once_resident_memory_grew_past_the_first_batch_by_the_margin(monkeypatch):
     """The first batch's end sets the level; a later batch trims only above it by TRIM_GROWTH (at least
-    TRIM_MIN_GROWTH); without a readable resident size every batch trims."""
+    TRIM_MIN_GROWTH; with ``growth=0`` by TRIM_MIN_GROWTH alone); without a readable resident size every batch
+    trims."""
     lib = FakeLibc()
     monkeypatch.setattr(heap, "_LIBC", lib)
     gib = 2**30
@@ -96,6 +97,10 @@ def test_batch_trim_trims_only_once_resident_memory_grew_past_the_first_batch_by
     small = iter([100 * 2**20, 100 * 2**20 + 127 * 2**20, 100 * 2**20 + 129 * 2**20])  # 25 % < 128 MiB: the floor
     monkeypatch.setattr(heap, "resident_bytes", lambda: next(small))
     trim = heap.BatchTrim()
+    assert [trim() for _ in range(3)] == [False, False, True]
+    big = iter([4 * gib, 4 * gib + 127 * 2**20, 4 * gib + 129 * 2**20])  # growth=0 (a chunked pass's layers): 128 MiB
+    monkeypatch.setattr(heap, "resident_bytes", lambda: next(big))
+    trim = heap.BatchTrim(growth=0.0)
     assert [trim() for _ in range(3)] == [False, False, True]
     monkeypatch.setattr(heap, "resident_bytes", lambda: None)
     trim = heap.BatchTrim()

@@ -387,6 +387,13 @@ def test_d3_bound_rows_does_not_depend_on_its_row_chunk():
             torch.testing.assert_close(got[ch], got[8], atol=0, rtol=0)
         if k_mean is km:
             torch.testing.assert_close(got[len(rows)].reshape(want.shape), want, atol=1e-12, rtol=1e-12)
+    pos2 = torch.stack([torch.arange(20), torch.arange(20) * 3 + 7])  # positions of their own per sequence
+    phi2 = angles(pos2, rope).double()
+    want2 = d3_bound(q, k, km, pos2, rope, rows=rows) / (rope.score_scale * rope.attention_scaling**2)
+    want2 = want2 * (torch.arange(20)[None, :] <= rows[:, None])
+    for ch in (1, 4, len(rows)):  # the scratch tables hold a chunk's rows for every sequence
+        got2 = d3_bound_rows(qn, k, km, phi2, rows, rope, chunk=ch, shared=False)
+        torch.testing.assert_close(got2.reshape(want2.shape), want2, atol=1e-12, rtol=1e-12)
 
 
 # ----------------------------------------------------------------------------- D3 at a reference offset Δ0
