@@ -119,7 +119,8 @@ def stream_qk(
         check_chunked(model)
     trim = tokens.device.type == "cpu"  # freed host heap back to the OS when it grew (a GPU's tensors are not on it)
     trimmer = BatchTrim()
-    layer_trim = BatchTrim(growth=0.0)  # chunked: after each layer of a long sequence (seconds each), 128 MiB margin
+    # chunked on the CPU: also after each layer of a long sequence (seconds each), 128 MiB margin
+    layer_trim = BatchTrim(growth=0.0) if chunked and trim else None
     desc = progress if isinstance(progress, str) else "capture"
     bar = tqdm(total=math.ceil(tokens.shape[0] / batch_size), desc=desc, disable=not progress, leave=False)
     # on the CPU the forward's big tensors are reused from glibc's heap instead of mmapped afresh at every layer
@@ -128,7 +129,7 @@ def stream_qk(
             if chunked:
                 stacker = Stacker(fn, stack, layers[-1])  # (each chunk's rotation is checked as it runs)
                 _chunked_batch(model, batch, b_idx, offset, layers, need, stacker, chunk=chunk, rot_tol=rot_tol,
-                               after_layer=layer_trim if trim else None)
+                               after_layer=layer_trim)
                 stacker.flush()
             else:
                 pos, pos_arg = _batch_positions(position_ids, batch, offset, tokens.shape[0])
