@@ -19,10 +19,12 @@ from torch import Tensor
 
 from posgen_tl.hooks.capture import pre_rotation_stash, probe_hooks, refuse_multistream, require_pre_softmax
 from posgen_tl.hooks.gate import require_exact
+from posgen_tl.hooks.stacking import cache_rows
 from posgen_tl.io.spec import live_rope
 from posgen_tl.maths.approx_logits import (
     causal_visible,
     d3_approx_logits,
+    d3_row_blocks,
     disentangled_logits,
     distances,
     exact_logits,
@@ -32,7 +34,7 @@ from posgen_tl.maths.approx_logits import (
 from posgen_tl.maths.decompose import fit_additive
 from posgen_tl.maths.rope import LayerRope
 
-__all__ = ["LogitContext", "logit_substitution_hooks", "lm_infinite_hooks", "disentangled_hooks", "sufficiency_hooks",
+__all__ = ["LogitContext", "RowValues", "logit_substitution_hooks", "lm_infinite_hooks", "disentangled_hooks", "sufficiency_hooks",
            "window_removal_hooks", "local_layers"]
 
 HookList = list[tuple[str, Callable]]
@@ -60,7 +62,21 @@ class LogitContext:
     scores: Tensor
 
 
-SubstFn = Callable[[LogitContext], tuple[Tensor, Tensor]]
+@dataclass(frozen=True)
+class RowValues:
+    """What a substitution function may return instead of ``(values, replace)`` when its values come a block of
+    query rows at a time: ``of(r0, r1)`` gives rows ``r0 … r1 − 1`` on keys ``0 … r1 − 1`` (PRE-soft-cap logits
+    ``[batch, head_index, r1 − r0, r1]``), and every entry the model may see with key index ``≥ first_key`` is
+    replaced. The hook then writes the new scores block by block (on the CPU blocks of cache size,
+    :func:`posgen_tl.hooks.stacking.cache_rows`; on other devices the whole map at once) instead of building the
+    map-sized ``values`` and ``replace`` and combining them in passes over memory — and never computes a key after its
+    query's row."""
+
+    of: Callable[[int, int], Tensor]
+    first_key: int = 0
+
+
+SubstFn = Callable[[LogitContext], "tuple[Tensor | None, Tensor] | RowValues"]
 
 
 def local_layers(model: Any) -> list[int]:
@@ -136,7 +152,10 @@ def logit_substitution_hooks(
                     return w
                 values, replace = exact_logits(q, k, rope, pos, dtype=torch.float32), unwin
             else:
-                values, replace = fn(LogitContext(layer, q, k, pos, rope, w))
+                res = fn(LogitContext(layer, q, k, pos, rope, w))
+                if isinstance(res, RowValues):
+                    return _write_rows(w, res, vis, unwin, softcap)
+                values, replace = res
                 replace = (replace & vis) | unwin
                 if values is None:  # fn replaces nothing; only the window's entries may need values
                     if not bool(unwin.any()):
@@ -148,6 +167,22 @@ def logit_substitution_hooks(
 
         out += pre_rotation_stash(model, info, layer, spec.d_head, stash)
         out.append((info.name(layer, "hook_attn_scores"), scores))
+    return out
+
+
+def _write_rows(w: Tensor, rv: RowValues, vis: Tensor, unwin: Tensor, softcap: float | None) -> Tensor:
+    """New scores ``[batch, head_index, query_pos, key_pos]``: ``rv``'s values (soft-capped, in ``w``'s dtype) on the
+    entries ``(vis & key ≥ rv.first_key) | unwin``, ``w`` elsewhere — written a block of query rows at a time into a
+    fresh tensor (``w`` is left as it is: another hook, e.g. a cache, may hold it)."""
+    n = w.shape[-1]
+    keep = (vis & (torch.arange(n, device=w.device) >= rv.first_key)) | unwin  # [query_pos, key_pos]
+    out = torch.empty_like(w)
+    block = cache_rows(w.shape[0] * w.shape[1], n) if w.device.type == "cpu" else n
+    for r0 in range(0, w.shape[-2], block):
+        r1 = min(w.shape[-2], r0 + block)
+        v = _softcap(rv.of(r0, r1), softcap).to(w.dtype)
+        torch.where(keep[r0:r1, :r1], v, w[:, :, r0:r1, :r1], out=out[:, :, r0:r1, :r1])
+        out[:, :, r0:r1, r1:] = w[:, :, r0:r1, r1:]  # keys after the block's last row: never visible, as they were
     return out
 
 
@@ -231,6 +266,10 @@ def disentangled_hooks(
 
 def _sufficiency(ctx: LogitContext, *, source: str, k_means: dict | None, delta0: int, gamma: float | None,
                  keep_sink: int, mean_layer: dict | None):
+    if source == "d3" and gamma is None:  # every visible key from keep_sink on: the values a row block at a time
+        src = ctx.layer if mean_layer is None else mean_layer[ctx.layer]
+        return RowValues(d3_row_blocks(ctx.q, ctx.k, _mean_for(k_means, src), ctx.rope, delta0=delta0,
+                                       positions=ctx.positions), keep_sink)
     n = ctx.q.shape[1]
     vis = causal_visible(n, ctx.q.device)
     if ctx.rope.sliding_window is not None:

@@ -33,6 +33,8 @@ hooks use float32 — the model's own precision — for speed) with ``-inf`` on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -44,6 +46,7 @@ __all__ = [
     "exact_logits",
     "lm_infinite_logits",
     "d3_approx_logits",
+    "d3_row_blocks",
     "disentangled_logits",
     "quantile_mask",
     "causal_visible",
@@ -217,6 +220,55 @@ def d3_approx_logits(
         if bool(far.any()):
             f = torch.where(far, z.at_offset(cap, km_b), f, out=f)  # f(q_i, cap), constant over j
     return _finish(f.add_(g), ~causal_visible(n, q.device))
+
+
+def d3_row_blocks(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos kv_head d_head"],
+    k_mean: Float[Tensor, "kv_head d_head"],
+    rope: LayerRope,
+    *,
+    delta0: int = 0,
+    positions: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Callable[[int, int], Float[Tensor, "batch head_index rows keys"]]:
+    """:func:`d3_approx_logits` (``cap=None``) a block of query rows at a time: returns ``(r0, r1) ↦`` rows ``r0 … r1 −
+    1`` on keys ``0 … r1 − 1``, ``[batch, head_index, r1 − r0, r1]`` in ``dtype``, a fresh tensor per call — every
+    entry computed, NO ``-inf`` above the diagonal (the caller masks).
+
+    ``f + g_Δ0`` as ONE product per block over ``2·d_head`` dims, ``s·[R_{p_i} q | R_{Δ0} q]·[R_{p_j} k̄ ; R_0 (k_j −
+    k̄)]`` (``R_0`` = the attention scaling ``a``; pass-through dims included on both sides, as in
+    :func:`d3_approx_logits`), per kv-group: keys are not repeated per query head. Equal to :func:`d3_approx_logits`'s
+    visible entries up to float rounding (one sum over ``2·d_head`` products instead of two sums added).
+    """
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q and k must be [batch, pos, head, d_head], got {tuple(q.shape)} / {tuple(k.shape)}")
+    if int(delta0) != delta0:
+        raise ValueError(f"delta0 must be an integer offset, got {delta0!r}")
+    b, n, h, d = q.shape
+    kv = k.shape[-2]
+    if k_mean.ndim != 2 or k_mean.shape[-1] != d or k_mean.shape[0] not in (kv, h):
+        raise ValueError(f"k_mean must be [kv_head={kv} (or head_index={h}), d_head={d}], got {tuple(k_mean.shape)}")
+    if k_mean.shape[0] != kv:  # a k̄ per query head: keys repeated to query heads
+        k, kv = expand_kv(k, h), h
+    if h % kv:
+        raise ValueError(f"{h} query heads do not split into {kv} kv-groups")
+    pos = _positions(positions, b, n, q.device)
+    qd, kd = q.to(dtype), k.to(dtype)
+    km = k_mean.to(device=q.device, dtype=dtype)
+    q2 = torch.cat([rotate(qd, pos, rope), rotate(qd, torch.full_like(pos, int(delta0)), rope)], -1)  # b i h 2d
+    k2 = torch.cat([rotate(km.expand(b, n, kv, d), pos, rope), rotate(kd - km, torch.zeros_like(pos), rope)], -1)
+    qg = q2.view(b, n, kv, h // kv, 2 * d).permute(0, 2, 3, 1, 4)  # b kv g i e: a view
+    keys = k2.permute(0, 2, 3, 1).contiguous()  # b kv e j
+    scale = rope.score_scale
+
+    def rows(r0: int, r1: int) -> Tensor:
+        if not 0 <= r0 < r1 <= n:
+            raise ValueError(f"rows {r0} … {r1 - 1} are outside the {n} query positions")
+        part = qg[:, :, :, r0:r1].reshape(b, kv, -1, 2 * d)  # b kv (g i) e: the block's queries, a small copy
+        return torch.matmul(part, keys[..., :r1]).mul_(scale).view(b, h, r1 - r0, r1)  # (kv g) = query head
+
+    return rows
 
 
 def disentangled_logits(

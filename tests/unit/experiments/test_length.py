@@ -8,9 +8,11 @@ import pytest
 import torch
 from tiny_models import hf_gemma3, hf_llama, native
 
+from posgen_tl.hooks import logits as hook_logits
 from posgen_tl.hooks.capture import CaptureError, probe_hooks
 from posgen_tl.hooks.edits import enforce_hooks, key_means
 from posgen_tl.hooks.logits import (
+    RowValues,
     disentangled_hooks,
     lm_infinite_hooks,
     local_layers,
@@ -22,6 +24,7 @@ from posgen_tl.hooks.stream import capture_qk
 from posgen_tl.maths.approx_logits import (
     causal_visible,
     d3_approx_logits,
+    d3_row_blocks,
     disentangled_logits,
     exact_logits,
     lm_infinite_logits,
@@ -184,6 +187,62 @@ def test_cap_hooks_noop_when_cap_covers_every_distance(llama, gemma):
             assert torch.equal(_logits(m, toks, hooks, pos=pos[None].expand(2, -1)), ref)
         for hooks in (lm_infinite_hooks(m, 10, position_ids=pos), disentangled_hooks(m, km, 10, position_ids=pos)):
             assert not torch.allclose(_logits(m, toks, hooks, pos=pos[None].expand(2, -1)), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["half", "adjacent"])
+def test_d3_row_blocks_equal_the_whole_map(layout):
+    """Any split into row blocks gives the visible entries of d3_approx_logits (float64: to 1e-12), GQA, partial
+    rotary, a gap in the position ids, Δ0 ≠ 0, attention scaling, k̄ per kv-group or per query head."""
+    q, k = _qk(b=2, n=13, h=6, g=3, d=10, seed=3)
+    rope = LayerRope(inv_freq=_rope(rotary_dim=8).inv_freq, rotary_dim=8, layout=layout, score_scale=0.3,
+                     attention_scaling=1.2)
+    pos = torch.cat([torch.arange(5), torch.arange(40, 48)])
+    kbar = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    for km in (kbar, kbar[[0, 0, 1, 1, 2, 2]]):
+        for delta0 in (0, 4):
+            ref = d3_approx_logits(q.double(), k.double(), km.double(), rope, delta0=delta0, positions=pos)
+            rows = d3_row_blocks(q.double(), k.double(), km.double(), rope, delta0=delta0, positions=pos,
+                                 dtype=torch.float64)
+            for cuts in ((0, 13), (0, 1, 6, 13), (0, 4, 8, 12, 13)):
+                for r0, r1 in zip(cuts[:-1], cuts[1:], strict=True):
+                    got = rows(r0, r1)
+                    assert got.shape == (2, 6, r1 - r0, r1) and got.dtype == torch.float64
+                    vis = causal_visible(13)[r0:r1, :r1]
+                    torch.testing.assert_close(got[..., vis], ref[:, :, r0:r1, :r1][..., vis], rtol=0, atol=1e-12)
+            # float32 (the hooks' precision): within float32 rounding of the float64 map
+            got = d3_row_blocks(q, k, km, rope, delta0=delta0, positions=pos)(0, 13)
+            vis = causal_visible(13)
+            assert got.dtype == torch.float32 and (got.double()[..., vis] - ref[..., vis]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="outside"):
+        rows(5, 14)
+    with pytest.raises(ValueError, match="k_mean"):
+        d3_row_blocks(q, k, torch.zeros(4, 10), rope)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_row_block_writer_equals_the_map_route(monkeypatch, softcap):
+    """The hook's block writer gives where(keep, softcap(values), w) — the route of a substitution that returns whole
+    maps — entry for entry, with blocks of 5 rows (13 rows: a short last block), a sink column kept, the entries
+    outside a window kept unless the window is removed; it never writes into the model's own scores."""
+    q, k = _qk(b=2, n=13, h=6, g=3, d=10, seed=5)
+    rope = _rope(rotary_dim=8)
+    kbar = torch.randn(3, 10, generator=torch.Generator().manual_seed(2))
+    vis = causal_visible(13)
+    w = torch.randn(2, 6, 13, 13, generator=torch.Generator().manual_seed(6)).masked_fill_(~vis, float("-inf"))
+    w0 = w.clone()
+    values = d3_approx_logits(q, k, kbar, rope, dtype=torch.float32)
+    monkeypatch.setattr(hook_logits, "cache_rows", lambda maps, n: 5)
+    idx = torch.arange(13)
+    inside = vis & (idx[:, None] - idx[None, :] < 4)  # a window of 4
+    for v_mask, unwin in ((vis, torch.zeros_like(vis)), (inside, torch.zeros_like(vis)), (inside, vis & ~inside)):
+        got = hook_logits._write_rows(w, RowValues(d3_row_blocks(q, k, kbar, rope), first_key=1), v_mask, unwin,
+                                      softcap)
+        keep = (v_mask & (idx >= 1)) | unwin
+        want = torch.where(keep, hook_logits._softcap(values, softcap), w)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+        assert torch.equal(got[..., ~keep], w[..., ~keep])  # every entry not replaced: bit for bit
+        assert torch.equal(w, w0)  # the model's scores untouched
+    assert not torch.allclose(got[..., 1:, 1:], w[..., 1:, 1:])  # it did replace
 
 
 def test_hooked_scores_equal_pure_maps(llama):

@@ -83,6 +83,9 @@ def test_approx_logits_and_capped_scores():
     same = lambda x, y: torch.testing.assert_close(x, y, rtol=0, atol=1e-12, equal_nan=True)  # noqa: E731
     same(al.exact_logits(q, k, ROPE), al.exact_logits(q, kh, ROPE))
     same(al.d3_approx_logits(q, k, kbar, ROPE), al.d3_approx_logits(q, kh, kbar[IDX], ROPE))
+    rows = al.d3_row_blocks(q, k, kbar, ROPE, dtype=torch.float64), al.d3_row_blocks(q, kh, kbar[IDX], ROPE,
+                                                                                       dtype=torch.float64)
+    same(rows[0](2, N), rows[1](2, N))  # per kv-group vs keys expanded by the explicit index
     same(al.lm_infinite_logits(q, k, ROPE, 3, n_sink=1), al.lm_infinite_logits(q, kh, ROPE, 3, n_sink=1))
     same(al.disentangled_logits(q, k, kbar, ROPE, 3), al.disentangled_logits(q, kh, kbar[IDX], ROPE, 3))
     same(perturb.capped_scores(q, k, ROPE, 3), perturb.capped_scores(q, kh, ROPE, 3))
