@@ -27,11 +27,12 @@ what it accepts — never a silently ignored option.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-__all__ = ["Config", "Option", "option", "config_of", "Result", "run_or_skip", "save_tables", "load_tables", "n_ref_option",
+__all__ = ["Config", "Option", "option", "config_of", "Result", "run_or_skip", "shares_heap", "save_tables", "load_tables", "n_ref_option",
            "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments"]
 
 PRESETS = ("default", "quick", "full")
@@ -388,6 +389,30 @@ def run_or_skip(run: Callable[..., R], result: type[R], what: str, model: Any, c
     except (CorpusError, CaptureError, RopeError) as e:
         kind = "corpus" if isinstance(e, CorpusError) else "model"
         return result({}, cfg.as_dict(), {"skipped": f"{what} skipped: {e}", "hint": SKIP_HINTS[kind]})
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def shares_heap(run: F) -> F:
+    """Decorator of an experiment's ``run(model, …)``: on the CPU the whole run executes in
+    :func:`posgen_tl.hooks.heap.passes_share_heap` — its passes (hundreds of forwards at a report's sizes) keep the
+    host heap between them instead of each handing it back to the system and page-faulting it in again; the heap is
+    trimmed when the resident memory grew past a margin, and once at the run's end. On other devices ``run`` as it
+    is. The numbers do not change (where memory comes from is all it sets)."""
+
+    @functools.wraps(run)
+    def wrapped(model: Any, *args: Any, **kw: Any) -> Any:
+        import contextlib  # noqa: PLC0415
+
+        from posgen_tl.hooks.capture import model_device  # noqa: PLC0415
+        from posgen_tl.hooks.heap import passes_share_heap  # noqa: PLC0415
+
+        cpu = model_device(model).type == "cpu"
+        with passes_share_heap() if cpu else contextlib.nullcontext():
+            return run(model, *args, **kw)
+
+    return wrapped  # type: ignore[return-value]
 
 
 def twin_of(model: Any, twin: Any, seed: int) -> Any:

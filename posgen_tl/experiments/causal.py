@@ -304,6 +304,7 @@ def _fingerprint(cfg: Config, model_name: str, ana: Windows, ref: Windows) -> di
                 reference=windows_fingerprint(ref))
 
 
+@base.shares_heap
 def run(
     model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: tuple[Windows, Windows] | None = None,
     checkpoint: str | Path | None = None, progress: bool = True, **options: Any,

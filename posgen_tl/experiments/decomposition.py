@@ -253,6 +253,7 @@ FILES = {"rows": "decomposition.csv", "summary": "decomposition_summary.csv", "h
 LEGACY_META = "windows.json"
 
 
+@base.shares_heap
 def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, twin: Any = None, progress: bool = True,
         checkpoint: str | Path | None = None, **options: Any) -> Result:
     """Decompose every head of the trained model and — unless ``cfg.twin`` is false or ``twin`` is ``False`` — of

@@ -263,6 +263,7 @@ class Result(base.Result):
 FILES = {"layers": "exactness.csv"}
 
 
+@base.shares_heap
 def run(model: Any, cfg: Config | None = None, *, progress: bool = True, **overrides: Any) -> Result:
     """:func:`exactness_table` on ``cfg.n_seq`` consecutive chunks of the corpus, each
     :func:`window_length` tokens long, on the layers ``cfg.layers`` selects. Returns its :class:`Result`."""

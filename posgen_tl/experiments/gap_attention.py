@@ -238,6 +238,7 @@ FILES = {"rows": "gap_attention_rows.csv", "summary": "gap_attention_summary.csv
 LEGACY_META = "gap_attention_meta.json"
 
 
+@base.shares_heap
 def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, progress: bool = True,
         checkpoint: str | Path | None = None, **options: Any) -> Result:
     """Per-head attention change under the gap and its positional − symbolic contrasts (``cfg`` with ``options``

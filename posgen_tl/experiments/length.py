@@ -480,6 +480,7 @@ FILES = {"gap_rows": "length_gap_rows.csv", "gap_summary": "length_gap_summary.c
 LEGACY_META = {"gap": "length_gap_meta.json", "window": "length_window_meta.json"}
 
 
+@base.shares_heap
 def run(model: Any, cfg: Config | None = None, *, corpus: CorpusLike | Windows = None,
         checkpoint: str | Path | None = None, progress: bool = True, **options: Any) -> Result:
     """The gap probe (:func:`gap_probe`) and, on a model with sliding-window layers, window removal

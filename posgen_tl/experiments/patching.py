@@ -273,6 +273,7 @@ def _in_order(u: pd.DataFrame) -> Any:
     return lambda col: col.map(order) if col.name == "corruption" else col
 
 
+@base.shares_heap
 @torch.no_grad()
 def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: Windows | None = None,
         checkpoint: str | Path | None = None, progress: bool = True, **options: Any) -> Result:
@@ -580,8 +581,7 @@ def render(result: Result) -> Any:
     sentence = _sentence(heads, meta, cfg["test_alpha"])
     findings = headline_findings(heads, meta, cfg["test_alpha"])
     corr = "; ".join(meta["corruption"].values())
-    return Section(
-        TITLE, verdict=sentence,
+    return Section(TITLE, verdict=sentence,
         paragraphs=[f"{meta['n_seq']} windows of {meta['n_docs']} documents; clean ids 0 … n−1, corrupted: "
                     f"{corr}; metric: mean NLL of the last {meta['target_len']} tokens (tokens never "
                     "change). Effect = the part of the damage a patch accounts for (denoising: corrupted − patched; "

@@ -363,6 +363,7 @@ FILES = {"bands": "pattern_bands.csv", "heads": "pattern_heads.csv", "rho_groups
          "link": "pattern_vs_d3.csv", "link_summary": "pattern_vs_d3_summary.csv"}
 
 
+@base.shares_heap
 def run(model: Any, cfg: Config | None = None, *, upstream: dict[str, Any] | None = None, corpus: Any = None,
         twin: Any = None, progress: bool = True, checkpoint: str | Path | None = None, **options: Any) -> Result:
     """Band statistics and pattern scores of the trained model beside its random twin (``twin``: a model or a

@@ -119,6 +119,7 @@ FILES = {"rows": "sufficiency_rows.csv", "summary": "sufficiency_summary.csv",
 LEGACY_META = "sufficiency_meta.json"
 
 
+@base.shares_heap
 def run(
     model: Any, cfg: Config | None = None, *, corpus: CorpusLike | Windows = None,
     groups: dict[str, Sequence[int]] | None = None, k_means: dict | None = None, reference: Windows | None = None,

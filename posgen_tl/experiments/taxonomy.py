@@ -418,6 +418,7 @@ FILES = {"heads": "heads.csv", "bands": "heads_bands.csv", "link": "heads_link.c
 LEGACY_META = "heads_meta.json"
 
 
+@base.shares_heap
 def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, twin: Any = None, progress: bool = True,
         checkpoint: str | Path | None = None, **options: Any) -> Result:
     """Classify every head (and every band as a 2-D head) of the trained model and — unless ``cfg.twin`` is false

@@ -104,6 +104,7 @@ FILES = {"curves": "tolerance_curves.csv", "units": "tolerance_units.csv", "summ
 LEGACY_META = "tolerance_meta.json"
 
 
+@base.shares_heap
 @torch.no_grad()
 def run(
     model: Any, cfg: Config | None = None, *, corpus: CorpusLike = None, twin: Any = None,

@@ -101,7 +101,9 @@ def logit_substitution_hooks(
     ``hook_k_normed`` on QK-norm models) stash the tensors; the ``hook_attn_scores`` hook calls
     ``fn(LogitContext)`` → ``(values, replace)``: ``values`` are PRE-soft-cap logits
     ``[batch, head_index, query_pos, key_pos]`` (``-inf`` = hide the key; ``None`` when ``replace``
-    is all False), ``replace`` a bool mask broadcastable to them. The returned scores are ``where(replace, softcap(values), scores)``
+    is all False), ``replace`` a bool mask broadcastable to them — or a :class:`RowValues` (values a block of query
+    rows at a time, every visible key from its ``first_key`` on replaced; the sufficiency substitution's ``f + g``).
+    The returned scores are ``where(replace, softcap(values), scores)``
     restricted to the entries the model may see: causal by sequence index and, unless
     ``remove_window``, inside the layer's sliding window. Entries not replaced keep the model's
     own value bit for bit (so a substitution that replaces nothing is an exact no-op).

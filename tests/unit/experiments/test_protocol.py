@@ -82,3 +82,50 @@ def test_run_runs_what_an_experiment_needs_first():
         registry.experiment("pattern").run(model, cfg, progress=False)
     res = registry.run("pattern", model, cfg, progress=False)
     assert set(res.tables["link"]["twin"]) == {"trained", "random"} and len(res.tables["link_summary"])
+
+
+@pytest.mark.parametrize("name", registry.ORDER)
+def test_every_run_is_wrapped_to_share_the_heap_between_its_passes(name):
+    """Each experiment's run is base.shares_heap's wrapper around the module's own function (the same code object
+    as any function shares_heap wraps), so every door — library, study, report, notebooks — gets it."""
+    run = registry.experiment(name).run
+    assert run.__code__ is base.shares_heap(lambda model: None).__code__, name
+    assert run.__wrapped__.__module__ == registry.experiment(name).__name__
+
+
+def test_a_run_of_many_passes_sets_the_heap_once_and_trims_once(monkeypatch):
+    """On the CPU a run's passes (the sufficiency study: a reference pass, clean and substituted forwards) neither
+    restore glibc's settings nor trim at their ends while the resident memory stays within the margin: one setting
+    at the run's start, one restore and trim at its end. A plain function outside a run: per pass, as before. On a
+    GPU model the wrapper changes nothing."""
+    from posgen_tl.hooks import heap
+
+    class Lib:
+        calls: list = []
+
+        def mallopt(self, param, value):
+            self.calls.append(("mallopt", param, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            self.calls.append(("trim", pad))
+            return 1
+
+    lib = Lib()
+    monkeypatch.setattr(heap, "_LIBC", lib)
+    monkeypatch.setattr(heap, "resident_bytes", lambda: 2**30)  # no growth: no pass trims past the margin
+    keep = [("mallopt", heap.M_MMAP_THRESHOLD, heap.KEEP_MMAP), ("mallopt", heap.M_TRIM_THRESHOLD, heap.KEEP_TRIM)]
+    back = [("mallopt", heap.M_MMAP_THRESHOLD, heap.GLIBC_MMAP_MAX), ("mallopt", heap.M_TRIM_THRESHOLD,
+                                                                      heap.GLIBC_TRIM_MAX), ("trim", 0)]
+    model = tm.hf_llama(n_layers=2)[0]
+    cfg = registry.make_config("sufficiency", "quick", {"n_ref": "1"}, dict(n_seq=2, seq_len=24))
+    registry.experiment("sufficiency").run(model, cfg, progress=False)
+    assert lib.calls == keep + back
+    lib.calls.clear()
+    registry.experiment("sufficiency").run.__wrapped__(model, cfg, progress=False)  # the function unwrapped
+    assert lib.calls.count(("trim", 0)) > 1 and lib.calls[: len(keep + back)] == keep + back
+    lib.calls.clear()
+    monkeypatch.setattr("posgen_tl.hooks.capture.model_device", lambda m: torch.device("cuda"))
+    seen = []
+    base.shares_heap(lambda model: seen.append(heap._DEPTH[0]))(model)
+    assert seen == [0] and lib.calls == []

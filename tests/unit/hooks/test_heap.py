@@ -45,6 +45,38 @@ def test_large_blocks_are_kept_for_the_outermost_pass_only_and_glibc_s_maxima_co
     assert lib.calls == keep + back and heap._DEPTH == [0]
 
 
+def test_passes_inside_a_run_keep_the_heap_between_them_unless_it_grew_past_the_margin(monkeypatch):
+    """In passes_share_heap the settings are made once; a pass's end (a nested large_blocks_kept) asks the run's
+    BatchTrim — the first end sets the level, a later end trims only past the margin — and the run's end restores
+    glibc's maxima and trims, also on an error. Outside a run a pass's end still restores and trims."""
+    lib = FakeLibc()
+    monkeypatch.setattr(heap, "_LIBC", lib)
+    gib = 2**30
+    sizes = iter([1 * gib, 1 * gib + 100 * 2**20, 2 * gib])
+    monkeypatch.setattr(heap, "resident_bytes", lambda: next(sizes))
+    keep = [("mallopt", heap.M_MMAP_THRESHOLD, heap.KEEP_MMAP), ("mallopt", heap.M_TRIM_THRESHOLD, heap.KEEP_TRIM)]
+    back = [("mallopt", heap.M_MMAP_THRESHOLD, heap.GLIBC_MMAP_MAX), ("mallopt", heap.M_TRIM_THRESHOLD,
+                                                                      heap.GLIBC_TRIM_MAX), ("trim", 0)]
+    with heap.passes_share_heap() as ok:
+        assert ok and lib.calls == keep
+        for _ in range(2):  # the first end sets the level, the second stays within the margin
+            with heap.large_blocks_kept():
+                pass
+        assert lib.calls == keep  # no trim, no setting touched between the passes
+        with heap.large_blocks_kept():  # this pass grew the process by 1 GiB: its end trims
+            pass
+        assert lib.calls == keep + [("trim", 0)]
+    assert lib.calls == keep + [("trim", 0)] + back and heap._BETWEEN == [None] and heap._DEPTH == [0]
+    lib.calls.clear()
+    with heap.large_blocks_kept():  # a pass on its own: as before
+        pass
+    assert lib.calls == keep + back
+    lib.calls.clear()
+    with pytest.raises(KeyboardInterrupt), heap.passes_share_heap():
+        raise KeyboardInterrupt
+    assert lib.calls == keep + back and heap._BETWEEN == [None] and heap._DEPTH == [0]
+
+
 def test_a_libc_that_refuses_the_setting_or_no_glibc_at_all_is_reported_and_harmless(monkeypatch):
     monkeypatch.setattr(heap, "_LIBC", FakeLibc(accept=False))
     with heap.large_blocks_kept() as ok:
