@@ -26,6 +26,7 @@ what it accepts — never a silently ignored option.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
@@ -403,8 +404,6 @@ def shares_heap(run: F) -> F:
 
     @functools.wraps(run)
     def wrapped(model: Any, *args: Any, **kw: Any) -> Any:
-        import contextlib  # noqa: PLC0415
-
         from posgen_tl.hooks.capture import model_device  # noqa: PLC0415
         from posgen_tl.hooks.heap import passes_share_heap  # noqa: PLC0415
 

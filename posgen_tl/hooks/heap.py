@@ -24,7 +24,7 @@ __all__ = ["BatchTrim", "large_blocks_kept", "passes_share_heap", "release_freed
 
 _LIBC: Any = None
 _DEPTH = [0]  # nested passes: only the outermost sets and restores
-_BETWEEN: list[Any] = [None]  # inside :func:`passes_share_heap`: the BatchTrim a pass asks at its end
+_BETWEEN: list[BatchTrim | None] = [None]  # inside :func:`passes_share_heap`: the BatchTrim a pass asks at its end
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 #: glibc's own upper values of its dynamic thresholds on 64-bit systems (what a process that freed a tensor of 32 MiB
 #: or more runs with): restored after a pass

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import tiny_models as tm
 import torch
+from fake_libc import BACK, KEEP, FakeLibc
 
 from posgen_tl.experiments import base, registry
 
@@ -100,23 +101,10 @@ def test_a_run_of_many_passes_sets_the_heap_once_and_trims_once(monkeypatch):
     GPU model the wrapper changes nothing."""
     from posgen_tl.hooks import heap
 
-    class Lib:
-        calls: list = []
-
-        def mallopt(self, param, value):
-            self.calls.append(("mallopt", param, value))
-            return 1
-
-        def malloc_trim(self, pad):
-            self.calls.append(("trim", pad))
-            return 1
-
-    lib = Lib()
+    lib = FakeLibc()
     monkeypatch.setattr(heap, "_LIBC", lib)
     monkeypatch.setattr(heap, "resident_bytes", lambda: 2**30)  # no growth: no pass trims past the margin
-    keep = [("mallopt", heap.M_MMAP_THRESHOLD, heap.KEEP_MMAP), ("mallopt", heap.M_TRIM_THRESHOLD, heap.KEEP_TRIM)]
-    back = [("mallopt", heap.M_MMAP_THRESHOLD, heap.GLIBC_MMAP_MAX), ("mallopt", heap.M_TRIM_THRESHOLD,
-                                                                      heap.GLIBC_TRIM_MAX), ("trim", 0)]
+    keep, back = KEEP, BACK
     model = tm.hf_llama(n_layers=2)[0]
     cfg = registry.make_config("sufficiency", "quick", {"n_ref": "1"}, dict(n_seq=2, seq_len=24))
     registry.experiment("sufficiency").run(model, cfg, progress=False)

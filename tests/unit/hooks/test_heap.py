@@ -9,30 +9,15 @@ import sys
 import pytest
 import tiny_models as tm
 import torch
+from fake_libc import BACK, KEEP, FakeLibc
 
 from posgen_tl.hooks import heap
-
-
-class FakeLibc:
-    def __init__(self, accept: bool = True) -> None:
-        self.calls: list[tuple] = []
-        self.accept = accept
-
-    def mallopt(self, param: int, value: int) -> int:
-        self.calls.append(("mallopt", param, value))
-        return 1 if self.accept else 0
-
-    def malloc_trim(self, pad: int) -> int:
-        self.calls.append(("trim", pad))
-        return 1
 
 
 def test_large_blocks_are_kept_for_the_outermost_pass_only_and_glibc_s_maxima_come_back_even_on_errors(monkeypatch):
     lib = FakeLibc()
     monkeypatch.setattr(heap, "_LIBC", lib)
-    keep = [("mallopt", heap.M_MMAP_THRESHOLD, heap.KEEP_MMAP), ("mallopt", heap.M_TRIM_THRESHOLD, heap.KEEP_TRIM)]
-    back = [("mallopt", heap.M_MMAP_THRESHOLD, heap.GLIBC_MMAP_MAX), ("mallopt", heap.M_TRIM_THRESHOLD,
-                                                                      heap.GLIBC_TRIM_MAX), ("trim", 0)]
+    keep, back = KEEP, BACK
     with heap.large_blocks_kept() as ok:
         assert ok and lib.calls == keep
         with heap.large_blocks_kept() as inner:  # a pass inside a pass: nothing set or restored by the inner one
@@ -54,9 +39,7 @@ def test_passes_inside_a_run_keep_the_heap_between_them_unless_it_grew_past_the_
     gib = 2**30
     sizes = iter([1 * gib, 1 * gib + 100 * 2**20, 2 * gib])
     monkeypatch.setattr(heap, "resident_bytes", lambda: next(sizes))
-    keep = [("mallopt", heap.M_MMAP_THRESHOLD, heap.KEEP_MMAP), ("mallopt", heap.M_TRIM_THRESHOLD, heap.KEEP_TRIM)]
-    back = [("mallopt", heap.M_MMAP_THRESHOLD, heap.GLIBC_MMAP_MAX), ("mallopt", heap.M_TRIM_THRESHOLD,
-                                                                      heap.GLIBC_TRIM_MAX), ("trim", 0)]
+    keep, back = KEEP, BACK
     with heap.passes_share_heap() as ok:
         assert ok and lib.calls == keep
         for _ in range(2):  # the first end sets the level, the second stays within the margin
