@@ -456,3 +456,41 @@ def test_a_sweep_resumed_at_the_patched_layer_equals_whole_forwards(model, token
         whole = _metric_with(model, tokens, metric, ph.around(base))
         torch.testing.assert_close(sw.values[r], whole, rtol=0, atol=1e-5)
     assert sw.values.std() > 0  # the heads differ: a wrong residual would show
+
+
+def test_groups_starting_at_one_layer_share_forwards_and_values_keep_the_given_order(model, tokens, k_means):
+    """Groups are stacked with the others that start at the same layer (a group that starts higher does not pay for
+    the blocks below it): the rows each block computes show it, and the values equal one forward per group, in the
+    order the groups were given."""
+    metric = P.target_nll(tokens, T)
+    corr = P.Swaps(0.3)
+    groups = [{2: [0]}, {0: [0, 1, 2, 3]}, {1: [1]}, {2: [1]}, {1: [0, 1, 2, 3]}, {2: [3]}]
+    from posgen_tl.hooks.reentry import skips_blocks
+
+    assert skips_blocks(model)
+    rows: dict[int, int] = {}
+
+    def count(i):
+        def pre(m, args, kwargs):
+            x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            rows[i] = rows.get(i, 0) + x.shape[0]
+        return pre
+
+    handles = [b.attn.register_forward_pre_hook(count(i), with_kwargs=True) for i, b in enumerate(model.blocks)]
+    try:
+        sw = P.patch_sweep(model, corr, tokens, metric, quantity="pos_term", groups=groups, k_means=k_means,
+                           replicas=2)
+    finally:
+        for h in handles:
+            h.remove()
+    b = tokens.shape[0]
+    # two baseline forwards of b rows through every block; then layer 0: 1 group; layer 1: 2; layer 2: 3 (2 + 1)
+    assert rows == {0: b * (2 + 1), 1: b * (2 + 1 + 2), 2: b * (2 + 1 + 2 + 3)}
+    one = P.patch_sweep(model, corr, tokens, metric, quantity="pos_term", groups=groups, k_means=k_means, replicas=1)
+    torch.testing.assert_close(sw.values, one.values, rtol=0, atol=1e-5)
+    for r, g in enumerate(groups):  # each value is its own group's, whatever forward it ran in
+        alone = P.patch_sweep(model, corr, tokens, metric, quantity="pos_term", groups=[g], k_means=k_means)
+        torch.testing.assert_close(sw.values[r], alone.values[0], rtol=0, atol=1e-5)
+    assert len({round(float(v), 4) for v in sw.values.flatten()}) > 3  # the groups differ: a mix-up would show
+    with pytest.raises(ValueError, match="group 1 of the sweep patches no layer"):
+        P.patch_sweep(model, corr, tokens, metric, quantity="pos_term", groups=[{1: [0]}, {}], k_means=k_means)
