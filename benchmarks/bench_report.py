@@ -1,0 +1,75 @@
+"""The default report's wall time, as a user gets it: ``posgen-tl report --model smollm2-135m --out DIR`` in a fresh
+process (the README's first command after set-up), then the plain forward of 8 × 512 tokens in another fresh process,
+so that a reader can tell a slow host from a slow report.
+
+    python benchmarks/bench_report.py [--model smollm2-135m] [--repeats 3] [--out benchmarks/results/report_<commit>.json]
+
+Writes the wall time of the whole command (model load included), its peak resident memory and minor page faults, the
+stage times the report printed into its results.json, and the forward's seconds (median of ``--repeats``). Run it on an
+idle machine: the report's target (≤ 5 minutes on an idle 2-core machine) is read from it by benchmarks/targets.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FORWARD = """
+import sys, time, statistics, torch
+sys.path.insert(0, {bench!r})
+torch.set_num_threads(2)
+from suite_steps import Bench
+b = Bench({model!r}, 8, 512)
+b.forward()
+s = []
+for _ in range({repeats}):
+    t = time.perf_counter(); b.forward(); s.append(time.perf_counter() - t)
+print(",".join(f"{{x:.4f}}" for x in s))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--repeats", type=int, default=3, help="forwards of 8 × 512 tokens timed after the report")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from posgen_tl.io.provenance import git_commit
+
+    work = Path(tempfile.mkdtemp(prefix="posgen_report_bench_"))
+    try:
+        cli = shutil.which("posgen-tl") or sys.exit("posgen-tl is not on PATH: install the package first")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t = time.perf_counter()
+        subprocess.run([cli, "report", "--model", a.model, "--out", str(work / "report")], check=True)
+        wall = time.perf_counter() - t
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        res = json.loads((work / "report" / "results.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    code = FORWARD.format(bench=str(ROOT / "benchmarks"), model=a.model, repeats=a.repeats)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    fwd = [float(x) for x in out.strip().splitlines()[-1].split(",")]
+    rec = {"what": "the default report, wall time", "command": f"posgen-tl report --model {a.model} --out DIR",
+           "commit": git_commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(time.time() - wall)),
+           "wall_s": wall, "report_total_s": res.get("total_seconds"), "stage_seconds": res.get("stage_seconds"),
+           "peak_rss_mib": after.ru_maxrss / 1024, "minor_faults": after.ru_minflt - before.ru_minflt,
+           "forward_8x512_s": statistics.median(fwd), "forward_8x512_seconds": fwd}
+    print(json.dumps(rec, indent=1))
+    path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"report_{str(rec['commit'])[:7]}.json"
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The performance page's targets table (benchmarks/targets.py): current with the committed result files, and its
+verdicts computed from the numbers — a number over its limit reads "not met", a missing file gives no number."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("posgen_benchmark_targets", ROOT / "benchmarks" / "targets.py")
+targets = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = targets  # its dataclasses look their module up there
+_spec.loader.exec_module(targets)
+
+
+def test_the_page_holds_the_table_the_committed_files_give():
+    page = targets.PAGE.read_text()
+    assert page.count(targets.BEGIN) == 1 and page.count(targets.END) == 1
+    assert targets.rewrite(page, targets.block()) == page, "run python benchmarks/targets.py"
+    assert targets.main(["--check"]) == 0
+    for row in targets.ROWS:  # every row points at a file that is there
+        assert (targets.RESULTS / row.file).exists(), row.file
+
+
+def _steps(tmp_path: Path, name: str, ratio: float) -> str:
+    fwd = {"seconds": [10.0, 11.0, 12.0], "ratio_median": 1.0, "ratio_min": 1.0}
+    d = {"repeats": 3, "commit": "abc1234", "steps": {"forward": fwd, "pattern": {"ratio_median": ratio,
+                                                                               "ratio_min": ratio - 0.05}}}
+    (tmp_path / name).write_text(json.dumps(d))
+    return name
+
+
+def test_verdicts_follow_the_numbers_and_a_missing_file_gives_no_number(tmp_path):
+    rows = [targets.Row("feature statistics", "8 × 512", "CPU", 1.0, "×", _steps(tmp_path, "a.json", 0.97),
+                        targets.steps_ratio("pattern", "old")),
+            targets.Row("feature statistics", "4 × 2048", "CPU", 1.0, "×", _steps(tmp_path, "b.json", 1.04),
+                        targets.steps_ratio("pattern", "old")),
+            targets.Row("decomposition", "8 × 512", "GPU", 2.0, "×", "absent.json",
+                        targets.suite_ratio("m", "8x512", "decomposition"))]
+    lines = targets.table(rows, tmp_path).splitlines()[2:]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0][3:6] == ["**0.97×** (0.92×)", "≤ 1.00×", "met"]
+    assert cells[1][3:6] == ["**1.04×** (0.99×)", "≤ 1.00×", "not met"]  # the fastest repeat does not rescue it
+    assert cells[0][6].startswith("abc1234, `a.json`; 3 repeats, forward 11.00 s")  # the file's own commit wins
+    assert cells[2][3] == "—" and cells[2][5] == "not measured" and "`absent.json` missing" in cells[2][6]
+
+
+def test_a_report_wall_time_says_how_fast_its_host_was(tmp_path):
+    d = {"commit": "def5678abcdef", "wall_s": 516.0, "forward_8x512_s": 12.71}
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    row = targets.Row("the default report", "12 × 128", "CPU", 300.0, "s", "r.json", targets.report_wall)
+    cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
+    assert cells[3:6] == ["**8 min 36 s**", "≤ 5 min 00 s", "not met"]
+    assert cells[6].startswith("def5678, `r.json`; this host ran the forward of 8 × 512 tokens in 12.71 s, 1.80× the "
+                               "reference host's 7.06 s: ≈ 4 min 47 s at its speed")
+
+
+def test_rewrite_needs_both_markers_once():
+    with pytest.raises(ValueError, match="markers must each appear once"):
+        targets.rewrite("no markers here", targets.block())
+    page = f"head\n{targets.BEGIN}\nold\n{targets.END}\ntail\n"
+    assert targets.rewrite(page, "NEW") == "head\nNEW\ntail\n"
