@@ -123,6 +123,7 @@ ROWS: list[Row] = [
         long_peak(16384)),
     Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", "results_long_chunked_gemma3_ec13fb0.json",
         long_exponent),
+    Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_54c3e84.json", report_wall),
     Row("decomposition", "8 × 512", "GPU", 2.0, "×", "results_gpu_h200_fits_5a0bb2b.json",
         suite_ratio(SMOL, "8x512", "decomposition")),
     Row("feature statistics", "8 × 512", "GPU", 2.0, "×", "results_gpu_h200_fits_5a0bb2b.json",
