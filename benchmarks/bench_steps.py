@@ -58,7 +58,9 @@ def main() -> None:
             faults[s].append(round((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps[s][1]))
         print(f"round {r}: " + ", ".join(f"{s} {secs[s][-1]:.2f} s" for s in names), flush=True)
     fwd, fmin = statistics.median(secs["forward"]), min(secs["forward"])
-    out = {"model": a.model, "n_seq": a.n_seq, "seq_len": a.seq_len, "threads": a.threads, "repeats": a.repeats,
+    from posgen_tl.io.provenance import git_commit
+
+    out = {"commit": git_commit(), "model": a.model, "n_seq": a.n_seq, "seq_len": a.seq_len, "threads": a.threads, "repeats": a.repeats,
            "steps": {s: {"seconds": secs[s], "median_s": statistics.median(secs[s]),
                          "ratio_median": statistics.median(secs[s]) / fwd, "ratio_min": min(secs[s]) / fmin,
                          "cpu_s": cpu[s], "minor_faults": faults[s]}
