@@ -54,13 +54,20 @@ class Row:
     read: Callable[[dict], Reading]
 
 
+def short(commit: str) -> str:
+    """A commit as the table shows it: 7 hex digits, and "(uncommitted changes)" kept when the file says so."""
+    c = str(commit)
+    return c.split()[0][:7] + (" (uncommitted changes)" if "uncommitted" in c else "")
+
+
 def steps_ratio(step: str, commit: str) -> Callable[[dict], Reading]:
     """A step's median ratio to the forward in a ``bench_steps.py`` file (one process, alternating); older files do not
     record the commit, so the row gives it."""
     def read(d: dict) -> Reading:
         s = d["steps"][step]
-        return Reading(s["ratio_median"], s["ratio_min"], d.get("commit", commit),
-                       f"{d['repeats']} repeats, forward {statistics.median(d['steps']['forward']['seconds']):.2f} s")
+        f = d["steps"]["forward"]["seconds"]
+        return Reading(s["ratio_median"], s["ratio_min"], short(d.get("commit", commit)),
+                       f"{d['repeats']} repeats, forward {min(f):.2f}–{max(f):.2f} s (median {statistics.median(f):.2f})")
     return read
 
 
@@ -70,7 +77,7 @@ def suite_ratio(model: str, size: str, step: str) -> Callable[[dict], Reading]:
         t = d["models"][model]["sizes"][size]["timing"]
         r = t["ratios"][step]
         fwd = statistics.median(t["seconds"]["forward"])
-        return Reading(r["median"], r["min"], str(d["commit"]).split()[0],
+        return Reading(r["median"], r["min"], short(d["commit"]),
                        f"{d['config']['repeats']} repeats, forward {fwd:.3f} s, {t.get('gpu') or d['config']['device']}")
     return read
 
@@ -79,7 +86,7 @@ def long_peak(tokens: int) -> Callable[[dict], Reading]:
     """The process's peak resident memory of one sequence's decomposition (``bench_long.py``)."""
     def read(d: dict) -> Reading:
         r = next(x for x in d["rows"] if x["tokens"] == tokens)
-        return Reading(r["peak_rss_mib"]["decompose"] / 1024, None, str(r["commit"])[:7],
+        return Reading(r["peak_rss_mib"]["decompose"] / 1024, None, short(r["commit"]),
                        f"{r['model']}, {r['threads']} thread, {r['decompose_s']:.0f} s")
     return read
 
@@ -88,31 +95,31 @@ def long_exponent(d: dict) -> Reading:
     """The exponent of the decomposition's peak above the process's start, fitted over the file's lengths."""
     toks = [r["tokens"] for r in d["rows"]]
     return Reading(d["memory_exponent_decompose"]["peak_rss_delta_mib"], None,
-                   str(d["rows"][-1]["commit"])[:7], f"{d['rows'][0]['model']}, {min(toks)}–{max(toks)} tokens")
+                   short(d["rows"][-1]["commit"]), f"{d['rows'][0]['model']}, {min(toks)}–{max(toks)} tokens")
 
 
 def gpu_long(d: dict) -> Reading:
     """One long sequence decomposed on a GPU (``bench_gpu.py long``): peak GPU memory above the start."""
-    return Reading(d["decompose"]["peak_gib"], None, str(d["commit"])[:7],
+    return Reading(d["decompose"]["peak_gib"], None, short(d["commit"]),
                    f"{d['device']}, {d['decompose']['median_s']:.1f} s; above the {d['weights_gib']:.2f} GiB of weights")
 
 
 def report_wall(d: dict) -> Reading:
     """The default report's wall time (``bench_report.py``), with the host's forward beside it."""
     slow = d["forward_8x512_s"] / REFERENCE_FORWARD_S
-    return Reading(d["wall_s"], None, str(d["commit"])[:7],
+    return Reading(d["wall_s"], None, short(d["commit"]),
                    f"this host ran the forward of 8 × 512 tokens in {d['forward_8x512_s']:.2f} s, {slow:.2f}× the "
                    f"reference host's {REFERENCE_FORWARD_S:.2f} s: ≈ {_num(d['wall_s'] / slow, 's')} at its speed")
 
 
 SMOL = "random:smollm2-135m"
 ROWS: list[Row] = [
-    Row("decomposition", "8 × 512", "CPU", 1.3, "×", "results_steps_8x512_5ae7be2.json",
-        steps_ratio("decomposition", "5ae7be2")),
-    Row("feature statistics", "8 × 512", "CPU", 1.0, "×", "results_steps_8x512_5ae7be2.json",
-        steps_ratio("pattern", "5ae7be2")),
-    Row("sufficiency", "8 × 512", "CPU", 1.2, "×", "results_steps_8x512_sufficiency_21c344d.json",
-        steps_ratio("sufficiency", "21c344d")),
+    Row("decomposition", "8 × 512", "CPU", 1.3, "×", "results_steps_8x512_50a14ec.json",
+        steps_ratio("decomposition", "50a14ec")),
+    Row("feature statistics", "8 × 512", "CPU", 1.0, "×", "results_steps_8x512_50a14ec.json",
+        steps_ratio("pattern", "50a14ec")),
+    Row("sufficiency", "8 × 512", "CPU", 1.2, "×", "results_steps_8x512_50a14ec.json",
+        steps_ratio("sufficiency", "50a14ec")),
     Row("decomposition", "4 × 2048", "CPU", 1.3, "×", "results_steps_4x2048_5ae7be2.json",
         steps_ratio("decomposition", "5ae7be2")),
     Row("feature statistics", "4 × 2048", "CPU", 1.0, "×", "results_steps_4x2048_5ae7be2.json",

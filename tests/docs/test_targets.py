@@ -45,7 +45,7 @@ def test_verdicts_follow_the_numbers_and_a_missing_file_gives_no_number(tmp_path
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     assert cells[0][3:6] == ["**0.97×** (0.92×)", "≤ 1.00×", "met"]
     assert cells[1][3:6] == ["**1.04×** (0.99×)", "≤ 1.00×", "not met"]  # the fastest repeat does not rescue it
-    assert cells[0][6].startswith("abc1234, `a.json`; 3 repeats, forward 11.00 s")  # the file's own commit wins
+    assert cells[0][6].startswith("abc1234, `a.json`; 3 repeats, forward 10.00–12.00 s (median 11.00)")  # the file's own commit wins
     assert cells[2][3] == "—" and cells[2][5] == "not measured" and "`absent.json` missing" in cells[2][6]
 
 
@@ -57,6 +57,12 @@ def test_a_report_wall_time_says_how_fast_its_host_was(tmp_path):
     assert cells[3:6] == ["**8 min 36 s**", "≤ 5 min 00 s", "not met"]
     assert cells[6].startswith("def5678, `r.json`; this host ran the forward of 8 × 512 tokens in 12.71 s, 1.80× the "
                                "reference host's 7.06 s: ≈ 4 min 47 s at its speed")
+
+
+def test_a_commit_is_shortened_but_an_uncommitted_run_stays_marked():
+    assert targets.short("54c3e842176223490e021cf8f03e4d0a4b4b5248") == "54c3e84"
+    assert targets.short("54c3e842176223490e021cf8 (uncommitted changes)") == "54c3e84 (uncommitted changes)"
+    assert targets.short("5a0bb2b (package code)") == "5a0bb2b"
 
 
 def test_rewrite_needs_both_markers_once():
