@@ -27,14 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FORWARD = """
 import sys, time, statistics, torch
 sys.path.insert(0, {bench!r})
-torch.set_num_threads(2)
-from suite_steps import Bench
+from suite_steps import Bench  # torch's default threads, as the report runs
 b = Bench({model!r}, 8, 512)
 b.forward()
 s = []
 for _ in range({repeats}):
     t = time.perf_counter(); b.forward(); s.append(time.perf_counter() - t)
-print(",".join(f"{{x:.4f}}" for x in s))
+print(torch.get_num_threads(), ",".join(f"{{x:.4f}}" for x in s))
 """
 
 
@@ -44,8 +43,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="forwards of 8 × 512 tokens timed after the report")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    import os
+    import platform
+
     from posgen_tl.io.provenance import git_commit
 
+    commit, started = git_commit(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": os.getloadavg()}
     work = Path(tempfile.mkdtemp(prefix="posgen_report_bench_"))
     try:
         cli = shutil.which("posgen-tl") or sys.exit("posgen-tl is not on PATH: install the package first")
@@ -58,11 +62,15 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     code = FORWARD.format(bench=str(ROOT / "benchmarks"), model=a.model, repeats=a.repeats)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    fwd = [float(x) for x in out.strip().splitlines()[-1].split(",")]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"the forward's timing failed:\n{proc.stderr[-4000:]}")
+    threads, secs = proc.stdout.strip().splitlines()[-1].split()
+    fwd = [float(x) for x in secs.split(",")]
     rec = {"what": "the default report, wall time", "command": f"posgen-tl report --model {a.model} --out DIR",
-           "commit": git_commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(time.time() - wall)),
-           "wall_s": wall, "report_total_s": res.get("total_seconds"), "stage_seconds": res.get("stage_seconds"),
+           "commit": commit, "started": started, "machine": {**machine, "load_avg_end": os.getloadavg()},
+           "forward_threads": int(threads), "wall_s": wall, "report_total_s": res.get("total_seconds"),
+           "stage_seconds": res.get("stage_seconds"),
            "peak_rss_mib": after.ru_maxrss / 1024, "minor_faults": after.ru_minflt - before.ru_minflt,
            "forward_8x512_s": statistics.median(fwd), "forward_8x512_seconds": fwd}
     print(json.dumps(rec, indent=1))

@@ -356,8 +356,8 @@ def patch_sweep(
     instead of two forwards.
 
     Raises:
-        ValueError: an unknown quantity or direction, an empty group list, a metric that returns a non-scalar
-            or a non-finite value, a corruption that leaves the ids unchanged.
+        ValueError: an unknown quantity or direction, an empty group list or a group that names no layer, a
+            metric that returns a non-scalar or a non-finite value, a corruption that leaves the ids unchanged.
         IndexRangeError: a layer or head outside the model.
         CaptureError: the model cannot deliver the quantity (named)."""
     if direction not in ("denoising", "noising"):
@@ -365,6 +365,9 @@ def patch_sweep(
                          f"got {direction!r}")
     if not groups:
         raise ValueError("no group of heads to patch")
+    empty = [i for i, g in enumerate(groups) if not g]
+    if empty:
+        raise ValueError(f"group {empty[0]} of the sweep patches no layer: each group maps layers to heads")
     site = patch_site(model, quantity)
     spec, _ = probe_hooks(model)
     tokens = check_tokens(model, clean, spec)
@@ -423,11 +426,11 @@ def _parts(groups: Sequence[Group], n_rep: int, spec: Any) -> list[list[int]]:
     """The patched forwards of a sweep: per forward the indices of its groups in ``groups``. Groups whose first
     patched layer is the same share forwards (a forward resumes at its groups' first layer, so a group that starts
     higher would pay for the blocks in between), in chunks of at most ``n_rep`` that differ in size by at most one;
-    the forwards go in the order of their first layer."""
+    the forwards go in the order of their first layer. This minimises the blocks computed, not the forwards: a sweep
+    of whole layers runs one forward per layer (before, ``n_rep`` layers shared one forward from the lowest), and the
+    base run keeps one residual ``[batch, pos, d_model]`` per layer that starts a forward."""
     by_start: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
-        if not g:
-            raise ValueError(f"group {i} of the sweep patches no layer: each group maps layers to heads")
         by_start.setdefault(min(spec.layer_index(layer) for layer in g), []).append(i)
     out: list[list[int]] = []
     for start in sorted(by_start):

@@ -28,8 +28,8 @@ def test_the_page_holds_the_table_the_committed_files_give():
 
 def _steps(tmp_path: Path, name: str, ratio: float) -> str:
     fwd = {"seconds": [10.0, 11.0, 12.0], "ratio_median": 1.0, "ratio_min": 1.0}
-    d = {"repeats": 3, "commit": "abc1234", "steps": {"forward": fwd, "pattern": {"ratio_median": ratio,
-                                                                               "ratio_min": ratio - 0.05}}}
+    step = {"seconds": [x * ratio for x in fwd["seconds"]], "ratio_median": ratio, "ratio_min": ratio - 0.05}
+    d = {"repeats": 3, "commit": "abc1234", "steps": {"forward": fwd, "pattern": step}}
     (tmp_path / name).write_text(json.dumps(d))
     return name
 
@@ -45,7 +45,8 @@ def test_verdicts_follow_the_numbers_and_a_missing_file_gives_no_number(tmp_path
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     assert cells[0][3:6] == ["**0.97×** (0.92×)", "≤ 1.00×", "met"]
     assert cells[1][3:6] == ["**1.04×** (0.99×)", "≤ 1.00×", "not met"]  # the fastest repeat does not rescue it
-    assert cells[0][6].startswith("abc1234, `a.json`; 3 repeats, forward 10.00–12.00 s (median 11.00)")  # the file's own commit wins
+    assert cells[0][6] == ("abc1234, `a.json`; 3 rounds, forward 10.00–12.00 s (median 11.00); median of the rounds' "
+                           "own ratios 0.97×")  # the file's own commit wins
     assert cells[2][3] == "—" and cells[2][5] == "not measured" and "`absent.json` missing" in cells[2][6]
 
 
@@ -54,9 +55,15 @@ def test_a_report_wall_time_says_how_fast_its_host_was(tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(d))
     row = targets.Row("the default report", "12 × 128", "CPU", 300.0, "s", "r.json", targets.report_wall)
     cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
-    assert cells[3:6] == ["**8 min 36 s**", "≤ 5 min 00 s", "not met"]
-    assert cells[6].startswith("def5678, `r.json`; this host ran the forward of 8 × 512 tokens in 12.71 s, 1.80× the "
-                               "reference host's 7.06 s: ≈ 4 min 47 s at its speed")
+    assert cells[3:6] == ["**8 min 36 s**", "≤ 5 min 00 s", "not met"]  # measured here: the scaled estimate is a note
+    assert cells[6] == ("def5678, `r.json`; this host ran the forward of 8 × 512 tokens in 12.71 s (median), 1.81× the "
+                        "7.01 s of the machine the target was set on: scaled by that, ≈ 4.5 min (an estimate, not a "
+                        "measurement)")
+
+
+def test_times_round_to_the_second_across_a_minute():
+    assert targets._num(299.6, "s") == "5 min 00 s" and targets._num(59.4, "s") == "0 min 59 s"
+    assert targets._num(59.6, "s") == "1 min 00 s"
 
 
 def test_a_commit_is_shortened_but_an_uncommitted_run_stays_marked():
@@ -70,3 +77,17 @@ def test_rewrite_needs_both_markers_once():
         targets.rewrite("no markers here", targets.block())
     page = f"head\n{targets.BEGIN}\nold\n{targets.END}\ntail\n"
     assert targets.rewrite(page, "NEW") == "head\nNEW\ntail\n"
+
+
+def test_a_gpu_row_brackets_the_fastest_repeat_over_the_fastest_forward(tmp_path):
+    secs = {"forward": [0.10, 0.12, 0.20], "decomposition": [0.21, 0.30, 0.25]}
+    timing = {"seconds": secs, "ratios": {"decomposition": {"median": 1.75, "min": 1.25}}, "gpu": "Some GPU"}
+    d = {"commit": "0123456 (package code)", "config": {"repeats": 3, "device": "cuda"},
+         "models": {"m": {"sizes": {"8x512": {"timing": timing}}}}}
+    (tmp_path / "g.json").write_text(json.dumps(d))
+    row = targets.Row("decomposition", "8 × 512", "GPU", 2.0, "×", "g.json", targets.suite_ratio("m", "8x512",
+                                                                                                   "decomposition"))
+    cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
+    # the suite's median of per-repeat ratios; in brackets 0.21 / 0.10, not the smallest per-repeat ratio (1.25)
+    assert cells[3:6] == ["**1.75×** (2.10×)", "≤ 2.00×", "met"]
+    assert cells[6] == "0123456, `g.json`; 3 repeats, forward 0.120 s, Some GPU"

@@ -469,11 +469,13 @@ def test_groups_starting_at_one_layer_share_forwards_and_values_keep_the_given_o
 
     assert skips_blocks(model)
     rows: dict[int, int] = {}
+    widest: list[int] = []  # the rows of each block call: at most `replicas` copies of the batch
 
     def count(i):
         def pre(m, args, kwargs):
             x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
             rows[i] = rows.get(i, 0) + x.shape[0]
+            widest.append(x.shape[0])
         return pre
 
     handles = [b.attn.register_forward_pre_hook(count(i), with_kwargs=True) for i, b in enumerate(model.blocks)]
@@ -484,8 +486,9 @@ def test_groups_starting_at_one_layer_share_forwards_and_values_keep_the_given_o
         for h in handles:
             h.remove()
     b = tokens.shape[0]
-    # two baseline forwards of b rows through every block; then layer 0: 1 group; layer 1: 2; layer 2: 3 (2 + 1)
+    # two baseline forwards of b rows through every block; then layer 0: 1 group; layer 1: 2; layer 2: 3 (1 + 2)
     assert rows == {0: b * (2 + 1), 1: b * (2 + 1 + 2), 2: b * (2 + 1 + 2 + 3)}
+    assert max(widest) == 2 * b  # layer 2's three groups in two forwards (1 + 2), never 3 copies at once
     one = P.patch_sweep(model, corr, tokens, metric, quantity="pos_term", groups=groups, k_means=k_means, replicas=1)
     torch.testing.assert_close(sw.values, one.values, rtol=0, atol=1e-5)
     for r, g in enumerate(groups):  # each value is its own group's, whatever forward it ran in
