@@ -121,34 +121,37 @@ def report_wall(d: dict) -> Reading:
 
 
 SMOL = "random:smollm2-135m"
+#: (label, step, CPU limit) of the three ratio targets; the GPU's limit is 2× for the first two
+STEPS = [("decomposition", "decomposition", 1.3), ("feature statistics", "pattern", 1.0), ("sufficiency", "sufficiency", 1.2)]
+GB_IN_GIB = 1e9 / 2**30
+
+
+def cpu_rows(size: str, files: dict[str, str]) -> list[Row]:
+    """The CPU ratio rows of one size; ``files``: step → ``bench_steps.py`` file (its name ends in the commit)."""
+    return [Row(label, size, "CPU", limit, "×", files[step], steps_ratio(step, files[step][-12:-5]))
+            for label, step, limit in STEPS]
+
+
+def gpu_rows(size: str, file: str) -> list[Row]:
+    """The GPU ratio rows of one size from one ``suite.py --device cuda`` file."""
+    return [Row(label, size, "GPU", 2.0, "×", file, suite_ratio(SMOL, size.replace(" × ", "x"), step))
+            for label, step, _ in STEPS[:2]]
+
+
+_8x512, _4x2048 = "results_steps_8x512_50a14ec.json", "results_steps_4x2048_5ae7be2.json"
+_LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_fits_5a0bb2b.json"
 ROWS: list[Row] = [
-    Row("decomposition", "8 × 512", "CPU", 1.3, "×", "results_steps_8x512_50a14ec.json",
-        steps_ratio("decomposition", "50a14ec")),
-    Row("feature statistics", "8 × 512", "CPU", 1.0, "×", "results_steps_8x512_50a14ec.json",
-        steps_ratio("pattern", "50a14ec")),
-    Row("sufficiency", "8 × 512", "CPU", 1.2, "×", "results_steps_8x512_50a14ec.json",
-        steps_ratio("sufficiency", "50a14ec")),
-    Row("decomposition", "4 × 2048", "CPU", 1.3, "×", "results_steps_4x2048_5ae7be2.json",
-        steps_ratio("decomposition", "5ae7be2")),
-    Row("feature statistics", "4 × 2048", "CPU", 1.0, "×", "results_steps_4x2048_5ae7be2.json",
-        steps_ratio("pattern", "5ae7be2")),
-    Row("sufficiency", "4 × 2048", "CPU", 1.2, "×", "results_steps_4x2048_sufficiency_21c344d.json",
-        steps_ratio("sufficiency", "21c344d")),
-    Row("decomposition: peak resident memory (8 GB = 7.45 GiB)", "1 × 16384", "CPU", 8.0 * 1e9 / 2**30, "GiB", "results_long_chunked_gemma3_ec13fb0.json",
+    *cpu_rows("8 × 512", dict.fromkeys(("decomposition", "pattern", "sufficiency"), _8x512)),
+    *cpu_rows("4 × 2048", {"decomposition": _4x2048, "pattern": _4x2048,
+                           "sufficiency": "results_steps_4x2048_sufficiency_21c344d.json"}),
+    Row("decomposition: peak resident memory (8 GB = 7.45 GiB)", "1 × 16384", "CPU", 8 * GB_IN_GIB, "GiB", _LONG,
         long_peak(16384)),
-    Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", "results_long_chunked_gemma3_ec13fb0.json",
-        long_exponent),
+    Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", _LONG, long_exponent),
     Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_54c3e84.json", report_wall),
-    Row("decomposition", "8 × 512", "GPU", 2.0, "×", "results_gpu_h200_fits_5a0bb2b.json",
-        suite_ratio(SMOL, "8x512", "decomposition")),
-    Row("feature statistics", "8 × 512", "GPU", 2.0, "×", "results_gpu_h200_fits_5a0bb2b.json",
-        suite_ratio(SMOL, "8x512", "pattern")),
-    Row("decomposition", "4 × 2048", "GPU", 2.0, "×", "results_gpu_h200_fits_5a0bb2b.json",
-        suite_ratio(SMOL, "4x2048", "decomposition")),
-    Row("feature statistics", "4 × 2048", "GPU", 2.0, "×", "results_gpu_h200_fits_5a0bb2b.json",
-        suite_ratio(SMOL, "4x2048", "pattern")),
-    Row("decomposition on one 80 GB card (74.5 GiB)", "1 × 16384", "GPU", 80.0 * 1e9 / 2**30, "GiB", "results_gpu_h200_16k.json",
-        gpu_long),
+    *gpu_rows("8 × 512", _GPU),
+    *gpu_rows("4 × 2048", _GPU),
+    Row("decomposition on one 80 GB card (74.5 GiB)", "1 × 16384", "GPU", 80 * GB_IN_GIB, "GiB",
+        "results_gpu_h200_16k.json", gpu_long),
 ]
 
 
