@@ -138,7 +138,7 @@ def gpu_rows(size: str, file: str) -> list[Row]:
             for label, step, _ in STEPS[:2]]
 
 
-_8x512, _4x2048 = "results_steps_8x512_50a14ec.json", "results_steps_4x2048_5ae7be2.json"
+_8x512, _4x2048 = "results_steps_8x512_51270d7.json", "results_steps_4x2048_5ae7be2.json"
 _LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_fits_5a0bb2b.json"
 ROWS: list[Row] = [
     *cpu_rows("8 × 512", dict.fromkeys(("decomposition", "pattern", "sufficiency"), _8x512)),
