@@ -348,9 +348,10 @@ def patch_sweep(
     The source run's baseline forward records the quantity in every layer the groups touch; then forwards of up to
     ``replicas`` stacked copies of the batch each patch one group per copy (default ``replicas``: the number of heads
     per layer) — groups with the same first patched layer together, ``ceil(count / replicas)`` forwards per such
-    layer —, each resumed at that layer from the base run's residual there (:mod:`posgen_tl.hooks.reentry`: the blocks below are the base run's and are not
-    computed again; the batch keeps one ``[batch, pos, d_model]`` residual per such layer while it runs). The logit terms need ``k_means`` (the global mean
-    pre-rotation key per layer, :func:`posgen_tl.hooks.edits.key_means` on reference documents).
+    layer —, each resumed at that layer from the base run's residual there (:mod:`posgen_tl.hooks.reentry`: the
+    blocks below are the base run's and are not computed again; the batch keeps one ``[batch, pos, d_model]`` residual
+    per such layer while it runs). The logit terms need ``k_means`` (the global mean pre-rotation key per layer,
+    :func:`posgen_tl.hooks.edits.key_means` on reference documents).
     ``reuse``: an earlier sweep of the same batch, quantity kind, direction and corrupted ids (e.g. the same
     logit term with another k̄: the recorded q/k do not depend on k̄) — its baselines and recording are taken
     instead of two forwards.
@@ -386,9 +387,8 @@ def patch_sweep(
     rec = record_hooks(model, quantity, layers, store)
     rep = reposition_hooks(model, ids)
     n_rep = max(1, int(replicas or spec.n_heads))
-    order = _parts(groups, n_rep, spec)
-    parts = [[groups[i] for i in idx] for idx in order]
-    starts = sorted({min(_groups_masks(p, n, n_idx, spec, site.kv)) for p in parts} - {0})
+    order = _parts(groups, n_rep, spec)  # [(first patched layer, group indices)] per patched forward
+    starts = sorted({start for start, _ in order} - {0})
     base_store: dict[int, list[Tensor]] = {}
     base_rec = resid_hooks(starts, base_store)  # the base run's residuals, where the patched forwards resume
     if reuse is not None:
@@ -409,21 +409,23 @@ def patch_sweep(
         corr_m = _run_metric(model, tokens, metric, rec.around(rep), 1)[0]
         prefix = recorded(base_store)
     out = []
-    for part in tqdm(parts, desc=f"patching {quantity}", disable=not verbose, leave=False):
+    for start, idx in tqdm(order, desc=f"patching {quantity}", disable=not verbose, leave=False):
+        part = [groups[i] for i in idx]
         masks = _groups_masks(part, n, n_idx, spec, site.kv)
         ph = patch_hooks(model, quantity, masks, store, k_means=k_means, base_positions=base_ids,
                          source_positions=src_ids)
         base_rep = reposition_hooks(model, base_ids.repeat(len(part), 1)) if base_ids is not None else []
-        start = min(masks)  # every block below the first patched layer is the base run's: resume there
+        # every block below the first patched layer is the base run's: resume there
         out.append(_run_metric(model, tokens, metric, ph.around(base_rep), len(part),
                                None if start == 0 else (start, prefix[start])))
     values = torch.empty_like(stacked := torch.cat(out))
-    values[torch.tensor([i for idx in order for i in idx])] = stacked  # back in the order of ``groups``
+    values[torch.tensor([i for _, idx in order for i in idx])] = stacked  # back in the order of ``groups``
     return PatchSweep(values, clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted), store, prefix)
 
 
-def _parts(groups: Sequence[Group], n_rep: int, spec: Any) -> list[list[int]]:
-    """The patched forwards of a sweep: per forward the indices of its groups in ``groups``. Groups whose first
+def _parts(groups: Sequence[Group], n_rep: int, spec: Any) -> list[tuple[int, list[int]]]:
+    """The patched forwards of a sweep: per forward its first patched layer and the indices of its groups in
+    ``groups``. Groups whose first
     patched layer is the same share forwards (a forward resumes at its groups' first layer, so a group that starts
     higher would pay for the blocks in between), in chunks of at most ``n_rep`` that differ in size by at most one;
     the forwards go in the order of their first layer. This minimises the blocks computed, not the forwards: a sweep
@@ -432,11 +434,11 @@ def _parts(groups: Sequence[Group], n_rep: int, spec: Any) -> list[list[int]]:
     by_start: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
         by_start.setdefault(min(spec.layer_index(layer) for layer in g), []).append(i)
-    out: list[list[int]] = []
+    out: list[tuple[int, list[int]]] = []
     for start in sorted(by_start):
         idx = by_start[start]
         k = -(-len(idx) // n_rep)
-        out += [idx[j * len(idx) // k : (j + 1) * len(idx) // k] for j in range(k)]
+        out += [(start, idx[j * len(idx) // k : (j + 1) * len(idx) // k]) for j in range(k)]
     return out
 
 

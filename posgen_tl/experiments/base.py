@@ -33,8 +33,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-__all__ = ["Config", "Option", "option", "config_of", "Result", "run_or_skip", "shares_heap", "save_tables", "load_tables", "n_ref_option",
-           "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers", "parse_assignments"]
+__all__ = ["Config", "Option", "option", "config_of", "Result", "run_or_skip", "shares_heap", "save_tables", "load_tables",
+           "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers",
+           "parse_assignments"]
 
 PRESETS = ("default", "quick", "full")
 _UNSET: Any = object()

@@ -34,8 +34,8 @@ from posgen_tl.maths.approx_logits import (
 from posgen_tl.maths.decompose import fit_additive
 from posgen_tl.maths.rope import LayerRope
 
-__all__ = ["LogitContext", "RowValues", "logit_substitution_hooks", "lm_infinite_hooks", "disentangled_hooks", "sufficiency_hooks",
-           "window_removal_hooks", "local_layers"]
+__all__ = ["LogitContext", "RowValues", "logit_substitution_hooks", "lm_infinite_hooks", "disentangled_hooks",
+           "sufficiency_hooks", "window_removal_hooks", "local_layers"]
 
 HookList = list[tuple[str, Callable]]
 

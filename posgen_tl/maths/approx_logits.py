@@ -186,6 +186,11 @@ def _kbar(k_mean: Tensor, z: _Bands) -> Tensor:
     return km.to(device=z.q.device, dtype=z.q.dtype)
 
 
+def _check_delta0(delta0: int) -> None:
+    if int(delta0) != delta0:
+        raise ValueError(f"delta0 must be an integer offset, got {delta0!r}")
+
+
 def d3_approx_logits(
     q: Float[Tensor, "batch pos head_index d_head"],
     k: Float[Tensor, "batch pos kv_head d_head"],
@@ -207,8 +212,7 @@ def d3_approx_logits(
         float64 ``[batch, head_index, query_pos, key_pos]``, ``-inf`` for ``j > i``.
     """
     _check_cap("cap", cap)
-    if int(delta0) != delta0:
-        raise ValueError(f"delta0 must be an integer offset, got {delta0!r}")
+    _check_delta0(delta0)
     z = _Bands(q, k, rope, positions, dtype)
     km = _kbar(k_mean, z)
     b, n = q.shape[0], q.shape[1]
@@ -243,8 +247,7 @@ def d3_row_blocks(
     """
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"q and k must be [batch, pos, head, d_head], got {tuple(q.shape)} / {tuple(k.shape)}")
-    if int(delta0) != delta0:
-        raise ValueError(f"delta0 must be an integer offset, got {delta0!r}")
+    _check_delta0(delta0)
     b, n, h, d = q.shape
     kv = k.shape[-2]
     if k_mean.ndim != 2 or k_mean.shape[-1] != d or k_mean.shape[0] not in (kv, h):
