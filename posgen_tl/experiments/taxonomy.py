@@ -27,7 +27,7 @@ the null quantile and ``min_score``; positional / symbolic / both / neither / un
 Per head also: frequency usage (energy share of pre-rotation q and k per band,
 :class:`posgen_tl.maths.band_stats.BandStats`, and :func:`frequency_centroid`; 0 = fastest band),
 and the D3 **positional share** ``V(f)/(V(f)+V(g))`` of the clean prompts' within-row logit
-variance (:func:`posgen_tl.maths.decompose.d3_split`) with a GLOBAL ``k̄`` per kv-head from
+variance (:func:`posgen_tl.maths.decompose.d3_terms`) with a GLOBAL ``k̄`` per kv-head from
 reference windows of documents disjoint from the analysed ones (sink excluded); the same
 share with each prompt's own mean key is reported beside it (``positional_share_seq``).
 :func:`share_by_class` tests whether positional heads carry more positional share than
@@ -54,7 +54,7 @@ from posgen_tl.io.models import random_twin
 from posgen_tl.io.sampling import Windows, sample_windows
 from posgen_tl.maths.band_stats import BandStats
 from posgen_tl.maths.decompose import causal_mask as fit_mask
-from posgen_tl.maths.decompose import d3_split
+from posgen_tl.maths.decompose import d3_terms
 from posgen_tl.maths.rope import causal_mask, kv_head_index, scores_from_rotated
 from posgen_tl.maths.taxonomy import (
     LABELS,
@@ -155,11 +155,11 @@ def _score_prompt(
     acc.q_stats.update(clean_q, keep)
     acc.k_stats.update(clean_k, keep)
     fmask = fit_mask(n, sink=sink, sliding_window=rope.sliding_window)
-    d3 = d3_split(clean_q, clean_k, k_mean, c.positions[sl][:1], rope)
-    acc.share[prompt] = positional_share(d3.f, d3.g, fmask)[0].cpu().numpy()
+    d3 = d3_terms(clean_q, clean_k, k_mean, c.positions[sl][:1], rope, terms=("f", "g"))  # the logits W unused
+    acc.share[prompt] = positional_share(d3["f"], d3["g"], fmask)[0].cpu().numpy()
     k_seq = clean_k[0, sink:].double().mean(0).float()  # this prompt's own mean key (sink excluded)
-    d3s = d3_split(clean_q, clean_k, k_seq, c.positions[sl][:1], rope)
-    acc.share_seq[prompt] = positional_share(d3s.f, d3s.g, fmask)[0].cpu().numpy()
+    d3s = d3_terms(clean_q, clean_k, k_seq, c.positions[sl][:1], rope, terms=("f", "g"))
+    acc.share_seq[prompt] = positional_share(d3s["f"], d3s["g"], fmask)[0].cpu().numpy()
     if rows.numel() == 0:
         return
     rq = c.rot_q[sl][:, rows]  # [K+1, n_q, H, d]

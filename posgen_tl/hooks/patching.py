@@ -35,7 +35,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from posgen_tl.hooks.capture import CaptureError, from_heads, model_device, pre_rotation_stash, probe_hooks, to_heads
-from posgen_tl.maths.decompose import d3_split
+from posgen_tl.maths.decompose import d3_split, d3_terms
 
 __all__ = ["QUANTITIES", "TERMS", "Hooks", "PatchSite", "patch_site", "record_hooks", "patch_hooks", "term_maps"]
 
@@ -170,11 +170,10 @@ def term_maps(
 ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
     """One logit term of docs/method.md §2 from pre-rotation ``q``, ``k`` and the global ``k_mean`` at the
     ids ``positions``: ``pos_term`` = f, ``sem_term`` = g, ``remainder`` = W − f − g (float64, unmasked)."""
+    if quantity in ("pos_term", "sem_term"):  # one map, not all three
+        term = "f" if quantity == "pos_term" else "g"
+        return d3_terms(q, k, k_mean, positions, rope, terms=(term,))[term]
     sp = d3_split(q, k, k_mean, positions, rope)
-    if quantity == "pos_term":
-        return sp.f
-    if quantity == "sem_term":
-        return sp.g
     return sp.W - sp.f - sp.g
 
 
@@ -251,7 +250,7 @@ def patch_hooks(
             pos_b = _positions(base_positions, q.shape[0] // n_rep, n, q.device).repeat(n_rep, 1)
             pos_s = _positions(source_positions, src["q"].shape[0], n, q.device)
             t_src = term_maps(src["q"].to(q.device), src["k"].to(q.device), km, pos_s, rope, quantity)
-            t_base = _replicas(term_maps(q, k, km, pos_b, rope, quantity), n_rep)
+            t_base = _base_term(q, k, km, pos_b, rope, quantity, n_rep)
             ws = _replicas(w, n_rep)
             delta = (t_src[None] - t_base).to(w.dtype)
             sel = _head_mask(mask.to(w.device), site) & torch.isfinite(ws)
@@ -260,6 +259,16 @@ def patch_hooks(
         before += pre_rotation_stash(model, info, layer, spec.d_head, stash)
         out.append((info.name(layer, "hook_attn_scores"), rewrite))
     return Hooks(before, out)
+
+
+def _base_term(q: Tensor, k: Tensor, km: Tensor, pos: Tensor, rope: Any, quantity: str, n_rep: int) -> Tensor:
+    """``term_maps`` of a forward of ``n_rep`` stacked replicas, ``[replica or 1, batch, head_index, query_pos,
+    key_pos]``: computed once and broadcast when every replica's q, k and positions equal the first's (the layer a
+    forward resumes at, where no patch has acted yet), otherwise per replica."""
+    qs, ks, ps = _replicas(q, n_rep), _replicas(k, n_rep), _replicas(pos, n_rep)
+    if n_rep > 1 and bool((qs == qs[:1]).all() & (ks == ks[:1]).all() & (ps == ps[:1]).all()):
+        return term_maps(qs[0], ks[0], km, ps[0], rope, quantity)[None]
+    return _replicas(term_maps(q, k, km, pos, rope, quantity), n_rep)
 
 
 def _positions(p: Tensor | None, batch: int, n: int, device: Any) -> Tensor:

@@ -39,6 +39,8 @@ __all__ = [
     "fit_additive",
     "normal_system",
     "D3Split",
+    "D3_TERMS",
+    "d3_terms",
     "d3_split",
     "d3_bound",
     "d3_bound_rows",
@@ -277,6 +279,63 @@ def _d3_inputs(q: Tensor, k: Tensor, k_mean: Tensor, positions: Tensor, rope: La
     return q, k, k_mean, zq, zk, zkbar, phi, psi0
 
 
+#: the maps :func:`d3_terms` can compute: the logits and the two terms
+D3_TERMS = ("W", "f", "g")
+
+
+def d3_terms(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos head_index d_head"],
+    k_mean: Float[Tensor, "head_index d_head"] | Float[Tensor, "batch head_index d_head"],
+    positions: Int[Tensor, "batch pos"],
+    rope: LayerRope,
+    delta0: float = 0,
+    *,
+    terms: Sequence[str] = D3_TERMS,
+) -> dict[str, Float[Tensor, "batch head_index query_pos key_pos"]]:
+    """The maps of :func:`d3_split` named in ``terms`` (from ``W``, ``f``, ``g``), and only those: a caller that
+    needs one term does not pay for the other two (each is one batched complex product over the bands).
+
+    The same inputs and arithmetic as :func:`d3_split`, so each map equals :func:`d3_split`'s bit for bit.
+
+    Returns:
+        ``{term: float64 [batch, head_index, query_pos, key_pos]}`` in the order of ``terms``.
+
+    Raises:
+        ValueError: an unknown or repeated term, or none.
+    """
+    if not terms or len(set(terms)) < len(terms) or any(t not in D3_TERMS for t in terms):
+        raise ValueError(f"terms={tuple(terms)!r}: one or more distinct names of {', '.join(D3_TERMS)}")
+    q, k, k_mean, zq, zk, zkbar, phi, psi0 = _d3_inputs(q, k, k_mean, positions, rope, delta0)
+    r, s, a2 = rope.rotary_dim, rope.score_scale, rope.attention_scaling**2
+    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # batch pos 1 band
+    zq_rot = zq * e if "W" in terms or "f" in terms else zq
+
+    def band_dot(x: Tensor, y: Tensor) -> Tensor:
+        # Re Σ_m x_m conj(y_m): [b i h m], [b j h m] -> [b h i j]
+        return torch.einsum("bihm,bjhm->bhij", x, y.conj()).real
+
+    qp, kp, kbp = q[..., r:], k[..., r:], k_mean[..., r:]
+    out: dict[str, Tensor] = {}
+    for t in terms:
+        if t == "W":
+            m = a2 * band_dot(zq_rot, zk * e)
+            if q.shape[-1] > r:
+                m = m + torch.einsum("bihd,bjhd->bhij", qp, kp)
+        elif t == "f":
+            m = a2 * band_dot(zq_rot, zkbar[:, None] * e)  # k̄ rotated to every key position
+            if q.shape[-1] > r:
+                m = m + torch.einsum("bihd,bhd->bhi", qp, kbp)[..., None]
+        else:
+            # q_iᵀR_{−Δ0}x = Re Σ_m zq_m e^{iψ0_m} conj(x_m)
+            zq_ref = zq * torch.polar(torch.ones_like(psi0), psi0) if delta0 else zq
+            m = a2 * band_dot(zq_ref, zk - zkbar[:, None])
+            if q.shape[-1] > r:
+                m = m + torch.einsum("bihd,bjhd->bhij", qp, kp - kbp[:, None])
+        out[t] = s * m
+    return out
+
+
 def d3_split(
     q: Float[Tensor, "batch pos head_index d_head"],
     k: Float[Tensor, "batch pos head_index d_head"],
@@ -291,31 +350,10 @@ def d3_split(
     one k̄ per head ``[head, d_head]`` (global) or one per sequence ``[batch, head, d_head]``.
     ``delta0``: reference offset Δ0 of the semantic term ``g_Δ0 = s·q_iᵀR_{−Δ0}(k_j − k̄)``
     (0 = plain D3; the angle is ``Δ0·θ_m`` computed like the model's, float32). Computed in
-    the complex band picture with batched matmuls, O(N²·bands) per head. Returns a
-    :class:`D3Split` of float64 ``[batch, head_index, query_pos, key_pos]`` maps.
+    the complex band picture with batched matmuls, O(N²·bands) per head (:func:`d3_terms` computes
+    a subset of the maps). Returns a :class:`D3Split` of float64 ``[batch, head_index, query_pos, key_pos]`` maps.
     """
-    q, k, k_mean, zq, zk, zkbar, phi, psi0 = _d3_inputs(q, k, k_mean, positions, rope, delta0)
-    r, s, a2 = rope.rotary_dim, rope.score_scale, rope.attention_scaling**2
-    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # batch pos 1 band
-    zq_rot = zq * e
-    zk_rot = zk * e
-    zkbar_rot = zkbar[:, None] * e  # k̄ rotated to every key position
-    # q_iᵀR_{−Δ0}x = Re Σ_m zq_m e^{iψ0_m} conj(x_m)
-    zq_ref = zq * torch.polar(torch.ones_like(psi0), psi0) if delta0 else zq
-
-    def band_dot(x: Tensor, y: Tensor) -> Tensor:
-        # Re Σ_m x_m conj(y_m): [b i h m], [b j h m] -> [b h i j]
-        return torch.einsum("bihm,bjhm->bhij", x, y.conj()).real
-
-    w_map = a2 * band_dot(zq_rot, zk_rot)
-    f_map = a2 * band_dot(zq_rot, zkbar_rot)
-    g_map = a2 * band_dot(zq_ref, zk - zkbar[:, None])
-    if q.shape[-1] > r:
-        qp, kp, kbp = q[..., r:], k[..., r:], k_mean[..., r:]
-        w_map = w_map + torch.einsum("bihd,bjhd->bhij", qp, kp)
-        f_map = f_map + torch.einsum("bihd,bhd->bhi", qp, kbp)[..., None]
-        g_map = g_map + torch.einsum("bihd,bjhd->bhij", qp, kp - kbp[:, None])
-    return D3Split(W=s * w_map, f=s * f_map, g=s * g_map, delta0=delta0)
+    return D3Split(**d3_terms(q, k, k_mean, positions, rope, delta0), delta0=delta0)
 
 
 def d3_logits(
@@ -333,8 +371,8 @@ def d3_logits(
     test (LM-Infinite's "disentangled" approximation with Δ0 = their cap). Returns float64
     ``[batch, head_index, query_pos, key_pos]``.
     """
-    sp = d3_split(q, k, k_mean, positions, rope, delta0)
-    return sp.f + sp.g
+    t = d3_terms(q, k, k_mean, positions, rope, delta0, terms=("f", "g"))
+    return t["f"] + t["g"]
 
 
 def d3_bound(

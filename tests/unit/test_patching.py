@@ -497,3 +497,30 @@ def test_groups_starting_at_one_layer_share_forwards_and_values_keep_the_given_o
     assert len({round(float(v), 4) for v in sw.values.flatten()}) > 3  # the groups differ: a mix-up would show
     with pytest.raises(ValueError, match="group 1 of the sweep patches no layer"):
         P.patch_sweep(model, corr, tokens, metric, quantity="pos_term", groups=[{1: [0]}, {}], k_means=k_means)
+
+
+@pytest.mark.parametrize("quantity", ["pos_term", "sem_term", "remainder"])
+def test_a_term_of_identical_replicas_is_computed_once_and_of_different_ones_per_replica(model, k_means, quantity):
+    """At the layer a stacked forward resumes at, every replica's q and k are the base run's: the term map is
+    computed for one replica and broadcast; where a replica's q differs (a patch acted earlier) each gets its own."""
+    from posgen_tl.hooks.patching import _base_term, term_maps
+
+    spec, _ = probe_hooks(model)
+    g = torch.Generator().manual_seed(5)
+    b, n, n_rep = 2, 9, 3
+    q1 = torch.randn(b, n, spec.n_heads, spec.d_head, generator=g)
+    k1 = torch.randn(b, n, spec.n_kv_heads, spec.d_head, generator=g)
+    pos = torch.arange(n).expand(b * n_rep, n)
+    rope, km = spec.layer(1), k_means[1]
+    one = term_maps(q1, k1, km, pos[:b], rope, quantity)
+    same = _base_term(q1.repeat(n_rep, 1, 1, 1), k1.repeat(n_rep, 1, 1, 1), km, pos, rope, quantity, n_rep)
+    assert same.shape == (1, *one.shape)
+    torch.testing.assert_close(same[0], one, atol=0, rtol=0)
+    q = q1.repeat(n_rep, 1, 1, 1)
+    q[2 * b :, 3] += 0.5  # the last replica differs at one position
+    each = _base_term(q, k1.repeat(n_rep, 1, 1, 1), km, pos, rope, quantity, n_rep)
+    assert each.shape == (n_rep, *one.shape)
+    for r in range(n_rep):
+        torch.testing.assert_close(each[r], term_maps(q[r * b : (r + 1) * b], k1, km, pos[:b], rope, quantity),
+                                   atol=1e-12, rtol=0)
+    assert (each[2] - each[0]).abs().max() > 1e-3

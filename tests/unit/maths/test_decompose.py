@@ -17,6 +17,7 @@ from posgen_tl.maths.decompose import (
     d3_bound,
     d3_logits,
     d3_split,
+    d3_terms,
     fit_additive,
     pearson_r,
     r_squared,
@@ -277,6 +278,38 @@ def test_d3_W_equals_model_scores(layout):
     torch.testing.assert_close(sp2.f, sp.f, atol=0, rtol=0)
     # the split is not trivially exact for generic keys
     assert (sp.W - sp.f - sp.g).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("layout", ["half", "adjacent"])
+@pytest.mark.parametrize("delta0", [0, 5])
+@pytest.mark.parametrize("terms", [("f",), ("g",), ("W",), ("g", "f"), ("f", "g", "W")])
+def test_d3_terms_computes_only_what_is_asked_and_equals_the_split(layout, delta0, terms):
+    """Each map d3_terms returns is d3_split's bit for bit (pass-through dims, kv heads, Δ0 included); f is checked
+    against a dense rotation of k̄ (s·q_iᵀΛR_{j−i}k̄), independent of the band picture."""
+    rope, d = make_rope(3, layout, 2, 1.2, 0.4)
+    q, k, km = qk(2, 9, 4, 2, d, 3)
+    pos = torch.arange(9).expand(2, 9)
+    got = d3_terms(q, k, km, pos, rope, delta0, terms=terms)
+    assert list(got) == list(terms)
+    full = d3_split(q, k, km, pos, rope, delta0)
+    for t in terms:
+        torch.testing.assert_close(got[t], getattr(full, t), atol=0, rtol=0)
+    if "f" in terms:
+        lam = torch.ones(d, dtype=torch.float64)
+        lam[: rope.rotary_dim] = rope.attention_scaling**2
+        kb = expand_kv(km[None, None], 4)[0, 0]  # [head, d]
+        want = torch.stack([torch.stack([torch.einsum("bhd,de,he->bh", q[:, i] * lam,
+                                                      relative_rotation_matrix(j - i, rope, d), kb)
+                                         for j in range(9)], -1) for i in range(9)], -2) * rope.score_scale
+        torch.testing.assert_close(got["f"], want, atol=1e-5 * want.abs().max().item(), rtol=0)  # float32 angles
+
+
+@pytest.mark.parametrize("terms", [(), ("f", "f"), ("W", "h")])
+def test_d3_terms_refuses_unknown_or_repeated_terms(terms):
+    rope, d = make_rope(2, "half", 0, 1.0, 0.5)
+    q, k, km = qk(1, 4, 2, 2, d, 0)
+    with pytest.raises(ValueError, match="distinct names of W, f, g"):
+        d3_terms(q, k, km, torch.arange(4).expand(1, 4), rope, terms=terms)
 
 
 #: a random RoPE layer (bands, layout, extra dims, scaling, score scale, frequencies, position scale,

@@ -234,6 +234,72 @@ def test_region_scores_batched_heads_and_errors():
         region_logit_scores(w0, wp, perms, torch.ones(2, 3), min_std=1e-6)
 
 
+def _scores_by_definition(w0, wp, perm, null_perm, weights, min_std):
+    """The sums of region_logit_scores written out row by row in float64: centred unit rows, r = x·y[π⁻¹] etc.,
+    a row used when both its clean and permuted spreads reach min_std, the null variance from its formula."""
+    out = {k: torch.zeros(w0.shape[:-2], dtype=torch.float64) for k in ("pos", "sym", "null", "null_var", "weight", "n_used")}
+    n = w0.shape[-1]
+    for p in range(perm.shape[0]):
+        inv, inv_null = torch.argsort(perm[p]), torch.argsort(null_perm[p])
+        for idx in np.ndindex(*w0.shape[:-2]):
+            xs, ys, ws = [], [], []
+            for a in range(w0.shape[-2]):
+                x, y = w0[idx][a].double(), wp[p][idx][a].double()
+                xc, yc = x - x.mean(), y - y.mean()
+                if xc.norm() / n**0.5 < min_std or yc.norm() / n**0.5 < min_std:
+                    continue
+                x, y, w = xc / xc.norm(), yc / yc.norm(), float(weights[idx][a])
+                out["pos"][idx] += w * float(x @ y)
+                out["sym"][idx] += w * float(x @ y[inv])
+                out["null"][idx] += w * float(x @ y[inv_null])
+                out["weight"][idx] += w
+                out["n_used"][idx] += 1
+                xs.append(x), ys.append(y), ws.append(w)
+            if xs:
+                X, Y, W = torch.stack(xs), torch.stack(ys), torch.tensor(ws, dtype=torch.float64)
+                out["null_var"][idx] += float(W @ ((X @ X.T) * (Y @ Y.T)) @ W) / (n - 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_region_scores_equal_their_definition_with_excluded_rows(dtype):
+    """The per-permutation loop (one clean Gram matrix, keys put back in order by a 0/1 product on the CPU) gives
+    the sums of the row-by-row definition; rows excluded on the clean or the permuted side count nowhere."""
+    g = torch.Generator().manual_seed(11)
+    n_p, lead, n_q, n_k = 3, (2, 3), 5, 7
+    w0 = torch.randn(*lead, n_q, n_k, generator=g).to(dtype)
+    wp = (torch.randn(n_p, *lead, n_q, n_k, generator=g) + 0.5 * w0.float()).to(dtype)
+    w0[0, 1, 2] = 3.0  # a constant clean row: excluded under every permutation
+    wp[1, 1, 0, 4] = -2.0  # a constant permuted row: excluded under that permutation only
+    perm = torch.stack([torch.randperm(n_k, generator=g) for _ in range(n_p)])
+    null_perm = torch.stack([torch.randperm(n_k, generator=g) for _ in range(n_p)])
+    weights = torch.rand(*lead, n_q, generator=g).to(dtype)
+    got = region_logit_scores(w0, wp, perm, weights, min_std=1e-3, null_perm=null_perm)
+    want = _scores_by_definition(w0, wp, perm, null_perm, weights, 1e-3)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    for k, v in want.items():
+        torch.testing.assert_close(getattr(got, k), v, **tol, msg=k)
+    assert float(got.n_excluded[0, 1]) == n_p and float(got.n_excluded[1, 0]) == 1
+
+
+def test_keys_put_back_in_order_exactly_on_either_route():
+    """The CPU's 0/1 product and the gathers used elsewhere (or under reduced float32 matmul precision) return the
+    same values as indexing, bit for bit."""
+    from posgen_tl.maths.taxonomy import _unpermuted
+
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(4, 6, 9, generator=g) * torch.logspace(-30, 30, 9)  # tiny and huge values alike
+    inv, inv_null = torch.randperm(9, generator=g), torch.randperm(9, generator=g)
+    for precision in ("highest", "high"):
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            a, b = _unpermuted(y, inv, inv_null)
+        finally:
+            torch.set_float32_matmul_precision(before)
+        assert torch.equal(a, y[..., inv]) and torch.equal(b, y[..., inv_null])
+
+
 def test_row_spread_threshold():
     x = torch.zeros(3, 5, 10)
     assert row_spread_threshold(x) == 1e-6  # all constant: the floor
