@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -69,12 +70,18 @@ def main() -> None:
     upstream: dict[str, Any] = {}
 
     def run(name: str) -> Any:
-        for need in registry.experiment(name).NEEDS:  # computed once, untimed
-            if need not in upstream:
-                upstream[need] = run(need)
         kw = registry.inputs(name, checkpoint=None, twin=ctx.twin,
                              upstream={d: upstream[d] for d in registry.experiment(name).NEEDS})
         return registry.run_or_skip(name, model, configs[name], **kw)
+
+    def prepare(name: str) -> None:  # every upstream Result, computed once before anything is timed
+        for need in registry.experiment(name).NEEDS:
+            if need not in upstream:
+                prepare(need)
+                upstream[need] = run(need)
+
+    for s in stages:
+        prepare(s)
 
     tokens = torch.randint(100, 1000, (8, configs[stages[0]].seq_len), generator=torch.Generator().manual_seed(0))
 
@@ -97,8 +104,11 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rows.items()), flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     for s in stages:
+        fp = sorted(prints[s])
+        same = f"tables {fp[0][:16]}…" if len(fp) == 1 else f"DIFFERENT tables in different rounds ({len(fp)} fingerprints)"
         print(f"{s}: median {med[s]:.1f} s = {med[s] / med['forward']:.1f} forwards of 8 × {tokens.shape[1]} "
-              f"(median {med['forward']:.2f} s); tables {', '.join(sorted(prints[s]))[:16]}…")
+              f"(median {med['forward']:.2f} s); {same}")
+    shutil.rmtree(work.dir, ignore_errors=True)
     if a.out:
         out = {"what": "report stages at the report's configuration, alternating with the plain forward",
                "commit": git_commit(), "started": started,

@@ -302,9 +302,9 @@ def d3_terms(
         ``{term: float64 [batch, head_index, query_pos, key_pos]}`` in the order of ``terms``.
 
     Raises:
-        ValueError: an unknown or repeated term, or none.
+        ValueError: an unknown or repeated term, none, or one string instead of a sequence of names.
     """
-    if not terms or len(set(terms)) < len(terms) or any(t not in D3_TERMS for t in terms):
+    if isinstance(terms, str) or not terms or len(set(terms)) < len(terms) or any(t not in D3_TERMS for t in terms):
         raise ValueError(f"terms={tuple(terms)!r}: one or more distinct names of {', '.join(D3_TERMS)}")
     q, k, k_mean, zq, zk, zkbar, phi, psi0 = _d3_inputs(q, k, k_mean, positions, rope, delta0)
     r, s, a2 = rope.rotary_dim, rope.score_scale, rope.attention_scaling**2

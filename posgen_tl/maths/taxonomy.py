@@ -122,10 +122,11 @@ def row_spread_threshold(
 
 
 def _centre_unit(x: Tensor, min_std: float) -> tuple[Tensor, Tensor]:
-    """Row-centred, unit-norm rows and the mask of rows whose population std ≥ ``min_std``."""
+    """Row-centred, unit-norm rows and the mask of rows whose population std ≥ ``min_std`` (and finite: a row whose
+    centring overflows or holds NaN is excluded, so every returned row is finite)."""
     xc = x - x.mean(-1, keepdim=True)
     norm = xc.norm(dim=-1, keepdim=True)
-    keep = (norm[..., 0] / math.sqrt(x.shape[-1])) >= min_std
+    keep = ((norm[..., 0] / math.sqrt(x.shape[-1])) >= min_std) & torch.isfinite(norm[..., 0])
     return torch.where(keep[..., None], xc / norm.clamp_min(torch.finfo(x.dtype).tiny), 0.0), keep
 
 
@@ -210,12 +211,28 @@ class LogitScoreSums:
                     null_q=z * sd, n_used=self.n_used, n_excluded=self.n_excluded, weight=w)
 
 
+#: the most keys for which :func:`_unpermuted` uses the 0/1 product (O(n²) per row against the gathers' O(n))
+PRODUCT_MAX_KEYS = 256
+
+
+def _full_precision_products(y: Tensor) -> bool:
+    """Whether a CPU matrix product of ``y``'s dtype is carried out in that dtype (float64 always; float32 unless the
+    user allowed reduced precision, by either of PyTorch's settings — an unreadable setting counts as reduced)."""
+    if y.dtype == torch.float64:
+        return True
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:  # the per-backend settings are in use (torch.backends.*.fp32_precision)
+        mkl = getattr(getattr(getattr(torch.backends, "mkldnn", None), "matmul", None), "fp32_precision", None)
+        return mkl in ("ieee", "none")
+
+
 def _unpermuted(y: Tensor, inv: Tensor, inv_null: Tensor) -> tuple[Tensor, Tensor]:
-    """``y[..., inv]`` and ``y[..., inv_null]`` (``y`` finite). On a CPU in full precision both come from one product
-    with a 0/1 matrix — exact (each entry is one value times 1 plus zeros) and several times faster there than two
-    gathers along the last axis; elsewhere (a GPU may round float32 products to TF32) by gathers."""
-    exact = y.dtype == torch.float64 or torch.get_float32_matmul_precision() == "highest"
-    if y.device.type != "cpu" or not exact:
+    """``y[..., inv]`` and ``y[..., inv_null]`` (``y`` finite). On a CPU in full precision, up to
+    :data:`PRODUCT_MAX_KEYS` keys, both come from one product with a 0/1 matrix — the same values (each entry is one
+    value times 1 plus zeros; a zero's sign may change) and several times faster there than two gathers along the last
+    axis; otherwise (a GPU may round float32 products to TF32, long rows) by gathers."""
+    if y.device.type != "cpu" or y.shape[-1] > PRODUCT_MAX_KEYS or not _full_precision_products(y):
         return y.index_select(-1, inv), y.index_select(-1, inv_null)
     n = y.shape[-1]
     eye = torch.eye(n, dtype=y.dtype)

@@ -516,6 +516,8 @@ def test_a_term_of_identical_replicas_is_computed_once_and_of_different_ones_per
     same = _base_term(q1.repeat(n_rep, 1, 1, 1), k1.repeat(n_rep, 1, 1, 1), km, pos, rope, quantity, n_rep)
     assert same.shape == (1, *one.shape)
     torch.testing.assert_close(same[0], one, atol=0, rtol=0)
+    stacked = term_maps(q1.repeat(n_rep, 1, 1, 1), k1.repeat(n_rep, 1, 1, 1), km, pos, rope, quantity)
+    torch.testing.assert_close(same.expand(n_rep, *one.shape), stacked.reshape(n_rep, *one.shape), atol=0, rtol=0)
     q = q1.repeat(n_rep, 1, 1, 1)
     q[2 * b :, 3] += 0.5  # the last replica differs at one position
     each = _base_term(q, k1.repeat(n_rep, 1, 1, 1), km, pos, rope, quantity, n_rep)

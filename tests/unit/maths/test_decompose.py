@@ -304,7 +304,7 @@ def test_d3_terms_computes_only_what_is_asked_and_equals_the_split(layout, delta
         torch.testing.assert_close(got["f"], want, atol=1e-5 * want.abs().max().item(), rtol=0)  # float32 angles
 
 
-@pytest.mark.parametrize("terms", [(), ("f", "f"), ("W", "h")])
+@pytest.mark.parametrize("terms", [(), ("f", "f"), ("W", "h"), "gf"])
 def test_d3_terms_refuses_unknown_or_repeated_terms(terms):
     rope, d = make_rope(2, "half", 0, 1.0, 0.5)
     q, k, km = qk(1, 4, 2, 2, d, 0)

@@ -283,21 +283,59 @@ def test_region_scores_equal_their_definition_with_excluded_rows(dtype):
 
 
 def test_keys_put_back_in_order_exactly_on_either_route():
-    """The CPU's 0/1 product and the gathers used elsewhere (or under reduced float32 matmul precision) return the
-    same values as indexing, bit for bit."""
-    from posgen_tl.maths.taxonomy import _unpermuted
+    """The CPU's 0/1 product and the gathers used elsewhere (reduced float32 matmul precision, long rows) return the
+    values of indexing — tiny, huge and denormal values alike."""
+    from posgen_tl.maths.taxonomy import PRODUCT_MAX_KEYS, _unpermuted
 
     g = torch.Generator().manual_seed(2)
-    y = torch.randn(4, 6, 9, generator=g) * torch.logspace(-30, 30, 9)  # tiny and huge values alike
-    inv, inv_null = torch.randperm(9, generator=g), torch.randperm(9, generator=g)
-    for precision in ("highest", "high"):
-        before = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(precision)
-        try:
-            a, b = _unpermuted(y, inv, inv_null)
-        finally:
-            torch.set_float32_matmul_precision(before)
-        assert torch.equal(a, y[..., inv]) and torch.equal(b, y[..., inv_null])
+    for n in (9, PRODUCT_MAX_KEYS + 1):
+        y = torch.randn(4, 6, n, generator=g) * torch.logspace(-30, 30, n)
+        y[..., 1] = 1e-40  # a float32 denormal
+        inv, inv_null = torch.randperm(n, generator=g), torch.randperm(n, generator=g)
+        for precision in ("highest", "high"):
+            before = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision(precision)
+            try:
+                a, b = _unpermuted(y, inv, inv_null)
+            finally:
+                torch.set_float32_matmul_precision(before)
+            assert torch.equal(a, y[..., inv]) and torch.equal(b, y[..., inv_null])
+
+
+def test_region_scores_under_the_per_backend_precision_setting():
+    """With PyTorch's per-backend float32 precision setting in use (where asking for the global one raises), the
+    scores still come back, on the gathers, equal to those of the default setting (a subprocess: the setting sticks)."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from posgen_tl.maths.taxonomy import region_logit_scores
+g = torch.Generator().manual_seed(0)
+w0, wp = torch.randn(2, 5, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g)
+perm = torch.stack([torch.randperm(8, generator=g) for _ in range(3)])
+null = torch.stack([torch.randperm(8, generator=g) for _ in range(3)])
+w = torch.rand(2, 5, generator=g)
+a = region_logit_scores(w0, wp, perm, w, min_std=1e-3, null_perm=null)
+torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+b = region_logit_scores(w0, wp, perm, w, min_std=1e-3, null_perm=null)
+assert torch.equal(a.pos, b.pos) and torch.equal(a.sym, b.sym) and torch.equal(a.null, b.null), (a, b)
+print("ok")
+"""
+    if not hasattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision"):
+        pytest.skip("this PyTorch has no per-backend precision setting")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_a_row_whose_centring_overflows_is_excluded_not_nan():
+    w0 = torch.randn(2, 4, 6)
+    w0[1, 2] = torch.tensor([3e38, -3e38, 3e38, -3e38, 3e38, -3e38])  # its centred norm overflows float32
+    wp = torch.randn(2, 2, 4, 6)
+    perm = torch.stack([torch.randperm(6) for _ in range(2)])
+    s = region_logit_scores(w0, wp, perm, torch.ones(2, 4), min_std=1e-3, null_perm=perm.flip(-1))
+    assert float(s.n_excluded[1]) == 2 and float(s.n_excluded[0]) == 0
+    assert all(torch.isfinite(getattr(s, f)).all() for f in ("pos", "sym", "null", "null_var"))
 
 
 def test_row_spread_threshold():
