@@ -7,9 +7,10 @@ Each round runs the plain forward of 8 × 128 tokens (the report's window length
 own configuration (``posgen_tl.report.run.ReportSettings().configs()``; a stage's upstream Results are computed
 once, first, untimed). A stage's fingerprint is the SHA-256 of its tables written as CSV with every float at full
 precision (``float_format="%.17g"``): two runs with the same fingerprint produced the same numbers to the last bit.
-To compare two commits, run the same command in a worktree of each, alternating (the host drifts):
+To compare two commits, run the same command in a worktree of each, alternating (the host drifts); ``OLD`` is a
+folder of your choice:
 
-    git worktree add /tmp/old <commit> && PYTHONPATH=/tmp/old python benchmarks/bench_stages.py --stages taxonomy
+    git worktree add "$OLD" <commit> && PYTHONPATH="$OLD" python benchmarks/bench_stages.py --stages taxonomy
 
 Prints every round, then per stage the median seconds and the ratio of medians to the forward's; ``--out`` writes them
 with the commit, machine and fingerprints as JSON.
