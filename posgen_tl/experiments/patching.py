@@ -276,10 +276,12 @@ def _in_order(u: pd.DataFrame) -> Any:
 @base.shares_heap
 @torch.no_grad()
 def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: Windows | None = None,
-        checkpoint: str | Path | None = None, progress: bool = True, **options: Any) -> Result:
+        twin: Any = None, checkpoint: str | Path | None = None, progress: bool = True, **options: Any) -> Result:
     """The sweep on ``windows`` (default: ``cfg.n_seq`` windows of distinct documents of ``corpus``; the global k̄
-    from ``cfg.n_ref`` windows of other documents when a logit term is patched). ``options`` change single
-    options of ``cfg`` (default :class:`Config`). Returns a :class:`Result`.
+    from ``cfg.n_ref`` windows of other documents when a logit term is patched), and — unless ``cfg.twin`` is false or
+    ``twin`` is ``False`` — the same corruptions' damage on the random-init twin (``twin``: a model or a callable giving
+    one, e.g. a report's shared twin; ``None`` builds it). ``options`` change single options of ``cfg`` (default
+    :class:`Config`). Returns a :class:`Result`.
 
     Raises:
         CorpusError: the corpus cannot give the windows. CaptureError: the model cannot deliver a quantity.
@@ -325,14 +327,14 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     units = pd.concat([p for p in parts if p is not None], ignore_index=True)
     tables, kind = _statistics(units, cfg)
     b = tables["baselines"]
-    if cfg.twin:
-        tables["twin"] = _twin_damage(model, ana, corrs, cfg)
+    if cfg.twin and twin is not False:
+        tables["twin"] = _twin_damage(base.twin_of(model, twin, cfg.seed), ana, corrs, cfg)
     meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs,
                 corruption={c: str(k) for c, k in corrs.items()}, layers=layers, target_len=cfg.target(), p_kind=kind,
                 damage=_damage(b, cfg.seed), commit=commit, wall_s=time.time() - t0,
                 kept_batches=len(starts) - len(todo), n_layers=spec.n_layers,
                 n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
-                twin_damage=_damage(tables["twin"], cfg.seed) if cfg.twin else None)
+                twin_damage=_damage(tables["twin"], cfg.seed) if "twin" in tables else None)
     return Result(tables, cfg.as_dict(), meta)
 
 
@@ -376,13 +378,10 @@ def _damage(b: pd.DataFrame, seed: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _twin_damage(model: Any, ana: Windows, corrs: dict[str, P.Corruption], cfg: Config) -> pd.DataFrame:
-    """The same corruptions on the random-init twin: per corruption and document clean and corrupted NLL and the
+def _twin_damage(twin: Any, ana: Windows, corrs: dict[str, P.Corruption], cfg: Config) -> pd.DataFrame:
+    """The same corruptions on the random-init ``twin``: per corruption and document clean and corrupted NLL and the
     damage (a twin that does not use positions takes no damage, and a recovery would divide noise by ≈ 0: it gets no
     map)."""
-    from posgen_tl.io.models import random_twin  # noqa: PLC0415
-
-    twin = random_twin(model, cfg.seed)
     rows = []
     for s in range(0, len(ana), cfg.batch_size):  # one clean forward per batch, one per corruption
         w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))

@@ -136,3 +136,44 @@ def test_every_step_of_the_suite_runs_and_the_naive_route_computes_the_same_tabl
     for name in ("bands", "heads"):
         pd.testing.assert_frame_equal(getattr(out["pattern"], name), getattr(out["naive_pattern"], name),
                                       check_exact=False, rtol=1e-4, atol=1e-6)
+
+
+def test_stage_forward_counter_counts_tokens_through_the_layers_a_pass_computes():
+    """bench_stages' forward accounting: a whole forward counts batch × positions × layers, a forward resumed at block
+    L (its lower blocks skipped) the layers from L on, each model apart; its hooks are gone after the block, also when
+    the block raises — a count that included skipped blocks or leaked into later stages would misstate the report."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tiny_models as tm
+
+    from posgen_tl.hooks.reentry import forward_from, recorded, resid_hooks, skips_blocks
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stages.py"
+    spec = importlib.util.spec_from_file_location("posgen_bench_stages", bench)
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    a, b = tm.hf_llama(n_layers=4)[0], tm.hf_llama(n_layers=4, seed=1)[0]
+    toks = torch.randint(1, 99, (3, 10), generator=torch.Generator().manual_seed(0))
+    assert skips_blocks(a)
+    store: dict = {}
+    with torch.no_grad(), a.hooks(fwd_hooks=resid_hooks([3], store)):
+        a(toks)
+    resid = recorded(store)[3]
+    with torch.no_grad(), stages.LayerTokens({"trained": a, "twin": b}) as c:
+        a(toks)
+        assert c.counts == {"trained": 3 * 10 * 4, "twin": 0}
+        forward_from(a, resid, 3, tokens=toks)
+        assert c.counts == {"trained": 3 * 10 * 4 + 3 * 10 * 1, "twin": 0}
+        b(toks[:2, :5])
+        assert c.counts == {"trained": 150, "twin": 2 * 5 * 4}
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), stages.LayerTokens({"trained": a}) as c2:
+        a(toks)
+        raise RuntimeError("boom")
+    assert c2.counts == {"trained": 120}
+    with torch.no_grad():
+        a(toks)  # no counter left attached: nothing counts any more
+    assert c.counts["trained"] == 150 and c2.counts["trained"] == 120
+    assert all(not blk.mlp._forward_pre_hooks for m in (a, b) for blk in m.blocks)

@@ -88,6 +88,30 @@ def test_the_random_twins_damage_is_shown_beside_and_gets_no_map(result):
     assert all("twin" not in cap for _, cap in sec.figures)
 
 
+def test_a_given_twin_is_the_one_measured_and_none_runs_without_one(sharp, result):
+    """The report hands every experiment its one shared twin (a callable): the sweep measures THAT model — the same
+    numbers as the twin it would build itself (same seed), another model's numbers when another is given — and runs
+    no twin at all when told not to."""
+    from posgen_tl.io.models import random_twin
+
+    opts = {**OPTS, "quantities": ("rot_q",), "directions": ("denoising",), "layers": (2,)}
+    built = []
+
+    def shared():
+        built.append(1)
+        return random_twin(sharp, 0)
+
+    same = pe.run(sharp, corpus=tm.token_corpus(14), twin=shared, **opts)
+    assert built == [1]
+    pd.testing.assert_frame_equal(same["twin"], result["twin"], check_exact=True)
+    other = pe.run(sharp, corpus=tm.token_corpus(14), twin=random_twin(sharp, 7), **opts)
+    assert not np.allclose(other["twin"]["damage"].to_numpy(), result["twin"]["damage"].to_numpy())
+    assert other.meta["twin_damage"]["swaps"]["mean"] == pytest.approx(other["twin"]["damage"].mean(), rel=1e-9)
+    none = pe.run(sharp, corpus=tm.token_corpus(14), twin=False, **opts)
+    assert "twin" not in none.tables and none.meta["twin_damage"] is None
+    assert "random-init twin" not in pe.render(none).verdict
+
+
 def test_the_corrupted_and_clean_runs_are_the_baselines_of_every_row(result):
     u = result["units"]
     per_doc = u.groupby("doc")[["clean_nll", "corrupted_nll"]].nunique()
