@@ -416,16 +416,21 @@ def shares_heap(run: F) -> F:
 
 
 def twin_of(model: Any, twin: Any, seed: int) -> Any:
-    """The random-init twin a ``run`` uses: ``twin`` itself (a model), ``twin()`` (a callable that gives the
-    report's shared one), or a fresh :func:`posgen_tl.io.models.random_twin` of ``model`` when ``None`` or ``True``
-    (``False`` is the caller's business: no twin runs)."""
+    """The random-init twin a ``run`` uses: ``twin`` itself (a model), ``twin(seed)`` (a callable that gives the
+    report's shared twin of that seed, :meth:`posgen_tl.report.context.Context.twin`; a callable without parameters
+    is called as ``twin()``), or a fresh :func:`posgen_tl.io.models.random_twin` of ``model`` when ``None`` or
+    ``True`` (``False`` is the caller's business: no twin runs)."""
+    import inspect  # noqa: PLC0415
+
     import torch  # noqa: PLC0415
 
     if twin is None or twin is True:
         from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
         return random_twin(model, seed)
-    return twin if isinstance(twin, torch.nn.Module) or not callable(twin) else twin()
+    if isinstance(twin, torch.nn.Module) or not callable(twin):
+        return twin
+    return twin(seed) if inspect.signature(twin).parameters else twin()
 
 
 def means_fingerprint(k_means: Mapping[int, Any] | None) -> str | None:

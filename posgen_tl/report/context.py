@@ -108,12 +108,15 @@ class Context:
     model_name: str
     seed: int = 0
     results: dict = field(default_factory=dict)
-    _twin: Any = None
+    _twins: dict = field(default_factory=dict)
 
-    def twin(self) -> Any:
-        """``random_twin(model, seed)``, built once per run and shared by every experiment."""
-        if self._twin is None:
+    def twin(self, seed: int | None = None) -> Any:
+        """``random_twin(model, seed)`` (``seed``: an experiment's own, default the run's), built once per seed and
+        shared by every experiment of that seed — so an experiment given another seed (``--param NAME.seed=…``)
+        measures the twin its config records, not the run's."""
+        seed = self.seed if seed is None else int(seed)
+        if seed not in self._twins:
             from posgen_tl.io.models import random_twin  # noqa: PLC0415
 
-            self._twin = random_twin(self.model, self.seed)
-        return self._twin
+            self._twins[seed] = random_twin(self.model, seed)
+        return self._twins[seed]

@@ -129,3 +129,27 @@ def test_a_result_answers_with_its_tables_as_attributes():
     assert tolerance.Result({"curves": t, "tost": t}).equivalence is t
     assert exactness.Result({"layers": t}).table is t
     assert not hasattr(Result(), "__array__")  # dunder look-ups are never tables (numpy, pickle, copy)
+
+
+def test_the_shared_twin_is_built_once_per_seed_and_an_experiment_gets_its_own_seeds(tmp_path):
+    """A report builds the random twin once and hands it to every experiment; an experiment whose config has another
+    seed (``--param NAME.seed=3``) gets the twin of THAT seed — the one its config records — not the run's."""
+    import tiny_models as tm
+    import torch
+
+    from posgen_tl.io.models import random_twin
+    from posgen_tl.report.context import Context, OutFolder
+
+    model = tm.hf_llama()[0]
+    ctx = Context(model, OutFolder(tmp_path), "tiny", seed=0)
+    t0 = ctx.twin()
+    assert ctx.twin(0) is t0 and ctx.twin() is t0  # built once
+    t3 = ctx.twin(3)
+    assert t3 is not t0 and ctx.twin(3) is t3
+    fresh = random_twin(model, 3)
+    for (n, p), (_, q) in zip(t3.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert not all(torch.equal(p, q) for p, q in zip(t0.parameters(), t3.parameters(), strict=True))
+    assert base.twin_of(model, ctx.twin, 3) is t3 and base.twin_of(model, ctx.twin, 0) is t0
+    assert base.twin_of(model, lambda: fresh, 0) is fresh  # a callable without parameters: called as is
+    assert base.twin_of(model, fresh, 0) is fresh

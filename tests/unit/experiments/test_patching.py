@@ -360,3 +360,18 @@ def test_a_study_recomputes_its_statistics_from_its_kept_rows(sharp, tmp_path):
         in text and "Resumed: 1 batches were kept from an earlier, interrupted run" in text
     with pytest.raises(ValueError, match="keeps no per-document rows"):
         registry.restat_study("exactness", out, command="x")
+
+
+def test_the_report_route_measures_the_twin_of_the_experiments_own_seed(sharp, tmp_path):
+    """Through the report's route (registry.inputs with the run's shared twin), a patching config with seed 3 in a run
+    of seed 0 measures the seed-3 twin: the same table as a run that builds its own twin from its config."""
+    from posgen_tl.experiments import registry
+    from posgen_tl.report.context import Context, OutFolder
+
+    opts = {**OPTS, "quantities": ("rot_q",), "directions": ("denoising",), "layers": (2,), "seed": 3}
+    ctx = Context(sharp, OutFolder(tmp_path), "tiny", seed=0)
+    kw = registry.inputs("patching", twin=ctx.twin)
+    routed = pe.run(sharp, corpus=tm.token_corpus(14), **kw, **opts)
+    own = pe.run(sharp, corpus=tm.token_corpus(14), **opts)
+    pd.testing.assert_frame_equal(routed["twin"], own["twin"], check_exact=True)
+    assert set(ctx._twins) == {3}  # the run's own seed-0 twin was never needed
