@@ -111,14 +111,18 @@ def gpu_long(d: dict) -> Reading:
 
 
 def report_wall(d: dict) -> Reading:
-    """The default report's wall time (``bench_report.py``), with the host's forward beside it."""
+    """The default report's wall time (``bench_report.py``), with the host's forward beside it; a file of several runs
+    (``--runs``) gives their median, the fastest run in brackets and the range in the note."""
     slow = d["forward_8x512_s"] / REFERENCE_FORWARD_S
     est = d["wall_s"] / slow / 60
-    return Reading(d["wall_s"], None, short(d["commit"]),
-                   f"this host ran the forward of 8 × 512 tokens in {d['forward_8x512_s']:.2f} s (median), {slow:.2f}× "
-                   f"the {REFERENCE_FORWARD_S:.2f} s of the machine the target was set on: scaled by that, "
+    runs = d.get("runs") or []
+    walls = sorted(r["wall_s"] for r in runs)
+    spread = (f"{len(runs)} runs, each in a fresh process: {_num(walls[0], 's')} – {_num(walls[-1], 's')}; "
+              if len(runs) > 1 else "")
+    return Reading(d["wall_s"], walls[0] if len(runs) > 1 else None, short(d["commit"]),
+                   f"{spread}this host ran the forward of 8 × 512 tokens in {d['forward_8x512_s']:.2f} s (median), "
+                   f"{slow:.2f}× the {REFERENCE_FORWARD_S:.2f} s of the machine the target was set on: scaled by that, "
                    f"≈ {est:.1f} min (an estimate, not a measurement)")
-
 
 SMOL = "random:smollm2-135m"
 #: (label, step, CPU limit) of the three ratio targets; the GPU's limit is 2× for the first two

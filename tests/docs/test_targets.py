@@ -91,3 +91,18 @@ def test_a_gpu_row_brackets_the_fastest_repeat_over_the_fastest_forward(tmp_path
     # the suite's median of per-repeat ratios; in brackets 0.21 / 0.10, not the smallest per-repeat ratio (1.25)
     assert cells[3:6] == ["**1.75×** (2.10×)", "≤ 2.00×", "met"]
     assert cells[6] == "0123456, `g.json`; 3 repeats, forward 0.120 s, Some GPU"
+
+
+def test_a_report_of_several_runs_reads_their_median_and_shows_the_fastest_and_the_range(tmp_path):
+    runs = [{"wall_s": w, "forward_8x512_s": 8.5} for w in (294.4, 310.2, 298.1)]
+    d = {"commit": "0123456789ab", "wall_s": 298.1, "forward_8x512_s": 8.5, "runs": runs}
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    row = targets.Row("the default report", "its defaults", "CPU", 300.0, "s", "r.json", targets.report_wall)
+    cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
+    assert cells[3:6] == ["**4 min 58 s** (4 min 54 s)", "≤ 5 min 00 s", "met"]  # the median, not the fastest
+    assert cells[6].startswith("0123456, `r.json`; 3 runs, each in a fresh process: 4 min 54 s – 5 min 10 s; this host "
+                               "ran the forward of 8 × 512 tokens in 8.50 s (median), 1.21× the 7.01 s")
+    d["wall_s"] = 310.2  # a median over the limit is not met, whatever the fastest run did
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
+    assert cells[3:6] == ["**5 min 10 s** (4 min 54 s)", "≤ 5 min 00 s", "not met"]
