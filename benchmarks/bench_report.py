@@ -7,7 +7,9 @@ so that a reader can tell a slow host from a slow report.
 Writes the wall time of the whole command (model load included), its peak resident memory and minor page faults, the
 stage times the report printed into its results.json, and the forward's seconds (median of ``--repeats``). With
 ``--runs N`` the report and the forward's timing alternate N times (each in fresh processes): every run is kept under
-``runs`` and the top-level ``wall_s`` / ``forward_8x512_s`` are the medians over the runs. Run it on an idle machine:
+``runs`` and the top-level ``wall_s`` / ``forward_8x512_s`` are the medians over the runs (``peak_rss_mib`` is the
+largest child process's so far — a run's own peak cannot be read apart from the runs before it —, ``minor_faults`` the
+last run's). Run it on an idle machine:
 the report's target (≤ 5 minutes on an idle 2-core machine) is read from it by benchmarks/targets.py.
 """
 
@@ -104,6 +106,7 @@ def main() -> None:
     path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"report_{str(rec['commit'])[:7]}.json"
     path.write_text(json.dumps(rec, indent=1) + "\n")
     print(f"wrote {path}")
+
 
 if __name__ == "__main__":
     main()
