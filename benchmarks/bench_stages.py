@@ -141,7 +141,9 @@ def main() -> None:
             model(tokens, stop_at_layer=spec.n_layers)
         return time.perf_counter() - t
 
-    models = {"trained": model, "twin": ctx.twin()}  # the report's twin, built once (as the report does)
+    # the report's twin, built once before the rounds (as the report does) where a chosen stage measures one
+    twin_used = any("twin" in registry.inputs(s, twin=ctx.twin) and getattr(configs[s], "twin", True) for s in stages)
+    models = {"trained": model, **({"twin": ctx.twin()} if twin_used else {})}
     unit = tokens.numel() * spec.n_layers  # one forward equivalent: the tokens through every layer
     forward()
     rows: dict[str, list[float]] = {"forward": [], **({"blocks": []} if a.forwards else {}), **{s: [] for s in stages}}
