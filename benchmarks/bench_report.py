@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import resource
 import shutil
 import statistics
@@ -43,8 +45,6 @@ print(torch.get_num_threads(), ",".join(f"{{x:.4f}}" for x in s))
 
 def one_run(model: str, repeats: int) -> dict:
     """One report in a fresh process, then the forward of 8 × 512 tokens timed ``repeats`` times in another."""
-    import os
-
     work = Path(tempfile.mkdtemp(prefix="posgen_report_bench_"))
     load_start = os.getloadavg()
     try:
@@ -79,9 +79,6 @@ def main() -> None:
     a = ap.parse_args()
     if a.runs < 1 or a.repeats < 1:
         sys.exit(f"--runs {a.runs} / --repeats {a.repeats}: each must be at least 1")
-    import os
-    import platform
-
     from posgen_tl.io.provenance import git_commit
 
     commit, started = git_commit(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

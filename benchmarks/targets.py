@@ -124,6 +124,7 @@ def report_wall(d: dict) -> Reading:
                    f"{slow:.2f}× the {REFERENCE_FORWARD_S:.2f} s of the machine the target was set on: scaled by that, "
                    f"≈ {est:.1f} min (an estimate, not a measurement)")
 
+
 SMOL = "random:smollm2-135m"
 #: (label, step, CPU limit) of the three ratio targets; the GPU's limit is 2× for the first two
 STEPS = [("decomposition", "decomposition", 1.3), ("feature statistics", "pattern", 1.0), ("sufficiency", "sufficiency", 1.2)]
