@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.heap import large_blocks_kept
+from posgen_tl.hooks.memory import sequences_per_forward
 from posgen_tl.hooks.patching import QUANTITIES, TERMS, patch_hooks, patch_site, record_hooks
 from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.hooks.reentry import forward_from, hooks_from, recorded, resid_hooks, skips_blocks
@@ -57,7 +58,7 @@ from posgen_tl.maths.perturb import (
 
 __all__ = [
     "QUANTITIES", "Corruption", "Swaps", "Gap", "IdMap", "Shift", "target_nll", "target_metrics", "Group", "PatchSweep", "generic_position_patch",
-    "patch_sweep", "get_act_patch_rot_q", "get_act_patch_rot_k", "get_act_patch_pos_term", "get_act_patch_sem_term",
+    "patch_sweep", "default_replicas", "get_act_patch_rot_q", "get_act_patch_rot_k", "get_act_patch_pos_term", "get_act_patch_sem_term",
     "get_act_patch_pattern", "get_act_patch_layer", "get_act_patch_heads", "baselines", "normalised_recovery",
 ]  # fmt: skip
 
@@ -284,6 +285,7 @@ class PatchSweep:
         prefix: the base run's residuals entering the blocks where the patched forwards resumed
             (``{layer: [batch, pos, d_model]}``; every block below a group's first patched layer is the base
             run's, so it is not computed again).
+        replicas: the most groups one patched forward stacked (the ``replicas`` asked for, or the default).
     """
 
     values: Tensor
@@ -295,6 +297,15 @@ class PatchSweep:
     corruption: str
     source: dict = field(default_factory=dict, repr=False)
     prefix: dict = field(default_factory=dict, repr=False)
+    replicas: int = 0
+
+
+def default_replicas(model: Any, n_heads: int, n_seq: int, n: int) -> int:
+    """The replicas a patched forward stacks by default: the heads of one layer, fewer where that many copies of
+    ``n_seq`` sequences of ``n`` tokens would take more than their share of the free memory
+    (:func:`posgen_tl.hooks.memory.sequences_per_forward`; at least one)."""
+    fit = sequences_per_forward(model, n)
+    return n_heads if fit is None else max(1, min(n_heads, fit // max(1, n_seq)))
 
 
 def _check_metric(v: Any, n_seq: int, outputs: Sequence[str] | None = None) -> Tensor:
@@ -347,7 +358,8 @@ def patch_sweep(
     ``direction="denoising"``: base = the corrupted run, source = the clean run; ``"noising"``: the reverse.
     The source run's baseline forward records the quantity in every layer the groups touch; then forwards of up to
     ``replicas`` stacked copies of the batch each patch one group per copy (default ``replicas``: the number of heads
-    per layer) — groups with the same first patched layer together, ``ceil(count / replicas)`` forwards per such
+    per layer, fewer where their attention maps would outgrow half the free memory — long sequences,
+    :mod:`posgen_tl.hooks.memory`) — groups with the same first patched layer together, ``ceil(count / replicas)`` forwards per such
     layer —, each resumed at that layer from the base run's residual there (:mod:`posgen_tl.hooks.reentry`: the
     blocks below are the base run's and are not computed again; the batch keeps one ``[batch, pos, d_model]`` residual
     per such layer while it runs). The logit terms need ``k_means`` (the global mean pre-rotation key per layer,
@@ -386,7 +398,7 @@ def patch_sweep(
     store: dict[int, Any] = {}
     rec = record_hooks(model, quantity, layers, store)
     rep = reposition_hooks(model, ids)
-    n_rep = max(1, int(replicas or spec.n_heads))
+    n_rep = max(1, int(replicas)) if replicas else default_replicas(model, spec.n_heads, b, n)
     order = _parts(groups, n_rep, spec)  # [(first patched layer, group indices)] per patched forward
     starts = sorted({start for start, _ in order} - {0})
     base_store: dict[int, list[Tensor]] = {}
@@ -420,7 +432,8 @@ def patch_sweep(
                                None if start == 0 else (start, prefix[start])))
     values = torch.empty_like(stacked := torch.cat(out))
     values[torch.tensor([i for _, idx in order for i in idx])] = stacked  # back in the order of ``groups``
-    return PatchSweep(values, clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted), store, prefix)
+    return PatchSweep(values, clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted), store, prefix,
+                      max(len(idx) for _, idx in order))
 
 
 def _parts(groups: Sequence[Group], n_rep: int, spec: Any) -> list[tuple[int, list[int]]]:

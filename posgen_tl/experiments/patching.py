@@ -95,7 +95,7 @@ class Config(base.Config):
                                              "vector of the same norm per kv head (a term patch can have effects of "
                                              "its own)", "bool", quick=False)
     n_perm: int = base.option(20_000, "sign vectors of the max-T test when 2^documents exceeds it", "int")
-    replicas: int = base.option(0, "patches per forward, stacked in the batch (0 = the heads of one layer)", "count")
+    replicas: int = base.option(0, "patches per forward, stacked (0: a layer's heads, fewer if memory is short)", "count")
     batch_size: int = base.batch_option(4)
 
     def check(self) -> None:

@@ -114,6 +114,17 @@ def test_bad_arguments_name_the_problem(argv, msg, capsys):
     assert msg in str(e.value)
 
 
+@pytest.mark.parametrize("argv, msg", [(["--runs", "rot_q_stacked,rot_k"], "unknown --runs ['rot_k']"),
+                                       (["--repeats", "0"], "--repeats 0: at least 1")])
+def test_the_patching_benchmark_names_a_bad_argument_before_loading_a_model(argv, msg):
+    spec = importlib.util.spec_from_file_location("posgen_bench_patching", _PATH.parent / "bench_patching.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit) as e:
+        bench.main([*argv, "--model", "no-such-model"])  # a model name that would fail if it were loaded first
+    assert msg in str(e.value)
+
+
 def test_every_step_of_the_suite_runs_and_the_naive_route_computes_the_same_tables():
     """Each timed step runs on today's code (a step that breaks after a refactor made whole timing runs fail silently
     into "not measured"), and the naive run_with_cache route the streaming analyses are compared with computes the

@@ -526,3 +526,68 @@ def test_a_term_of_identical_replicas_is_computed_once_and_of_different_ones_per
         torch.testing.assert_close(each[r], term_maps(q[r * b : (r + 1) * b], k1, km, pos[:b], rope, quantity),
                                    atol=1e-12, rtol=0)
     assert (each[2] - each[0]).abs().max() > 1e-3
+
+
+def test_default_replicas_shrink_to_what_the_free_memory_holds_and_give_the_same_values(model, tokens, k_means,
+                                                                                         monkeypatch):
+    """By default a patched forward stacks the heads of one layer; where that many copies' attention maps would
+    outgrow half the free memory (long sequences) it stacks fewer — the widest block call shows it, the sweep says
+    how many, and the values are those of one patch per forward."""
+    from posgen_tl.hooks import memory
+
+    metric = P.target_nll(tokens, T)
+    corr = P.Swaps(0.3)
+    spec, _ = probe_hooks(model)
+    b, h = tokens.shape[0], spec.n_heads
+    groups = [{1: [i]} for i in range(h)]
+    widest: list[int] = []
+
+    def pre(m, args, kwargs):
+        x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+        widest.append(x.shape[0])
+
+    def sweep(**kw):
+        widest.clear()
+        handle = model.blocks[1].attn.register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            return P.patch_sweep(model, corr, tokens, metric, quantity="pos_term", groups=groups, k_means=k_means, **kw)
+        finally:
+            handle.remove()
+
+    roomy = sweep()
+    assert roomy.replicas == h and max(widest) == h * b  # plenty of memory: the heads of the layer side by side
+    # room for 2·b + ½ sequences of N tokens: two copies of the batch per forward
+    monkeypatch.setattr(memory, "free_bytes", lambda dev: int((2 * b + 0.5) * memory.attention_bytes(h, N)
+                                                              / memory.FREE_SHARE))
+    tight = sweep()
+    assert tight.replicas == 2 and max(widest) == 2 * b
+    assert len(widest) == 2 + h // 2  # the two baselines, then h/2 patched forwards
+    monkeypatch.setattr(memory, "free_bytes", lambda dev: 1)  # not even one sequence fits: one copy, not none
+    assert sweep().replicas == 1 and max(widest) == b
+    asked = sweep(replicas=h)  # a number asked for is taken as asked, whatever the free memory says
+    assert asked.replicas == h and max(widest) == h * b
+    one = sweep(replicas=1)
+    torch.testing.assert_close(tight.values, one.values, rtol=0, atol=1e-5)
+    torch.testing.assert_close(roomy.values, one.values, rtol=0, atol=1e-5)
+    assert roomy.values.std() > 0  # the heads differ: a mix-up of replicas would show
+
+
+def test_the_free_memory_is_read_and_the_sequences_per_forward_follow_from_it():
+    """``free_bytes`` reads Linux's MemAvailable (between 0 and the machine's total); a forward's attention maps are
+    MAPS_PER_FORWARD float32 maps of heads·n² entries per sequence, and the sequences that fit in the free share
+    follow from them (at least one)."""
+    import os
+
+    from posgen_tl.hooks import memory
+
+    free = memory.free_bytes("cpu")
+    if os.path.exists("/proc/meminfo"):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        assert free is not None and 0 < free <= total
+    assert memory.attention_bytes(9, 8192) == int(memory.MAPS_PER_FORWARD * 4 * 9 * 8192**2)
+    assert memory.attention_bytes(9, 8192, n_seq=3) == 3 * memory.attention_bytes(9, 8192)
+    model = tm.hf_llama(n_layers=1)[0]
+    h = probe_hooks(model)[0].n_heads
+    per = memory.attention_bytes(h, 1000)
+    assert memory.sequences_per_forward(model, 1000, free=int(7.9 * per / memory.FREE_SHARE)) == 7
+    assert memory.sequences_per_forward(model, 1000, free=0) == 1
