@@ -20,7 +20,8 @@ from posgen_tl.hooks.capture import model_device, probe_hooks
 
 __all__ = ["FREE_SHARE", "MAPS_PER_FORWARD", "attention_bytes", "free_bytes", "sequences_per_forward"]
 
-#: float32 score-map-sized tensors alive at once in one layer's attention of a TransformerLens forward (measured 3.0–3.2)
+#: float32 score-map-sized tensors alive at once in one layer's attention of a TransformerLens forward (measured
+#: 3.0–3.2; 3.5 leaves a margin)
 MAPS_PER_FORWARD = 3.5
 #: the share of the free memory a forward's attention maps may take (the rest: weights' working copies, activations,
 #: the caller's tables, other processes' growth)
