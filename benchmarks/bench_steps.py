@@ -4,9 +4,9 @@ drifts (a shared host: the suite's separate worker processes can land in differe
     python benchmarks/bench_steps.py --n-seq 8 --seq-len 512 --steps decomposition,pattern --repeats 3 [--threads 2]
 
 Each round runs the forward, then each step, on the same tokens (:class:`suite_steps.Bench`, as the suite does);
-``--base capture`` divides by the chunked capture pass instead of the plain forward (a length whose whole forward does
-not fit in memory). Prints every round and, per step, the median seconds, the ratio of medians to the forward's and the ratio of the
-fastest round to the forward's fastest, with the median process CPU seconds and minor page faults of a call (a page
+``--base capture`` divides by the chunked capture pass instead of the plain forward (a length whose whole forward
+does not fit in memory). Prints every round and, per step, the median seconds, the ratio of medians to the base
+step's and the ratio of the fastest round to the base step's fastest, with the median process CPU seconds and minor page faults of a call (a page
 the kernel had to map and zero-fill: freed memory handed back to the system and touched again); ``--out`` writes them
 as JSON.
 """
@@ -63,7 +63,9 @@ def main() -> None:
     fwd, fmin = statistics.median(secs[a.base]), min(secs[a.base])
     from posgen_tl.io.provenance import git_commit
 
-    out = {"commit": git_commit(), "model": a.model, "n_seq": a.n_seq, "seq_len": a.seq_len, "threads": a.threads, "repeats": a.repeats, "base": a.base, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    out = {"commit": git_commit(), "model": a.model, "n_seq": a.n_seq, "seq_len": a.seq_len, "threads": a.threads,
+           "repeats": a.repeats, "base": a.base, "peak_rss_mib": peak_mib,
            "steps": {s: {"seconds": secs[s], "median_s": statistics.median(secs[s]),
                          "ratio_median": statistics.median(secs[s]) / fwd, "ratio_min": min(secs[s]) / fmin,
                          "cpu_s": cpu[s], "minor_faults": faults[s]}
