@@ -163,6 +163,13 @@ class Bench:
         transposition_curve(self.model, self.tokens, fracs=FRACS, seeds=(0,), target_len=TARGET_LEN,
                             modes=("T1",), batch_size=self.bs, progress=False)
 
+    def target_nll(self) -> None:
+        """The unedited target-span NLL as the tolerance and causal passes compute it (a chunked forward beyond 2 048
+        tokens): the base for their passes where a whole forward does not fit in memory."""
+        from posgen_tl.engine.swaps import nll_on_target
+
+        nll_on_target(self.model, self.tokens, target_len=TARGET_LEN, batch_size=self.bs)
+
     def causal_condition(self) -> None:
         """One condition of the causal study (:func:`posgen_tl.engine.conditions.condition_rows`): the clean
         pass under the intervention and one pass per swap fraction > 0."""
@@ -235,7 +242,7 @@ class Bench:
             "forward": (self.forward, 1), "capture": (self.capture, 1), "kbar_pass": (self.kbar_pass, 1),
             "decomposition": (self.decomposition, 1), "pattern": (self.pattern, 1),
             "tolerance_curve": (self.tolerance_curve, len(FRACS)),
-            "causal_condition": (self.causal_condition, len(FRACS)),
+            "causal_condition": (self.causal_condition, len(FRACS)), "target_nll": (self.target_nll, 1),
             "naive_decomposition": (self.naive_decomposition, 1), "naive_pattern": (self.naive_pattern, 1),
         }
         suff = sufficiency_step(self)

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
+from posgen_tl.hooks.chunked import auto_chunk, check_chunked, hooks_chunk_safe, run_chunks
 from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.positions import StopForward, distance_cap_hooks, final_residual_hook
 from posgen_tl.hooks.reentry import check_hooks_from, forward_from, recorded, resid_hooks, skips_blocks
@@ -96,12 +97,60 @@ def _target_nll(model, batch, target_len, pos, hooks, resid=None, start_at_layer
     return nll_from_logits(torch.cat([logits, logits[:, :1]], 1), batch[:, n - target_len - 1 :]).mean(-1)
 
 
+def _target_nll_chunked(model, batch, target_len, pos, hooks, chunk) -> Tensor:
+    """:func:`_target_nll` through a forward ``chunk`` positions at a time (:func:`run_chunks`): the target span's
+    final-norm rows gathered from the chunks that hold them and unembedded (a model that soft-caps its output logits:
+    those chunks' logits), every other chunk stopped at the final norm — no full-sequence logits, no ``n × n`` map."""
+    n = batch.shape[1]
+    start, stop = n - target_len - 1, n - 1
+    final = "ln_final.hook_out" in getattr(model, "hook_dict", {})
+    resid = final_residual_hook(model, {}, 0, 1) is not None  # False: the logits are soft-capped (or no final hook)
+    stores: dict[int, dict] = {}
+
+    def halt(x: Tensor, hook: Any) -> None:
+        raise StopForward
+
+    def hooks_for(c0: int, c1: int) -> list:
+        lo, hi = max(start, c0), min(stop, c1)
+        if lo >= hi:  # no target row in this chunk: its keys and values are cached, nothing more is needed
+            return list(hooks) + ([("ln_final.hook_out", halt)] if final else [])
+        if not resid:
+            return list(hooks)
+        fin = final_residual_hook(model, stores.setdefault(c0, {}), lo - c0, hi - c0)
+        return list(hooks) + [fin]
+
+    outs = run_chunks(model, batch, chunk, hooks_for, position_ids=pos, return_type=None if resid else "logits")
+    parts = []
+    for c0 in range(0, n, chunk):
+        lo, hi = max(start, c0), min(stop, c0 + chunk)
+        if lo < hi:
+            parts.append(stores[c0]["resid"] if resid else outs[c0][:, lo - c0 : hi - c0])
+    logits = model.unembed(torch.cat(parts, 1)) if resid else torch.cat(parts, 1)
+    return nll_from_logits(torch.cat([logits, logits[:, :1]], 1), batch[:, start:]).mean(-1)
+
+
+def _nll_chunk(model: Any, n: int, chunk: int, hooks: Hooks, resumed: bool) -> int:
+    """The chunk :func:`nll_on_target` runs with: ``chunk`` ≥ 0 as given (checked), ``-1``: :func:`auto_chunk`'s
+    choice for memory (beyond 2 048 tokens), never when resuming from a residual."""
+    if chunk < 0:
+        return 0 if resumed else auto_chunk(model, n, -1, hooks, memory_only=True)
+    if 0 < chunk < n:
+        if resumed:
+            raise ValueError(f"chunk={chunk} cannot be combined with resid_at: a resumed forward runs whole")
+        if not hooks_chunk_safe(hooks):
+            raise ValueError(f"chunk={chunk}: fwd_hooks not marked chunk_safe would see one chunk's tensors, not the "
+                             "sequence's (the key edits of posgen_tl.hooks.edits are chunk_safe)")
+        check_chunked(model)
+        return chunk
+    return 0
+
+
 @torch.no_grad()
 def nll_on_target(
     model: Any, tokens: Int[Tensor, "batch pos"], *, target_len: int,
     position_ids: Int[Tensor, "batch pos"] | Int[Tensor, "pos"] | None = None,
     fwd_hooks: Hooks = (), batch_size: int = 4,
-    resid_at: tuple[int, Float[Tensor, "batch pos d_model"]] | None = None,
+    resid_at: tuple[int, Float[Tensor, "batch pos d_model"]] | None = None, chunk: int = -1,
 ) -> Float[Tensor, "batch"]:  # fmt: skip
     """Mean next-token NLL of the last ``target_len`` tokens of each sequence (float32, CPU).
 
@@ -112,6 +161,10 @@ def nll_on_target(
     :func:`posgen_tl.hooks.reentry.resid_hooks`, or ``model(tokens, stop_at_layer=L)``) without
     computing blocks ``0 … L−1`` (:func:`posgen_tl.hooks.reentry.forward_from`); ``tokens``
     still give the targets, and ``fwd_hooks`` must not touch blocks below ``L`` (ValueError).
+    ``chunk``: run each forward this many positions at a time through the model's key/value cache
+    (:mod:`posgen_tl.hooks.chunked`; the same numbers up to float rounding, memory O(chunk · n) instead of O(n²) per
+    layer); ``-1`` (default): so beyond 2 048 tokens where the model's cached forward is exact and every hook is
+    :func:`~posgen_tl.hooks.chunked.chunk_safe` (the key edits are), else whole; ``0``: whole.
 
     Returns:
         ``[batch]`` float32 mean NLL over the target span.
@@ -120,6 +173,7 @@ def nll_on_target(
     if not 0 < target_len < tokens.shape[1]:
         raise ValueError(f"target_len={target_len} must be in (0, {tokens.shape[1]})")
     out = []
+    chunk = _nll_chunk(model, tokens.shape[1], chunk, fwd_hooks, resid_at is not None)
     with large_blocks_kept() if tokens.device.type == "cpu" else contextlib.nullcontext():  # (hooks/heap.py)
         for s in range(0, tokens.shape[0], batch_size):
             batch = tokens[s : s + batch_size]
@@ -129,7 +183,10 @@ def nll_on_target(
                 pos = p.expand(batch.shape[0], -1) if p.ndim == 1 else p[s : s + batch.shape[0]]
             resid = None if resid_at is None else resid_at[1][s : s + batch_size]
             layer = None if resid_at is None else resid_at[0]
-            out.append(_target_nll(model, batch, target_len, pos, fwd_hooks, resid, layer).float().cpu())
+            if chunk:
+                out.append(_target_nll_chunked(model, batch, target_len, pos, fwd_hooks, chunk).float().cpu())
+            else:
+                out.append(_target_nll(model, batch, target_len, pos, fwd_hooks, resid, layer).float().cpu())
     return torch.cat(out)
 
 

@@ -19,6 +19,7 @@ TransformerLens 4.3's bridge reads the cache only from ``past_key_values`` while
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +30,8 @@ from torch import Tensor
 
 from posgen_tl.hooks.capture import CaptureError, StopForward, hooks_attached, model_device, model_dtype, probe_hooks
 
-__all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_FROM", "CHUNK_RTOL", "auto_chunk", "check_chunked", "run_chunks"]
+__all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_FROM", "CHUNK_RTOL", "auto_chunk", "check_chunked", "chunk_safe", "chunk_span",
+           "hooks_chunk_safe", "run_chunks"]
 
 #: automatic chunks (:func:`auto_chunk`): CHUNK positions beyond CHUNK_ABOVE tokens (memory: the forward's transient
 #: is ``[batch, heads, CHUNK, n]``), a quarter of the sequence from CHUNK_FROM tokens on (speed: the chunks compute only
@@ -41,6 +43,26 @@ CHUNK, CHUNK_ABOVE, CHUNK_FROM = 512, 2048, 1024
 CHUNK_RTOL = 1e-4
 #: model -> {(dtype, device): None (passed) or why it failed}
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the chunk a chunked forward is running: (its first position, its end, the sequence's length); None outside one
+_SPAN: contextvars.ContextVar[tuple[int, int, int] | None] = contextvars.ContextVar("posgen_tl_chunk_span", default=None)
+
+
+def chunk_span() -> tuple[int, int, int] | None:
+    """``(c0, c1, n)`` while :func:`run_chunks` runs the chunk ``[c0, c1)`` of an ``n``-token sequence; ``None`` in a
+    whole forward. A hook whose result depends on the absolute position (a random draw per position) reads it."""
+    return _SPAN.get()
+
+
+def chunk_safe(fn: Callable) -> Callable:
+    """Mark the hook function ``fn`` as one whose output on a chunk of positions is that chunk's part of its output on
+    the whole sequence (a per-token edit; a per-position draw through :func:`chunk_span`). Returns ``fn``."""
+    fn.chunk_safe = True  # type: ignore[attr-defined]
+    return fn
+
+
+def hooks_chunk_safe(hooks: Sequence) -> bool:
+    """Every ``(name, fn)`` of ``hooks`` is marked by :func:`chunk_safe` (true for none)."""
+    return all(getattr(fn, "chunk_safe", False) for _, fn in hooks)
 
 
 @contextlib.contextmanager
@@ -77,20 +99,35 @@ def _new_cache(model: Any) -> Any:
         return DynamicCache()
 
 
-def run_chunks(model: Any, tokens: Tensor, chunk: int, hooks_for: Callable[[int, int], list]) -> None:
+def run_chunks(model: Any, tokens: Tensor, chunk: int, hooks_for: Callable[[int, int], list], *,
+               position_ids: Tensor | None = None, return_type: str | None = None) -> dict[int, Any]:
     """The forward of ``tokens`` ``chunk`` positions at a time through one cache; ``hooks_for(c0, c1)`` gives the
-    hooks of the chunk ``[c0, c1)`` (a hook may raise :class:`StopForward` to end that chunk's pass)."""
+    hooks of the chunk ``[c0, c1)`` (a hook may raise :class:`StopForward` to end that chunk's pass; while a chunk
+    runs, :func:`chunk_span` says which). ``position_ids`` ``[batch, pos]`` (or ``[pos]``): the ids the forward is
+    given, sliced per chunk (default: ``arange``). Returns ``{c0: the model's output}`` for the chunks that ran to the
+    end with ``return_type`` (``"logits"``: ``[batch, c1 − c0, d_vocab]``)."""
     cache = _new_cache(model)
     n = tokens.shape[1]
+    if position_ids is not None and position_ids.shape[-1] != n:
+        raise ValueError(f"position_ids have {position_ids.shape[-1]} entries but the sequence has {n}")
+    out: dict[int, Any] = {}
     with _cache_kwarg(model):
         for c0 in range(0, n, chunk):
             c1 = min(c0 + chunk, n)
-            pos = torch.arange(c0, c1, device=tokens.device).expand(tokens.shape[0], -1)
-            with torch.no_grad(), hooks_attached(model, hooks_for(c0, c1)):
-                try:
-                    model(tokens[:, c0:c1], return_type=None, position_ids=pos, cache=cache, use_cache=True)
-                except StopForward:
-                    pass
+            if position_ids is None:
+                pos = torch.arange(c0, c1, device=tokens.device).expand(tokens.shape[0], -1)
+            else:
+                pos = position_ids[..., c0:c1].to(tokens.device).expand(tokens.shape[0], -1)
+            token = _SPAN.set((c0, c1, n))
+            try:
+                with torch.no_grad(), hooks_attached(model, hooks_for(c0, c1)):
+                    out[c0] = model(tokens[:, c0:c1], return_type=return_type, position_ids=pos, cache=cache,
+                                    use_cache=True)
+            except StopForward:
+                pass
+            finally:
+                _SPAN.reset(token)
+    return out
 
 
 def check_chunked(model: Any) -> None:
@@ -117,7 +154,7 @@ def check_chunked(model: Any) -> None:
 
 def auto_chunk(model: Any, n: int, chunk: int = -1, extra_hooks: Sequence = (), *, memory_only: bool = False) -> int:
     """The ``chunk`` to capture ``n``-token sequences with: ``chunk`` itself when ≥ 0 (0: one whole forward); for
-    ``-1`` (automatic), where no extra hooks are attached (an intervention's tensors would be a chunk's) and the model
+    ``-1`` (automatic), where every extra hook is :func:`chunk_safe` (another's tensors would be a chunk's) and the model
     passes :func:`check_chunked`, :data:`CHUNK` beyond :data:`CHUNK_ABOVE` tokens and, unless ``memory_only``,
     ``⌈n/4⌉`` from :data:`CHUNK_FROM` tokens on — else 0. ``memory_only``: for an analysis that would pay for the
     chunks elsewhere (a pass that would read a whole forward's score maps instead). A model that fails the
@@ -127,7 +164,7 @@ def auto_chunk(model: Any, n: int, chunk: int = -1, extra_hooks: Sequence = (), 
     if chunk >= 0:
         return chunk
     memory_only = memory_only or model_device(model).type != "cpu"
-    if n < (CHUNK_ABOVE + 1 if memory_only else CHUNK_FROM) or extra_hooks:
+    if n < (CHUNK_ABOVE + 1 if memory_only else CHUNK_FROM) or not hooks_chunk_safe(extra_hooks):
         return 0
     try:
         check_chunked(model)

@@ -56,6 +56,7 @@ from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
 from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation, probe_hooks, stash_shape, to_heads
+from posgen_tl.hooks.chunked import chunk_safe, chunk_span
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.maths.band_stats import BandStats
@@ -230,6 +231,19 @@ def _control_choice(iv: Intervention, layer: int, n_heads: int, n_bands: int,
     return new_bands, new_heads
 
 
+def _per_position(g: torch.Generator, n_pos: int, rest: tuple[int, ...]) -> Float[Tensor, "pos ..."]:
+    """Uniform draws ``[n_pos, *rest]`` (float64 drawn, float32 returned) for the positions of this forward — in a
+    chunk of a chunked forward (:func:`posgen_tl.hooks.chunked.chunk_span`) the chunk's rows of the whole sequence's
+    draw, so a chunked forward draws what the whole forward draws."""
+    span = chunk_span()
+    if span is None:
+        return torch.rand((n_pos, *rest), generator=g, dtype=torch.float64).float()
+    c0, c1, n = span
+    if c1 - c0 != n_pos:
+        raise ValueError(f"a chunk of positions {c0} … {c1 - 1} reached an edit with {n_pos} positions")
+    return torch.rand((n, *rest), generator=g, dtype=torch.float64)[c0:c1].float()
+
+
 # One small pure function per edit kind: the complex change of the selected bands ``zs``
 # ``[batch, pos, head, band]`` given the offset ``zb`` ``[head, band]`` of the same selection, at
 # strength ``alpha``. ``heads``/``bands`` index the selection (for per-band random draws).
@@ -258,7 +272,7 @@ def noise_change(zs: Tensor, zb: Tensor, alpha: float, *, seed: int, layer: int,
     """``noise`` (control C4): ``α·|k̄^(m)|·e^{iψ}`` with a random phase ``ψ`` per (position, head, band)
     from ``seed`` and the layer — per token exactly ``destroy``'s norm, no constant direction."""
     g = torch.Generator().manual_seed(15_485_863 * int(seed) + 13 * layer + 5)
-    psi = torch.rand((zs.shape[1], n_heads, n_bands), generator=g, dtype=torch.float64).float()
+    psi = _per_position(g, zs.shape[1], (n_heads, n_bands))
     psi = psi[:, heads][..., bands].to(zs.device) * (2 * math.pi)
     return ((zb.abs() * alpha)[None, None] * torch.polar(torch.ones_like(psi), psi)[None]).expand_as(zs)
 
@@ -287,7 +301,7 @@ def _row_change(z: Tensor, zbar: Tensor, iv: Intervention, layer: int, seed: int
         heads = heads if nh is None else torch.as_tensor(nh, dtype=torch.long)
         if iv.scramble:
             g = torch.Generator().manual_seed(104_729 * int(seed) + 17 * layer + 3)
-            psi = torch.rand(d.shape[1:], generator=g, dtype=torch.float64).float().to(d.device) * (2 * math.pi)
+            psi = _per_position(g, d.shape[1], tuple(d.shape[2:])).to(d.device) * (2 * math.pi)
             d = d * torch.polar(torch.ones_like(psi), psi)
     delta[:, :, heads[:, None].expand(-1, bands.numel()), bands[None, :].expand(heads.numel(), -1)] = d
     return delta
@@ -363,6 +377,7 @@ def _edit_prescale(
     return out.reshape(x.shape).to(x.dtype)
 
 
+@chunk_safe
 def _noop(x: Tensor, hook: Any) -> None:
     return None
 
@@ -402,7 +417,7 @@ def intervention_hooks(
         fn = functools.partial(
             _edit, iv=intervention, mean=k_means[layer], rope=spec.layer(layer), layer=layer,
             layout=info.normed_layout)
-        out.append((name, fn))
+        out.append((name, chunk_safe(fn)))  # per token; the random draws per position read the chunk's span
     return out
 
 

@@ -33,7 +33,7 @@ from posgen_tl.hooks.capture import (
     probe_hooks,
     run_forward,
 )
-from posgen_tl.hooks.chunked import check_chunked, run_chunks
+from posgen_tl.hooks.chunked import check_chunked, hooks_chunk_safe, run_chunks
 from posgen_tl.hooks.heap import BatchTrim, large_blocks_kept, release_freed_memory
 from posgen_tl.hooks.stacking import Stacker, stack_size
 from posgen_tl.hooks.tables import model_rotation_table, table_to_bands
@@ -90,7 +90,8 @@ def stream_qk(
     ``chunk``: run the forward this many positions at a time through the model's key/value cache
     (:mod:`posgen_tl.hooks.chunked`: no ``[heads, n, n]`` score map is built, for long sequences); ``fn`` then gets
     each layer of the whole sequence after the batch's chunked forward. Not with scores, patterns, tables, position
-    ids or extra hooks (their tensors would be a chunk's); a model whose cached forward does not reproduce its whole
+    ids or extra hooks that are not :func:`~posgen_tl.hooks.chunked.chunk_safe` (their tensors would be a chunk's;
+    the key edits of :mod:`posgen_tl.hooks.edits` are); a model whose cached forward does not reproduce its whole
     forward is refused (checked once per model).
 
     Hooks are removed when this returns or raises (KeyboardInterrupt included).
@@ -112,7 +113,8 @@ def stream_qk(
     chunked = 0 < chunk < tokens.shape[1]
     if chunked:
         bad = [name for name, on in (("with_scores", with_scores), ("with_pattern", with_pattern), ("with_tables",
-               with_tables), ("position_ids", position_ids is not None), ("extra_hooks", bool(extra_hooks))) if on]
+               with_tables), ("position_ids", position_ids is not None),
+               ("extra hooks not marked chunk_safe", not hooks_chunk_safe(extra_hooks))) if on]
         if bad:
             raise ValueError(f"stream_qk(chunk={chunk}) cannot be combined with {', '.join(bad)}: those tensors "
                              "would be one chunk's, not the sequence's")
@@ -129,7 +131,7 @@ def stream_qk(
             if chunked:
                 stacker = Stacker(fn, stack, layers[-1])  # (each chunk's rotation is checked as it runs)
                 _chunked_batch(model, batch, b_idx, offset, layers, need, stacker, chunk=chunk, rot_tol=rot_tol,
-                               after_layer=layer_trim)
+                               after_layer=layer_trim, extra_hooks=extra_hooks)
                 stacker.flush()
             else:
                 pos, pos_arg = _batch_positions(position_ids, batch, offset, tokens.shape[0])
@@ -176,14 +178,15 @@ def _stack_option(model: Any, spec: RopeSpec, stack: int, tokens: Tensor, batch_
 
 def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: Sequence[int], need: Sequence[str],
                     fn: Callable[[QKCapture], None], *, chunk: int, rot_tol: float,
-                    after_layer: Callable[[], Any] | None = None) -> None:
+                    after_layer: Callable[[], Any] | None = None, extra_hooks: Sequence = ()) -> None:
     """One batch of :func:`stream_qk` with ``chunk=`` (:mod:`posgen_tl.hooks.chunked`): ``fn`` gets each layer of
     ``layers`` (in order) as one :class:`QKCapture` of the whole sequence, after the chunked forward (then
     ``after_layer()``, if given, runs: the pass's per-layer heap trimmer on the CPU); peak memory of
     the forward O(batch · heads · chunk · n) instead of O(batch · heads · n²). Only the pre-rotation q/k of ``layers``
     are held until their layer is handed on: each chunk's rotation was checked against the model's own
     (``hook_rot_q/k``, where they fire) at its absolute positions, and the whole layer's is recomputed from them
-    (``rot_source="computed"``) — half the memory of keeping both."""
+    (``rot_source="computed"``) — half the memory of keeping both. ``extra_hooks`` (each :func:`chunk_safe`) run on
+    every chunk, before the capture's own."""
     spec, info = probe_hooks(model)
     pieces: dict[int, list[tuple[Tensor, Tensor]]] = {layer: [] for layer in layers}
 
@@ -193,8 +196,8 @@ def _chunked_batch(model: Any, batch: Tensor, b_idx: int, offset: int, layers: S
     def hooks_for(c0: int, c1: int) -> list:
         pos = torch.arange(c0, c1, device=batch.device).expand(batch.shape[0], -1)
         grab = _Grab(model, spec, info, need, pos, b_idx, offset, layers[-1], rot_tol, False, keep)
-        return [(info.name(layer, h), lambda t, hook, layer=layer, h=h: grab(t, layer, h))
-                for layer in layers for h in need]
+        return list(extra_hooks) + [(info.name(layer, h), lambda t, hook, layer=layer, h=h: grab(t, layer, h))
+                                    for layer in layers for h in need]
 
     run_chunks(model, batch, chunk, hooks_for)
     n = batch.shape[1]

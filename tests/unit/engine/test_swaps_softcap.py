@@ -31,4 +31,6 @@ def test_target_nll_keeps_gemma2s_final_logit_softcap():
     assert (ref - uncapped).abs().max() > 1e-2  # the cap matters here (else the test compares nothing)
     got = nll_on_target(model, toks, target_len=7)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # through chunks of 6 (the window of 8 straddles them): the span's rows from the chunks' own capped logits
+    torch.testing.assert_close(nll_on_target(model, toks, target_len=7, chunk=6), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(P.target_nll(toks, 7)(model(toks)), ref, rtol=1e-5, atol=1e-5)

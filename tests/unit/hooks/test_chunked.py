@@ -67,7 +67,7 @@ def test_the_cached_forward_is_checked_and_a_wrong_one_refused(monkeypatch):
 
 def test_chunks_are_refused_with_tensors_that_would_be_a_chunks(tiny):
     for kw, name in ((dict(with_scores=True), "with_scores"), (dict(extra_hooks=[("x", lambda t, hook: None)]),
-                                                               "extra_hooks")):
+                                                               "extra hooks not marked chunk_safe")):
         with pytest.raises(ValueError, match=f"chunk=8.*{name}"):
             stream_qk(tiny, _tokens(), lambda c: None, chunk=8, progress=False, **kw)
 
