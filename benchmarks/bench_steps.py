@@ -5,7 +5,8 @@ drifts (a shared host: the suite's separate worker processes can land in differe
 
 Each round runs the forward, then each step, on the same tokens (:class:`suite_steps.Bench`, as the suite does);
 ``--base capture`` divides by the chunked capture pass instead of the plain forward (a length whose whole forward
-does not fit in memory). Prints every round and, per step, the median seconds, the ratio of medians to the base
+does not fit in memory), ``--base target_nll`` by the unedited target-NLL pass (chunked there too: the base of the
+passes under an edit or a substitution). Prints every round and, per step, the median seconds, the ratio of medians to the base
 step's and the ratio of the fastest round to the base step's fastest, with the median process CPU seconds and minor page faults of a call (a page
 the kernel had to map and zero-fill: freed memory handed back to the system and touched again); ``--out`` writes them
 as JSON.

@@ -14,6 +14,13 @@ q/k of every layer of a probe sequence, chunked vs whole); a model that fails is
 chooses its frequencies from the sequence length (dynamic NTK, LongRoPE: a cache would rotate each chunk differently).
 TransformerLens 4.3's bridge reads the cache only from ``past_key_values`` while transformers 5.x passes it as
 ``cache``; :func:`_cache_kwarg` bridges the two for the duration of a chunked forward (removed on every exit path).
+
+Hooks that change the forward run on every chunk where they are marked :func:`chunk_safe`: their output on a chunk is
+that chunk's part of their output on the whole sequence. The key edits of :mod:`posgen_tl.hooks.edits` are (an edited
+key reaches the cache; a random draw per position reads the chunk's place through :func:`chunk_span`), and so is the
+sufficiency substitution ``W ← f + g`` (:func:`posgen_tl.hooks.logits.logit_substitution_hooks` with ``rows_only``:
+each chunk's queries against the keys the cache hands on) — so the causal conditions and the sufficiency test run
+on texts whose whole forward does not fit in memory (:func:`posgen_tl.engine.swaps.nll_on_target`).
 """
 
 from __future__ import annotations

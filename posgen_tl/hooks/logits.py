@@ -17,7 +17,14 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from posgen_tl.hooks.capture import pre_rotation_stash, probe_hooks, refuse_multistream, require_pre_softmax
+from posgen_tl.hooks.capture import (
+    CaptureError,
+    pre_rotation_stash,
+    probe_hooks,
+    refuse_multistream,
+    require_pre_softmax,
+)
+from posgen_tl.hooks.chunked import chunk_safe, chunk_span
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.stacking import cache_rows
 from posgen_tl.io.spec import live_rope
@@ -32,7 +39,7 @@ from posgen_tl.maths.approx_logits import (
     quantile_mask,
 )
 from posgen_tl.maths.decompose import fit_additive
-from posgen_tl.maths.rope import LayerRope
+from posgen_tl.maths.rope import LayerRope, expand_kv, rotate
 
 __all__ = ["LogitContext", "RowValues", "logit_substitution_hooks", "lm_infinite_hooks", "disentangled_hooks",
            "sufficiency_hooks", "window_removal_hooks", "local_layers"]
@@ -94,6 +101,7 @@ def _softcap(x: Tensor, cap: float | None) -> Tensor:
 def logit_substitution_hooks(
     model: Any, fn: SubstFn | None, layers: Sequence[int] | None = None, *,
     position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"] | None = None, remove_window: bool = False,
+    rows_only: bool = False,
 ) -> HookList:  # fmt: skip
     """The generic substitution: rewrite the pre-softmax scores of ``layers`` from captured q/k.
 
@@ -114,6 +122,12 @@ def logit_substitution_hooks(
 
     ``position_ids``: the ids passed to the model's forward (a gap probe); ``None`` = ``arange``.
 
+    ``rows_only``: ``fn`` always returns :class:`RowValues` — then the hooks are
+    :func:`~posgen_tl.hooks.chunked.chunk_safe` and also rewrite the scores of a forward run a chunk at a time through
+    the model's cache (:func:`_chunk_scores`: the chunk's queries against the keys the cache hands it), so the
+    substitution runs on sequences whose whole forward does not fit in memory. Not with ``remove_window`` (the cache
+    holds no key beyond a window).
+
     Returns:
         ``[(hook_name, fn), ...]`` for ``model.hooks(fwd_hooks=...)`` / ``run_with_hooks``.
 
@@ -126,15 +140,22 @@ def logit_substitution_hooks(
     require_exact(model, layers, "logit substitution")
     if position_ids is not None:
         refuse_multistream(position_ids, spec.model_name)
+    if rows_only and (fn is None or remove_window):
+        raise ValueError("rows_only needs a substitution fn and cannot remove windows")
     out: HookList = []
     for layer in spec.layer_indices(layers):
-        rope, stash = spec.layer(layer), dict[str, Tensor]()
+        rope, stash, keys = spec.layer(layer), dict[str, Tensor](), dict[str, Tensor]()
         if fn is None and not (remove_window and rope.sliding_window is not None):
             continue  # nothing to do on this layer
 
-        def scores(w: Tensor, hook: Any, stash=stash, rope=rope, layer=layer) -> Tensor:
+        def scores(w: Tensor, hook: Any, stash=stash, rope=rope, layer=layer, keys=keys) -> Tensor:
             q, k = stash.pop("q"), stash.pop("k")
             rope = live_rope(model, spec, layer, rope)  # dynamic NTK: the frequencies of THIS forward
+            span = chunk_span()
+            if span is not None:
+                if not rows_only:
+                    raise CaptureError(f"layer {layer}: a logit substitution without rows_only ran in a chunked forward")
+                return _chunk_scores(w, q, k, span, keys, fn, layer, rope, position_ids, softcap)  # type: ignore[arg-type]
             b, n = q.shape[0], q.shape[1]
             pos = torch.arange(n, device=q.device) if position_ids is None else position_ids.to(q.device)
             if pos.shape[-1] != n:
@@ -167,9 +188,61 @@ def logit_substitution_hooks(
                 return w
             return torch.where(replace, _softcap(values, softcap).to(w.dtype), w)
 
-        out += pre_rotation_stash(model, info, layer, spec.d_head, stash)
-        out.append((info.name(layer, "hook_attn_scores"), scores))
+        hooks = pre_rotation_stash(model, info, layer, spec.d_head, stash) + [(info.name(layer, "hook_attn_scores"), scores)]
+        out += [(nm, chunk_safe(f)) for nm, f in hooks] if rows_only else hooks
     return out
+
+
+def _chunk_scores(w: Tensor, q: Tensor, k: Tensor, span: tuple[int, int, int], keys: dict[str, Tensor], fn: SubstFn,
+                  layer: int, rope: LayerRope, position_ids: Tensor | None, softcap: float | None) -> Tensor:
+    """The substitution on the chunk ``[c0, c1)`` of an ``n``-token chunked forward: ``w`` ``[batch, head_index, c1 −
+    c0, n_keys]`` holds the chunk's queries against the last ``n_keys`` positions the model's cache hands on (all
+    ``c1`` of them, or a sliding window's); ``q``/``k`` are the chunk's own pre-rotation q/k, the keys before it are
+    kept in ``keys`` from the earlier chunks (dropped after the last). ``fn`` sees those keys with the chunk's queries
+    in their last rows; its :class:`RowValues` give the chunk's rows. Checked first: the model's diagonal scores
+    (each query with its own key) equal ours, so the keys are where they are assumed to be.
+
+    Raises:
+        CaptureError: the chunk's shapes, or its diagonal scores, are not the ones assumed."""
+    c0, c1, n = span
+    prev = keys.pop("k") if c0 else None
+    kall = k if prev is None else torch.cat([prev, k], 1)
+    if c1 < n:
+        keys["k"] = kall
+    b, m, h, d = q.shape
+    nk = w.shape[-1]
+    if k.shape[1] != m or kall.shape[1] != c1 or not m <= nk <= c1:
+        raise CaptureError(f"layer {layer}: a chunk of positions {c0} … {c1 - 1} brought {k.shape[1]} keys "
+                           f"({kall.shape[1]} so far) and scores on {nk} keys")
+    pos = torch.arange(n, device=q.device) if position_ids is None else position_ids.to(q.device)
+    pos = pos.expand(b, n) if pos.ndim == 1 else pos
+    _check_diagonal(w, q, k, pos[:, c0:c1], rope, softcap, layer)
+    qw = q.new_zeros((b, nk, h, d))
+    qw[:, nk - m :] = q
+    res = fn(LogitContext(layer, qw, kall[:, c1 - nk :], pos[:, c1 - nk : c1], rope, w))
+    if not isinstance(res, RowValues):
+        raise CaptureError(f"layer {layer}: a chunked forward needs a substitution that returns RowValues")
+    i = torch.arange(c0, c1, device=w.device)[:, None]
+    j = torch.arange(c1 - nk, c1, device=w.device)[None, :]
+    keep = (j <= i) & (j >= res.first_key)
+    if rope.sliding_window is not None:
+        keep = keep & (i - j < rope.sliding_window)
+    return torch.where(keep, _softcap(res.of(nk - m, nk), softcap).to(w.dtype), w)
+
+
+def _check_diagonal(w: Tensor, q: Tensor, k: Tensor, pos: Tensor, rope: LayerRope, softcap: float | None,
+                    layer: int) -> None:
+    """Each query's score on its own key (the last ``m`` key columns of ``w``, on their diagonal) equals
+    ``s·(R_p q)·(R_p k)`` from the chunk's pre-rotation q/k to the model's rounding. Raises CaptureError if not."""
+    m, h = q.shape[1], q.shape[2]
+    rq, rk = rotate(q, pos, rope), rotate(expand_kv(k, h), pos, rope)
+    ours = _softcap((rq * rk).sum(-1).transpose(1, 2) * rope.score_scale, softcap)  # b h m
+    theirs = torch.diagonal(w[..., w.shape[-1] - m :], dim1=-2, dim2=-1).float()
+    eps = torch.finfo(w.dtype).eps if w.dtype.is_floating_point else 1e-7
+    err, ref = float((ours - theirs).abs().max()), float(ours.abs().max())
+    if not err <= max(1e-4, 64 * eps) * max(1.0, ref):
+        raise CaptureError(f"layer {layer}: in a chunked forward the model's scores of each query on its own key differ "
+                           f"from ours by {err:.2e} (largest {ref:.2e}): its cache hands on keys other than assumed")
 
 
 def _write_rows(w: Tensor, rv: RowValues, vis: Tensor, unwin: Tensor, softcap: float | None) -> Tensor:
@@ -317,4 +390,5 @@ def sufficiency_hooks(
         raise ValueError("source='d3' needs k_means (e.g. reference_key_means on disjoint documents)")
     fn = functools.partial(_sufficiency, source=source, k_means=k_means, delta0=int(delta0), gamma=gamma,
                            keep_sink=int(keep_sink), mean_layer=mean_layer)
-    return logit_substitution_hooks(model, fn, layers, position_ids=position_ids)
+    rows = source == "d3" and gamma is None  # f + g a block of rows at a time: also through a chunked forward
+    return logit_substitution_hooks(model, fn, layers, position_ids=position_ids, rows_only=rows)

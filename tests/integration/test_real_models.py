@@ -79,3 +79,50 @@ def test_gemma3_window_respected_beyond_512(gemma3):
         err = (c.logits() - c.scores)[..., m].abs().max()
         assert err <= SCORE_RTOL * c.scores[..., m].abs().max()
         assert bool(m.sum(-1)[-1] == (512 if layer == 0 else 600))
+
+
+def _edited_nll_chunked_vs_whole(model, toks, target: int, chunk: int) -> dict:
+    """Target NLL of the clean forward, a destroy edit, the noise control C4 and the sufficiency substitution of the
+    middle third of the layers, each whole and through chunks: ``{condition: (whole, chunked)}``."""
+    from posgen_tl.engine.swaps import nll_on_target
+    from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
+    from posgen_tl.hooks.logits import sufficiency_hooks
+
+    spec = probe_hooks(model)[0]
+    km = key_means(model, toks)
+    mid = list(range(spec.n_layers // 3, 2 * spec.n_layers // 3))
+    fast = list(range(spec.layer(0).n_bands // 4))
+    conds = {"clean": [],
+             "destroy": intervention_hooks(model, Intervention("destroy", bands=fast, layers=mid, alpha=1.0), km),
+             "noise": intervention_hooks(model, Intervention("noise", bands=fast, layers=mid, alpha=1.0, seed=1), km),
+             "sufficiency": sufficiency_hooks(model, source="d3", k_means=km, layers=mid)}
+    return {name: (nll_on_target(model, toks, target_len=target, fwd_hooks=hooks, chunk=0),
+                   nll_on_target(model, toks, target_len=target, fwd_hooks=hooks, chunk=chunk))
+            for name, hooks in conds.items()}
+
+
+def _assert_chunked_is_whole(got: dict) -> None:
+    clean = got["clean"][0]
+    for name, (whole, parts) in got.items():
+        err = float((parts - whole).abs().max())
+        assert err < 1e-4, (name, err)
+        if name != "clean":  # the condition moved the NLL far more than chunks and whole forward differ
+            assert float((whole - clean).abs().max()) > 20 * max(err, 1e-6), name
+
+
+def test_smollm2_edits_and_sufficiency_through_chunks(smollm2):
+    """SmolLM2, 2 × 200 tokens in chunks of 64: every condition's NLL equals the whole forward's."""
+    from posgen_tl.io.corpus import corpus_tokens
+
+    _assert_chunked_is_whole(_edited_nll_chunked_vs_whole(smollm2, corpus_tokens(smollm2, None, seq_len=200, n_seq=2),
+                                                          48, 64))
+
+
+@pytest.mark.gemma
+def test_gemma3_edits_and_sufficiency_through_chunks_past_its_window(gemma3):
+    """Gemma3, 1 × 1 100 tokens in chunks of 256: the cache hands its local layers only the last 511 keys (the window),
+    the substitution and the edits still give the whole forward's NLL."""
+    from posgen_tl.io.corpus import corpus_tokens
+
+    _assert_chunked_is_whole(_edited_nll_chunked_vs_whole(gemma3, corpus_tokens(gemma3, None, seq_len=1100, n_seq=1),
+                                                          64, 256))

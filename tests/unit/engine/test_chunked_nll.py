@@ -1,6 +1,7 @@
 """The target-span NLL through a chunked forward (posgen_tl.engine.swaps.nll_on_target with chunk=): under every key
-edit of the causal test, with swapped tokens and with permuted position ids, the same NLL as one whole forward — so a
-causal condition runs on sequences whose whole forward does not fit in memory."""
+edit of the causal test, with swapped tokens and with permuted position ids, and under the sufficiency substitution
+W ← f + g, the same NLL as one whole forward — so a causal condition or a sufficiency test runs on sequences whose
+whole forward does not fit in memory."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 import posgen_tl.engine.swaps as sw
 import posgen_tl.hooks.chunked as ch
 import posgen_tl.hooks.edits as ed
+from posgen_tl.hooks.capture import CaptureError
 from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
+from posgen_tl.hooks.logits import sufficiency_hooks
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.maths.perturb import adjacent_swap_permutation, position_ids_for_permutation
 
@@ -128,3 +131,30 @@ def test_a_chunked_capture_takes_the_edits_and_sees_their_keys(tiny):
     for key, w in got["whole"].items():
         assert float((w - got["plain"][key]).abs().max()) > 1e-3 or key[0] != 0
         torch.testing.assert_close(got["parts"][key], w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_sufficiency_substitution_runs_through_chunks(tiny):
+    """W ← f + g (global k̄) in every layer through chunks of 8 and 5 (Gemma3: its window of 4 keys is what the cache
+    hands on to the local layers) — the NLL of the whole substituted forward, and far from the clean NLL."""
+    model, toks, km = tiny
+    hooks = sufficiency_hooks(model, source="d3", k_means=km)
+    assert ch.hooks_chunk_safe(hooks) and not ch.hooks_chunk_safe(sufficiency_hooks(model, source="d1"))
+    clean = sw.nll_on_target(model, toks, target_len=TARGET, chunk=0)
+    whole = sw.nll_on_target(model, toks, target_len=TARGET, fwd_hooks=hooks, chunk=0)
+    for chunk in (8, 5):
+        parts = sw.nll_on_target(model, toks, target_len=TARGET, fwd_hooks=hooks, chunk=chunk)
+        err = float((parts - whole).abs().max())
+        assert float((whole - clean).abs().max()) > 100 * max(err, 1e-7)
+        torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_keys_other_than_assumed_in_a_chunk_are_refused_by_name(tiny):
+    """The scores of layer 0 shifted by one key before the substitution sees them: its check of each query's score on
+    its own key fails, by name, instead of substituting against the wrong keys."""
+    model, toks, km = tiny
+    name = "blocks.0.attn.hook_attn_scores"
+    shifted = [(name, ch.chunk_safe(lambda w, hook: torch.roll(w, 1, dims=-1)))]
+    hooks = shifted + sufficiency_hooks(model, source="d3", k_means=km, layers=[0])
+    with pytest.raises(CaptureError, match="layer 0: in a chunked forward .* its cache hands on keys other than"):
+        sw.nll_on_target(model, toks, target_len=TARGET, fwd_hooks=hooks, chunk=8)
+    assert all(len(hp._forward_hooks) == 0 for hp in model.hook_dict.values())
