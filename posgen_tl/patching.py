@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.heap import large_blocks_kept
-from posgen_tl.hooks.memory import sequences_per_forward
+from posgen_tl.hooks.memory import check_forward_fits, sequences_per_forward
 from posgen_tl.hooks.patching import QUANTITIES, TERMS, patch_hooks, patch_site, record_hooks
 from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.hooks.reentry import forward_from, hooks_from, recorded, resid_hooks, skips_blocks
@@ -251,6 +251,7 @@ def _run_logits(model: Any, batch: Tensor, hooks: list, rows: tuple[int, int] | 
                 resid_at: tuple[int, Tensor] | None = None) -> Tensor:
     """Logits of a forward with ``hooks``: only ``rows`` (start, stop) where the model lets the final residual be
     read; ``resid_at=(L, resid)`` resumes at block ``L`` (hooks below it are dropped: they would not fire)."""
+    check_forward_fits(model, batch.shape[1], batch.shape[0], "activation patching")
     store: dict = {}
     fin = final_residual_hook(model, store, *rows) if rows is not None else None
     if resid_at is not None:

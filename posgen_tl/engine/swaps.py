@@ -25,6 +25,7 @@ from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk, check_chunked, hooks_chunk_safe, run_chunks
 from posgen_tl.hooks.heap import large_blocks_kept
+from posgen_tl.hooks.memory import check_forward_fits
 from posgen_tl.hooks.positions import StopForward, distance_cap_hooks, final_residual_hook
 from posgen_tl.hooks.reentry import check_hooks_from, forward_from, recorded, resid_hooks, skips_blocks
 from posgen_tl.io.sampling import Windows
@@ -186,6 +187,7 @@ def nll_on_target(
             if chunk:
                 out.append(_target_nll_chunked(model, batch, target_len, pos, fwd_hooks, chunk).float().cpu())
             else:
+                check_forward_fits(model, batch.shape[1], batch.shape[0], "the target NLL")
                 out.append(_target_nll(model, batch, target_len, pos, fwd_hooks, resid, layer).float().cpu())
     return torch.cat(out)
 

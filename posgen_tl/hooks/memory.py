@@ -7,7 +7,9 @@ tokens and 0.83 GiB at 2 × 2 048 for maps of 0.14 / 0.28 GiB (3.2× and 3.0×).
 are 2.25 GiB, about 7 GiB in flight; nine stacked copies (an activation-patching forward that patches the heads of a
 layer side by side, :func:`posgen_tl.patching.patch_sweep`) would need 63 GiB. :func:`sequences_per_forward` says how
 many sequences fit in a share of the free memory, so that a pass that chooses its own batch (the replicas of a
-patching forward) stays within it; a batch the user chose is left as chosen.
+patching forward) stays within it; a batch the user chose is left as chosen — unless even the whole free memory
+could not hold its maps: then :func:`check_forward_fits` refuses it by name on the CPU, where the system's
+out-of-memory killer would otherwise end the process (a notebook's kernel) without a word.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from posgen_tl.hooks.capture import model_device, probe_hooks
 
-__all__ = ["FREE_SHARE", "MAPS_PER_FORWARD", "attention_bytes", "free_bytes", "sequences_per_forward"]
+__all__ = ["FREE_SHARE", "MAPS_PER_FORWARD", "attention_bytes", "check_forward_fits", "free_bytes",
+           "sequences_per_forward"]
 
 #: float32 score-map-sized tensors alive at once in one layer's attention of a TransformerLens forward (measured
 #: 3.0–3.2; 3.5 leaves a margin)
@@ -64,3 +67,20 @@ def sequences_per_forward(model: Any, n: int, *, free: int | None = None) -> int
         return None
     per_seq = attention_bytes(probe_hooks(model)[0].n_heads, n)
     return max(1, int(FREE_SHARE * free) // per_seq)
+
+
+def check_forward_fits(model: Any, n: int, n_seq: int, what: str, *, free: int | None = None) -> None:
+    """Raise MemoryError, naming the sizes, when a whole forward of ``n_seq`` sequences of ``n`` tokens on the CPU
+    would keep more attention maps in flight (:func:`attention_bytes`) than the free memory (``free`` bytes, default
+    :func:`free_bytes`) holds. Nothing on other devices (a GPU raises its own out-of-memory error, and its free memory
+    does not count what torch's allocator holds for reuse) or where the free memory cannot be read."""
+    if model_device(model).type != "cpu":
+        return
+    free = free_bytes("cpu") if free is None else free
+    need = attention_bytes(probe_hooks(model)[0].n_heads, n, n_seq)
+    if free is not None and need > free:
+        gib = 2**30
+        raise MemoryError(f"{what}: one whole forward of {n_seq} × {n} tokens keeps about {need / gib:.1f} GiB of "
+                          f"attention maps in flight, and {free / gib:.1f} GiB of memory are free — run fewer "
+                          "sequences per forward (batch_size, replicas) or shorter texts, or a chunked forward "
+                          "(chunk=, where the pass offers one; see docs/limits.md)")

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from posgen_tl.hooks.capture import QKCapture, model_device, probe_hooks
+from posgen_tl.hooks.memory import free_bytes
 
 __all__ = ["CPU_BLOCK_BYTES", "MIN_BLOCK", "STACK_ENTRIES", "Stacker", "cache_rows", "stack_captures", "stack_size"]
 
@@ -50,8 +51,9 @@ def stack_size(model: Any, per_head: int, n_layers: int) -> int:
         return 1
     per_layer = max(1, per_head * probe_hooks(model)[0].n_heads)
     budget = STACK_ENTRIES
-    if dev.type == "cuda":
-        budget = min(budget, torch.cuda.mem_get_info(dev)[0] // (4 * 32))
+    free = free_bytes(dev) if dev.type == "cuda" else None
+    if free is not None:
+        budget = min(budget, free // (4 * 32))
     return max(1, min(n_layers, budget // per_layer))
 
 

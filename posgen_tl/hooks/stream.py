@@ -35,6 +35,7 @@ from posgen_tl.hooks.capture import (
 )
 from posgen_tl.hooks.chunked import check_chunked, hooks_chunk_safe, run_chunks
 from posgen_tl.hooks.heap import BatchTrim, large_blocks_kept, release_freed_memory
+from posgen_tl.hooks.memory import check_forward_fits
 from posgen_tl.hooks.stacking import Stacker, stack_size
 from posgen_tl.hooks.tables import model_rotation_table, table_to_bands
 from posgen_tl.io.spec import live_rope
@@ -146,6 +147,7 @@ def _whole_batch(model: Any, batch: Tensor, pos_arg: Tensor | None, grab: _Grab,
                  extra_hooks: Sequence[tuple[str, Callable]]) -> None:
     """One batch of :func:`stream_qk` in one forward: ``grab``'s hooks on every layer of ``layers`` (and the user's
     ``extra_hooks``) for that forward only; raises CaptureError when a layer's hooks did not all fire."""
+    check_forward_fits(model, batch.shape[1], batch.shape[0], "reading q/k in one forward")
     info = grab.info
     fwd = list(extra_hooks)
     for layer in layers:

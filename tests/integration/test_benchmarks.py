@@ -140,7 +140,7 @@ def test_every_step_of_the_suite_runs_and_the_naive_route_computes_the_same_tabl
     b = Bench(tm.hf_llama()[0], 2, 96, batch_size=1)
     out = {name: fn() for name, (fn, _) in b.steps().items()}
     assert set(out) == {"forward", "capture", "kbar_pass", "decomposition", "pattern", "tolerance_curve",
-                        "causal_condition", "naive_decomposition", "naive_pattern", "sufficiency"}
+                        "causal_condition", "target_nll", "naive_decomposition", "naive_pattern", "sufficiency"}
     streamed, naive = out["decomposition"], out["naive_decomposition"]
     assert len(streamed) and set(streamed["seq"]) == {0, 1}
     pd.testing.assert_frame_equal(streamed, naive, check_exact=False, rtol=1e-4, atol=1e-6)

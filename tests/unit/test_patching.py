@@ -532,7 +532,7 @@ def test_default_replicas_shrink_to_what_the_free_memory_holds_and_give_the_same
                                                                                          monkeypatch):
     """By default a patched forward stacks the heads of one layer; where that many copies' attention maps would
     outgrow half the free memory (long sequences) it stacks fewer — the widest block call shows it, the sweep says
-    how many, and the values are those of one patch per forward."""
+    how many, and the values are those of one patch per forward. Where not even one copy fits, it is refused."""
     from posgen_tl.hooks import memory
 
     metric = P.target_nll(tokens, T)
@@ -562,14 +562,20 @@ def test_default_replicas_shrink_to_what_the_free_memory_holds_and_give_the_same
     tight = sweep()
     assert tight.replicas == 2 and max(widest) == 2 * b
     assert len(widest) == 2 + h // 2  # the two baselines, then h/2 patched forwards
-    monkeypatch.setattr(memory, "free_bytes", lambda dev: 1)  # not even one sequence fits: one copy, not none
+    # one copy fits in the free memory, but not in its share: one copy per forward, not none
+    monkeypatch.setattr(memory, "free_bytes", lambda dev: memory.attention_bytes(h, N, b))
     assert sweep().replicas == 1 and max(widest) == b
-    asked = sweep(replicas=h)  # a number asked for is taken as asked, whatever the free memory says
+    # a number asked for is taken as asked where the free memory holds it, if not in its share
+    monkeypatch.setattr(memory, "free_bytes", lambda dev: memory.attention_bytes(h, N, h * b))
+    asked = sweep(replicas=h)
     assert asked.replicas == h and max(widest) == h * b
     one = sweep(replicas=1)
     torch.testing.assert_close(tight.values, one.values, rtol=0, atol=1e-5)
     torch.testing.assert_close(roomy.values, one.values, rtol=0, atol=1e-5)
     assert roomy.values.std() > 0  # the heads differ: a mix-up of replicas would show
+    monkeypatch.setattr(memory, "free_bytes", lambda dev: 1)  # not even one sequence fits: refused by name, not killed
+    with pytest.raises(MemoryError, match="activation patching: one whole forward"):
+        sweep()
 
 
 def test_the_free_memory_is_read_and_the_sequences_per_forward_follow_from_it():
@@ -591,3 +597,31 @@ def test_the_free_memory_is_read_and_the_sequences_per_forward_follow_from_it():
     per = memory.attention_bytes(h, 1000)
     assert memory.sequences_per_forward(model, 1000, free=int(7.9 * per / memory.FREE_SHARE)) == 7
     assert memory.sequences_per_forward(model, 1000, free=0) == 1
+
+
+def test_a_whole_forward_the_free_memory_cannot_hold_is_refused_by_name(monkeypatch):
+    """On the CPU the system's out-of-memory killer would end the process without a word: a whole forward whose
+    attention maps exceed the free memory is refused first, naming the sizes and the ways out — in the target NLL,
+    a patching forward and a q/k capture; the same passes run where the memory is there, and through chunks."""
+    from posgen_tl.engine.swaps import nll_on_target
+    from posgen_tl.hooks import memory
+    from posgen_tl.hooks.stream import stream_qk
+
+    model = tm.hf_llama(n_layers=1)[0]
+    toks = torch.randint(3, 99, (2, 24), generator=torch.Generator().manual_seed(0))
+    need = memory.attention_bytes(probe_hooks(model)[0].n_heads, 24, 2)
+    metric = P.target_nll(toks, 6)
+    stream_qk(model, toks, lambda c: None, batch_size=2, progress=False)  # (its exactness gate probed the model)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need)  # just enough
+    ok = nll_on_target(model, toks, target_len=6, chunk=0)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    msg = r"one whole forward of 2 × 24 tokens keeps about .* GiB of attention maps in flight.*batch_size.*chunk="
+    with pytest.raises(MemoryError, match="the target NLL: " + msg):
+        nll_on_target(model, toks, target_len=6, chunk=0)
+    with pytest.raises(MemoryError, match="activation patching: " + msg):
+        P.baselines(model, P.Swaps(0.5), toks, metric)
+    with pytest.raises(MemoryError, match="reading q/k in one forward: " + msg):
+        stream_qk(model, toks, lambda c: None, batch_size=2, progress=False)
+    torch.testing.assert_close(nll_on_target(model, toks, target_len=6, chunk=8), ok, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: None)  # unreadable: nothing is refused
+    torch.testing.assert_close(nll_on_target(model, toks, target_len=6, chunk=0), ok)
