@@ -19,6 +19,9 @@ clean and the corrupted baselines and one source forward: 3 forward-equivalents 
 
 ``--runs`` times only the sweeps named; ``--repeats R`` runs R rounds of (the plain forward, each sweep) and reports
 the medians (a host whose speed drifts slows both alike); with one round the forward is the fastest of three.
+``--base target_nll``: the unit is the unpatched target NLL as the package computes it (beyond 2 048 tokens a forward
+a chunk at a time through the model's cache, as the sweep's own forwards then run) instead of ``model(tokens)`` — at a
+length whose whole forward, or its full logits, do not fit in memory.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", default="all", help="comma-separated sweeps to time (default: all four)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of (plain forward, each sweep); medians over them (1: the forward best of 3)")
+    ap.add_argument("--base", choices=["forward", "target_nll"], default="forward",
+                    help="the unit: model(tokens), or the unpatched target NLL (chunked beyond 2 048 tokens)")
     args = ap.parse_args(argv)
     chosen = list(RUNS) if args.runs == "all" else args.runs.split(",")
     if unknown := sorted(set(chosen) - set(RUNS)):
@@ -69,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     import posgen_tl.patching as P
+    from posgen_tl.engine.swaps import nll_on_target
     from posgen_tl.hooks.capture import probe_hooks
+    from posgen_tl.hooks.chunked import CHUNK, auto_chunk
     from posgen_tl.hooks.edits import key_means
     from posgen_tl.hooks.reentry import computing_every_block, skips_blocks
     from posgen_tl.io.corpus import CorpusError, corpus_tokens
@@ -104,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
 
     out = {"commit": git_commit(), "model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len, "layers": layers,
            "heads_patched": n_heads, "threads": torch.get_num_threads(), "repeats": args.repeats, "tokens": source,
-           "replicas": P.default_replicas(model, spec.n_heads, args.n_seq, args.seq_len),
+           "replicas": P.default_replicas(model, spec.n_heads, args.n_seq, args.seq_len,
+                                          CHUNK if auto_chunk(model, args.seq_len, -1, memory_only=True) else None),
+           "base": args.base,
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     maps: dict = {}
 
@@ -127,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     assert tuple(runs) == RUNS
 
     def plain_forward():
+        if args.base == "target_nll":
+            nll_on_target(model, tokens, target_len=args.seq_len // 4, batch_size=args.n_seq)
+            return
         with torch.no_grad():
             model(tokens)
 

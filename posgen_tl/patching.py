@@ -42,11 +42,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
+from posgen_tl.hooks.chunked import CHUNK, auto_chunk
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.memory import check_forward_fits, sequences_per_forward
-from posgen_tl.hooks.patching import QUANTITIES, TERMS, patch_hooks, patch_site, record_hooks
-from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
+from posgen_tl.hooks.patching import CHUNKABLE, QUANTITIES, TERMS, patch_hooks, patch_site, record_hooks
+from posgen_tl.hooks.positions import chunked_logit_rows, final_residual_hook, reposition_hooks
 from posgen_tl.hooks.reentry import forward_from, hooks_from, recorded, resid_hooks, skips_blocks
 from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
@@ -250,7 +251,12 @@ def target_metrics(model: Any, tokens: Int[Tensor, "batch pos"], target_len: int
 def _run_logits(model: Any, batch: Tensor, hooks: list, rows: tuple[int, int] | None,
                 resid_at: tuple[int, Tensor] | None = None) -> Tensor:
     """Logits of a forward with ``hooks``: only ``rows`` (start, stop) where the model lets the final residual be
-    read; ``resid_at=(L, resid)`` resumes at block ``L`` (hooks below it are dropped: they would not fire)."""
+    read; ``resid_at=(L, resid)`` resumes at block ``L`` (hooks below it are dropped: they would not fire). Run a
+    chunk at a time through the model's cache beyond 2 048 tokens where every hook is ``chunk_safe`` and ``rows``
+    are given (:func:`posgen_tl.hooks.positions.chunked_logit_rows`)."""
+    chunk = auto_chunk(model, batch.shape[1], -1, hooks, memory_only=True) if resid_at is None and rows else 0
+    if chunk:
+        return chunked_logit_rows(model, batch, chunk, hooks, rows)  # type: ignore[arg-type]
     check_forward_fits(model, batch.shape[1], batch.shape[0], "activation patching")
     store: dict = {}
     fin = final_residual_hook(model, store, *rows) if rows is not None else None
@@ -301,11 +307,12 @@ class PatchSweep:
     replicas: int = 0
 
 
-def default_replicas(model: Any, n_heads: int, n_seq: int, n: int) -> int:
+def default_replicas(model: Any, n_heads: int, n_seq: int, n: int, rows: int | None = None) -> int:
     """The replicas a patched forward stacks by default: the heads of one layer, fewer where that many copies of
     ``n_seq`` sequences of ``n`` tokens would take more than their share of the free memory
-    (:func:`posgen_tl.hooks.memory.sequences_per_forward`; at least one)."""
-    fit = sequences_per_forward(model, n)
+    (:func:`posgen_tl.hooks.memory.sequences_per_forward`, ``rows`` query positions at a time in a chunked forward;
+    at least one)."""
+    fit = sequences_per_forward(model, n, rows=rows)
     return n_heads if fit is None else max(1, min(n_heads, fit // max(1, n_seq)))
 
 
@@ -399,9 +406,12 @@ def patch_sweep(
     store: dict[int, Any] = {}
     rec = record_hooks(model, quantity, layers, store)
     rep = reposition_hooks(model, ids)
-    n_rep = max(1, int(replicas)) if replicas else default_replicas(model, spec.n_heads, b, n)
+    # long sequences: every forward a chunk at a time through the cache (rot_q/rot_k), none resumed from a residual
+    chunked = quantity in CHUNKABLE and bool(getattr(metric, "logit_rows", None)) and \
+        auto_chunk(model, n, -1, memory_only=True) > 0
+    n_rep = max(1, int(replicas)) if replicas else default_replicas(model, spec.n_heads, b, n, CHUNK if chunked else None)
     order = _parts(groups, n_rep, spec)  # [(first patched layer, group indices)] per patched forward
-    starts = sorted({start for start, _ in order} - {0})
+    starts = [] if chunked else sorted({start for start, _ in order} - {0})
     base_store: dict[int, list[Tensor]] = {}
     base_rec = resid_hooks(starts, base_store)  # the base run's residuals, where the patched forwards resume
     if reuse is not None:
@@ -430,7 +440,7 @@ def patch_sweep(
         base_rep = reposition_hooks(model, base_ids.repeat(len(part), 1)) if base_ids is not None else []
         # every block below the first patched layer is the base run's: resume there
         out.append(_run_metric(model, tokens, metric, ph.around(base_rep), len(part),
-                               None if start == 0 else (start, prefix[start])))
+                               None if start == 0 or chunked else (start, prefix[start])))
     values = torch.empty_like(stacked := torch.cat(out))
     values[torch.tensor([i for _, idx in order for i in idx])] = stacked  # back in the order of ``groups``
     return PatchSweep(values, clean_m, corr_m, ids.cpu(), direction, quantity, str(corrupted), store, prefix,

@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
-from posgen_tl.hooks.chunked import auto_chunk, check_chunked, hooks_chunk_safe, run_chunks
+from posgen_tl.hooks.chunked import auto_chunk, check_chunked, hooks_chunk_safe
 from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.memory import check_forward_fits
-from posgen_tl.hooks.positions import StopForward, distance_cap_hooks, final_residual_hook
+from posgen_tl.hooks.positions import StopForward, chunked_logit_rows, distance_cap_hooks, final_residual_hook
 from posgen_tl.hooks.reentry import check_hooks_from, forward_from, recorded, resid_hooks, skips_blocks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.perturb import (
@@ -99,35 +99,11 @@ def _target_nll(model, batch, target_len, pos, hooks, resid=None, start_at_layer
 
 
 def _target_nll_chunked(model, batch, target_len, pos, hooks, chunk) -> Tensor:
-    """:func:`_target_nll` through a forward ``chunk`` positions at a time (:func:`run_chunks`): the target span's
-    final-norm rows gathered from the chunks that hold them and unembedded (a model that soft-caps its output logits:
-    those chunks' logits), every other chunk stopped at the final norm — no full-sequence logits, no ``n × n`` map."""
+    """:func:`_target_nll` through a forward ``chunk`` positions at a time (:func:`chunked_logit_rows`: only the
+    target span's logits, no ``n × n`` map)."""
     n = batch.shape[1]
-    start, stop = n - target_len - 1, n - 1
-    final = "ln_final.hook_out" in getattr(model, "hook_dict", {})
-    resid = final_residual_hook(model, {}, 0, 1) is not None  # False: the logits are soft-capped (or no final hook)
-    stores: dict[int, dict] = {}
-
-    def halt(x: Tensor, hook: Any) -> None:
-        raise StopForward
-
-    def hooks_for(c0: int, c1: int) -> list:
-        lo, hi = max(start, c0), min(stop, c1)
-        if lo >= hi:  # no target row in this chunk: its keys and values are cached, nothing more is needed
-            return list(hooks) + ([("ln_final.hook_out", halt)] if final else [])
-        if not resid:
-            return list(hooks)
-        fin = final_residual_hook(model, stores.setdefault(c0, {}), lo - c0, hi - c0)
-        return list(hooks) + [fin]
-
-    outs = run_chunks(model, batch, chunk, hooks_for, position_ids=pos, return_type=None if resid else "logits")
-    parts = []
-    for c0 in range(0, n, chunk):
-        lo, hi = max(start, c0), min(stop, c0 + chunk)
-        if lo < hi:
-            parts.append(stores[c0]["resid"] if resid else outs[c0][:, lo - c0 : hi - c0])
-    logits = model.unembed(torch.cat(parts, 1)) if resid else torch.cat(parts, 1)
-    return nll_from_logits(torch.cat([logits, logits[:, :1]], 1), batch[:, start:]).mean(-1)
+    logits = chunked_logit_rows(model, batch, chunk, hooks, (n - target_len - 1, n - 1), position_ids=pos)
+    return nll_from_logits(torch.cat([logits, logits[:, :1]], 1), batch[:, n - target_len - 1 :]).mean(-1)
 
 
 def _nll_chunk(model: Any, n: int, chunk: int, hooks: Hooks, resumed: bool) -> int:

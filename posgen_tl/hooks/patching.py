@@ -35,11 +35,16 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from posgen_tl.hooks.capture import CaptureError, from_heads, model_device, pre_rotation_stash, probe_hooks, to_heads
+from posgen_tl.hooks.chunked import chunk_safe, chunk_span
 from posgen_tl.maths.decompose import d3_split, d3_terms
 
-__all__ = ["QUANTITIES", "TERMS", "Hooks", "PatchSite", "patch_site", "record_hooks", "patch_hooks", "term_maps"]
+__all__ = ["QUANTITIES", "TERMS", "CHUNKABLE", "Hooks", "PatchSite", "patch_site", "record_hooks", "patch_hooks",
+           "term_maps"]
 
 HookList = list[tuple[str, Callable]]
+#: the quantities whose hooks also run in a forward a chunk of positions at a time
+#: (:mod:`posgen_tl.hooks.chunked`): a chunk's rotated q/k are its rows of the whole sequence's
+CHUNKABLE = ("rot_q", "rot_k")
 
 
 class Hooks(NamedTuple):
@@ -158,9 +163,11 @@ def record_hooks(model: Any, quantity: str, layers: Sequence[int], store: dict[i
             continue
 
         def keep(x: Tensor, hook: Any, layer: int = layer) -> None:
-            store[layer] = _as_bshd(x, site, spec.d_head).detach().clone()
+            x = _as_bshd(x, site, spec.d_head).detach().clone()
+            span = chunk_span()  # a chunked forward: each chunk's rows after the earlier chunks'
+            store[layer] = x if span is None or span[0] == 0 else torch.cat([store[layer], x], 1)
 
-        out.append((info.name(layer, site.hook), keep))
+        out.append((info.name(layer, site.hook), chunk_safe(keep) if quantity in CHUNKABLE else keep))
     return Hooks(before, out)
 
 
@@ -224,13 +231,16 @@ def patch_hooks(
             def write(x: Tensor, hook: Any, layer: int = layer, mask: Tensor = mask) -> Tensor:
                 xs = _replicas(_as_bshd(x, site, spec.d_head), mask.shape[0])
                 src = source[layer].to(xs.device, xs.dtype)
+                span = chunk_span()
+                if span is not None:  # a chunked forward (rot_q/rot_k): the chunk's positions of source and mask
+                    src, mask = src[:, span[0] : span[1]], mask[:, span[0] : span[1]]
                 if src.shape != xs.shape[1:]:
                     raise ValueError(f"layer {layer}: the recorded {quantity} has shape {tuple(src.shape)}, the run "
                                      f"{tuple(xs.shape[1:])} per replica: clean and corrupted runs must be aligned")
                 y = torch.where(_head_mask(mask.to(xs.device), site), src[None], xs).reshape(-1, *xs.shape[2:])
                 return y if site.layout == "scores" else from_heads(y, site.layout, x)
 
-            out.append((info.name(layer, site.hook), write))
+            out.append((info.name(layer, site.hook), chunk_safe(write) if quantity in CHUNKABLE else write))
             continue
         if k_means is None or layer not in k_means:
             raise ValueError(f"patching {quantity} at layer {layer} needs the global mean key k̄ of that layer (k_means)")

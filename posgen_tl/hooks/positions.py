@@ -27,12 +27,14 @@ from posgen_tl.hooks.capture import (
     stash_shape,
     to_heads,
 )
+from posgen_tl.hooks.chunked import chunk_safe, chunk_span, run_chunks
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.io.spec import live_rope
 from posgen_tl.maths.perturb import capped_scores
 from posgen_tl.maths.rope import LayerRope, RopeError, rotate, unrotate
 
-__all__ = ["reposition_hooks", "distance_cap_hooks", "final_residual_hook", "StopForward", "stash_shape", "HookList"]
+__all__ = ["reposition_hooks", "distance_cap_hooks", "final_residual_hook", "chunked_logit_rows", "StopForward",
+           "stash_shape", "HookList"]
 
 HookList = list[tuple[str, Callable]]
 
@@ -40,6 +42,16 @@ HookList = list[tuple[str, Callable]]
 def _pos_for(position_ids: Tensor, batch: int, device) -> Tensor:
     p = position_ids.to(device)
     return p.expand(batch, -1) if p.ndim == 1 else p
+
+
+def _span_ids(position_ids: Tensor, batch: int, n_pos: int, device) -> tuple[Tensor, Tensor]:
+    """``(the positions the forward runs at, the ids to give them)`` for the ``n_pos`` positions a hook sees: all of
+    them, or in a chunked forward (:func:`~posgen_tl.hooks.chunked.chunk_span`) the chunk's."""
+    span = chunk_span()
+    c0, c1 = (0, n_pos) if span is None else span[:2]
+    if c1 - c0 != n_pos:
+        raise ValueError(f"a chunk of positions {c0} … {c1 - 1} reached a re-positioning hook with {n_pos} positions")
+    return torch.arange(c0, c1, device=device), _pos_for(position_ids, batch, device)[:, c0:c1]
 
 
 def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, "batch pos"]) -> HookList:
@@ -66,14 +78,12 @@ def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, 
     out: HookList = []
 
     def at_rot(x: Tensor, hook: Any, rope: LayerRope) -> Tensor:
-        ar = torch.arange(x.shape[1], device=x.device)
-        new = _pos_for(position_ids, x.shape[0], x.device)
+        ar, new = _span_ids(position_ids, x.shape[0], x.shape[1], x.device)
         return rotate(unrotate(x.float(), ar, rope), new, rope).to(x.dtype)
 
     def at_pre(x: Tensor, hook: Any, rope: LayerRope) -> Tensor:
         xs = to_heads(x, info.normed_layout, spec.d_head)
-        ar = torch.arange(xs.shape[1], device=x.device)
-        new = _pos_for(position_ids, xs.shape[0], x.device)
+        ar, new = _span_ids(position_ids, xs.shape[0], xs.shape[1], x.device)
         y = unrotate(rotate(xs.float(), new, rope), ar, rope).to(x.dtype)
         return from_heads(y, info.normed_layout, x)
 
@@ -85,12 +95,13 @@ def reposition_hooks(model: Any, position_ids: Int[Tensor, "pos"] | Int[Tensor, 
             raise CaptureError(f"{spec.model_name}: q/k are clamped (clip_qkv = {info.clip_qk:g}) after the pre-rotation "
                                "hook and hook_rot_q/k do not fire: a rotation applied at that hook would be clamped "
                                "too, so re-positioning by hooks is not exact; pass position_ids to the forward instead")
+        # chunk_safe: in a chunked forward each chunk is re-rotated at its own positions (a cached key keeps its ids)
         if info.rot_fires:
             for h in ("hook_rot_q", "hook_rot_k"):
-                out.append((info.name(layer, h), functools.partial(at_rot, rope=rope)))
+                out.append((info.name(layer, h), chunk_safe(functools.partial(at_rot, rope=rope))))
         else:
             for h in (info.q_hook, info.k_hook):
-                out.append((info.name(layer, h), functools.partial(at_pre, rope=rope)))
+                out.append((info.name(layer, h), chunk_safe(functools.partial(at_pre, rope=rope))))
     return out
 
 
@@ -144,3 +155,39 @@ def final_residual_hook(model: Any, store: dict, start: int, stop: int) -> tuple
         raise StopForward
 
     return name, fn
+
+
+def chunked_logit_rows(model: Any, tokens: Tensor, chunk: int, hooks: Sequence[tuple[str, Callable]],
+                       rows: tuple[int, int], position_ids: Tensor | None = None) -> Tensor:
+    """The logits of rows ``[r0, r1)`` of a forward of ``tokens`` run ``chunk`` positions at a time through the
+    model's cache (:func:`~posgen_tl.hooks.chunked.run_chunks`, ``hooks`` on every chunk): those rows' final-norm
+    outputs gathered from the chunks that hold them and unembedded (a model that soft-caps its output logits: those
+    chunks' own logits), every other chunk stopped at the final norm — no logits of the whole sequence.
+
+    Returns ``[batch, r1 − r0, d_vocab]``."""
+    n = tokens.shape[1]
+    r0, r1 = rows
+    if not 0 <= r0 < r1 <= n:
+        raise ValueError(f"rows {r0} … {r1 - 1} are outside the {n} positions")
+    final = "ln_final.hook_out" in getattr(model, "hook_dict", {})
+    resid = final_residual_hook(model, {}, 0, 1) is not None  # False: the logits are soft-capped (or no final hook)
+    stores: dict[int, dict] = {}
+
+    def halt(x: Tensor, hook: Any) -> None:
+        raise StopForward
+
+    def hooks_for(c0: int, c1: int) -> list:
+        lo, hi = max(r0, c0), min(r1, c1)
+        if lo >= hi:  # no row wanted in this chunk: its keys and values are cached, nothing more is needed
+            return list(hooks) + ([("ln_final.hook_out", halt)] if final else [])
+        fin = final_residual_hook(model, stores.setdefault(c0, {}), lo - c0, hi - c0) if resid else None
+        return list(hooks) + ([fin] if fin else [])
+
+    outs = run_chunks(model, tokens, chunk, hooks_for, position_ids=position_ids,
+                      return_type=None if resid else "logits")
+    parts = []
+    for c0 in range(0, n, chunk):
+        lo, hi = max(r0, c0), min(r1, c0 + chunk)
+        if lo < hi:
+            parts.append(stores[c0]["resid"] if resid else outs[c0][:, lo - c0 : hi - c0])
+    return model.unembed(torch.cat(parts, 1)) if resid else torch.cat(parts, 1)

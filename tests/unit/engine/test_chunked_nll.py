@@ -12,6 +12,7 @@ import torch
 import posgen_tl.engine.swaps as sw
 import posgen_tl.hooks.chunked as ch
 import posgen_tl.hooks.edits as ed
+import posgen_tl.hooks.positions as ps
 from posgen_tl.hooks.capture import CaptureError
 from posgen_tl.hooks.edits import Intervention, intervention_hooks, key_means
 from posgen_tl.hooks.logits import sufficiency_hooks
@@ -91,10 +92,10 @@ def test_long_sequences_chunk_by_themselves_and_the_logits_path_agrees(tiny, mon
     monkeypatch.setattr(ch, "CHUNK_ABOVE", 16)
     monkeypatch.setattr(ch, "CHUNK", 8)
     calls: list = []
-    real = sw.run_chunks
-    monkeypatch.setattr(sw, "run_chunks", lambda *a, **k: calls.append((a[2], k["return_type"])) or real(*a, **k))
+    real = ps.run_chunks
+    monkeypatch.setattr(ps, "run_chunks", lambda *a, **k: calls.append((a[2], k["return_type"])) or real(*a, **k))
     auto = sw.nll_on_target(model, toks, target_len=TARGET, fwd_hooks=hooks)
-    monkeypatch.setattr(sw, "final_residual_hook", lambda *a: None)
+    monkeypatch.setattr(ps, "final_residual_hook", lambda *a: None)
     logits = sw.nll_on_target(model, toks, target_len=TARGET, fwd_hooks=hooks)
     assert calls == [(8, None), (8, "logits")]
     torch.testing.assert_close(auto, whole, rtol=1e-5, atol=1e-6)
@@ -106,7 +107,7 @@ def test_what_cannot_run_in_chunks_runs_whole_or_is_refused_by_name(tiny, monkey
     other = [("blocks.0.attn.hook_pattern", lambda t, hook: None)]
     monkeypatch.setattr(ch, "CHUNK_ABOVE", 16)
     calls: list = []
-    monkeypatch.setattr(sw, "run_chunks", lambda *a, **k: calls.append(a[2]))
+    monkeypatch.setattr(ps, "run_chunks", lambda *a, **k: calls.append(a[2]))
     sw.nll_on_target(model, toks, target_len=TARGET, fwd_hooks=other)  # automatic: a hook that is not chunk_safe
     assert calls == []
     with pytest.raises(ValueError, match="chunk=8: fwd_hooks not marked chunk_safe"):
