@@ -126,3 +126,28 @@ def test_gemma3_edits_and_sufficiency_through_chunks_past_its_window(gemma3):
 
     _assert_chunked_is_whole(_edited_nll_chunked_vs_whole(gemma3, corpus_tokens(gemma3, None, seq_len=1100, n_seq=1),
                                                           64, 256))
+
+
+def test_smollm2_patching_of_rotated_queries_and_keys_through_chunks(smollm2, monkeypatch):
+    """SmolLM2, 1 × 200 tokens: a rot_q and a rot_k sweep of layer 15 through chunks of 64 (CHUNK_ABOVE lowered to
+    128) give the whole forwards' maps and baselines."""
+    import posgen_tl.hooks.chunked as ch
+    import posgen_tl.patching as P
+    from posgen_tl.io.corpus import corpus_tokens
+
+    toks = corpus_tokens(smollm2, None, seq_len=200, n_seq=1)
+    metric = P.target_nll(toks, 48)
+    kw = dict(corrupted=P.Swaps(0.2), clean=toks, metric=metric)
+
+    def sweeps() -> list:
+        return [P.patch_sweep(smollm2, **kw, quantity="rot_q", groups=[{15: [h]} for h in range(3)]),
+                P.patch_sweep(smollm2, **kw, quantity="rot_k", groups=[{15: [0]}, {15: [2]}], direction="noising")]
+
+    whole = sweeps()
+    monkeypatch.setattr(ch, "CHUNK_ABOVE", 128)
+    monkeypatch.setattr(ch, "CHUNK", 64)
+    for w, p in zip(whole, sweeps()):
+        assert not p.prefix and w.prefix  # the chunked sweep resumed nowhere: it did run in chunks
+        assert float((w.corrupted - w.clean).abs().max()) > 1e-2
+        for name in ("values", "clean", "corrupted"):
+            torch.testing.assert_close(getattr(p, name), getattr(w, name), rtol=1e-4, atol=1e-4)
