@@ -370,7 +370,10 @@ def patch_sweep(
     :mod:`posgen_tl.hooks.memory`) — groups with the same first patched layer together, ``ceil(count / replicas)`` forwards per such
     layer —, each resumed at that layer from the base run's residual there (:mod:`posgen_tl.hooks.reentry`: the
     blocks below are the base run's and are not computed again; the batch keeps one ``[batch, pos, d_model]`` residual
-    per such layer while it runs). The logit terms need ``k_means`` (the global mean pre-rotation key per layer,
+    per such layer while it runs). Beyond 2 048 tokens a ``rot_q`` / ``rot_k`` sweep whose metric reads only its
+    ``logit_rows`` runs every forward a chunk at a time through the model's cache instead (:mod:`posgen_tl.hooks.chunked`:
+    memory O(chunk · n) per layer; a chunked forward resumes nowhere, so the patched ones compute every block).
+    The logit terms need ``k_means`` (the global mean pre-rotation key per layer,
     :func:`posgen_tl.hooks.edits.key_means` on reference documents).
     ``reuse``: an earlier sweep of the same batch, quantity kind, direction and corrupted ids (e.g. the same
     logit term with another k̄: the recorded q/k do not depend on k̄) — its baselines and recording are taken

@@ -121,3 +121,16 @@ def token_corpus(n_docs: int = 14, seed: int = 0) -> list[str]:
     """``n_docs`` documents of 40–89 random words ``t3`` … ``t98`` (in a tiny tokenizer's vocabulary), seeded."""
     g = np.random.default_rng(seed)
     return [" ".join(f"t{int(x)}" for x in g.integers(3, 99, int(g.integers(40, 90)))) for _ in range(n_docs)]
+
+
+def sharpened(model, q: float = 8.0, unembed: float = 10.0):
+    """``model`` with W_Q × ``q`` and the unembedding × ``unembed`` (in place; returned): sharp attention and an output
+    that is not uniform — a random init barely uses positions, and a corruption must do measurable damage for a
+    check to compare anything."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ("q_proj" in name or name.endswith("W_Q")) and "bias" not in name:
+                p.mul_(q)
+            if "lm_head" in name or name.endswith("W_U"):
+                p.mul_(unembed)
+    return model

@@ -24,22 +24,10 @@ from posgen_tl.maths.rope import IndexRangeError
 N, T = 24, 6
 
 
-def _sharpen(model, q: float = 8.0, unembed: float = 10.0):
-    """Scale W_Q and the unembedding so attention is sharp and the output not uniform: a random init barely uses
-    positions, and a corruption must do measurable damage for the checks below to compare anything."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ("q_proj" in name or name.endswith("W_Q")) and "bias" not in name:
-                p.mul_(q)
-            if "lm_head" in name or name.endswith("W_U"):
-                p.mul_(unembed)
-    return model
-
-
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return _sharpen(tm.hf_llama(n_layers=3)[0])
+    return tm.sharpened(tm.hf_llama(n_layers=3)[0])
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +106,7 @@ def test_patching_every_heads_rotated_q_and_k_restores_the_other_run_exactly(mod
 def test_patching_every_heads_pattern_restores_the_other_run(model, tokens, which):
     """A pattern write must reach the model (a backend that fires hook_pattern after computing its output would
     discard it silently): every layer's pattern from the clean run makes the corrupted run the clean one."""
-    m = model if which == "llama" else _sharpen(tm.hf_gemma3()[0])
+    m = model if which == "llama" else tm.sharpened(tm.hf_gemma3()[0])
     metric = P.target_nll(tokens, T)
     ids = P.Swaps(0.3).position_ids(N, n_seq=2, keep_last=T)
     rep = reposition_hooks(m, ids)
@@ -373,7 +361,7 @@ def test_native_bridge_rotated_qk_by_the_pre_rotation_hook_and_terms_refused():
 
 @pytest.mark.skipif(not compat.has_hooked_transformer(), reason="needs TransformerLens 3.x (HookedTransformer)")
 def test_hooked_transformer_gqa_restores_exactly():
-    m = _sharpen(tm.hooked(n_key_value_heads=2, n_layers=2))
+    m = tm.sharpened(tm.hooked(n_key_value_heads=2, n_layers=2))
     clean, corrupted, patched, toks, metric = _qk_restore(m)
     assert torch.equal(patched, clean) and (corrupted - clean).abs().max() > 1e-4
     kv = P.get_act_patch_rot_k(m, P.Swaps(0.3), toks, metric, verbose=False)
@@ -383,7 +371,7 @@ def test_hooked_transformer_gqa_restores_exactly():
 def test_gemma3_qk_norm_sliding_window_restores_and_reconstructs():
     """QK-norm, MQA, local layers with a window of 4 keys: rotated q/k restore the clean run bit for bit, and the
     three logit terms give the clean logits of a local layer with the window's masked keys left masked."""
-    m = _sharpen(tm.hf_gemma3()[0])
+    m = tm.sharpened(tm.hf_gemma3()[0])
     toks = torch.randint(3, 99, (2, 16), generator=torch.Generator().manual_seed(0))
     metric = P.target_nll(toks, 4)
     ids = P.Swaps(0.3).position_ids(16, n_seq=2, keep_last=4)

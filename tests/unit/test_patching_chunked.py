@@ -20,14 +20,7 @@ N, T = 29, 6  # chunks of 8: a short last chunk, the target span inside the last
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    m = tm.hf_llama(n_layers=3)[0]
-    with torch.no_grad():  # sharp attention and logits: a corruption does measurable damage
-        for name, p in m.named_parameters():
-            if "q_proj.weight" in name:
-                p.mul_(8.0)
-            if "lm_head" in name:
-                p.mul_(10.0)
-    return m
+    return tm.sharpened(tm.hf_llama(n_layers=3)[0])  # a corruption does measurable damage
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,7 @@ def sharp():
     """A tiny Llama whose attention is sharp (W_Q × 8) and output not uniform (unembedding × 10), so that the
     swaps do measurable damage."""
     torch.manual_seed(0)
-    m = tm.hf_llama(n_layers=3)[0]
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "q_proj" in name:
-                p.mul_(8.0)
-            if "lm_head" in name:
-                p.mul_(10.0)
-    return m
+    return tm.sharpened(tm.hf_llama(n_layers=3)[0])
 
 
 @pytest.fixture(scope="module")
