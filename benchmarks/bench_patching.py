@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", default="all", help="comma-separated sweeps to time (default: all four)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of (plain forward, each sweep); medians over them (1: the forward best of 3)")
+    ap.add_argument("--target-len", type=int, default=0,
+                    help="tokens whose NLL the metric reads (default: a quarter of the sequence)")
     ap.add_argument("--base", choices=["forward", "target_nll"], default="forward",
                     help="the unit: model(tokens), or the unpatched target NLL (chunked beyond 2 048 tokens)")
     args = ap.parse_args(argv)
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     mid = spec.n_layers // 2
     layers = list(range(mid, mid + args.layers))
     km = key_means(model, ref_tokens, layers) if "pos_term_stacked" in chosen else None  # only what is timed
-    metric = P.target_nll(tokens, args.seq_len // 4)
+    target_len = args.target_len or args.seq_len // 4
+    metric = P.target_nll(tokens, target_len)
     corr = P.Swaps(0.2)
     with torch.no_grad():
         model(tokens[:, :16])  # warm-up (the plain forward is timed thrice below when one round runs)
@@ -112,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     out = {"commit": git_commit(), "model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len, "layers": layers,
            "heads_patched": n_heads, "threads": torch.get_num_threads(), "repeats": args.repeats, "tokens": source,
            "replicas": P.default_replicas(model, spec.n_heads, args.n_seq, args.seq_len,
-                                          CHUNK if auto_chunk(model, args.seq_len, -1, memory_only=True) else None),
+                                          CHUNK if auto_chunk(model, args.seq_len, -1, memory_only=True) else None,
+                                          target_len),
+           "target_len": target_len,
            "base": args.base,
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     maps: dict = {}
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def plain_forward():
         if args.base == "target_nll":
-            nll_on_target(model, tokens, target_len=args.seq_len // 4, batch_size=args.n_seq)
+            nll_on_target(model, tokens, target_len=target_len, batch_size=args.n_seq)
             return
         with torch.no_grad():
             model(tokens)

@@ -307,12 +307,14 @@ class PatchSweep:
     replicas: int = 0
 
 
-def default_replicas(model: Any, n_heads: int, n_seq: int, n: int, rows: int | None = None) -> int:
+def default_replicas(model: Any, n_heads: int, n_seq: int, n: int, rows: int | None = None, logit_rows: int = 0) -> int:
     """The replicas a patched forward stacks by default: the heads of one layer, fewer where that many copies of
     ``n_seq`` sequences of ``n`` tokens would take more than their share of the free memory
     (:func:`posgen_tl.hooks.memory.sequences_per_forward`, ``rows`` query positions at a time in a chunked forward;
-    at least one)."""
-    fit = sequences_per_forward(model, n, rows=rows)
+    ``logit_rows`` the rows of float32 logits the metric reads, counted twice — the logits and their log-softmax: a
+    262 144-token vocabulary makes them the larger part; at least one)."""
+    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
+    fit = sequences_per_forward(model, n, rows=rows, extra=2 * 4 * logit_rows * vocab)
     return n_heads if fit is None else max(1, min(n_heads, fit // max(1, n_seq)))
 
 
@@ -412,7 +414,9 @@ def patch_sweep(
     # long sequences: every forward a chunk at a time through the cache (rot_q/rot_k), none resumed from a residual
     chunked = quantity in CHUNKABLE and bool(getattr(metric, "logit_rows", None)) and \
         auto_chunk(model, n, -1, memory_only=True) > 0
-    n_rep = max(1, int(replicas)) if replicas else default_replicas(model, spec.n_heads, b, n, CHUNK if chunked else None)
+    lr = getattr(metric, "logit_rows", None) or (0, n)
+    n_rep = max(1, int(replicas)) if replicas else default_replicas(model, spec.n_heads, b, n, CHUNK if chunked else None,
+                                                                    lr[1] - lr[0])
     order = _parts(groups, n_rep, spec)  # [(first patched layer, group indices)] per patched forward
     starts = [] if chunked else sorted({start for start, _ in order} - {0})
     base_store: dict[int, list[Tensor]] = {}

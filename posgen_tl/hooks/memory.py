@@ -57,16 +57,18 @@ def attention_bytes(n_heads: int, n: int, n_seq: int = 1, rows: int | None = Non
     return int(MAPS_PER_FORWARD * 4 * n_seq * n_heads * (n if rows is None else min(rows, n)) * n)
 
 
-def sequences_per_forward(model: Any, n: int, *, free: int | None = None, rows: int | None = None) -> int | None:
+def sequences_per_forward(model: Any, n: int, *, free: int | None = None, rows: int | None = None,
+                          extra: int = 0) -> int | None:
     """How many sequences of ``n`` tokens one whole forward of ``model`` can take with its attention maps
     (:func:`attention_bytes`) within :data:`FREE_SHARE` of the free memory (``free`` bytes, default
     :func:`free_bytes` of the model's device); at least 1 (one sequence is the least a forward runs). ``None`` where
-    the free memory cannot be read. ``rows``: as in :func:`attention_bytes`."""
+    the free memory cannot be read. ``rows``: as in :func:`attention_bytes`; ``extra``: bytes each sequence needs
+    besides (its logits)."""
     if free is None:
         free = free_bytes(model_device(model))
     if free is None:
         return None
-    per_seq = attention_bytes(probe_hooks(model)[0].n_heads, n, rows=rows)
+    per_seq = attention_bytes(probe_hooks(model)[0].n_heads, n, rows=rows) + max(0, int(extra))
     return max(1, int(FREE_SHARE * free) // per_seq)
 
 

@@ -544,9 +544,10 @@ def test_default_replicas_shrink_to_what_the_free_memory_holds_and_give_the_same
 
     roomy = sweep()
     assert roomy.replicas == h and max(widest) == h * b  # plenty of memory: the heads of the layer side by side
-    # room for 2·b + ½ sequences of N tokens: two copies of the batch per forward
-    monkeypatch.setattr(memory, "free_bytes", lambda dev: int((2 * b + 0.5) * memory.attention_bytes(h, N)
-                                                              / memory.FREE_SHARE))
+    # room for 2·b + ½ sequences of N tokens (maps, and the T rows of logits and log-softmax the metric reads): two
+    # copies of the batch per forward
+    per_seq = memory.attention_bytes(h, N) + 2 * 4 * T * model.cfg.d_vocab
+    monkeypatch.setattr(memory, "free_bytes", lambda dev: int((2 * b + 0.5) * per_seq / memory.FREE_SHARE))
     tight = sweep()
     assert tight.replicas == 2 and max(widest) == 2 * b
     assert len(widest) == 2 + h // 2  # the two baselines, then h/2 patched forwards
@@ -613,3 +614,18 @@ def test_a_whole_forward_the_free_memory_cannot_hold_is_refused_by_name(monkeypa
     torch.testing.assert_close(nll_on_target(model, toks, target_len=6, chunk=8), ok, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(memory, "free_bytes", lambda device: None)  # unreadable: nothing is refused
     torch.testing.assert_close(nll_on_target(model, toks, target_len=6, chunk=0), ok)
+
+
+def test_the_logits_a_metric_reads_count_in_the_default_replicas(monkeypatch):
+    """Each copy of a patched forward also holds the float32 logits of the rows its metric reads, and their
+    log-softmax: with a large vocabulary and a long target those outweigh the attention maps, and fewer copies fit."""
+    from posgen_tl.hooks import memory
+
+    model = tm.hf_llama(n_layers=1)[0]
+    h, vocab = probe_hooks(model)[0].n_heads, model.cfg.d_vocab
+    att = memory.attention_bytes(h, 1000)
+    monkeypatch.setattr(memory, "free_bytes", lambda dev: int(4.5 * att / memory.FREE_SHARE))
+    assert P.default_replicas(model, h, 1, 1000) == 4
+    rows = int(att / (2 * 4 * vocab))  # logits of as many bytes as the maps: half as many copies
+    assert P.default_replicas(model, h, 1, 1000, logit_rows=rows) == 2
+    assert P.default_replicas(model, h, 1, 1000, rows=100) == h  # chunk-sized maps: every head's copy fits
