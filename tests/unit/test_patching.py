@@ -591,7 +591,7 @@ def test_the_free_memory_is_read_and_the_sequences_per_forward_follow_from_it():
 def test_a_whole_forward_the_free_memory_cannot_hold_is_refused_by_name(monkeypatch):
     """On the CPU the system's out-of-memory killer would end the process without a word: a whole forward whose
     attention maps exceed the free memory is refused first, naming the sizes and the ways out — in the target NLL,
-    a patching forward and a q/k capture; the same passes run where the memory is there, and through chunks."""
+    a patching forward and a q/k capture; the same passes run where the memory is there."""
     from posgen_tl.engine.swaps import nll_on_target
     from posgen_tl.hooks import memory
     from posgen_tl.hooks.stream import stream_qk
@@ -611,7 +611,6 @@ def test_a_whole_forward_the_free_memory_cannot_hold_is_refused_by_name(monkeypa
         P.baselines(model, P.Swaps(0.5), toks, metric)
     with pytest.raises(MemoryError, match="reading q/k in one forward: " + msg):
         stream_qk(model, toks, lambda c: None, batch_size=2, progress=False)
-    torch.testing.assert_close(nll_on_target(model, toks, target_len=6, chunk=8), ok, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(memory, "free_bytes", lambda device: None)  # unreadable: nothing is refused
     torch.testing.assert_close(nll_on_target(model, toks, target_len=6, chunk=0), ok)
 
