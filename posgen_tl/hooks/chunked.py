@@ -37,7 +37,8 @@ from torch import Tensor
 
 from posgen_tl.hooks.capture import CaptureError, StopForward, hooks_attached, model_device, model_dtype, probe_hooks
 
-__all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_FROM", "CHUNK_RTOL", "auto_chunk", "check_chunked", "chunk_safe", "chunk_span",
+__all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_FROM", "CHUNK_RTOL", "auto_chunk", "check_chunked", "chunk_range", "chunk_safe",
+           "chunk_span",
            "hooks_chunk_safe", "run_chunks"]
 
 #: automatic chunks (:func:`auto_chunk`): CHUNK positions beyond CHUNK_ABOVE tokens (memory: the forward's transient
@@ -58,6 +59,17 @@ def chunk_span() -> tuple[int, int, int] | None:
     """``(c0, c1, n)`` while :func:`run_chunks` runs the chunk ``[c0, c1)`` of an ``n``-token sequence; ``None`` in a
     whole forward. A hook whose result depends on the absolute position (a random draw per position) reads it."""
     return _SPAN.get()
+
+
+def chunk_range(n_pos: int) -> tuple[int, int, int]:
+    """``(c0, c1, n)``: where the ``n_pos`` positions a hook sees lie in the sequence — the chunk :func:`chunk_span`
+    names, or ``(0, n_pos, n_pos)`` in a whole forward. Raises ValueError when the chunk is not ``n_pos`` long."""
+    span = chunk_span()
+    if span is None:
+        return 0, n_pos, n_pos
+    if span[1] - span[0] != n_pos:
+        raise ValueError(f"a chunk of positions {span[0]} … {span[1] - 1} reached a hook with {n_pos} positions")
+    return span
 
 
 def chunk_safe(fn: Callable) -> Callable:

@@ -56,7 +56,7 @@ from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
 from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation, probe_hooks, stash_shape, to_heads
-from posgen_tl.hooks.chunked import chunk_safe, chunk_span
+from posgen_tl.hooks.chunked import chunk_range, chunk_safe
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.maths.band_stats import BandStats
@@ -233,14 +233,9 @@ def _control_choice(iv: Intervention, layer: int, n_heads: int, n_bands: int,
 
 def _per_position(g: torch.Generator, n_pos: int, rest: tuple[int, ...]) -> Float[Tensor, "pos ..."]:
     """Uniform draws ``[n_pos, *rest]`` (float64 drawn, float32 returned) for the positions of this forward — in a
-    chunk of a chunked forward (:func:`posgen_tl.hooks.chunked.chunk_span`) the chunk's rows of the whole sequence's
+    chunk of a chunked forward (:func:`posgen_tl.hooks.chunked.chunk_range`) the chunk's rows of the whole sequence's
     draw, so a chunked forward draws what the whole forward draws."""
-    span = chunk_span()
-    if span is None:
-        return torch.rand((n_pos, *rest), generator=g, dtype=torch.float64).float()
-    c0, c1, n = span
-    if c1 - c0 != n_pos:
-        raise ValueError(f"a chunk of positions {c0} … {c1 - 1} reached an edit with {n_pos} positions")
+    c0, c1, n = chunk_range(n_pos)
     return torch.rand((n, *rest), generator=g, dtype=torch.float64)[c0:c1].float()
 
 

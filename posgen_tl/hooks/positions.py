@@ -27,7 +27,7 @@ from posgen_tl.hooks.capture import (
     stash_shape,
     to_heads,
 )
-from posgen_tl.hooks.chunked import chunk_safe, chunk_span, run_chunks
+from posgen_tl.hooks.chunked import chunk_range, chunk_safe, run_chunks
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.io.spec import live_rope
 from posgen_tl.maths.perturb import capped_scores
@@ -46,11 +46,8 @@ def _pos_for(position_ids: Tensor, batch: int, device) -> Tensor:
 
 def _span_ids(position_ids: Tensor, batch: int, n_pos: int, device) -> tuple[Tensor, Tensor]:
     """``(the positions the forward runs at, the ids to give them)`` for the ``n_pos`` positions a hook sees: all of
-    them, or in a chunked forward (:func:`~posgen_tl.hooks.chunked.chunk_span`) the chunk's."""
-    span = chunk_span()
-    c0, c1 = (0, n_pos) if span is None else span[:2]
-    if c1 - c0 != n_pos:
-        raise ValueError(f"a chunk of positions {c0} … {c1 - 1} reached a re-positioning hook with {n_pos} positions")
+    them, or in a chunked forward (:func:`~posgen_tl.hooks.chunked.chunk_range`) the chunk's."""
+    c0, c1, _ = chunk_range(n_pos)
     return torch.arange(c0, c1, device=device), _pos_for(position_ids, batch, device)[:, c0:c1]
 
 
