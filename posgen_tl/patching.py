@@ -42,7 +42,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
-from posgen_tl.hooks.chunked import CHUNK, auto_chunk
+from posgen_tl.hooks.chunked import CHUNK, auto_chunk, forward_chunk
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.memory import check_forward_fits, sequences_per_forward
@@ -254,7 +254,7 @@ def _run_logits(model: Any, batch: Tensor, hooks: list, rows: tuple[int, int] | 
     read; ``resid_at=(L, resid)`` resumes at block ``L`` (hooks below it are dropped: they would not fire). Run a
     chunk at a time through the model's cache beyond 2 048 tokens where every hook is ``chunk_safe`` and ``rows``
     are given (:func:`posgen_tl.hooks.positions.chunked_logit_rows`)."""
-    chunk = auto_chunk(model, batch.shape[1], -1, hooks, memory_only=True) if resid_at is None and rows else 0
+    chunk = forward_chunk(model, batch.shape[1], hooks, resumed=resid_at is not None) if rows else 0
     if chunk:
         return chunked_logit_rows(model, batch, chunk, hooks, rows)  # type: ignore[arg-type]
     check_forward_fits(model, batch.shape[1], batch.shape[0], "activation patching")

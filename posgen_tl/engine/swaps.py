@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
-from posgen_tl.hooks.chunked import auto_chunk, check_chunked, hooks_chunk_safe
+from posgen_tl.hooks.chunked import forward_chunk
 from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.memory import check_forward_fits
 from posgen_tl.hooks.positions import StopForward, chunked_logit_rows, distance_cap_hooks, final_residual_hook
@@ -106,22 +106,6 @@ def _target_nll_chunked(model, batch, target_len, pos, hooks, chunk) -> Tensor:
     return nll_from_logits(torch.cat([logits, logits[:, :1]], 1), batch[:, n - target_len - 1 :]).mean(-1)
 
 
-def _nll_chunk(model: Any, n: int, chunk: int, hooks: Hooks, resumed: bool) -> int:
-    """The chunk :func:`nll_on_target` runs with: ``chunk`` ≥ 0 as given (checked), ``-1``: :func:`auto_chunk`'s
-    choice for memory (beyond 2 048 tokens), never when resuming from a residual."""
-    if chunk < 0:
-        return 0 if resumed else auto_chunk(model, n, -1, hooks, memory_only=True)
-    if 0 < chunk < n:
-        if resumed:
-            raise ValueError(f"chunk={chunk} cannot be combined with resid_at: a resumed forward runs whole")
-        if not hooks_chunk_safe(hooks):
-            raise ValueError(f"chunk={chunk}: fwd_hooks not marked chunk_safe would see one chunk's tensors, not the "
-                             "sequence's (the key edits of posgen_tl.hooks.edits are chunk_safe)")
-        check_chunked(model)
-        return chunk
-    return 0
-
-
 @torch.no_grad()
 def nll_on_target(
     model: Any, tokens: Int[Tensor, "batch pos"], *, target_len: int,
@@ -150,7 +134,7 @@ def nll_on_target(
     if not 0 < target_len < tokens.shape[1]:
         raise ValueError(f"target_len={target_len} must be in (0, {tokens.shape[1]})")
     out = []
-    chunk = _nll_chunk(model, tokens.shape[1], chunk, fwd_hooks, resid_at is not None)
+    chunk = forward_chunk(model, tokens.shape[1], fwd_hooks, resumed=resid_at is not None, chunk=chunk)
     with large_blocks_kept() if tokens.device.type == "cpu" else contextlib.nullcontext():  # (hooks/heap.py)
         for s in range(0, tokens.shape[0], batch_size):
             batch = tokens[s : s + batch_size]

@@ -38,7 +38,7 @@ from torch import Tensor
 from posgen_tl.hooks.capture import CaptureError, StopForward, hooks_attached, model_device, model_dtype, probe_hooks
 
 __all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_FROM", "CHUNK_RTOL", "auto_chunk", "check_chunked", "chunk_range", "chunk_safe",
-           "chunk_span",
+           "chunk_span", "forward_chunk",
            "hooks_chunk_safe", "run_chunks"]
 
 #: automatic chunks (:func:`auto_chunk`): CHUNK positions beyond CHUNK_ABOVE tokens (memory: the forward's transient
@@ -193,6 +193,24 @@ def auto_chunk(model: Any, n: int, chunk: int = -1, extra_hooks: Sequence = (), 
                           "layer)", stacklevel=2)
         return 0
     return CHUNK if n > CHUNK_ABOVE else -(-n // 4)
+
+
+def forward_chunk(model: Any, n: int, hooks: Sequence = (), *, resumed: bool = False, chunk: int = -1) -> int:
+    """The chunk a pass that runs the model's forward (with ``hooks``) over ``n`` tokens uses: ``chunk`` ≥ 0 as given
+    (checked: the hooks :func:`chunk_safe`, the model's cached forward exact, the pass not resumed from a residual),
+    ``-1``: :func:`auto_chunk`'s choice for memory (beyond :data:`CHUNK_ABOVE` tokens), never when ``resumed``.
+    Raises ValueError (CaptureError from :func:`check_chunked`) for a chunk that cannot be run."""
+    if chunk < 0:
+        return 0 if resumed else auto_chunk(model, n, -1, hooks, memory_only=True)
+    if 0 < chunk < n:
+        if resumed:
+            raise ValueError(f"chunk={chunk} cannot be combined with resid_at: a resumed forward runs whole")
+        if not hooks_chunk_safe(hooks):
+            raise ValueError(f"chunk={chunk}: fwd_hooks not marked chunk_safe would see one chunk's tensors, not the "
+                             "sequence's (the key edits of posgen_tl.hooks.edits are chunk_safe)")
+        check_chunked(model)
+        return chunk
+    return 0
 
 
 def _chunked_mismatch(model: Any, spec: Any, info: Any, chunk: int, n_chunks: int) -> str | None:
