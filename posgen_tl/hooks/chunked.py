@@ -38,7 +38,7 @@ from torch import Tensor
 from posgen_tl.hooks.capture import CaptureError, StopForward, hooks_attached, model_device, model_dtype, probe_hooks
 
 __all__ = ["CHUNK", "CHUNK_ABOVE", "CHUNK_FROM", "CHUNK_RTOL", "auto_chunk", "check_chunked", "chunk_range", "chunk_safe",
-           "chunk_span", "forward_chunk",
+           "chunk_span", "chunk_memo", "forward_chunk",
            "hooks_chunk_safe", "run_chunks"]
 
 #: automatic chunks (:func:`auto_chunk`): CHUNK positions beyond CHUNK_ABOVE tokens (memory: the forward's transient
@@ -51,6 +51,9 @@ CHUNK, CHUNK_ABOVE, CHUNK_FROM = 512, 2048, 1024
 CHUNK_RTOL = 1e-4
 #: model -> {(dtype, device): None (passed) or why it failed}
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the most bytes of tensors a chunked forward's hooks keep in :func:`chunk_memo` (beyond it, they recompute per chunk)
+MEMO_BYTES = 256 * 2**20
+_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar("posgen_tl_chunk_memo", default=None)
 #: the chunk a chunked forward is running: (its first position, its end, the sequence's length); None outside one
 _SPAN: contextvars.ContextVar[tuple[int, int, int] | None] = contextvars.ContextVar("posgen_tl_chunk_span", default=None)
 
@@ -59,6 +62,19 @@ def chunk_span() -> tuple[int, int, int] | None:
     """``(c0, c1, n)`` while :func:`run_chunks` runs the chunk ``[c0, c1)`` of an ``n``-token sequence; ``None`` in a
     whole forward. A hook whose result depends on the absolute position (a random draw per position) reads it."""
     return _SPAN.get()
+
+
+def chunk_memo() -> dict | None:
+    """A dict that lives while one :func:`run_chunks` forward runs (``None`` outside one): a hook keeps there what every
+    chunk would otherwise recompute for the whole sequence (a random draw per position), keyed by what determines it,
+    and :func:`memo_room` says whether another ``nbytes`` fit within :data:`MEMO_BYTES`."""
+    return _MEMO.get()
+
+
+def memo_room(memo: dict, nbytes: int) -> bool:
+    """Whether ``nbytes`` more tensors kept in ``memo`` (:func:`chunk_memo`) stay within :data:`MEMO_BYTES` in all."""
+    held = sum(v.numel() * v.element_size() for v in memo.values() if isinstance(v, Tensor))
+    return held + nbytes <= MEMO_BYTES
 
 
 def chunk_range(n_pos: int) -> tuple[int, int, int]:
@@ -130,7 +146,10 @@ def run_chunks(model: Any, tokens: Tensor, chunk: int, hooks_for: Callable[[int,
     if position_ids is not None and position_ids.shape[-1] != n:
         raise ValueError(f"position_ids have {position_ids.shape[-1]} entries but the sequence has {n}")
     out: dict[int, Any] = {}
-    with _cache_kwarg(model):
+    memo = _MEMO.set({})
+    with contextlib.ExitStack() as stack:
+        stack.callback(_MEMO.reset, memo)
+        stack.enter_context(_cache_kwarg(model))
         for c0 in range(0, n, chunk):
             c1 = min(c0 + chunk, n)
             if position_ids is None:

@@ -56,7 +56,7 @@ from jaxtyping import Complex, Float, Int
 from torch import Tensor
 
 from posgen_tl.hooks.capture import CaptureError, from_heads, pre_rotation, probe_hooks, stash_shape, to_heads
-from posgen_tl.hooks.chunked import chunk_range, chunk_safe
+from posgen_tl.hooks.chunked import chunk_memo, chunk_range, chunk_safe, hooks_chunk_safe, memo_room
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.maths.band_stats import BandStats
@@ -68,6 +68,7 @@ __all__ = [
     "reference_key_means",
     "feature_means",
     "intervention_hooks",
+    "hooks_on_rows",
     "kind_hooks",
     "enforce_hooks",
     "destroy_hooks",
@@ -234,9 +235,19 @@ def _control_choice(iv: Intervention, layer: int, n_heads: int, n_bands: int,
 def _per_position(g: torch.Generator, n_pos: int, rest: tuple[int, ...]) -> Float[Tensor, "pos ..."]:
     """Uniform draws ``[n_pos, *rest]`` (float64 drawn, float32 returned) for the positions of this forward — in a
     chunk of a chunked forward (:func:`posgen_tl.hooks.chunked.chunk_range`) the chunk's rows of the whole sequence's
-    draw, so a chunked forward draws what the whole forward draws."""
+    draw, so a chunked forward draws what the whole forward draws. ``g`` must be freshly seeded: the whole sequence's
+    table is drawn once per forward and kept in its :func:`~posgen_tl.hooks.chunked.chunk_memo` under that seed."""
     c0, c1, n = chunk_range(n_pos)
-    return torch.rand((n, *rest), generator=g, dtype=torch.float64)[c0:c1].float()
+    memo = chunk_memo()
+    if memo is None or c1 - c0 == n:
+        return torch.rand((n, *rest), generator=g, dtype=torch.float64)[c0:c1].float()
+    key = ("per_position", g.initial_seed(), n, rest)  # the generator is seeded afresh for each draw
+    table = memo.get(key)
+    if table is None:
+        table = torch.rand((n, *rest), generator=g, dtype=torch.float64).float()
+        if memo_room(memo, table.numel() * table.element_size()):
+            memo[key] = table
+    return table[c0:c1].clone()
 
 
 # One small pure function per edit kind: the complex change of the selected bands ``zs``
@@ -413,6 +424,25 @@ def intervention_hooks(
             _edit, iv=intervention, mean=k_means[layer], rope=spec.layer(layer), layer=layer,
             layout=info.normed_layout)
         out.append((name, chunk_safe(fn)))  # per token; the random draws per position read the chunk's span
+    return out
+
+
+def hooks_on_rows(hooks: HookList, rows: slice) -> HookList:
+    """``hooks`` restricted to the batch rows ``rows`` (every TransformerLens activation is batch-first): each hook sees
+    only those rows, the others pass unchanged — one forward then holds sequences with and without an edit side by
+    side. A hook that edits its tensor in place edits those rows of the activation; one that returns a tensor has it
+    written into them (the activation itself is not touched: another hook may hold it). Chunk-safe where the hook is."""
+    out: HookList = []
+    for name, fn in hooks:
+        def part(t: Tensor, hook: Any, _fn: Callable = fn) -> Tensor | None:
+            r = _fn(t[rows], hook=hook)
+            if r is None:
+                return None
+            whole = t.clone()
+            whole[rows] = r
+            return whole
+
+        out.append((name, chunk_safe(part) if hooks_chunk_safe([(name, fn)]) else part))
     return out
 
 

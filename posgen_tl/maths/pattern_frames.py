@@ -78,7 +78,7 @@ def pattern_frames(
         f = stats_frame(st, layer=layer, which=which, model=model, twin=twin)
         f["kind"] = rope.kind
         f["period"] = period[f["band"].to_numpy()]
-        f["band_group"] = [band_group(int(b), nb) for b in f["band"]]
+        f["band_group"] = np.array([band_group(b, nb) for b in range(nb)])[f["band"].to_numpy()]  # a label per band
         nan = torch.full((st.n_heads, nb), float("nan"), dtype=torch.float64)
         forms[which] = seq.forms(n_splits, seed) if seq is not None else {k: nan for k in ("rho_within", "rho_cross", "stability")}
         for key in ("rho_within", "rho_cross", "stability"):

@@ -66,6 +66,33 @@ def test_a_draw_per_position_reads_the_chunks_place_in_the_sequence(tiny, edit, 
     assert float((parts - whole).abs().max()) > 1e-4
 
 
+@pytest.mark.parametrize("edit", ["noise", "random_bands"])
+def test_a_chunked_forward_draws_each_tables_per_position_draw_once(tiny, edit, monkeypatch):
+    """The whole sequence's table of a per-position draw is drawn once per forward and layer (kept for its later
+    chunks), not once per chunk — and drawn per chunk again when the forward's memo has no room, with the same NLL;
+    no memo outlives the forward."""
+    model, toks, km = tiny
+    hooks = _hooks(model, km, edit)
+    draws: list[tuple] = []
+    rand = torch.rand
+
+    def counted(*a, **k):
+        if k.get("generator") is not None:
+            draws.append(tuple(a[0]))
+        return rand(*a, **k)
+
+    monkeypatch.setattr(ed.torch, "rand", counted)
+    kept = sw.nll_on_target(model, toks, target_len=TARGET, fwd_hooks=hooks, chunk=8)
+    n_layers, n_chunks = model.cfg.n_layers, -(-N // 8)
+    assert len(draws) == n_layers and all(d[0] == N for d in draws)  # one table per layer, of all N positions
+    assert ch.chunk_memo() is None
+    draws.clear()
+    monkeypatch.setattr(ch, "MEMO_BYTES", 0)
+    redrawn = sw.nll_on_target(model, toks, target_len=TARGET, fwd_hooks=hooks, chunk=8)
+    assert len(draws) == n_layers * n_chunks
+    torch.testing.assert_close(redrawn, kept, rtol=0, atol=0)
+
+
 def test_swapped_tokens_and_permuted_position_ids_through_chunks(tiny):
     """T1 (tokens swapped) and T2 (the same swaps on the position ids, through the cache) under destroy."""
     model, toks, km = tiny
