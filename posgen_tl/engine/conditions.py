@@ -24,13 +24,14 @@ from torch import Tensor
 
 from posgen_tl.engine.swaps import Prefixes, curve_rows, nll_on_target
 from posgen_tl.experiments import base
+from posgen_tl.hooks.chunked import chunk_range, chunk_safe
 from posgen_tl.hooks.edits import Intervention, intervention_hooks
 from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.verdicts import layers_label
 
 __all__ = ["CONTROLS", "RANDOM_CONTROLS", "CONTROL_TEXT", "Condition", "draw_seed", "build_conditions",
-           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "attention_kl", "condition_rows", "first_edited"]
+           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "PairedKL", "attention_kl", "condition_rows", "first_edited"]
 
 
 CONTROLS = ("C1", "C2", "C3", "C4")
@@ -240,6 +241,43 @@ class AttentionKL:
         if missing:
             raise RuntimeError(f"attention patterns of layers {missing} were not captured")
         return torch.stack([self.acc[lay] for lay in self.layers]).mean(0)
+
+
+class PairedKL:
+    """KL(clean ‖ edited) of attention rows in ``layers`` from ONE forward whose batch holds ``n_seq`` sequences
+    unedited (rows ``0 … n_seq − 1``) and the same sequences edited (the next ``n_seq`` rows): each layer's pattern
+    rows are compared as they come, so nothing of ``[batch, heads, n, n]`` is kept and the forward may run in chunks
+    (:func:`posgen_tl.hooks.chunked.chunk_range` says which query rows a chunk holds). The same per-sequence mean as
+    :class:`AttentionKL` (heads, query rows ``1 … N−1``, layers), its sums in float64."""
+
+    def __init__(self, layers: Sequence[int], n_seq: int):
+        self.layers, self.n_seq = list(layers), int(n_seq)
+        self.sums: dict[int, Tensor] = {}
+        self.rows: dict[int, int] = {}
+
+    def __call__(self, layer: int, pat: Float[Tensor, "batch head_index query_pos key_pos"]) -> None:
+        b = self.n_seq
+        if pat.shape[0] != 2 * b:
+            raise ValueError(f"layer {layer}: a pattern of {pat.shape[0]} sequences, expected {b} unedited + {b} edited")
+        c0, _, _ = chunk_range(pat.shape[-2])
+        skip = 1 if c0 == 0 else 0  # row 0 (one key: KL ≡ 0) is left out, as in attention_kl
+        total = torch.zeros(b, dtype=torch.float64, device=pat.device)
+        for h in range(pat.shape[1]):  # a head at a time: float64 rows of [batch, rows, keys], not of every head
+            p, q = pat[:b, h, skip:].double(), pat[b:, h, skip:].double()
+            total += (torch.xlogy(p, p) - torch.xlogy(p, q.clamp_min(1e-30))).sum(-1).clamp_min(0).sum(-1)
+        self.sums[layer] = self.sums.get(layer, 0) + total
+        self.rows[layer] = self.rows.get(layer, 0) + pat.shape[1] * (pat.shape[-2] - skip)
+
+    def per_sequence(self) -> Float[Tensor, "batch"]:
+        """Per sequence: the mean over the layers of each one's mean KL over heads and query rows (float32, CPU)."""
+        missing = [lay for lay in self.layers if lay not in self.sums]
+        if missing:
+            raise RuntimeError(f"attention patterns of layers {missing} were not captured")
+        return torch.stack([self.sums[lay] / self.rows[lay] for lay in self.layers]).mean(0).float().cpu()
+
+    def hooks(self, model: Any) -> list:
+        """Read-only pattern hooks of ``layers`` feeding this accumulator (chunk-safe)."""
+        return [(name, chunk_safe(fn)) for name, fn in pattern_hooks(model, self.layers, self)]
 
 
 def attention_kl(

@@ -23,10 +23,15 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.conditions import AttentionKL, Condition, condition_rows, first_edited
+from posgen_tl.engine.conditions import AttentionKL, Condition, PairedKL, condition_rows, first_edited
 from posgen_tl.engine.swaps import Prefixes, curve_rows, nll_on_target
+from posgen_tl.hooks.capture import CaptureError, model_dtype
+from posgen_tl.hooks.chunked import forward_chunk
+from posgen_tl.hooks.edits import hooks_on_rows, intervention_hooks
 from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
@@ -55,7 +60,7 @@ def _grid(strengths: Mapping[Any, Sequence[float]], c: Condition) -> list[float]
 def dose_rows(
     model: Any, windows: Windows, conditions: Sequence[Condition], strengths: Mapping[Any, Sequence[float]], *,
     k_means: dict | None, target_len: int, fracs: Sequence[float], seeds: Sequence[int], base_seed: int = 0,
-    seed: int = 0, redraw: bool = True, batch_size: int = 4, progress: bool = True,
+    seed: int = 0, redraw: bool = True, batch_size: int = 4, progress: bool = True, chunk: int = -1,
 ) -> pd.DataFrame:  # fmt: skip
     """Every condition at every strength on ``windows`` (T1 swaps, the same for all).
 
@@ -69,6 +74,10 @@ def dose_rows(
     edited pass resumes at its condition's first edited layer from the residual its unedited pass recorded there
     (:mod:`posgen_tl.hooks.reentry`), so the batch keeps (1 + swap passes) × (distinct first layers) residuals of
     ``[batch, pos, d_model]`` while it runs.
+    ``chunk`` (as in :func:`posgen_tl.engine.swaps.nll_on_target`; ``-1``: beyond 2 048 tokens where the model's
+    cached forward is exact): every pass runs a chunk of positions at a time through the model's cache, none resumed;
+    each condition's edited clean pass then holds the unedited sequences beside the edited ones in its batch
+    (:func:`_chunked_batch`) so the attention change is read row by row — long texts in memory O(chunk · n).
 
     Raises:
         ValueError: a condition without strengths, a strength < 0, or no α > 0."""
@@ -83,40 +92,21 @@ def dose_rows(
     edited = {(c.group, c.key): list(c.intervention.layers or ()) for c in conditions if c.intervention is not None}
     if any(not v for v in edited.values()):
         raise ValueError("every condition of a dose–response run edits named layers (Intervention.layers)")
-    union = sorted({x for v in edited.values() for x in v})
-    starts = sorted({s for c in conditions if (s := first_edited(c))})  # where the edited passes resume
+    chunk = forward_chunk(model, windows.tokens.shape[1],
+                          [h for c in conditions for h in intervention_hooks(model, c.edit(), k_means)], chunk=chunk)
     passes = sum(len([a for a in grids[(c.group, c.key)] if a > 0]) for c in conditions) + 1
     bar = tqdm(total=passes * ((n + batch_size - 1) // batch_size), desc="dose–response", disable=not progress,
                leave=False)
+    run = _chunked_batch if chunk else _whole_batch
     frames = []
     try:
         for b0 in range(0, n, batch_size):
-            idx = list(range(b0, min(n, b0 + batch_size)))
-            w = windows.subset(idx)
-            docs = w.doc_ids.tolist()
-            kl = AttentionKL(union)  # the unedited patterns of this batch, then each condition's change from them
-            store: dict[int, list] = {}
-            base = nll_on_target(model, w.tokens, target_len=target_len, batch_size=len(idx),
-                                 fwd_hooks=pattern_hooks(model, union, kl) + resid_hooks(starts, store))
-            prefix: Prefixes = {"clean": recorded(store)}  # every condition resumes at its first edited layer
-            zero = pd.DataFrame(curve_rows(model, w, base, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
-                                           base_seed=base_seed, record=prefix, record_at=starts))
-            bar.update(1)
-            batch = []
-            for c in conditions:
-                batch.append(zero.assign(layers=c.group, condition=c.key, alpha=0.0, attn_kl=0.0))
-                for a in sorted(x for x in grids[(c.group, c.key)] if x > 0):
-                    cd = c.with_alpha(a).for_documents(docs, seed, redraw)
-                    kl.layers = edited.get((c.group, c.key), union)
-                    df, _, kv = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
-                                               seeds=seeds, base_seed=base_seed, kl=kl,
-                                               prefix=prefix if first_edited(c) else None)
-                    akl = kv.cpu().numpy().astype(np.float64)[df["seq"].to_numpy()] if kv is not None else np.nan
-                    batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=akl))
-                    bar.update(1)
+            w = windows.subset(range(b0, min(n, b0 + batch_size)))
+            base, batch = run(model, w, conditions, grids, edited, k_means=k_means, target_len=target_len, fracs=fracs,
+                              seeds=seeds, base_seed=base_seed, seed=seed, redraw=redraw, chunk=chunk, bar=bar)
             b = pd.concat(batch, ignore_index=True)
             local = b["seq"].to_numpy()
-            frames.append(b.assign(base_clean_nll=base.cpu().numpy()[local], doc=np.asarray(docs)[local],
+            frames.append(b.assign(base_clean_nll=base.cpu().numpy()[local], doc=w.doc_ids.numpy()[local],
                                    seq=local + b0))
     finally:
         bar.close()
@@ -125,6 +115,80 @@ def dose_rows(
         rows[col] = rows[col].astype(np.float64)
     rows["delta_unedited"] = rows["nll"] - rows["base_clean_nll"]
     return rows
+
+
+def _whole_batch(model: Any, w: Windows, conditions: Sequence[Condition], grids: dict, edited: dict, *, k_means: dict | None,
+                 target_len: int, fracs: Sequence[float], seeds: Sequence[int], base_seed: int, seed: int, redraw: bool,
+                 chunk: int, bar: Any) -> tuple[Tensor, list[pd.DataFrame]]:
+    """One batch of :func:`dose_rows` in whole forwards: the unedited passes record the attention patterns of the
+    edited layers and the residuals where the conditions' edits start; each edited pass resumes there. Returns
+    ``(unedited clean NLL [batch], the batch's frames)``."""
+    union = sorted({x for v in edited.values() for x in v})
+    starts = sorted({s for c in conditions if (s := first_edited(c))})  # where the edited passes resume
+    docs = w.doc_ids.tolist()
+    kl = AttentionKL(union)  # the unedited patterns of this batch, then each condition's change from them
+    store: dict[int, list] = {}
+    base = nll_on_target(model, w.tokens, target_len=target_len, batch_size=len(w), chunk=0,
+                         fwd_hooks=pattern_hooks(model, union, kl) + resid_hooks(starts, store))
+    prefix: Prefixes = {"clean": recorded(store)}  # every condition resumes at its first edited layer
+    zero = pd.DataFrame(curve_rows(model, w, base, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
+                                   base_seed=base_seed, record=prefix, record_at=starts, chunk=0))
+    bar.update(1)
+    batch = []
+    for c in conditions:
+        batch.append(zero.assign(layers=c.group, condition=c.key, alpha=0.0, attn_kl=0.0))
+        for a in sorted(x for x in grids[(c.group, c.key)] if x > 0):
+            cd = c.with_alpha(a).for_documents(docs, seed, redraw)
+            kl.layers = edited.get((c.group, c.key), union)
+            df, _, kv = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
+                                       seeds=seeds, base_seed=base_seed, kl=kl,
+                                       prefix=prefix if first_edited(c) else None)
+            akl = kv.cpu().numpy().astype(np.float64)[df["seq"].to_numpy()] if kv is not None else np.nan
+            batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=akl))
+            bar.update(1)
+    return base, batch
+
+
+def _chunked_batch(model: Any, w: Windows, conditions: Sequence[Condition], grids: dict, edited: dict, *,
+                   k_means: dict | None, target_len: int, fracs: Sequence[float], seeds: Sequence[int], base_seed: int,
+                   seed: int, redraw: bool, chunk: int, bar: Any) -> tuple[Tensor, list[pd.DataFrame]]:
+    """One batch of :func:`dose_rows` in chunked forwards (nothing of ``[batch, heads, n, n]`` kept): each condition's
+    edited clean pass runs the batch twice side by side, unedited then edited (:func:`hooks_on_rows`), and
+    :class:`PairedKL` compares their attention rows as each chunk makes them. Its unedited half must give the unedited
+    NLL again — a check that the edit stayed in its rows (CaptureError if not). Returns ``(unedited clean NLL
+    [batch], the batch's frames)``."""
+    b, docs = len(w), w.doc_ids.tolist()
+    base = nll_on_target(model, w.tokens, target_len=target_len, batch_size=b, chunk=chunk)
+    zero = pd.DataFrame(curve_rows(model, w, base, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
+                                   base_seed=base_seed, chunk=chunk))
+    bar.update(1)
+    batch = []
+    for c in conditions:
+        batch.append(zero.assign(layers=c.group, condition=c.key, alpha=0.0, attn_kl=0.0))
+        for a in sorted(x for x in grids[(c.group, c.key)] if x > 0):
+            hooks = intervention_hooks(model, c.with_alpha(a).for_documents(docs, seed, redraw).edit(), k_means)
+            kl = PairedKL(edited[(c.group, c.key)], b)
+            both = nll_on_target(model, torch.cat([w.tokens, w.tokens]), target_len=target_len, batch_size=2 * b,
+                                 chunk=chunk, fwd_hooks=hooks_on_rows(hooks, slice(b, 2 * b)) + kl.hooks(model))
+            _check_unedited(both[:b], base, c.key, a, model_dtype(model))
+            clean = both[b:]
+            df = pd.DataFrame(curve_rows(model, w, clean, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
+                                         base_seed=base_seed, fwd_hooks=hooks, chunk=chunk))
+            akl = kl.per_sequence().numpy().astype(np.float64)[df["seq"].to_numpy()]
+            batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=akl))
+            bar.update(1)
+    return base, batch
+
+
+def _check_unedited(got: Tensor, base: Tensor, key: str, alpha: float, dtype: torch.dtype) -> None:
+    """The unedited half of a paired pass gives the unedited NLL within ``64·eps`` of the model's ``dtype`` (at
+    least 1e-6) times ``max(1, |NLL|)`` — the two passes differ only in their batch's size, so in float rounding —
+    else the edit reached rows it was not meant for: CaptureError."""
+    tol = max(1e-6, 64 * float(torch.finfo(dtype).eps))
+    err = float(((got - base).abs() / base.abs().clamp_min(1.0)).max())
+    if not err <= tol:
+        raise CaptureError(f"condition {key!r} at α = {alpha:g}: the unedited sequences beside the edited ones gave an "
+                           f"NLL {err:.2e} (relative) away from their own pass — the edit reached rows it was not meant for")
 
 
 def dose_batches(

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from posgen_tl.engine.conditions import Condition, first_edited, match_alpha
 from posgen_tl.engine.dose import dose_batches, dose_units, strength_grid
 from posgen_tl.engine.swaps import nll_on_target
+from posgen_tl.hooks.chunked import forward_chunk
 from posgen_tl.hooks.edits import intervention_hooks
 from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.io.sampling import Windows
@@ -79,7 +80,8 @@ def _cap(c: Condition) -> float:
 def _mean_damage(model: Any, cond: Condition, ref: Windows, ref_base: torch.Tensor, km: dict, cfg: Any,
                  prefix: Mapping[int, torch.Tensor]) -> float:
     """Mean clean-NLL damage of ``cond`` on the reference windows (random controls drawn per document), each
-    pass resumed at the condition's first edited layer from ``prefix`` (the unedited residuals there)."""
+    pass resumed at the condition's first edited layer from ``prefix`` (the unedited residuals there; a pass with
+    none recorded there runs from the start, in chunks beyond 2 048 tokens)."""
     out = []
     start = first_edited(cond)
     for s in range(0, len(ref), cfg.batch_size):
@@ -90,7 +92,7 @@ def _mean_damage(model: Any, cond: Condition, ref: Windows, ref_base: torch.Tens
             raise ValueError("the unedited condition has no damage to tune")
         out.append(nll_on_target(model, w.tokens, target_len=cfg.target(), batch_size=len(w),
                                  fwd_hooks=intervention_hooks(model, cd.intervention, km),
-                                 resid_at=None if not start else (start, prefix[start][s:e])))
+                                 resid_at=None if start is None or start not in prefix else (start, prefix[start][s:e])))
     return float((torch.cat(out) - ref_base).mean())
 
 
@@ -172,6 +174,9 @@ def pilot(
     and the power table says so; when destroy damages no pilot document and no levels are declared, the entry's
     levels are empty and the entry is "not testable", :data:`NO_LEVELS`)."""
     starts = sorted({s for cs in conditions.values() for c in cs if (s := first_edited(c))})
+    if forward_chunk(model, ref.tokens.shape[1], [h for cs in conditions.values() for c in cs
+                                                 for h in intervention_hooks(model, c.edit(), k_means)]):
+        starts = []  # long texts: every pass in chunks through the cache (none resumed from a recorded residual)
     store: dict[int, list[torch.Tensor]] = {}
     ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size,
                              fwd_hooks=resid_hooks(starts, store))

@@ -285,7 +285,7 @@ Prefixes = dict[Any, dict[int, Tensor]]
 def curve_rows(
     model: Any, windows: Windows, clean: Float[Tensor, "batch"], *, fracs: Sequence[float], seeds: Sequence[int],
     mode: str, target_len: int, base_seed: int = 0, fwd_hooks: Sequence = (), record: Prefixes | None = None,
-    record_at: Sequence[int] = (), resume: tuple[int, Prefixes] | None = None,
+    record_at: Sequence[int] = (), resume: tuple[int, Prefixes] | None = None, chunk: int = -1,
 ) -> list[dict]:  # fmt: skip
     """The tolerance curve of one batch: one pass per (frac > 0, seed) of :func:`perturbed_inputs`
     (``frac = 0`` reuses ``clean``), with ``fwd_hooks`` attached. Returns one dict per (frac, seed,
@@ -294,7 +294,7 @@ def curve_rows(
     ``record`` (with ``record_at``): each pass also stores the residuals entering those blocks in
     ``record[(frac, seed)]``. ``resume=(L, prefixes)``: each pass resumes at block ``L`` from
     ``prefixes[(frac, seed)][L]`` (recorded by an earlier curve of the same windows and swaps) instead of
-    computing blocks ``0 … L−1``."""
+    computing blocks ``0 … L−1``. ``chunk``: as in :func:`nll_on_target`."""
     bs = windows.tokens.shape[0]
     rows = []
     for frac in fracs:
@@ -310,7 +310,7 @@ def curve_rows(
                 if resume is not None:
                     at = (resume[0], resume[1][(float(frac), int(seed))][resume[0]])
                 nll = nll_on_target(model, toks, target_len=target_len, position_ids=pid, fwd_hooks=hooks,
-                                    batch_size=bs, resid_at=at)
+                                    batch_size=bs, resid_at=at, chunk=chunk)
                 if record is not None and record_at:
                     record[(float(frac), int(seed))] = recorded(store)
             for i in range(bs):

@@ -71,3 +71,90 @@ def test_strength_grid_brackets_the_tuned_point():
     assert strength_grid(0.5, alpha_max=1.0) == (0.0, 0.125, 0.25, 0.5, 1.0)
     with pytest.raises(ValueError):
         strength_grid(0.0)
+
+
+# ----------------------------------------------------------------------------- long texts: chunked passes
+
+def _chunk_inputs(name: str):
+    model = tm.hf_llama(n_layers=2, seed=1)[0] if name == "hf_llama" else tm.hf_gemma3()[0]
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(3, 90, (3, 29), generator=g)
+    w = Windows(tokens=toks, doc_ids=torch.tensor([0, 1, 1]), starts=torch.zeros(3, dtype=torch.long),
+                doc_names=["d0", "d1"])
+    km = key_means(model, torch.randint(3, 90, (4, 29), generator=g))
+    layers = [1, 2] if name == "hf_gemma3" else [1]  # Gemma3: a local (window 4) and a global layer
+    conds = build_conditions(layers, fast=[0, 1], slow=[6, 7], alpha=1.0, controls=("C1", "C4"))
+    strengths = {"destroy": (0.0, 4.0, 8.0), "C1": (0.0, 8.0), "C4": (0.0, 8.0)}
+    return model, w, conds, strengths, km
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gemma3"])
+def test_a_chunked_dose_run_gives_the_whole_runs_rows(name):
+    """Every pass a chunk of 8 positions at a time (the paired clean passes included): NLLs, damage and the attention
+    change equal the whole run's, which stores the unedited patterns and resumes from residuals — and the edits do
+    change the attention and the NLL by far more than the two runs differ (else nothing is compared)."""
+    model, w, conds, strengths, km = _chunk_inputs(name)
+    kw = dict(k_means=km, target_len=9, fracs=(0.0, 0.2), seeds=(0,), batch_size=2, progress=False)
+    whole = dose_rows(model, w, conds, strengths, chunk=0, **kw)
+    parts = dose_rows(model, w, conds, strengths, chunk=8, **kw)
+    keys = ["seq", "condition", "alpha", "frac", "seed"]
+    a, b = whole.sort_values(keys).reset_index(drop=True), parts.sort_values(keys).reset_index(drop=True)
+    assert a[keys + ["doc", "layers"]].equals(b[keys + ["doc", "layers"]])
+    for col in ("clean_nll", "nll", "delta", "base_clean_nll"):
+        np.testing.assert_allclose(b[col], a[col], rtol=1e-5, atol=1e-6, err_msg=col)
+    edited = a["alpha"] > 0
+    np.testing.assert_allclose(b.loc[edited, "attn_kl"], a.loc[edited, "attn_kl"], rtol=1e-4, atol=1e-9)
+    assert (a.loc[edited, "attn_kl"] > 1e-5).all()
+    damage = (a["clean_nll"] - a["base_clean_nll"]).abs()[edited]
+    assert damage.min() > 100 * max(float((b["clean_nll"] - a["clean_nll"]).abs().max()), 1e-7)
+
+
+def test_long_texts_run_the_dose_passes_in_chunks_by_themselves(monkeypatch):
+    """Beyond CHUNK_ABOVE (lowered here to 16) a dose run chunks without being asked — every forward through the
+    cache, none with the whole maps — and gives the whole run's numbers."""
+    import posgen_tl.hooks.chunked as ch
+    import posgen_tl.hooks.positions as ps
+
+    model, w, conds, strengths, km = _chunk_inputs("hf_llama")
+    kw = dict(k_means=km, target_len=9, fracs=(0.0, 0.2), seeds=(0,), batch_size=3, progress=False)
+    whole = dose_rows(model, w, conds[:1], {"destroy": (0.0, 8.0)}, chunk=0, **kw)
+    monkeypatch.setattr(ch, "CHUNK_ABOVE", 16)
+    monkeypatch.setattr(ch, "CHUNK", 8)
+    calls: list = []
+    real = ps.run_chunks
+    monkeypatch.setattr(ps, "run_chunks", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    auto = dose_rows(model, w, conds[:1], {"destroy": (0.0, 8.0)}, **kw)
+    assert calls == [3, 3, 6, 3]  # unedited clean, its swapped pass, the paired clean pass (3 + 3 rows), its swap
+    np.testing.assert_allclose(auto["nll"], whole["nll"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(auto["attn_kl"], whole["attn_kl"], rtol=1e-4, atol=1e-9)
+
+
+def test_a_paired_pass_whose_edit_reaches_the_unedited_rows_is_refused_by_name(monkeypatch):
+    import posgen_tl.engine.dose as dose
+    from posgen_tl.hooks.capture import CaptureError
+
+    model, w, conds, strengths, km = _chunk_inputs("hf_llama")
+    monkeypatch.setattr(dose, "hooks_on_rows", lambda hooks, rows: hooks)  # the edit on every row of the pair
+    with pytest.raises(CaptureError, match="reached rows it was not meant for"):
+        dose_rows(model, w, conds[:1], {"destroy": (0.0, 8.0)}, k_means=km, target_len=9, fracs=(0.0,), seeds=(0,),
+                  batch_size=3, progress=False, chunk=8)
+
+
+def test_hooks_on_rows_edit_only_their_rows():
+    from posgen_tl.hooks.chunked import hooks_chunk_safe
+    from posgen_tl.hooks.edits import hooks_on_rows
+
+    def returns(t, hook):
+        return t + 1.0
+
+    def in_place(t, hook):
+        t.mul_(0.0)
+
+    x = torch.arange(24.0).reshape(4, 3, 2)
+    (_, f), (_, g) = hooks_on_rows([("a", returns), ("b", in_place)], slice(2, 4))
+    y = f(x, hook=None)
+    assert torch.equal(y[:2], x[:2]) and torch.equal(y[2:], x[2:] + 1) and torch.equal(x, torch.arange(24.0).reshape(4, 3, 2))
+    assert g(y, hook=None) is None and torch.equal(y[:2], x[:2]) and not y[2:].any()
+    assert not hooks_chunk_safe(hooks_on_rows([("a", returns)], slice(0, 1)))
+    from posgen_tl.hooks.chunked import chunk_safe
+    assert hooks_chunk_safe(hooks_on_rows([("a", chunk_safe(returns))], slice(0, 1)))

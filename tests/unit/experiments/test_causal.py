@@ -315,3 +315,30 @@ def test_an_interrupted_pilot_continues_from_its_tuning_and_finished_batches(lla
     pd.testing.assert_frame_equal(resumed["pilot_units"], whole["pilot_units"], check_exact=False, rtol=1e-9, atol=1e-12)
     for name in ("verdicts", "contrasts", "units"):
         pd.testing.assert_frame_equal(resumed[name], whole[name], check_exact=False, rtol=1e-9, atol=1e-12)
+
+
+def test_long_texts_run_the_whole_study_in_chunks_to_the_same_numbers(llama, result, monkeypatch):
+    """Beyond CHUNK_ABOVE (lowered here to 16 of the 20 tokens) the pilot's tuning and every dose pass run a chunk of
+    8 positions at a time through the model's cache — no whole forward keeps attention maps or residuals — and the
+    study's grids, units, contrasts and verdicts are the whole run's up to float rounding."""
+    import posgen_tl.engine.dose as dose_mod2
+    import posgen_tl.hooks.chunked as ch
+
+    monkeypatch.setattr(ch, "CHUNK_ABOVE", 16)
+    monkeypatch.setattr(ch, "CHUNK", 8)
+    ran = {"chunks": 0}
+    real_chunks = ch.run_chunks
+
+    def counted(*a, **k):
+        ran["chunks"] += 1
+        return real_chunks(*a, **k)
+
+    import posgen_tl.hooks.positions as ps
+
+    monkeypatch.setattr(ps, "run_chunks", counted)
+    monkeypatch.setattr(dose_mod2, "_whole_batch", lambda *a, **k: pytest.fail("a dose batch ran whole"))
+    long = cd.run(llama, corpus=_corpus(), **OPTS)
+    assert ran["chunks"] > 0
+    pd.testing.assert_frame_equal(long["grids"], result["grids"], check_exact=False, rtol=1e-5, atol=1e-6)
+    for name in ("units", "contrasts", "verdicts"):
+        pd.testing.assert_frame_equal(long[name], result[name], check_exact=False, rtol=1e-5, atol=1e-6)
