@@ -29,9 +29,10 @@ from tqdm.auto import tqdm
 
 from posgen_tl.engine.conditions import AttentionKL, Condition, PairedKL, condition_rows, first_edited
 from posgen_tl.engine.swaps import Prefixes, curve_rows, nll_on_target
-from posgen_tl.hooks.capture import CaptureError, model_dtype
-from posgen_tl.hooks.chunked import forward_chunk
+from posgen_tl.hooks.capture import CaptureError, model_device, model_dtype, probe_hooks
+from posgen_tl.hooks.chunked import CHUNK, check_chunked, forward_chunk, hooks_chunk_safe
 from posgen_tl.hooks.edits import hooks_on_rows, intervention_hooks
+from posgen_tl.hooks.memory import FREE_SHARE, attention_bytes, free_bytes
 from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
@@ -75,7 +76,8 @@ def dose_rows(
     (:mod:`posgen_tl.hooks.reentry`), so the batch keeps (1 + swap passes) × (distinct first layers) residuals of
     ``[batch, pos, d_model]`` while it runs.
     ``chunk`` (as in :func:`posgen_tl.engine.swaps.nll_on_target`; ``-1``: beyond 2 048 tokens where the model's
-    cached forward is exact): every pass runs a chunk of positions at a time through the model's cache, none resumed;
+    cached forward is exact, or where the whole run's stored patterns would not fit the free memory,
+    :func:`_dose_chunk`): every pass runs a chunk of positions at a time through the model's cache, none resumed;
     each condition's edited clean pass then holds the unedited sequences beside the edited ones in its batch
     (:func:`_chunked_batch`) so the attention change is read row by row — long texts in memory O(chunk · n).
 
@@ -92,8 +94,9 @@ def dose_rows(
     edited = {(c.group, c.key): list(c.intervention.layers or ()) for c in conditions if c.intervention is not None}
     if any(not v for v in edited.values()):
         raise ValueError("every condition of a dose–response run edits named layers (Intervention.layers)")
-    chunk = forward_chunk(model, windows.tokens.shape[1],
-                          [h for c in conditions for h in intervention_hooks(model, c.edit(), k_means)], chunk=chunk)
+    union = sorted({x for v in edited.values() for x in v})
+    chunk = _dose_chunk(model, windows.tokens.shape[1], [h for c in conditions for h in
+                        intervention_hooks(model, c.edit(), k_means)], len(union), min(batch_size, n), chunk)
     passes = sum(len([a for a in grids[(c.group, c.key)] if a > 0]) for c in conditions) + 1
     bar = tqdm(total=passes * ((n + batch_size - 1) // batch_size), desc="dose–response", disable=not progress,
                leave=False)
@@ -115,6 +118,36 @@ def dose_rows(
         rows[col] = rows[col].astype(np.float64)
     rows["delta_unedited"] = rows["nll"] - rows["base_clean_nll"]
     return rows
+
+
+def _dose_chunk(model: Any, n: int, hooks: list, stored_layers: int, batch_size: int, chunk: int) -> int:
+    """The chunk of a dose run's passes (0: whole forwards): ``chunk`` as given (:func:`forward_chunk`); for ``-1``
+    chunks beyond 2 048 tokens, and also below where the whole run's stored attention patterns (``stored_layers`` maps
+    of ``batch_size · heads · n²`` float32 entries, beside a forward's own) would take more than
+    :data:`~posgen_tl.hooks.memory.FREE_SHARE` of the free memory — then in quarters of the sequence (at most 512
+    positions). Raises MemoryError, naming the sizes, on the CPU where neither fits (a model whose cached forward is
+    not exact, or hooks that are not chunk-safe)."""
+    got = forward_chunk(model, n, hooks, chunk=chunk)
+    if got or chunk >= 0:
+        return got
+    free = free_bytes(model_device(model))
+    heads = probe_hooks(model)[0].n_heads
+    need = 4 * batch_size * heads * n * n * stored_layers + attention_bytes(heads, n, batch_size)
+    if free is None or need <= FREE_SHARE * free:
+        return 0
+    why = "its hooks are not chunk-safe"
+    if hooks_chunk_safe(hooks):
+        try:
+            check_chunked(model)
+            return min(CHUNK, -(-n // 4))
+        except CaptureError as e:
+            why = str(e)
+    if model_device(model).type != "cpu":
+        return 0
+    gib = 2**30
+    raise MemoryError(f"a dose–response run of {batch_size} × {n} tokens in whole forwards keeps about {need / gib:.1f} "
+                      f"GiB of attention patterns and maps, {free / gib:.1f} GiB are free, and it cannot run in chunks "
+                      f"({why}) — use a smaller batch_size or shorter texts")
 
 
 def _whole_batch(model: Any, w: Windows, conditions: Sequence[Condition], grids: dict, edited: dict, *, k_means: dict | None,

@@ -158,3 +158,28 @@ def test_hooks_on_rows_edit_only_their_rows():
     assert not hooks_chunk_safe(hooks_on_rows([("a", returns)], slice(0, 1)))
     from posgen_tl.hooks.chunked import chunk_safe
     assert hooks_chunk_safe(hooks_on_rows([("a", chunk_safe(returns))], slice(0, 1)))
+
+
+def test_a_whole_run_whose_patterns_outgrow_the_free_memory_chunks_or_is_refused_by_name(monkeypatch):
+    """With little free memory (here: less than twice the 29-token run's stored patterns) an automatic dose run goes
+    through chunks (quarters of the sequence) to the whole run's numbers; where it cannot chunk, it is refused by
+    name instead of the process being killed."""
+    import posgen_tl.engine.dose as dose
+    import posgen_tl.hooks.chunked as ch
+
+    model, w, conds, strengths, km = _chunk_inputs("hf_llama")
+    kw = dict(k_means=km, target_len=9, fracs=(0.0, 0.2), seeds=(0,), batch_size=3, progress=False)
+    one = {"destroy": (0.0, 8.0)}
+    whole = dose_rows(model, w, conds[:1], one, **kw)  # plenty of memory: whole forwards
+    heads = model.cfg.n_heads
+    monkeypatch.setattr(dose, "free_bytes", lambda dev: 4 * 3 * heads * 29 * 29)
+    used: list = []
+    real = dose._chunked_batch
+    monkeypatch.setattr(dose, "_chunked_batch", lambda *a, **k: used.append(k["chunk"]) or real(*a, **k))
+    low = dose_rows(model, w, conds[:1], one, **kw)
+    assert used == [8]  # ⌈29 / 4⌉
+    np.testing.assert_allclose(low["nll"], whole["nll"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(low["attn_kl"], whole["attn_kl"], rtol=1e-4, atol=1e-9)
+    monkeypatch.setattr(dose, "check_chunked", lambda m: (_ for _ in ()).throw(ch.CaptureError("no cache here")))
+    with pytest.raises(MemoryError, match=r"attention patterns.*no cache here.*batch_size"):
+        dose_rows(model, w, conds[:1], one, **kw)
