@@ -4,7 +4,9 @@ Every condition (destroy and each control) runs at a grid of strengths on the sa
 swaps. Per window: the unedited clean NLL and its swapped passes are computed ONCE and are every
 condition's α = 0 point; per condition and α > 0 one clean pass (its damage) and one pass per swap
 fraction and seed — each resumed at the condition's first edited layer from the residual its unedited
-pass recorded there (the blocks below are not computed again). A random control keeps one draw per document across its strengths (a dose curve of
+pass recorded there (the blocks below are not computed again). Long texts (beyond 2 048 tokens, or where the stored
+attention patterns would not fit the free memory) run every pass in chunks through the model's cache instead, none
+resumed, the attention change read from unedited and edited rows side by side in one batch. A random control keeps one draw per document across its strengths (a dose curve of
 one edit), drawn afresh for every document.
 
 :func:`dose_rows` returns the passes; :func:`dose_units` turns them into one row per document × condition
