@@ -31,7 +31,7 @@ from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.verdicts import layers_label
 
 __all__ = ["CONTROLS", "RANDOM_CONTROLS", "CONTROL_TEXT", "Condition", "draw_seed", "build_conditions",
-           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "PairedKL", "attention_kl", "condition_rows", "first_edited"]
+           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "PairedKL", "attention_kl", "condition_rows", "edit_hooks", "first_edited"]
 
 
 CONTROLS = ("C1", "C2", "C3", "C4")
@@ -164,6 +164,12 @@ def entry_bands(spec: Any, layers: Sequence[int], fast: Sequence[int] | None, sl
 
 def _hooks(model: Any, cond: Condition, km: dict | None) -> list:
     return [] if cond.intervention is None else intervention_hooks(model, cond.intervention, km)
+
+
+def edit_hooks(model: Any, conditions: Sequence[Condition], k_means: dict | None) -> list:
+    """Every hook of the ``conditions``' edits at their own strengths, in order (to ask, e.g., whether all of them are
+    chunk-safe). Raises ValueError for a condition that edits nothing."""
+    return [h for c in conditions for h in intervention_hooks(model, c.edit(), k_means)]
 
 
 def match_alpha(

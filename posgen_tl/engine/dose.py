@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.conditions import AttentionKL, Condition, PairedKL, condition_rows, first_edited
+from posgen_tl.engine.conditions import AttentionKL, Condition, PairedKL, condition_rows, edit_hooks, first_edited
 from posgen_tl.engine.swaps import Prefixes, curve_rows, nll_on_target
 from posgen_tl.hooks.capture import CaptureError, model_device, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import CHUNK, check_chunked, forward_chunk, hooks_chunk_safe
@@ -97,8 +97,8 @@ def dose_rows(
     if any(not v for v in edited.values()):
         raise ValueError("every condition of a dose–response run edits named layers (Intervention.layers)")
     union = sorted({x for v in edited.values() for x in v})
-    chunk = _dose_chunk(model, windows.tokens.shape[1], [h for c in conditions for h in
-                        intervention_hooks(model, c.edit(), k_means)], len(union), min(batch_size, n), chunk)
+    chunk = _dose_chunk(model, windows.tokens.shape[1], edit_hooks(model, conditions, k_means), len(union),
+                        min(batch_size, n), chunk)
     passes = sum(len([a for a in grids[(c.group, c.key)] if a > 0]) for c in conditions) + 1
     bar = tqdm(total=passes * ((n + batch_size - 1) // batch_size), desc="dose–response", disable=not progress,
                leave=False)

@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.conditions import Condition, first_edited, match_alpha
+from posgen_tl.engine.conditions import Condition, edit_hooks, first_edited, match_alpha
 from posgen_tl.engine.dose import dose_batches, dose_units, strength_grid
 from posgen_tl.engine.swaps import nll_on_target
 from posgen_tl.hooks.chunked import forward_chunk
@@ -174,8 +174,8 @@ def pilot(
     and the power table says so; when destroy damages no pilot document and no levels are declared, the entry's
     levels are empty and the entry is "not testable", :data:`NO_LEVELS`)."""
     starts = sorted({s for cs in conditions.values() for c in cs if (s := first_edited(c))})
-    if forward_chunk(model, ref.tokens.shape[1], [h for cs in conditions.values() for c in cs
-                                                 for h in intervention_hooks(model, c.edit(), k_means)]):
+    if forward_chunk(model, ref.tokens.shape[1], edit_hooks(model, [c for cs in conditions.values() for c in cs],
+                                                            k_means)):
         starts = []  # long texts: every pass in chunks through the cache (none resumed from a recorded residual)
     store: dict[int, list[torch.Tensor]] = {}
     ref_base = nll_on_target(model, ref.tokens, target_len=cfg.target(), batch_size=cfg.batch_size,
