@@ -167,7 +167,7 @@ class PatternResult:
             sink = int(next(iter(states.values())).get("sink", 0)) if states else 0
         bands, heads = layer_frames(states, ropes, max_distance=max_distance, model=model, twin=twin, sink=sink,
                                     n_splits=n_splits)  # layers with one rope computed together
-        k_means = {layer: BandStats.from_state_dict(states[layer]["k"]).mean().float() for layer in sorted(states)}
+        k_means = {layer: BandStats.state_mean(states[layer]["k"]).float() for layer in sorted(states)}
         return cls(model, twin, bands, heads, states, k_means, dict(ropes), max_distance, sink, n_splits)
 
     def merge(self, other: PatternResult) -> PatternResult:

@@ -42,6 +42,8 @@ an rms-style typical size of ``|W − f − g|``, not a strict bound.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 import torch
 from einops import rearrange
@@ -170,6 +172,11 @@ class BandStats:
         """``E x`` per head over all of ``d_head`` (pass dims included): the D3 ``k̄``."""
         return _div(self.sum_x, self.n)
 
+    @staticmethod
+    def state_mean(state: dict) -> Float[Tensor, "head_index d_head"]:
+        """:meth:`mean` of a :meth:`state_dict` without rebuilding the accumulator (the same numbers)."""
+        return _div(state["sum_x"], state["n"])
+
     def mean_bands(self) -> Complex[Tensor, "head_index band"]:
         """``E z_m`` per head and band, complex ``[head_index band]``."""
         return to_bands(self.mean(), self.rotary_dim, self.layout)
@@ -223,6 +230,41 @@ class BandStats:
             if tuple(state[key].shape) != tuple(ref.shape):
                 raise ValueError(f"state {key!r} has shape {tuple(state[key].shape)}, expected {tuple(ref.shape)}")
             setattr(out, key, state[key].detach().to(device=ref.device, dtype=ref.dtype).clone())
+        return out
+
+    @classmethod
+    def from_state_dicts(cls, states: Sequence[dict]) -> BandStats:
+        """One accumulator holding the heads of several :meth:`state_dict` outputs side by side, in order — a stack
+        of layers, or a layer's query heads then its key heads — so that every statistic is computed for all of them
+        in one go (the same numbers as each one's own). Fresh tensors (nothing shared with ``states``).
+
+        Raises:
+            ValueError: where the states did not see the same tokens (``n``) or differ in ``d_head``,
+                ``rotary_dim``, ``layout`` or ``dtype``, or a tensor's shape does not match its ``n_heads``.
+        """
+        if not states:
+            raise ValueError("no accumulator states to put side by side")
+        first, conf = states[0], ("d_head", "rotary_dim", "layout", "dtype")
+        for st in states[1:]:
+            if any(st[c] != first[c] for c in conf):
+                raise ValueError(f"cannot put side by side accumulators of {[first[c] for c in conf]} and "
+                                 f"{[st[c] for c in conf]} (d_head, rotary_dim, layout, dtype)")
+            if not torch.equal(st["n"], first["n"]):
+                raise ValueError(f"cannot put side by side accumulators of {int(first['n'])} and {int(st['n'])} tokens")
+        dtype = getattr(torch, first["dtype"]) if isinstance(first["dtype"], str) else first["dtype"]
+        h, nb = sum(int(st["n_heads"]) for st in states), int(first["rotary_dim"]) // 2
+        out = cls.__new__(cls)
+        out.n_heads, out.d_head, out.rotary_dim, out.layout = h, int(first["d_head"]), int(first["rotary_dim"]), first["layout"]
+        out.dtype = dtype
+        shapes = {"sum_x": (h, out.d_head), "sum_abs2": (h, nb), "sum_unit": (h, nb), "pass_abs2": (h,), "n_nonzero": (h, nb)}
+        kinds = {"sum_unit": _complex_dtype(dtype), "n_nonzero": torch.int64}
+        out.n = first["n"].detach().to(torch.int64).clone()
+        for key, shape in shapes.items():
+            v = torch.cat([st[key].detach() for st in states]).to(kinds.get(key, dtype))
+            if tuple(v.shape) != shape:
+                raise ValueError(f"state {key!r} of the {len(states)} accumulators has shape {tuple(v.shape)}, "
+                                 f"expected {shape}")
+            setattr(out, key, v)
         return out
 
     def __repr__(self) -> str:

@@ -22,7 +22,6 @@ from posgen_tl.maths.band_stats import (
     distance_weights,
     pattern_scores,
     predicted_d3_error,
-    stats_frame,
 )
 from posgen_tl.maths.groups import band_group
 from posgen_tl.maths.rho import SequenceBandSums
@@ -71,62 +70,107 @@ def pattern_frames(
         (q rows per query head, k rows per kv-group); ``heads`` has :data:`HEAD_COLUMNS`,
         ``H`` rows (one per query head, key statistics taken from its kv-group).
     """
-    period = (2 * math.pi / rope.theta).cpu().numpy()  # inf for a zero frequency
-    nb = k_stats.n_bands
-    parts, forms = [], {}
-    for which, st, seq in (("q", q_stats, q_seq), ("k", k_stats, k_seq)):
-        f = stats_frame(st, layer=layer, which=which, model=model, twin=twin)
-        f["kind"] = rope.kind
-        f["period"] = period[f["band"].to_numpy()]
-        f["band_group"] = np.array([band_group(b, nb) for b in range(nb)])[f["band"].to_numpy()]  # a label per band
-        nan = torch.full((st.n_heads, nb), float("nan"), dtype=torch.float64)
-        forms[which] = seq.forms(n_splits, seed) if seq is not None else {k: nan for k in ("rho_within", "rho_cross", "stability")}
-        for key in ("rho_within", "rho_cross", "stability"):
-            f[key] = forms[which][key].reshape(-1).cpu().numpy()
-        parts.append(f)
-    bands = pd.concat(parts, ignore_index=True)[BAND_COLUMNS]
+    seqs = {w: None if s is None else [s.state_dict()] for w, s in (("q", q_seq), ("k", k_seq))}
+    b, h = _columns([layer], [q_stats.state_dict()], [k_stats.state_dict()], seqs["q"], seqs["k"], rope, spread=spread,
+                    k_global=k_global, max_distance=max_distance, sink=sink, n_splits=n_splits, seed=seed)
+    return _frame(b, BAND_COLUMNS, model, twin), _frame(h, HEAD_COLUMNS, model, twin)
 
-    H, G = q_stats.n_heads, k_stats.n_heads
-    legacy = pattern_scores(q_stats, k_stats, rope, max_distance, sink=sink)
+
+def _columns(layers: list[int], qs: list[dict], ks: list[dict], q_seqs: list[dict] | None, k_seqs: list[dict] | None,
+             rope: LayerRope, *, spread: tuple[Tensor, Tensor] | None, k_global: Tensor | None, max_distance: int,
+             sink: int, n_splits: int, seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The columns of :func:`pattern_frames` for ``layers`` stacked on the head axis (accumulator states ``qs``, ``ks``,
+    ``q_seqs``, ``k_seqs``: one per layer; ``spread`` and ``k_global``: the stack's), as numpy arrays — ``which`` as
+    0 (q) / 1 (k), ``layer`` and ``head`` each row's own. A layer's query and key heads are computed together where
+    they saw the same tokens (one accumulator of ``H + G`` heads: half the small operations).
+
+    Returns ``(bands, heads)``: ``{column: [rows]}``, rows in the order q heads then k heads, bands innermost;
+    ``heads``: one row per query head."""
+    q, k = BandStats.from_state_dicts(qs), BandStats.from_state_dicts(ks)
+    H, G, nb, n_layers = q.n_heads, k.n_heads, k.n_bands, len(layers)
+    together = torch.equal(q.n, k.n) and q.d_head == k.d_head
+    per_band = _per_band([BandStats.from_state_dicts(qs + ks)] if together else [q, k])
+    k_seq = None if k_seqs is None else SequenceBandSums.from_state_dicts(k_seqs)
+    q_seq = None if q_seqs is None else SequenceBandSums.from_state_dicts(q_seqs)
+    forms = _forms(q_seqs, k_seqs, q_seq, k_seq, (H, G, nb), n_splits, seed)
+    period = (2 * math.pi / rope.theta).cpu().numpy()  # inf for a zero frequency
+    band = np.tile(np.arange(nb), H + G)
+    head = np.repeat(np.concatenate([np.arange(H), np.arange(G)]), nb)
+    which = np.repeat(np.array([0, 1], dtype=np.int8), [H * nb, G * nb])
+    per = np.where(which == 0, H // n_layers, G // n_layers)  # heads of one layer
+    bands: dict[str, np.ndarray] = {
+        "layer": np.asarray(layers, dtype=np.int64)[head // per], "kind": np.full(band.shape, rope.kind, dtype=object),
+        "which": which, "head": head % per, "band": band,
+        "band_group": np.array([band_group(b, nb) for b in range(nb)], dtype=object)[band],  # a label per band
+        "period": period[band]}
+    bands |= {key: v.reshape(-1).numpy() for key, v in (per_band | forms).items()}
+
+    legacy = pattern_scores(q, k, rope, max_distance, sink=sink)
     group = kv_head_index(H, G)
     fast = max(1, nb // 3)
     nan_h = torch.full((H,), float("nan"), dtype=torch.float64)
+    sigma, per_seq, glob, blind_seq, blind_g = nan_h, nan_h, nan_h, nan_h, nan_h
     if spread is not None:
         sigma = torch.where(spread[1] > 0, (spread[0] / spread[1].clamp(min=1)).sqrt(), torch.nan)
         w = distance_weights(rope, max_distance, sink=sink)
         scale = rope.score_scale * rope.attention_scaling**2
-        q_e = q_seq.energy() if q_seq is not None else q_stats.energy().double().cpu()
-        res_seq = k_seq.within_residual_energy() if k_seq is not None else None
+        q_e = q_seq.energy() if q_seq is not None else q.energy().double().cpu()
         flat = torch.full_like(w, float(w.mean()))  # control: every band the same (mean) rotation weight
 
         def pred(res: Tensor | None, weights: Tensor) -> Tensor:
             return nan_h if res is None else predicted_d3_error(q_e, res, weights, sigma, scale)["pred_d3_err"]
 
+        res_seq = k_seq.within_residual_energy() if k_seq is not None else None
         per_seq, blind_seq = pred(res_seq, w), pred(res_seq, flat)
         res_g = None
         if k_global is not None:
             kg = to_bands(k_global.double().cpu(), rope.rotary_dim, rope.layout)
             res_g = (k_seq.residual_energy(kg) if k_seq is not None else
-                     (k_stats.energy().double().cpu() - 2 * (k_stats.mean_bands().cpu() * kg.conj()).real + kg.abs().square()))
+                     (k.energy().double().cpu() - 2 * (k.mean_bands().cpu() * kg.conj()).real + kg.abs().square()))
         glob, blind_g = pred(res_g, w), pred(res_g, flat)
-    else:
-        sigma, per_seq, glob, blind_seq, blind_g = nan_h, nan_h, nan_h, nan_h, nan_h
-    centroid = frequency_centroid(k_stats.energy_share()).cpu()[group]
-    fk = {key: torch.nanmean(forms["k"][key][:, :fast].double(), -1)[group].cpu().numpy() for key in ("rho_within", "rho_cross", "stability")}
-    heads = pd.DataFrame({
-        "model": model, "twin": twin, "layer": layer, "head": np.arange(H), "kv_group": group.cpu().numpy(),
-        "logit_spread": sigma.cpu().numpy(),
-        "pred_d3_err_global": glob.cpu().numpy(),
-        "pred_d3_err_per_sequence": per_seq.cpu().numpy(),
-        "blind_d3_err_global": blind_g.cpu().numpy(),
-        "blind_d3_err_per_sequence": blind_seq.cpu().numpy(),
-        "fast_key_rho_within": fk["rho_within"], "fast_key_rho_cross": fk["rho_cross"],
-        "fast_key_stability": fk["stability"],
-        "key_energy_centroid": centroid.cpu().numpy(),
-        "legacy_pattern_score": legacy["legacy_pattern_score"].cpu().numpy(),
-        "expected_bound": legacy["expected_bound"].cpu().numpy(),
-    })[HEAD_COLUMNS]
+    fk = {key: torch.nanmean(forms[key][H:, :fast].double(), -1)[group] for key in ("rho_within", "rho_cross", "stability")}
+    h_layer = H // n_layers
+    heads = {"layer": np.asarray(layers, dtype=np.int64)[np.arange(H) // h_layer], "head": np.arange(H) % h_layer,
+             "kv_group": group.cpu().numpy() % (G // n_layers)}
+    heads |= {key: v.cpu().numpy() for key, v in {
+        "logit_spread": sigma, "pred_d3_err_global": glob, "pred_d3_err_per_sequence": per_seq,
+        "blind_d3_err_global": blind_g, "blind_d3_err_per_sequence": blind_seq,
+        "fast_key_rho_within": fk["rho_within"], "fast_key_rho_cross": fk["rho_cross"], "fast_key_stability": fk["stability"],
+        "key_energy_centroid": frequency_centroid(per_band["energy_share"][H:]).cpu()[group],
+        "legacy_pattern_score": legacy["legacy_pattern_score"], "expected_bound": legacy["expected_bound"]}.items()}
     return bands, heads
+
+
+def _per_band(parts: list[BandStats]) -> dict[str, Tensor]:
+    """The per-(head, band) statistics of the parts' heads in order, float64 ``[Σ heads, band]`` (CPU)."""
+    cols = [{"energy_share": st.energy_share(), "offset_ratio": st.offset_ratio(),
+             "phase_concentration": st.phase_concentration(), "residual_rms": st.residual_rms(), "energy": st.energy()}
+            for st in parts]
+    return {key: torch.cat([c[key] for c in cols]).detach().double().cpu() for key in cols[0]}
+
+
+def _forms(q_seqs: list[dict] | None, k_seqs: list[dict] | None, q_seq: SequenceBandSums | None,
+           k_seq: SequenceBandSums | None, sizes: tuple[int, int, int], n_splits: int, seed: int) -> dict[str, Tensor]:
+    """ρ within, ρ cross and stability of the query heads then the key heads, float64 ``[H + G, band]`` (NaN where
+    a side has no sequence sums); one accumulator of both sides where they saw the same sequences."""
+    H, G, nb = sizes
+    keys = ("rho_within", "rho_cross", "stability")
+    if q_seqs is not None and k_seqs is not None and q_seq is not None and k_seq is not None and \
+            torch.equal(q_seq.doc, k_seq.doc) and torch.equal(q_seq.n, k_seq.n):
+        both = SequenceBandSums.from_state_dicts(q_seqs + k_seqs).forms(n_splits, seed)
+        return {key: both[key] for key in keys}
+    sides = [s.forms(n_splits, seed) if s is not None else {key: torch.full((h, nb), float("nan"), dtype=torch.float64)
+                                                             for key in keys} for s, h in ((q_seq, H), (k_seq, G))]
+    return {key: torch.cat([sides[0][key], sides[1][key]]) for key in keys}
+
+
+def _frame(cols: Mapping[str, np.ndarray], columns: list[str], model: str, twin: str) -> pd.DataFrame:
+    """A tidy frame of ``columns`` from numpy columns (``model`` and ``twin`` the same on every row; ``which``
+    codes 0 / 1 written "q" / "k")."""
+    data: dict[str, Any] = {c: cols[c] for c in columns if c not in ("model", "twin")}
+    if "which" in data:
+        data["which"] = np.array(["q", "k"], dtype=object)[data["which"]]
+    return pd.DataFrame({"model": model, "twin": twin} | data, columns=columns)
 
 
 def split_state(state: dict, n_layers: int, head_dim: int) -> list[dict]:
@@ -179,6 +223,7 @@ def layer_frames(states: Mapping[int, dict], ropes: Mapping[int, LayerRope], *, 
     "k_global"}}`` as :class:`posgen_tl.experiments.pattern.PatternResult` keeps them), concatenated in layer order —
     layers that share one rope object and their counts computed together, stacked on the head axis (the same numbers
     up to float rounding; the kv-head grouping carries over: query head ``L·H + h`` reads kv-head ``L·G + h // (H/G)``).
+    The columns are gathered as numpy arrays and put into one frame each at the end.
     Returns ``(bands, heads)``."""
     groups: dict[tuple, list[int]] = {}
     for layer in sorted(states):
@@ -188,39 +233,23 @@ def layer_frames(states: Mapping[int, dict], ropes: Mapping[int, LayerRope], *, 
         sts = [states[la] for la in layers]
         parts = [[la] for la in layers] if len(layers) == 1 or not _stackable(sts) else [layers]
         for part in parts:
-            b, h = _frames_of(part, [states[la] for la in part], ropes[part[0]], max_distance=max_distance,
-                              model=model, twin=twin, sink=sink, n_splits=n_splits)
+            b, h = _columns_of(part, [states[la] for la in part], ropes[part[0]], max_distance=max_distance,
+                               sink=sink, n_splits=n_splits)
             bands.append(b)
             heads.append(h)
-    bands_df, heads_df = pd.concat(bands, ignore_index=True), pd.concat(heads, ignore_index=True)
-    order = {w: i for i, w in enumerate(("q", "k"))}
-    bands_df = bands_df.iloc[np.lexsort((bands_df["band"], bands_df["head"], bands_df["which"].map(order),
-                                         bands_df["layer"]))].reset_index(drop=True)
-    heads_df = heads_df.sort_values(["layer", "head"], kind="stable").reset_index(drop=True)
-    return bands_df, heads_df
+    b_cols = {c: np.concatenate([b[c] for b in bands]) for c in bands[0]}
+    h_cols = {c: np.concatenate([h[c] for h in heads]) for c in heads[0]}
+    b_order = np.lexsort((b_cols["band"], b_cols["head"], b_cols["which"], b_cols["layer"]))
+    h_order = np.lexsort((h_cols["head"], h_cols["layer"]))
+    return (_frame({c: v[b_order] for c, v in b_cols.items()}, BAND_COLUMNS, model, twin),
+            _frame({c: v[h_order] for c, v in h_cols.items()}, HEAD_COLUMNS, model, twin))
 
 
-def _frames_of(layers: list[int], sts: list[dict], rope: LayerRope, **kw: Any) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """:func:`pattern_frames` of ``layers`` (states ``sts``) as one stack, rows labelled with each one's layer."""
-    one = len(layers) == 1
-    st: dict[str, Any] = sts[0] if one else {
-        w: join_states([s[w] for s in sts], 1 if w.endswith("_seq") else 0) if sts[0].get(w) else None
-        for w in ("q", "k", "q_seq", "k_seq")}
-    if not one:
-        st["spread"] = None if sts[0].get("spread") is None else (
-            torch.cat([s["spread"][0] for s in sts]), sts[0]["spread"][1])
-        st["k_global"] = None if sts[0].get("k_global") is None else torch.cat([s["k_global"] for s in sts], dim=-2)
-    q, k = BandStats.from_state_dict(st["q"]), BandStats.from_state_dict(st["k"])
-    seqs = {w: SequenceBandSums.from_state_dict(st[f"{w}_seq"]) if st.get(f"{w}_seq") else None for w in ("q", "k")}
-    b, h = pattern_frames(q, k, rope, layer=layers[0], q_seq=seqs["q"], k_seq=seqs["k"], spread=st.get("spread"),
-                          k_global=st.get("k_global"), **kw)
-    if one:
-        return b, h
-    n_q, n_k = q.n_heads // len(layers), k.n_heads // len(layers)
-    per = np.where(b["which"].to_numpy() == "q", n_q, n_k)
-    b["layer"] = np.asarray(layers)[b["head"].to_numpy() // per]
-    b["head"] = b["head"].to_numpy() % per
-    h["layer"] = np.asarray(layers)[h["head"].to_numpy() // n_q]
-    h["head"] = h["head"].to_numpy() % n_q
-    h["kv_group"] = h["kv_group"].to_numpy() % n_k
-    return b, h
+def _columns_of(layers: list[int], sts: list[dict], rope: LayerRope, **kw: Any) -> tuple[dict, dict]:
+    """:func:`_columns` of ``layers`` (states ``sts``) as one stack."""
+    seqs = {w: [s[f"{w}_seq"] for s in sts] if sts[0].get(f"{w}_seq") else None for w in ("q", "k")}
+    spread = None if sts[0].get("spread") is None else (
+        torch.cat([s["spread"][0] for s in sts]), sts[0]["spread"][1])
+    k_global = None if sts[0].get("k_global") is None else torch.cat([s["k_global"] for s in sts], dim=-2)
+    return _columns(layers, [s["q"] for s in sts], [s["k"] for s in sts], seqs["q"], seqs["k"], rope, spread=spread,
+                    k_global=k_global, **kw)

@@ -23,6 +23,7 @@ around a per-sequence k̄) and the residual around any given k̄ (a global refer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -158,7 +159,8 @@ class SequenceBandSums:
         """Mean over sequences of ``|mean_s z|² / mean_s |z|²`` (sequences with tokens only)."""
         ok = self.n > 0
         n = self.n[ok].double()[:, None, None]
-        m2 = (self.sum_z[ok] / n).abs().square()
+        z2 = torch.view_as_real(self.sum_z[ok]).square()
+        m2 = (z2[..., 0] + z2[..., 1]) / n.square()  # |mean_s z|² (no complex division, no reduction over an axis of 2)
         per = _nan_div(m2, self.sum_abs2[ok] / n)
         return torch.nanmean(per, 0) if ok.any() else torch.full(self.sum_z.shape[1:], torch.nan, dtype=torch.float64)
 
@@ -171,11 +173,15 @@ class SequenceBandSums:
         if docs.numel() < 2:
             return torch.full(self.sum_z.shape[1:], torch.nan, dtype=torch.float64)
         half_a, half_b = _halves(tuple(docs.tolist()), tuple(self.doc.tolist()), max(1, n_splits), int(seed))
-        flat = self.sum_z.reshape(len(self.doc), -1)  # [seq, head·band]
+        # real and imaginary parts as real columns [seq, head·band·2]: real products and divisions (a complex one
+        # with a real factor costs several times more)
+        flat = torch.view_as_real(self.sum_z).reshape(len(self.doc), -1)
         n = self.n.double()
-        za = (half_a.to(flat.dtype) @ flat) / (half_a @ n)[:, None]  # [split, head·band]: each half's token mean
-        zb = (half_b.to(flat.dtype) @ flat) / (half_b @ n)[:, None]
-        return (za * zb.conj()).real.mean(0).reshape(self.sum_z.shape[1:])
+        za = (half_a @ flat) / (half_a @ n)[:, None]  # [split, head·band·2]: each half's token mean
+        zb = (half_b @ flat) / (half_b @ n)[:, None]
+        prod = (za * zb).reshape(za.shape[0], -1, 2)
+        re = prod[..., 0] + prod[..., 1]  # Re(z̄_A · conj z̄_B) = Re·Re + Im·Im (no reduction over an axis of 2)
+        return re.mean(0).reshape(self.sum_z.shape[1:])
 
     def rho_cross(self, n_splits: int = 16, seed: int = 0) -> Float[Tensor, "head_index band"]:
         """Cross-fitted ``Re⟨z̄_A, z̄_B⟩ / E|z|²`` (document halves; may be < 0)."""
@@ -216,6 +222,29 @@ class SequenceBandSums:
         out = cls(state["n_heads"], state["rotary_dim"], state["layout"])
         for key in _STATE_KEYS:
             setattr(out, key, state[key].clone())
+        return out
+
+    @classmethod
+    def from_state_dicts(cls, states: Sequence[dict]) -> SequenceBandSums:
+        """One accumulator holding the heads of several :meth:`state_dict` outputs side by side, in order (a stack of
+        layers, or a layer's query heads then its key heads): the same sequences (``doc`` and ``n`` equal), one
+        ``rotary_dim`` and ``layout``; ``ValueError`` otherwise. Fresh tensors."""
+        if not states:
+            raise ValueError("no accumulator states to put side by side")
+        first = states[0]
+        for st in states[1:]:
+            if (st["rotary_dim"], st["layout"]) != (first["rotary_dim"], first["layout"]):
+                raise ValueError(f"cannot put side by side sequence sums of rotary_dim/layout {first['rotary_dim']}/"
+                                 f"{first['layout']!r} and {st['rotary_dim']}/{st['layout']!r}")
+            if not (torch.equal(st["doc"], first["doc"]) and torch.equal(st["n"], first["n"])):
+                raise ValueError("cannot put side by side sequence sums of different sequences (doc ids or token counts)")
+        out = cls(sum(int(st["n_heads"]) for st in states), first["rotary_dim"], first["layout"])
+        out.doc, out.n = first["doc"].clone(), first["n"].clone()
+        out.sum_z = torch.cat([st["sum_z"] for st in states], dim=1)
+        out.sum_abs2 = torch.cat([st["sum_abs2"] for st in states], dim=1)
+        if out.sum_z.shape[1:] != (out.n_heads, out.n_bands) or out.sum_abs2.shape != out.sum_z.shape:
+            raise ValueError(f"sequence sums of shapes {tuple(out.sum_z.shape)} / {tuple(out.sum_abs2.shape)} for "
+                             f"{out.n_heads} heads and {out.n_bands} bands")
         return out
 
     def __repr__(self) -> str:
