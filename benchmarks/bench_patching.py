@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     def stacked():
         maps["resumed"] = P.get_act_patch_rot_q(model, corr, tokens, metric, layers=layers, verbose=False)
 
-    out["skips_blocks"] = skips_blocks(model)
+    out["skips_blocks"] = skips_blocks(model)  # the model's forward can resume at a layer (whole forwards only)
+    out["chunk"] = auto_chunk(model, args.seq_len, -1, memory_only=True)  # > 0: every forward a chunk at a time
     runs = {
         "rot_q_stacked": stacked,
         "rot_q_stacked_every_block_computed": every_block,

@@ -1,7 +1,8 @@
 """The feature pattern's tables from raw accumulator states (docs/method.md §3): :func:`pattern_frames` gives one
 layer's ``bands`` and ``heads`` rows, :func:`layer_frames` every layer's — layers with the same rope and counts
-stacked on the head axis and computed in one go (on a run of 30 layers, thirty times fewer small operations), then
-put back in the per-layer order. Pure tensor and table code (no model); used by
+stacked on the head axis and computed in one go (on a run of 30 layers, thirty times fewer small operations), a
+layer's query and key heads in one accumulator, the columns gathered as numpy arrays and each table built once, in
+the per-layer order. Pure tensor and table code (no model); used by
 :mod:`posgen_tl.experiments.pattern`.
 """
 
@@ -28,7 +29,7 @@ from posgen_tl.maths.rho import SequenceBandSums
 from posgen_tl.maths.rope import LayerRope, kv_head_index, to_bands
 from posgen_tl.maths.taxonomy import frequency_centroid
 
-__all__ = ["BAND_COLUMNS", "HEAD_COLUMNS", "join_states", "layer_frames", "pattern_frames", "split_state"]
+__all__ = ["BAND_COLUMNS", "HEAD_COLUMNS", "layer_frames", "pattern_frames", "split_state"]
 
 BAND_COLUMNS = [
     "model", "twin", "layer", "kind", "which", "head", "band", "band_group", "energy_share",
@@ -175,7 +176,7 @@ def _frame(cols: Mapping[str, np.ndarray], columns: list[str], model: str, twin:
 
 def split_state(state: dict, n_layers: int, head_dim: int) -> list[dict]:
     """The ``state_dict`` of an accumulator of a stack of ``n_layers`` layers cut into each layer's (the inverse of
-    :func:`join_states`): every tensor whose axis ``head_dim`` holds the stack's ``state["n_heads"]`` heads is
+    ``BandStats.from_state_dicts`` / ``SequenceBandSums.from_state_dicts``): every tensor whose axis ``head_dim`` holds the stack's ``state["n_heads"]`` heads is
     chunked along it (the layers' heads are consecutive), everything else — token counts, per-sequence ids,
     settings — is each layer's as it is, and ``n_heads`` is one layer's."""
     h = int(state["n_heads"])
@@ -184,18 +185,6 @@ def split_state(state: dict, n_layers: int, head_dim: int) -> list[dict]:
         if isinstance(v, Tensor) and v.ndim > head_dim and v.shape[head_dim] == h:
             for o, part in zip(out, torch.chunk(v, n_layers, dim=head_dim)):
                 o[key] = part.clone()
-    return out
-
-
-def join_states(states: Sequence[dict], head_dim: int) -> dict:
-    """Accumulator states of several layers as one of their heads side by side (the inverse of :func:`split_state`):
-    tensors over the heads concatenated along ``head_dim``,
-    the rest (counts, ids, settings) taken from the first state."""
-    h = int(states[0]["n_heads"])
-    out = dict(states[0], n_heads=h * len(states))
-    for key, v in states[0].items():
-        if isinstance(v, Tensor) and v.ndim > head_dim and v.shape[head_dim] == h:
-            out[key] = torch.cat([st[key] for st in states], dim=head_dim)
     return out
 
 
