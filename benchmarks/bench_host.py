@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,10 +63,9 @@ def main() -> None:
         t0 = time.perf_counter()
         b.forward()
         fwd.append(time.perf_counter() - t0)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True).stdout.strip())
-    res = {"commit": commit + (" (uncommitted changes)" if dirty else ""), "model": a.model, "n_seq": a.n_seq,
+    from posgen_tl.io.provenance import git_commit
+
+    res = {"commit": git_commit(short=True), "model": a.model, "n_seq": a.n_seq,
            "seq_len": a.seq_len, "stack": a.stack, "threads": a.threads, "repeats": a.repeats,
            "host_ms": [round(1e3 * x, 2) for x in host], "step_s": [round(x, 4) for x in step],
            "forward_s": [round(x, 4) for x in fwd], "host_ms_median": round(1e3 * statistics.median(host), 2),
