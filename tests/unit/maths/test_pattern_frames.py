@@ -31,7 +31,7 @@ def _state(seed: int, k_tokens: int | None = None, global_k: bool = True) -> dic
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(4, 9, H, D, generator=g, dtype=torch.float64) + 0.4
     k = torch.randn(4, 9, G, D, generator=g, dtype=torch.float64) * 0.7 - 0.3
-    k[..., 0, :] = 0.0  # a zero band: NaN statistics where they are undefined
+    k[..., 0], k[..., R // 2] = 0.0, 0.0  # band 0 of every key head is zero: NaN statistics where they are undefined
     docs = torch.tensor([3, 3, 5, 8])
     stats = {"q": BandStats(H, D, R, "half"), "k": BandStats(G, D, R, "half"),
              "q_seq": SequenceBandSums(H, R, "half"), "k_seq": SequenceBandSums(G, R, "half")}
