@@ -209,6 +209,13 @@ class BandStats:
         """``sqrt(E|z_m|² − |E z_m|²)`` (clamped at 0): rms of ``z_m − E z_m``."""
         return (self.energy() - self.mean_bands().abs().square()).clamp_min(0.0).sqrt()
 
+    def band_statistics(self) -> dict[str, Float[Tensor, "head_index band"]]:
+        """The per-(head, band) statistics of the tables, by column name: ``energy_share``, ``offset_ratio``,
+        ``phase_concentration``, ``residual_rms``, ``energy``."""
+        return {"energy_share": self.energy_share(), "offset_ratio": self.offset_ratio(),
+                "phase_concentration": self.phase_concentration(), "residual_rms": self.residual_rms(),
+                "energy": self.energy()}
+
     # ------------------------------------------------------------------ persistence
 
     def state_dict(self) -> dict:
@@ -542,13 +549,7 @@ def stats_frame(
         raise ValueError(f"which must be 'q' or 'k', got {which!r}")
     H, B = stats.n_heads, stats.n_bands
     head, band = torch.meshgrid(torch.arange(H), torch.arange(B), indexing="ij")
-    cols = {
-        "energy_share": stats.energy_share(),
-        "offset_ratio": stats.offset_ratio(),
-        "phase_concentration": stats.phase_concentration(),
-        "residual_rms": stats.residual_rms(),
-        "energy": stats.energy(),
-    }
+    cols = stats.band_statistics()
     n = H * B
     frame = {
         "model": [model] * n, "twin": [twin] * n, "layer": [layer] * n, "which": [which] * n,

@@ -144,9 +144,7 @@ def _columns(layers: list[int], qs: list[dict], ks: list[dict], q_seqs: list[dic
 
 def _per_band(parts: list[BandStats]) -> dict[str, Tensor]:
     """The per-(head, band) statistics of the parts' heads in order, float64 ``[Σ heads, band]`` (CPU)."""
-    cols = [{"energy_share": st.energy_share(), "offset_ratio": st.offset_ratio(),
-             "phase_concentration": st.phase_concentration(), "residual_rms": st.residual_rms(), "energy": st.energy()}
-            for st in parts]
+    cols = [st.band_statistics() for st in parts]
     return {key: torch.cat([c[key] for c in cols]).detach().double().cpu() for key in cols[0]}
 
 
