@@ -161,12 +161,15 @@ class PatternResult:
         twin: str = "trained",
         sink: int | None = None,
         n_splits: int = 16,
+        stacks: dict[tuple[int, ...], dict[str, Any]] | None = None,
     ) -> PatternResult:
-        """Rebuild the frames and ``k̄`` from raw accumulator states (``sink``: the states' own by default)."""
+        """Rebuild the frames and ``k̄`` from raw accumulator states (``sink``: the states' own by default; ``stacks``:
+        the same sums per stack of layers, as accumulated, for the tables — see
+        :func:`~posgen_tl.maths.pattern_frames.layer_frames`)."""
         if sink is None:
             sink = int(next(iter(states.values())).get("sink", 0)) if states else 0
         bands, heads = layer_frames(states, ropes, max_distance=max_distance, model=model, twin=twin, sink=sink,
-                                    n_splits=n_splits)  # layers with one rope computed together
+                                    n_splits=n_splits, stacks=stacks)  # layers with one rope computed together
         k_means = {layer: BandStats.state_mean(states[layer]["k"]).float() for layer in sorted(states)}
         return cls(model, twin, bands, heads, states, k_means, dict(ropes), max_distance, sink, n_splits)
 
@@ -303,17 +306,22 @@ def feature_pattern(
     stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc, chunk=auto_chunk(model, n_pos),
               stack=group)
     states: dict[int, dict[str, Any]] = {}
+    stacks: dict[tuple[int, ...], dict[str, Any]] = {}  # the same sums per stack: the tables are computed from these
     for grp, d in acc.items():  # the sums come to the CPU once, at the end, cut into each layer's
-        parts = {w: split_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in d[w].state_dict().items()},
-                                len(grp), 1 if w.endswith("_seq") else 0) for w in ("q", "k", "q_seq", "k_seq")}
-        spread = torch.chunk(d["spread"][0].cpu(), len(grp))
-        for i, layer in enumerate(grp):
-            states[layer] = {w: parts[w][i] for w in parts} | {"spread": (spread[i].clone(), d["spread"][1].cpu()),
-                             "k_global": None if k_means is None else k_means[layer].double().cpu(), "sink": sink}
+        whole = {w: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in d[w].state_dict().items()}
+                 for w in ("q", "k", "q_seq", "k_seq")}
+        parts = {w: split_state(whole[w], len(grp), 1 if w.endswith("_seq") else 0) for w in whole}
+        ss, n_spread = d["spread"][0].cpu(), d["spread"][1].cpu()
+        kg = None if k_means is None else [k_means[layer].double().cpu() for layer in grp]
+        stacks[tuple(grp)] = whole | {"spread": (ss, n_spread), "k_global": None if kg is None else torch.cat(kg, -2),
+                                      "sink": sink}
+        for i, (layer, part_ss) in enumerate(zip(grp, torch.chunk(ss, len(grp)))):
+            states[layer] = {w: parts[w][i] for w in parts} | {"spread": (part_ss.clone(), n_spread),
+                                                               "k_global": None if kg is None else kg[i], "sink": sink}
     states = {layer: states[layer] for layer in sorted(states)}
     ropes = {layer: spec.layer(layer) for layer in layers}
     return PatternResult.from_states(states, ropes, max_distance=max(1, n_pos - 1), model=model_label or _model_label(model),
-                                     twin=twin_label, sink=sink, n_splits=cfg.n_splits)
+                                     twin=twin_label, sink=sink, n_splits=cfg.n_splits, stacks=stacks)
 
 
 def feature_pattern_with_twin(model: Any, corpus: Any = None, cfg: Config | None = None, *, twin: Any = None,

@@ -205,12 +205,16 @@ def _stackable(states: Sequence[dict]) -> bool:
 
 
 def layer_frames(states: Mapping[int, dict], ropes: Mapping[int, LayerRope], *, max_distance: int, model: str = "",
-                 twin: str = "trained", sink: int = 0, n_splits: int = 16) -> tuple[pd.DataFrame, pd.DataFrame]:
+                 twin: str = "trained", sink: int = 0, n_splits: int = 16,
+                 stacks: Mapping[tuple[int, ...], dict] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`pattern_frames` of every layer of ``states`` (``{layer: {"q", "k", "q_seq", "k_seq", "spread",
     "k_global"}}`` as :class:`posgen_tl.experiments.pattern.PatternResult` keeps them), concatenated in layer order —
     layers that share one rope object and their counts computed together, stacked on the head axis (the same numbers
     up to float rounding; the kv-head grouping carries over: query head ``L·H + h`` reads kv-head ``L·G + h // (H/G)``).
-    The columns are gathered as numpy arrays and put into one frame each at the end.
+    The columns are gathered as numpy arrays and put into one frame each at the end. ``stacks``: the same sums as
+    states of stacks of layers (``{(layer, …): state}``, e.g. as the stream accumulated them, before
+    :func:`split_state`), taken instead of putting each layer's state side by side again where they cover a group's
+    layers in order (the same numbers, bit for bit).
     Returns ``(bands, heads)``."""
     groups: dict[tuple, list[int]] = {}
     for layer in sorted(states):
@@ -220,8 +224,8 @@ def layer_frames(states: Mapping[int, dict], ropes: Mapping[int, LayerRope], *, 
         sts = [states[la] for la in layers]
         parts = [[la] for la in layers] if len(layers) == 1 or not _stackable(sts) else [layers]
         for part in parts:
-            b, h = _columns_of(part, [states[la] for la in part], ropes[part[0]], max_distance=max_distance,
-                               sink=sink, n_splits=n_splits)
+            units = _cover(part, stacks) or [states[la] for la in part]
+            b, h = _columns_of(part, units, ropes[part[0]], max_distance=max_distance, sink=sink, n_splits=n_splits)
             bands.append(b)
             heads.append(h)
     b_cols = {c: np.concatenate([b[c] for b in bands]) for c in bands[0]}
@@ -232,8 +236,24 @@ def layer_frames(states: Mapping[int, dict], ropes: Mapping[int, LayerRope], *, 
             _frame({c: v[h_order] for c, v in h_cols.items()}, HEAD_COLUMNS, model, twin))
 
 
+def _cover(layers: list[int], stacks: Mapping[tuple[int, ...], dict] | None) -> list[dict] | None:
+    """The states of ``stacks`` whose layers, in order, are exactly ``layers`` (None if they do not cover them so)."""
+    if not stacks:
+        return None
+    first = {grp[0]: grp for grp in stacks if grp}
+    out, at = [], 0
+    while at < len(layers) and layers[at] in first:
+        grp = first[layers[at]]
+        if list(grp) != layers[at : at + len(grp)]:
+            return None
+        out.append(stacks[grp])
+        at += len(grp)
+    return out if at == len(layers) else None
+
+
 def _columns_of(layers: list[int], sts: list[dict], rope: LayerRope, **kw: Any) -> tuple[dict, dict]:
-    """:func:`_columns` of ``layers`` (states ``sts``) as one stack."""
+    """:func:`_columns` of ``layers`` as one stack (``sts``: the states of those layers, or of consecutive stacks of
+    them, in order)."""
     seqs = {w: [s[f"{w}_seq"] for s in sts] if sts[0].get(f"{w}_seq") else None for w in ("q", "k")}
     spread = None if sts[0].get("spread") is None else (
         torch.cat([s["spread"][0] for s in sts]), sts[0]["spread"][1])

@@ -173,15 +173,15 @@ class SequenceBandSums:
         if docs.numel() < 2:
             return torch.full(self.sum_z.shape[1:], torch.nan, dtype=torch.float64)
         half_a, half_b = _halves(tuple(docs.tolist()), tuple(self.doc.tolist()), max(1, n_splits), int(seed))
-        # real and imaginary parts as real columns [seq, head·band·2]: real products and divisions (a complex one
-        # with a real factor costs several times more)
-        flat = torch.view_as_real(self.sum_z).reshape(len(self.doc), -1)
+        # per column c, the mean over splits s of z̄_A[c]·z̄_B[c] is Σ_{p,q} flat[p, c]·M[p, q]·flat[q, c] with
+        # M = mean_s a_s b_sᵀ / (n_A,s · n_B,s) (a_s, b_s: the halves' sequence indicators): the splits folded into one
+        # [seq, seq] matrix, the [seq, column] work one product (real and imaginary parts as real columns:
+        # Re(z̄_A · conj z̄_B) = Re·Re + Im·Im)
         n = self.n.double()
-        za = (half_a @ flat) / (half_a @ n)[:, None]  # [split, head·band·2]: each half's token mean
-        zb = (half_b @ flat) / (half_b @ n)[:, None]
-        prod = (za * zb).reshape(za.shape[0], -1, 2)
-        re = prod[..., 0] + prod[..., 1]  # Re(z̄_A · conj z̄_B) = Re·Re + Im·Im (no reduction over an axis of 2)
-        return re.mean(0).reshape(self.sum_z.shape[1:])
+        m = (half_a / (half_a @ n)[:, None]).T @ (half_b / (half_b @ n)[:, None]) / half_a.shape[0]
+        flat = torch.view_as_real(self.sum_z).reshape(len(self.doc), -1)  # [seq, head·band·2]
+        prod = (flat * (m @ flat)).sum(0).reshape(-1, 2)
+        return (prod[:, 0] + prod[:, 1]).reshape(self.sum_z.shape[1:])
 
     def rho_cross(self, n_splits: int = 16, seed: int = 0) -> Float[Tensor, "head_index band"]:
         """Cross-fitted ``Re⟨z̄_A, z̄_B⟩ / E|z|²`` (document halves; may be < 0)."""

@@ -110,6 +110,34 @@ def test_layer_frames_equal_each_layer_and_side_computed_alone(local_layer):
         _check(heads[heads["layer"] == layer].reset_index(drop=True), want_h)
 
 
+def _stacked(states: list[dict]) -> dict:
+    """The states of several layers as ONE stack's (heads side by side), as the stream accumulates them."""
+    out: dict = {w: BandStats.from_state_dicts([s[w] for s in states]).state_dict() for w in ("q", "k")}
+    out |= {w: SequenceBandSums.from_state_dicts([s[w] for s in states]).state_dict() for w in ("q_seq", "k_seq")}
+    out["spread"] = (torch.cat([s["spread"][0] for s in states]), states[0]["spread"][1])
+    out["k_global"] = torch.cat([s["k_global"] for s in states], dim=-2)
+    return out
+
+
+def test_layer_frames_from_the_stacks_as_accumulated_equal_those_from_each_layers_state():
+    """``stacks`` (the same sums per stack of layers) give the tables bit for bit; they are taken only where they
+    cover the layers of a group in order — a stack that does not (here one starting at layer 1 of the group 0, 1, 2),
+    even holding other numbers, is left for the layers' own states."""
+    states = {layer: _state(layer) for layer in range(3)}
+    ropes = {layer: ROPE for layer in range(3)}
+    want = layer_frames(states, ropes, max_distance=8, model="m")
+    got = layer_frames(states, ropes, max_distance=8, model="m",
+                       stacks={(0, 1): _stacked([states[0], states[1]]), (2,): _stacked([states[2]])})
+    for g, w in zip(got, want):
+        pd.testing.assert_frame_equal(g, w, check_exact=True)
+    wrong = _stacked([states[1], states[2]])
+    wrong["spread"] = (wrong["spread"][0] * 4, wrong["spread"][1])
+    unused = layer_frames(states, ropes, max_distance=8, model="m", stacks={(1, 2): wrong})
+    pd.testing.assert_frame_equal(unused[1], want[1], check_exact=True)
+    used = layer_frames(states, ropes, max_distance=8, model="m", stacks={(0,): _stacked([states[0]]), (1, 2): wrong})
+    assert not np.allclose(used[1]["logit_spread"], want[1]["logit_spread"])  # the stacks' own numbers, when taken
+
+
 def test_pattern_frames_of_keys_over_other_tokens_than_queries():
     """Query and key accumulators of different token counts (keys of 5 positions, queries of 9) cannot share one
     accumulator: each side is computed apart and the rows still equal each side's own statistics."""

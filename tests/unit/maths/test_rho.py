@@ -78,6 +78,36 @@ def test_merge_equals_one_pass_and_residuals():
     assert torch.isnan(one.rho_cross()).all()  # one document: no cross-fit possible
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 3), st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_cross_offset_is_the_mean_over_splits_of_the_halves_product(n_docs, seq_per_doc, n_splits, seed):
+    """``cross_offset`` (its splits folded into one [seq, seq] matrix) equals the definition split by split: the
+    token means of the two halves of documents, Re(z̄_A · conj z̄_B), averaged over the seeded halvings — with
+    sequences of different lengths, a sequence without tokens, and means far from zero (cancellation)."""
+    g = torch.Generator().manual_seed(seed)
+    n_seq = n_docs * seq_per_doc
+    x = torch.randn(n_seq, 9, 2, 6, generator=g, dtype=torch.float64) * 0.3 + 5.0
+    docs = torch.arange(n_docs).repeat_interleave(seq_per_doc)
+    mask = torch.rand(n_seq, 9, generator=g) < 0.7
+    mask[0] = False  # no tokens: left out of every half's mean
+    s = SequenceBandSums(2, 6, "half")
+    s.update(x, docs, mask)
+    z = to_bands(x, 6, "half")  # seq tok head band
+    kept = sorted({int(d) for d, m in zip(docs, mask) if m.any()})
+    if len(kept) < 2:
+        assert torch.isnan(s.cross_offset(n_splits, seed)).all()
+        return
+    gen, want = torch.Generator().manual_seed(30_011 + seed), []
+    for _ in range(n_splits):
+        perm = torch.tensor(kept)[torch.randperm(len(kept), generator=gen)]
+        halves = [torch.isin(docs, perm[: len(kept) // 2]), torch.isin(docs, perm[len(kept) // 2 :])]
+        za, zb = ((z * (m[:, None] & mask)[..., None, None]).sum((0, 1)) / (m[:, None] & mask).sum()
+                  for m in halves)
+        want.append((za * zb.conj()).real)
+    want = torch.stack(want).mean(0)
+    torch.testing.assert_close(s.cross_offset(n_splits, seed), want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+
+
 @settings(max_examples=8, deadline=None, derandomize=True)  # a 4-SE check on 16 means: fixed draws, no flakes
 @given(
     mu_abs=st.floats(0.3, 1.0),
