@@ -20,6 +20,7 @@ from einops import rearrange
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from posgen_tl.engine.decompose_maps import block_moments, whole_moments
 from posgen_tl.hooks.capture import QKCapture, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
 from posgen_tl.hooks.stacking import cache_rows, stack_size
@@ -30,24 +31,20 @@ from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.moments import (
     Geometry,
     Sums,
-    Target,
-    d3_moments,
     fit_columns,
     fit_moments_many,
     geometry,
     scores_many,
-    streamed_moments,
     sums_of,
 )
-from posgen_tl.maths.rope import angles, rotate, to_bands
+from posgen_tl.maths.rope import angles, to_bands
 
 __all__ = ["COLUMNS", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds",
-           "rows_per_block", "score_windows",
-           "score_in_pieces"]
+           "rows_per_block", "score_windows", "score_in_pieces"]
 
 ESTIMATORS = ("D1", "D2", "D3")
 K_MEAN_KINDS = ("global", "per_sequence")
-#: sequences longer than this are scored a block of query rows at a time (:func:`streamed_moments`), by default
+#: sequences longer than this are scored a block of query rows at a time (:func:`~posgen_tl.engine.decompose_maps.block_moments`), by default
 STREAM_ABOVE, STREAM_BLOCK = 2048, 256
 SCORE_COLUMNS = ("r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds")
 COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
@@ -57,94 +54,7 @@ ORDER = ("layer", "estimator", "k_mean", "sink_excluded", "seq", "head")
 _BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative to the summands' magnitude)
 
 
-# ----------------------------------------------------------------------------- tokens, k̄
-
-
-
-
-# ----------------------------------------------------------------------------- W and D3 pieces
-
-
-def _q2(c: QKCapture) -> Tensor:
-    """``[s·R_i q_i | s·Λq_i]`` grouped by kv-head, ``[b, kv, (g i), 2·d_head]`` float32 (``Λ = a²`` on rotary dims)."""
-    rope, kv = c.rope, c.k.shape[-2]
-    b, n, h, d = c.q.shape
-    lam = torch.ones(d, device=c.q.device)
-    lam[: rope.rotary_dim] = rope.attention_scaling**2
-    out = torch.empty(b, kv, h // kv, n, 2 * d, device=c.q.device)  # written in place in its final layout:
-    o = out.permute(0, 3, 1, 2, 4)  # b i kv g 2d — no concatenated copy, no rearranged copy (the same bits)
-    torch.mul(c.rot_q.reshape(b, n, kv, h // kv, d), rope.score_scale, out=o[..., :d])
-    torch.mul(c.q.reshape(b, n, kv, h // kv, d), lam, out=o[..., d:]).mul_(rope.score_scale)
-    return out.view(b, kv, h // kv * n, 2 * d)
-
-
-_GROUPED = "b kv (g i) j -> (b kv g) i j"
-
-
-def _map_buffer(cache: dict | None, c: QKCapture) -> Tensor | None:
-    """The run's one map-sized float32 scratch ``[b, kv, (g i), j]`` (W, then each ``f + g``), kept in
-    ``cache`` and reused across layers and batches: a fresh map per product costs page faults and,
-    with glibc, heap growth with the number of batches. ``None`` without a cache."""
-    if cache is None:
-        return None
-    b, n, kv = c.k.shape[:3]
-    return _scratch(cache, "map", (b, kv, c.q.shape[2] // kv * n, n), torch.float32, c.q.device)
-
-
-def _scratch(cache: dict, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The run's scratch ``name`` of ``shape`` (kept in ``cache``, made anew when its shape, dtype or device differ)."""
-    buf = cache.get(name)
-    if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
-        cache.pop(name, None)  # freed before its successor is made
-        buf = cache[name] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
-
-
-def _w_map(c: QKCapture, q2: Tensor, cache: dict | None = None) -> Tensor:
-    """``W = s·R_i q_i · R_j k_j`` (= ``c.logits()``), float32 ``[(batch head_index), query_pos, key_pos]``
-    (written into the run's map buffer when ``cache`` is given)."""
-    d = c.q.shape[-1]
-    w = torch.matmul(q2[..., :d], rearrange(c.rot_k, "b j kv d -> b kv d j"), out=_map_buffer(cache, c))
-    return rearrange(w, _GROUPED, i=c.q.shape[1])
-
-
-def _k_y(c: QKCapture, k_mean: Tensor) -> Tensor:
-    """``[R_j k̄ | k_j − k̄]`` float32 ``[b, key_pos, kv, 2·d_head]``: the key side of :func:`_y_map`."""
-    b, n, kv = c.k.shape[:3]
-    kbar = kbar_batched(k_mean.to(c.k.device, torch.float32), b, kv)  # b kv d
-    rot_kbar = rotate(kbar[:, None].expand(b, n, *kbar.shape[1:]), c.positions, c.rope)
-    return torch.cat([rot_kbar, c.k - kbar[:, None]], dim=-1)
-
-
-def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) -> Tensor:
-    """``f + g`` of :func:`d3_split` as ONE matmul of width ``2·d_head``: ``q2 · [R_j k̄ | k_j − k̄]``.
-
-    ``k_mean``: ``[kv_head, d_head]`` (global) or ``[batch, kv_head, d_head]`` (per sequence).
-    Returns float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat); written
-    into the run's map buffer when ``cache`` is given (W must be consumed by then).
-    """
-    keys = rearrange(_k_y(c, k_mean), "b j kv d -> b kv d j")
-    return rearrange(torch.matmul(q2, keys, out=_map_buffer(cache, c)), _GROUPED, i=c.k.shape[1])
-
-
-def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None, out: Tensor | None = None) -> Any:
-    """``(r0, r1, kw) ↦`` query rows ``r0 … r1 − 1`` of W (``k_mean`` None, :func:`_w_map`) or of ``f + g``
-    (:func:`_y_map`) on keys ``0 … kw − 1``, float32 ``[(batch head_index), r1 − r0, kw]``: the maps a row block at a
-    time. ``out``: a flat float32 scratch of at least ``maps · rows · kw`` entries that every block is written into
-    (each block's width differs: fresh tensors of a hundred sizes fragment the heap — 1 × 4 096 tokens peaked
-    600 MB higher), overwritten by the next call."""
-    b, n, kv = c.k.shape[:3]
-    d = c.q.shape[-1]
-    q5 = q2.view(b, kv, c.q.shape[2] // kv, n, 2 * d)
-    keys = rearrange(c.rot_k if k_mean is None else _k_y(c, k_mean), "b j kv d -> b kv j d").contiguous()  # once
-    q5 = q5[..., :d] if k_mean is None else q5
-
-    def rows(r0: int, r1: int, kw: int) -> Tensor:
-        part = q5[:, :, :, r0:r1].reshape(b, kv, -1, q5.shape[-1])
-        dst = None if out is None else out[: part.shape[2] * kw * b * kv].view(b, kv, part.shape[2], kw)
-        return rearrange(torch.matmul(part, keys[:, :, :kw].mT, out=dst), _GROUPED, i=r1 - r0)  # keys: a view
-
-    return rows
+# ----------------------------------------------------------------------------- D3 bound check
 
 
 def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: dict[int, Geometry],
@@ -332,23 +242,6 @@ def rows_per_block(device: torch.device, maps: int, n: int, row_block: int = 0) 
     return cache_rows(maps, n)
 
 
-def _block_moments(c: QKCapture, q2: Tensor, w: Tensor | None, kbars: dict[str, Tensor], geoms: dict[int, Geometry],
-                   mu: Tensor, block: int, cache: dict) -> tuple[Any, dict[str, dict[int, Any]]]:
-    """:func:`streamed_moments` of a capture: W's rows from ``w`` (the score hook's maps, a view) or recomputed,
-    ``f + g`` of each k̄ of ``kbars`` recomputed, ``block`` query rows at a time."""
-    n = c.k.shape[1]
-    size = (c.q.shape[0] * c.n_heads * min(block, n) * n,)
-
-    def scratch(name: str) -> Tensor:  # one per run and role, reused by every block, layer and batch
-        return _scratch(cache, name, size, q2.dtype, c.q.device)
-
-    w_rows = (lambda r0, r1, kw: w[:, r0:r1, :kw]) if w is not None else _row_maps(c, q2, out=scratch("w_rows"))
-    y = scratch("y_rows")
-    return streamed_moments(w_rows, {k: _row_maps(c, q2, kb, out=y) for k, kb in kbars.items()}, n=n,
-                            nm=c.q.shape[0] * c.n_heads, mu=mu, geoms=geoms, block=block, device=c.q.device,
-                            cache=cache)
-
-
 def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: Any, layers: Sequence[int], *, sink: int,
                   batch_size: int, bound_rows: int, twin_label: str, model_label: str | None, progress: bool | str,
                   extra_hooks: Sequence = (), row_block: int = 0, w_from_scores: bool | None = None,
@@ -405,30 +298,21 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         if c.q.device not in rows_on:  # copied once: a copy to a GPU waits for its queue
             rows_on[c.q.device] = rows.to(c.q.device)
         r = rows_on[c.q.device]
-        q2 = _q2(c)
         kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
         bnds, w_rows = _bound_checks(c, kbars, r, geoms, rows_host, cache)
         w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         block = rows_per_block(c.q.device, c.q.shape[0] * c.n_heads, n, row_block)
         if block:  # the maps a row block at a time (memory O(block · n) per head)
-            stats, d3 = _block_moments(c, q2, w, kbars, geoms, bnds[kinds[0]][0]["mu"].float(), block, cache)
+            stats, d3 = block_moments(c, w, kbars, geoms, bnds[kinds[0]][0]["mu"].float(), block, cache)
             fits.add(sums_of(stats, fit_columns(geoms)), _Meta.of(c), bnds[kinds[0]], geoms)
             for kind in kinds:
                 emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
             return
-        if w is None:
-            w = _w_map(c, q2, cache)
-        t = None
+        t, d3 = whole_moments(c, w, kbars, bnds[kinds[0]][0]["mu"].float(), geoms, cache)
+        del w
+        fits.add(sums_of(t, fit_columns(geoms)), _Meta.of(c), bnds[kinds[0]], geoms)  # the fits do not depend on k̄
         for kind in kinds:
-            kbar, bnd = kbars[kind], bnds[kind]
-            if t is None:  # the target (and its D1/D2 fits) do not depend on k̄
-                t = Target(w, geoms[0], bnd[0]["mu"].float(), cache)
-                del w
-                fits.add(sums_of(t, fit_columns(geoms)), _Meta.of(c), bnd, geoms)
-            y = _y_map(c, q2, kbar, cache)  # the buffer W was in (copied into the target by now)
-            moments = {(s, "D3"): m for s, m in d3_moments(t, y, geoms).items()}
-            del y
-            emit(c, moments, bnd, {"D3": kind})
+            emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
 
     stream_qk(model, tokens, score, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
               progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk,

@@ -259,18 +259,42 @@ class Target(_RowSums):
     constant works, it only keeps the moments from cancelling) lives in the right half of a
     zero-padded ``[maps, n, 2n]`` buffer so that ``view[m, i, e] = x[m, i, i − (n−1−e)]`` is a
     strided VIEW (no copy). The buffer is kept in ``cache`` and reused across the layers of
-    one run (its left half stays zero).
+    one run (its left half stays zero). :meth:`of_product` lets a product write ``W − μ`` there
+    itself (no map of W, no pass to shift it).
     """
 
     def __init__(self, W: Float[Tensor, "maps query_pos key_pos"], g0: Geometry, mu: Tensor, cache: dict) -> None:
-        nm, n = W.shape[0], W.shape[-1]
+        x = self._slot(cache, W.shape[0], W.shape[-1], W.dtype, W.device)
+        torch.sub(W, mu[:, None, None], out=x)
+        self._finish(x, g0, mu)
+
+    @classmethod
+    def of_product(cls, write: Callable[[Tensor], object], shape: tuple[int, int], g0: Geometry, mu: Tensor,
+                   cache: dict, dtype: torch.dtype, device: torch.device) -> Target:
+        """The target whose ``W − μ`` ``write(x)`` writes into ``x`` (``[maps, n, n]`` of ``shape = (maps, n)``, a
+        strided view of the buffer: rows ``2n`` apart), e.g. a product whose operands carry the shift."""
+        t = cls.__new__(cls)
+        x = cls._slot(cache, *shape, dtype, device)
+        write(x)
+        t._finish(x, g0, mu)
+        return t
+
+    @staticmethod
+    def _slot(cache: dict, nm: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The right half ``[maps, n, n]`` of the run's ``[maps, n, 2n]`` buffer (made anew when its shape, dtype
+        or device differ; its left half zero)."""
         buf = cache.get("buf")
-        if buf is None or buf.shape != (nm, n, 2 * n) or buf.device != W.device:
-            buf = cache["buf"] = W.new_zeros(nm, n, 2 * n)
-        x = buf[..., n:]
-        _mask_(torch.sub(W, mu[:, None, None], out=x), g0)
-        self.mu, self.x, self.n, self.device = mu, x, n, W.device
-        self.view = buf.as_strided((nm, n, n), (2 * n * n, 2 * n + 1, 1), 1)  # e = n−1−d
+        if buf is None or buf.shape != (nm, n, 2 * n) or buf.device != device or buf.dtype != dtype:
+            cache.pop("buf", None)  # freed before its successor is made
+            buf = cache["buf"] = torch.zeros(nm, n, 2 * n, dtype=dtype, device=device)
+        return buf[..., n:]
+
+    def _finish(self, x: Tensor, g0: Geometry, mu: Tensor) -> None:
+        """Mask ``x`` (holding ``W − μ``) in place and take its sums."""
+        nm, n = x.shape[0], x.shape[-1]
+        _mask_(x, g0)
+        self.mu, self.x, self.n, self.device = mu, x, n, x.device
+        self.view = x.as_strided((nm, n, n), (2 * n * n, 2 * n + 1, 1), x.storage_offset() - n + 1)  # e = n−1−d
         self.sx = x.sum(-1).double()
         self.sxx = _rowsq(x)
         self.col = x.sum(-2).double()
@@ -436,11 +460,12 @@ def _d3_split(t: _RowSums, sy: Tensor, syy: Tensor, sxy: Tensor, ycols: dict[int
     return out
 
 
-def d3_moments(t: Target, y: Tensor, geoms: dict[int, Geometry]) -> dict[int, _Moments]:
+def d3_moments(t: Target, y: Tensor, geoms: dict[int, Geometry], shifted: bool = False) -> dict[int, _Moments]:
     """Moments of x and the D3 approximation ``y = f + g`` (float32 ``[maps, i, j]``; OVERWRITTEN: it
     ends holding ``x·(y − μ)``, so ``Σxy`` needs no map-sized temporary) on each mask of ``geoms``
-    (``{sink: Geometry}``; sink 0 among them)."""
-    _mask_(y.sub_(t.mu[:, None, None]), geoms[0])
+    (``{sink: Geometry}``; sink 0 among them). ``shifted``: ``y`` holds ``f + g − μ`` already (the shift carried
+    by its product's operands)."""
+    _mask_(y if shifted else y.sub_(t.mu[:, None, None]), geoms[0])
     sy, syy = y.sum(-1).double(), _rowsq(y)
     ycols = {s: y[..., :s].to(torch.float64, copy=True) for s in geoms if s}  # a copy: y is overwritten below
     sxy = y.mul_(t.x).sum(-1).double()

@@ -302,11 +302,12 @@ def test_the_maps_are_scored_in_row_blocks_where_they_should(monkeypatch):
     """On the CPU every run takes the row-block path in cache-sized blocks (:func:`rows_per_block`), an explicit
     ``row_block`` as given; on a GPU whole maps up to STREAM_ABOVE tokens and STREAM_BLOCK rows beyond; cache-sized
     blocks keep a block's maps within hooks.stacking.CPU_BLOCK_BYTES (unless that is under MIN_BLOCK rows), evened out."""
+    from posgen_tl.engine import decompose_maps as dmaps
     from posgen_tl.engine import decompose_scores as dm
 
     calls = []
-    real = dm.streamed_moments
-    monkeypatch.setattr(dm, "streamed_moments", lambda *a, **k: calls.append(k["block"]) or real(*a, **k))
+    real = dmaps.streamed_moments
+    monkeypatch.setattr(dmaps, "streamed_moments", lambda *a, **k: calls.append(k["block"]) or real(*a, **k))
     model = tm.hf_llama(n_layers=1)[0]
     _run(model)
     assert calls and set(calls) == {N_POS}  # 24 tokens: one block
