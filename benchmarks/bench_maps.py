@@ -52,13 +52,13 @@ def capture(n_seq: int, n: int, layers: int):
 def shift_pass(c, q2, kbars, mu, geoms, cache):
     """The moments as computed up to cfd9de2: W as a map (the run's map buffer), shifted into the target; each
     ``f + g`` shifted in place."""
-    from posgen_tl.engine.decompose_maps import _map_buffer, _row_maps, _y_map
+    from posgen_tl.engine.decompose_maps import d3_map, map_buffer, row_maps
     from posgen_tl.maths.moments import Target, d3_moments
 
     n = c.k.shape[1]
-    w = _row_maps(c, q2, out=_map_buffer(cache, c).view(-1))(0, n, n)
+    w = row_maps(c, q2, out=map_buffer(cache, c).view(-1))(0, n, n)
     t = Target(w, geoms[0], mu, cache)
-    return t, {kind: d3_moments(t, _y_map(c, q2, kb, cache), geoms) for kind, kb in kbars.items()}
+    return t, {kind: d3_moments(t, d3_map(c, q2, kb, cache), geoms) for kind, kb in kbars.items()}
 
 
 def main() -> None:
@@ -72,7 +72,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from posgen_tl.engine.decompose_maps import _q2, whole_moments
+    from posgen_tl.engine.decompose_maps import query_operand, whole_moments
     from posgen_tl.io.provenance import git_commit
     from posgen_tl.maths.decompose import sequence_key_mean
     from posgen_tl.maths.moments import geometry
@@ -89,7 +89,7 @@ def main() -> None:
     for r in range(a.repeats + 1):  # the first round warms the buffers: not timed
         for way, fn in ways.items():
             t0 = time.perf_counter()
-            out[way] = (fn(c, _q2(c), kbars, mu, geoms, caches[way]) if way == "shift pass"
+            out[way] = (fn(c, query_operand(c), kbars, mu, geoms, caches[way]) if way == "shift pass"
                         else fn(kbars, mu, geoms, caches[way]))
             if r:
                 secs[way].append(time.perf_counter() - t0)

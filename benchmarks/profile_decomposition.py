@@ -55,7 +55,7 @@ def main() -> None:
 
     for name in ("_bound_checks", "band_bound_rows", "fit_moments_many", "scores_many", "_hook_w"):
         timed(D, name)
-    for name in ("_q2", "_w_into", "_y_map", "d3_moments", "streamed_moments"):
+    for name in ("query_operand", "_w_into", "d3_map", "d3_moments", "streamed_moments"):
         timed(DM, name)
     timed(M.Target, "_finish")  # the whole-map target: its mask and sums
     timed(M, "_fits")  # inside fit_moments_many: the D1/D2 solves

@@ -19,10 +19,10 @@ from posgen_tl.maths.decompose import kbar_batched
 from posgen_tl.maths.moments import Geometry, RowStats, Target, d3_moments, streamed_moments
 from posgen_tl.maths.rope import rotate
 
-__all__ = ["block_moments", "whole_moments"]
+__all__ = ["block_moments", "d3_map", "map_buffer", "query_operand", "row_maps", "whole_moments"]
 
 
-def _q2(c: QKCapture, mu: Tensor | None = None) -> Tensor:
+def query_operand(c: QKCapture, mu: Tensor | None = None) -> Tensor:
     """``[s·R_i q_i | s·Λq_i]`` grouped by kv-head, ``[b, kv, (g i), 2·d_head]`` float32 (``Λ = a²`` on rotary dims).
 
     ``mu`` (``[(b kv g)]``, each map's shift): ``[s·R_i q_i | −μ | s·Λq_i]``, ``2·d_head + 1`` wide — a product with
@@ -46,7 +46,7 @@ def _q2(c: QKCapture, mu: Tensor | None = None) -> Tensor:
 _GROUPED = "b kv (g i) j -> (b kv g) i j"
 
 
-def _map_buffer(cache: dict | None, c: QKCapture) -> Tensor | None:
+def map_buffer(cache: dict | None, c: QKCapture) -> Tensor | None:
     """The run's one map-sized float32 scratch ``[b, kv, (g i), j]`` (W, then each ``f + g``), kept in
     ``cache`` and reused across layers and batches: a fresh map per product costs page faults and,
     with glibc, heap growth with the number of batches. ``None`` without a cache."""
@@ -66,8 +66,8 @@ def _scratch(cache: dict, name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def _k_y(c: QKCapture, k_mean: Tensor, shift: bool = False) -> Tensor:
-    """``[R_j k̄ | k_j − k̄]`` float32 ``[b, key_pos, kv, 2·d_head]``: the key side of :func:`_y_map` (``shift``:
-    ``[R_j k̄ | 1 | k_j − k̄]``, ``2·d_head + 1`` wide, for :func:`_q2`'s queries with the shift)."""
+    """``[R_j k̄ | k_j − k̄]`` float32 ``[b, key_pos, kv, 2·d_head]``: the key side of :func:`d3_map` (``shift``:
+    ``[R_j k̄ | 1 | k_j − k̄]``, ``2·d_head + 1`` wide, for :func:`query_operand`'s queries with the shift)."""
     b, n, kv = c.k.shape[:3]
     kbar = kbar_batched(k_mean.to(c.k.device, torch.float32), b, kv)  # b kv d
     rot_kbar = rotate(kbar[:, None].expand(b, n, *kbar.shape[1:]), c.positions, c.rope)
@@ -76,29 +76,29 @@ def _k_y(c: QKCapture, k_mean: Tensor, shift: bool = False) -> Tensor:
 
 
 def _w_into(c: QKCapture, qs: Tensor, x: Tensor) -> None:
-    """Write ``W − μ`` (``qs``: :func:`_q2` with the shift) into ``x`` (float32 ``[(b kv g), i, j]``, rows possibly strided, as
-    :meth:`posgen_tl.maths.moments.Target.of_product` gives it) as ONE product per kv-group."""
+    """Write ``W − μ`` (``qs``: :func:`query_operand` with the shift) into ``x`` (float32 ``[(b kv g), i, j]``, rows
+    possibly strided, as :meth:`posgen_tl.maths.moments.Target.of_product` gives it) as ONE product per kv-group."""
     b, n, kv, d = c.rot_k.shape
     keys = torch.cat([rearrange(c.rot_k, "b j kv d -> b kv d j"), c.rot_k.new_ones(b, kv, 1, n)], dim=-2)
     torch.bmm(qs[..., : d + 1].reshape(b * kv, -1, d + 1), keys.reshape(b * kv, d + 1, n),
               out=x.view(b * kv, -1, n))
 
 
-def _y_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) -> Tensor:
+def d3_map(c: QKCapture, q2: Tensor, k_mean: Tensor, cache: dict | None = None) -> Tensor:
     """``f + g`` of :func:`d3_split` as ONE matmul of width ``2·d_head``: ``q2 · [R_j k̄ | k_j − k̄]`` (with the
-    shift's column in ``q2``, :func:`_q2` given ``mu``: ``f + g − μ``).
+    shift's column in ``q2``, :func:`query_operand` given ``mu``: ``f + g − μ``).
 
     ``k_mean``: ``[kv_head, d_head]`` (global) or ``[batch, kv_head, d_head]`` (per sequence).
     Returns float32 ``[(batch head_index), query_pos, key_pos]``, grouped by kv-head (no repeat); written
     into the run's map buffer when ``cache`` is given (W must be consumed by then).
     """
     keys = rearrange(_k_y(c, k_mean, shift=q2.shape[-1] % 2 == 1), "b j kv d -> b kv d j")
-    return rearrange(torch.matmul(q2, keys, out=_map_buffer(cache, c)), _GROUPED, i=c.k.shape[1])
+    return rearrange(torch.matmul(q2, keys, out=map_buffer(cache, c)), _GROUPED, i=c.k.shape[1])
 
 
-def _row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None, out: Tensor | None = None) -> Any:
+def row_maps(c: QKCapture, q2: Tensor, k_mean: Tensor | None = None, out: Tensor | None = None) -> Any:
     """``(r0, r1, kw) ↦`` query rows ``r0 … r1 − 1`` of W (``k_mean`` None) or of ``f + g``
-    (:func:`_y_map`) on keys ``0 … kw − 1``, float32 ``[(batch head_index), r1 − r0, kw]``: the maps a row block at a
+    (:func:`d3_map`) on keys ``0 … kw − 1``, float32 ``[(batch head_index), r1 − r0, kw]``: the maps a row block at a
     time. ``out``: a flat float32 scratch of at least ``maps · rows · kw`` entries that every block is written into
     (each block's width differs: fresh tensors of a hundred sizes fragment the heap — 1 × 4 096 tokens peaked
     600 MB higher), overwritten by the next call."""
@@ -123,15 +123,15 @@ def block_moments(c: QKCapture, w: Tensor | None, kbars: dict[str, Tensor], geom
     and a GPU's beyond :data:`~posgen_tl.engine.decompose_scores.STREAM_ABOVE` tokens); ``mu``: each map's shift.
     Returns ``(x's row, column and distance sums, {kind: {sink: D3 moments}})``."""
     n = c.k.shape[1]
-    q2 = _q2(c)
+    q2 = query_operand(c)
     size = (c.q.shape[0] * c.n_heads * min(block, n) * n,)
 
     def scratch(name: str) -> Tensor:  # one per run and role, reused by every block, layer and batch
         return _scratch(cache, name, size, q2.dtype, c.q.device)
 
-    w_rows = (lambda r0, r1, kw: w[:, r0:r1, :kw]) if w is not None else _row_maps(c, q2, out=scratch("w_rows"))
+    w_rows = (lambda r0, r1, kw: w[:, r0:r1, :kw]) if w is not None else row_maps(c, q2, out=scratch("w_rows"))
     y = scratch("y_rows")
-    return streamed_moments(w_rows, {k: _row_maps(c, q2, kb, out=y) for k, kb in kbars.items()}, n=n,
+    return streamed_moments(w_rows, {k: row_maps(c, q2, kb, out=y) for k, kb in kbars.items()}, n=n,
                             nm=c.q.shape[0] * c.n_heads, mu=mu, geoms=geoms, block=block, device=c.q.device,
                             cache=cache)
 
@@ -139,12 +139,13 @@ def block_moments(c: QKCapture, w: Tensor | None, kbars: dict[str, Tensor], geom
 def whole_moments(c: QKCapture, w: Tensor | None, kbars: dict[str, Tensor], mu: Tensor, geoms: dict[int, Geometry],
                   cache: dict) -> tuple[Target, dict[str, dict[int, Any]]]:
     """The target and, per k̄ of ``kbars``, the D3 moments of a capture's WHOLE maps (a GPU's path up to
-    :data:`~posgen_tl.engine.decompose_scores.STREAM_ABOVE` tokens): ``W − μ`` written by its product into the target's buffer (or shifted from ``w``, the
-    score hook's maps), each ``f + g − μ`` by its product into the run's map buffer — the shift ``μ`` (``[(batch
-    head_index)]``, float32) carried by the operands (:func:`_q2`), no pass over the maps to apply it.
+    :data:`~posgen_tl.engine.decompose_scores.STREAM_ABOVE` tokens): ``W − μ`` written by its product into the target's
+    buffer (or shifted from ``w``, the score hook's maps), each ``f + g − μ`` by its product into the run's map buffer —
+    the shift ``μ`` (``[(batch head_index)]``, float32) carried by the operands (:func:`query_operand`), no pass over
+    the maps to apply it.
     Returns ``(target, {kind: {sink: moments}})``."""
     n = c.k.shape[1]
-    qs = _q2(c, mu)
+    qs = query_operand(c, mu)
     if w is None:
         t = Target.of_product(lambda x: _w_into(c, qs, x), (c.q.shape[0] * c.n_heads, n), geoms[0], mu, cache,
                               qs.dtype, c.q.device)
@@ -152,7 +153,7 @@ def whole_moments(c: QKCapture, w: Tensor | None, kbars: dict[str, Tensor], mu: 
         t = Target(w, geoms[0], mu, cache)
     d3 = {}
     for kind, kbar in kbars.items():
-        y = _y_map(c, qs, kbar, cache)  # in the run's map buffer: overwritten by the next kind's
+        y = d3_map(c, qs, kbar, cache)  # in the run's map buffer: overwritten by the next kind's
         d3[kind] = d3_moments(t, y, geoms, shifted=True)
         del y
     return t, d3

@@ -44,7 +44,8 @@ __all__ = ["COLUMNS", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOC
 
 ESTIMATORS = ("D1", "D2", "D3")
 K_MEAN_KINDS = ("global", "per_sequence")
-#: sequences longer than this are scored a block of query rows at a time (:func:`~posgen_tl.engine.decompose_maps.block_moments`), by default
+#: sequences longer than this are scored a block of query rows at a time
+#: (:func:`~posgen_tl.engine.decompose_maps.block_moments`), by default
 STREAM_ABOVE, STREAM_BLOCK = 2048, 256
 SCORE_COLUMNS = ("r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds")
 COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
