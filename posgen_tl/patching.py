@@ -52,8 +52,8 @@ from posgen_tl.hooks.reentry import forward_from, hooks_from, recorded, resid_ho
 from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
     gap_position_ids,
-    nll_from_logits,
     position_ids_for_permutation,
+    row_nll,
     swap_seed,
 )
 
@@ -215,9 +215,7 @@ def target_nll(tokens: Int[Tensor, "batch pos"], target_len: int) -> Metric:
     def metric(logits: Tensor) -> Tensor:
         if logits.shape[1] == n:
             logits = logits[:, n - target_len - 1 : n - 1]
-        full = torch.cat([logits, logits[:, :1]], 1)  # nll_from_logits predicts t+1 from t: pad one row
-        t = torch.cat([target[:, :1], target], 1).to(logits.device)
-        return nll_from_logits(full, t).float().mean(-1)
+        return row_nll(logits, target).float().mean(-1)
 
     metric.target_len = target_len  # type: ignore[attr-defined]
     metric.logit_rows = (n - target_len - 1, n - 1)  # type: ignore[attr-defined]
@@ -235,11 +233,12 @@ def target_metrics(model: Any, tokens: Int[Tensor, "batch pos"], target_len: int
     nll = target_nll(tokens, target_len)
     n = tokens.shape[1]
     clean = _run_logits(model, tokens, [], nll.logit_rows).float().log_softmax(-1)  # type: ignore[attr-defined]
+    p_clean = clean.exp()
 
     def metric(logits: Tensor) -> Tensor:
         lg = logits[:, n - target_len - 1 : n - 1] if logits.shape[1] == n else logits
         lp = lg.float().log_softmax(-1)
-        kl = (clean.exp() * (clean - lp)).sum(-1).mean(-1)
+        kl = (p_clean * (clean - lp)).sum(-1).mean(-1)
         return torch.stack([nll(lg), kl], -1)
 
     metric.target_len = target_len  # type: ignore[attr-defined]

@@ -61,24 +61,40 @@ def hf_gemma3(seed: int = 0):
     return _boot(hf), hf
 
 
+#: per vocabulary size, the folder this process saved its tiny tokenizer in (removed when the process exits)
+_TOKENIZER_DIRS: dict[int, str] = {}
+
+
+def _tokenizer_dir(vocab_size: int) -> str:
+    """The folder holding the tiny tokenizer of ``vocab_size`` words, written once per process."""
+    if vocab_size not in _TOKENIZER_DIRS:
+        import atexit
+        import shutil
+        import tempfile
+
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+        vocab.update({f"t{i}": i for i in range(3, vocab_size)})
+        tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                       pad_token="</s>")
+        folder = tempfile.mkdtemp(prefix="posgen-tiny-tok-")
+        atexit.register(shutil.rmtree, folder, True)
+        fast.save_pretrained(folder)
+        _TOKENIZER_DIRS[vocab_size] = folder
+    return _TOKENIZER_DIRS[vocab_size]
+
+
 def tiny_tokenizer(vocab_size: int = 100):
-    """An offline word-level tokenizer: tokens 't0'..'t{n}', whitespace split, BOS id 1."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"t{i}": i for i in range(3, vocab_size)})
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>")
-    # TransformerLens re-loads the tokenizer from its name_or_path: give it a real folder
-    import tempfile
-
+    """An offline word-level tokenizer: tokens 't0'..'t{n}', whitespace split, BOS id 1 — a fresh object each call,
+    loaded from one folder per vocabulary size and process (TransformerLens re-loads a tokenizer from its
+    name_or_path, so it must be a real folder; it is removed when the process exits)."""
     from transformers import AutoTokenizer
 
-    folder = tempfile.mkdtemp(prefix="posgen-tiny-tok-")
-    fast.save_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(_tokenizer_dir(vocab_size))
 
 
 def _boot(hf):

@@ -44,10 +44,11 @@ sequence): the edited model is one fixed function, identical for every sequence 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -67,6 +68,7 @@ __all__ = [
     "key_means",
     "reference_key_means",
     "feature_means",
+    "shared_means",
     "intervention_hooks",
     "hooks_on_rows",
     "kind_hooks",
@@ -179,6 +181,11 @@ def feature_means(
     Returns:
         ``{layer: Float[Tensor, "kv_head d_head"]}`` (``"head_index d_head"`` for queries) in ``dtype``, on the CPU.
     """
+    key = _means_key(model, tokens, layers, sink, target, batch_size, dtype, chunk) \
+        if _MEANS_SCOPES and not extra_hooks and not _transient_hooks(model) else None
+    kept = _MEANS.get(key) if key is not None else None
+    if kept is not None and kept[0] is model:
+        return {layer: m.clone() for layer, m in kept[1].items()}
     stats: dict[tuple[int, ...], BandStats] = {}  # per stack of layers (stacked on the head axis on a GPU)
 
     def acc(c) -> None:
@@ -198,7 +205,55 @@ def feature_means(
     out: dict[int, Tensor] = {}
     for group, st in stats.items():  # a stack's means cut back into its layers'
         out.update(zip(group, torch.chunk(st.mean().to(dtype).cpu(), len(group))))  # on the CPU, as documented
-    return dict(sorted(out.items()))
+    out = dict(sorted(out.items()))
+    if key is not None:
+        _MEANS[key] = (model, {layer: m.clone() for layer, m in out.items()})
+    return out
+
+
+#: the means :func:`feature_means` computed inside :func:`shared_means` scopes: key → (model, {layer: mean})
+_MEANS: dict[tuple, tuple[Any, dict[int, Tensor]]] = {}
+#: how many :func:`shared_means` scopes are open (the memo is used only while one is)
+_MEANS_SCOPES: list[int] = []
+
+
+def _means_key(model: Any, tokens: Tensor, layers: Sequence[int] | None, sink: int, target: str, batch_size: int,
+               dtype: torch.dtype, chunk: int) -> tuple:
+    """What a pass of :func:`feature_means` depends on besides the model's weights: the tokens (their digest), the
+    layers, the sink, the feature, the batch size (the forward's rounding) and the dtype and chunk."""
+    import hashlib  # noqa: PLC0415
+
+    t = torch.as_tensor(tokens)
+    digest = hashlib.sha1(t.detach().cpu().to(torch.int64).numpy().tobytes()).hexdigest()
+    every = range(probe_hooks(model)[0].n_layers) if layers is None else layers  # None and every layer read alike
+    return (id(model), digest, tuple(t.shape), tuple(int(x) for x in every), int(sink), target, int(batch_size),
+            str(dtype), int(chunk))
+
+
+def _transient_hooks(model: Any) -> bool:
+    """Whether a hook other than a permanent one is attached to ``model`` (a caller's ``model.hooks(...)``): a mean
+    computed under it is not the model's own and is neither kept nor taken."""
+    points = getattr(model, "hook_dict", None)
+    if not isinstance(points, dict):
+        return True  # hooks that cannot be inspected count as attached
+    return any(not getattr(h, "is_permanent", False) for hp in points.values()
+               for h in list(getattr(hp, "fwd_hooks", ())) + list(getattr(hp, "bwd_hooks", ())))
+
+
+@contextlib.contextmanager
+def shared_means() -> Iterator[None]:
+    """A scope in which :func:`feature_means` (so :func:`key_means` and :func:`reference_key_means`) computes each
+    mean once: a second call with the same model object, tokens, layers, sink, feature, batch size, dtype and chunk
+    (and no ``extra_hooks``) gets copies of the first's numbers — the same numbers its own pass would give. For a run
+    that owns its models while several experiments read the same reference windows (``posgen-tl report``); the
+    models' weights must not change inside the scope. The kept means are dropped when the outermost scope closes."""
+    _MEANS_SCOPES.append(1)
+    try:
+        yield
+    finally:
+        _MEANS_SCOPES.pop()
+        if not _MEANS_SCOPES:
+            _MEANS.clear()
 
 
 key_means = functools.partial(feature_means, target="k")

@@ -173,8 +173,8 @@ def document_windows(
     body = seq_len - int(add_bos)
     gen = torch.Generator().manual_seed(20_011 + int(seed))
     per_doc: dict[int, list[tuple[int, list[int]]]] = {}
-    for d in pick:
-        ids = tok(texts[d], add_special_tokens=False)["input_ids"]
+    encoded = tok([texts[d] for d in pick], add_special_tokens=False)["input_ids"] if pick else []  # one batched call
+    for d, ids in zip(pick, encoded):
         k = len(ids) // body
         if max_per_doc is not None:
             k = min(k, max_per_doc)

@@ -25,7 +25,7 @@ from posgen_tl.maths.rope import LayerRope, expand_kv, rotate, scores_from_rotat
 
 __all__ = [
     "adjacent_swap_permutation", "word_units", "apply_permutation", "inverse_permutation",
-    "position_ids_for_permutation", "swap_seed", "nll_from_logits", "span_mean", "capped_scores",
+    "position_ids_for_permutation", "swap_seed", "nll_from_logits", "row_nll", "span_mean", "capped_scores",
     "gap_position_ids",
 ]  # fmt: skip
 
@@ -214,13 +214,29 @@ def nll_from_logits(
     b, n, v = logits.shape
     if tokens.shape != (b, n):
         raise ValueError(f"tokens shape {tuple(tokens.shape)} != logits' {(b, n)}")
+    return row_nll(logits[:, : n - 1], tokens[:, 1:], max_chunk_bytes=max_chunk_bytes)
+
+
+def row_nll(
+    logits: Float[Tensor, "batch row d_vocab"], targets: Int[Tensor, "batch row"], *,
+    max_chunk_bytes: int = 256 * 2**20,
+) -> Float[Tensor, "batch row"]:  # fmt: skip
+    """``nll[b, r] = −log softmax(logits[b, r])[targets[b, r]]``: each row scored against its own target (nothing
+    shifted) — :func:`nll_from_logits` is this with ``targets = tokens[:, 1:]`` on all rows but the last. Float32 at
+    least, ``max_chunk_bytes`` of up-cast logits at a time.
+
+    Returns:
+        ``Float[Tensor, "batch row"]`` in float32 (float64 for float64 input)."""
+    b, n, v = logits.shape
+    if targets.shape != (b, n):
+        raise ValueError(f"targets shape {tuple(targets.shape)} != the logits' rows {(b, n)}")
     dtype = torch.promote_types(logits.dtype, torch.float32)
     per_pos = max(1, b * v * torch.empty((), dtype=dtype).element_size())
     chunk = max(1, max_chunk_bytes // per_pos)
-    targets = tokens[:, 1:].to(logits.device)
+    targets = targets.to(logits.device)
     out = []
-    for s in range(0, n - 1, chunk):
-        e = min(s + chunk, n - 1)
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
         lp = logits[:, s:e].to(dtype)
         lse = torch.logsumexp(lp, dim=-1)
         picked = lp.gather(-1, targets[:, s:e, None]).squeeze(-1)

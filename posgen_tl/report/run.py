@@ -145,21 +145,10 @@ def run_report(settings: ReportSettings) -> int:
                                "stage_seconds": timings, "device": _device(model), "dtype": _dtype(model),
                                "unchecked": unchecked}
     mods = {n: registry.experiment(n) for n in configs}
-    for name, cfg in configs.items():
-        if not work.done(name):
-            print(f"[posgen-tl] {name} ...", flush=True)
-            ts = time.time()
-            partial = work.path(f".partial_{name}")  # a resumable experiment's checkpoint
-            upstream = {d: registry.load(d, work.dir) for d in mods[name].NEEDS}
-            result = registry.run_or_skip(name, model, cfg, **registry.inputs(
-                name, checkpoint=partial, twin=ctx.twin, upstream=upstream))
-            registry.save(name, result, work.dir)
-            shutil.rmtree(partial, ignore_errors=True)
-            work.mark(name)
-            timings[name] = time.time() - ts
-            print(f"[posgen-tl] {name}: {timings[name]:.0f} s", flush=True)
-        else:
-            print(f"[posgen-tl] {name}: already done (resuming)")
+    from posgen_tl.hooks.edits import shared_means  # noqa: PLC0415
+
+    with shared_means():  # the report owns its model and twin: a k̄ of the same reference windows is computed once
+        _run_stages(model, configs, mods, work, ctx, timings)
     sections, findings, per = report_sections(work.dir, list(configs), preset=settings.preset, model_name=model_name)
     results.update(per)
     results["findings"] = [f.as_dict() for f in findings]
@@ -179,3 +168,23 @@ def run_report(settings: ReportSettings) -> int:
     atomic_write(out / "report.html", page.encode())
     print(f"[posgen-tl] wrote {out / 'report.html'} ({time.time() - t0:.0f} s)")
     return 0
+
+
+def _run_stages(model: Any, configs: dict[str, Any], mods: dict[str, Any], work: Work, ctx: Context,
+                timings: dict[str, float]) -> None:
+    """Run each experiment not yet done (resuming finished ones), save its Result and record its seconds."""
+    for name, cfg in configs.items():
+        if not work.done(name):
+            print(f"[posgen-tl] {name} ...", flush=True)
+            ts = time.time()
+            partial = work.path(f".partial_{name}")  # a resumable experiment's checkpoint
+            upstream = {d: registry.load(d, work.dir) for d in mods[name].NEEDS}
+            result = registry.run_or_skip(name, model, cfg, **registry.inputs(
+                name, checkpoint=partial, twin=ctx.twin, upstream=upstream))
+            registry.save(name, result, work.dir)
+            shutil.rmtree(partial, ignore_errors=True)
+            work.mark(name)
+            timings[name] = time.time() - ts
+            print(f"[posgen-tl] {name}: {timings[name]:.0f} s", flush=True)
+        else:
+            print(f"[posgen-tl] {name}: already done (resuming)")

@@ -210,9 +210,15 @@ def test_one_layer_grouping_from_every_door(n_layers):
 # ----------------------------------------------------------------------------- studies
 
 
-def test_study_and_report_stage_write_identical_tables(tiny, corpus, tmp_path):
+def test_study_and_report_stage_write_identical_tables(tiny, corpus, tmp_path, monkeypatch):
+    from posgen_tl.hooks import edits
+
+    passes: list[str] = []  # the k̄ passes (feature_means' streamed forwards), by who ran them
+    real = edits.stream_qk
+    monkeypatch.setattr(edits, "stream_qk", lambda *a, **kw: (passes.append(who[0]), real(*a, **kw))[1])
     torch.manual_seed(0)
     sizes = dict(n_seq=3, seq_len=32, corpus=corpus["file"], seed=0)
+    who = ["study"]
     cfg = registry.make_config("pattern", "quick", {}, sizes)
     md = registry.run_study("pattern", cfg, tmp_path / "study", model=tiny, preset="quick",
                             command="posgen-tl study pattern --quick")
@@ -220,7 +226,12 @@ def test_study_and_report_stage_write_identical_tables(tiny, corpus, tmp_path):
                               experiments=("decomposition", "pattern"))
     from posgen_tl.report.run import run_report
 
+    who[0] = "report"
     assert run_report(settings) == 0
+    # the study ran decomposition (the global k̄ of the model and of its twin, and one layer's for the head maps) and
+    # pattern (the global k̄ of both again); the report's pattern took the two its decomposition had computed on the
+    # same reference windows (edits.shared_means) — and its tables are the same as the study's, below
+    assert passes.count("study") == 5 and passes.count("report") == 3, passes
     work = tmp_path / "report" / ".work"
     csvs = sorted(p.name for p in work.glob("*.csv"))
     assert "pattern_heads.csv" in csvs and "decomposition.csv" in csvs

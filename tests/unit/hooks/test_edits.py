@@ -204,3 +204,50 @@ def test_row_seeds_draw_each_row_afresh():
                        change_vectors(x, mean, fixed, rope, 0))
     with pytest.raises(ValueError, match="2 row seeds for a batch of 3"):
         change_vectors(x, mean, Intervention("noise", bands=[0], row_seeds=(1, 2)), rope, 0)
+
+
+# ----------------------------------------------------------------------------- shared_means
+
+
+def _counted_passes(monkeypatch) -> list[int]:
+    """Count the streamed passes feature_means runs (each call of its stream_qk)."""
+    from posgen_tl.hooks import edits
+
+    calls: list[int] = []
+    real = edits.stream_qk
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(edits, "stream_qk", counting)
+    return calls
+
+
+def test_shared_means_computes_a_mean_once_and_gives_the_same_numbers_as_a_pass_of_its_own(monkeypatch):
+    from posgen_tl.hooks.edits import _MEANS, reference_key_means, shared_means
+
+    model, _ = tm.hf_llama(n_layers=3)
+    toks = torch.randint(3, 100, (5, 12), generator=torch.Generator().manual_seed(1))
+    own = reference_key_means(model, toks, [0, 1, 2], sink=1, batch_size=2, progress=False)
+    calls = _counted_passes(monkeypatch)
+    with shared_means():
+        first = reference_key_means(model, toks, [0, 1, 2], sink=1, batch_size=2, progress=False)
+        first[0].add_(1.0)  # a caller's edit of what it got does not reach the next caller
+        again = reference_key_means(model, toks, None, sink=1, batch_size=2, progress=False)  # None: every layer
+        assert len(calls) == 1
+        for layer in own:
+            assert torch.equal(again[layer], own[layer])
+        reference_key_means(model, toks, [0, 1, 2], sink=1, batch_size=3, progress=False)  # another batch size
+        reference_key_means(model, toks, [0, 1, 2], sink=2, batch_size=2, progress=False)  # another sink
+        reference_key_means(model, toks[:4], [0, 1, 2], sink=1, batch_size=2, progress=False)  # other tokens
+        assert len(calls) == 4
+        with model.hooks(fwd_hooks=[("blocks.0.attn.hook_k", lambda t, hook: t * 2)]):  # a caller's hook: not taken
+            edited = reference_key_means(model, toks, [0, 1, 2], sink=1, batch_size=2, progress=False)
+        assert len(calls) == 5 and not torch.equal(edited[0], own[0])
+        twin, _ = tm.hf_llama(n_layers=3, seed=1)  # another model object of the same shape
+        reference_key_means(twin, toks, [0, 1, 2], sink=1, batch_size=2, progress=False)
+        assert len(calls) == 6
+    assert not _MEANS  # dropped when the scope closes
+    reference_key_means(model, toks, [0, 1, 2], sink=1, batch_size=2, progress=False)
+    assert len(calls) == 7  # outside a scope every call runs its pass

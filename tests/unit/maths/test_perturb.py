@@ -16,6 +16,7 @@ from posgen_tl.maths.perturb import (
     inverse_permutation,
     nll_from_logits,
     position_ids_for_permutation,
+    row_nll,
     span_mean,
     word_units,
 )
@@ -256,6 +257,24 @@ def test_nll_matches_cross_entropy(dtype):
         out = nll_from_logits(logits, tokens, max_chunk_bytes=chunk_bytes)
         assert out.dtype == torch.float32 and out.shape == (b, n - 1)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_row_nll_scores_each_row_against_its_own_target(dtype):
+    g = torch.Generator().manual_seed(3)
+    b, n, v = 3, 5, 40
+    logits = (torch.randn(b, n, v, generator=g) * 4).to(dtype)
+    targets = torch.randint(0, v, (b, n), generator=g)
+    want = -torch.log_softmax(logits.to(torch.promote_types(dtype, torch.float32)), -1).gather(-1, targets[..., None])[..., 0]
+    # nll_from_logits predicts the token after each row: the same rows padded by one, their targets shifted by one
+    shifted = nll_from_logits(torch.cat([logits, logits[:, :1]], 1), torch.cat([targets[:, :1], targets], 1))
+    for chunk_bytes in (1, 2**30):
+        got = row_nll(logits, targets, max_chunk_bytes=chunk_bytes)
+        assert got.dtype == want.dtype and got.shape == (b, n)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        assert torch.equal(got, shifted)  # the same operations as nll_from_logits, bit for bit
+    with pytest.raises(ValueError, match="targets shape"):
+        row_nll(logits, targets[:, 1:])
 
 
 def test_span_mean():
