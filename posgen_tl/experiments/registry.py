@@ -100,15 +100,18 @@ def run(name: str, model: Any, cfg: Config | None = None, *, upstream: Mapping[s
     (``pg.run("sufficiency", model, cfg)``); returns the experiment's Result. The Results of the experiments it
     NEEDS come from ``upstream`` or are run first, with the options their Configs share with ``cfg`` (sizes,
     layers, …)."""
+    from posgen_tl.hooks.edits import shared_means  # noqa: PLC0415
+
     mod = experiment(name)
     ups = dict(upstream or {})
-    for dep in mod.NEEDS:
-        if dep not in ups:
-            own = cfg if cfg is not None else mod.Config()
-            shared = {o.name for o in experiment(dep).Config.options()} & {o.name for o in own.options()}
-            dep_cfg = experiment(dep).Config(**{k: getattr(own, k) for k in shared})
-            ups[dep] = run(dep, model, dep_cfg, **({"progress": kw["progress"]} if "progress" in kw else {}))
-    return mod.run(model, cfg, **({"upstream": ups} if mod.NEEDS else {}), **kw)
+    with shared_means():  # an experiment and those it needs read the k̄ of the same reference windows once
+        for dep in mod.NEEDS:
+            if dep not in ups:
+                own = cfg if cfg is not None else mod.Config()
+                shared = {o.name for o in experiment(dep).Config.options()} & {o.name for o in own.options()}
+                dep_cfg = experiment(dep).Config(**{k: getattr(own, k) for k in shared})
+                ups[dep] = run(dep, model, dep_cfg, **({"progress": kw["progress"]} if "progress" in kw else {}))
+        return mod.run(model, cfg, **({"upstream": ups} if mod.NEEDS else {}), **kw)
 
 
 def run_or_skip(name: str, model: Any, cfg: Config, **kw: Any) -> Any:
@@ -303,11 +306,14 @@ def _run_study(name: str, cfg: Config, out: Path, *, model: Any, preset: str, pa
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     ctx = Context(model, folder, probe_hooks(model)[0].model_name, seed=cfg.seed)
     sizes = {k: getattr(cfg, k) for k in SIZES}
-    for dep in mod.NEEDS:
-        print(f"[posgen-tl] {name} needs {dep}: running it first", flush=True)
-        run_experiment(dep, ctx, make_config(dep, preset, split_params(params or {}, [dep, name])[dep], sizes))
-    print(f"[posgen-tl] {name} ...", flush=True)
-    sec, _ = run_experiment(name, ctx, cfg)
+    from posgen_tl.hooks.edits import shared_means  # noqa: PLC0415
+
+    with shared_means():  # the study owns its model: a k̄ of the same reference windows is computed once
+        for dep in mod.NEEDS:
+            print(f"[posgen-tl] {name} needs {dep}: running it first", flush=True)
+            run_experiment(dep, ctx, make_config(dep, preset, split_params(params or {}, [dep, name])[dep], sizes))
+        print(f"[posgen-tl] {name} ...", flush=True)
+        sec, _ = run_experiment(name, ctx, cfg)
     wall = time.time() - t0
     files = sorted(p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(".")
                    and before.get(p.name) != p.stat().st_mtime_ns and p.suffix in (".csv", ".png", ".json"))

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 
 
 def _launch(mode: str, out: Path, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+    scratch = out / "tmp"  # torchrun's own log folders (torchelastic_*) go here, not into the machine's /tmp
+    scratch.mkdir(exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TMPDIR=str(scratch),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / "dist_worker.py"), mode, str(out)]
