@@ -28,7 +28,7 @@ from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.memory import check_forward_fits
 from posgen_tl.hooks.positions import StopForward, chunked_logit_rows, distance_cap_hooks, final_residual_hook
 from posgen_tl.hooks.reentry import check_hooks_from, forward_from, recorded, resid_hooks, skips_blocks
-from posgen_tl.io.sampling import Windows
+from posgen_tl.io.sampling import Windows, tokens_fingerprint
 from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
     nll_from_logits,
@@ -321,7 +321,6 @@ def curve_rows(
 
 @torch.no_grad()
 def windows_fingerprint(w: Windows) -> str:
-    """SHA-1 of the windows' token ids (a run's record of exactly which tokens it analysed)."""
-    import hashlib  # noqa: PLC0415
-
-    return hashlib.sha1(w.tokens.cpu().to(torch.int64).numpy().tobytes()).hexdigest()
+    """SHA-1 of the windows' token ids (a run's record of exactly which tokens it analysed;
+    :func:`posgen_tl.io.sampling.tokens_fingerprint`)."""
+    return tokens_fingerprint(w.tokens)

@@ -221,12 +221,10 @@ def _means_key(model: Any, tokens: Tensor, layers: Sequence[int] | None, sink: i
                dtype: torch.dtype, chunk: int) -> tuple:
     """What a pass of :func:`feature_means` depends on besides the model's weights: the tokens (their digest), the
     layers, the sink, the feature, the batch size (the forward's rounding) and the dtype and chunk."""
-    import hashlib  # noqa: PLC0415
+    from posgen_tl.io.sampling import tokens_fingerprint  # noqa: PLC0415
 
-    t = torch.as_tensor(tokens)
-    digest = hashlib.sha1(t.detach().cpu().to(torch.int64).numpy().tobytes()).hexdigest()
     every = range(probe_hooks(model)[0].n_layers) if layers is None else layers  # None and every layer read alike
-    return (id(model), digest, tuple(t.shape), tuple(int(x) for x in every), int(sink), target, int(batch_size),
+    return (id(model), tokens_fingerprint(tokens), tuple(torch.as_tensor(tokens).shape), tuple(int(x) for x in every), int(sink), target, int(batch_size),
             str(dtype), int(chunk))
 
 

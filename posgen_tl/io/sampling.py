@@ -48,7 +48,17 @@ __all__ = [
     "check_disjoint",
     "consecutive_chunks",
     "sample_or_chunks",
+    "tokens_fingerprint",
 ]
+
+
+def tokens_fingerprint(tokens: Any) -> str:
+    """SHA-1 of token ids (any integer tensor or nested list, read as int64): a run's record of exactly which tokens
+    it used, and the key under which a result computed from them is kept."""
+    import hashlib  # noqa: PLC0415
+
+    t = torch.as_tensor(tokens)
+    return hashlib.sha1(t.detach().cpu().to(torch.int64).numpy().tobytes()).hexdigest()
 
 
 @dataclass
