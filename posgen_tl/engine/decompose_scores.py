@@ -31,10 +31,12 @@ from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.moments import (
     Geometry,
     Sums,
+    all_fit_moments,
     fit_columns,
-    fit_moments_many,
     geometry,
-    scores_many,
+    join_sums,
+    moment_sums,
+    scores_of_sums,
     sums_of,
 )
 from posgen_tl.maths.rope import angles, to_bands
@@ -47,7 +49,8 @@ K_MEAN_KINDS = ("global", "per_sequence")
 #: sequences longer than this are scored a block of query rows at a time
 #: (:func:`~posgen_tl.engine.decompose_maps.block_moments`), by default
 STREAM_ABOVE, STREAM_BLOCK = 2048, 256
-SCORE_COLUMNS = ("r", "r2", "r_within", "d3_err_mean", "d3_bound_mean", "d3_bound_holds")
+BOUND_COLUMNS = ("d3_err_mean", "d3_bound_mean", "d3_bound_holds")
+SCORE_COLUMNS = ("r", "r2", "r_within", *BOUND_COLUMNS)
 COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "doc", "seq", "estimator",
            "sink_excluded", *SCORE_COLUMNS]
 #: the rows' order (unique per row)
@@ -60,11 +63,13 @@ _BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative t
 
 def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: dict[int, Geometry],
                   rows_list: Sequence[int] | None = None, cache: dict | None = None,
-                  ) -> tuple[dict[str, dict[int, dict[str, Tensor]]], Tensor]:
+                  ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """D3 check on query ``rows`` for each k̄ of ``k_means`` (``{kind: [kv_head, d_head] or [batch, kv_head,
-    d_head]}``): mean |W − f − g|, mean bound (as :func:`d3_bound`), fraction of entries within the bound and
-    the mean of W (``mu``), over the masked entries of ``rows`` per mask — ``{kind: {sink: {name: [(batch
-    head_index)]}}}`` —, and W itself on ``rows`` (float64 ``[(batch head_index), rows, key_pos]``).
+    d_head]}``): ``(checks, mu, w)`` — ``checks[kind]``: mean |W − f − g|, mean bound (as :func:`d3_bound`) and
+    fraction of entries within the bound over the masked entries of ``rows`` per mask of ``geoms`` (float64 ``[3,
+    (batch head_index), sink]``, :data:`BOUND_COLUMNS` in order, the masks in ``geoms``' order); ``mu``: the mean of
+    W there (``[(batch head_index), sink]``); ``w``: W itself on ``rows`` (float64 ``[(batch head_index), rows,
+    key_pos]``).
 
     In float64 as :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on ``(Re, Im)`` band
     coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked query rows only; what does
@@ -107,17 +112,14 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
         q_mag = torch.cat([q_mag, qp.abs()], -1)
     w = heads(w)
     shared = True if c.positions.shape[0] == 1 or c.positions.stride(0) == 0 else None  # the stream's own positions
-    sinks = list(geoms)
-    m = torch.stack([geo.mask_rows(rows).reshape(-1) for geo in geoms.values()], -1).double()  # [(rows keys), sinks]
-    cnt = m.sum(0)
+    m, cnt = _row_masks(rows, geoms, cache)
 
-    def means(x: Tensor) -> list[Tensor]:  # masked means over (rows, keys) on every mask: one matmul
-        v = (x.reshape(x.shape[0], -1) @ m) / cnt
-        return list(v.unbind(-1))
+    def means(x: Tensor) -> Tensor:  # masked means over (rows, keys) on every mask: one matmul, [maps, sinks]
+        return (x.reshape(x.shape[0], -1) @ m) / cnt
 
-    mus = means(w)
+    mu = means(w)
     qe = torch.cat([qr, re_q(zq * sa2)], -1)  # [R_i q | q]·s·a²
-    out: dict[str, dict[int, dict[str, Tensor]]] = {}
+    out: dict[str, Tensor] = {}
     for kind, k_mean in k_means.items():
         kb = kbar_batched(k_mean.to(q.device).double(), b, kv)  # b kv d
         zb = to_bands(kb, r, rope.layout)[:, None]  # b 1 kv m
@@ -132,10 +134,8 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
         thr = torch.baddbmm(bound.reshape(b * kv, -1, n), q_mag.reshape(b * kv, -1, q_mag.shape[-1]),
                             k_mag.reshape(b * kv, k_mag.shape[-2], n), alpha=_BOUND_RTOL)
         holds = (err <= thr.reshape(err.shape)).double()
-        em, bm, hm = means(err), means(bound), means(holds)
-        out[kind] = {sk: {"d3_err_mean": em[i], "d3_bound_mean": bm[i], "d3_bound_holds": hm[i], "mu": mus[i]}
-                     for i, sk in enumerate(sinks)}
-    return out, w
+        out[kind] = torch.stack([means(err), means(bound), means(holds)])
+    return out, mu, w
 
 
 def _cabs(z: Tensor) -> Tensor:
@@ -155,6 +155,20 @@ def _phases(c: QKCapture, cache: dict | None) -> tuple[Tensor, Tensor]:
     if cache is not None:
         cache["phases"] = (c.positions, c.rope, phi, e)
     return phi, e
+
+
+def _row_masks(rows: Tensor, geoms: dict[int, Geometry], cache: dict | None) -> tuple[Tensor, Tensor]:
+    """The masks of ``geoms`` on query ``rows`` side by side, float64 ``[(rows key_pos), sink]``, and their entry
+    counts ``[sink]``; kept in ``cache`` while the rows and geometries are the same objects (a whole run)."""
+    hit = None if cache is None else cache.get("row_masks")
+    if hit is not None and hit[0] is rows and len(hit[1]) == len(geoms) and all(
+            a is b for a, b in zip(hit[1], geoms.values())):
+        return hit[2], hit[3]
+    m = torch.stack([geo.mask_rows(rows).reshape(-1) for geo in geoms.values()], -1).double()
+    cnt = m.sum(0)
+    if cache is not None:
+        cache["row_masks"] = (rows, list(geoms.values()), m, cnt)
+    return m, cnt
 
 
 def _bound_chunk(c: QKCapture, n_rows: int) -> int:
@@ -268,7 +282,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     rows = torch.linspace(0, n - 1, min(bound_rows, n)).round().long().unique()
     sinks = [0, sink] if sink else [0]
     docs = windows.doc_ids.cpu().numpy()
-    pending: list[_Rows] = []  # every capture's scores, on the device until the end
+    deferred = _Deferred()  # every capture's scores, computed and copied to the host at the end
     cache: dict = {}  # map-sized scratch buffers, freed when the run ends
     kbar_cache: dict = {}  # the given/global k̄ of each stack of layers, on the device
     rows_on: dict = {}  # the bound rows on each device
@@ -279,10 +293,15 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             return sequence_key_mean(c.k, sink)
         return k_means if isinstance(k_means, Tensor) else k_means[layer]
 
-    def emit(c, moments, bnd, est_kind: dict[str, str]) -> None:
-        pending.append(_rows(_Meta.of(c), moments, bnd, est_kind, geoms_of(c)))
+    def emit_d3(c: QKCapture, d3: dict[str, dict[int, Any]], checks: dict[str, Tensor],
+                geoms: dict[int, Geometry]) -> None:
+        meta = _Meta.of(c)
+        for kind in kinds:
+            at = deferred.add_checks(checks[kind])
+            for s, m in d3[kind].items():
+                deferred.add([meta], geoms[s], s, "D3", kind, m, checks=(at, list(geoms).index(s)))
 
-    fits = _Fits(pending)  # the D1/D2 fits of many captures, solved together
+    fits = _Fits(deferred)  # the D1/D2 fits of many captures, solved together
 
     def geoms_of(c: QKCapture) -> dict[int, Geometry]:
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
@@ -300,26 +319,23 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             rows_on[c.q.device] = rows.to(c.q.device)
         r = rows_on[c.q.device]
         kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
-        bnds, w_rows = _bound_checks(c, kbars, r, geoms, rows_host, cache)
+        checks, mu, w_rows = _bound_checks(c, kbars, r, geoms, rows_host, cache)
         w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         block = rows_per_block(c.q.device, c.q.shape[0] * c.n_heads, n, row_block)
+        stats: Any
         if block:  # the maps a row block at a time (memory O(block · n) per head)
-            stats, d3 = block_moments(c, w, kbars, geoms, bnds[kinds[0]][0]["mu"].float(), block, cache)
-            fits.add(sums_of(stats, fit_columns(geoms)), _Meta.of(c), bnds[kinds[0]], geoms)
-            for kind in kinds:
-                emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
-            return
-        t, d3 = whole_moments(c, w, kbars, bnds[kinds[0]][0]["mu"].float(), geoms, cache)
-        del w
-        fits.add(sums_of(t, fit_columns(geoms)), _Meta.of(c), bnds[kinds[0]], geoms)  # the fits do not depend on k̄
-        for kind in kinds:
-            emit(c, {(s, "D3"): m for s, m in d3[kind].items()}, bnds[kind], {"D3": kind})
+            stats, d3 = block_moments(c, w, kbars, geoms, mu[:, 0].float(), block, cache)
+        else:
+            stats, d3 = whole_moments(c, w, kbars, mu[:, 0].float(), geoms, cache)
+            del w
+        fits.add(sums_of(stats, fit_columns(geoms)), _Meta.of(c), geoms)  # the fits do not depend on k̄
+        emit_d3(c, d3, checks, geoms)
 
     stream_qk(model, tokens, score, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
               progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk,
               stack=1 if use_hook else group)  # the score hook's W comes one layer at a time
     fits.flush()
-    df = _frame(_host_frames(pending, docs))
+    df = _frame(deferred.frames(docs))
     df["model"] = model_label or spec.model_name
     df["twin"] = twin_label
     df["layer_group"] = df["layer"].map({x: layer_group(int(x), spec.n_layers) for x in df["layer"].unique()})
@@ -327,41 +343,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     return _ordered(df)
 
 
-@dataclass
-class _Rows:
-    """The scores of one capture's maps (one layer, or layers stacked on the head axis: maps ordered (batch, layer,
-    head)), kept on the device — ``vals`` ``[items, score, (batch head)]`` — until the run's end, where every
-    capture's come to the host in ONE copy (:meth:`frames` then builds the column dicts)."""
-
-    vals: Tensor
-    keys: list[tuple[int, str]]
-    est_kind: dict[str, str]
-    batch: int
-    layer_ids: tuple[int, ...]
-    heads: int
-    seq_offset: int
-    kind: str
-
-    def frames(self, host: np.ndarray, docs: np.ndarray) -> list[dict[str, Any]]:
-        """One column dict per ``(sink, estimator)``, from this capture's scores ``host`` (``vals`` on the host)."""
-        b, h, layer_ids = self.batch, self.heads, self.layer_ids
-        h0 = h // len(layer_ids)
-        seq = np.arange(b) + self.seq_offset
-        out = []
-        for (s, est), vals in zip(self.keys, host.reshape(self.vals.shape)):
-            sc: dict[str, Any] = dict(zip(SCORE_COLUMNS, vals))
-            sc["head"] = np.tile(np.arange(h0), b * len(layer_ids))
-            sc["layer"] = np.tile(np.repeat(np.asarray(layer_ids), h0), b)
-            sc["seq"] = np.repeat(seq, h)
-            sc["doc"] = np.repeat(docs[seq], h)
-            sc.update(kind=self.kind, estimator=est, sink_excluded=bool(s), k_mean=self.est_kind[est])
-            out.append(sc)
-        return out
-
-
 @dataclass(frozen=True)
 class _Meta:
-    """What the score rows of a capture need of it (:func:`_rows`), without holding its tensors."""
+    """What the score rows of a capture need of it (:class:`_Record`), without holding its tensors."""
 
     batch: int
     heads: int
@@ -382,20 +366,21 @@ FIT_BATCH = 2**19
 
 class _Fits:
     """The D1/D2 fits of many captures, kept as their O(n)-per-map sums (:class:`posgen_tl.maths.moments.Sums`) and
-    solved together (:func:`~posgen_tl.maths.moments.fit_moments_many`) once :data:`FIT_BATCH` entries wait, when
-    the masks change (a sliding window's layers) and at the end: each step of the solve costs the same few operations
-    for 9 maps or 300 (SmolLM2 at 2 048 tokens: ~150 ms per layer solved alone on 2 CPU threads)."""
+    solved together (:func:`~posgen_tl.maths.moments.all_fit_moments` of their :func:`~posgen_tl.maths.moments.join_sums`)
+    once :data:`FIT_BATCH` entries wait, when the masks change (a sliding window's layers) and at the end: each step of
+    the solve costs the same few operations for 9 maps or 300 (SmolLM2 at 2 048 tokens: ~150 ms per layer solved
+    alone on 2 CPU threads). Their scores go to ``deferred`` as ONE block per (sink, estimator)."""
 
-    def __init__(self, pending: list[_Rows]) -> None:
-        self.pending: list[_Rows] = pending
-        self.waiting: list[tuple[Sums, _Meta, dict]] = []
+    def __init__(self, deferred: _Deferred) -> None:
+        self.deferred = deferred
+        self.waiting: list[tuple[Sums, _Meta]] = []
         self.geoms: dict[int, Geometry] = {}
         self.entries = 0
 
-    def add(self, sums: Sums, meta: _Meta, bnd: dict, geoms: dict[int, Geometry]) -> None:
+    def add(self, sums: Sums, meta: _Meta, geoms: dict[int, Geometry]) -> None:
         if self.waiting and (geoms.keys() != self.geoms.keys() or any(geoms[k] is not self.geoms[k] for k in geoms)):
             self.flush()  # other masks (a sliding window's layers): solved apart
-        self.waiting.append((sums, meta, bnd))
+        self.waiting.append((sums, meta))
         self.geoms = geoms
         self.entries += sums.sx.numel()
         if self.entries >= FIT_BATCH:
@@ -403,42 +388,88 @@ class _Fits:
 
     def flush(self) -> None:
         if self.waiting:
-            moments = fit_moments_many([w[0] for w in self.waiting], self.geoms)
-            for (_, meta, bnd), m in zip(self.waiting, moments):
-                self.pending.append(_rows(meta, m, bnd, {"D1": "none", "D2": "none"}, self.geoms))
+            whole = all_fit_moments(join_sums([w[0] for w in self.waiting]), self.geoms)
+            for (s, est), m in sorted(whole.items()):
+                self.deferred.add([w[1] for w in self.waiting], self.geoms[s], s, est, "none", m)
         self.waiting, self.entries = [], 0
 
 
-def _rows(c: _Meta, moments: dict, bnd: dict, est_kind: dict[str, str], geoms: dict[int, Geometry]) -> _Rows:
-    """The scores of every map of a capture (``c``: :class:`_Meta`) per ``(sink, estimator)`` of ``moments``, stacked
-    on the device (:class:`_Rows`)."""
-    b, h = c.batch, c.heads
-    items = sorted(moments.items())
-    nan = torch.full((b * h,), torch.nan, dtype=torch.float64, device=c.device)
-    fits: dict[tuple, dict[str, Tensor]] = {}  # the estimators of one sink scored in one call
-    for s in {s for (s, _), _ in items}:
-        keys = [key for key, _ in items if key[0] == s]
-        fits.update(zip(keys, scores_many([moments[k] for k in keys], geoms[s])))
-    cols = []  # every score of these moments stacked on the device
-    for (s, est), _ in items:
-        fit = fits[(s, est)]
-        cols.append(torch.stack([fit[k].double() for k in ("r", "r2", "r_within")]
-                                + [bnd[s][k].double() if est == "D3" else nan
-                                   for k in ("d3_err_mean", "d3_bound_mean", "d3_bound_holds")]))
-    return _Rows(torch.stack(cols), [k for k, _ in items], est_kind, b, c.layer_ids, h, c.seq_offset, c.kind)
+@dataclass(frozen=True)
+class _Record:
+    """Where the scores of one (capture, sink, estimator) lie in :class:`_Deferred`'s tensors: its maps ``at …
+    at + maps − 1`` of geometry ``geom``'s sums; for D3 its bound checks, block ``checks[0]``, mask ``checks[1]``."""
+
+    meta: _Meta
+    sink: int
+    est: str
+    k_mean: str
+    geom: int
+    at: int
+    checks: tuple[int, int] | None
 
 
-def _host_frames(pending: list[_Rows], docs: np.ndarray) -> list[dict[str, Any]]:
-    """Every capture's scores to the host in one copy (on a GPU one wait for the queue per run, not per capture),
-    as column dicts."""
-    if not pending:
-        return []
-    host = torch.cat([p.vals.reshape(-1) for p in pending]).cpu().numpy()
-    out, at = [], 0
-    for p in pending:
-        out.extend(p.frames(host[at : at + p.vals.numel()], docs))
-        at += p.vals.numel()
-    return out
+class _Deferred:
+    """Every capture's scores, computed at the run's end: each (capture(s), sink, estimator) adds the few sums per map
+    its moments reduce to (:func:`~posgen_tl.maths.moments.moment_sums`, float64 ``[10, maps]``) and D3 its bound
+    checks; :meth:`frames` scores each mask's maps in ONE call (:func:`~posgen_tl.maths.moments.scores_of_sums`) and
+    copies every number to the host at once (on a GPU one wait for the queue per run). Holds O(maps) per capture."""
+
+    def __init__(self) -> None:
+        self.geoms: list[Geometry] = []
+        self.sums: list[list[Tensor]] = []
+        self.width: list[int] = []
+        self.checks: list[Tensor] = []
+        self.records: list[_Record] = []
+
+    def add(self, metas: Sequence[_Meta], g: Geometry, sink: int, est: str, k_mean: str, m: Any,
+            checks: tuple[int, int] | None = None) -> None:
+        """The moments ``m`` of the captures ``metas`` (their maps side by side, in order) on mask ``g``."""
+        i = next((i for i, h in enumerate(self.geoms) if h is g), len(self.geoms))
+        if i == len(self.geoms):
+            self.geoms.append(g)
+            self.sums.append([])
+            self.width.append(0)
+        self.sums[i].append(moment_sums(m, g))
+        for meta in metas:
+            self.records.append(_Record(meta, sink, est, k_mean, i, self.width[i], checks))
+            self.width[i] += meta.batch * meta.heads
+
+    def add_checks(self, checks: Tensor) -> int:
+        """A capture's D3 bound checks (``[3, maps, sink]``, :func:`_bound_checks`); returns their block's index."""
+        self.checks.append(checks)
+        return len(self.checks) - 1
+
+    def frames(self, docs: np.ndarray) -> list[dict[str, Any]]:
+        """One column dict per record (``docs``: the windows' document ids)."""
+        if not self.records:
+            return []
+        scored = [torch.stack(list(scores_of_sums(torch.cat(ss, 1), g).values())) for g, ss in zip(self.geoms, self.sums)]
+        parts = scored + self.checks
+        host = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()  # ONE copy
+        arrays, at = [], 0
+        for p in parts:
+            arrays.append(host[at : at + p.numel()].reshape(p.shape))
+            at += p.numel()
+        sc_host, ck_host = arrays[: len(scored)], arrays[len(scored) :]
+        out = []
+        for rec in self.records:
+            meta = rec.meta
+            b, h, layer_ids = meta.batch, meta.heads, meta.layer_ids
+            vals = list(sc_host[rec.geom][:, rec.at : rec.at + b * h])
+            if rec.checks is None:
+                vals += [np.full(b * h, np.nan)] * len(BOUND_COLUMNS)
+            else:
+                vals += list(ck_host[rec.checks[0]][:, :, rec.checks[1]])
+            sc: dict[str, Any] = dict(zip(SCORE_COLUMNS, vals))
+            h0 = h // len(layer_ids)
+            seq = np.arange(b) + meta.seq_offset
+            sc["head"] = np.tile(np.arange(h0), b * len(layer_ids))
+            sc["layer"] = np.tile(np.repeat(np.asarray(layer_ids), h0), b)
+            sc["seq"] = np.repeat(seq, h)
+            sc["doc"] = np.repeat(docs[seq], h)
+            sc.update(kind=meta.kind, estimator=rec.est, sink_excluded=bool(rec.sink), k_mean=rec.k_mean)
+            out.append(sc)
+        return out
 
 
 def _frame(frames: list[dict[str, Any]]) -> pd.DataFrame:

@@ -50,7 +50,7 @@ from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
-from posgen_tl.hooks.stacking import STACK_ENTRIES, cache_rows, stack_size
+from posgen_tl.hooks.stacking import cache_rows, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths.band_stats import (
@@ -91,16 +91,21 @@ _GRAM_FROM = 5
 _ROWS_UPTO = 24
 
 
+#: on a GPU, a block of the long-row spread keeps its ``[batch, heads, block, 2·block]`` float64 scores within
+#: this many entries / 4 (2 GiB)
+SPREAD_ENTRIES = 2**29
+
+
 def _spread_block(c: QKCapture) -> int:
     """Query rows per block of :func:`~posgen_tl.maths.band_stats.within_row_spread_qk` (the numbers do not depend on
     it): ``1.5 · d_head`` on the CPU (the fastest there: SmolLM2, 1 × 4 096 tokens, 86 ms against 118 at ``d_head``
     and 191 at ``d_head / 2``); on a GPU, where each block costs ~25 kernel launches, an eighth of the rows, as long as
     a block's ``[batch, heads, block, 2·block]`` float64 scores stay within
-    :data:`~posgen_tl.hooks.stacking.STACK_ENTRIES` / 4 entries."""
+    :data:`SPREAD_ENTRIES` / 4 entries."""
     b, n, h, d = c.q.shape
     if c.q.device.type == "cpu":
         return max(8, 3 * d // 2)
-    return max(8, d // 2, min(-(-n // 8), math.isqrt(STACK_ENTRIES // (8 * b * h))))
+    return max(8, d // 2, min(-(-n // 8), math.isqrt(SPREAD_ENTRIES // (8 * b * h))))
 
 
 def _spread(c: QKCapture, sink: int) -> tuple[Tensor, Tensor]:

@@ -7,7 +7,8 @@ per-row sums, without materialising fitted maps (used by :mod:`posgen_tl.experim
 * ``_fit_*`` / ``d3_moments`` — moments (Σx, Σy per row; Σx², Σy², Σxy split by rows) of each approximation, the
   fits' from x's row, column and distance sums alone;
 * :class:`Sums` / :func:`fit_moments_many` — those O(n) sums of many captures, their D1/D2 fits solved together;
-* :func:`scores` — Pearson r, R² and within-row r from those moments;
+* :func:`moment_sums` / :func:`scores_of_sums` — a few sums per map of those moments, then Pearson r, R² and
+  within-row r from them (of a whole run's maps in one call; :func:`scores` both at once);
 * :func:`streamed_moments` — the same sums and moments from query-row blocks of the maps (one pass; extra memory
   O(maps · block · n) instead of O(maps · n²)), for long sequences.
 
@@ -57,6 +58,7 @@ class Geometry:
     amask: Tensor  # float64 [d]: distances in use
     ops: dict  # three_axis -> dense P [p, p] float64, only for a one-key window (else empty)
     direct: dict = field(default_factory=dict)  # three_axis -> additive.Direct (or None), built on first use (n ≤ DIRECT_MAX)
+    weights: tuple[Tensor, ...] = ()  # :func:`_row_weights`, made on first use
 
     def mask_rows(self, rows: Tensor) -> Tensor:
         """The mask's query ``rows``, bool ``[rows, key_pos]`` (the whole ``[n, n]`` mask is never kept: 268 MB at
@@ -150,17 +152,39 @@ class _Moments:
     ymax: Tensor
 
 
-def split_rows(v: Float[Tensor, "maps query_pos"], g: Geometry) -> Float[Tensor, "maps 2"]:
+def split_rows(v: Float[Tensor, "*maps query_pos"], g: Geometry) -> Float[Tensor, "*maps 2"]:
     """Per-row sums ``v`` → ``[Σ over rows with ≥ 2 entries of mask g, Σ over the other rows]`` (float64)."""
-    ok = (g.cnt >= 2).to(v.dtype)
+    ok = _row_weights(g)[0].to(v.dtype)
     return torch.stack([(v * ok).sum(-1), (v * (1 - ok)).sum(-1)], -1)
 
 
-def scores(m: _Moments, g: Geometry) -> dict[str, Tensor]:
-    """r, R², within-row r from moments, with :mod:`posgen_tl.maths.decompose`'s NaN rules."""
-    n = g.cnt.sum()
-    sx, sy = m.sx.sum(-1), m.sy.sum(-1)
-    sxx, syy, sxy = m.sxx.sum(-1), m.syy.sum(-1), m.sxy.sum(-1)
+def _row_weights(g: Geometry) -> tuple[Tensor, ...]:
+    """``(ok, ok/cnt, Σ cnt, Σ cnt·ok)`` of mask ``g`` (float64 ``[i]``, ``[i]``, ``[]``, ``[]``; ``ok``: ≥ 2 entries)."""
+    if not g.weights:  # made once per geometry
+        ok = (g.cnt >= 2).double()
+        g.weights = (ok, ok / g.cnt.clamp(min=1), g.cnt.sum(), (g.cnt * ok).sum())
+    return g.weights
+
+
+#: the rows of :func:`moment_sums`: totals over the mask, within-row sums (rows with ≥ 2 entries), magnitudes
+SUM_ROWS = ("sx", "sy", "sxx", "syy", "sxy", "wx", "wy", "wxy", "xmax", "ymax")
+
+
+def moment_sums(m: _Moments, g: Geometry) -> Float[Tensor, "10 maps"]:
+    """What :func:`scores_of_sums` needs of moments ``m`` on mask ``g``, per map (float64 ``[10, maps]``, rows
+    :data:`SUM_ROWS`): a few numbers per map, so the scores of a whole run are computed in one call at its end."""
+    _, oc, _, _ = _row_weights(g)
+    q = torch.stack([m.sxx, m.syy, m.sxy])  # 3 maps 2
+    within = (torch.stack([m.sx * m.sx, m.sy * m.sy, m.sx * m.sy]) * oc).sum(-1)  # row by row: any number of maps
+    return torch.cat([torch.stack([m.sx, m.sy]).sum(-1), q.sum(-1), q[..., 0] - within,
+                      torch.stack([m.xmax, m.ymax]).double()])
+
+
+def scores_of_sums(s: Float[Tensor, "10 maps"], g: Geometry) -> dict[str, Tensor]:
+    """r, R², within-row r (float64 ``[maps]`` each) from :func:`moment_sums` on mask ``g`` (maps of many moments
+    side by side), with :mod:`posgen_tl.maths.decompose`'s NaN rules."""
+    _, _, n, nw = _row_weights(g)
+    sx, sy, sxx, syy, sxy, wx, wy, wxy, xmax, ymax = s.unbind(0)
     vx = sxx - sx * sx / n
     vy = syy - sy * sy / n
     cov = sxy - sx * sy / n
@@ -168,28 +192,16 @@ def scores(m: _Moments, g: Geometry) -> dict[str, Tensor]:
     def degen(ss: Tensor, ref: Tensor, cnt: Tensor) -> Tensor:
         return ss <= cnt * (1e-12 * ref) ** 2
 
-    r = torch.where(degen(vx, m.xmax, n) | degen(vy, m.ymax, n) | (n < 2), torch.nan, cov / (vx * vy).sqrt())
+    r = torch.where(degen(vx, xmax, n) | degen(vy, ymax, n) | (n < 2), torch.nan, cov / (vx * vy).sqrt())
     ssres = sxx - 2 * sxy + syy
-    r2 = torch.where(degen(vx, m.xmax, n) | (n < 2), torch.nan, 1 - ssres / vx)  # one entry: no variance to explain
-    ok = (g.cnt >= 2).double()
-    oc = ok / g.cnt.clamp(min=1)
-    wx = m.sxx[..., 0] - (m.sx**2 * oc).sum(-1)  # row by row: the same sums for any number of maps
-    wy = m.syy[..., 0] - (m.sy**2 * oc).sum(-1)
-    wxy = m.sxy[..., 0] - (m.sx * m.sy * oc).sum(-1)
-    nw = (g.cnt * ok).sum()
-    rw = torch.where(degen(wx, m.xmax, nw) | degen(wy, m.ymax, nw) | (nw < 2), torch.nan, wxy / (wx * wy).sqrt())
+    r2 = torch.where(degen(vx, xmax, n) | (n < 2), torch.nan, 1 - ssres / vx)  # one entry: no variance to explain
+    rw = torch.where(degen(wx, xmax, nw) | degen(wy, ymax, nw) | (nw < 2), torch.nan, wxy / (wx * wy).sqrt())
     return {"r": r, "r2": r2, "r_within": rw}
 
 
-def scores_many(ms: list[_Moments], g: Geometry) -> list[dict[str, Tensor]]:
-    """:func:`scores` of several moments on one geometry (e.g. the estimators of one sink) as ONE call on their
-    maps side by side — the same numbers, a fraction of the operations (on a GPU each is a kernel launch)."""
-    if len(ms) == 1:
-        return [scores(ms[0], g)]
-    sizes = [m.sx.shape[0] for m in ms]
-    both = _Moments(*(torch.cat([getattr(m, f.name) for m in ms]) for f in dataclasses.fields(_Moments)))
-    out = {k: v.split(sizes) for k, v in scores(both, g).items()}
-    return [{k: v[i] for k, v in out.items()} for i in range(len(ms))]
+def scores(m: _Moments, g: Geometry) -> dict[str, Tensor]:
+    """r, R², within-row r of moments ``m`` on mask ``g`` (:func:`scores_of_sums` of :func:`moment_sums`)."""
+    return scores_of_sums(moment_sums(m, g), g)
 
 
 def _rowsq(x: Tensor) -> Tensor:
@@ -427,16 +439,23 @@ def sums_of(t: _RowSums, keep: int) -> Sums:
     return Sums(t.n, t.device, t.sx, t.sxx, t.col, t.diag, first, t.xmax)
 
 
+def join_sums(parts: Sequence[Sums]) -> Sums:
+    """The :class:`Sums` of several captures (same ``n``) as one, their maps side by side."""
+    if len(parts) == 1:
+        return parts[0]
+    return Sums(parts[0].n, parts[0].device, *(torch.cat([getattr(p, f) for p in parts])
+                                               for f in ("sx", "sxx", "col", "diag", "first", "xmax")))
+
+
 def fit_moments_many(parts: Sequence[Sums], geoms: dict[int, Geometry]) -> list[dict[tuple[int, str], _Moments]]:
     """:func:`all_fit_moments` of several captures' :class:`Sums` (same ``n``, same masks), their fits solved in ONE
-    call on their maps side by side — the same numbers; each step of the solve costs the same few operations for
-    any number of maps, so one call for many layers replaces one per layer. Returns each part's moments."""
+    call on their maps side by side (:func:`join_sums`) — the same numbers; each step of the solve costs the same few
+    operations for any number of maps, so one call for many layers replaces one per layer. Returns each part's
+    moments."""
+    whole = all_fit_moments(join_sums(parts), geoms)
     if len(parts) == 1:
-        return [all_fit_moments(parts[0], geoms)]
-    both = Sums(parts[0].n, parts[0].device, *(torch.cat([getattr(p, f) for p in parts])
-                                               for f in ("sx", "sxx", "col", "diag", "first", "xmax")))
+        return [whole]
     sizes = [p.sx.shape[0] for p in parts]
-    whole = all_fit_moments(both, geoms)
     out: list[dict[tuple[int, str], _Moments]] = [{} for _ in parts]
     for key, m in whole.items():
         pieces = [getattr(m, f.name).split(sizes) for f in dataclasses.fields(_Moments)]
@@ -456,7 +475,8 @@ def _d3_split(t: _RowSums, sy: Tensor, syy: Tensor, sxy: Tensor, ycols: dict[int
             sy_s, syy_s, sxy_s = sy - yc.sum(-1), syy - (yc * yc).sum(-1), sxy - (xc * yc).sum(-1)
         else:
             sy_s, syy_s, sxy_s = sy, syy, sxy
-        out[s] = _Moments(sx, sy_s, split_rows(sxx, g), split_rows(syy_s, g), split_rows(sxy_s, g), t.xmax, ymax)
+        sxx_s, syy_s, sxy_s = split_rows(torch.stack([sxx, syy_s, sxy_s]), g).unbind(0)  # three in one pass
+        out[s] = _Moments(sx, sy_s, sxx_s, syy_s, sxy_s, t.xmax, ymax)
     return out
 
 

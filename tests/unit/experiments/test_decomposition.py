@@ -409,8 +409,8 @@ def test_the_fits_of_every_layer_are_solved_together(tiny, monkeypatch):
     import posgen_tl.engine.decompose_scores as D
 
     calls: list[int] = []
-    real = D.fit_moments_many
-    monkeypatch.setattr(D, "fit_moments_many", lambda parts, geoms: calls.append(len(parts)) or real(parts, geoms))
+    real = D.join_sums
+    monkeypatch.setattr(D, "join_sums", lambda parts: calls.append(len(parts)) or real(parts))
     whole = _run(tiny)
     spec = probe_hooks(tiny)[0]
     windows = [spec.layer(i).sliding_window for i in range(spec.n_layers)]

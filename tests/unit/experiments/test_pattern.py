@@ -325,9 +325,8 @@ def test_layers_given_in_any_order_are_all_accumulated_when_stacked():
 def test_long_rows_spread_block_is_one_and_a_half_d_head_on_the_cpu_and_an_eighth_of_the_rows_on_a_gpu():
     """The block-Gram spread's block (its numbers do not depend on it: test_band_stats) is 1.5·d_head on the CPU; on
     an accelerator an eighth of the rows (fewer kernel launches), never more than the memory cap allows."""
-    from posgen_tl.experiments.pattern import _spread_block
+    from posgen_tl.experiments.pattern import SPREAD_ENTRIES, _spread_block
     from posgen_tl.hooks.capture import QKCapture
-    from posgen_tl.hooks.stacking import STACK_ENTRIES
 
     def cap(b, n, h, device):
         q = torch.empty(b, n, h, 64, device=device)
@@ -338,7 +337,7 @@ def test_long_rows_spread_block_is_one_and_a_half_d_head_on_the_cpu_and_an_eight
     assert _spread_block(cap(1, 2048, 126, "meta")) == 256
     assert _spread_block(cap(1, 16384, 9, "meta")) == 2048
     capped = _spread_block(cap(4, 16384, 126, "meta"))  # the memory cap binds: [4, 126, block, 2·block] float64
-    assert capped == int((STACK_ENTRIES // (8 * 4 * 126)) ** 0.5) == 364 and 8 * 4 * 126 * capped**2 <= STACK_ENTRIES
+    assert capped == int((SPREAD_ENTRIES // (8 * 4 * 126)) ** 0.5) == 364 and 8 * 4 * 126 * capped**2 <= SPREAD_ENTRIES
     assert _spread_block(cap(1, 400, 9, "meta")) == 50
 
 

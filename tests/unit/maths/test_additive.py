@@ -160,34 +160,41 @@ def test_a_long_mask_costs_no_operator_of_size_n_squared():
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(2, 12), sink=st.integers(0, 1), sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
        seed=st.integers(0, 2**16))
-def test_scores_of_several_moments_in_one_call_equal_each_alone(n, sink, sizes, seed):
-    """``scores_many`` (the estimators of one sink scored side by side) gives each moments' own ``scores`` — r, R²
-    and within-row r, NaN where a map is degenerate (a constant map included here)."""
+def test_scores_of_many_moments_summed_side_by_side_equal_each_alone_and_the_maps_own(n, sink, sizes, seed):
+    """The decomposition scores a whole run at its end: ``moment_sums`` of several moments concatenated, then ONE
+    ``scores_of_sums`` call, gives each moments' own ``scores`` to the bit — r, R² and within-row r, NaN where a
+    map is degenerate (a constant map included here) — and those equal ``score_maps`` on the explicit maps."""
     import dataclasses as dc
 
-    from posgen_tl.maths.moments import _Moments, scores, scores_many, split_rows
+    from posgen_tl.maths.decompose import score_maps
+    from posgen_tl.maths.moments import SUM_ROWS, _Moments, moment_sums, scores, scores_of_sums, split_rows
 
     g = geometry(n, sink, None)
     gen = torch.Generator().manual_seed(seed)
+    mask = causal_mask(n, sink=sink)
+    maps = []
 
-    def moments(maps: int) -> _Moments:
-        x, y = (torch.randn(maps, n, n, generator=gen, dtype=torch.float64) for _ in range(2))
+    def moments(k: int) -> _Moments:
+        x, y = (torch.randn(k, n, n, generator=gen, dtype=torch.float64) for _ in range(2))
         y[0] = 0.5  # a constant approximation: its r is NaN
-        m = causal_mask(n, sink=sink).double()
+        maps.append((x, y))
+        m = mask.double()
         xm, ym = x * m, y * m
         return _Moments(sx=xm.sum(-1), sy=ym.sum(-1), sxx=split_rows((xm * x).sum(-1), g),
                         syy=split_rows((ym * y).sum(-1), g), sxy=split_rows((xm * y).sum(-1), g),
                         xmax=x.abs().amax((1, 2)), ymax=y.abs().amax((1, 2)))
 
     ms = [moments(k) for k in sizes]
-    got = scores_many(ms, g)
-    assert len(got) == len(ms)
-    for m, fit in zip(ms, got):
-        want = scores(m, g)
-        assert set(fit) == set(want) == {"r", "r2", "r_within"}
-        for key in want:
-            torch.testing.assert_close(fit[key], want[key], equal_nan=True, rtol=0, atol=0)
-        assert torch.isnan(fit["r"][0])
+    sums = [moment_sums(m, g) for m in ms]
+    assert [tuple(s.shape) for s in sums] == [(len(SUM_ROWS), k) for k in sizes]
+    together = {key: v.split(sizes) for key, v in scores_of_sums(torch.cat(sums, 1), g).items()}
+    assert set(together) == {"r", "r2", "r_within"}
+    for i, (m, (x, y)) in enumerate(zip(ms, maps)):
+        alone, direct_ = scores(m, g), score_maps(x, y, mask)
+        for key in alone:
+            torch.testing.assert_close(together[key][i], alone[key], equal_nan=True, rtol=0, atol=0)
+            torch.testing.assert_close(alone[key], direct_[key], equal_nan=True, rtol=1e-9, atol=1e-9)
+        assert torch.isnan(together["r"][i][0])
     assert [f.name for f in dc.fields(_Moments)] == ["sx", "sy", "sxx", "syy", "sxy", "xmax", "ymax"]
 
 
