@@ -424,3 +424,32 @@ def test_the_fits_of_every_layer_are_solved_together(tiny, monkeypatch):
     monkeypatch.setattr(D, "FIT_BATCH", 1)  # one capture's sums already fill it: a call per (layer, batch)
     assert_same_scores(whole, _run(tiny), rtol=1e-9)
     assert calls == [1] * spec.n_layers * batches
+
+
+def test_a_runs_scores_are_computed_once_per_mask_and_copied_to_the_host_once(tiny, monkeypatch):
+    """Every (capture, sink, estimator) keeps its moments' few sums per map; the scores of the whole run are ONE
+    ``scores_of_sums`` call per mask (sink kept / excluded; Gemma3's sliding-window layers have their own masks) and
+    ONE copy to the host — and the rows are those of each capture scored alone (``FIT_BATCH`` = 1 solves and scores
+    the fits capture by capture)."""
+    import posgen_tl.engine.decompose_scores as D
+
+    masks: list[int] = []
+    real_scores = D.scores_of_sums
+    monkeypatch.setattr(D, "scores_of_sums", lambda s, g: masks.append(id(g)) or real_scores(s, g))
+    copies = []
+    real_frames = D._Deferred.frames
+
+    def frames(self, docs):
+        copies.append(len(self.records))
+        return real_frames(self, docs)
+
+    monkeypatch.setattr(D._Deferred, "frames", frames)
+    whole = _run(tiny)
+    spec = probe_hooks(tiny)[0]
+    families = len({spec.layer(i).sliding_window for i in range(spec.n_layers)})
+    assert len(masks) == len(set(masks)) == 2 * families  # sink kept and excluded, per mask family
+    batches = -(-N_SEQ // 2)
+    # per capture: D3 of each k̄ kind on both masks, and D1/D2 on both masks
+    assert copies == [spec.n_layers * batches * 2 * (2 + 2)]
+    monkeypatch.setattr(D, "FIT_BATCH", 1)
+    assert_same_scores(whole, _run(tiny), rtol=1e-12)
