@@ -53,12 +53,12 @@ def main() -> None:
 
         setattr(mod, name, g)
 
-    for name in ("_bound_checks", "band_bound_rows", "fit_moments_many", "scores_many", "_hook_w"):
+    for name in ("_bound_checks", "band_bound_rows", "all_fit_moments", "moment_sums", "scores_of_sums", "_hook_w"):
         timed(D, name)
     for name in ("query_operand", "_w_into", "d3_map", "d3_moments", "streamed_moments"):
         timed(DM, name)
     timed(M.Target, "_finish")  # the whole-map target: its mask and sums
-    timed(M, "_fits")  # inside fit_moments_many: the D1/D2 solves
+    timed(M, "_fits")  # inside all_fit_moments: the D1/D2 solves
     b = Bench(a.model, a.n_seq, a.seq_len)
     b.kbar()
     b.decomposition()  # warm-up: geometry, allocator

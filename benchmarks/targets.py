@@ -55,9 +55,10 @@ class Row:
 
 
 def short(commit: str) -> str:
-    """A commit as the table shows it: 7 hex digits, and "(uncommitted changes)" kept when the file says so."""
+    """A commit as the table shows it: 7 hex digits, and "(uncommitted changes)" kept when the file says so (the suite
+    writes ``<commit>+modified``)."""
     c = str(commit)
-    return c.split()[0][:7] + (" (uncommitted changes)" if "uncommitted" in c else "")
+    return c.split()[0][:7] + (" (uncommitted changes)" if "uncommitted" in c or "+modified" in c else "")
 
 
 def steps_ratio(step: str, commit: str) -> Callable[[dict], Reading]:
@@ -144,7 +145,7 @@ def gpu_rows(size: str, file: str) -> list[Row]:
 
 
 _8x512, _4x2048 = "results_steps_8x512_51270d7.json", "results_steps_4x2048_5ae7be2.json"
-_LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_fits_5a0bb2b.json"
+_LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_6524d49.json"
 ROWS: list[Row] = [
     *cpu_rows("8 × 512", dict.fromkeys(("decomposition", "pattern", "sufficiency"), _8x512)),
     *cpu_rows("4 × 2048", {"decomposition": _4x2048, "pattern": _4x2048,
