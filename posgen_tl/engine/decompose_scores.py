@@ -352,11 +352,10 @@ class _Meta:
     layer_ids: tuple[int, ...]
     seq_offset: int
     kind: str
-    device: torch.device
 
     @staticmethod
     def of(c: QKCapture) -> _Meta:
-        return _Meta(c.q.shape[0], c.n_heads, c.layer_ids, c.seq_offset, c.rope.kind, c.q.device)
+        return _Meta(c.q.shape[0], c.n_heads, c.layer_ids, c.seq_offset, c.rope.kind)
 
 
 #: (maps × positions) of D1/D2 fits that wait to be solved together (their float64 sums: ~50 bytes per entry; the
