@@ -22,7 +22,7 @@ __all__ = ["CPU_BLOCK_BYTES", "MIN_BLOCK", "STACK_ENTRIES", "Stacker", "cache_ro
 
 #: on a GPU, the largest stack of layers processed together: its largest float32 buffer (the decomposition keeps about
 #: six map-sized ones: W, the target's padded copy, ``f + g``) holds at most this many entries (4 GiB), and 1/32 of free
-#: memory — on an 80 GB card the latter binds (≈ 2.4 GiB); on an H200 SmolLM2's decomposition at 4 × 2 048 tokens runs
+#: memory — on an 80 GB card the latter binds (≈ 2.3 GiB); on an H200 SmolLM2's decomposition at 4 × 2 048 tokens runs
 #: in stacks of 7 layers, a GPU peak of 13.8 GiB above its start, in 495 ms (at 2²⁹: stacks of 3, 7.9 GiB, 622 ms)
 STACK_ENTRIES = 2**30
 
