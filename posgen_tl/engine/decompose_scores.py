@@ -293,9 +293,8 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             return sequence_key_mean(c.k, sink)
         return k_means if isinstance(k_means, Tensor) else k_means[layer]
 
-    def emit_d3(c: QKCapture, d3: dict[str, dict[int, Any]], checks: dict[str, Tensor],
+    def emit_d3(meta: _Meta, d3: dict[str, dict[int, Any]], checks: dict[str, Tensor],
                 geoms: dict[int, Geometry]) -> None:
-        meta = _Meta.of(c)
         for kind in kinds:
             at = deferred.add_checks(checks[kind])
             for s, m in d3[kind].items():
@@ -328,8 +327,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         else:
             stats, d3 = whole_moments(c, w, kbars, mu[:, 0].float(), geoms, cache)
             del w
-        fits.add(sums_of(stats, fit_columns(geoms)), _Meta.of(c), geoms)  # the fits do not depend on k̄
-        emit_d3(c, d3, checks, geoms)
+        meta = _Meta.of(c)
+        fits.add(sums_of(stats, fit_columns(geoms)), meta, geoms)  # the fits do not depend on k̄
+        emit_d3(meta, d3, checks, geoms)
 
     stream_qk(model, tokens, score, layers, batch_size=batch_size, extra_hooks=extra_hooks, with_scores=use_hook,
               progress=f"decompose[{twin_label}]" if progress else False, chunk=chunk,

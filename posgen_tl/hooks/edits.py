@@ -223,9 +223,10 @@ def _means_key(model: Any, tokens: Tensor, layers: Sequence[int] | None, sink: i
     layers, the sink, the feature, the batch size (the forward's rounding) and the dtype and chunk."""
     from posgen_tl.io.sampling import tokens_fingerprint  # noqa: PLC0415
 
+    t = torch.as_tensor(tokens)
     every = range(probe_hooks(model)[0].n_layers) if layers is None else layers  # None and every layer read alike
-    return (id(model), tokens_fingerprint(tokens), tuple(torch.as_tensor(tokens).shape), tuple(int(x) for x in every), int(sink), target, int(batch_size),
-            str(dtype), int(chunk))
+    return (id(model), tokens_fingerprint(t), tuple(t.shape), tuple(int(x) for x in every), int(sink), target,
+            int(batch_size), str(dtype), int(chunk))
 
 
 def _transient_hooks(model: Any) -> bool:
