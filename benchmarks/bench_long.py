@@ -1,7 +1,7 @@
 """Peak memory and time of the decomposition of ONE long sequence, per length, each length in its own process.
 
     python benchmarks/bench_long.py --lengths 1024,2048,4096,8192,16384 [--model smollm2-135m] [--threads 1]
-        [--forward-max 4096] [--out benchmarks/results/results_long_chunked.json]
+        [--forward-max 4096] [--moments auto|maps|factored] [--out benchmarks/results/results_long_chunked.json]
 
 Per length ``n`` (a fresh process, so each high-water mark is that length's alone): :func:`decompose_model` of one
 sequence with its own k̄ (``k_mean="per_sequence"``: no reference pass; all layers and heads, D1/D2/D3, sink kept and
@@ -40,13 +40,18 @@ def one(args: argparse.Namespace) -> dict:
     from posgen_tl.io.provenance import git_commit
 
     torch.set_num_threads(args.threads)
+    if args.moments != "auto":  # the decomposition's moments from the maps or from their factors
+        from posgen_tl.engine import decompose_scores
+
+        decompose_scores.use_factored = lambda device, n: args.moments == "factored"  # type: ignore[assignment]
     n = args.length
     model = load_model(args.model)
     tokens = corpus_tokens(model, None, seq_len=n, n_seq=1)
     with torch.no_grad():
         model(tokens[:, :16], return_type=None)  # warm-up
     delta: dict = {}
-    out: dict = {"model": args.model, "tokens": n, "threads": args.threads, "chunk": auto_chunk(model, n)}  # the decomposition's
+    out: dict = {"model": args.model, "tokens": n, "threads": args.threads, "chunk": auto_chunk(model, n),
+                 "moments": args.moments}  # the decomposition's
     # the decomposition first, with the heap's freed pages returned (loading leaves some resident; a phase would
     # reuse them without raising the mark, so its rise above the start would understate what it needs)
     release_freed_memory()
@@ -71,6 +76,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--forward-max", type=int, default=4096)
+    ap.add_argument("--moments", choices=("auto", "maps", "factored"), default="auto",
+                    help="the decomposition's moments from the maps or from their factors (auto: the device's choice)")
     ap.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)  # one length (the worker process)
     ap.add_argument("--out", default="benchmarks/results/results_long_chunked.json")
     a = ap.parse_args()
@@ -81,7 +88,7 @@ def main() -> None:
     for n in (int(x) for x in a.lengths.split(",")):
         t = time.perf_counter()
         cmd = [sys.executable, __file__, "--length", str(n), "--model", a.model, "--threads", str(a.threads),
-               "--forward-max", str(a.forward_max)]
+               "--forward-max", str(a.forward_max), "--moments", a.moments]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             rows.append({"tokens": n, "error": res.stderr.strip().splitlines()[-1:], "wall_s": time.perf_counter() - t})

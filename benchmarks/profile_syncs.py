@@ -2,7 +2,7 @@
 
     python benchmarks/profile_syncs.py [--model smollm2-135m] [--n-seq 4] [--seq-len 128] [--device cpu|cuda]
         [--steps decomposition,pattern,sufficiency] [--top 15] [--out syncs.json] [--ops [--lines]] [--stack N]
-        [--kernels]
+        [--kernels] [--moments auto|maps|factored]
 
 On ``cuda`` the count is the driver's own: :func:`torch.cuda.set_sync_debug_mode` warns at every operation that
 makes the host wait for the GPU (``.item()``, ``.tolist()``, a copy to the CPU, a boolean-mask index, …), and each
@@ -154,8 +154,15 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="a torch.profiler trace: device time by operation")
     ap.add_argument("--lines", action="store_true", help="with --ops: count by source line, not by module")
     ap.add_argument("--stack", type=int, default=0, help="layers stacked on the head axis (0: the device's choice)")
+    ap.add_argument("--moments", choices=("auto", "maps", "factored"), default="auto",
+                    help="the decomposition's moments from the maps or from their factors (auto: the device's choice)")
     a = ap.parse_args()
     from suite_steps import Bench
+
+    if a.moments != "auto":
+        import posgen_tl.engine.decompose_scores as dec
+
+        dec.use_factored = lambda device, n: a.moments == "factored"  # type: ignore[assignment]
 
     if a.stack:
         import posgen_tl.engine.decompose_scores as dec

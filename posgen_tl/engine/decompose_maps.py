@@ -16,10 +16,21 @@ from torch import Tensor
 
 from posgen_tl.hooks.capture import QKCapture
 from posgen_tl.maths.decompose import kbar_batched
-from posgen_tl.maths.moments import Geometry, RowStats, Target, d3_moments, streamed_moments
+from posgen_tl.maths.factored import factored_sums
+from posgen_tl.maths.moments import (
+    Geometry,
+    RowStats,
+    Sums,
+    Target,
+    d3_moments,
+    d3_split,
+    fit_columns,
+    row_scale,
+    streamed_moments,
+)
 from posgen_tl.maths.rope import rotate
 
-__all__ = ["block_moments", "d3_map", "map_buffer", "query_operand", "row_maps", "whole_moments"]
+__all__ = ["block_moments", "d3_map", "factored_moments", "map_buffer", "query_operand", "row_maps", "whole_moments"]
 
 
 def query_operand(c: QKCapture, mu: Tensor | None = None) -> Tensor:
@@ -157,3 +168,49 @@ def whole_moments(c: QKCapture, w: Tensor | None, kbars: dict[str, Tensor], mu: 
         d3[kind] = d3_moments(t, y, geoms, shifted=True)
         del y
     return t, d3
+
+
+def factored_moments(c: QKCapture, kbars: dict[str, Tensor], mu: Tensor, geoms: dict[int, Geometry],
+                     chunk: int = 0) -> tuple[Sums, dict[str, dict[int, Any]]]:
+    """What :func:`whole_moments` gives, from the maps' factors alone (:func:`posgen_tl.maths.factored.factored_sums`):
+    ``W − μ = [s·R_i q_i | −μ]·[R_j k_j | 1]`` and each ``f + g − μ = [s·R_i q_i | −μ | s·Λq_i]·[R_j k̄ | 1 | k_j − k̄]``
+    (:func:`query_operand`, :func:`_k_y`) in float64, no ``n × n`` map ever made: time ``O(n·d_head²)`` and memory
+    ``O(n·d_head)`` per head instead of ``O(n²·d_head)`` and ``O(n²)``. ``mu``: each map's shift ``[(batch
+    head_index)]``; ``chunk``: the factored sums' chunk (0: their default). A GPU's path (float64 products are cheap
+    there; on a CPU the maps' float32 row blocks cost less up to several thousand tokens).
+    Returns ``(x's row, column and distance sums — the input of all_fit_moments —, {kind: {sink: D3 moments}})``."""
+    b, n, kv, d = c.rot_k.shape
+    g = c.q.shape[2] // kv
+    rope, dev = c.rope, c.q.device
+    s = rope.score_scale
+    lam = torch.ones(d, dtype=torch.float64, device=dev)
+    lam[: rope.rotary_dim] = rope.attention_scaling**2
+
+    def grouped(v: Tensor) -> Tensor:  # b n (kv g) d -> b kv g n d, a view
+        return v.view(b, n, kv, g, v.shape[-1]).permute(0, 2, 3, 1, 4)
+
+    # the queries [s·R_i q_i | −μ | s·Λq_i], written in place (each part one pass, float64): W − μ reads the first
+    # d + 1 columns, every f + g − μ all of them
+    q = torch.empty(b, kv, g, n, 2 * d + 1, dtype=torch.float64, device=dev)
+    torch.mul(grouped(c.rot_q), torch.full((d,), s, dtype=torch.float64, device=dev), out=q[..., :d])  # in float64
+    q[..., d] = -rearrange(mu.to(dev, torch.float64), "(b kv g) -> b kv g 1", b=b, kv=kv)
+    torch.mul(grouped(c.q), lam * s, out=q[..., d + 1 :])
+    ones = torch.ones(b, kv, n, 1, dtype=torch.float64, device=dev)
+    kt = rearrange(c.rot_k.double(), "b n kv d -> b kv n d")
+    partners = {}
+    for kind, kbar in kbars.items():
+        kb = kbar_batched(kbar.to(dev, torch.float64), b, kv)  # b kv d
+        rot_kb = rotate(kb[:, None].expand(b, n, kv, d), c.positions, rope)  # b n kv d (float64)
+        partners[kind] = torch.cat([rearrange(rot_kb, "b n kv d -> b kv n d"), ones,
+                                    rearrange(c.k.double() - kb[:, None], "b n kv d -> b kv n d")], -1)
+    keep = fit_columns(geoms)
+    xs, ys = factored_sums(q, torch.cat([kt, ones], -1), partners, window=geoms[0].window, keep=keep, chunk=chunk)
+    assert xs.col is not None and xs.diag is not None
+    m = mu.to(c.q.device, torch.float64)
+    stats = Sums(n, c.q.device, xs.s, xs.ss, xs.col, xs.diag, xs.cols, row_scale(xs.ss, m))
+    d3 = {}
+    for kind, y in ys.items():
+        assert y.sxy is not None
+        ycols = {s_: y.cols[..., :s_] for s_ in geoms if s_}
+        d3[kind] = d3_split(stats, y.s, y.ss, y.sxy, ycols, row_scale(y.ss, m), geoms)
+    return stats, d3

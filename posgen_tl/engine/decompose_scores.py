@@ -20,13 +20,14 @@ from einops import rearrange
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.decompose_maps import block_moments, whole_moments
-from posgen_tl.hooks.capture import QKCapture, model_dtype, probe_hooks
+from posgen_tl.engine.decompose_maps import block_moments, factored_moments, whole_moments
+from posgen_tl.hooks.capture import QKCapture, model_device, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
 from posgen_tl.hooks.stacking import cache_rows, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import band_bound_rows, kbar_batched, sequence_key_mean
+from posgen_tl.maths.factored import row_entries
 from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.moments import (
     Geometry,
@@ -41,8 +42,8 @@ from posgen_tl.maths.moments import (
 )
 from posgen_tl.maths.rope import angles, to_bands
 
-__all__ = ["COLUMNS", "ESTIMATORS", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds",
-           "rows_per_block", "score_windows", "score_in_pieces"]
+__all__ = ["COLUMNS", "ESTIMATORS", "FACTORED_FROM", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds",
+           "rows_per_block", "score_windows", "score_in_pieces", "use_factored"]
 
 ESTIMATORS = ("D1", "D2", "D3")
 K_MEAN_KINDS = ("global", "per_sequence")
@@ -257,10 +258,25 @@ def rows_per_block(device: torch.device, maps: int, n: int, row_block: int = 0) 
     return cache_rows(maps, n)
 
 
+#: from this many tokens on a GPU the decomposition's moments come from the maps' factors (:func:`use_factored`)
+FACTORED_FROM = 1024
+
+
+def use_factored(device: torch.device, n: int) -> bool:
+    """Whether the decomposition takes its moments from the maps' factors (no ``n × n`` map,
+    :func:`~posgen_tl.engine.decompose_maps.factored_moments`) for ``n``-token windows on ``device``: on a GPU from
+    :data:`FACTORED_FROM` tokens, where the maps' passes over memory cost more than the factors' float64 products —
+    counted for SmolLM2 (bytes each operation reads and writes, one layer): 17.7 GB from the maps against 7.0 GB from the
+    factors at 4 × 2 048 tokens, 2.5 GB against 3.5 GB at 8 × 512 (the maps' traffic grows as ``n²``, the factors' as
+    ``n``). Not on a CPU, where the maps' float32 row blocks cost as little or less (SmolLM2 on 2 threads,
+    ``benchmarks/bench_factored.py``: slower from the factors at 8 × 512, about the same at 4 × 2 048)."""
+    return device.type != "cpu" and n >= FACTORED_FROM
+
+
 def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: Any, layers: Sequence[int], *, sink: int,
                   batch_size: int, bound_rows: int, twin_label: str, model_label: str | None, progress: bool | str,
                   extra_hooks: Sequence = (), row_block: int = 0, w_from_scores: bool | None = None,
-                  chunk: int = -1, stack: int | None = None) -> pd.DataFrame:
+                  chunk: int = -1, stack: int | None = None, factored: bool | None = None) -> pd.DataFrame:
     """D1/D2/D3 scores of every head of ``layers`` on ``windows`` in one streaming pass: one row per (layer, head,
     window, estimator, k̄ kind of ``kinds``, sink excluded or not) with :data:`COLUMNS` (score columns float64; ``seq``
     indexes ``windows``). ``k_means``: the given or global k̄ (one ``[kv_head, d_head]`` tensor or ``{layer: …}``);
@@ -274,7 +290,10 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
     less than the whole forward's ``n²`` score maps from 1 024 tokens on (SmolLM2 on 2 CPU threads: 4 × 1 024 tokens
     1.86× a forward in chunks against 2.12× with W from the score hook; 2 × 2 048: 1.42× against 1.61×); ``stack``: layers scored together, stacked on the head axis (``None``:
     :func:`stack_size` — one on the CPU, as many as a memory budget allows on a GPU, where each operation costs a
-    kernel launch whatever its size; the numbers are the same up to float rounding)."""
+    kernel launch whatever its size; the numbers are the same up to float rounding); ``factored``: the moments from
+    the maps' factors, no map made (:func:`~posgen_tl.engine.decompose_maps.factored_moments`; ``None``:
+    :func:`use_factored` — on a GPU from :data:`FACTORED_FROM` tokens; ``row_block`` and ``w_from_scores`` then do not
+    apply)."""
     spec, _ = probe_hooks(model)
     layers = spec.layer_indices(layers)  # None: every layer
     tokens = windows.tokens
@@ -306,11 +325,17 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         return {s: geometry(n, s, c.rope.sliding_window, c.q.device) for s in sinks}
 
     chunk = auto_chunk(model, n, chunk, extra_hooks)  # below 1 024 tokens (CPU): W from the score hook is cheaper
-    long = 0 < row_block < n or (not row_block and n > STREAM_ABOVE)  # row blocks to bound memory
-    group = 1 if long else (stack_size(model, min(batch_size, len(tokens)) * n * n, len(layers)) if stack is None
+    if factored is None:
+        factored = use_factored(model_device(model), n)
+    long = not factored and (0 < row_block < n or (not row_block and n > STREAM_ABOVE))  # row blocks bound memory
+    d_head = spec.d_head
+    per_head = min(batch_size, len(tokens)) * n * (row_entries(n, d_head + 1, 2 * d_head + 1, len(kinds)) if factored
+                                                   else n)  # float32 entries a head holds: its maps, or its factors
+    group = 1 if long else (stack_size(model, per_head, len(layers)) if stack is None
                             else max(1, int(stack)))  # row blocks bound memory: one layer at a time
     use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model) and group == 1)
-                and not 0 < chunk < n and probe_hooks(model)[1].scores_kind != "absent")  # else W is recomputed
+                and not factored and not 0 < chunk < n
+                and probe_hooks(model)[1].scores_kind != "absent")  # else W is recomputed
 
     def score(c: QKCapture) -> None:  # one layer, or a stack of layers on the head axis
         geoms = geoms_of(c)
@@ -322,7 +347,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         block = rows_per_block(c.q.device, c.q.shape[0] * c.n_heads, n, row_block)
         stats: Any
-        if block:  # the maps a row block at a time (memory O(block · n) per head)
+        if factored:  # no map: the sums from the maps' factors
+            stats, d3 = factored_moments(c, kbars, mu[:, 0], geoms)
+        elif block:  # the maps a row block at a time (memory O(block · n) per head)
             stats, d3 = block_moments(c, w, kbars, geoms, mu[:, 0].float(), block, cache)
         else:
             stats, d3 = whole_moments(c, w, kbars, mu[:, 0].float(), geoms, cache)

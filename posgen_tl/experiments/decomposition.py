@@ -112,6 +112,7 @@ def decompose_model(
     progress: bool = True,
     extra_hooks: Sequence = (),
     checkpoint: str | Path | None = None,
+    factored: bool | None = None,
     **options: Any,
 ) -> pd.DataFrame:
     """D1/D2/D3 scores of every head's logit map, one row per (layer, head, sequence,
@@ -127,6 +128,8 @@ def decompose_model(
     sequence of both (scored in ONE pass), or a given k̄ — a ``[kv_head, d_head]`` tensor (all layers)
     or ``{layer: [kv_head, d_head]}`` — labelled ``"given"``. ``sink_excluded=True`` rows rescore with
     keys ``j < sink`` removed (only when ``sink > 0``). ``extra_hooks`` are attached to both passes.
+    ``factored``: the moments from the maps' factors instead of the maps (the same numbers to float rounding;
+    ``None``: :func:`posgen_tl.engine.decompose_scores.use_factored` — on a GPU from 1 024 tokens).
     ``checkpoint``: a folder that keeps each finished batch's rows; a rerun of the same design (config, model,
     windows, reference, k̄) continues where an interrupted one stopped, to the same rows.
 
@@ -163,7 +166,7 @@ def decompose_model(
                      base.means_fingerprint(given if isinstance(given, dict) else {-1: given}))
     df = score_in_pieces(model, windows, kinds, given, layers, pieces=ck, sink=cfg.sink, batch_size=cfg.batch_size,
                          bound_rows=cfg.bound_rows, twin_label=twin_label, model_label=model_label, progress=progress,
-                         extra_hooks=extra_hooks, row_block=cfg.row_block, chunk=cfg.chunk)
+                         extra_hooks=extra_hooks, row_block=cfg.row_block, chunk=cfg.chunk, factored=factored)
     df.attrs["analysed_docs"] = sorted({windows.doc_names[i] for i in windows.doc_ids.tolist()})
     df.attrs["reference_docs"] = [] if ref is None else sorted({ref.doc_names[i] for i in ref.doc_ids.tolist()})
     return df

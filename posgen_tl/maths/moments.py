@@ -209,7 +209,7 @@ def _rowsq(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1).double().square()
 
 
-def _scale(sq: Tensor, mu: Tensor) -> Tensor:
+def row_scale(sq: Tensor, mu: Tensor) -> Tensor:
     """``max_i ‖row_i‖₂ + |μ|`` → float64 ``[maps]``: a magnitude ≥ ``max |x + μ|`` for the degeneracy
     test (between ``max |x|`` and ``√n·max |x|``; costs nothing once the row sums of squares exist)."""
     return sq.amax(-1).sqrt() + mu.double().abs()
@@ -311,7 +311,7 @@ class Target(_RowSums):
         self.sxx = _rowsq(x)
         self.col = x.sum(-2).double()
         self.diag = self.view.sum(-2).double().flip(-1)  # [maps, d]
-        self.xmax = _scale(self.sxx, mu)
+        self.xmax = row_scale(self.sxx, mu)
 
     def sink_cols(self, sink: int) -> Tensor:
         return self.x[..., :sink]
@@ -464,7 +464,7 @@ def fit_moments_many(parts: Sequence[Sums], geoms: dict[int, Geometry]) -> list[
     return out
 
 
-def _d3_split(t: _RowSums, sy: Tensor, syy: Tensor, sxy: Tensor, ycols: dict[int, Tensor], ymax: Tensor,
+def d3_split(t: _RowSums, sy: Tensor, syy: Tensor, sxy: Tensor, ycols: dict[int, Tensor], ymax: Tensor,
               geoms: dict[int, Geometry]) -> dict[int, _Moments]:
     """The D3 moments per mask from the sink-kept row sums of y (``ycols``: y's first columns per sink, float64)."""
     out = {}
@@ -489,7 +489,7 @@ def d3_moments(t: Target, y: Tensor, geoms: dict[int, Geometry], shifted: bool =
     sy, syy = y.sum(-1).double(), _rowsq(y)
     ycols = {s: y[..., :s].to(torch.float64, copy=True) for s in geoms if s}  # a copy: y is overwritten below
     sxy = y.mul_(t.x).sum(-1).double()
-    return _d3_split(t, sy, syy, sxy, ycols, _scale(syy, t.mu), geoms)
+    return d3_split(t, sy, syy, sxy, ycols, row_scale(syy, t.mu), geoms)
 
 
 # ----------------------------------------------------------------------------- query-row blocks (long sequences)
@@ -523,7 +523,7 @@ class RowStats(_RowSums):
 
     def finish(self) -> RowStats:
         """After the last block: the magnitude of x for the degeneracy test (as :class:`Target`'s)."""
-        self.xmax = _scale(self.sxx, self.mu)
+        self.xmax = row_scale(self.sxx, self.mu)
         return self
 
     def sink_cols(self, sink: int) -> Tensor:
@@ -595,6 +595,6 @@ def streamed_moments(
             ycols[k][:, r0:r1, :kk] = y[..., :kk].double()
             acc[k]["sxy"][:, r0:r1] = y.mul_(x).sum(-1).double()
     st.finish()
-    d3 = {k: _d3_split(st, a["sy"], a["syy"], a["sxy"], {s: ycols[k][..., :s] for s in sinks if s},
-                       _scale(a["syy"], mu), geoms) for k, a in acc.items()}
+    d3 = {k: d3_split(st, a["sy"], a["syy"], a["sxy"], {s: ycols[k][..., :s] for s in sinks if s},
+                       row_scale(a["syy"], mu), geoms) for k, a in acc.items()}
     return st, d3

@@ -65,10 +65,19 @@ def test_columns_shape_and_layer_groups(tiny):
     assert set(_run(tiny, sink=0).sink_excluded) == {False}
 
 
-def test_scores_match_reference_functions(tiny):
+@pytest.mark.parametrize("factored", [False, True], ids=["maps", "factored"])
+def test_scores_match_reference_functions(tiny, factored, monkeypatch):
     """r, R², within-row r of D1/D2/D3 equal score_maps(W, fit_additive(W).fitted / d3_split f+g),
-    D3 with the global k̄ (reference rows) and with each sequence's own sink-excluded mean key."""
-    df = _run(tiny)
+    D3 with the global k̄ (reference rows) and with each sequence's own sink-excluded mean key — from the maps (this
+    CPU's path) and from their factors (a GPU's, :func:`posgen_tl.engine.decompose_maps.factored_moments`, forced)."""
+    import posgen_tl.engine.decompose_maps as dmaps
+    import posgen_tl.engine.decompose_scores as D
+
+    calls: list = []
+    real = dmaps.factored_moments
+    monkeypatch.setattr(D, "factored_moments", lambda *a, **k: calls.append(1) or real(*a, **k))
+    df = _run(tiny, factored=factored)
+    assert bool(calls) == factored  # the path asked for was taken
     toks = _tokens()
     kms = reference_key_means(tiny, toks[-N_REF:], sink=1, progress=False)
     for layer, c in capture_qk(tiny, toks[:N_SEQ]).items():
@@ -325,6 +334,15 @@ def test_the_maps_are_scored_in_row_blocks_where_they_should(monkeypatch):
         assert 0 < b <= n and -(-n // b) == -(-n // want)  # as many blocks as the budget asks, evened out
         assert b == n or 4 * maps * b * n <= CPU_BLOCK_BYTES or b <= MIN_BLOCK
     assert dm.rows_per_block(cpu, 36, 512) == 74  # SmolLM2 at 4 × 512: 7 blocks
+
+
+def test_the_moments_come_from_the_factors_on_a_gpu_from_factored_from_tokens():
+    from posgen_tl.engine import decompose_scores as dm
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert not dm.use_factored(cpu, 16384) and not dm.use_factored(cpu, 512)
+    assert dm.use_factored(gpu, dm.FACTORED_FROM) and dm.use_factored(gpu, 16384)
+    assert not dm.use_factored(gpu, dm.FACTORED_FROM - 1) and dm.FACTORED_FROM == 1024
 
 
 def test_whole_maps_and_row_blocks_give_the_same_scores(tiny, monkeypatch):
