@@ -182,6 +182,24 @@ def test_every_analysis_on_cuda_matches_cpu():
 
 
 @needs_gpu
+@pytest.mark.parametrize("which", ["hf_llama", "hf_gemma3"])
+def test_the_decomposition_from_the_factors_on_cuda_matches_the_maps_on_the_cpu(which):
+    """The factored moments (a GPU's path from 1 024 tokens, forced here at 24) on ``cuda`` against the CPU's maps:
+    GQA, and Gemma3's sliding window and QK-norm."""
+    from score_frames import assert_same_scores
+
+    from posgen_tl.experiments.decomposition import decompose_model
+
+    toks = torch.randint(3, 90, (4, 24), generator=torch.Generator().manual_seed(0))
+    kw = dict(reference=toks[-1:], sink=1, batch_size=2, bound_rows=8, progress=False)
+    torch.manual_seed(0)
+    want = decompose_model(getattr(tm, which)()[0], toks[:-1], factored=False, **kw)
+    torch.manual_seed(0)
+    got = decompose_model(getattr(tm, which)()[0].to("cuda"), toks[:-1], factored=True, **kw)
+    assert_same_scores(want, got, rtol=1e-4, atol=1e-5)
+
+
+@needs_gpu
 @needs_accelerate
 def test_device_map_auto_on_gpu(tiny_folder):
     from posgen_tl.experiments.pattern import feature_pattern
