@@ -49,7 +49,7 @@ class FactorSums:
     diag: Tensor | None = None  # [maps, n]
 
 
-def chunk_size(n: int, p: int, window: int | None = None) -> int:
+def chunk_size(n: int, p: int) -> int:
     """Rows and keys per chunk: about half the factors' width ``p`` — the largest power of two ≤ ``p/2``, between 16
     and 256 —, at most ``n``. The explicit blocks' passes cost ``∝ n·C``, the states' ``∝ (n/C)·p²``: counted for
     SmolLM2 at 4 × 2 048 tokens (``p = 129``), one layer reads and writes 7.6, 7.0, 7.2 and 8.5 GB at ``C`` = 32, 64,
@@ -168,7 +168,7 @@ def factored_sums(
         if pb.shape[:-1] != b.shape[:-1] or not p <= pb.shape[-1] <= width:
             raise ValueError(f"partner {name!r}: keys {tuple(pb.shape)}, need [batch, kv, pos, p'] with {p} ≤ p' ≤ "
                              f"{width} (the queries' width)")
-    c = chunk or chunk_size(n, max([p, *(pb.shape[-1] for pb in partners.values())]), window)
+    c = chunk or chunk_size(n, max([p, *(pb.shape[-1] for pb in partners.values())]))
     nc = -(-n // c)
     explicit, last = _offsets(nc, c, window)
     dev = q.device
