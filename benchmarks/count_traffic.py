@@ -32,6 +32,8 @@ VIEWS = {"view", "reshape", "as_strided", "expand", "permute", "transpose", "t",
          "squeeze", "alias", "_unsafe_view", "detach", "unbind", "split", "chunk", "narrow", "diagonal", "unfold",
          "view_as_real", "view_as_complex", "_reshape_alias", "lift_fresh", "real", "imag", "conj", "_conj",
          "resolve_conj", "_neg_view"}
+#: operations that read no input data (an input only gives the shape, dtype or device): only their outputs count
+FACTORIES = {"new_zeros", "new_ones", "new_empty", "new_full", "empty_like", "zeros_like", "ones_like", "full_like"}
 
 
 def tally(fn) -> dict:
@@ -55,8 +57,8 @@ def tally(fn) -> dict:
             name = func.__name__.split(".")[0]
             if name not in VIEWS:
                 self.ops += 1
-                self.by_op[name] += sum(size(a) for a in tree_leaves((args, kwargs))) + sum(
-                    size(o) for o in tree_leaves(out))
+                read = 0 if name in FACTORIES else sum(size(a) for a in tree_leaves((args, kwargs)))
+                self.by_op[name] += read + sum(size(o) for o in tree_leaves(out))
             return out
 
     count, flops = Count(), FlopCounterMode(display=False)

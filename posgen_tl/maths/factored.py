@@ -7,11 +7,13 @@ x``, and the first few columns. Both maps are bilinear in the captured queries a
 ``≈ 2·d_head`` for ``f + g`` — so those sums never need the ``n × n`` maps:
 
 * the mask is cut into chunks of ``C`` query rows and ``C`` keys; a (row chunk, key chunk) pair that the mask covers
-  whole contributes through the key chunk's **states** — ``Σ_j b_j`` and the Gram matrices ``Σ_j b_j b_jᵀ``,
-  ``Σ_j b_j b'_jᵀ`` — since ``Σ_j (a·b_j)² = aᵀ(Σ_j b_j b_jᵀ)a`` and ``Σ_j (a·b_j)(a'·b'_j) = aᵀ(Σ_j b_j b'_jᵀ)a'``;
-  the states of the chunks a row chunk sees are a running sum over chunks (a difference of two for a window);
+  whole contributes through the key chunk's **states** — the Gram matrices ``Σ_j b_j b_jᵀ``, ``Σ_j b_j b'_jᵀ`` and the
+  sums ``Σ_j b_j`` (a column of ones beside the keys) — since ``Σ_j (a·b_j)² = aᵀ(Σ_j b_j b_jᵀ)a``, ``Σ_j
+  (a·b_j)(a'·b'_j) = aᵀ(Σ_j b_j b'_jᵀ)a'`` and ``Σ_j a·b_j = a·Σ_j b_j``; the states of the chunks a row chunk sees
+  are ONE product of the chunks' own with a 0/1 band over the chunk axis (every earlier chunk, or those inside a
+  window), and the target's Gram matrices with every partner's come from one product of the queries;
 * the pairs the mask covers in part (the diagonal chunk, and at a window's edge one or two chunks) are computed as
-  explicit ``C × C`` blocks and masked;
+  explicit ``C × C`` blocks and masked; the column sums come from the blocks and from the row chunks' sums;
 * the distance sums ``Σ_i x[i, i − d]`` are a cross-correlation of the factors along positions (an FFT of length
   ``2n``, summed over the factor's width).
 
@@ -60,13 +62,19 @@ def chunk_size(n: int, p: int) -> int:
     return max(1, min(c, n))
 
 
-def row_entries(n: int, p: int, p2: int, partners: int) -> int:
-    """About how many float32-sized entries :func:`factored_sums` holds at once per query row of a map (its float64
-    factors, their chunked copies, the FFT's spectra, the blocks and the states' products), for a target of width
-    ``p`` and ``partners`` partners of width ``p2`` sharing one query factor — the measure a caller budgets memory by
-    (an ``n × n`` map holds ``n``)."""
+def row_entries(n: int, p: int, p2: int, partners: int, group: int = 1) -> int:
+    """About how many float32-sized entries :func:`factored_sums` and its caller
+    (:func:`posgen_tl.engine.decompose_maps.factored_moments`) hold at once per query row of a map, for a target of
+    width ``p`` and ``partners`` partners of width ``p2`` sharing one query factor, ``group`` query heads per kv-head —
+    the measure a caller budgets memory by (an ``n × n`` map holds ``n``). Their peak is the states' product: the
+    float64 queries and their chunked copy (``2·p2``), the product's row (``w_k = p + 1 + partners·(p2 + 1)``) and
+    the chunks' states (``p·w_k / (group·C)``), with the keys (``(w_k + p + partners·p2) / group``); 10 % above that
+    for the caller's rotated k̄ (measured: SmolLM2, 8 × 512 … 1 × 4 096 tokens, 1 942 entries per row where this
+    gives 2 004)."""
     c = chunk_size(n, max(p, p2))
-    return 2 * (6 * p + 4 * p2 + partners * (p2 + 2 * c) + 2 * c)
+    wk = p + 1 + partners * (p2 + 1)
+    f64 = 2 * p2 + max(wk + p * wk / (group * c), 2 * c) + (wk + p + partners * p2) / group
+    return int(2 * 1.1 * f64) + 1
 
 
 def _offsets(n_chunks: int, c: int, window: int | None) -> tuple[list[int], int]:
@@ -91,30 +99,34 @@ def _block_mask(o: int, c: int, window: int | None, device: torch.device) -> Ten
     return keep.double()
 
 
-def _states(keys: Tensor, other: Tensor, last: int) -> Tensor:
-    """Per row chunk ``c``, ``Σ keys_j other_jᵀ`` over the key chunks ``c − last … c − 1`` that it sees whole (``[B, K,
-    nc, c, p] × [B, K, nc, c, p'] → [B, K, nc, p, p']``; ``last ≥ nc − 1``: every earlier chunk). Shifted by one chunk
-    with a copy of the states, not of the rows: a slice of the rows would be copied by every product it enters."""
-    g = keys.mT @ other
-    cs = torch.cat([torch.zeros_like(g[:, :, :1]), g[:, :, :-1]], 2).cumsum_(2)  # exclusive running sum
-    nc = cs.shape[2]
+#: up to this many chunks the running sums over chunks are ONE product with a 0/1 band (one pass over the states);
+#: beyond, a cumulative sum (its time linear, not quadratic, in the number of chunks)
+BAND_UP_TO = 256
+
+
+def _band_sum(v: Tensor, last: int, reverse: bool = False) -> Tensor:
+    """Per chunk ``r`` of ``v``'s chunk axis (dim 2 of ``[B, K, nc, …]``), ``Σ v[k]`` over ``1 ≤ r − k ≤ last`` —
+    the key chunks row chunk ``r`` sees whole (every earlier chunk, or those inside a window) —, or with ``reverse``
+    per key chunk ``k`` the sum over the row chunks ``r`` that see it whole. Same shape as ``v``."""
+    nc = v.shape[2]
+    if nc <= BAND_UP_TO:
+        d = torch.arange(nc, device=v.device)
+        t = ((d[:, None] - d[None, :] >= 1) & (d[:, None] - d[None, :] <= last)).to(v.dtype)
+        return ((t.mT if reverse else t) @ v.flatten(3)).view(v.shape)
+    if reverse:
+        return _band_sum(v.flip(2), last).flip(2)
+    cs = v.cumsum(2)
+    out = torch.zeros_like(v)
+    out[:, :, 1:] = cs[:, :, :-1]
     if last < nc - 1:
-        cs[:, :, last:] -= cs[:, :, : nc - last].clone()
-    return cs
-
-
-def _windowed_prefix(v: Tensor, window: int | None) -> Tensor:
-    """``Σ_{j ∈ [i − w + 1, i]} v_j`` per position ``i`` along dim −2 (``w`` = ``window``; None: ``j ≤ i``)."""
-    out = v.cumsum(-2)
-    n = v.shape[-2]
-    if window is not None and window < n:
-        out[..., window:, :] -= out[..., : n - window, :].clone()
+        out[:, :, last + 1 :] -= cs[:, :, : nc - last - 1]
     return out
 
 
-def _windowed_suffix(v: Tensor, window: int | None) -> Tensor:
-    """``Σ_{i ∈ [j, j + w − 1]} v_i`` per position ``j`` along dim −2."""
-    return _windowed_prefix(v.flip(-2), window).flip(-2)
+def _states(keys: Tensor, other: Tensor, last: int) -> Tensor:
+    """Per row chunk, ``Σ keys_j other_jᵀ`` over the key chunks it sees whole (``[B, K, nc, c, p] × [B, K, nc, c,
+    p'] → [B, K, nc, p, p']``): the chunks' Gram matrices, summed by :func:`_band_sum`."""
+    return _band_sum(keys.mT @ other, last)
 
 
 def _diag_sums(a: Tensor, b: Tensor, window: int | None) -> Tensor:
@@ -170,69 +182,105 @@ def factored_sums(
                              f"{width} (the queries' width)")
     c = chunk or chunk_size(n, max([p, *(pb.shape[-1] for pb in partners.values())]))
     nc = -(-n // c)
-    explicit, last = _offsets(nc, c, window)
-    dev = q.device
-    a = q[..., :p]
-
-    # linear sums from running sums over positions (no chunks): row i · Σ of its keys, key j · Σ of its rows
-    sx = torch.einsum("bkgnp,bknp->bkgn", a, _windowed_prefix(b, window))
-    col = torch.einsum("bkgnp,bknp->bkgn", _windowed_suffix(a, window), b)
-
-    # [B, K, G, n, width] -> [B, K, nc, (G c), width]: a row chunk of every head, ONE copy of the queries
-    Q = _chunked(q, nc, c).permute(0, 1, 3, 2, 4, 5).reshape(B, K, nc, G * c, width)
-    A, Bk = Q[..., :p], _chunked(b, nc, c)  # B K nc (G c) p (a view), B K nc c p
-    fc = {name: (Q[..., : pb.shape[-1]], _chunked(pb, nc, c)) for name, pb in partners.items()}
-    sxx = A.new_zeros(B, K, nc, G * c)
-    acc = {name: (sxx.clone(), sxx.clone()) for name in partners}  # Σy², Σx·y per row
-    for o in explicit:  # the blocks the mask covers in part: computed and masked
-        if o >= nc:
-            continue
-        m = _block_mask(o, c, window, dev)
-
-        def block(qq: Tensor, k: Tensor, o: int = o, m: Tensor = m) -> Tensor:  # rows of chunks o…, keys o earlier
-            out = qq[:, :, o:] @ k[:, :, : nc - o].mT  # B K (nc − o) (G c) c
-            return out.view(*out.shape[:3], G, c, c).mul_(m).view(out.shape)
-
-        xb = block(A, Bk)
-        sxx[:, :, o:] += _rowsq(xb)
-        for name, (pa, pb) in fc.items():
-            yb = block(pa, pb)
-            ss_, sxy_ = acc[name]
-            ss_[:, :, o:] += _rowsq(yb)
-            sxy_[:, :, o:] += yb.mul_(xb).sum(-1)
-    if last >= 1:  # the key chunks the mask covers whole: through their states
-        def form(q: Tensor, st: Tensor, r: Tensor) -> Tensor:  # q_i · st · r_i per row
-            return _rowdot((q @ st).unsqueeze(-2), r).squeeze(-1)
-
-        sxx += form(A, _states(Bk, Bk, last), A)
-        for name, (pa, pb) in fc.items():
-            ss_, sxy_ = acc[name]
-            ss_ += form(pa, _states(pb, pb, last), pa)
-            sxy_ += form(A, _states(Bk, pb, last), pa)  # Σ_j x·y = a·(Σ_j b_j b'_jᵀ)·[a | e]
+    fam = [b, *partners.values()]
+    # first what needs the queries in their own layout (their copies freed before the chunks' are made)
+    diag = _diag_sums(q[..., :p], b, window).reshape(B * K * G, n)
+    cols = _first_columns(q, fam, keep, window)
+    per_row, col = _chunk_sums(q, fam, c, window)
 
     def per_map(v: Tensor) -> Tensor:  # [B, K, nc, (G c)] -> [(B K G), n]
         return v.view(B, K, nc, G, c).permute(0, 1, 3, 2, 4).reshape(B * K * G, nc * c)[:, :n]
 
-    def flat(v: Tensor) -> Tensor:  # [B, K, G, n] -> [(B K G), n]
-        return v.reshape(B * K * G, n)
-
-    def first(fa: Tensor, fb: Tensor) -> Tensor:  # the map's first `keep` columns, masked: [(B K G), n, keep]
-        kk = min(keep, n)
-        v = fa @ fb[:, :, None, :kk].mT  # B K G n kk
-        i = torch.arange(n, device=dev)[:, None]
-        j = torch.arange(kk, device=dev)[None, :]
-        ok = j <= i
-        if window is not None:
-            ok &= i - j <= window - 1
-        v = (v * ok).reshape(B * K * G, n, kk)
-        return torch.nn.functional.pad(v, (0, keep - kk)) if kk < keep else v
-
-    xs = FactorSums(flat(sx), per_map(sxx), first(a, b), col=flat(col),
-                    diag=_diag_sums(a, b, window).reshape(B * K * G, n))
-    ys = {name: FactorSums(flat(torch.einsum("bkgnp,bknp->bkgn", q[..., : pb.shape[-1]], _windowed_prefix(pb, window))),
-                           per_map(acc[name][0]), first(q[..., : pb.shape[-1]], pb), sxy=per_map(acc[name][1]))
-          for name, pb in partners.items()}
+    xs = FactorSums(per_map(per_row[0]), per_map(per_row[1]), cols[:, :, 0], col=per_map(col), diag=diag)
+    ys = {name: FactorSums(per_map(per_row[2 + 3 * f]), per_map(per_row[3 + 3 * f]), cols[:, :, f + 1],
+                           sxy=per_map(per_row[4 + 3 * f]))
+          for f, name in enumerate(partners)}
     return xs, ys
+
+
+def _first_columns(q: Tensor, fam: list[Tensor], keep: int, window: int | None) -> Tensor:
+    """Each family's map's first ``keep`` columns, masked (0 past ``n``), ``[(B K G), n, F, keep]`` for the
+    families' keys ``fam`` (``[B, K, n, p_f]``): ONE product of the queries with every family's first keys."""
+    B, K, G, n, width = q.shape
+    kk = min(keep, n)
+    if not kk:
+        return q.new_zeros(B * K * G, n, len(fam), keep)
+    first = torch.cat([torch.nn.functional.pad(v[:, :, :kk], (0, width - v.shape[-1])) for v in fam],
+                      2)  # B K (F kk) width
+    fv = q @ first[:, :, None].mT  # B K G n (F kk)
+    i = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(kk, device=q.device)[None, :]
+    ok = j <= i
+    if window is not None:
+        ok &= i - j <= window - 1
+    fv = (fv.view(*fv.shape[:-1], len(fam), kk) * ok[:, None]).reshape(B * K * G, n, len(fam), kk)
+    return torch.nn.functional.pad(fv, (0, keep - kk)) if kk < keep else fv
+
+
+def _chunk_sums(q: Tensor, fam: list[Tensor], c: int, window: int | None) -> tuple[list[Tensor], Tensor]:
+    """The per-row sums of every family and the target's column sums by chunks of ``c`` (the module's method):
+    ``([Σx, Σx², then per partner Σy, Σy², Σx·y], Σ_i x)``, each ``[B, K, nc, (G c)]`` (row chunks of every head)."""
+    B, K, G, n, width = q.shape
+    nc = -(-n // c)
+    explicit, last = _offsets(nc, c, window)
+    p = fam[0].shape[-1]
+    # [B, K, G, n, width] -> [B, K, nc, (G c), width]: a row chunk of every head, ONE copy of the queries
+    Q = _chunked(q, nc, c).permute(0, 1, 3, 2, 4, 5).reshape(B, K, nc, G * c, width)
+    A = Q[..., :p]  # a view
+    # the keys side by side, each with a column of ones (its chunk's sum comes with its Gram matrix): [b | 1 | b' | 1
+    # | …], zero past the last position, chunked [B, K, nc, c, width_k]
+    at, parts = [0], [fam[0], fam[0].new_ones(*fam[0].shape[:-1], 1)]
+    for pb in fam[1:]:
+        at.append(at[-1] + parts[-2].shape[-1] + 1)
+        parts += [pb, parts[1]]
+    Kc = _chunked(torch.cat(parts, -1), nc, c)
+    Bk = Kc[..., :p]
+    fc = [(Q[..., : pb.shape[-1]], Kc[..., o : o + pb.shape[-1] + 1], o) for pb, o in zip(fam[1:], at[1:])]
+    sums = [A.new_zeros(B, K, nc, G * c) for _ in range(2 + 3 * len(fc))]  # Σx, Σx², per partner Σy, Σy², Σx·y
+    col = A.new_zeros(B, K, nc, G, c)
+    for o in explicit:  # the blocks the mask covers in part: computed and masked
+        if o < nc:
+            _explicit_blocks(A, Bk, fc, _block_mask(o, c, window, q.device), o, sums, col)
+    if last >= 1:  # the key chunks the mask covers whole: through their states
+        # ONE product of the target's queries with [Σ b bᵀ | Σ b | Σ b b'ᵀ | Σ b' | …]: Σx², Σx and each Σx·y
+        out = A @ _states(Bk, Kc, last)  # B K nc (G c) width_k
+        sums[0] += out[..., p]
+        sums[1] += _dot(out[..., :p], A)
+        for f, (pa, _, o) in enumerate(fc):
+            sums[4 + 3 * f] += _dot(out[..., o : o + pa.shape[-1]], pa)  # Σ_j x·y = a·(Σ_j b_j b'_jᵀ)·a'
+        del out
+        for f, (pa, pk, _) in enumerate(fc):
+            outy = pa @ _states(pk[..., :-1], pk, last)  # [Σ b' b'ᵀ | Σ b']
+            sums[2 + 3 * f] += outy[..., -1]
+            sums[3 + 3 * f] += _dot(outy[..., :-1], pa)
+            del outy
+        # columns: key j times the sum of the rows that see its chunk whole (per head), from the chunks' row sums
+        rows = _band_sum(A.reshape(B, K, nc, G, c, p).sum(-2), last, reverse=True)  # B K nc G p: per key chunk
+        col += (Bk @ rows.mT).mT  # B K nc G c
+    return sums, col.flatten(-2)
+
+
+def _explicit_blocks(A: Tensor, Bk: Tensor, fc: list[tuple[Tensor, Tensor, int]], m: Tensor, o: int,
+                     sums: list[Tensor], col: Tensor) -> None:
+    """Add the masked blocks of row chunks ``o …`` against the key chunks ``o`` earlier (``m``: :func:`_block_mask`)
+    to ``sums`` and ``col`` (:func:`_chunk_sums`' accumulators, in place)."""
+    nc, c = Bk.shape[2], Bk.shape[3]
+    g = A.shape[3] // c
+
+    def block(qq: Tensor, k: Tensor) -> Tensor:  # B K (nc − o) (G c) c
+        out = qq[:, :, o:] @ k[:, :, : nc - o].mT
+        return out.view(*out.shape[:3], g, c, c).mul_(m).view(out.shape)
+
+    xb = block(A, Bk)
+    sums[0][:, :, o:] += xb.sum(-1)
+    sums[1][:, :, o:] += _rowsq(xb)
+    col[:, :, : nc - o] += xb.view(*xb.shape[:3], g, c, c).sum(-2)  # the keys' chunks are o earlier
+    for f, (pa, pk, _) in enumerate(fc):
+        yb = block(pa, pk[..., :-1])
+        sums[2 + 3 * f][:, :, o:] += yb.sum(-1)
+        sums[3 + 3 * f][:, :, o:] += _rowsq(yb)
+        sums[4 + 3 * f][:, :, o:] += _dot(yb, xb)
+        del yb
 
 
 def _rowsq(x: Tensor) -> Tensor:
@@ -240,6 +288,7 @@ def _rowsq(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1).square_()
 
 
-def _rowdot(x: Tensor, y: Tensor) -> Tensor:
-    """``Σ_j x[..., r, j]·y[..., j]`` → ``[..., r]`` as a batched matrix–vector product (no map of the products)."""
-    return (x @ y.unsqueeze(-1)).squeeze(-1)
+def _dot(x: Tensor, y: Tensor) -> Tensor:
+    """``Σ_j x[..., j]·y[..., j]`` → ``[...]`` as a batched product of a row and a column (no map of the products; a
+    slice along the last axis is read in place)."""
+    return (x.unsqueeze(-2) @ y.unsqueeze(-1))[..., 0, 0]

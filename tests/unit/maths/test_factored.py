@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from posgen_tl.maths import factored
 from posgen_tl.maths.decompose import causal_mask, score_maps
-from posgen_tl.maths.factored import chunk_size, factored_sums
+from posgen_tl.maths.factored import chunk_size, factored_sums, row_entries
 from posgen_tl.maths.moments import Sums, d3_split, geometry, row_scale, scores
 
 shapes = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 40), st.integers(1, 9),
@@ -66,9 +67,12 @@ def test_factored_sums_equal_the_sums_of_the_explicit_maps(shape, window, chunk,
     assert xs.sxy is None
 
 
-def test_the_chunked_sums_see_every_block_the_mask_keeps():
+@pytest.mark.parametrize("band_up_to", [256, 0])
+def test_the_chunked_sums_see_every_block_the_mask_keeps(band_up_to, monkeypatch):
     """Many chunks and a window that ends inside a chunk (the blocks computed explicitly AND the states are both
-    in use): a sum that dropped one block, or counted one twice, would differ by that block's sum."""
+    in use): a sum that dropped one block, or counted one twice, would differ by that block's sum — with the running
+    sums over chunks as a band product and as cumulative sums (``BAND_UP_TO``)."""
+    monkeypatch.setattr(factored, "BAND_UP_TO", band_up_to)
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(1, 2, 2, 50, 4, generator=gen, dtype=torch.float64)
     b = torch.randn(1, 2, 50, 4, generator=gen, dtype=torch.float64) + 1.0  # a non-zero mean: each block counts
@@ -78,6 +82,12 @@ def test_the_chunked_sums_see_every_block_the_mask_keeps():
         torch.testing.assert_close(xs.s, x.sum(-1), atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(xs.ss, (x * x).sum(-1), atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(xs.col, x.sum(-2), atol=1e-10, rtol=1e-10)
+        e = torch.randn(1, 2, 2, 50, 3, generator=gen, dtype=torch.float64)
+        pb = torch.randn(1, 2, 50, 7, generator=gen, dtype=torch.float64) - 0.5
+        _, ys = factored_sums(torch.cat([a, e, a[..., :1]], -1), b, {"y": pb}, window=window, keep=0, chunk=chunk)
+        y = _explicit(torch.cat([a, e], -1), pb, causal_mask(50, sink=0, sliding_window=window))
+        for key, v in {"s": y.sum(-1), "ss": (y * y).sum(-1), "sxy": (x * y).sum(-1)}.items():
+            torch.testing.assert_close(getattr(ys["y"], key), v, atol=1e-10, rtol=1e-10, msg=key)
 
 
 def test_bad_factors_are_refused_by_name():
@@ -124,3 +134,36 @@ def test_moments_from_factors_score_as_the_maps(n, sink, window, seed):
         for key in ("r", "r2", "r_within"):
             torch.testing.assert_close(got[key], want[key].reshape(-1), atol=1e-8, rtol=1e-8, equal_nan=True,
                                        msg=f"sink {s} {key}")
+
+
+def _peak_bytes(fn) -> int:
+    """The most bytes of CPU tensors ``fn()`` holds at once above its start (the profiler's allocations and frees,
+    in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_row_entries_bounds_the_memory_the_factored_sums_hold(group):
+    """The budget a caller stacks layers by (:func:`row_entries`) is above what the factors and the sums really hold
+    at their peak — and not far above (a budget 3× too high would stack a third of the layers it could)."""
+    B, K, n, d = 2, 2, 256, 32
+    p, p2 = d + 1, 2 * d + 1
+
+    def run() -> None:
+        q = torch.randn(B, K, group, n, p2, dtype=torch.float64)
+        b = torch.randn(B, K, n, p, dtype=torch.float64)
+        partners = {k: torch.randn(B, K, n, p2, dtype=torch.float64) for k in ("u", "v")}
+        factored_sums(q, b, partners, window=None, keep=2)
+
+    peak = _peak_bytes(run)
+    budget = row_entries(n, p, p2, 2, group) * 4 * B * K * group * n
+    assert peak <= budget, (peak, budget)
+    assert peak >= 0.6 * budget, (peak, budget)
