@@ -104,17 +104,26 @@ def _block_mask(o: int, c: int, window: int | None, device: torch.device) -> Ten
 BAND_UP_TO = 256
 
 
-def _band_sum(v: Tensor, last: int, reverse: bool = False) -> Tensor:
+def _band(nc: int, last: int, device: torch.device) -> Tensor | None:
+    """``T[r, k] = 1`` where row chunk ``r`` sees key chunk ``k`` whole (``1 ≤ r − k ≤ last``), float64 ``[nc, nc]``,
+    for :func:`_band_sum` — None beyond :data:`BAND_UP_TO` chunks."""
+    if nc > BAND_UP_TO:
+        return None
+    d = torch.arange(nc, device=device)
+    d = d[:, None] - d[None, :]
+    return ((d >= 1) & (d <= last)).double()
+
+
+def _band_sum(v: Tensor, last: int, t: Tensor | None, reverse: bool = False) -> Tensor:
     """Per chunk ``r`` of ``v``'s chunk axis (dim 2 of ``[B, K, nc, …]``), ``Σ v[k]`` over ``1 ≤ r − k ≤ last`` —
     the key chunks row chunk ``r`` sees whole (every earlier chunk, or those inside a window) —, or with ``reverse``
-    per key chunk ``k`` the sum over the row chunks ``r`` that see it whole. Same shape as ``v``."""
-    nc = v.shape[2]
-    if nc <= BAND_UP_TO:
-        d = torch.arange(nc, device=v.device)
-        t = ((d[:, None] - d[None, :] >= 1) & (d[:, None] - d[None, :] <= last)).to(v.dtype)
+    per key chunk ``k`` the sum over the row chunks ``r`` that see it whole; ``t``: :func:`_band` (None: cumulative
+    sums). Same shape as ``v``."""
+    if t is not None:
         return ((t.mT if reverse else t) @ v.flatten(3)).view(v.shape)
     if reverse:
-        return _band_sum(v.flip(2), last).flip(2)
+        return _band_sum(v.flip(2), last, None).flip(2)
+    nc = v.shape[2]
     cs = v.cumsum(2)
     out = torch.zeros_like(v)
     out[:, :, 1:] = cs[:, :, :-1]
@@ -123,10 +132,10 @@ def _band_sum(v: Tensor, last: int, reverse: bool = False) -> Tensor:
     return out
 
 
-def _states(keys: Tensor, other: Tensor, last: int) -> Tensor:
+def _states(keys: Tensor, other: Tensor, last: int, t: Tensor | None) -> Tensor:
     """Per row chunk, ``Σ keys_j other_jᵀ`` over the key chunks it sees whole (``[B, K, nc, c, p] × [B, K, nc, c,
     p'] → [B, K, nc, p, p']``): the chunks' Gram matrices, summed by :func:`_band_sum`."""
-    return _band_sum(keys.mT @ other, last)
+    return _band_sum(keys.mT @ other, last, t)
 
 
 def _diag_sums(a: Tensor, b: Tensor, window: int | None) -> Tensor:
@@ -242,20 +251,21 @@ def _chunk_sums(q: Tensor, fam: list[Tensor], c: int, window: int | None) -> tup
         if o < nc:
             _explicit_blocks(A, Bk, fc, _block_mask(o, c, window, q.device), o, sums, col)
     if last >= 1:  # the key chunks the mask covers whole: through their states
+        t = _band(nc, last, q.device)
         # ONE product of the target's queries with [Σ b bᵀ | Σ b | Σ b b'ᵀ | Σ b' | …]: Σx², Σx and each Σx·y
-        out = A @ _states(Bk, Kc, last)  # B K nc (G c) width_k
+        out = A @ _states(Bk, Kc, last, t)  # B K nc (G c) width_k
         sums[0] += out[..., p]
         sums[1] += _dot(out[..., :p], A)
         for f, (pa, _, o) in enumerate(fc):
             sums[4 + 3 * f] += _dot(out[..., o : o + pa.shape[-1]], pa)  # Σ_j x·y = a·(Σ_j b_j b'_jᵀ)·a'
         del out
         for f, (pa, pk, _) in enumerate(fc):
-            outy = pa @ _states(pk[..., :-1], pk, last)  # [Σ b' b'ᵀ | Σ b']
+            outy = pa @ _states(pk[..., :-1], pk, last, t)  # [Σ b' b'ᵀ | Σ b']
             sums[2 + 3 * f] += outy[..., -1]
             sums[3 + 3 * f] += _dot(outy[..., :-1], pa)
             del outy
         # columns: key j times the sum of the rows that see its chunk whole (per head), from the chunks' row sums
-        rows = _band_sum(A.reshape(B, K, nc, G, c, p).sum(-2), last, reverse=True)  # B K nc G p: per key chunk
+        rows = _band_sum(A.reshape(B, K, nc, G, c, p).sum(-2), last, t, reverse=True)  # B K nc G p: per key chunk
         col += (Bk @ rows.mT).mT  # B K nc G c
     return sums, col.flatten(-2)
 
