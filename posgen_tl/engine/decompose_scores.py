@@ -266,9 +266,9 @@ def use_factored(device: torch.device, n: int) -> bool:
     """Whether the decomposition takes its moments from the maps' factors (no ``n × n`` map,
     :func:`~posgen_tl.engine.decompose_maps.factored_moments`) for ``n``-token windows on ``device``: on a GPU from
     :data:`FACTORED_FROM` tokens, where the maps' passes over memory cost more than the factors' float64 products —
-    counted for SmolLM2 (bytes each operation reads and writes, one layer): 17.7 GB from the maps against 7.0 GB from the
-    factors at 4 × 2 048 tokens, 2.5 GB against 3.5 GB at 8 × 512 (the maps' traffic grows as ``n²``, the factors' as
-    ``n``). Not on a CPU, where the maps' float32 row blocks cost as little or less (SmolLM2 on 2 threads,
+    counted for SmolLM2 (bytes each operation reads and writes, one layer; ``benchmarks/count_traffic.py``): 17.6 GB
+    from the maps against 5.2 GB from the factors at 4 × 2 048 tokens, 2.5 GB against 2.6 GB at 8 × 512 (the maps'
+    traffic grows as ``n²``, the factors' as ``n``). Not on a CPU, where the maps' float32 row blocks cost as little or less (SmolLM2 on 2 threads,
     ``benchmarks/bench_factored.py``: slower from the factors at 8 × 512, about the same at 4 × 2 048)."""
     return device.type != "cpu" and n >= FACTORED_FROM
 
