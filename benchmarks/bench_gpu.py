@@ -10,7 +10,8 @@ decomposition of every head of ONE layer (the middle one; D1/D2/D3, its own k̄)
 intervention on the middle third of the layers: its clean pass and one pass per swap fraction, compared with that
 many forwards).
 ``long``: the decomposition of one sequence of ``--seq-len`` tokens (every layer and head, its own k̄) — the package's
-defaults for long sequences: the forward in chunks through the model's key/value cache, the maps in row blocks.
+defaults for long sequences: the forward in chunks through the model's key/value cache, the moments from the maps'
+factors (on a GPU from 1 024 tokens; the maps in row blocks before 6c7ae2a).
 Timers read after ``torch.cuda.synchronize()``; memory is ``torch.cuda.max_memory_allocated`` above the step's start
 (the model's weights excluded). Medians (and minima) over ``--repeats`` after one untimed warm-up run of each step.
 Writes ``--out`` (JSON) and prints it.
