@@ -270,7 +270,7 @@ def use_factored(device: torch.device, n: int) -> bool:
     from the maps against 5.2 GB from the factors at 4 × 2 048 tokens, 2.5 GB against 2.6 GB at 8 × 512 (the maps'
     traffic grows as ``n²``, the factors' as ``n``). Not on a CPU, where the maps' float32 row blocks meet the targets
     and the factors are not faster everywhere (SmolLM2 on 2 threads, ``benchmarks/bench_factored.py``: slower from the
-    factors at 8 × 512 and at 1 × 8 192; at 4 × 2 048 0.81× a forward against the maps' 0.92×)."""
+    factors at 8 × 512 and at 1 × 8 192 with b65e622's code; at 4 × 2 048 0.81× a forward against the maps' 0.92×)."""
     return device.type != "cpu" and n >= FACTORED_FROM
 
 
