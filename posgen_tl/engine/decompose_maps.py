@@ -176,8 +176,9 @@ def factored_moments(c: QKCapture, kbars: dict[str, Tensor], mu: Tensor, geoms: 
     ``W − μ = [s·R_i q_i | −μ]·[R_j k_j | 1]`` and each ``f + g − μ = [s·R_i q_i | −μ | s·Λq_i]·[R_j k̄ | 1 | k_j − k̄]``
     (:func:`query_operand`, :func:`_k_y`) in float64, no ``n × n`` map ever made: time ``O(n·d_head²)`` and memory
     ``O(n·d_head)`` per head instead of ``O(n²·d_head)`` and ``O(n²)``. ``mu``: each map's shift ``[(batch
-    head_index)]``; ``chunk``: the factored sums' chunk (0: their default). A GPU's path from 1 024 tokens (float64 products are
-    cheap there); on a CPU the maps' float32 row blocks cost as little or less (measured at 512 … 8 192 tokens).
+    head_index)]``; ``chunk``: the factored sums' chunk (0: their default). A GPU's path from 1 024 tokens (float64 products
+    are cheap there); a CPU keeps the maps' float32 row blocks (:func:`~posgen_tl.engine.decompose_scores.use_factored`
+    says what was measured there).
     Returns ``(x's row, column and distance sums — the input of all_fit_moments —, {kind: {sink: D3 moments}})``."""
     b, n, kv, d = c.rot_k.shape
     g = c.q.shape[2] // kv

@@ -330,8 +330,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         factored = use_factored(model_device(model), n)
     long = not factored and (0 < row_block < n or (not row_block and n > STREAM_ABOVE))  # row blocks bound memory
     d_head = spec.d_head
-    per_head = min(batch_size, len(tokens)) * n * (row_entries(n, d_head + 1, 2 * d_head + 1, len(kinds), spec.group_size) if factored
-                                                   else n)  # float32 entries a head holds: its maps, or its factors
+    per_row = (row_entries(n, d_head + 1, 2 * d_head + 1, len(kinds), spec.group_size) if factored
+               else n)  # float32 entries a head holds per query row: its maps' row, or its factors'
+    per_head = min(batch_size, len(tokens)) * n * per_row
     group = 1 if long else (stack_size(model, per_head, len(layers)) if stack is None
                             else max(1, int(stack)))  # row blocks bound memory: one layer at a time
     use_hook = ((w_from_scores if w_from_scores is not None else scores_are_w(model) and group == 1)
