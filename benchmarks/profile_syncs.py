@@ -17,8 +17,16 @@ Each step runs once for warm-up (untallied: loading, hook probes, cached operato
 device's busy time, and the operations taking most device (or CPU) time — where a GPU analysis spends it.
 
 ``--ops``: count instead every tensor operation dispatched (a ``TorchDispatchMode``; on a GPU each is at least one
-kernel launch), by module. ``--stack N``: layers stacked on the head axis as a GPU would (:mod:`posgen_tl.hooks.stacking`;
-0 = the device's own choice, one layer on the CPU).
+kernel launch, a view excepted), by module. ``--stack N``: layers stacked on the head axis as a GPU would
+(:mod:`posgen_tl.hooks.stacking`; 0 = the device's own choice, one layer on the CPU).
+
+``--gpu-paths``: on the CPU, the decomposition takes the choices it takes on a GPU with ``--gpu-free-gib`` GiB free
+(default 139, an H200) — the same operations a GPU would dispatch, counted without one: layers stacked by
+:func:`~posgen_tl.hooks.stacking.stack_size`'s GPU budget, the D1/D2 fits solved together as
+:func:`~posgen_tl.engine.decompose_scores.fit_batch` allows there (where the package has it), direct fits up to
+``DIRECT_MAX_GPU`` tokens, chunked forwards only to save memory, whole maps up to ``STREAM_ABOVE`` tokens, the moments
+from the factors from ``FACTORED_FROM`` tokens and the bound rows in the GPU's steps. Only the counts mean anything
+there (a CPU's times on a GPU's path say nothing of either).
 """
 
 from __future__ import annotations
@@ -141,6 +149,43 @@ def kernel_profile(fn, device: str, top: int) -> dict:
     return {"wall_s": wall, "device_busy_s": busy / 1e6, "ops": rows[:top]}
 
 
+def take_gpu_paths(free_gib: float) -> None:
+    """Make the decomposition take, on the CPU, the choices it takes on a GPU with ``free_gib`` GiB free (see the
+    module's ``--gpu-paths``); for the rest of the process."""
+    import functools
+
+    import torch
+
+    import posgen_tl.engine.decompose_scores as dec
+    import posgen_tl.experiments.pattern as pat
+    import posgen_tl.hooks.stream as stream
+    import posgen_tl.maths.moments as mo
+    from posgen_tl.hooks import chunked
+    from posgen_tl.hooks.capture import probe_hooks
+    from posgen_tl.hooks.stacking import STACK_ENTRIES
+    from posgen_tl.maths.additive import DIRECT_MAX_GPU
+
+    gpu, free = torch.device("cuda"), int(free_gib * 2**30)
+
+    def stack_size(model, per_head: int, n_layers: int) -> int:  # hooks.stacking.stack_size's GPU branch
+        per_layer = max(1, per_head * probe_hooks(model)[0].n_heads)
+        return max(1, min(n_layers, min(STACK_ENTRIES, free // (4 * 32)) // per_layer))
+
+    def bound_chunk(c, n_rows: int) -> int:  # decompose_scores._bound_chunk's GPU branch
+        b, n, kv = c.k.shape[:3]
+        return max(8, min(n_rows, 2**27 // max(1, b * kv * n * c.rope.n_bands)))
+
+    dec.stack_size = pat.stack_size = stream.stack_size = stack_size  # type: ignore[assignment]
+    if hasattr(dec, "fit_batch"):  # (a package from before fit_batch solved FIT_BATCH entries at a time on a GPU too)
+        dec.fit_batch = lambda device: max(dec.FIT_BATCH, free // (32 * dec.FIT_BYTES))  # type: ignore[attr-defined]
+    mo.DIRECT_MAX = DIRECT_MAX_GPU  # type: ignore[attr-defined]
+    dec.auto_chunk = functools.partial(chunked.auto_chunk, memory_only=True)  # type: ignore[assignment]
+    dec._bound_chunk = bound_chunk  # type: ignore[attr-defined]
+    real_rows, real_factored = dec.rows_per_block, dec.use_factored
+    dec.rows_per_block = lambda device, maps, n, row_block=0: real_rows(gpu, maps, n, row_block)  # type: ignore
+    dec.use_factored = lambda device, n: real_factored(gpu, n)  # type: ignore[assignment]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a zoo name or a model folder")
@@ -149,15 +194,23 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", default="decomposition,pattern,sufficiency")
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--out", default=None, help="write {step: {site: count}} as JSON")
+    ap.add_argument("--out", default=None, help="write {step: {site: count}} as JSON, the settings under \"config\"")
     ap.add_argument("--ops", action="store_true", help="count tensor operations by module instead of synchronisations")
     ap.add_argument("--kernels", action="store_true", help="a torch.profiler trace: device time by operation")
     ap.add_argument("--lines", action="store_true", help="with --ops: count by source line, not by module")
     ap.add_argument("--stack", type=int, default=0, help="layers stacked on the head axis (0: the device's choice)")
     ap.add_argument("--moments", choices=("auto", "maps", "factored"), default="auto",
                     help="the decomposition's moments from the maps or from their factors (auto: the device's choice)")
+    ap.add_argument("--gpu-paths", action="store_true",
+                    help="on the CPU, the decomposition's choices on a GPU (counts only; see the module's docstring)")
+    ap.add_argument("--gpu-free-gib", type=float, default=139.0, help="with --gpu-paths: the GPU's free memory")
     a = ap.parse_args()
     from suite_steps import Bench
+
+    if a.gpu_paths:
+        if a.device != "cpu":
+            ap.error("--gpu-paths stands in for a GPU on the CPU; on a GPU its own paths are taken")
+        take_gpu_paths(a.gpu_free_gib)
 
     if a.moments != "auto":
         import posgen_tl.engine.decompose_scores as dec
@@ -197,6 +250,7 @@ def main() -> None:
         for site, c in counts.most_common(a.top):
             print(f"  {c:7d}  {site}")
     if a.out:
+        result["config"] = {k: v for k, v in vars(a).items() if k != "out"}  # type: ignore[assignment]
         Path(a.out).write_text(json.dumps(result, indent=1))
 
 

@@ -23,11 +23,12 @@ from tqdm.auto import tqdm
 from posgen_tl.engine.decompose_maps import block_moments, factored_moments, whole_moments
 from posgen_tl.hooks.capture import QKCapture, model_device, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
+from posgen_tl.hooks.memory import free_bytes
 from posgen_tl.hooks.stacking import cache_rows, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
 from posgen_tl.maths.decompose import band_bound_rows, kbar_batched, sequence_key_mean
-from posgen_tl.maths.factored import row_entries
+from posgen_tl.maths.factored import largest_entries
 from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.moments import (
     Geometry,
@@ -42,8 +43,8 @@ from posgen_tl.maths.moments import (
 )
 from posgen_tl.maths.rope import angles, to_bands
 
-__all__ = ["COLUMNS", "ESTIMATORS", "FACTORED_FROM", "K_MEAN_KINDS", "STREAM_ABOVE", "STREAM_BLOCK", "k_mean_kinds",
-           "rows_per_block", "score_windows", "score_in_pieces", "use_factored"]
+__all__ = ["COLUMNS", "ESTIMATORS", "FACTORED_FROM", "FIT_BATCH", "FIT_BYTES", "K_MEAN_KINDS", "STREAM_ABOVE",
+           "STREAM_BLOCK", "fit_batch", "k_mean_kinds", "rows_per_block", "score_windows", "score_in_pieces", "use_factored"]
 
 ESTIMATORS = ("D1", "D2", "D3")
 K_MEAN_KINDS = ("global", "per_sequence")
@@ -330,8 +331,9 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
         factored = use_factored(model_device(model), n)
     long = not factored and (0 < row_block < n or (not row_block and n > STREAM_ABOVE))  # row blocks bound memory
     d_head = spec.d_head
-    per_row = (row_entries(n, d_head + 1, 2 * d_head + 1, len(kinds), spec.group_size) if factored
-               else n)  # float32 entries a head holds per query row: its maps' row, or its factors'
+    # a stack is budgeted by its largest float32 buffer per head: a map (n entries per query row), or the factors'
+    # largest tensor (their peak, factored.row_entries, is about three times that; the maps' about six maps)
+    per_row = largest_entries(n, d_head + 1, 2 * d_head + 1, len(kinds), spec.group_size) if factored else n
     per_head = min(batch_size, len(tokens)) * n * per_row
     group = 1 if long else (stack_size(model, per_head, len(layers)) if stack is None
                             else max(1, int(stack)))  # row blocks bound memory: one layer at a time
@@ -387,15 +389,30 @@ class _Meta:
         return _Meta(c.q.shape[0], c.n_heads, c.layer_ids, c.seq_offset, c.rope.kind)
 
 
-#: (maps × positions) of D1/D2 fits that wait to be solved together (their float64 sums: ~50 bytes per entry; the
-#: solve of a batch holds a few dozen float64 vectors of 3 × this many entries: ~400 MB at 2²⁰, measured at 4 096 tokens)
+#: (maps × positions) of D1/D2 fits that wait to be solved together on the CPU (their float64 sums: ~50 bytes per
+#: entry, and the solve's :data:`FIT_BYTES`)
 FIT_BATCH = 2**19
+#: bytes the solve of the waiting fits holds at its peak per entry (torch's profiler, SmolLM2's sums of 516 096 entries
+#: at 2 048 tokens: 360 with the direct operators, 512 by conjugate gradients)
+FIT_BYTES = 512
+
+
+def fit_batch(device: torch.device) -> int:
+    """How many entries (maps × positions) of D1/D2 fits wait before they are solved (:class:`_Fits`): on the CPU
+    :data:`FIT_BATCH` (its time is arithmetic, not a cost per operation); on a GPU as many as keep the solve within
+    1/32 of the free memory (:data:`FIT_BYTES` per entry; at least :data:`FIT_BATCH`) — a solve and its scoring cost
+    the same ~950 operations, a kernel launch each, for 9 maps or 9 000, so SmolLM2 at 4 × 2 048 tokens (2.2 million
+    entries) is solved once, not once per sequence."""
+    if device.type == "cpu":
+        return FIT_BATCH
+    free = free_bytes(device) if device.type == "cuda" else None
+    return FIT_BATCH if free is None else max(FIT_BATCH, free // (32 * FIT_BYTES))
 
 
 class _Fits:
     """The D1/D2 fits of many captures, kept as their O(n)-per-map sums (:class:`posgen_tl.maths.moments.Sums`) and
     solved together (:func:`~posgen_tl.maths.moments.all_fit_moments` of their :func:`~posgen_tl.maths.moments.join_sums`)
-    once :data:`FIT_BATCH` entries wait, when the masks change (a sliding window's layers) and at the end: each step of
+    once :func:`fit_batch` entries wait, when the masks change (a sliding window's layers) and at the end: each step of
     the solve costs the same few operations for 9 maps or 300 (SmolLM2 at 2 048 tokens: ~150 ms per layer solved
     alone on 2 CPU threads). Their scores go to ``deferred`` as ONE block per (sink, estimator)."""
 
@@ -404,6 +421,7 @@ class _Fits:
         self.waiting: list[tuple[Sums, _Meta]] = []
         self.geoms: dict[int, Geometry] = {}
         self.entries = 0
+        self.limit: int | None = None  # fit_batch of the sums' device, read at the first add
 
     def add(self, sums: Sums, meta: _Meta, geoms: dict[int, Geometry]) -> None:
         if self.waiting and (geoms.keys() != self.geoms.keys() or any(geoms[k] is not self.geoms[k] for k in geoms)):
@@ -411,7 +429,9 @@ class _Fits:
         self.waiting.append((sums, meta))
         self.geoms = geoms
         self.entries += sums.sx.numel()
-        if self.entries >= FIT_BATCH:
+        if self.limit is None:
+            self.limit = fit_batch(sums.sx.device)
+        if self.entries >= self.limit:
             self.flush()
 
     def flush(self) -> None:

@@ -33,7 +33,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-__all__ = ["FactorSums", "chunk_size", "factored_sums", "row_entries"]
+__all__ = ["FactorSums", "chunk_size", "factored_sums", "largest_entries", "row_entries"]
 
 
 @dataclass
@@ -75,6 +75,18 @@ def row_entries(n: int, p: int, p2: int, partners: int, group: int = 1) -> int:
     wk = p + 1 + partners * (p2 + 1)
     f64 = 2 * p2 + max(wk + p * wk / (group * c), 2 * c) + (wk + p + partners * p2) / group
     return int(2 * 1.1 * f64) + 1
+
+
+def largest_entries(n: int, p: int, p2: int, partners: int, group: int = 1) -> int:
+    """About how many float32-sized entries per query row of a map the LARGEST single tensor of :func:`factored_sums`
+    holds (the measure :func:`posgen_tl.hooks.stacking.stack_size` budgets by, as a logit map's ``n`` for the maps):
+    the states' product's row (``w_k = p + 1 + partners·(p2 + 1)`` float64 entries), or the chunks' states where a
+    kv-head has one query head (``p·w_k / (group·C)``), or the queries (``p2``) or a block's row (``C``) — whichever is
+    largest (measured: SmolLM2, 4 × 512 and 1 × 2 048 tokens, 652 entries per row, as this gives; :func:`row_entries`
+    is the peak of all of them together, about three times as many)."""
+    c = chunk_size(n, max(p, p2))
+    wk = p + 1 + partners * (p2 + 1)
+    return 2 * max(wk, -(-p * wk // (group * c)), p2, c)
 
 
 def _offsets(n_chunks: int, c: int, window: int | None) -> tuple[list[int], int]:

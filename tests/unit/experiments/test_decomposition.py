@@ -307,6 +307,44 @@ def test_stack_size_is_one_on_the_cpu_and_bounded_on_a_gpu(monkeypatch):
     assert S.stack_size(model, 2**30, 30) == 1  # a map beyond the budget: still one layer, never zero
 
 
+@pytest.mark.parametrize("factored", [False, True])
+def test_a_stack_is_budgeted_by_its_largest_buffer(factored, monkeypatch):
+    """The decomposition asks :func:`stack_size` for as many layers as keep ONE buffer per head within the budget: a
+    logit map (``batch·n²``), or from the factors their largest tensor (``batch·n·largest_entries``) — not their peak
+    (``row_entries``, about three times as much), which would stack a third of the layers a map's budget allows."""
+    from posgen_tl.engine import decompose_scores as D
+    from posgen_tl.maths.factored import largest_entries, row_entries
+
+    asked: list[int] = []
+    real = D.stack_size
+    monkeypatch.setattr(D, "stack_size", lambda model, per_head, n_layers: asked.append(per_head) or real(
+        model, per_head, n_layers))
+    model = tm.hf_llama(n_layers=2)[0]
+    spec = probe_hooks(model)[0]
+    _run(model, factored=factored, k_mean="per_sequence")
+    widths = (N_POS, spec.d_head + 1, 2 * spec.d_head + 1, 1, spec.group_size)
+    want = 2 * N_POS * (largest_entries(*widths) if factored else N_POS)  # _run's batch of 2
+    assert asked and set(asked) == {want}
+    if factored:
+        assert 2 * largest_entries(*widths) <= row_entries(*widths)
+
+
+def test_the_fits_wait_for_a_gpus_memory_and_for_the_cpus_batch(monkeypatch):
+    """:func:`fit_batch`: on the CPU ``FIT_BATCH`` entries of fits wait to be solved together; on a GPU as many as keep
+    the solve within 1/32 of the free memory (``FIT_BYTES`` per entry) — on an H200 the 2.2 million entries of
+    SmolLM2 at 4 × 2 048 tokens in one solve —, never fewer than on the CPU, and the CPU's where free memory is not
+    known."""
+    from posgen_tl.engine import decompose_scores as D
+
+    assert D.fit_batch(torch.device("cpu")) == D.FIT_BATCH
+    monkeypatch.setattr(D, "free_bytes", lambda dev: 140 * 10**9)
+    big = D.fit_batch(torch.device("cuda"))
+    assert big == 140 * 10**9 // (32 * D.FIT_BYTES) and big > 30 * 9 * 4 * 2048
+    monkeypatch.setattr(D, "free_bytes", lambda dev: 10**6)
+    assert D.fit_batch(torch.device("cuda")) == D.FIT_BATCH
+    assert D.fit_batch(torch.device("meta")) == D.FIT_BATCH
+
+
 def test_the_maps_are_scored_in_row_blocks_where_they_should(monkeypatch):
     """On the CPU every run takes the row-block path in cache-sized blocks (:func:`rows_per_block`), an explicit
     ``row_block`` as given; on a GPU whole maps up to STREAM_ABOVE tokens and STREAM_BLOCK rows beyond; cache-sized
