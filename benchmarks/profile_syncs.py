@@ -153,6 +153,7 @@ def take_gpu_paths(free_gib: float) -> None:
     """Make the decomposition take, on the CPU, the choices it takes on a GPU with ``free_gib`` GiB free (see the
     module's ``--gpu-paths``); for the rest of the process."""
     import functools
+    from types import SimpleNamespace
 
     import torch
 
@@ -171,16 +172,19 @@ def take_gpu_paths(free_gib: float) -> None:
         per_layer = max(1, per_head * probe_hooks(model)[0].n_heads)
         return max(1, min(n_layers, min(STACK_ENTRIES, free // (4 * 32)) // per_layer))
 
-    def bound_chunk(c, n_rows: int) -> int:  # decompose_scores._bound_chunk's GPU branch
-        b, n, kv = c.k.shape[:3]
-        return max(8, min(n_rows, 2**27 // max(1, b * kv * n * c.rope.n_bands)))
+    chunk_name = "bound_chunk" if hasattr(dec, "bound_chunk") else "_bound_chunk"  # (its name up to f24534a)
+    real_chunk = getattr(dec, chunk_name)
+
+    def bound_chunk(c, n_rows: int) -> int:  # the package's choice for the capture's shapes off the CPU (no tensor
+        # made: every operation here would be counted)
+        return real_chunk(SimpleNamespace(q=SimpleNamespace(device=gpu), k=c.k, rope=c.rope), n_rows)
 
     dec.stack_size = pat.stack_size = stream.stack_size = stack_size  # type: ignore[assignment]
     if hasattr(dec, "fit_batch"):  # (a package from before fit_batch solved FIT_BATCH entries at a time on a GPU too)
         dec.fit_batch = lambda device: max(dec.FIT_BATCH, free // (32 * dec.FIT_BYTES))  # type: ignore[attr-defined]
     mo.DIRECT_MAX = DIRECT_MAX_GPU  # type: ignore[attr-defined]
     dec.auto_chunk = functools.partial(chunked.auto_chunk, memory_only=True)  # type: ignore[assignment]
-    dec._bound_chunk = bound_chunk  # type: ignore[attr-defined]
+    setattr(dec, chunk_name, bound_chunk)
     real_rows, real_factored = dec.rows_per_block, dec.use_factored
     dec.rows_per_block = lambda device, maps, n, row_block=0: real_rows(gpu, maps, n, row_block)  # type: ignore
     dec.use_factored = lambda device, n: real_factored(gpu, n)  # type: ignore[assignment]

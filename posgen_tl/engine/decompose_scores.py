@@ -44,7 +44,7 @@ from posgen_tl.maths.moments import (
 from posgen_tl.maths.rope import angles, to_bands
 
 __all__ = ["COLUMNS", "ESTIMATORS", "FACTORED_FROM", "FIT_BATCH", "FIT_BYTES", "K_MEAN_KINDS", "STREAM_ABOVE",
-           "STREAM_BLOCK", "fit_batch", "k_mean_kinds", "rows_per_block", "score_windows", "score_in_pieces", "use_factored"]
+           "STREAM_BLOCK", "bound_chunk", "fit_batch", "k_mean_kinds", "rows_per_block", "score_windows", "score_in_pieces", "use_factored"]
 
 ESTIMATORS = ("D1", "D2", "D3")
 K_MEAN_KINDS = ("global", "per_sequence")
@@ -132,7 +132,7 @@ def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms:
         if kp is not None:
             kbp = kb[..., r:, None]  # b kv dp 1
             k_mag = torch.cat([k_mag, kp.abs() + kbp.abs() + (kp - kbp).abs()], -2)
-        bound = band_bound_rows(qn * sa2, kn, phi, rows, _bound_chunk(c, len(rows)), rows_list=rows_list, shared=shared)
+        bound = band_bound_rows(qn * sa2, kn, phi, rows, bound_chunk(c, len(rows)), rows_list=rows_list, shared=shared)
         thr = torch.baddbmm(bound.reshape(b * kv, -1, n), q_mag.reshape(b * kv, -1, q_mag.shape[-1]),
                             k_mag.reshape(b * kv, k_mag.shape[-2], n), alpha=_BOUND_RTOL)
         holds = (err <= thr.reshape(err.shape)).double()
@@ -173,7 +173,7 @@ def _row_masks(rows: Tensor, geoms: dict[int, Geometry], cache: dict | None) -> 
     return m, cnt
 
 
-def _bound_chunk(c: QKCapture, n_rows: int) -> int:
+def bound_chunk(c: QKCapture, n_rows: int) -> int:
     """Query rows per step of :func:`band_bound_rows` (the numbers do not depend on it): 8 on the CPU; on a GPU, where a
     step costs its launches, as many as keep the step's ``[batch, kv_head, rows, key_pos, band]`` float64 scratch
     within 2²⁷ entries (1 GiB)."""
@@ -392,9 +392,10 @@ class _Meta:
 #: (maps × positions) of D1/D2 fits that wait to be solved together on the CPU (their float64 sums: ~50 bytes per
 #: entry, and the solve's :data:`FIT_BYTES`)
 FIT_BATCH = 2**19
-#: bytes the solve of the waiting fits holds at its peak per entry (torch's profiler, SmolLM2's sums of 516 096 entries
-#: at 2 048 tokens: 360 with the direct operators, 512 by conjugate gradients)
-FIT_BYTES = 512
+#: bytes the solve and scoring of the waiting fits hold at their peak per entry (torch's profiler: SmolLM2's sums of
+#: 516 096 entries at 2 048 tokens, 360 with the direct operators, 513 by conjugate gradients; random maps of 128–512
+#: positions 361–363 and 514–515; ``test_fit_bytes_bounds_what_solving_the_waiting_fits_holds``)
+FIT_BYTES = 560
 
 
 def fit_batch(device: torch.device) -> int:

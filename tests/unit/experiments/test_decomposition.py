@@ -345,6 +345,31 @@ def test_the_fits_wait_for_a_gpus_memory_and_for_the_cpus_batch(monkeypatch):
     assert D.fit_batch(torch.device("meta")) == D.FIT_BATCH
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_fit_bytes_bounds_what_solving_the_waiting_fits_holds(direct, monkeypatch):
+    """``FIT_BYTES`` — what :func:`fit_batch` budgets a GPU's waiting fits by — is at least the bytes per entry (maps ×
+    positions) that solving and scoring many fits hold at their peak (the profiler's allocations and frees, in
+    order), with the direct operators and by conjugate gradients, and not far above it."""
+    from profiled import peak_bytes
+
+    import posgen_tl.maths.moments as mo
+    from posgen_tl.engine import decompose_scores as D
+
+    n, maps = 192, 48
+    monkeypatch.setattr(mo, "_GEOMS", {})  # fresh geometries: no operator kept from another test
+    monkeypatch.setattr(mo, "DIRECT_MAX", n if direct else 0)
+    gen = torch.Generator().manual_seed(0)
+    i = torch.arange(n, dtype=torch.float64)
+    w = 0.3 * i[:, None] - 0.2 * i[None, :] + torch.randn(maps, n, n, generator=gen, dtype=torch.float64)
+    geoms = {s: mo.geometry(n, s, None) for s in (0, 1)}
+    sums = mo.sums_of(mo.Target(w, geoms[0], torch.full((maps,), 0.25, dtype=torch.float64), {}),
+                      mo.fit_columns(geoms))
+    del w
+    mo.all_fit_moments(sums, geoms)  # the direct operators built (once per mask, kept: not the waiting fits' memory)
+    peak, _ = peak_bytes(lambda: mo.all_fit_moments(sums, geoms))
+    assert (0.5 if direct else 0.8) * D.FIT_BYTES * maps * n <= peak <= D.FIT_BYTES * maps * n, peak / (maps * n)
+
+
 def test_the_maps_are_scored_in_row_blocks_where_they_should(monkeypatch):
     """On the CPU every run takes the row-block path in cache-sized blocks (:func:`rows_per_block`), an explicit
     ``row_block`` as given; on a GPU whole maps up to STREAM_ABOVE tokens and STREAM_BLOCK rows beyond; cache-sized
@@ -442,7 +467,7 @@ def test_scores_that_are_not_the_logits_are_recomputed(monkeypatch):
 
 
 def test_bound_check_rows_per_step_are_eight_on_the_cpu_and_all_on_a_gpu_within_a_gib():
-    from posgen_tl.engine.decompose_scores import _bound_chunk
+    from posgen_tl.engine.decompose_scores import bound_chunk
     from posgen_tl.hooks.capture import QKCapture
     from posgen_tl.maths.rope import LayerRope
 
@@ -452,9 +477,9 @@ def test_bound_check_rows_per_step_are_eight_on_the_cpu_and_all_on_a_gpu_within_
         k = torch.empty(b, n, kv, 64, device=device)
         return QKCapture(layer=0, q=k, k=k, rot_q=k, rot_k=k, positions=torch.empty(0), rope=rope, rot_source="hook")
 
-    assert _bound_chunk(cap(4, 512, 3, "cpu"), 32) == 8
-    assert _bound_chunk(cap(4, 512, 3, "meta"), 32) == 32  # every checked row in one step
-    big = _bound_chunk(cap(4, 512, 90, "meta"), 32)  # 30 layers stacked: 2^27 entries allow 22 rows
+    assert bound_chunk(cap(4, 512, 3, "cpu"), 32) == 8
+    assert bound_chunk(cap(4, 512, 3, "meta"), 32) == 32  # every checked row in one step
+    big = bound_chunk(cap(4, 512, 90, "meta"), 32)  # 30 layers stacked: 2^27 entries allow 22 rows
     assert big == 2**27 // (4 * 90 * 512 * 32) == 22
 
 

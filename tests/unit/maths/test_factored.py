@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiled import peak_bytes
 
 from posgen_tl.maths import factored
 from posgen_tl.maths.decompose import causal_mask, score_maps
@@ -136,21 +137,6 @@ def test_moments_from_factors_score_as_the_maps(n, sink, window, seed):
                                        msg=f"sink {s} {key}")
 
 
-def _peak_bytes(fn) -> tuple[int, int]:
-    """``(peak, largest)``: the most bytes of CPU tensors ``fn()`` holds at once above its start (the profiler's
-    allocations and frees, in order), and its largest single allocation."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = largest = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
-        peak = max(peak, live)
-        largest = max(largest, e.self_cpu_memory_usage)
-    return peak, largest
-
-
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_row_entries_bounds_the_memory_the_factored_sums_hold(group):
     """What the factors and the sums really hold is within what :func:`row_entries` says they hold at their peak, and
@@ -165,7 +151,7 @@ def test_row_entries_bounds_the_memory_the_factored_sums_hold(group):
         partners = {k: torch.randn(B, K, n, p2, dtype=torch.float64) for k in ("u", "v")}
         factored_sums(q, b, partners, window=None, keep=2)
 
-    peak, largest = _peak_bytes(run)
+    peak, largest = peak_bytes(run)
     rows = B * K * group * n
     budget = row_entries(n, p, p2, 2, group) * 4 * rows
     assert 0.6 * budget <= peak <= budget, (peak, budget)
