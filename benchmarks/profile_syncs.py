@@ -26,7 +26,9 @@ kernel launch, a view excepted), by module. ``--stack N``: layers stacked on the
 :func:`~posgen_tl.engine.decompose_scores.fit_batch` allows there (where the package has it), direct fits up to
 ``DIRECT_MAX_GPU`` tokens, chunked forwards only to save memory, whole maps up to ``STREAM_ABOVE`` tokens, the moments
 from the factors from ``FACTORED_FROM`` tokens and the bound rows in the GPU's steps. Only the counts mean anything
-there (a CPU's times on a GPU's path say nothing of either).
+there (a CPU's times on a GPU's path say nothing of either), and they have not been compared with a GPU's own count of
+the same code: read them as close to it, not equal. Only with ``--steps decomposition[,forward]`` (the other analyses
+keep their CPU choices).
 """
 
 from __future__ import annotations
@@ -185,9 +187,10 @@ def take_gpu_paths(free_gib: float) -> None:
     mo.DIRECT_MAX = DIRECT_MAX_GPU  # type: ignore[attr-defined]
     dec.auto_chunk = functools.partial(chunked.auto_chunk, memory_only=True)  # type: ignore[assignment]
     setattr(dec, chunk_name, bound_chunk)
-    real_rows, real_factored = dec.rows_per_block, dec.use_factored
+    real_rows, real_factored = dec.rows_per_block, getattr(dec, "use_factored", None)  # (none before 6c7ae2a)
     dec.rows_per_block = lambda device, maps, n, row_block=0: real_rows(gpu, maps, n, row_block)  # type: ignore
-    dec.use_factored = lambda device, n: real_factored(gpu, n)  # type: ignore[assignment]
+    if real_factored is not None:
+        dec.use_factored = lambda device, n: real_factored(gpu, n)  # type: ignore[assignment]
 
 
 def main() -> None:
@@ -214,6 +217,10 @@ def main() -> None:
     if a.gpu_paths:
         if a.device != "cpu":
             ap.error("--gpu-paths stands in for a GPU on the CPU; on a GPU its own paths are taken")
+        other = {s.strip() for s in a.steps.split(",") if s.strip()} - {"decomposition", "forward"}
+        if other:
+            ap.error(f"--gpu-paths takes the decomposition's GPU choices only; {', '.join(sorted(other))} would mix a "
+                     "CPU's and a GPU's: use --steps decomposition[,forward]")
         take_gpu_paths(a.gpu_free_gib)
 
     if a.moments != "auto":

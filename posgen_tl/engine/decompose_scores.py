@@ -392,10 +392,10 @@ class _Meta:
 #: (maps × positions) of D1/D2 fits that wait to be solved together on the CPU (their float64 sums: ~50 bytes per
 #: entry, and the solve's :data:`FIT_BYTES`)
 FIT_BATCH = 2**19
-#: bytes the solve and scoring of the waiting fits hold at their peak per entry (torch's profiler: SmolLM2's sums of
-#: 516 096 entries at 2 048 tokens, 360 with the direct operators, 513 by conjugate gradients; random maps of 128–512
-#: positions 361–363 and 514–515; ``test_fit_bytes_bounds_what_solving_the_waiting_fits_holds``)
-FIT_BYTES = 560
+#: bytes the solve of the waiting fits holds at its peak per entry, their joined copy included (torch's profiler: the
+#: solve alone of SmolLM2's sums of 516 096 entries at 2 048 tokens 360 with the direct operators and 513 by conjugate
+#: gradients, a throwaway script; the joined copy 48; ``test_fit_bytes_bounds_what_solving_the_waiting_fits_holds``)
+FIT_BYTES = 640
 
 
 def fit_batch(device: torch.device) -> int:
@@ -440,7 +440,7 @@ class _Fits:
             whole = all_fit_moments(join_sums([w[0] for w in self.waiting]), self.geoms)
             for (s, est), m in sorted(whole.items()):
                 self.deferred.add([w[1] for w in self.waiting], self.geoms[s], s, est, "none", m)
-        self.waiting, self.entries = [], 0
+        self.waiting, self.entries, self.limit = [], 0, None
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from posgen_tl.hooks.memory import free_bytes
 
 __all__ = ["CPU_BLOCK_BYTES", "MIN_BLOCK", "STACK_ENTRIES", "Stacker", "cache_rows", "stack_captures", "stack_size"]
 
-#: on a GPU, the largest stack of layers processed together: its largest float32 buffer (the decomposition keeps about
-#: six map-sized ones: W, the target's padded copy, ``f + g``; its factors about three of their largest) holds at most
+#: on a GPU, the largest stack of layers processed together: its largest float32 buffer (the decomposition keeps several
+#: map-sized ones: W, the target's padded copy, ``f + g``; its factors about three of their largest) holds at most
 #: this many entries (4 GiB), and 1/32 of free memory — on an 80 GB card the latter binds (≈ 2.3 GiB); on an H200
 #: SmolLM2's maps at 4 × 2 048 tokens, one sequence per batch, stack 28 layers (2³⁰ / (9 heads · 2 048²); 7 with four
-#: sequences in a batch), a GPU peak of 13.8 GiB above its start at 6524d49
+#: sequences in a batch): a GPU peak of 13.8 GiB above its start at 6524d49, about 3.5 of those maps
 STACK_ENTRIES = 2**30
 
 #: on the CPU an analysis that builds logit maps builds them a block of query rows at a time, each block's float32 maps

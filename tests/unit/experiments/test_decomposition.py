@@ -311,7 +311,7 @@ def test_stack_size_is_one_on_the_cpu_and_bounded_on_a_gpu(monkeypatch):
 def test_a_stack_is_budgeted_by_its_largest_buffer(factored, monkeypatch):
     """The decomposition asks :func:`stack_size` for as many layers as keep ONE buffer per head within the budget: a
     logit map (``batch·n²``), or from the factors their largest tensor (``batch·n·largest_entries``) — not their peak
-    (``row_entries``, about three times as much), which would stack a third of the layers a map's budget allows."""
+    (``row_entries``, about three times as much), with which the stacks were a third as tall as that budget allows."""
     from posgen_tl.engine import decompose_scores as D
     from posgen_tl.maths.factored import largest_entries, row_entries
 
@@ -343,31 +343,47 @@ def test_the_fits_wait_for_a_gpus_memory_and_for_the_cpus_batch(monkeypatch):
     monkeypatch.setattr(D, "free_bytes", lambda dev: 10**6)
     assert D.fit_batch(torch.device("cuda")) == D.FIT_BATCH
     assert D.fit_batch(torch.device("meta")) == D.FIT_BATCH
+    # and the run waits for what fit_batch says of the sums' device (not for FIT_BATCH itself)
+    calls: list[int] = []
+    asked: list[str] = []
+    real = D.join_sums
+    monkeypatch.setattr(D, "join_sums", lambda parts: calls.append(len(parts)) or real(parts))
+    monkeypatch.setattr(D, "FIT_BATCH", 1)  # were it read directly: a solve per capture
+    monkeypatch.setattr(D, "fit_batch", lambda device: asked.append(device.type) or 10**9)
+    model = tm.hf_llama(n_layers=2)[0]
+    _run(model)
+    batches = -(-N_SEQ // 2)  # _run's batch_size
+    assert calls == [probe_hooks(model)[0].n_layers * batches] and set(asked) == {"cpu"}
 
 
+@pytest.mark.parametrize("n", [128, 512])
 @pytest.mark.parametrize("direct", [True, False])
-def test_fit_bytes_bounds_what_solving_the_waiting_fits_holds(direct, monkeypatch):
+def test_fit_bytes_bounds_what_solving_the_waiting_fits_holds(direct, n, monkeypatch):
     """``FIT_BYTES`` — what :func:`fit_batch` budgets a GPU's waiting fits by — is at least the bytes per entry (maps ×
-    positions) that solving and scoring many fits hold at their peak (the profiler's allocations and frees, in
-    order), with the direct operators and by conjugate gradients, and not far above it."""
+    positions) that solving the waiting fits holds at its peak as a run's flush does (the parts joined into one copy,
+    then solved and scored; the profiler's allocations and frees, in order), with the direct operators and by
+    conjugate gradients, and not far above it."""
     from profiled import peak_bytes
 
     import posgen_tl.maths.moments as mo
     from posgen_tl.engine import decompose_scores as D
 
-    n, maps = 192, 48
+    maps = 6144 // n  # per part; four parts wait
     monkeypatch.setattr(mo, "_GEOMS", {})  # fresh geometries: no operator kept from another test
     monkeypatch.setattr(mo, "DIRECT_MAX", n if direct else 0)
     gen = torch.Generator().manual_seed(0)
     i = torch.arange(n, dtype=torch.float64)
-    w = 0.3 * i[:, None] - 0.2 * i[None, :] + torch.randn(maps, n, n, generator=gen, dtype=torch.float64)
     geoms = {s: mo.geometry(n, s, None) for s in (0, 1)}
-    sums = mo.sums_of(mo.Target(w, geoms[0], torch.full((maps,), 0.25, dtype=torch.float64), {}),
-                      mo.fit_columns(geoms))
-    del w
-    mo.all_fit_moments(sums, geoms)  # the direct operators built (once per mask, kept: not the waiting fits' memory)
-    peak, _ = peak_bytes(lambda: mo.all_fit_moments(sums, geoms))
-    assert (0.5 if direct else 0.8) * D.FIT_BYTES * maps * n <= peak <= D.FIT_BYTES * maps * n, peak / (maps * n)
+    parts = []
+    for _ in range(4):
+        w = 0.3 * i[:, None] - 0.2 * i[None, :] + torch.randn(maps, n, n, generator=gen, dtype=torch.float64)
+        parts.append(mo.sums_of(mo.Target(w, geoms[0], torch.full((maps,), 0.25, dtype=torch.float64), {}),
+                                mo.fit_columns(geoms)))
+        del w
+    mo.all_fit_moments(parts[0], geoms)  # the direct operators built (once per mask, kept: not the waiting fits')
+    peak, _ = peak_bytes(lambda: mo.all_fit_moments(mo.join_sums(parts), geoms))
+    entries = 4 * maps * n
+    assert (0.5 if direct else 0.8) * D.FIT_BYTES * entries <= peak <= D.FIT_BYTES * entries, peak / entries
 
 
 def test_the_maps_are_scored_in_row_blocks_where_they_should(monkeypatch):
