@@ -160,20 +160,15 @@ def take_gpu_paths(free_gib: float) -> None:
     import torch
 
     import posgen_tl.engine.decompose_scores as dec
-    import posgen_tl.experiments.pattern as pat
-    import posgen_tl.hooks.stream as stream
+    import posgen_tl.hooks.stacking as stacking
     import posgen_tl.maths.moments as mo
     from posgen_tl.hooks import chunked
-    from posgen_tl.hooks.capture import probe_hooks
-    from posgen_tl.hooks.stacking import STACK_ENTRIES
     from posgen_tl.maths.additive import DIRECT_MAX_GPU
 
     gpu, free = torch.device("cuda"), int(free_gib * 2**30)
-
-    def stack_size(model, per_head: int, n_layers: int) -> int:  # hooks.stacking.stack_size's GPU branch
-        per_layer = max(1, per_head * probe_hooks(model)[0].n_heads)
-        return max(1, min(n_layers, min(STACK_ENTRIES, free // (4 * 32)) // per_layer))
-
+    # stacking.stack_size's own GPU branch, wherever it is called from: it sees a cuda model with ``free`` bytes free
+    stacking.model_device = lambda model: gpu  # type: ignore[assignment]
+    stacking.free_bytes = lambda device: free  # type: ignore[assignment]
     chunk_name = "bound_chunk" if hasattr(dec, "bound_chunk") else "_bound_chunk"  # (its name up to f24534a)
     real_chunk = getattr(dec, chunk_name)
 
@@ -181,7 +176,6 @@ def take_gpu_paths(free_gib: float) -> None:
         # made: every operation here would be counted)
         return real_chunk(SimpleNamespace(q=SimpleNamespace(device=gpu), k=c.k, rope=c.rope), n_rows)
 
-    dec.stack_size = pat.stack_size = stream.stack_size = stack_size  # type: ignore[assignment]
     if hasattr(dec, "fit_batch"):  # (a package from before fit_batch solved FIT_BATCH entries at a time on a GPU too)
         dec.fit_batch = lambda device: max(dec.FIT_BATCH, free // (32 * dec.FIT_BYTES))  # type: ignore[attr-defined]
     mo.DIRECT_MAX = DIRECT_MAX_GPU  # type: ignore[attr-defined]

@@ -188,3 +188,47 @@ def test_stage_forward_counter_counts_tokens_through_the_layers_a_pass_computes(
         a(toks)  # no counter left attached: nothing counts any more
     assert c.counts["trained"] == 150 and c2.counts["trained"] == 120
     assert all(not blk.mlp._forward_pre_hooks for m in (a, b) for blk in m.blocks)
+
+
+def test_gpu_paths_make_the_package_choose_as_on_a_gpu():
+    """``profile_syncs --gpu-paths`` counts a GPU's operations on the CPU only if the package then CHOOSES as on a GPU:
+    stacks of layers by stack_size's own GPU rule (min(STACK_ENTRIES, free / 128) float32 entries, wherever it is
+    imported: one rule, not a copy that could drift), the fits batched by fit_batch's free-memory rule, the moments'
+    route and the bound's rows as for a cuda device. In a fresh process: the tool changes the package for the rest of
+    it."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    tests, bench = Path(__file__).resolve().parents[1], _PATH.parent
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path[:0] = [{str(bench)!r}, {str(tests)!r}]
+        import torch
+        import profile_syncs, tiny_models as tm
+        import posgen_tl.engine.decompose_scores as D, posgen_tl.experiments.pattern as P
+        import posgen_tl.hooks.stacking as S, posgen_tl.hooks.stream as T
+        model, cpu, gpu = tm.native(n_layers=2), torch.device("cpu"), torch.device("cuda")
+        before = dict(stack=S.stack_size(model, 512 * 512, 30), fits=D.fit_batch(cpu),
+                      factored=[D.use_factored(cpu, n) for n in (512, 2048, 8192)])
+        real_factored = [D.use_factored(gpu, n) for n in (512, 2048, 8192)]
+        profile_syncs.take_gpu_paths({{gib}})
+        print(json.dumps(dict(before=before, stacks=[f(model, 512 * 512, 30) for f in (S.stack_size, D.stack_size,
+                              P.stack_size, T.stack_size)], fits=D.fit_batch(cpu), FIT_BATCH=D.FIT_BATCH,
+                              FIT_BYTES=D.FIT_BYTES, STACK_ENTRIES=S.STACK_ENTRIES, heads=4,
+                              factored=[D.use_factored(cpu, n) for n in (512, 2048, 8192)], real=real_factored)))
+    """)
+    for gib in (1, 139):
+        run = subprocess.run([sys.executable, "-c", code.replace("{gib}", str(gib))], capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        free = gib * 2**30
+        assert got["before"]["stack"] == 1 and got["before"]["fits"] == got["FIT_BATCH"]  # the CPU's own choices first
+        per_layer = got["heads"] * 512 * 512
+        want = max(1, min(30, min(got["STACK_ENTRIES"], free // (4 * 32)) // per_layer))
+        assert want == (8 if gib == 1 else 30)  # the two budgets bind differently: 1 GiB free stacks 8 layers of 30
+        assert got["stacks"] == [want] * 4
+        assert got["fits"] == max(got["FIT_BATCH"], free // (32 * got["FIT_BYTES"]))
+        assert got["factored"] == got["real"]
