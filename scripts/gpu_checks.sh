@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/performance.md in ONE command, most important first, within a total time limit: on a machine
 # with a CUDA card and posgen_tl installed beside a CUDA build of torch (random-init models of real shapes: no weights
-# travel). Writes into OUT (default: a new folder under /tmp) one JSON per step and one log of them all:
+# travel). Writes into OUT (the first argument, or $POSGEN_GPU_OUT) one JSON per step and one log of them all:
 #   suite.json     benchmarks/suite.py --parts sizes: decomposition and feature statistics as ratios to a forward
 #                  (the GPU targets of docs/performance.md; check them with benchmarks/targets.py)
 #   gpu_tier.log   the GPU test tier, tests/integration/test_devices.py -k "cuda or gpu" (its lines are in the log)
@@ -11,7 +11,7 @@
 #   long.json      benchmarks/bench_gpu.py long: one sequence of LONG tokens decomposed, time and GPU peak
 #   gpu_checks.log every step's output and return code
 #
-#   bash scripts/gpu_checks.sh [OUT]
+#   bash scripts/gpu_checks.sh OUT
 # Settings (environment): PYTHON (python3), DEVICE (cuda), MODEL (random:smollm2-135m), SIZES (8x512,4x2048),
 # REPEATS (3), THREADS (8), LONG (16384; empty: no long step), TOTAL_S (540: the steps stop there, a step that would
 # start with under 30 s left is skipped and says so). A step that fails is logged with its return code; the rest run.
@@ -25,7 +25,11 @@ REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-8}
 LONG=${LONG-16384}
 TOTAL_S=${TOTAL_S:-540}
-OUT=${1:-$(mktemp -d /tmp/posgen_gpu_checks.XXXXXX)}
+OUT=${1:-${POSGEN_GPU_OUT:-}}
+if [ -z "$OUT" ]; then
+  echo "gpu_checks.sh: name the folder for the results (bash scripts/gpu_checks.sh OUT, or POSGEN_GPU_OUT)" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 LOG="$OUT/gpu_checks.log"
 : >"$LOG"
