@@ -177,7 +177,10 @@ def take_gpu_paths(free_gib: float) -> None:
         return real_chunk(SimpleNamespace(q=SimpleNamespace(device=gpu), k=c.k, rope=c.rope), n_rows)
 
     if hasattr(dec, "fit_batch"):  # (a package from before fit_batch solved FIT_BATCH entries at a time on a GPU too)
-        dec.fit_batch = lambda device: max(dec.FIT_BATCH, free // (32 * dec.FIT_BYTES))  # type: ignore[attr-defined]
+        # fit_batch's own GPU branch: asked of a cuda device, which has ``free`` bytes free
+        real_fit_batch = dec.fit_batch
+        dec.free_bytes = lambda device: free  # type: ignore[assignment]
+        dec.fit_batch = lambda device: real_fit_batch(gpu)  # type: ignore[attr-defined]
     mo.DIRECT_MAX = DIRECT_MAX_GPU  # type: ignore[attr-defined]
     dec.auto_chunk = functools.partial(chunked.auto_chunk, memory_only=True)  # type: ignore[assignment]
     setattr(dec, chunk_name, bound_chunk)
