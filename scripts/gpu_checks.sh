@@ -4,7 +4,7 @@
 # travel). Writes into OUT (the first argument, or $POSGEN_GPU_OUT) one JSON per step and one log of them all:
 #   suite.json     benchmarks/suite.py --parts sizes: decomposition and feature statistics as ratios to a forward
 #                  (the GPU targets of docs/performance.md; check them with benchmarks/targets.py)
-#   gpu_tier.log   the GPU test tier, tests/integration/test_devices.py -k "cuda or gpu" (its lines are in the log)
+#   (the log)      the GPU test tier, python -m pytest -m gpu (every test that needs CUDA carries the mark)
 #   ops.json       benchmarks/profile_syncs.py --ops --lines at the largest size: the operations a GPU dispatched, to
 #                  compare with the CPU's count of the same paths (--gpu-paths)
 #   factored.json  benchmarks/bench_factored.py: the moments from the maps against from their factors
@@ -54,7 +54,7 @@ step() {  # step NAME COMMAND…: run COMMAND with what is left of the time, its
 '| device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" 2>&1 | tee -a "$LOG"
 step suite "$PY" benchmarks/suite.py --models "$MODEL" --device "$DEVICE" --parts sizes --sizes "$SIZES" \
   --threads "$THREADS" --repeats "$REPEATS" --skip-memory --out "$OUT/suite.json"
-step gpu_tier "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_devices.py -k "cuda or gpu"
+step gpu_tier "$PY" -m pytest -q -p no:cacheprovider -m gpu
 step ops "$PY" benchmarks/profile_syncs.py --model "$MODEL" --device "$DEVICE" --n-seq "${LARGEST%x*}" \
   --seq-len "${LARGEST#*x}" --steps decomposition --ops --lines --top 25 --out "$OUT/ops.json"
 step factored "$PY" benchmarks/bench_factored.py --model "$MODEL" --device "$DEVICE" --sizes "$SIZES" \

@@ -20,7 +20,11 @@ from posgen_tl.io.models import ModelLoadError, _boot, load_model, random_twin
 
 needs_accelerate = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                                       reason="needs HF accelerate (pip install 'posgen_tl[multigpu]')")
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def needs_gpu(test):
+    """The GPU tier (``python -m pytest -m gpu``): the ``gpu`` mark, and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")(test))
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +263,6 @@ def _assert_same_measurements(a, b):
     return ra, rb
 
 
-@pytest.mark.gpu
 @needs_gpu
 def test_every_study_of_the_report_runs_on_cuda_and_matches_the_cpu(tmp_path):
     """The GPU tier: the whole report (every study) with the model on ``cuda`` — tokens built on the CPU,

@@ -129,6 +129,7 @@ def test_keyboard_interrupt_leaves_no_hooks():
     assert _no_hooks(model)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to mix devices")
 def test_cpu_tokens_on_gpu_model_are_moved():  # pragma: no cover - no GPU in CI
     model = tm.native().to("cuda")
