@@ -22,6 +22,11 @@ forward skips is not counted — as *forward equivalents*: that work over one pa
 layer. Each round then also times that pass without the unembedding (``stop_at_layer``; the stages unembed only
 their target rows) inside :func:`posgen_tl.hooks.heap.large_blocks_kept` (as the stages' passes run), and each stage
 reads "its forwards": equivalents × that time, and the share of the stage's seconds they make.
+
+``--by-site`` (with ``--forwards``): that work split by where each forward came from — the two innermost package
+functions above the code that only runs a forward (:func:`forward_site`), and whether it resumed at a later block — the
+places to look for passes two parts of a stage run alike. Each stage runs on its own here, so a reference k̄ that the
+report computes once for several stages (``shared_means``) counts in each of them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,14 +56,46 @@ def fingerprint(tables: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+#: frames that only carry a forward to the model (running it, resuming it, streaming its hooks): a site is named by the
+#: package frames above them
+PLUMBING_MODULES = ("hooks/reentry.py", "hooks/capture.py", "hooks/stream.py", "hooks/chunked.py", "hooks/positions.py")
+PLUMBING_FUNCTIONS = {("swaps", "nll_on_target"), ("swaps", "_target_nll"), ("patching", "_run_logits"),
+                      ("patching", "_run_metric")}
+
+
+def forward_site(frame: Any, depth: int = 2) -> tuple[str, bool]:
+    """Where a forward came from: the ``depth`` innermost frames of ``posgen_tl`` above :data:`PLUMBING_MODULES` and
+    :data:`PLUMBING_FUNCTIONS`, outermost first (``"pilot._tune > pilot._mean_damage"``), and whether the forward was
+    resumed at a later block (:func:`posgen_tl.hooks.reentry.forward_from` on the stack). ``"(outside posgen_tl)"`` when
+    no package frame called it."""
+    names: list[str] = []
+    resumed = False
+    f = frame
+    while f is not None:
+        path = f.f_code.co_filename.replace("\\", "/")
+        if "/posgen_tl/" in path:
+            mod = Path(path).stem
+            if path.endswith("hooks/reentry.py") and f.f_code.co_name == "forward_from":
+                resumed = True
+            elif not path.endswith(PLUMBING_MODULES) and (mod, f.f_code.co_name) not in PLUMBING_FUNCTIONS \
+                    and len(names) < depth:
+                names.append(f"{mod}.{f.f_code.co_name}")
+        f = f.f_back
+    return (" > ".join(reversed(names)) or "(outside posgen_tl)"), resumed
+
+
 class LayerTokens:
     """Tokens processed by every layer's MLP of each model in ``models`` (``{label: model}``) while active: a forward
     pre-hook on each ``model.blocks[i].mlp`` (TransformerLens 3.x and 4.x both have the module; a block a resumed
-    forward passes through never calls it). ``counts``: ``{label: tokens × layers}``; the hooks are removed on exit."""
+    forward passes through never calls it). ``counts``: ``{label: tokens × layers}``; with ``by_site``, ``sites`` splits
+    them by where each forward came from, ``{(label, site, resumed): tokens × layers}`` (:func:`forward_site`); the
+    hooks are removed on exit."""
 
-    def __init__(self, models: dict[str, Any]) -> None:
+    def __init__(self, models: dict[str, Any], by_site: bool = False) -> None:
         self.models = models
+        self.by_site = by_site
         self.counts: dict[str, int] = {label: 0 for label in models}
+        self.sites: dict[tuple[str, str, bool], int] = {}
         self._handles: list[Any] = []
 
     def _hook(self, label: str) -> Any:
@@ -65,7 +103,11 @@ class LayerTokens:
             x = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape") and a.ndim >= 2), None)
             if x is None:
                 raise RuntimeError(f"{label}: an MLP was called without a hidden-state tensor; nothing to count")
-            self.counts[label] += int(x.numel() // x.shape[-1])
+            n = int(x.numel() // x.shape[-1])
+            self.counts[label] += n
+            if self.by_site:
+                key = (label, *forward_site(sys._getframe(1)))
+                self.sites[key] = self.sites.get(key, 0) + n
 
         return pre
 
@@ -87,7 +129,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--forwards", action="store_true", help="also count each stage's forward work (see above)")
+    ap.add_argument("--by-site", action="store_true", help="with --forwards: split each stage's forward work by where "
+                                                           "its forwards came from (see above)")
     a = ap.parse_args()
+    if a.by_site and not a.forwards:
+        raise SystemExit("--by-site splits the forward work --forwards counts: give both")
     import torch
 
     from posgen_tl.experiments import registry
@@ -149,18 +195,20 @@ def main() -> None:
     rows: dict[str, list[float]] = {"forward": [], **({"blocks": []} if a.forwards else {}), **{s: [] for s in stages}}
     prints: dict[str, set[str]] = {s: set() for s in stages}
     counts: dict[str, set[tuple[int, ...]]] = {s: set() for s in stages}
+    sites: dict[str, set[tuple]] = {s: set() for s in stages}
     for r in range(a.repeats):
         rows["forward"].append(forward())
         if a.forwards:
             rows["blocks"].append(blocks())
         for s in stages:
-            with LayerTokens(models) if a.forwards else contextlib.nullcontext() as counter:
+            with LayerTokens(models, a.by_site) if a.forwards else contextlib.nullcontext() as counter:
                 t = time.perf_counter()
                 result = run(s)
                 rows[s].append(time.perf_counter() - t)
             prints[s].add(fingerprint(result.tables))
             if counter is not None:
                 counts[s].add(tuple(counter.counts[m] for m in models))
+                sites[s].add(tuple(sorted(counter.sites.items())))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rows.items()), flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     work_of: dict[str, dict[str, Any]] = {}
@@ -178,6 +226,14 @@ def main() -> None:
                           "forward_seconds": eq * med["blocks"], "share": eq * med["blocks"] / med[s]}
             print(f"  forwards: {eq:.1f} equivalents (" + ", ".join(f"{m} {v / unit:.1f}" for m, v in per_model.items())
                   + f") × {med['blocks']:.2f} s = {eq * med['blocks']:.1f} s, {work_of[s]['share']:.0%} of the stage")
+            if a.by_site:
+                if len(sites[s]) != 1:
+                    raise SystemExit(f"{s}: where its forwards came from differed between rounds")
+                split = sorted(next(iter(sites[s])), key=lambda kv: -kv[1])
+                work_of[s]["by_site"] = [{"model": m, "site": site, "resumed": res, "forward_equivalents": v / unit}
+                                         for (m, site, res), v in split]
+                for (m, site, res), v in split:
+                    print(f"    {v / unit:6.2f}  {m:<7}  {site}{'  (resumed)' if res else ''}")
     shutil.rmtree(work.dir, ignore_errors=True)
     if a.out:
         out = {"what": "report stages at the report's configuration, alternating with the plain forward",

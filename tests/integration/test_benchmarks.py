@@ -190,6 +190,47 @@ def test_stage_forward_counter_counts_tokens_through_the_layers_a_pass_computes(
     assert all(not blk.mlp._forward_pre_hooks for m in (a, b) for blk in m.blocks)
 
 
+def test_layer_tokens_by_site_names_where_each_forward_came_from():
+    """``bench_stages --forwards --by-site`` splits the count by the package function that asked for each forward (the
+    code that only runs a forward passed over) and marks resumed ones: the parts add up to the count, a pass of
+    :func:`key_means` is named ``edits.feature_means``, a resumed forward is marked, one from outside the package says so."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tiny_models as tm
+
+    from posgen_tl.hooks.edits import key_means
+    from posgen_tl.hooks.reentry import forward_from, recorded, resid_hooks, skips_blocks
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stages.py"
+    spec = importlib.util.spec_from_file_location("posgen_bench_stages_sites", bench)
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    a = tm.hf_llama(n_layers=4)[0]
+    toks = torch.randint(1, 99, (3, 10), generator=torch.Generator().manual_seed(0))
+    key_means(a, toks[:1])  # the model's exactness gate runs its own probe forwards now, not inside the count below
+    assert skips_blocks(a)
+    with stages.LayerTokens({"trained": a}) as alone, torch.no_grad():
+        key_means(a, toks, batch_size=3)
+    means_work = alone.counts["trained"]  # what a pass of key_means computes (it may stop before the last MLP)
+    assert means_work > 0
+    store: dict = {}
+    with torch.no_grad(), a.hooks(fwd_hooks=resid_hooks([3], store)):
+        a(toks)
+    resid = recorded(store)[3]
+    with torch.no_grad(), stages.LayerTokens({"trained": a}, by_site=True) as c:
+        a(toks)
+        forward_from(a, resid, 3, tokens=toks)
+        key_means(a, toks, batch_size=3)
+    assert c.sites == {("trained", "(outside posgen_tl)", False): 3 * 10 * 4,
+                       ("trained", "(outside posgen_tl)", True): 3 * 10 * 1,
+                       ("trained", "edits.feature_means", False): means_work}
+    assert sum(c.sites.values()) == c.counts["trained"]
+    assert alone.sites == {}  # without by_site nothing is split
+
+
 def test_gpu_paths_make_the_package_choose_as_on_a_gpu():
     """``profile_syncs --gpu-paths`` counts a GPU's operations on the CPU only if the package then CHOOSES as on a GPU:
     stacks of layers by stack_size's own GPU rule (min(STACK_ENTRIES, free / 128) float32 entries, wherever it is
