@@ -273,3 +273,86 @@ def test_gpu_paths_make_the_package_choose_as_on_a_gpu():
         assert got["stacks"] == [want] * 4
         assert got["fits"] == max(got["FIT_BATCH"], free // (32 * got["FIT_BYTES"]))
         assert got["factored"] == got["real"]
+
+
+def _report_repeats():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "report_repeats.py"
+    spec = importlib.util.spec_from_file_location("posgen_report_repeats", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_repeats_counts_a_row_run_again_only_when_nothing_but_its_final_residual_is_read():
+    """``report_repeats.repeats`` counts a row of a plain forward as repeated when an earlier plain or recording
+    forward of the same model ran the same input at the same ids and start layer — per (first stage, repeating stage),
+    its seconds split over the forward's rows —, a repeated recording forward apart, and never a hooked forward, another
+    model's, other ids or another start layer."""
+    rr = _report_repeats()
+    assert rr.kind_of([]) == rr.kind_of(["ln_final.hook_out"]) == "plain"
+    assert rr.kind_of(["blocks.3.hook_resid_pre", "ln_final.hook_out"]) == "recording"
+    assert rr.kind_of(["blocks.3.hook_resid_pre", "blocks.5.attn.hook_k"]) == "hooked"
+
+    def rec(stage, rows, hooks=(), pos=None, start=0, model="trained", seconds=4.0):
+        return {"stage": stage, "model": model, "rows": list(rows), "pos": list(pos or [None] * len(rows)),
+                "start": start, "hooks": list(hooks), "seconds": seconds}
+
+    out = rr.repeats([
+        rec("tolerance", "abcd", ["ln_final.hook_out"]),           # 1 s a row
+        rec("causal", "ab", ["blocks.10.hook_resid_pre"]),         # recording: a and b were run: 2 repeated rows
+        rec("sufficiency", "abxy", ["ln_final.hook_out"]),        # a, b repeat tolerance's; x, y are new
+        rec("patching", "ab", ["blocks.0.attn.hook_q"]),           # hooked: never a repeat
+        rec("patching", "ab", pos=["p", "p"]),                     # other ids: new rows
+        rec("patching", "ab", start=10),                           # a resumed forward from another input: new rows
+        rec("length", "ab", model="twin"),                          # the other model: new rows
+        rec("length", "xy", ["ln_final.hook_out"], seconds=6.0),   # repeats sufficiency's x, y: 3 s a row
+    ])
+    pairs = {(p["first"], p["then"], p["kind"]): (p["rows"], p["seconds"]) for p in out["pairs"]}
+    assert pairs == {("tolerance", "causal", "recording"): (2, 4.0), ("tolerance", "sufficiency", "plain"): (2, 2.0),
+                     ("sufficiency", "length", "plain"): (2, 6.0)}
+    assert out["forward_seconds"] == 34.0 and out["by_kind"] == {"plain": 26.0, "recording": 4.0, "hooked": 4.0}
+    assert out["repeated_plain_seconds"] == 8.0 and out["repeated_recording_seconds"] == 4.0
+    assert out["repeated_plain_share"] == 8.0 / 34.0
+    assert [p["seconds"] for p in out["pairs"]] == [6.0, 4.0, 2.0]
+
+
+def test_report_repeats_logs_each_forward_row_by_row_and_puts_the_forward_back():
+    """``ForwardLog`` on a tiny bridge: two target-NLL passes of the same windows in two stages (the second with the ids
+    ``0 … n−1`` given explicitly) are one plain forward repeated row by row; a pass under an edit hook is hooked; a
+    pass at other ids is new; the class's own ``forward`` is back afterwards (also after an exception)."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tiny_models as tm
+
+    from posgen_tl.engine.swaps import nll_on_target
+
+    rr = _report_repeats()
+    a = tm.hf_llama(n_layers=2)[0]
+    toks = torch.randint(1, 99, (3, 12), generator=torch.Generator().manual_seed(0))
+    nll_on_target(a, toks[:1], target_len=4)  # the model's gate runs its own probe forwards, outside the log
+    own = type(a).forward
+    with rr.ForwardLog({"trained": a}) as log:
+        log.stage = "one"
+        first = nll_on_target(a, toks, target_len=4, batch_size=2)
+        log.stage = "two"
+        again = nll_on_target(a, toks, target_len=4, position_ids=torch.arange(12), batch_size=3)
+        nll_on_target(a, toks, target_len=4, position_ids=torch.arange(12).flip(0))
+
+        def nudge(x, hook):
+            return x * 1.01
+
+        nll_on_target(a, toks, target_len=4, fwd_hooks=[("blocks.1.attn.hook_k", nudge)])
+    assert type(a).forward is own
+    torch.testing.assert_close(first, again, rtol=1e-6, atol=1e-6)
+    assert [(r["stage"], len(r["rows"]), rr.kind_of(r["hooks"])) for r in log.records] == [
+        ("one", 2, "plain"), ("one", 1, "plain"), ("two", 3, "plain"), ("two", 3, "plain"), ("two", 3, "hooked")]
+    assert all(r["stopped"] for r in log.records[:4])  # the final-residual read ends each pass early
+    out = rr.repeats(log.records)
+    assert [(p["first"], p["then"], p["kind"], p["rows"]) for p in out["pairs"]] == [("one", "two", "plain", 3)]
+    assert out["repeated_plain_seconds"] == pytest.approx(log.records[2]["seconds"])
+    with pytest.raises(RuntimeError, match="inside"), rr.ForwardLog({"trained": a}):
+        raise RuntimeError("inside")
+    assert type(a).forward is own
