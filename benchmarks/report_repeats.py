@@ -80,7 +80,7 @@ class ForwardLog:
     def _wrap(self, cls: type) -> None:
         if any(c is cls for c, _ in self._saved):
             return
-        orig = getattr(cls, "forward")  # the class's own, put back on exit
+        orig = getattr(cls, "forward")  # noqa: B009 - the class's own, put back on exit (mypy: a `type`)
         log = self
 
         def forward(model: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
@@ -106,7 +106,7 @@ class ForwardLog:
                 log.records.append(rec)
 
         self._saved.append((cls, orig))
-        setattr(cls, "forward", forward)
+        setattr(cls, "forward", forward)  # noqa: B010
 
     def __enter__(self) -> ForwardLog:
         for m in self.models:
@@ -115,7 +115,7 @@ class ForwardLog:
 
     def __exit__(self, *exc: Any) -> None:
         for cls, orig in reversed(self._saved):
-            setattr(cls, "forward", orig)
+            setattr(cls, "forward", orig)  # noqa: B010
         self._saved.clear()
 
 
