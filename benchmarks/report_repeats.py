@@ -9,7 +9,10 @@ or the residual a resumed forward starts from — and position ids as hashes, th
 carry hooks, and the forward's seconds, split evenly over its rows. :func:`repeats` then sorts each forward into
 
 * ``plain``: no hooks but the final norm's read (``ln_final.hook_out``, where the target NLL takes its rows);
-* ``recording``: hooks only where the residual is read or put back (``hook_resid_pre`` / ``hook_in``) besides that;
+* ``recording``: hooks only on a block's input residual (``blocks.L.hook_resid_pre`` / ``blocks.L.hook_in``, where a
+  resumable forward records it) besides that — read by name: a hook that WROTE a block's residual would be misread, and
+  none of the report's does (a TransformerLens 3.x bridge resumes a forward by writing it there, so the log refuses
+  such a model);
 * ``hooked``: any other hook (edits, substitutions, patches, captures) — never counted as a repeat: the tool cannot
   tell two hooks' arguments apart, and such a forward computes something no other one does;
 
@@ -29,6 +32,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -41,8 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 #: the hook point whose hook reads the target rows' final residual (posgen_tl.hooks.positions.final_residual_hook)
 FINAL = "ln_final.hook_out"
-#: suffixes of the hook points where a resumable forward records (or a TL 3.x bridge puts back) the residual
-RESIDUAL = ("hook_resid_pre", "hook_in")
+#: the hook points of a block's input residual, where a resumable forward records it
+RESIDUAL = re.compile(r"blocks\.\d+\.(hook_resid_pre|hook_in)")
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -54,7 +58,7 @@ def kind_of(hook_names: Sequence[str]) -> str:
     names = {n for n in hook_names if n != FINAL}
     if not names:
         return "plain"
-    return "recording" if all(n.endswith(RESIDUAL) for n in names) else "hooked"
+    return "recording" if all(RESIDUAL.fullmatch(n) for n in names) else "hooked"
 
 
 class ForwardLog:
@@ -63,7 +67,11 @@ class ForwardLog:
     ``records``: ``stage`` (set ``self.stage`` between stages), ``model`` (the label), ``rows`` (one hash per batch row
     of the input), ``pos`` (one hash per row of the position ids, ``None`` for ``0 … n−1`` or none given), ``start``
     (the ``start_at_layer``, 0 for a whole forward), ``hooks`` (the hook points carrying hooks), ``stopped`` (ended by
-    an exception, e.g. the final-residual read's early stop) and ``seconds``. Models not in ``models`` are not logged."""
+    an exception, e.g. the final-residual read's early stop) and ``seconds``. Models not in ``models`` are not logged.
+
+    Raises:
+        ValueError: a model whose forward does not take ``start_at_layer`` (a TransformerLens 3.x bridge): it resumes
+            by writing the residual into a whole forward of the tokens, which the log would take for that forward."""
 
     def __init__(self, models: dict[str, Any]) -> None:
         self.labels = {id(m): label for label, m in models.items()}
@@ -75,9 +83,17 @@ class ForwardLog:
     def add(self, label: str, model: Any) -> None:
         """Log ``model`` too from now on (a model the run builds later, e.g. the random twin)."""
         self.labels[id(model)] = label
-        self._wrap(type(model))
+        self.models.append(model)
+        self._wrap(model)
 
-    def _wrap(self, cls: type) -> None:
+    def _wrap(self, model: Any) -> None:
+        from posgen_tl.hooks.reentry import _native
+
+        if not _native(model):
+            raise ValueError(f"{type(model).__name__}: its forward takes no start_at_layer (a TransformerLens 3.x "
+                             "bridge): a resumed forward there is a whole forward with the residual written in, "
+                             "which this log cannot tell from a whole one; run it on TransformerLens 4.x")
+        cls = type(model)
         if any(c is cls for c, _ in self._saved):
             return
         orig = getattr(cls, "forward")  # noqa: B009 - the class's own, put back on exit (mypy: a `type`)
@@ -110,7 +126,7 @@ class ForwardLog:
 
     def __enter__(self) -> ForwardLog:
         for m in self.models:
-            self._wrap(type(m))
+            self._wrap(m)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -17,6 +17,14 @@ _spec.loader.exec_module(suite)
 import suite_tables as tables  # noqa: E402  (on sys.path once the suite is loaded: its targets and tables)
 
 
+def _bench(name: str):
+    """A fresh copy of the module ``benchmarks/<name>.py``."""
+    spec = importlib.util.spec_from_file_location(f"posgen_bench_{name}", _PATH.parent / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _timing(medians: dict[str, float], forwards: dict[str, int] | None = None) -> dict:
     forwards = forwards or {}
     steps = {"forward": 1.0, **medians}
@@ -204,10 +212,7 @@ def test_layer_tokens_by_site_names_where_each_forward_came_from():
     from posgen_tl.hooks.edits import key_means
     from posgen_tl.hooks.reentry import forward_from, recorded, resid_hooks, skips_blocks
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stages.py"
-    spec = importlib.util.spec_from_file_location("posgen_bench_stages_sites", bench)
-    stages = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stages)
+    stages = _bench("bench_stages")
     a = tm.hf_llama(n_layers=4)[0]
     toks = torch.randint(1, 99, (3, 10), generator=torch.Generator().manual_seed(0))
     key_means(a, toks[:1])  # the model's exactness gate runs its own probe forwards now, not inside the count below
@@ -275,23 +280,16 @@ def test_gpu_paths_make_the_package_choose_as_on_a_gpu():
         assert got["factored"] == got["real"]
 
 
-def _report_repeats():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "report_repeats.py"
-    spec = importlib.util.spec_from_file_location("posgen_report_repeats", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_report_repeats_counts_a_row_run_again_only_when_nothing_but_its_final_residual_is_read():
     """``report_repeats.repeats`` counts a row of a plain forward as repeated when an earlier plain or recording
     forward of the same model ran the same input at the same ids and start layer — per (first stage, repeating stage),
     its seconds split over the forward's rows —, a repeated recording forward apart, and never a hooked forward, another
     model's, other ids or another start layer."""
-    rr = _report_repeats()
+    rr = _bench("report_repeats")
     assert rr.kind_of([]) == rr.kind_of(["ln_final.hook_out"]) == "plain"
     assert rr.kind_of(["blocks.3.hook_resid_pre", "ln_final.hook_out"]) == "recording"
     assert rr.kind_of(["blocks.3.hook_resid_pre", "blocks.5.attn.hook_k"]) == "hooked"
+    assert rr.kind_of(["blocks.3.attn.hook_in"]) == rr.kind_of(["blocks.3.mlp.hook_in"]) == "hooked"  # not a block's input
 
     def rec(stage, rows, hooks=(), pos=None, start=0, model="trained", seconds=4.0):
         return {"stage": stage, "model": model, "rows": list(rows), "pos": list(pos or [None] * len(rows)),
@@ -329,7 +327,7 @@ def test_report_repeats_logs_each_forward_row_by_row_and_puts_the_forward_back()
 
     from posgen_tl.engine.swaps import nll_on_target
 
-    rr = _report_repeats()
+    rr = _bench("report_repeats")
     a = tm.hf_llama(n_layers=2)[0]
     toks = torch.randint(1, 99, (3, 12), generator=torch.Generator().manual_seed(0))
     nll_on_target(a, toks[:1], target_len=4)  # the model's gate runs its own probe forwards, outside the log
@@ -355,4 +353,24 @@ def test_report_repeats_logs_each_forward_row_by_row_and_puts_the_forward_back()
     assert out["repeated_plain_seconds"] == pytest.approx(log.records[2]["seconds"])
     with pytest.raises(RuntimeError, match="inside"), rr.ForwardLog({"trained": a}):
         raise RuntimeError("inside")
+    assert type(a).forward is own
+
+
+def test_report_repeats_refuses_a_model_that_resumes_by_writing_the_residual(monkeypatch):
+    """A TransformerLens 3.x bridge takes no ``start_at_layer``: it resumes a forward by writing the residual into a whole
+    forward of the tokens, which the log would count as that whole forward (and a later pass of the same tokens as its
+    repeat). ``ForwardLog`` refuses such a model, naming why, and wraps nothing."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import tiny_models as tm
+
+    import posgen_tl.hooks.reentry as reentry
+
+    rr = _bench("report_repeats")
+    a = tm.hf_llama(n_layers=2)[0]
+    own = type(a).forward
+    monkeypatch.setattr(reentry, "_native", lambda model: False)
+    with pytest.raises(ValueError, match="start_at_layer"), rr.ForwardLog({"trained": a}):
+        pass
     assert type(a).forward is own
