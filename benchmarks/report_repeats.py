@@ -87,9 +87,9 @@ class ForwardLog:
         self._wrap(model)
 
     def _wrap(self, model: Any) -> None:
-        from posgen_tl.hooks.reentry import _native
+        from posgen_tl.hooks.reentry import takes_start_at_layer
 
-        if not _native(model):
+        if not takes_start_at_layer(model):
             raise ValueError(f"{type(model).__name__}: its forward takes no start_at_layer (a TransformerLens 3.x "
                              "bridge): a resumed forward there is a whole forward with the residual written in, "
                              "which this log cannot tell from a whole one; run it on TransformerLens 4.x")

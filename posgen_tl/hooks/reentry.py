@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-__all__ = ["forward_from", "resid_hooks", "recorded", "hooks_from", "check_hooks_from", "skips_blocks", "computing_every_block",
+__all__ = ["forward_from", "takes_start_at_layer", "resid_hooks", "recorded", "hooks_from", "check_hooks_from", "skips_blocks", "computing_every_block",
            "is_bridge", "SKIP_TOLERANCE"]
 
 #: largest |Δ logit| / max |logit| between a skipped and a full re-entered forward for the skip to be used
@@ -126,7 +126,7 @@ def _probe_tokens(model: Any) -> Tensor:
     return (torch.arange(4, device=dev)[None] * 7919 + 11) % max(v - 1, 1) + 1
 
 
-def _native(model: Any) -> bool:
+def takes_start_at_layer(model: Any) -> bool:
     """Whether the model's forward takes ``start_at_layer`` (TransformerLens 3.x's bridge refuses it)."""
     from posgen_tl.compat import tl_version_tuple  # noqa: PLC0415
 
@@ -136,7 +136,7 @@ def _native(model: Any) -> bool:
 def _resume(model: Any, resid: Tensor, layer: int, tokens: Tensor | None, **kwargs: Any) -> Any:
     """The forward resumed at block ``layer``: ``start_at_layer`` where the model takes it, otherwise ``tokens``
     run with the residual entering block ``layer`` replaced by ``resid``."""
-    if _native(model):
+    if takes_start_at_layer(model):
         return model(resid, start_at_layer=layer, **kwargs)
     if tokens is None:
         raise ValueError("resuming a forward on this TransformerLens bridge needs the tokens (tokens=)")

@@ -370,7 +370,7 @@ def test_report_repeats_refuses_a_model_that_resumes_by_writing_the_residual(mon
     rr = _bench("report_repeats")
     a = tm.hf_llama(n_layers=2)[0]
     own = type(a).forward
-    monkeypatch.setattr(reentry, "_native", lambda model: False)
+    monkeypatch.setattr(reentry, "takes_start_at_layer", lambda model: False)
     with pytest.raises(ValueError, match="start_at_layer"), rr.ForwardLog({"trained": a}):
         pass
     assert type(a).forward is own
