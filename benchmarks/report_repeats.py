@@ -61,6 +61,16 @@ def kind_of(hook_names: Sequence[str]) -> str:
     return "recording" if all(RESIDUAL.fullmatch(n) for n in names) else "hooked"
 
 
+def _refuse_unless_resumable(model: Any) -> None:
+    """ValueError for a model whose forward takes no ``start_at_layer`` (a TransformerLens 3.x bridge)."""
+    from posgen_tl.hooks.reentry import takes_start_at_layer
+
+    if not takes_start_at_layer(model):
+        raise ValueError(f"{type(model).__name__}: its forward takes no start_at_layer (a TransformerLens 3.x "
+                         "bridge): a resumed forward there is a whole forward with the residual written in, "
+                         "which this log cannot tell from a whole one; run it on TransformerLens 4.x")
+
+
 class ForwardLog:
     """While active, every forward of ``models`` (``{label: model}``, TransformerLens 3.x ``HookedTransformer`` or 4.x
     ``TransformerBridge``: their classes' ``forward`` is wrapped and put back on exit) appends one record to
@@ -82,17 +92,12 @@ class ForwardLog:
 
     def add(self, label: str, model: Any) -> None:
         """Log ``model`` too from now on (a model the run builds later, e.g. the random twin)."""
+        _refuse_unless_resumable(model)
         self.labels[id(model)] = label
         self.models.append(model)
         self._wrap(model)
 
     def _wrap(self, model: Any) -> None:
-        from posgen_tl.hooks.reentry import takes_start_at_layer
-
-        if not takes_start_at_layer(model):
-            raise ValueError(f"{type(model).__name__}: its forward takes no start_at_layer (a TransformerLens 3.x "
-                             "bridge): a resumed forward there is a whole forward with the residual written in, "
-                             "which this log cannot tell from a whole one; run it on TransformerLens 4.x")
         cls = type(model)
         if any(c is cls for c, _ in self._saved):
             return
@@ -125,6 +130,8 @@ class ForwardLog:
         setattr(cls, "forward", forward)  # noqa: B010
 
     def __enter__(self) -> ForwardLog:
+        for m in self.models:  # every model checked before any class's forward is replaced
+            _refuse_unless_resumable(m)
         for m in self.models:
             self._wrap(m)
         return self

@@ -374,3 +374,11 @@ def test_report_repeats_refuses_a_model_that_resumes_by_writing_the_residual(mon
     with pytest.raises(ValueError, match="start_at_layer"), rr.ForwardLog({"trained": a}):
         pass
     assert type(a).forward is own
+    b = tm.hf_llama(n_layers=2)[0]  # the same class: refusing the second model must leave the first unwrapped too
+    monkeypatch.setattr(reentry, "takes_start_at_layer", lambda model: model is a)
+    with pytest.raises(ValueError, match="start_at_layer"), rr.ForwardLog({"trained": a, "twin": b}):
+        pass
+    assert type(a).forward is own
+    with rr.ForwardLog({"trained": a}) as log, pytest.raises(ValueError, match="start_at_layer"):
+        log.add("twin", b)
+    assert id(b) not in log.labels and type(a).forward is own
