@@ -153,7 +153,7 @@ ROWS: list[Row] = [
     Row("decomposition: peak resident memory (8 GB = 7.45 GiB)", "1 × 16384", "CPU", 8 * GB_IN_GIB, "GiB", _LONG,
         long_peak(16384)),
     Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", _LONG, long_exponent),
-    Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_d288e04.json", report_wall),
+    Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_ff12721.json", report_wall),
     *gpu_rows("8 × 512", _GPU),
     *gpu_rows("4 × 2048", _GPU),
     Row("decomposition on one 80 GB card (74.5 GiB)", "1 × 16384", "GPU", 80 * GB_IN_GIB, "GiB",

@@ -15,6 +15,7 @@ _spec = importlib.util.spec_from_file_location("posgen_benchmark_suite", _PATH)
 suite = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(suite)
 import suite_tables as tables  # noqa: E402  (on sys.path once the suite is loaded: its targets and tables)
+import tiny_models as tm  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
 
 
 def _bench(name: str):
@@ -137,12 +138,7 @@ def test_every_step_of_the_suite_runs_and_the_naive_route_computes_the_same_tabl
     """Each timed step runs on today's code (a step that breaks after a refactor made whole timing runs fail silently
     into "not measured"), and the naive run_with_cache route the streaming analyses are compared with computes the
     SAME decomposition and feature statistics — the comparison is between two ways of one computation."""
-    import sys
-
     import pandas as pd
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import tiny_models as tm
     from suite_steps import Bench
 
     b = Bench(tm.hf_llama()[0], 2, 96, batch_size=1)
@@ -161,12 +157,7 @@ def test_stage_forward_counter_counts_tokens_through_the_layers_a_pass_computes(
     """bench_stages' forward accounting: a whole forward counts batch × positions × layers, a forward resumed at block
     L (its lower blocks skipped) the layers from L on, each model apart; its hooks are gone after the block, also when
     the block raises — a count that included skipped blocks or leaked into later stages would misstate the report."""
-    import sys
-
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import tiny_models as tm
 
     from posgen_tl.hooks.reentry import forward_from, recorded, resid_hooks, skips_blocks
 
@@ -202,12 +193,7 @@ def test_layer_tokens_by_site_names_where_each_forward_came_from():
     """``bench_stages --forwards --by-site`` splits the count by the package function that asked for each forward (the
     code that only runs a forward passed over) and marks resumed ones: the parts add up to the count, a pass of
     :func:`key_means` is named ``edits.feature_means``, a resumed forward is marked, one from outside the package says so."""
-    import sys
-
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import tiny_models as tm
 
     from posgen_tl.hooks.edits import key_means
     from posgen_tl.hooks.reentry import forward_from, recorded, resid_hooks, skips_blocks
@@ -318,12 +304,7 @@ def test_report_repeats_logs_each_forward_row_by_row_and_puts_the_forward_back()
     """``ForwardLog`` on a tiny bridge: two target-NLL passes of the same windows in two stages (the second with the ids
     ``0 … n−1`` given explicitly) are one plain forward repeated row by row; a pass under an edit hook is hooked; a
     pass at other ids is new; the class's own ``forward`` is back afterwards (also after an exception)."""
-    import sys
-
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import tiny_models as tm
 
     from posgen_tl.engine.swaps import nll_on_target
 
@@ -360,11 +341,6 @@ def test_report_repeats_refuses_a_model_that_resumes_by_writing_the_residual(mon
     """A TransformerLens 3.x bridge takes no ``start_at_layer``: it resumes a forward by writing the residual into a whole
     forward of the tokens, which the log would count as that whole forward (and a later pass of the same tokens as its
     repeat). ``ForwardLog`` refuses such a model, naming why, and wraps nothing."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import tiny_models as tm
-
     import posgen_tl.hooks.reentry as reentry
 
     rr = _bench("report_repeats")
