@@ -144,12 +144,11 @@ def gpu_rows(size: str, file: str) -> list[Row]:
             for label, step, _ in STEPS[:2]]
 
 
-_8x512, _4x2048 = "results_steps_8x512_51270d7.json", "results_steps_4x2048_5ae7be2.json"
+_8x512, _4x2048 = "results_steps_8x512_beb64a4.json", "results_steps_4x2048_beb64a4.json"
 _LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_6524d49.json"
 ROWS: list[Row] = [
     *cpu_rows("8 × 512", dict.fromkeys(("decomposition", "pattern", "sufficiency"), _8x512)),
-    *cpu_rows("4 × 2048", {"decomposition": _4x2048, "pattern": _4x2048,
-                           "sufficiency": "results_steps_4x2048_sufficiency_21c344d.json"}),
+    *cpu_rows("4 × 2048", dict.fromkeys(("decomposition", "pattern", "sufficiency"), _4x2048)),
     Row("decomposition: peak resident memory (8 GB = 7.45 GiB)", "1 × 16384", "CPU", 8 * GB_IN_GIB, "GiB", _LONG,
         long_peak(16384)),
     Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", _LONG, long_exponent),
