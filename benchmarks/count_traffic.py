@@ -83,7 +83,8 @@ def one_size(model, n_seq: int, seq_len: int, layer: int) -> dict:
     geoms = {s: geometry(seq_len, s, c.rope.sliding_window) for s in (0, 1)}
     kbars = {"per_sequence": sequence_key_mean(c.k, 1), "given": c.k[:, 1:].double().mean((0, 1))}
     rows = torch.linspace(0, seq_len - 1, 32).round().long().unique()
-    _, mu, _ = D._bound_checks(c, kbars, rows, geoms, rows.tolist(), {})
+    check = D.bound_checks if hasattr(D, "bound_checks") else D._bound_checks  # (its own module from 2026-12-04 on)
+    _, mu, _ = check(c, kbars, rows, geoms, rows.tolist(), {})
     cache: dict = {}
     paths = {"maps": lambda: M.whole_moments(c, None, kbars, mu[:, 0].float(), geoms, cache),
              "factored": lambda: M.factored_moments(c, kbars, mu[:, 0], geoms)}

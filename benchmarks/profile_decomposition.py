@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -53,7 +54,11 @@ def main() -> None:
 
         setattr(mod, name, g)
 
-    for name in ("_bound_checks", "band_bound_rows", "all_fit_moments", "moment_sums", "scores_of_sums", "_hook_w"):
+    # the bound check in its own module from 2026-12-04 on (decompose_bound); in decompose_scores before
+    bound = importlib.import_module("posgen_tl.engine.decompose_bound") if hasattr(D, "bound_checks") else D
+    timed(D, "bound_checks" if hasattr(D, "bound_checks") else "_bound_checks")
+    timed(bound, "band_bound_rows")
+    for name in ("all_fit_moments", "moment_sums", "scores_of_sums", "_hook_w"):
         timed(D, name)
     for name in ("query_operand", "_w_into", "d3_map", "d3_moments", "streamed_moments"):
         timed(DM, name)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import json
 import sys
 import traceback
@@ -169,8 +170,11 @@ def take_gpu_paths(free_gib: float) -> None:
     # stacking.stack_size's own GPU branch, wherever it is called from: it sees a cuda model with ``free`` bytes free
     stacking.model_device = lambda model: gpu  # type: ignore[assignment]
     stacking.free_bytes = lambda device: free  # type: ignore[assignment]
-    chunk_name = "bound_chunk" if hasattr(dec, "bound_chunk") else "_bound_chunk"  # (its name up to f24534a)
-    real_chunk = getattr(dec, chunk_name)
+    # where the bound check's row chunk is chosen: its own module from 2026-12-04 on, decompose_scores before (named
+    # _bound_chunk up to f24534a)
+    owner = importlib.import_module("posgen_tl.engine.decompose_bound") if hasattr(dec, "bound_checks") else dec
+    chunk_name = "bound_chunk" if hasattr(owner, "bound_chunk") else "_bound_chunk"
+    real_chunk = getattr(owner, chunk_name)
 
     def bound_chunk(c, n_rows: int) -> int:  # the package's choice for the capture's shapes off the CPU (no tensor
         # made: every operation here would be counted)
@@ -183,7 +187,7 @@ def take_gpu_paths(free_gib: float) -> None:
         dec.fit_batch = lambda device: real_fit_batch(gpu)  # type: ignore[attr-defined]
     mo.DIRECT_MAX = DIRECT_MAX_GPU  # type: ignore[attr-defined]
     dec.auto_chunk = functools.partial(chunked.auto_chunk, memory_only=True)  # type: ignore[assignment]
-    setattr(dec, chunk_name, bound_chunk)
+    setattr(owner, chunk_name, bound_chunk)
     real_rows, real_factored = dec.rows_per_block, getattr(dec, "use_factored", None)  # (none before 6c7ae2a)
     dec.rows_per_block = lambda device, maps, n, row_block=0: real_rows(gpu, maps, n, row_block)  # type: ignore
     if real_factored is not None:

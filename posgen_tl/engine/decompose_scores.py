@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from einops import rearrange
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from posgen_tl.engine.decompose_bound import bound_checks
 from posgen_tl.engine.decompose_maps import block_moments, factored_moments, whole_moments
 from posgen_tl.hooks.capture import QKCapture, model_device, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
@@ -27,7 +27,7 @@ from posgen_tl.hooks.memory import free_bytes
 from posgen_tl.hooks.stacking import cache_rows, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows
-from posgen_tl.maths.decompose import band_bound_rows, kbar_batched, sequence_key_mean
+from posgen_tl.maths.decompose import kbar_batched, sequence_key_mean
 from posgen_tl.maths.factored import largest_entries
 from posgen_tl.maths.groups import layer_group
 from posgen_tl.maths.moments import (
@@ -41,10 +41,9 @@ from posgen_tl.maths.moments import (
     scores_of_sums,
     sums_of,
 )
-from posgen_tl.maths.rope import angles, to_bands
 
 __all__ = ["COLUMNS", "ESTIMATORS", "FACTORED_FROM", "FIT_BATCH", "FIT_BYTES", "K_MEAN_KINDS", "STREAM_ABOVE",
-           "STREAM_BLOCK", "bound_chunk", "fit_batch", "k_mean_kinds", "rows_per_block", "score_windows", "score_in_pieces", "use_factored"]
+           "STREAM_BLOCK", "fit_batch", "k_mean_kinds", "rows_per_block", "score_windows", "score_in_pieces", "use_factored"]
 
 ESTIMATORS = ("D1", "D2", "D3")
 K_MEAN_KINDS = ("global", "per_sequence")
@@ -57,131 +56,6 @@ COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "d
            "sink_excluded", *SCORE_COLUMNS]
 #: the rows' order (unique per row)
 ORDER = ("layer", "estimator", "k_mean", "sink_excluded", "seq", "head")
-_BOUND_RTOL = 1e-10  # float64 rounding allowance in the bound check (relative to the summands' magnitude)
-
-
-# ----------------------------------------------------------------------------- D3 bound check
-
-
-def _bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: dict[int, Geometry],
-                  rows_list: Sequence[int] | None = None, cache: dict | None = None,
-                  ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-    """D3 check on query ``rows`` for each k̄ of ``k_means`` (``{kind: [kv_head, d_head] or [batch, kv_head,
-    d_head]}``): ``(checks, mu, w)`` — ``checks[kind]``: mean |W − f − g|, mean bound (as :func:`d3_bound`) and
-    fraction of entries within the bound over the masked entries of ``rows`` per mask of ``geoms`` (float64 ``[3,
-    (batch head_index), sink]``, :data:`BOUND_COLUMNS` in order, the masks in ``geoms``' order); ``mu``: the mean of
-    W there (``[(batch head_index), sink]``); ``w``: W itself on ``rows`` (float64 ``[(batch head_index), rows,
-    key_pos]``).
-
-    In float64 as :func:`d3_split` (float32 angles, float64 phasors), via real matmuls on ``(Re, Im)`` band
-    coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked query rows only; what does
-    not depend on k̄ (the queries' and keys' bands, the phasors, W) is computed once for every kind. ``W − f − g`` is
-    ONE product, ``s·a²·Re Σ_m q_m·conj((k_m − k̄_m)·(e^{iφ_j} − e^{iφ_i}))·e^{iφ_i}`` written as
-    ``[R_i q | q]·[R_j(k − k̄); −(k − k̄)]`` (the unrotated dims cancel exactly), not the difference of three maps. An
-    entry holds when ``|W − f − g| ≤ bound + ε·M`` with ``ε`` = :data:`_BOUND_RTOL` and ``M = s·a²·Σ_m |q_m|·(|k_m| +
-    |k̄_m| + |k_m − k̄_m|)`` (+ the unrotated dims' ``s·Σ|q|·(|k| + |k̄| + |k − k̄|)``), the magnitude of the summands of
-    W, f and g, which bounds ``|W| + |f| + |g|``: float64 rounding where the bound is 0 (``j = i``). The bound (float64)
-    only on ``j ≤ i`` (:func:`posgen_tl.maths.decompose.band_bound_rows`). ``rows_list``: ``rows`` as a host list
-    (spares a read from the device); ``cache``: a dict that keeps the angles and phasors of the last positions and rope
-    for the next layers of the batch.
-    """
-    rope, r = c.rope, c.rope.rotary_dim
-    b, n, kv = c.k.shape[:3]
-    q, k = c.q[:, rows].double(), c.k.double()  # b r h d, b n kv d
-    zq, zk = to_bands(q, r, rope.layout), to_bands(k, r, rope.layout)
-    phi, e = _phases(c, cache)
-    s, sa2 = rope.score_scale, rope.score_scale * rope.attention_scaling**2
-
-    def re_q(z: Tensor) -> Tensor:  # query side of Re(x·conj(y)) = [xr, xi]·[yr, yi], grouped by kv-head
-        return rearrange(torch.view_as_real(z), "b i (kv g) m two -> b kv (g i) (m two)", kv=kv)
-
-    def re_k(z: Tensor) -> Tensor:  # key side
-        return rearrange(torch.view_as_real(z), "b j kv m two -> b kv (m two) j")
-
-    def heads(x: Tensor) -> Tensor:  # b kv (g i) j -> (b kv g) i j: query head h = kv·G + g
-        return rearrange(x, "b kv (g i) j -> (b kv g) i j", i=len(rows))
-
-    qr = re_q(zq * e[:, rows] * sa2)
-    qn = _cabs(zq)  # b r h m
-    q_mag = rearrange(qn * sa2, "b i (kv g) m -> b kv (g i) m", kv=kv)
-    k_abs = _cabs(zk)  # b n kv m
-    w = qr @ re_k(zk * e)
-    qp = kp = None
-    if q.shape[-1] > r:  # the unrotated dims: in W; they cancel exactly in W − f − g
-        qp = rearrange(q[..., r:] * s, "b i (kv g) d -> b kv (g i) d", kv=kv)
-        kp = rearrange(k[..., r:], "b j kv d -> b kv d j")
-        w = w + qp @ kp
-        q_mag = torch.cat([q_mag, qp.abs()], -1)
-    w = heads(w)
-    shared = True if c.positions.shape[0] == 1 or c.positions.stride(0) == 0 else None  # the stream's own positions
-    m, cnt = _row_masks(rows, geoms, cache)
-
-    def means(x: Tensor) -> Tensor:  # masked means over (rows, keys) on every mask: one matmul, [maps, sinks]
-        return (x.reshape(x.shape[0], -1) @ m) / cnt
-
-    mu = means(w)
-    qe = torch.cat([qr, re_q(zq * sa2)], -1)  # [R_i q | q]·s·a²
-    out: dict[str, Tensor] = {}
-    for kind, k_mean in k_means.items():
-        kb = kbar_batched(k_mean.to(q.device).double(), b, kv)  # b kv d
-        zb = to_bands(kb, r, rope.layout)[:, None]  # b 1 kv m
-        zd = zk - zb
-        err = heads(qe @ torch.cat([re_k(zd * e), -re_k(zd)], -2)).abs_()
-        kn = _cabs(zd)
-        k_mag = rearrange(k_abs + _cabs(zb) + kn, "b j kv m -> b kv m j")
-        if kp is not None:
-            kbp = kb[..., r:, None]  # b kv dp 1
-            k_mag = torch.cat([k_mag, kp.abs() + kbp.abs() + (kp - kbp).abs()], -2)
-        bound = band_bound_rows(qn * sa2, kn, phi, rows, bound_chunk(c, len(rows)), rows_list=rows_list, shared=shared)
-        thr = torch.baddbmm(bound.reshape(b * kv, -1, n), q_mag.reshape(b * kv, -1, q_mag.shape[-1]),
-                            k_mag.reshape(b * kv, k_mag.shape[-2], n), alpha=_BOUND_RTOL)
-        holds = (err <= thr.reshape(err.shape)).double()
-        out[kind] = torch.stack([means(err), means(bound), means(holds)])
-    return out, mu, w
-
-
-def _cabs(z: Tensor) -> Tensor:
-    """``|z|`` of a complex tensor as ``√(Re² + Im²)`` (twice as fast as ``z.abs()``'s ``hypot`` on the CPU; the values
-    here are far from overflow)."""
-    return (z.real.square() + z.imag.square()).sqrt()
-
-
-def _phases(c: QKCapture, cache: dict | None) -> tuple[Tensor, Tensor]:
-    """``(φ, e^{iφ})`` of the capture's positions: float64 ``[b, pos, band]`` and complex ``[b, pos, 1, band]``; kept in
-    ``cache`` while the positions and rope are the same objects (the layers of one batch)."""
-    hit = None if cache is None else cache.get("phases")
-    if hit is not None and hit[0] is c.positions and hit[1] is c.rope and hit[2].device == c.q.device:
-        return hit[2], hit[3]
-    phi = angles(c.positions.to(c.q.device), c.rope).double()  # b pos m
-    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # b pos 1 m
-    if cache is not None:
-        cache["phases"] = (c.positions, c.rope, phi, e)
-    return phi, e
-
-
-def _row_masks(rows: Tensor, geoms: dict[int, Geometry], cache: dict | None) -> tuple[Tensor, Tensor]:
-    """The masks of ``geoms`` on query ``rows`` side by side, float64 ``[(rows key_pos), sink]``, and their entry
-    counts ``[sink]``; kept in ``cache`` while the rows and geometries are the same objects (a whole run)."""
-    hit = None if cache is None else cache.get("row_masks")
-    if hit is not None and hit[0] is rows and len(hit[1]) == len(geoms) and all(
-            a is b for a, b in zip(hit[1], geoms.values())):
-        return hit[2], hit[3]
-    m = torch.stack([geo.mask_rows(rows).reshape(-1) for geo in geoms.values()], -1).double()
-    cnt = m.sum(0)
-    if cache is not None:
-        cache["row_masks"] = (rows, list(geoms.values()), m, cnt)
-    return m, cnt
-
-
-def bound_chunk(c: QKCapture, n_rows: int) -> int:
-    """Query rows per step of :func:`band_bound_rows` (the numbers do not depend on it): 8 on the CPU; on a GPU, where a
-    step costs its launches, as many as keep the step's ``[batch, kv_head, rows, key_pos, band]`` float64 scratch
-    within 2²⁷ entries (1 GiB)."""
-    if c.q.device.type == "cpu":
-        return 8
-    b, n, kv = c.k.shape[:3]
-    return max(8, min(n_rows, 2**27 // max(1, b * kv * n * c.rope.n_bands)))
-
 
 #: the largest difference (relative to the rows' largest |W|) at which the score hook's logits count as W
 SCORES_RTOL = 1e-5
@@ -197,9 +71,10 @@ def scores_are_w(model: Any) -> bool:
 
 def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor | None:
     """The layer's W taken from the forward's own ``hook_attn_scores`` (float32 ``[(batch head_index), query_pos,
-    key_pos]``, a view: never written to), after comparing it on the checked ``rows`` with W recomputed in float64
-    (``w_rows``, :func:`_bound_checks`) on the entries the mask keeps; ``None`` (recompute) when the capture has no
-    scores or they differ by more than :data:`SCORES_RTOL` — the hidden entries (−inf) are masked by the caller."""
+    key_pos]``, a view: never written to), after comparing it on the checked ``rows`` with W recomputed from q and k
+    (``w_rows``, :func:`~posgen_tl.engine.decompose_bound.bound_checks`: float32 products of other roundings than the
+    model's, ~1e-7 of the largest |W| from it) on the entries the mask keeps; ``None`` (recompute) when the capture has
+    no scores or they differ by more than :data:`SCORES_RTOL` — the hidden entries (−inf) are masked by the caller."""
     if c.scores is None:  # (the capture holds float32: a half-precision model is excluded by scores_are_w)
         return None
     b, h, n = c.scores.shape[0], c.scores.shape[1], c.scores.shape[-1]
@@ -207,7 +82,7 @@ def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor 
     m = g0.mask_rows(rows)
     if not bool(m.any()):  # nothing to compare on these rows: never taken unchecked
         return None
-    d = torch.where(m, sv.index_select(1, rows) - w_rows, 0.0)  # float64; the hidden entries (−inf) left out
+    d = torch.where(m, sv.index_select(1, rows) - w_rows, 0.0)  # the hidden entries (−inf) left out
     scale = torch.where(m, w_rows, 0.0).abs_().amax()
     err = d.abs_().amax()
     # NaN anywhere: the comparison fails, W is recomputed
@@ -347,7 +222,7 @@ def score_windows(model: Any, windows: Windows, kinds: Sequence[str], k_means: A
             rows_on[c.q.device] = rows.to(c.q.device)
         r = rows_on[c.q.device]
         kbars = {kind: _stacked_kbar(c, kind, kbar_of, kbar_cache) for kind in kinds}
-        checks, mu, w_rows = _bound_checks(c, kbars, r, geoms, rows_host, cache)
+        checks, mu, w_rows = bound_checks(c, kbars, r, geoms, rows_host, cache)
         w = _hook_w(c, w_rows, r, geoms[0]) if use_hook else None  # the forward's own logits, checked on the rows
         block = rows_per_block(c.q.device, c.q.shape[0] * c.n_heads, n, row_block)
         stats: Any
@@ -484,7 +359,8 @@ class _Deferred:
             self.width[i] += meta.batch * meta.heads
 
     def add_checks(self, checks: Tensor) -> int:
-        """A capture's D3 bound checks (``[3, maps, sink]``, :func:`_bound_checks`); returns their block's index."""
+        """A capture's D3 bound checks (``[3, maps, sink]``, :func:`~posgen_tl.engine.decompose_bound.bound_checks`);
+        returns their block's index."""
         self.checks.append(checks)
         return len(self.checks) - 1
 

@@ -438,36 +438,39 @@ def within_row_spread_rows(
 ) -> tuple[Float[Tensor, "head_index"], Float[Tensor, ""]]:
     """:func:`within_row_spread` of ``W = s·rot_q·rot_kᵀ`` under ``causal_mask(n, sink=, sliding_window=)``, the maps
     built ``block`` query rows at a time on the keys those rows can see (``lo[first row] … last row``): a block costs
-    its share of the band, not of the square, and its few passes stay in the processor's cache. Each row's mean logit
-    comes first, from prefix sums of the keys in float64 (``q_i·Σ_{lo_i ≤ j ≤ i} k_j / cnt_i``), and enters the product
-    as one more column (``[q_i | −mean_i]·[k_j | 1]``): the block holds each entry's deviation from its row's mean, in
-    the inputs' precision (float32 from a model, as :func:`within_row_spread` on ``c.logits()``), and a row's spread is
-    the sum of its squares on the mask; rows summed in float64, ``s²`` applied in float64 at the end. GQA: head ``h``
-    reads kv-group ``h // (H / G)``. Returns float64 ``([head_index], scalar)`` as :func:`within_row_spread`."""
+    its share of the band, not of the square, and its few passes stay in the processor's cache. Within a block the
+    steps of :func:`within_row_spread` on the explicit maps, in the inputs' precision (float32 from a model, as
+    :func:`within_row_spread` on ``c.logits()``): the entries off the mask zeroed, each row's mean over its mask, the
+    deviations from it (zero off the mask again) and the sum of their squares — two passes, no cancellation; rows
+    summed in float64, ``s²`` applied in float64 at the end. GQA: head ``h`` reads kv-group ``h // (H / G)``. Returns
+    float64 ``([head_index], scalar)`` as :func:`within_row_spread`."""
     pos, lo, cnt, valid = _spread_rows(rot_q, rot_k, sink, sliding_window, block)
     b, n, h, d = rot_q.shape
     kv = rot_k.shape[-2]
     g = h // kv
     q = rearrange(rot_q, "b i (kv g) d -> b kv g i d", kv=kv)
     k = rearrange(rot_k.to(rot_q.dtype), "b j kv d -> b kv j d")
-    csum = torch.nn.functional.pad(k.double().cumsum(2), (0, 0, 1, 0))  # b kv n+1 d: Σ of the keys before j
-    ksum = csum[:, :, pos + 1] - csum[:, :, torch.minimum(lo, pos + 1)]  # b kv n d: the keys row i sees (0 if none)
-    mean = torch.einsum("bkgid,bkid->bkgi", q.double(), ksum) / cnt.clamp(min=1)
-    qa = torch.cat([q, (-mean).to(q.dtype)[..., None]], -1)  # b kv g n d+1
-    ka = torch.cat([k, k.new_ones(b, kv, n, 1)], -1)  # b kv n d+1
     weight = valid.to(q.dtype)
+    per_row = cnt.clamp(min=1).to(q.dtype)
     ss = torch.zeros(b, kv, g, dtype=torch.float64, device=rot_q.device)
     for r0 in range(0, n, block):
         r1 = min(n, r0 + block)
         k0 = max(sink, r0 - sliding_window + 1) if sliding_window is not None else sink  # = lo[r0], from Python
         if k0 >= r1:
             continue
-        w = (qa[:, :, :, r0:r1].reshape(b, kv, -1, d + 1) @ ka[:, :, k0:r1].mT).view(b, kv, g, r1 - r0, r1 - k0)
+        w = (q[:, :, :, r0:r1].reshape(b, kv, -1, d) @ k[:, :, k0:r1].mT).view(b, kv, g, r1 - r0, r1 - k0)
+        m = None
         if sliding_window is None:  # every row sees keys sink … i: zero j > i (the block's keys start at the sink)
             w.tril_(r0 - k0)
         else:
             j = pos[k0:r1]
-            w.mul_(((j[None, :] >= lo[r0:r1, None]) & (j[None, :] <= pos[r0:r1, None])).to(q.dtype))
+            m = ((j[None, :] >= lo[r0:r1, None]) & (j[None, :] <= pos[r0:r1, None])).to(q.dtype)
+            w.mul_(m)
+        w.sub_((w.sum(-1) / per_row[r0:r1])[..., None])  # deviations from each row's mean
+        if m is None:  # (the mean was subtracted off the mask too: zeroed again)
+            w.tril_(r0 - k0)
+        else:
+            w.mul_(m)
         ss += (torch.linalg.vector_norm(w, dim=-1).square_() * weight[r0:r1]).double().sum(-1)
     return rearrange(ss.sum(0), "kv g -> (kv g)") * score_scale**2, (cnt * valid).sum().double() * b
 

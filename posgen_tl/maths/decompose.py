@@ -532,32 +532,49 @@ def d3_bound_rows(qn: Tensor, k: Tensor, k_mean: Tensor, phi: Tensor, rows: Tens
 
 
 def band_bound_rows(qn: Tensor, kn: Tensor, phi: Tensor, rows: Tensor, chunk: int = 8, *,
-                    rows_list: Sequence[int] | None = None, shared: bool | None = None) -> Tensor:
+                    rows_list: Sequence[int] | None = None, shared: bool | None = None,
+                    tables: dict | None = None) -> Tensor:
     """:func:`d3_bound_rows` from the band magnitudes: ``Σ_m qn[b, i, h, m]·kn[b, j, kv(h), m]·2|sin((φ_im − φ_jm)/2)|``
-    on query ``rows``, ``j ≤ i`` (0 elsewhere). ``qn``: float64 ``[b, rows, head_index, band]``; ``kn``: float64
-    ``[b, key_pos, kv_head, band]`` (``|k_j − k̄|`` per band); ``phi``: float64 ``[b, pos, band]``. Returns float64
-    ``[(b head_index), rows, key_pos]``."""
+    on query ``rows``, ``j ≤ i`` (0 elsewhere). ``qn``: ``[b, rows, head_index, band]``; ``kn``: ``[b, key_pos,
+    kv_head, band]`` (``|k_j − k̄|`` per band), both float64 or both float32 (the products then in float32); ``phi``:
+    float64 ``[b, pos, band]`` — the phase differences and their sines are formed in float64 whatever the products'
+    dtype (the difference of two float32 angles is exact there; in float32 it would round by up to an ulp of the
+    angle, ~1e-3 rad at 16 k positions). ``tables``: a dict that keeps each chunk's sin table (in ``kn``'s dtype) for
+    the next calls with the same ``phi`` and ``rows`` (the caller's to key), per (chunk, sequences of ``phi`` used,
+    dtype). Returns ``[(b head_index), rows, key_pos]`` in ``kn``'s dtype."""
     b, n, kv = kn.shape[:3]
     g = qn.shape[2] // kv
+    dt = kn.dtype
     kn = rearrange(kn, "b j kv m -> b kv 1 j m")
-    qg = rearrange(qn, "b r (kv g) m -> b kv r m g", kv=kv)
+    qg = rearrange(qn.to(dt), "b r (kv g) m -> b kv r m g", kv=kv)
     if shared is None:
         shared = bool((phi == phi[:1]).all())  # same positions in every sequence (the default)
     ph = phi[:1] if shared else phi
-    out = torch.zeros(b, kv, len(rows), n, g, dtype=torch.float64, device=kn.device)
+    out = torch.zeros(b, kv, len(rows), n, g, dtype=dt, device=kn.device)
     rows_l = list(rows_list) if rows_list is not None else rows.tolist()
     m, rc_max = kn.shape[-1], min(chunk, len(rows_l))
-    # two flat scratches sized for the longest chunk, every chunk's tables written into their leading part in place:
+    kept = None if tables is None else tables.setdefault((chunk, ph.shape[0], n, dt), [])
+    reuse = bool(kept)
+    # flat scratches sized for the longest chunk, every chunk's tables written into their leading part in place:
     # no temporary per operation, and no heap growth from tables of a new size at every chunk (Gemma3, 1 × 8 192
     # tokens: the resident memory climbed 3.3 → 3.9 GB within one layer's bound check when they were fresh)
-    sin_buf = torch.empty(ph.shape[0] * rc_max * n * m, dtype=torch.float64, device=kn.device)
-    t_buf = torch.empty(b * kv * rc_max * n * m, dtype=torch.float64, device=kn.device)
-    for s in range(0, len(rows_l), chunk):
+    sin_buf = None if reuse else torch.empty(ph.shape[0] * rc_max * n * m, dtype=torch.float64, device=kn.device)
+    t_buf = torch.empty(b * kv * rc_max * n * m, dtype=dt, device=kn.device)
+    for ci, s in enumerate(range(0, len(rows_l), chunk)):
         r = slice(s, s + chunk)
         rc, jn = len(rows_l[r]), max(rows_l[r]) + 1  # keys j > max row are 0 for the whole chunk
-        sin = sin_buf[: ph.shape[0] * rc * jn * m].view(ph.shape[0], rc, jn, m)  # b' r j m
-        torch.sub(ph[:, rows[r], None, :], ph[:, None, :jn, :], out=sin)  # φ_i − φ_j, then 2|sin(·/2)| on j ≤ i
-        sin.div_(2).sin_().abs_().mul_(2).mul_((torch.arange(jn, device=kn.device) <= rows[r, None].to(kn.device))[..., None])
+        if reuse:
+            sin = kept[ci]
+        else:
+            assert sin_buf is not None
+            sin = sin_buf[: ph.shape[0] * rc * jn * m].view(ph.shape[0], rc, jn, m)  # b' r j m
+            torch.sub(ph[:, rows[r], None, :], ph[:, None, :jn, :], out=sin)  # φ_i − φ_j, then 2|sin(·/2)| on j ≤ i
+            sin.div_(2).sin_().abs_().mul_(2).mul_(
+                (torch.arange(jn, device=kn.device) <= rows[r, None].to(kn.device))[..., None])
+            if dt != torch.float64 or kept is not None:
+                sin = sin.to(dt, copy=True)  # (kept: a copy, the scratch is the next chunk's)
+            if kept is not None:
+                kept.append(sin)
         t = t_buf[: b * kv * rc * jn * m].view(b, kv, rc, jn, m)
         torch.mul(kn[..., :jn, :], sin[:, None], out=t)  # (contiguous: no copy in the view below)
         t = t.view(b * kv * rc, jn, -1)  # (b kv r) j m
