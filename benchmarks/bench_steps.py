@@ -25,6 +25,33 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+#: the instruction-set extensions a CPU's float32 matmuls and reductions run on, as /proc/cpuinfo names them
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def host(cpuinfo: str | None = None) -> dict:
+    """The machine a run measured: ``{"cpu": its model name, "cpus": logical CPUs, "isa": which of`` :data:`ISA_FLAGS`
+    ``it has, "platform": platform.platform()}`` — ratios to the forward differ between hosts (an analysis's passes over
+    memory gain less from a faster core than the forward's matmuls), so a file says where it was measured. ``cpuinfo``:
+    the text of /proc/cpuinfo (read when None; empty fields where the system has none)."""
+    import os
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name") or platform.processor() or "unknown", "cpus": os.cpu_count(),
+            "isa": [f for f in ISA_FLAGS if f in flags], "platform": platform.platform()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -66,7 +93,7 @@ def main() -> None:
 
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     out = {"commit": git_commit(), "model": a.model, "n_seq": a.n_seq, "seq_len": a.seq_len, "threads": a.threads,
-           "repeats": a.repeats, "base": a.base, "peak_rss_mib": peak_mib,
+           "repeats": a.repeats, "base": a.base, "peak_rss_mib": peak_mib, "host": host(),
            "steps": {s: {"seconds": secs[s], "median_s": statistics.median(secs[s]),
                          "ratio_median": statistics.median(secs[s]) / fwd, "ratio_min": min(secs[s]) / fmin,
                          "cpu_s": cpu[s], "minor_faults": faults[s]}

@@ -61,15 +61,24 @@ def short(commit: str) -> str:
     return c.split()[0][:7] + (" (uncommitted changes)" if "uncommitted" in c or "+modified" in c else "")
 
 
-def steps_ratio(step: str, commit: str) -> Callable[[dict], Reading]:
+def host_label(h: dict) -> str:
+    """A ``bench_steps.py`` file's host as the table names it: the CPU's model and the extensions of
+    ``bench_steps.ISA_FLAGS`` it has (``AMD EPYC (avx2, avx512f, avx512_bf16)``)."""
+    isa = ", ".join(h.get("isa") or [])
+    return f"{h.get('cpu', 'unknown')}" + (f" ({isa})" if isa else "")
+
+
+def steps_ratio(step: str, commit: str, host: str | None = None) -> Callable[[dict], Reading]:
     """A step's median ratio to the forward in a ``bench_steps.py`` file (one process, alternating); older files do not
-    record the commit, so the row gives it."""
+    record the commit or the host, so the row gives them (``host`` None: not known, not named)."""
     def read(d: dict) -> Reading:
         s = d["steps"][step]
         f = d["steps"]["forward"]["seconds"]
         paired = statistics.median(x / y for x, y in zip(s["seconds"], f))  # each round's step over its forward
+        where = host_label(d["host"]) if "host" in d else host
         return Reading(s["ratio_median"], s["ratio_min"], short(d.get("commit", commit)),
-                       f"{d['repeats']} rounds, forward {min(f):.2f}–{max(f):.2f} s (median {statistics.median(f):.2f}); "
+                       (f"host {where}; " if where else "")
+                       + f"{d['repeats']} rounds, forward {min(f):.2f}–{max(f):.2f} s (median {statistics.median(f):.2f}); "
                        f"median of the rounds' own ratios {paired:.2f}×")
     return read
 
@@ -132,10 +141,11 @@ STEPS = [("decomposition", "decomposition", 1.3), ("feature statistics", "patter
 GB_IN_GIB = 1e9 / 2**30
 
 
-def cpu_rows(size: str, files: dict[str, str]) -> list[Row]:
-    """The CPU ratio rows of one size; ``files``: step → ``bench_steps.py`` file (its name ends in the commit)."""
-    return [Row(label, size, "CPU", limit, "×", files[step], steps_ratio(step, files[step][-12:-5]))
-            for label, step, limit in STEPS]
+def cpu_rows(size: str, file: str, host: str | None = None) -> list[Row]:
+    """The CPU ratio rows of one size from one ``bench_steps.py`` file (its name ends in the commit, or in the commit
+    and a host's tag: ``…_<commit>_<tag>.json``); ``host``: where it was measured, for a file that does not say."""
+    commit = Path(file).stem.split("_")[3]
+    return [Row(label, size, "CPU", limit, "×", file, steps_ratio(step, commit, host)) for label, step, limit in STEPS]
 
 
 def gpu_rows(size: str, file: str) -> list[Row]:
@@ -144,11 +154,13 @@ def gpu_rows(size: str, file: str) -> list[Row]:
             for label, step, _ in STEPS[:2]]
 
 
-_8x512, _4x2048 = "results_steps_8x512_beb64a4.json", "results_steps_4x2048_beb64a4.json"
+_8x512, _4x2048 = "results_steps_8x512_55890a8.json", "results_steps_4x2048_55890a8.json"
+#: the host of the 55890a8 files (they predate bench_steps.py's "host"; the session that ran them noted it)
+_XEON = "an Intel Xeon with AVX-512 and AMX (not recorded in the file)"
 _LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_6524d49.json"
 ROWS: list[Row] = [
-    *cpu_rows("8 × 512", dict.fromkeys(("decomposition", "pattern", "sufficiency"), _8x512)),
-    *cpu_rows("4 × 2048", dict.fromkeys(("decomposition", "pattern", "sufficiency"), _4x2048)),
+    *cpu_rows("8 × 512", _8x512, _XEON),
+    *cpu_rows("4 × 2048", _4x2048, _XEON),
     Row("decomposition: peak resident memory (8 GB = 7.45 GiB)", "1 × 16384", "CPU", 8 * GB_IN_GIB, "GiB", _LONG,
         long_peak(16384)),
     Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", _LONG, long_exponent),

@@ -50,6 +50,35 @@ def test_verdicts_follow_the_numbers_and_a_missing_file_gives_no_number(tmp_path
     assert cells[2][3] == "—" and cells[2][5] == "not measured" and "`absent.json` missing" in cells[2][6]
 
 
+_bs_spec = importlib.util.spec_from_file_location("posgen_benchmark_bench_steps", ROOT / "benchmarks" / "bench_steps.py")
+bench_steps = importlib.util.module_from_spec(_bs_spec)
+_bs_spec.loader.exec_module(bench_steps)
+
+_CPUINFO = """processor\t: 0
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512vl
+
+processor\t: 1
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512vl
+"""
+
+
+def test_a_steps_file_records_its_host_and_the_table_names_it(tmp_path):
+    h = bench_steps.host(_CPUINFO)
+    assert h["cpu"] == "AMD EPYC 9R14" and h["isa"] == ["avx2", "avx512f", "avx512_bf16"]  # amx_tile absent
+    assert bench_steps.host("")["isa"] == [] and h["platform"] and h["cpus"] >= 1
+    d = json.loads((tmp_path / _steps(tmp_path, "h.json", 1.1)).read_text())
+    d["host"] = h
+    (tmp_path / "h.json").write_text(json.dumps(d))
+    rows = [targets.Row("feature statistics", "8 × 512", "CPU", 1.0, "×", name,
+                        targets.steps_ratio("pattern", "old", "a host named by the row"))
+            for name in ("h.json", _steps(tmp_path, "old.json", 0.9))]
+    notes = [line.split("|")[-2].strip() for line in targets.table(rows, tmp_path).splitlines()[2:]]
+    assert notes[0].startswith("abc1234, `h.json`; host AMD EPYC 9R14 (avx2, avx512f, avx512_bf16); 3 rounds")
+    assert notes[1].startswith("abc1234, `old.json`; host a host named by the row; 3 rounds")  # the file has none
+
+
 def test_a_report_wall_time_says_how_fast_its_host_was(tmp_path):
     d = {"commit": "def5678abcdef", "wall_s": 516.0, "forward_8x512_s": 12.71}
     (tmp_path / "r.json").write_text(json.dumps(d))
