@@ -39,6 +39,7 @@ class Reading:
     low: float | None
     commit: str
     note: str = ""
+    where: str = ""  # the host's CPU, shown beside the device (ratios differ between hosts)
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,11 @@ def steps_ratio(step: str, commit: str, host: str | None = None) -> Callable[[di
         f = d["steps"]["forward"]["seconds"]
         paired = statistics.median(x / y for x, y in zip(s["seconds"], f))  # each round's step over its forward
         where = host_label(d["host"]) if "host" in d else host
+        cpu = d["host"].get("cpu", "") if "host" in d else (host or "")
         return Reading(s["ratio_median"], s["ratio_min"], short(d.get("commit", commit)),
                        (f"host {where}; " if where else "")
                        + f"{d['repeats']} rounds, forward {min(f):.2f}–{max(f):.2f} s (median {statistics.median(f):.2f}); "
-                       f"median of the rounds' own ratios {paired:.2f}×")
+                       f"median of the rounds' own ratios {paired:.2f}×", where=cpu.split(" (")[0])
     return read
 
 
@@ -156,15 +158,18 @@ def gpu_rows(size: str, file: str) -> list[Row]:
 
 _8x512, _4x2048 = "results_steps_8x512_55890a8.json", "results_steps_4x2048_55890a8.json"
 #: the host of the 55890a8 files (they predate bench_steps.py's "host"; the session that ran them noted it)
-_XEON = "an Intel Xeon with AVX-512 and AMX (not recorded in the file)"
+_XEON = "Intel Xeon (AVX-512, AMX; noted by the session, not recorded in the file)"
+_8x512_EPYC, _4x2048_EPYC = "results_steps_8x512_8e0befc_epyc.json", "results_steps_4x2048_8e0befc_epyc.json"
 _LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_6524d49.json"
 ROWS: list[Row] = [
     *cpu_rows("8 × 512", _8x512, _XEON),
+    *cpu_rows("8 × 512", _8x512_EPYC),
     *cpu_rows("4 × 2048", _4x2048, _XEON),
+    *cpu_rows("4 × 2048", _4x2048_EPYC),
     Row("decomposition: peak resident memory (8 GB = 7.45 GiB)", "1 × 16384", "CPU", 8 * GB_IN_GIB, "GiB", _LONG,
         long_peak(16384)),
     Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", _LONG, long_exponent),
-    Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_ff12721.json", report_wall),
+    Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_8e0befc.json", report_wall),
     *gpu_rows("8 × 512", _GPU),
     *gpu_rows("4 × 2048", _GPU),
     Row("decomposition on one 80 GB card (74.5 GiB)", "1 × 16384", "GPU", 80 * GB_IN_GIB, "GiB",
@@ -200,7 +205,8 @@ def table(rows: list[Row], results: Path = RESULTS) -> str:
             continue
         r = row.read(json.loads(path.read_text()))
         low = "" if r.low is None else f" ({_num(r.low, row.unit)})"
-        out.append(f"| {row.what} | {row.size} | {row.device} | **{_num(r.value, row.unit)}**{low} | "
+        device = f"{row.device}: {r.where}" if r.where else row.device
+        out.append(f"| {row.what} | {row.size} | {device} | **{_num(r.value, row.unit)}**{low} | "
                    f"≤ {_num(row.limit, row.unit)} | "
                    f"{verdict(row, r)} | {r.commit}, `{row.file}`; {r.note} |")
     return "\n".join(out)

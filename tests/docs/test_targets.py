@@ -74,9 +74,12 @@ def test_a_steps_file_records_its_host_and_the_table_names_it(tmp_path):
     rows = [targets.Row("feature statistics", "8 × 512", "CPU", 1.0, "×", name,
                         targets.steps_ratio("pattern", "old", "a host named by the row"))
             for name in ("h.json", _steps(tmp_path, "old.json", 0.9))]
-    notes = [line.split("|")[-2].strip() for line in targets.table(rows, tmp_path).splitlines()[2:]]
-    assert notes[0].startswith("abc1234, `h.json`; host AMD EPYC 9R14 (avx2, avx512f, avx512_bf16); 3 rounds")
-    assert notes[1].startswith("abc1234, `old.json`; host a host named by the row; 3 rounds")  # the file has none
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in targets.table(rows, tmp_path).splitlines()[2:]]
+    assert cells[0][2] == "CPU: AMD EPYC 9R14" and cells[1][2] == "CPU: a host named by the row"
+    assert cells[0][6].startswith("abc1234, `h.json`; host AMD EPYC 9R14 (avx2, avx512f, avx512_bf16); 3 rounds")
+    assert cells[1][6].startswith("abc1234, `old.json`; host a host named by the row; 3 rounds")  # the file has none
+    row = targets.Row("feature statistics", "8 × 512", "CPU", 1.0, "×", "old.json", targets.steps_ratio("pattern", "x"))
+    assert targets.table([row], tmp_path).splitlines()[2].split("|")[3].strip() == "CPU"  # no host known: none named
 
 
 def test_a_report_wall_time_says_how_fast_its_host_was(tmp_path):

@@ -367,3 +367,66 @@ def test_the_spread_on_the_cpu_comes_from_row_blocks_up_to_24_d_head_and_from_gr
     assert took == ["within_row_spread_rows" if path == "rows" else "within_row_spread_qk"]
     assert float(cnt) == float(want_cnt)
     torch.testing.assert_close(ss, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def _capture_with_scores(n=40, shift=0.0, win=None, seed=0):
+    """A capture of random q/k (GQA 3:1) whose ``scores`` are W = s·q·kᵀ (+ ``shift``), −inf off the causal mask."""
+    from types import SimpleNamespace
+
+    from posgen_tl.hooks.capture import QKCapture
+    from posgen_tl.maths.rope import causal_mask, scores_from_rotated
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, n, 6, 8, generator=gen), torch.randn(2, n, 2, 8, generator=gen) + 2.0
+    rope = SimpleNamespace(score_scale=0.5, sliding_window=win)
+    w = scores_from_rotated(q, k, 0.5) + shift
+    w = w.masked_fill(~causal_mask(n, sliding_window=win), float("-inf"))
+    return QKCapture(layer=0, q=q, k=k, rot_q=q, rot_k=k, positions=torch.empty(0), rope=rope,  # type: ignore[arg-type]
+                     rot_source="hook", scores=w)
+
+
+@pytest.mark.parametrize("win", [None, 9])
+def test_the_spread_is_read_from_the_score_hook_only_where_it_holds_w(monkeypatch, win):
+    """A capture whose scores are W gives its spread from them (no product: within_row_spread_of_w), equal to the
+    recomputed maps' to float32 rounding; scores off by 0.5 (a hook that edits them) fail the rows' check and the
+    spread is recomputed from q/k — the same number as with no scores at all."""
+    from posgen_tl.experiments import pattern as P
+    from posgen_tl.maths import band_stats as B
+
+    took: list[str] = []
+    for name in ("within_row_spread_of_w", "within_row_spread_rows"):
+        real = getattr(B, name)
+        monkeypatch.setattr(P, name, lambda *a, _r=real, _n=name, **kw: took.append(_n) or _r(*a, **kw))
+    c = _capture_with_scores(win=win)
+    from_hook = P._spread(c, sink=2)
+    edited = P._spread(_capture_with_scores(shift=0.5, win=win), sink=2)
+    c.scores = None
+    recomputed = P._spread(c, sink=2)
+    assert took == ["within_row_spread_of_w", "within_row_spread_rows", "within_row_spread_rows"]
+    assert float(from_hook[1]) == float(recomputed[1])
+    torch.testing.assert_close(from_hook[0], recomputed[0], rtol=1e-5, atol=0.0)
+    assert torch.equal(edited[0], recomputed[0]) and float(edited[1]) == float(recomputed[1])
+
+
+def test_feature_statistics_take_w_from_the_score_hook_where_it_holds_the_logits(llama, monkeypatch):
+    """On a model whose hook_attn_scores holds the logits, every layer's spread comes from the forward's own W, and
+    every statistic equals the recomputed path's to float32 rounding; forcing the recomputed path reads no scores."""
+    from posgen_tl.engine.score_hook import scores_are_w
+    from posgen_tl.experiments import pattern as P
+
+    assert scores_are_w(llama)
+    checked: list[bool] = []
+    real = P.hook_w
+    monkeypatch.setattr(P, "hook_w", lambda *a: checked.append(real(*a) is not None) or real(*a))
+    tok = _tokens(4, 20, 100)
+    hook = feature_pattern(llama, tok, sink=2, batch_size=2, progress=False)
+    n_layers = hook.heads["layer"].nunique()
+    assert checked == [True] * (2 * n_layers)  # every layer of both batches, each checked and taken
+    checked.clear()
+    monkeypatch.setattr(P, "use_score_hook", lambda *a: False)
+    again = feature_pattern(llama, tok, sink=2, batch_size=2, progress=False)
+    assert not checked
+    pd.testing.assert_frame_equal(hook.bands, again.bands)  # the band statistics never read W
+    num = hook.heads.select_dtypes("number").columns
+    np.testing.assert_allclose(hook.heads[num].to_numpy(float), again.heads[num].to_numpy(float), rtol=1e-5)
+    assert hook.heads.drop(columns=num).equals(again.heads.drop(columns=num))
