@@ -1,6 +1,6 @@
 """The decomposition's D3 bound check (docs/method.md §2): on a few query rows of every (batch, layer) capture, the mean
 |W − f − g|, the mean of its bound and the fraction of entries within the bound, for each k̄ kind — and W itself on
-those rows (its mean shifts the maps; :func:`posgen_tl.engine.score_hook.hook_w` compares it with the score
+those rows (its mean shifts the maps; :func:`posgen_tl.engine.decompose_scores._hook_w` compares it with the score
 hook's). Used by :mod:`posgen_tl.engine.decompose_scores`."""
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ from tqdm.auto import tqdm
 
 from posgen_tl.engine.decompose_bound import bound_checks
 from posgen_tl.engine.decompose_maps import block_moments, factored_moments, whole_moments
-from posgen_tl.engine.score_hook import hook_w, scores_are_w
-from posgen_tl.hooks.capture import QKCapture, model_device, probe_hooks
+from posgen_tl.hooks.capture import QKCapture, model_device, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
 from posgen_tl.hooks.memory import free_bytes
 from posgen_tl.hooks.stacking import cache_rows, stack_size
@@ -58,10 +57,36 @@ COLUMNS = ["model", "twin", "k_mean", "layer", "layer_group", "kind", "head", "d
 #: the rows' order (unique per row)
 ORDER = ("layer", "estimator", "k_mean", "sink_excluded", "seq", "head")
 
+#: the largest difference (relative to the rows' largest |W|) at which the score hook's logits count as W
+SCORES_RTOL = 1e-5
+
+
+def scores_are_w(model: Any) -> bool:
+    """Whether ``hook_attn_scores`` holds the logits W themselves on this model: pre-softmax (the probe compared
+    them with our logits), no soft-cap, float32 (a half-precision model's own logits are rounded to its dtype)."""
+    spec, info = probe_hooks(model)
+    return (info.scores_kind == "pre_softmax" and not spec.extra.get("attn_logit_softcapping")
+            and model_dtype(model) == torch.float32)
+
+
 def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor | None:
-    """:func:`~posgen_tl.engine.score_hook.hook_w` on the checked ``rows`` of the sink-kept mask ``g0`` (``w_rows``:
-    W there, from :func:`~posgen_tl.engine.decompose_bound.bound_checks`)."""
-    return hook_w(c, w_rows, rows, g0.mask_rows(rows))
+    """The layer's W taken from the forward's own ``hook_attn_scores`` (float32 ``[(batch head_index), query_pos,
+    key_pos]``, a view: never written to), after comparing it on the checked ``rows`` with W recomputed from q and k
+    (``w_rows``, :func:`~posgen_tl.engine.decompose_bound.bound_checks`: float32 products of other roundings than the
+    model's, ~1e-7 of the largest |W| from it) on the entries the mask keeps; ``None`` (recompute) when the capture has
+    no scores or they differ by more than :data:`SCORES_RTOL` — the hidden entries (−inf) are masked by the caller."""
+    if c.scores is None:  # (the capture holds float32: a half-precision model is excluded by scores_are_w)
+        return None
+    b, h, n = c.scores.shape[0], c.scores.shape[1], c.scores.shape[-1]
+    sv = c.scores.reshape(b * h, n, n)
+    m = g0.mask_rows(rows)
+    if not bool(m.any()):  # nothing to compare on these rows: never taken unchecked
+        return None
+    d = torch.where(m, sv.index_select(1, rows) - w_rows, 0.0)  # the hidden entries (−inf) left out
+    scale = torch.where(m, w_rows, 0.0).abs_().amax()
+    err = d.abs_().amax()
+    # NaN anywhere: the comparison fails, W is recomputed
+    return sv if bool(err <= SCORES_RTOL * scale) else None
 
 
 def _stacked_kbar(c: QKCapture, kind: str, kbar_of: Any, cache: dict) -> Tensor:

@@ -8,12 +8,10 @@ forward stops after the last requested layer) feeds, per layer:
 * a :class:`~posgen_tl.maths.rho.SequenceBandSums` for each (per-sequence sums with document ids):
   ρ in three forms — ``rho_within``, cross-fitted ``rho_cross`` over document halves and
   ``stability = rho_cross / rho_within`` (the plug-in ``offset_ratio`` is kept, labelled legacy);
-* the within-row logit spread ``σ(W)`` per head (:func:`~posgen_tl.maths.spread.within_row_spread`; on the CPU
-  the maps a block of query rows at a time, :func:`~posgen_tl.maths.spread.within_row_spread_rows`, up to
-  24·d_head tokens — from the forward's own logits, :func:`~posgen_tl.maths.spread.within_row_spread_of_w`, where
-  ``hook_attn_scores`` holds them and each capture's scores pass a check on a few rows (:func:`use_score_hook`); beyond, and
-  on a GPU beyond 5·d_head, the same sums without the ``n × n`` map,
-  :func:`~posgen_tl.maths.spread.within_row_spread_qk`).
+* the within-row logit spread ``σ(W)`` per head (:func:`~posgen_tl.maths.band_stats.within_row_spread`; on the CPU
+  the maps a block of query rows at a time, :func:`~posgen_tl.maths.band_stats.within_row_spread_rows`, up to
+  24·d_head tokens; beyond, and on a GPU beyond 5·d_head, the same sums without the ``n × n`` map,
+  :func:`~posgen_tl.maths.band_stats.within_row_spread_qk`).
 
 The first ``sink`` positions of every sequence are excluded from every statistic. Memory is
 the accumulators (``O(layers · heads · d_head)`` plus ``O(n_seq · layers · heads · bands)``)
@@ -45,29 +43,26 @@ from typing import Any, ClassVar
 
 import pandas as pd
 import torch
-from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.engine.score_hook import hook_w, scores_are_w
 from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, model_device, probe_hooks
+from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
 from posgen_tl.hooks.stacking import cache_rows, stack_size
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.sampling import Windows, resolve_windows
-from posgen_tl.maths.band_stats import BandStats
+from posgen_tl.maths.band_stats import (
+    BandStats,
+    within_row_spread,
+    within_row_spread_qk,
+    within_row_spread_rows,
+)
 from posgen_tl.maths.decompose import causal_mask
 from posgen_tl.maths.pattern_frames import BAND_COLUMNS, HEAD_COLUMNS, layer_frames, pattern_frames, split_state
 from posgen_tl.maths.rho import SequenceBandSums
 from posgen_tl.maths.rope import LayerRope
-from posgen_tl.maths.spread import (
-    within_row_spread,
-    within_row_spread_of_w,
-    within_row_spread_qk,
-    within_row_spread_rows,
-)
 from posgen_tl.report.text import fmt
 from posgen_tl.stats.pattern_tables import (  # noqa: F401 (the names stay importable here)
     SCORES,
@@ -88,10 +83,10 @@ __all__ = [
 ]
 
 #: rows longer than this many × d_head get the spread from block-Gram sums (O(n·d²), no n × n map;
-#: :func:`~posgen_tl.maths.spread.within_row_spread_qk`); shorter ones from the explicit map (cheaper there).
+#: :func:`~posgen_tl.maths.band_stats.within_row_spread_qk`); shorter ones from the explicit map (cheaper there).
 _GRAM_FROM = 5
 #: on the CPU, rows up to this many × d_head get it from the maps a block of query rows at a time on the keys they see
-#: (:func:`~posgen_tl.maths.spread.within_row_spread_rows`): SmolLM2 shapes, 2 threads, one layer — 4 × 512 tokens
+#: (:func:`~posgen_tl.maths.band_stats.within_row_spread_rows`): SmolLM2 shapes, 2 threads, one layer — 4 × 512 tokens
 #: 12 ms against 31 from block-Gram sums, 2 × 1 024 24 against 40, 1 × 2 048 55 against 46–56 (the crossing)
 _ROWS_UPTO = 24
 
@@ -102,7 +97,7 @@ SPREAD_ENTRIES = 2**29
 
 
 def _spread_block(c: QKCapture) -> int:
-    """Query rows per block of :func:`~posgen_tl.maths.spread.within_row_spread_qk` (the numbers do not depend on
+    """Query rows per block of :func:`~posgen_tl.maths.band_stats.within_row_spread_qk` (the numbers do not depend on
     it): ``1.5 · d_head`` on the CPU (the fastest there: SmolLM2, 1 × 4 096 tokens, 86 ms against 118 at ``d_head``
     and 191 at ``d_head / 2``); on a GPU, where each block costs ~25 kernel launches, an eighth of the rows, as long as
     a block's ``[batch, heads, block, 2·block]`` float64 scores stay within
@@ -113,45 +108,12 @@ def _spread_block(c: QKCapture) -> int:
     return max(8, d // 2, min(-(-n // 8), math.isqrt(SPREAD_ENTRIES // (8 * b * h))))
 
 
-#: query rows of every capture on which the score hook's logits are compared with W recomputed (:func:`_hook_logits`)
-CHECK_ROWS = 8
-
-
-def _w_rows(c: QKCapture, rows: Tensor) -> Tensor:
-    """W recomputed from the captured rotated q/k on the query ``rows``, float32 ``[(batch head_index), rows,
-    key_pos]`` (grouped by kv-head: keys never repeated per query head)."""
-    kv, g = c.rot_k.shape[2], c.rot_q.shape[2] // c.rot_k.shape[2]
-    q = rearrange(c.rot_q.index_select(1, rows).float(), "b r (kv g) d -> b kv (g r) d", kv=kv)
-    w = q @ rearrange(c.rot_k.float(), "b j kv d -> b kv d j")
-    return rearrange(w.mul_(c.rope.score_scale), "b kv (g r) j -> (b kv g) r j", g=g)
-
-
-def _hook_logits(c: QKCapture, sink: int) -> Tensor | None:
-    """The capture's W from the forward's own score hook (``[batch, head_index, query_pos, key_pos]``, a view),
-    checked first on :data:`CHECK_ROWS` query rows from the sink to the last against W recomputed there
-    (:func:`posgen_tl.engine.score_hook.hook_w`, the entries the spread reads); ``None`` (recompute) when the capture
-    has no scores or they differ."""
-    if c.scores is None:
-        return None
-    n = c.q.shape[1]
-    rows = torch.linspace(sink, n - 1, min(CHECK_ROWS, n - sink), device=c.q.device).round().long().unique()
-    win = c.rope.sliding_window
-    lo = (rows - win + 1 if win is not None else torch.zeros_like(rows)).clamp(min=sink)
-    j = torch.arange(n, device=c.q.device)
-    mask = (j[None, :] >= lo[:, None]) & (j[None, :] <= rows[:, None])
-    return None if hook_w(c, _w_rows(c, rows), rows, mask) is None else c.scores
-
-
 def _spread(c: QKCapture, sink: int) -> tuple[Tensor, Tensor]:
-    """The capture's within-row logit spread sums ``(ss [heads], entries)``: from the forward's own logits where the
-    capture holds them and they pass :func:`_hook_logits`'s check (no product), else on the CPU up to
-    :data:`_ROWS_UPTO` × d_head tokens from the maps in cache-sized row blocks, beyond :data:`_GRAM_FROM` × d_head
-    from block-Gram sums (exact, float64), else from the explicit maps."""
+    """The capture's within-row logit spread sums ``(ss [heads], entries)``: on the CPU up to :data:`_ROWS_UPTO` ×
+    d_head tokens from the maps in cache-sized row blocks, beyond :data:`_GRAM_FROM` × d_head from block-Gram sums
+    (exact, float64), else from the explicit maps."""
     b, n, h, d = c.q.shape
     win = c.rope.sliding_window
-    w = _hook_logits(c, sink)
-    if w is not None:
-        return within_row_spread_of_w(w, sink=sink, sliding_window=win, block=cache_rows(b * h, n))
     if c.q.device.type == "cpu" and n <= _ROWS_UPTO * d:
         return within_row_spread_rows(c.rot_q, c.rot_k, c.rope.score_scale, sink=sink, sliding_window=win,
                                       block=cache_rows(b * h, n))
@@ -269,17 +231,6 @@ class Config(base.Config):
     n_splits: int = base.option(16, "random document halvings averaged in rho_cross", "int")
 
 
-def use_score_hook(model: Any, n: int, chunk: int, stack: int) -> bool:
-    """Whether :func:`feature_pattern` reads the logit spread's W from the forward's ``hook_attn_scores``: on the CPU,
-    where the spread would otherwise come from the maps' row blocks (up to :data:`_ROWS_UPTO` × d_head tokens), the
-    hook holds the logits (:func:`~posgen_tl.engine.score_hook.scores_are_w`), the forward is one piece (``chunk``
-    0 or the whole length: a chunk's scores are not the sequence's) and one layer is captured at a time (``stack``
-    ≤ 1: a stack carries q/k only). Each capture's scores are still compared with W on a few rows before use."""
-    spec, info = probe_hooks(model)
-    return (model_device(model).type == "cpu" and n <= _ROWS_UPTO * spec.d_head and not 0 < chunk < n and stack <= 1
-            and info.scores_kind != "absent" and scores_are_w(model))
-
-
 def feature_pattern(
     model: Any,
     corpus: Any = None,
@@ -357,10 +308,8 @@ def feature_pattern(
     group = stack_size(model, min(batch_size, len(tokens)) * n_pos * n_pos, len(layers)) if stack is None else stack
     desc = f"pattern {twin_label}" if progress else False
     # beyond 2 048 tokens the forward runs in chunks through the model's cache where verified (no [heads, n, n] scores)
-    chunk = auto_chunk(model, n_pos)
-    use_hook = use_score_hook(model, n_pos, chunk, group)
-    stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc, chunk=chunk,
-              stack=1 if use_hook else group, with_scores=use_hook)
+    stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc, chunk=auto_chunk(model, n_pos),
+              stack=group)
     states: dict[int, dict[str, Any]] = {}
     stacks: dict[tuple[int, ...], dict[str, Any]] = {}  # the same sums per stack: the tables are computed from these
     for grp, d in acc.items():  # the sums come to the CPU once, at the end, cut into each layer's

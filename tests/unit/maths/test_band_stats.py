@@ -433,34 +433,6 @@ def test_within_row_spread_in_row_blocks_is_float32_exact_on_model_sized_heads(s
     assert float(((got - want).abs() / want).max()) < 1e-6
 
 
-@settings(max_examples=60, deadline=None)
-@given(b=st.integers(1, 2), n=st.integers(1, 40), h=st.integers(1, 4), sink=st.integers(0, 3),
-       win=st.one_of(st.none(), st.integers(1, 12)), block=st.integers(1, 9), seed=st.integers(0, 2**16))
-def test_within_row_spread_of_given_logits_reads_only_the_mask(b, n, h, sink, win, block, seed):
-    """From given logits whose hidden entries hold −inf (as a score hook's) or garbage, the spread in row blocks
-    equals within_row_spread on the mask for any mask and block (float64: to rounding); the logits are not written."""
-    from posgen_tl.maths.rope import causal_mask
-    from posgen_tl.maths.spread import within_row_spread_of_w
-
-    gen = _gen(seed)
-    w = torch.randn(b, h, n, n, generator=gen, dtype=torch.float64) * 3 + 5
-    mask = causal_mask(n, sink=sink, sliding_window=win)
-    want, cnt = within_row_spread(w, mask)
-    hidden = torch.where(torch.rand(n, n, generator=gen) < 0.5, float("-inf"), 1e30).to(w)
-    given = torch.where(mask, w, hidden)
-    before = given.clone()
-    got, got_cnt = within_row_spread_of_w(given, sink=sink, sliding_window=win, block=block)
-    assert float(got_cnt) == float(cnt) and torch.equal(given, before)
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * float(want.abs().max().clamp(min=1)))
-
-
-def test_within_row_spread_of_given_logits_rejects_non_square_maps():
-    from posgen_tl.maths.spread import within_row_spread_of_w
-
-    with pytest.raises(ValueError, match="as many keys as queries"):
-        within_row_spread_of_w(torch.zeros(1, 2, 4, 5))
-
-
 def test_within_row_spread_qk_rejects_bad_shapes():
     with pytest.raises(ValueError, match="kv heads"):
         within_row_spread_qk(torch.zeros(1, 4, 3, 2), torch.zeros(1, 4, 2, 2), 1.0)
