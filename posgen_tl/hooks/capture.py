@@ -33,6 +33,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from posgen_tl import compat
+from posgen_tl.hooks.aside import others_hooks_set_aside
 from posgen_tl.hooks.tables import model_rotation_table, probe_table, table_buffer_source, table_to_bands
 from posgen_tl.io.spec import rope_spec
 from posgen_tl.maths.rope import (
@@ -399,7 +400,7 @@ def _probe_forward(model: Any, spec: RopeSpec, layers: Sequence[int], wanted: Se
 
     fwd = [(pre.format(layer=layer) + h, lambda t, hook, key=(layer, h): save(t, hook, key))
            for layer in layers for h in wanted if pre.format(layer=layer) + h in names]
-    with torch.no_grad(), hooks_attached(model, fwd):
+    with torch.no_grad(), others_hooks_set_aside(model), hooks_attached(model, fwd):  # the model's, not a caller's
         try:
             run_forward(model, toks, None)
         except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
@@ -491,7 +492,8 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     causal and sliding window — leaves visible) or post-softmax (our pattern, sinks included, equals
     it), and whether the mask was applied before the hook.
 
-    Returns ``(spec, info)`` and caches it per model object.
+    Returns ``(spec, info)`` and caches it per model object. The probe's forward runs with the hooks already on the
+    model set aside (:func:`~posgen_tl.hooks.aside.others_hooks_set_aside`): the answer describes the model, whoever asks first.
 
     Raises:
         RopeError: non-RoPE model, or our rotation disagrees with the model's.
