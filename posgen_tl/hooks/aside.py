@@ -1,5 +1,5 @@
-"""Hooks set aside: the model's hook points without the forward hooks already on them, for a block
-(:func:`others_hooks_set_aside`) — for the probes whose answer is cached per model
+"""A caller's hooks set aside: the model's hook points without the temporary forward hooks a caller added, for a
+block (:func:`others_hooks_set_aside`) — for the probes whose answer is cached per model
 (:func:`posgen_tl.hooks.capture.probe_hooks`)."""
 
 from __future__ import annotations
@@ -13,21 +13,29 @@ __all__ = ["others_hooks_set_aside"]
 
 @contextlib.contextmanager
 def others_hooks_set_aside(model: Any) -> Iterator[int]:
-    """The model's hook points without the forward hooks already on them — a user's (``model.hooks(...)``,
-    ``add_hook``, permanent ones), an enclosing pass's — for the block, restored as they were on every exit path.
-    Yields how many hook points had some. What the hooks fire and hold is then the model's, not the edit of whoever
-    called first (a hook planting a NaN in the scores would otherwise leave every later call without the scores'
-    check)."""
+    """The model's hook points without the temporary forward hooks already on them, for the block, restored as they
+    were on every exit path: TransformerLens's non-permanent hooks (``model.hooks(...)``, ``run_with_hooks``,
+    ``add_hook``) — a user's, an enclosing pass's. Permanent hooks stay: they are part of the model as loaded (a
+    half-precision OLMo bridge casts its rotated q/k with them, and its forward fails without them). So do hooks
+    registered on a hook point by other means than ``add_hook``. Yields how many hooks were set aside. What the
+    hooks fire and hold is then the model's, not the edit of whoever called first (a hook planting a NaN in the
+    scores would otherwise leave every later call without the scores' check)."""
     seen: set[int] = set()
-    aside: list[tuple[Any, Any, Any]] = []
+    aside: list[tuple[Any, Any]] = []
+    count = 0
     for hp in (getattr(model, "hook_dict", None) or {}).values():
-        if id(hp) in seen or not (getattr(hp, "_forward_hooks", None) or getattr(hp, "_forward_pre_hooks", None)):
+        hooks = getattr(hp, "_forward_hooks", None)
+        if id(hp) in seen or not hooks:
             continue
         seen.add(id(hp))
-        aside.append((hp, hp._forward_hooks, hp._forward_pre_hooks))
-        hp._forward_hooks, hp._forward_pre_hooks = type(hp._forward_hooks)(), type(hp._forward_pre_hooks)()
+        temporary = {h.hook.id for h in getattr(hp, "fwd_hooks", ()) if not h.is_permanent}
+        if not temporary.intersection(hooks):
+            continue
+        aside.append((hp, hooks))
+        hp._forward_hooks = type(hooks)((k, v) for k, v in hooks.items() if k not in temporary)
+        count += len(temporary.intersection(hooks))
     try:
-        yield len(aside)
+        yield count
     finally:
-        for hp, fwd, pre in aside:
-            hp._forward_hooks, hp._forward_pre_hooks = fwd, pre
+        for hp, hooks in aside:
+            hp._forward_hooks = hooks

@@ -175,8 +175,8 @@ def test_users_own_hooks_are_kept_and_see_the_forward():
 def test_the_probe_describes_the_model_not_the_hooks_of_its_first_caller():
     """probe_hooks caches what the hooks hold per model: run first inside a user's hook that plants a NaN in the
     last layer's scores, it still finds them pre-softmax logits (with the hook in place it found 'unknown', and
-    every later exactness check skipped the scores); the user's hook is set aside only for the probe — it fires on the
-    user's next forward inside the context and is gone after it."""
+    every later exactness check skipped the scores); the user's temporary hook is set aside only for the probe — it
+    fires on the user's next forward inside the context and is gone after it — and a permanent hook stays on."""
     model = tm.hf_llama(n_layers=3)[0]
     name = "blocks.2.attn.hook_attn_scores"
     calls = []
@@ -187,13 +187,18 @@ def test_the_probe_describes_the_model_not_the_hooks_of_its_first_caller():
         x[0, 0, 5, 2] = float("nan")
         return x
 
-    with model.hooks(fwd_hooks=[(name, plant)]):
-        _, hooked = probe_hooks(model, refresh=True)
-        assert not calls  # set aside during the probe
-        assert len(model.hook_dict[name]._forward_hooks) == 1  # and back after it
-        model(torch.randint(3, 100, (1, 8)), return_type=None)
-        assert calls == [1]
-    assert len(model.hook_dict[name]._forward_hooks) == 0
+    kept = []  # a permanent hook is part of the model: it stays on for the probe
+    model.hook_dict["blocks.0.attn.hook_q"].add_hook(lambda t, hook: kept.append(1), is_permanent=True)
+    try:
+        with model.hooks(fwd_hooks=[(name, plant)]):
+            _, hooked = probe_hooks(model, refresh=True)
+            assert not calls and kept == [1]  # the temporary hook set aside during the probe, the permanent one not
+            assert len(model.hook_dict[name]._forward_hooks) == 1  # and back after it
+            model(torch.randint(3, 100, (1, 8)), return_type=None)
+            assert calls == [1]
+        assert len(model.hook_dict[name]._forward_hooks) == 0
+    finally:
+        model.reset_hooks(including_permanent=True)
     _, clean = probe_hooks(model, refresh=True)
     assert hooked == clean and clean.scores_kind == "pre_softmax"
     table = exactness_table(model, torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0)))
