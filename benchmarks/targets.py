@@ -76,8 +76,9 @@ def steps_ratio(step: str, commit: str, host: str | None = None) -> Callable[[di
         s = d["steps"][step]
         f = d["steps"]["forward"]["seconds"]
         paired = statistics.median(x / y for x, y in zip(s["seconds"], f))  # each round's step over its forward
-        where = host_label(d["host"]) if "host" in d else host
-        cpu = d["host"].get("cpu", "") if "host" in d else (host or "")
+        h = d.get("host")  # the file's own host wins over the row's
+        where = host_label(h) if h else host
+        cpu = h.get("cpu", "") if h else (host or "")
         return Reading(s["ratio_median"], s["ratio_min"], short(d.get("commit", commit)),
                        (f"host {where}; " if where else "")
                        + f"{d['repeats']} rounds, forward {min(f):.2f}–{max(f):.2f} s (median {statistics.median(f):.2f}); "

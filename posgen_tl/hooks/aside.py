@@ -20,20 +20,15 @@ def others_hooks_set_aside(model: Any) -> Iterator[int]:
     registered on a hook point by other means than ``add_hook``. Yields how many hooks were set aside. What the
     hooks fire and hold is then the model's, not the edit of whoever called first (a hook planting a NaN in the
     scores would otherwise leave every later call without the scores' check)."""
-    seen: set[int] = set()
     aside: list[tuple[Any, Any]] = []
     count = 0
-    for hp in (getattr(model, "hook_dict", None) or {}).values():
-        hooks = getattr(hp, "_forward_hooks", None)
-        if id(hp) in seen or not hooks:
-            continue
-        seen.add(id(hp))
-        temporary = {h.hook.id for h in getattr(hp, "fwd_hooks", ()) if not h.is_permanent}
-        if not temporary.intersection(hooks):
-            continue
-        aside.append((hp, hooks))
-        hp._forward_hooks = type(hooks)((k, v) for k, v in hooks.items() if k not in temporary)
-        count += len(temporary.intersection(hooks))
+    for hp in {id(h): h for h in (getattr(model, "hook_dict", None) or {}).values()}.values():  # aliases once
+        hooks = getattr(hp, "_forward_hooks", None) or {}
+        temporary = {h.hook.id for h in getattr(hp, "fwd_hooks", ()) if not h.is_permanent}.intersection(hooks)
+        if temporary:
+            aside.append((hp, hooks))
+            hp._forward_hooks = type(hooks)((k, v) for k, v in hooks.items() if k not in temporary)
+            count += len(temporary)
     try:
         yield count
     finally:

@@ -400,7 +400,7 @@ def _probe_forward(model: Any, spec: RopeSpec, layers: Sequence[int], wanted: Se
 
     fwd = [(pre.format(layer=layer) + h, lambda t, hook, key=(layer, h): save(t, hook, key))
            for layer in layers for h in wanted if pre.format(layer=layer) + h in names]
-    with torch.no_grad(), others_hooks_set_aside(model), hooks_attached(model, fwd):  # the model's, not a caller's
+    with torch.no_grad(), others_hooks_set_aside(model), hooks_attached(model, fwd):  # the model's, not a caller's edit
         try:
             run_forward(model, toks, None)
         except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as e:
@@ -492,8 +492,9 @@ def probe_hooks(model: Any, *, refresh: bool = False) -> tuple[RopeSpec, HookInf
     causal and sliding window — leaves visible) or post-softmax (our pattern, sinks included, equals
     it), and whether the mask was applied before the hook.
 
-    Returns ``(spec, info)`` and caches it per model object. The probe's forward runs with the hooks already on the
-    model set aside (:func:`~posgen_tl.hooks.aside.others_hooks_set_aside`): the answer describes the model, whoever asks first.
+    Returns ``(spec, info)`` and caches it per model object. The probe's forward runs with a caller's temporary hooks
+    set aside, permanent ones kept (:func:`~posgen_tl.hooks.aside.others_hooks_set_aside`): the answer describes the
+    model as loaded, whoever asks first.
 
     Raises:
         RopeError: non-RoPE model, or our rotation disagrees with the model's.
