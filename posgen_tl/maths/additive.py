@@ -20,6 +20,7 @@ Pure float64 tensor maths; every function takes a :class:`Band` from :func:`band
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["Band", "DIRECT_MAX", "DIRECT_MAX_GPU", "Direct", "band", "band_of_mask", "direct", "gram_matvec", "gram_diagonal", "null_basis", "solve_many",
+__all__ = ["Band", "DIRECT_MAX", "DIRECT_MAX_GPU", "Direct", "band", "band_of_mask", "col_sums_a", "direct", "gram_matvec", "gram_diagonal", "null_basis", "solve_many",
            "solve", "row_sums_a", "row_sums_c"]  # fmt: skip
 
 #: relative residual ‖XᵀXβ − r‖ / ‖r‖ at which :func:`solve` stops (float64 rounding sits near 1e-15)
@@ -95,8 +96,12 @@ def band_of_mask(mask: Bool[Tensor, "query_pos key_pos"]) -> Band | None:
 
 
 def _prefix(x: Tensor) -> Tensor:
-    """``[..., n + 1]`` with ``out[..., k] = Σ_{t < k} x[..., t]``."""
-    return torch.nn.functional.pad(x.cumsum(-1), (1, 0))
+    """``[..., n + 1]`` with ``out[..., k] = Σ_{t < k} x[..., t]`` (the cumulative sum written after a zero: no padded
+    copy)."""
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] + 1)
+    out[..., 0] = 0
+    torch.cumsum(x, -1, out=out[..., 1:])
+    return out
 
 
 def row_sums_a(bd: Band, a: Float[Tensor, "*maps delta"]) -> Float[Tensor, "*maps query_pos"]:
@@ -116,6 +121,46 @@ def row_sums_c(bd: Band, c: Float[Tensor, "*maps key_pos"]) -> Float[Tensor, "*m
     return (pc[..., i + 1] - pc[..., bd.lo.clamp(max=bd.n)]) * (bd.cnt > 0)
 
 
+def col_sums_a(bd: Band, a: Float[Tensor, "*maps delta"]) -> Float[Tensor, "*maps key_pos"]:
+    """``Σ_{i ∈ column j} a[i − j]`` (distances ``0 … hi[j] − j``; 0 for a column the mask leaves out)."""
+    n = bd.n
+    j = torch.arange(n, device=a.device)
+    pa = _prefix(a)
+    sums = pa[..., 1:].flip(-1) if bd.window is None else pa[..., bd.hi.to(a.device) - j + 1]  # hi = n − 1: flipped
+    return sums * (j >= bd.sink)
+
+
+def _distance_sums(bd: Band, b: Tensor | None, c: Tensor) -> Tensor:
+    """``B·y`` of the normal matrix (:func:`_dense_blocks`) for ``y = [(b,) c]``: per distance ``d``, the sum of
+    ``b[i] + c[j]`` over the mask's entries ``i − j = d`` (rows ``d + sink … n − 1`` without a window), float64
+    ``[maps, delta]``; ``b`` None for D2. O(n) per map (prefix sums; a window's runs by gathers, a causal band's by
+    flips and slices)."""
+    n, s = bd.n, bd.sink
+    i = torch.arange(n, device=c.device)
+    used_d = bd.ndiag > 0
+    pc = _prefix(c)
+    # distance d: rows i ∈ [d + s, n − 1], keys j = i − d ∈ [s, n − 1 − d]
+    cs = pc[..., 1:].flip(-1) if bd.window is None else pc[..., (n - i).clamp(min=0)]
+    out = cs - pc[..., s : s + 1]
+    if b is not None:
+        pb = _prefix(b)
+        if bd.window is None:
+            shifted = pb[..., s:n] if s else pb[..., :n]  # pb[d + s] (d + s ≥ n only where the distance is unused)
+            shifted = torch.nn.functional.pad(shifted, (0, n - shifted.shape[-1]))
+        else:
+            shifted = pb[..., (i + s).clamp(max=n)]
+        out = out + (pb[..., n : n + 1] - shifted)
+    return out * used_d
+
+
+def _key_row_sums(bd: Band, b: Tensor) -> Tensor:
+    """``Σ_{i ∈ column j} b[i]`` (rows ``j … hi[j]``; 0 for a column the mask leaves out), float64 ``[maps, key_pos]``."""
+    pb = _prefix(b)
+    i = torch.arange(bd.n, device=b.device)
+    hi = pb[..., bd.n : bd.n + 1] if bd.window is None else pb[..., bd.hi + 1]  # hi = n − 1 without a window
+    return (hi - pb[..., : bd.n]) * (i >= bd.sink)
+
+
 def gram_diagonal(bd: Band, three_axis: bool) -> Float[Tensor, "param"]:
     """The diagonal of ``XᵀX`` (entry counts per distance, row and column), parameters ``[a, (b,) c]``."""
     return torch.cat([bd.ndiag] + ([bd.cnt] if three_axis else []) + [bd.ncol])
@@ -124,47 +169,15 @@ def gram_diagonal(bd: Band, three_axis: bool) -> Float[Tensor, "param"]:
 def gram_matvec(bd: Band, beta: Float[Tensor, "maps param"], three_axis: bool) -> Float[Tensor, "maps param"]:
     """``β ↦ XᵀX β`` for each row of ``beta`` (parameters ``[a_0…a_{n−1}, (b_0…b_{n−1},) c_0…c_{n−1}]``), O(n)
     per map: the distance, row and column sums of the map ``a[i − j] + b[i] + c[j]`` on the band."""
-    if bd.window is None:
-        return _gram_matvec_causal(bd, beta, three_axis)
-    n, s = bd.n, bd.sink
+    n = bd.n
     a, c = beta[..., :n], beta[..., -n:]
-    dev = beta.device
-    i = torch.arange(n, device=dev)
-    used_d, used_j = bd.ndiag > 0, i >= s
-    pa, pc = _prefix(a), _prefix(c)
-    # distance d: rows i ∈ [d + s, n − 1], keys j = i − d ∈ [s, n − 1 − d]
-    out_a = bd.ndiag * a + (pc[..., (n - i).clamp(min=0)] - pc[..., s : s + 1]) * used_d
-    # key j ≥ s: rows i ∈ [j, hi[j]], distances 0 … hi[j] − j
-    out_c = bd.ncol * c + pa[..., bd.hi - i + 1] * used_j
-    parts = [out_a]
-    if three_axis:
-        b = beta[..., n : 2 * n]
-        pb = _prefix(b)
-        parts[0] = out_a + (pb[..., n : n + 1] - pb[..., (i + s).clamp(max=n)]) * used_d
-        out_c = out_c + (pb[..., bd.hi + 1] - pb[..., i]) * used_j
-        parts.append(bd.cnt * b + row_sums_a(bd, a) + row_sums_c(bd, c))
-    return torch.cat(parts + [out_c], -1)
-
-
-def _gram_matvec_causal(bd: Band, beta: Tensor, three_axis: bool) -> Tensor:
-    """:func:`gram_matvec` on a band without a window (``lo = sink``, ``hi = n − 1``): the same sums, its gathers
-    replaced by slices and flips of the prefix sums (a gather of ``[maps, n]`` costs 5× a flip on the CPU)."""
-    n, s = bd.n, bd.sink
-    a, c = beta[..., :n], beta[..., -n:]
-    used_d, used_j = bd.ndiag > 0, torch.arange(n, device=beta.device) >= s
-    pa, pc = _prefix(a), _prefix(c)
-    out_a = bd.ndiag * a + (pc[..., 1:].flip(-1) - pc[..., s : s + 1]) * used_d  # Σ c over keys s … n − 1 − d
-    out_c = bd.ncol * c + pa[..., 1:].flip(-1) * used_j  # Σ a over distances 0 … n − 1 − j
-    parts = [out_a]
-    if three_axis:
-        b = beta[..., n : 2 * n]
-        pb = _prefix(b)
-        shifted = pb[..., s:n] if s else pb[..., :n]  # pb[d + s] (d + s ≥ n only where the distance is unused)
-        shifted = torch.nn.functional.pad(shifted, (0, n - shifted.shape[-1]))
-        parts[0] = out_a + (pb[..., n : n + 1] - shifted) * used_d  # Σ b over rows d + s … n − 1
-        out_c = out_c + (pb[..., n : n + 1] - pb[..., :n]) * used_j  # Σ b over rows j … n − 1
-        parts.append(bd.cnt * b + row_sums_a(bd, a) + row_sums_c(bd, c))
-    return torch.cat(parts + [out_c], -1)
+    b = beta[..., n : 2 * n] if three_axis else None
+    out_a = bd.ndiag * a + _distance_sums(bd, b, c)
+    out_c = bd.ncol * c + col_sums_a(bd, a)
+    if b is None:
+        return torch.cat([out_a, out_c], -1)
+    out_b = bd.cnt * b + row_sums_a(bd, a) + row_sums_c(bd, c)
+    return torch.cat([out_a, out_b, out_c + _key_row_sums(bd, b)], -1)
 
 
 def null_basis(bd: Band, three_axis: bool) -> Float[Tensor, "param k"]:
@@ -220,21 +233,25 @@ class Direct:
     """A direct solve of one band's design for n up to :data:`DIRECT_MAX` (:func:`direct`): the distance
     parameters eliminated (their block of ``XᵀX`` is diagonal), the Schur complement ``S`` on ``y = [(b,) c]``
     made invertible on its null space (``S + σ·VVᵀ``, ``V`` the null space's ``y`` part) and inverted once.
-    For a right-hand side in the range of ``XᵀX`` this gives an exact solution in two matrix products of
-    ``[maps, y] × [y, y]`` (float64) — the per-mask cost that conjugate gradients pay in ~17 steps of small
-    operations. Memory O(n²): 8·(2n)² bytes for D1 (8.4 MB at n = 512)."""
+    For a right-hand side in the range of ``XᵀX`` this gives an exact solution in ONE matrix product of
+    ``[maps, y] × [y, y]`` (float64) and the coupling block's products ``Bᵀ·a``, ``B·y`` as prefix sums (O(n) per map,
+    :func:`_distance_sums`; as dense products they cost twice the inverse's) — the per-mask cost that conjugate
+    gradients pay in ~17 steps of small operations. Memory O(n²): 8·(2n)² bytes for D1 (8.4 MB at n = 512)."""
 
     three_axis: bool
+    band: Band
     inv_a: Tensor  # [delta] 1/ndiag (0 where unused)
-    b: Tensor  # [delta, y]
     p: Tensor  # [y, y] (S + σVVᵀ)⁻¹ on the used y (0 elsewhere)
 
     def apply(self, r: Tensor) -> Tensor:
         """A solution β of ``XᵀXβ = r`` for ``r`` in its range (``[maps, param]`` float64)."""
-        n = self.inv_a.shape[-1]
+        bd, n = self.band, self.inv_a.shape[-1]
         ra, ry = r[..., :n], r[..., n:]
-        y = (ry - (ra * self.inv_a) @ self.b) @ self.p
-        return torch.cat([(ra - y @ self.b.T) * self.inv_a, y], -1)
+        a = ra * self.inv_a
+        bta = torch.cat([row_sums_a(bd, a), col_sums_a(bd, a)], -1) if self.three_axis else col_sums_a(bd, a)
+        y = (ry - bta) @ self.p
+        by = _distance_sums(bd, y[..., :n] if self.three_axis else None, y[..., -n:])
+        return torch.cat([(ra - by) * self.inv_a, y], -1)
 
 
 #: the largest ``n`` whose solve is direct (:class:`Direct`; beyond it conjugate gradients, O(n) memory): at 1 024 tokens
@@ -249,6 +266,8 @@ def direct(bd: Band, three_axis: bool, device: torch.device | str = "cpu") -> Di
     """The :class:`Direct` solver of ``bd``'s D1 (``three_axis``) or D2 design (one-time: O(n³) float64)."""
     dev = torch.device(device)
     n = bd.n
+    if bd.lo.device != dev:  # the operator's coupling products read the band's runs where they run
+        bd = dataclasses.replace(bd, **{f: getattr(bd, f).to(dev) for f in ("lo", "hi", "cnt", "ncol", "ndiag")})
     bmat, c = _dense_blocks(bd, three_axis, dev)
     nd = bd.ndiag.to(dev)
     inv_a = torch.where(nd > 0, 1.0 / nd.clamp(min=1.0), 0.0)
@@ -261,7 +280,7 @@ def direct(bd: Band, three_axis: bool, device: torch.device | str = "cpu") -> Di
     s_u = s[sub][:, sub] + c.diagonal()[sub].mean() * (v[sub] @ v[sub].T)  # σ: a count, > 0
     p = torch.zeros_like(s)
     p[sub[:, None], sub[None, :]] = torch.cholesky_inverse(torch.linalg.cholesky(s_u))
-    return Direct(three_axis, inv_a, bmat, p)
+    return Direct(three_axis, bd, inv_a, p)
 
 
 def solve(bd: Band, rhs: Float[Tensor, "maps param"], three_axis: bool, *, rtol: float = RTOL,
@@ -299,11 +318,20 @@ class _CG:
     def __init__(self, bd: Band, three_axis: bool, q: Tensor, inv: Tensor, r: Tensor, x: Tensor, scale: Tensor,
                  live: Tensor) -> None:
         self.bd, self.three_axis, self.q, self.inv = bd, three_axis, q, inv
+        self._qt: Tensor | None = None
         self.r, self.x, self.scale, self.live = r, x, scale, live
         self.floor = torch.zeros_like(scale)  # the rounding level of the right-hand side (:func:`solve_many`)
 
     def consistent(self, v: Tensor) -> Tensor:  # the part orthogonal to the null space
-        return v - (v @ self.q) @ self.q.T
+        if v.ndim != 2:
+            return v - (v @ self.q) @ self.q.T
+        return torch.addmm(v, v @ self.q, self.qt, alpha=-1)  # one pass for the rank-k update and the difference
+
+    @property
+    def qt(self) -> Tensor:  # qᵀ row-major (the update's product is 1.5× faster from it on the CPU)
+        if self._qt is None:
+            self._qt = self.q.T.contiguous()
+        return self._qt
 
     def converged(self, rtol: float) -> Tensor:
         return self._done(self.r, rtol).all()

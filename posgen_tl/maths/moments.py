@@ -31,6 +31,7 @@ from posgen_tl.maths.additive import (
     Band,
     Direct,
     band,
+    col_sums_a,
     direct,
     row_sums_a,
     row_sums_c,
@@ -354,16 +355,6 @@ def _fit_params(n: int, mean: Tensor, beta: Tensor, three_axis: bool) -> tuple[T
     return mean, a, b, c_
 
 
-def _col_sums_a(g: Geometry, a: Tensor) -> Tensor:
-    """``Σ_{i ∈ column j} a[i − j]`` float64 ``[maps, key_pos]`` (distances ``0 … hi[j] − j``; 0 for a column the
-    mask leaves out)."""
-    n, bd = g.n, g.band
-    pa = torch.nn.functional.pad(a.cumsum(-1), (1, 0))
-    j = torch.arange(n, device=a.device)
-    sums = pa[..., 1:].flip(-1) if bd.window is None else pa[..., bd.hi.to(a.device) - j + 1]  # hi = n − 1: flipped
-    return sums * (j >= g.sink)
-
-
 def _fit_moments(t: _RowSums, g: Geometry, fit: tuple, sums: tuple[Tensor, Tensor, Tensor]) -> _Moments:
     """Moments of x and of the fitted map ``mean + a[i−j] + b[i] + c[j]`` on mask ``g``.
 
@@ -380,7 +371,7 @@ def _fit_moments(t: _RowSums, g: Geometry, fit: tuple, sums: tuple[Tensor, Tenso
     c1, c2 = row_sums_c(g.band, c_), row_sums_c(g.band, c_ * c_)
     sy = g.cnt * mi + a1 + c1
     syy_rows = g.cnt * mi * mi + a2 + c2 + 2 * mi * (a1 + c1)  # all but Σ_j 2·a[i−j]·c[j]
-    syy_all = syy_rows.sum(-1) + 2 * (c_ * _col_sums_a(g, a)).sum(-1)
+    syy_all = syy_rows.sum(-1) + 2 * (c_ * col_sums_a(g.band, a)).sum(-1)
     sxy_all = (mi * sx).sum(-1) + (c_ * col).sum(-1) + (a * diag).sum(-1)
     h = _head_rows(g)
     rows = torch.arange(h, device=dev)

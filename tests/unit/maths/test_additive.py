@@ -86,6 +86,26 @@ def test_the_direct_solve_is_the_dense_minimum_norm_solution(case, seed):
     assert (got_noisy - want_noisy).abs().max() <= 1e-9 * want_noisy.abs().max().clamp(min=1.0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(bands, st.integers(0, 2**31 - 1))
+def test_the_coupling_block_as_prefix_sums_is_the_dense_block(case, seed):
+    """The direct solve applies the normal matrix's coupling block ``B`` (distances × rows/keys) as prefix sums, O(n)
+    per map: ``Bᵀa`` and ``B·y`` equal the products with the dense block on every band (sink, window, D1 and D2)."""
+    from posgen_tl.maths.additive import _dense_blocks, _distance_sums, col_sums_a, row_sums_a
+
+    n, sink, window, three = case
+    sink = min(sink, n - 1)
+    bd = band(n, sink, window)
+    bmat, _ = _dense_blocks(bd, three, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(3, n, dtype=torch.float64, generator=g)
+    y = torch.randn(3, bmat.shape[1], dtype=torch.float64, generator=g)
+    bta = torch.cat([row_sums_a(bd, a), col_sums_a(bd, a)], -1) if three else col_sums_a(bd, a)
+    torch.testing.assert_close(bta, a @ bmat, rtol=0, atol=1e-12 * n)
+    by = _distance_sums(bd, y[:, :n] if three else None, y[:, -n:])
+    torch.testing.assert_close(by, y @ bmat.T, rtol=0, atol=1e-12 * n)
+
+
 def test_the_scoring_geometry_solves_directly_up_to_direct_max_and_by_gradients_beyond():
     from posgen_tl.maths.additive import DIRECT_MAX
 
