@@ -298,10 +298,9 @@ def feature_pattern(
         d = docs[c.seq_offset : c.seq_offset + c.q.shape[0]]
         # the positions from the sink on (the masked positions, as a view), in float64 once for both accumulators
         q, k = c.q[:, sink:].double(), c.k[:, sink:].double()
-        a["q"].update(q)
-        a["k"].update(k)
-        a["q_seq"].update(q, d)
-        a["k_seq"].update(k, d)
+        for side, x in (("q", q), ("k", k)):  # |z|² of the bands once for both accumulators
+            abs2 = a[side].update(x)
+            a[side + "_seq"].update(x, d, abs2=abs2.view(*x.shape[:2], *abs2.shape[1:]))
         ss, n = _spread(c, sink)
         a["spread"] = (a["spread"][0] + ss.to(a["spread"][0].device), a["spread"][1] + n.to(a["spread"][1].device))
 

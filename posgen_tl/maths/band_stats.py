@@ -130,8 +130,10 @@ class BandStats:
         self,
         x: Float[Tensor, "batch pos head_index d_head"],
         mask: Bool[Tensor, "batch pos"] | None = None,
-    ) -> None:
-        """Accumulate ``x`` in place; positions where ``mask`` is False are ignored."""
+    ) -> Float[Tensor, "token head_index band"]:
+        """Accumulate ``x`` in place; positions where ``mask`` is False are ignored. Returns ``|z_m|²`` of the
+        accumulated tokens (``[(batch pos) kept, head_index, band]`` in the accumulators' dtype; without a mask a view
+        of ``[batch, pos, head_index, band]``), e.g. for :meth:`posgen_tl.maths.rho.SequenceBandSums.update`."""
         if x.ndim != 4 or tuple(x.shape[-2:]) != (self.n_heads, self.d_head):
             raise ValueError(
                 f"x has shape {tuple(x.shape)}; expected [batch, pos, {self.n_heads}, {self.d_head}]"
@@ -145,14 +147,14 @@ class BandStats:
         tokens = tokens.to(device=dev, dtype=self.dtype)
         a, b = band_parts(tokens, self.rotary_dim, self.layout)  # tok head band: Re z, Im z (views)
         abs2 = a * a + b * b
-        nonzero = abs2 > 0
-        inv = torch.where(nonzero, abs2.rsqrt(), 0.0)  # 1/|z| (z/|z|: the unit phasor, 0 for z = 0)
+        inv = abs2.rsqrt().nan_to_num_(nan=0.0, posinf=0.0)  # 1/|z| (z/|z|: the unit phasor, 0 for z = 0)
         self.n += tokens.shape[0]
         self.sum_x += tokens.sum(0)
         self.sum_abs2 += abs2.sum(0)
         self.sum_unit += torch.complex((a * inv).sum(0), (b * inv).sum(0))
         self.pass_abs2 += tokens[..., self.rotary_dim :].square().sum((0, -1))
-        self.n_nonzero += nonzero.sum(0)
+        self.n_nonzero += (abs2 > 0).sum(0)  # (a NaN counts as zero, as its phasor does)
+        return abs2
 
     def merge(self, other: BandStats) -> BandStats:
         """A new accumulator equal to having seen both streams (inputs unchanged)."""

@@ -107,8 +107,11 @@ class SequenceBandSums:
         x: Float[Tensor, "batch pos head_index d_head"],
         docs: Int[Tensor, "batch"],
         mask: Bool[Tensor, "batch pos"] | None = None,
+        abs2: Float[Tensor, "batch pos head_index band"] | None = None,
     ) -> None:
-        """Append one row per sequence of ``x`` (positions where ``mask`` is False ignored)."""
+        """Append one row per sequence of ``x`` (positions where ``mask`` is False ignored). ``abs2``: ``|z_m|²`` of
+        ``x``'s bands in float64 where the caller has them already (:meth:`posgen_tl.maths.band_stats.BandStats.update`
+        returns them): the same numbers, one product fewer."""
         if x.ndim != 4 or x.shape[-2] != self.n_heads or x.shape[-1] < self.rotary_dim:
             raise ValueError(f"x has shape {tuple(x.shape)}; expected [batch, pos, {self.n_heads}, >= {self.rotary_dim}]")
         docs = torch.as_tensor(docs, dtype=torch.int64).reshape(-1).cpu()
@@ -124,7 +127,12 @@ class SequenceBandSums:
 
         n = torch.full(x.shape[:1], x.shape[1], device=x.device) if w is None else w.sum(1)
         # kept on x's device until read (:meth:`_flush`): no copy to the host per batch and layer
-        self._pending.append((docs, n.long(), torch.complex(masked_sum(a), masked_sum(b)), masked_sum(a * a + b * b)))
+        if abs2 is None:
+            abs2 = a * a + b * b
+        elif tuple(abs2.shape) != tuple(a.shape) or abs2.dtype != torch.float64:
+            raise ValueError(f"abs2 has shape {tuple(abs2.shape)} and dtype {abs2.dtype}; expected {tuple(a.shape)}, "
+                             "float64")
+        self._pending.append((docs, n.long(), torch.complex(masked_sum(a), masked_sum(b)), masked_sum(abs2)))
 
     def merge(self, other: SequenceBandSums) -> SequenceBandSums:
         """A new accumulator holding both sets of sequences (inputs unchanged)."""

@@ -54,6 +54,32 @@ def test_definitions_match_direct_computation():
     assert out["rho_within"].shape == (2, 3)
 
 
+@pytest.mark.parametrize("layout", ["half", "adjacent"])
+def test_band_energies_given_by_the_band_statistics_give_the_same_sums(layout):
+    """The feature statistics compute ``|z|²`` once (``BandStats.update`` returns it) and hand it to
+    ``SequenceBandSums.update``: the state is bit-identical to computing it there; a wrong shape or dtype is refused."""
+    from posgen_tl.maths.band_stats import BandStats
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 2, 10, generator=g, dtype=torch.float64)
+    x[0, 2, 1, :] = 0.0  # a zero band: no phasor, counted apart
+    docs = torch.tensor([4, 4, 9])
+    stats = BandStats(2, 10, 8, layout)
+    abs2 = stats.update(x)
+    z = to_bands(x, 8, layout)
+    torch.testing.assert_close(abs2, (z.abs() ** 2).reshape(-1, 2, 4), rtol=1e-15, atol=0)
+    assert int(stats.n_nonzero.sum()) == 3 * 7 * 2 * 4 - 4
+    mine, theirs = SequenceBandSums(2, 8, layout), SequenceBandSums(2, 8, layout)
+    mine.update(x, docs, abs2=abs2.view(3, 7, 2, 4))
+    theirs.update(x, docs)
+    for key in ("doc", "n", "sum_z", "sum_abs2"):
+        assert torch.equal(getattr(mine, key), getattr(theirs, key)), key
+    with pytest.raises(ValueError, match="abs2 has shape"):
+        mine.update(x, docs, abs2=abs2)  # flattened tokens: not [batch, pos, head, band]
+    with pytest.raises(ValueError, match="float64"):
+        mine.update(x, docs, abs2=abs2.view(3, 7, 2, 4).float())
+
+
 def test_merge_equals_one_pass_and_residuals():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 7, 3, 4, generator=g, dtype=torch.float64) + 0.3
