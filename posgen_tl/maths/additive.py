@@ -28,8 +28,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["Band", "DIRECT_MAX", "DIRECT_MAX_GPU", "Direct", "band", "band_of_mask", "col_sums_a", "direct", "gram_matvec", "gram_diagonal", "null_basis", "solve_many",
-           "solve", "row_sums_a", "row_sums_c"]  # fmt: skip
+__all__ = ["Band", "DIRECT_MAX", "DIRECT_MAX_GPU", "Direct", "band", "band_of_mask", "col_sums_a", "direct", "gram_matvec", "gram_diagonal", "null_basis", "prefix_sums",
+           "solve_many", "solve", "row_sums_a", "row_sums_c"]  # fmt: skip
 
 #: relative residual ‖XᵀXβ − r‖ / ‖r‖ at which :func:`solve` stops (float64 rounding sits near 1e-15)
 RTOL = 1e-12
@@ -95,7 +95,7 @@ def band_of_mask(mask: Bool[Tensor, "query_pos key_pos"]) -> Band | None:
     return b if torch.equal(want, m) else None
 
 
-def _prefix(x: Tensor) -> Tensor:
+def prefix_sums(x: Tensor) -> Tensor:
     """``[..., n + 1]`` with ``out[..., k] = Σ_{t < k} x[..., t]`` (the cumulative sum written after a zero: no padded
     copy)."""
     out = x.new_empty(*x.shape[:-1], x.shape[-1] + 1)
@@ -104,46 +104,48 @@ def _prefix(x: Tensor) -> Tensor:
     return out
 
 
-def row_sums_a(bd: Band, a: Float[Tensor, "*maps delta"]) -> Float[Tensor, "*maps query_pos"]:
-    """``Σ_{j ∈ row i} a[i − j]`` (distances ``0 … i − lo[i]``; 0 for an empty row)."""
+def row_sums_a(bd: Band, a: Float[Tensor, "*maps delta"], pa: Tensor | None = None) -> Float[Tensor, "*maps query_pos"]:
+    """``Σ_{j ∈ row i} a[i − j]`` (distances ``0 … i − lo[i]``; 0 for an empty row). ``pa``: ``prefix_sums(a)`` where the
+    caller has it (the same numbers)."""
+    pa = prefix_sums(a) if pa is None else pa
     if bd.window is None:  # lo = sink: a slice of the prefix sums (a gather costs 5× more on the CPU)
-        return torch.nn.functional.pad(_prefix(a)[..., 1 : bd.n - bd.sink + 1], (bd.sink, 0))
+        return torch.nn.functional.pad(pa[..., 1 : bd.n - bd.sink + 1], (bd.sink, 0))
     k = (torch.arange(bd.n, device=a.device) - bd.lo + 1).clamp(min=0)
-    return _prefix(a)[..., k]
+    return pa[..., k]
 
 
-def row_sums_c(bd: Band, c: Float[Tensor, "*maps key_pos"]) -> Float[Tensor, "*maps query_pos"]:
-    """``Σ_{j ∈ row i} c[j]`` (keys ``lo[i] … i``; 0 for an empty row)."""
-    pc = _prefix(c)
+def row_sums_c(bd: Band, c: Float[Tensor, "*maps key_pos"], pc: Tensor | None = None) -> Float[Tensor, "*maps query_pos"]:
+    """``Σ_{j ∈ row i} c[j]`` (keys ``lo[i] … i``; 0 for an empty row). ``pc``: ``prefix_sums(c)`` where the caller has
+    it."""
+    pc = prefix_sums(c) if pc is None else pc
     if bd.window is None:  # lo = sink
         return (pc[..., 1:] - pc[..., bd.sink : bd.sink + 1]) * (bd.cnt > 0)
     i = torch.arange(bd.n, device=c.device)
     return (pc[..., i + 1] - pc[..., bd.lo.clamp(max=bd.n)]) * (bd.cnt > 0)
 
 
-def col_sums_a(bd: Band, a: Float[Tensor, "*maps delta"]) -> Float[Tensor, "*maps key_pos"]:
-    """``Σ_{i ∈ column j} a[i − j]`` (distances ``0 … hi[j] − j``; 0 for a column the mask leaves out)."""
+def col_sums_a(bd: Band, a: Float[Tensor, "*maps delta"], pa: Tensor | None = None) -> Float[Tensor, "*maps key_pos"]:
+    """``Σ_{i ∈ column j} a[i − j]`` (distances ``0 … hi[j] − j``; 0 for a column the mask leaves out). ``pa``:
+    ``prefix_sums(a)`` where the caller has it."""
     n = bd.n
     j = torch.arange(n, device=a.device)
-    pa = _prefix(a)
+    pa = prefix_sums(a) if pa is None else pa
     sums = pa[..., 1:].flip(-1) if bd.window is None else pa[..., bd.hi.to(a.device) - j + 1]  # hi = n − 1: flipped
     return sums * (j >= bd.sink)
 
 
-def _distance_sums(bd: Band, b: Tensor | None, c: Tensor) -> Tensor:
-    """``B·y`` of the normal matrix (:func:`_dense_blocks`) for ``y = [(b,) c]``: per distance ``d``, the sum of
-    ``b[i] + c[j]`` over the mask's entries ``i − j = d`` (rows ``d + sink … n − 1`` without a window), float64
-    ``[maps, delta]``; ``b`` None for D2. O(n) per map (prefix sums; a window's runs by gathers, a causal band's by
-    flips and slices)."""
+def _distance_sums(bd: Band, pb: Tensor | None, pc: Tensor) -> Tensor:
+    """``B·y`` of the normal matrix (:func:`_dense_blocks`) for ``y = [(b,) c]`` from their prefix sums ``pb = prefix_sums(b)``
+    (None for D2) and ``pc = prefix_sums(c)``: per distance ``d``, the sum of ``b[i] + c[j]`` over the mask's entries
+    ``i − j = d`` (rows ``d + sink … n − 1`` without a window), float64 ``[maps, delta]``. O(n) per map (a window's
+    runs by gathers, a causal band's by flips and slices)."""
     n, s = bd.n, bd.sink
-    i = torch.arange(n, device=c.device)
+    i = torch.arange(n, device=pc.device)
     used_d = bd.ndiag > 0
-    pc = _prefix(c)
     # distance d: rows i ∈ [d + s, n − 1], keys j = i − d ∈ [s, n − 1 − d]
     cs = pc[..., 1:].flip(-1) if bd.window is None else pc[..., (n - i).clamp(min=0)]
     out = cs - pc[..., s : s + 1]
-    if b is not None:
-        pb = _prefix(b)
+    if pb is not None:
         if bd.window is None:
             shifted = pb[..., s:n] if s else pb[..., :n]  # pb[d + s] (d + s ≥ n only where the distance is unused)
             shifted = torch.nn.functional.pad(shifted, (0, n - shifted.shape[-1]))
@@ -153,10 +155,10 @@ def _distance_sums(bd: Band, b: Tensor | None, c: Tensor) -> Tensor:
     return out * used_d
 
 
-def _key_row_sums(bd: Band, b: Tensor) -> Tensor:
-    """``Σ_{i ∈ column j} b[i]`` (rows ``j … hi[j]``; 0 for a column the mask leaves out), float64 ``[maps, key_pos]``."""
-    pb = _prefix(b)
-    i = torch.arange(bd.n, device=b.device)
+def _key_row_sums(bd: Band, pb: Tensor) -> Tensor:
+    """``Σ_{i ∈ column j} b[i]`` (rows ``j … hi[j]``; 0 for a column the mask leaves out) from ``pb = prefix_sums(b)``,
+    float64 ``[maps, key_pos]``."""
+    i = torch.arange(bd.n, device=pb.device)
     hi = pb[..., bd.n : bd.n + 1] if bd.window is None else pb[..., bd.hi + 1]  # hi = n − 1 without a window
     return (hi - pb[..., : bd.n]) * (i >= bd.sink)
 
@@ -172,12 +174,13 @@ def gram_matvec(bd: Band, beta: Float[Tensor, "maps param"], three_axis: bool) -
     n = bd.n
     a, c = beta[..., :n], beta[..., -n:]
     b = beta[..., n : 2 * n] if three_axis else None
-    out_a = bd.ndiag * a + _distance_sums(bd, b, c)
-    out_c = bd.ncol * c + col_sums_a(bd, a)
-    if b is None:
+    pa, pb, pc = prefix_sums(a), None if b is None else prefix_sums(b), prefix_sums(c)  # each once
+    out_a = bd.ndiag * a + _distance_sums(bd, pb, pc)
+    out_c = bd.ncol * c + col_sums_a(bd, a, pa)
+    if b is None or pb is None:
         return torch.cat([out_a, out_c], -1)
-    out_b = bd.cnt * b + row_sums_a(bd, a) + row_sums_c(bd, c)
-    return torch.cat([out_a, out_b, out_c + _key_row_sums(bd, b)], -1)
+    out_b = bd.cnt * b + row_sums_a(bd, a, pa) + row_sums_c(bd, c, pc)
+    return torch.cat([out_a, out_b, out_c + _key_row_sums(bd, pb)], -1)
 
 
 def null_basis(bd: Band, three_axis: bool) -> Float[Tensor, "param k"]:
@@ -248,9 +251,10 @@ class Direct:
         bd, n = self.band, self.inv_a.shape[-1]
         ra, ry = r[..., :n], r[..., n:]
         a = ra * self.inv_a
-        bta = torch.cat([row_sums_a(bd, a), col_sums_a(bd, a)], -1) if self.three_axis else col_sums_a(bd, a)
+        pa = prefix_sums(a)
+        bta = torch.cat([row_sums_a(bd, a, pa), col_sums_a(bd, a, pa)], -1) if self.three_axis else col_sums_a(bd, a, pa)
         y = (ry - bta) @ self.p
-        by = _distance_sums(bd, y[..., :n] if self.three_axis else None, y[..., -n:])
+        by = _distance_sums(bd, prefix_sums(y[..., :n]) if self.three_axis else None, prefix_sums(y[..., -n:]))
         return torch.cat([(ra - by) * self.inv_a, y], -1)
 
 
@@ -269,10 +273,10 @@ def direct(bd: Band, three_axis: bool, device: torch.device | str = "cpu") -> Di
     if bd.lo.device != dev:  # the operator's coupling products read the band's runs where they run
         bd = dataclasses.replace(bd, **{f: getattr(bd, f).to(dev) for f in ("lo", "hi", "cnt", "ncol", "ndiag")})
     bmat, c = _dense_blocks(bd, three_axis, dev)
-    nd = bd.ndiag.to(dev)
+    nd = bd.ndiag
     inv_a = torch.where(nd > 0, 1.0 / nd.clamp(min=1.0), 0.0)
     s = c - (bmat.T * inv_a) @ bmat
-    used = gram_diagonal(bd, three_axis).to(dev)[n:] > 0
+    used = gram_diagonal(bd, three_axis)[n:] > 0
     vy = _null_q(bd, three_axis, dev)[n:]
     u, sv, _ = torch.linalg.svd(vy, full_matrices=False)
     v = u[:, sv > 1e-12 * sv.max()] if len(sv) and float(sv.max()) > 0 else u[:, :0]
@@ -318,7 +322,7 @@ class _CG:
     def __init__(self, bd: Band, three_axis: bool, q: Tensor, inv: Tensor, r: Tensor, x: Tensor, scale: Tensor,
                  live: Tensor) -> None:
         self.bd, self.three_axis, self.q, self.inv = bd, three_axis, q, inv
-        self._qt: Tensor | None = None
+        self.qt = q.T.contiguous()  # qᵀ row-major: the projection's product is 1.5× faster from it on the CPU
         self.r, self.x, self.scale, self.live = r, x, scale, live
         self.floor = torch.zeros_like(scale)  # the rounding level of the right-hand side (:func:`solve_many`)
 
@@ -326,12 +330,6 @@ class _CG:
         if v.ndim != 2:
             return v - (v @ self.q) @ self.q.T
         return torch.addmm(v, v @ self.q, self.qt, alpha=-1)  # one pass for the rank-k update and the difference
-
-    @property
-    def qt(self) -> Tensor:  # qᵀ row-major (the update's product is 1.5× faster from it on the CPU)
-        if self._qt is None:
-            self._qt = self.q.T.contiguous()
-        return self._qt
 
     def converged(self, rtol: float) -> Tensor:
         return self._done(self.r, rtol).all()

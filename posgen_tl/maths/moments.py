@@ -33,6 +33,7 @@ from posgen_tl.maths.additive import (
     band,
     col_sums_a,
     direct,
+    prefix_sums,
     row_sums_a,
     row_sums_c,
     solve_many,
@@ -367,11 +368,12 @@ def _fit_moments(t: _RowSums, g: Geometry, fit: tuple, sums: tuple[Tensor, Tenso
     sx, col, diag = sums
     _, sxx = t.moments_x(g.sink)
     mi = mean[:, None] + b
-    a1, a2 = row_sums_a(g.band, a), row_sums_a(g.band, a * a)
+    pa = prefix_sums(a)  # once for the row and the column sums of a
+    a1, a2 = row_sums_a(g.band, a, pa), row_sums_a(g.band, a * a)
     c1, c2 = row_sums_c(g.band, c_), row_sums_c(g.band, c_ * c_)
     sy = g.cnt * mi + a1 + c1
     syy_rows = g.cnt * mi * mi + a2 + c2 + 2 * mi * (a1 + c1)  # all but Σ_j 2·a[i−j]·c[j]
-    syy_all = syy_rows.sum(-1) + 2 * (c_ * col_sums_a(g.band, a)).sum(-1)
+    syy_all = syy_rows.sum(-1) + 2 * (c_ * col_sums_a(g.band, a, pa)).sum(-1)
     sxy_all = (mi * sx).sum(-1) + (c_ * col).sum(-1) + (a * diag).sum(-1)
     h = _head_rows(g)
     rows = torch.arange(h, device=dev)

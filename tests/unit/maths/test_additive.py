@@ -91,7 +91,7 @@ def test_the_direct_solve_is_the_dense_minimum_norm_solution(case, seed):
 def test_the_coupling_block_as_prefix_sums_is_the_dense_block(case, seed):
     """The direct solve applies the normal matrix's coupling block ``B`` (distances × rows/keys) as prefix sums, O(n)
     per map: ``Bᵀa`` and ``B·y`` equal the products with the dense block on every band (sink, window, D1 and D2)."""
-    from posgen_tl.maths.additive import _dense_blocks, _distance_sums, col_sums_a, row_sums_a
+    from posgen_tl.maths.additive import _dense_blocks, _distance_sums, col_sums_a, prefix_sums, row_sums_a
 
     n, sink, window, three = case
     sink = min(sink, n - 1)
@@ -102,7 +102,7 @@ def test_the_coupling_block_as_prefix_sums_is_the_dense_block(case, seed):
     y = torch.randn(3, bmat.shape[1], dtype=torch.float64, generator=g)
     bta = torch.cat([row_sums_a(bd, a), col_sums_a(bd, a)], -1) if three else col_sums_a(bd, a)
     torch.testing.assert_close(bta, a @ bmat, rtol=0, atol=1e-12 * n)
-    by = _distance_sums(bd, y[:, :n] if three else None, y[:, -n:])
+    by = _distance_sums(bd, prefix_sums(y[:, :n]) if three else None, prefix_sums(y[:, -n:]))
     torch.testing.assert_close(by, y @ bmat.T, rtol=0, atol=1e-12 * n)
 
 
