@@ -70,19 +70,27 @@ def host_label(h: dict) -> str:
 
 
 def steps_ratio(step: str, commit: str, host: str | None = None) -> Callable[[dict], Reading]:
-    """A step's median ratio to the forward in a ``bench_steps.py`` file (one process, alternating); older files do not
-    record the commit or the host, so the row gives them (``host`` None: not known, not named)."""
+    """A step's median ratio to the forward in a ``bench_steps.py`` file (one process, alternating): the median step
+    over the median forward, or in a ``--bracket`` file the median of each step over the mean of the two forwards
+    around it; older files do not record the commit or the host, so the row gives them (``host`` None: not known, not
+    named)."""
     def read(d: dict) -> Reading:
         s = d["steps"][step]
         f = d["steps"]["forward"]["seconds"]
-        paired = statistics.median(x / y for x, y in zip(s["seconds"], f))  # each round's step over its forward
         h = d.get("host")  # the file's own host wins over the row's
         where = host_label(h) if h else host
         cpu = h.get("cpu", "") if h else (host or "")
+        head = (f"host {where}; " if where else "") + f"{d['repeats']} rounds, "
+        fwd = f"{min(f):.2f}–{max(f):.2f} s (median {statistics.median(f):.2f})"
+        br = s.get("bracket")
+        if br:  # bench_steps.py --bracket: the verdict reads each step over the mean of its two neighbouring forwards
+            return Reading(br["ratio_median"], s["ratio_min"], short(d.get("commit", commit)),
+                           head + f"each step between two forwards, forward {fwd}; median of each step over the mean of "
+                           f"its two forwards {br['ratio_median']:.2f}× (the median step over the median forward "
+                           f"{s['ratio_median']:.2f}×)", where=cpu.split(" (")[0])
+        paired = statistics.median(x / y for x, y in zip(s["seconds"], f))  # each round's step over its forward
         return Reading(s["ratio_median"], s["ratio_min"], short(d.get("commit", commit)),
-                       (f"host {where}; " if where else "")
-                       + f"{d['repeats']} rounds, forward {min(f):.2f}–{max(f):.2f} s (median {statistics.median(f):.2f}); "
-                       f"median of the rounds' own ratios {paired:.2f}×", where=cpu.split(" (")[0])
+                       head + f"forward {fwd}; median of the rounds' own ratios {paired:.2f}×", where=cpu.split(" (")[0])
     return read
 
 

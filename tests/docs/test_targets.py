@@ -138,3 +138,28 @@ def test_a_report_of_several_runs_reads_their_median_and_shows_the_fastest_and_t
     (tmp_path / "r.json").write_text(json.dumps(d))
     cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
     assert cells[3:6] == ["**5 min 10 s** (4 min 54 s)", "≤ 5 min 00 s", "not met"]
+
+
+def test_bracketed_ratios_divide_each_step_by_the_mean_of_its_two_forwards():
+    # a host that slows down within the round: the step's neighbours slow with it
+    assert bench_steps.bracket_ratios([12.0, 15.0], [10.0, 10.0], [10.0, 20.0]) == [1.2, 1.0]
+    with pytest.raises(ValueError, match="one each per round"):
+        bench_steps.bracket_ratios([12.0], [10.0, 11.0], [10.0])
+    with pytest.raises(ValueError, match="zero seconds"):
+        bench_steps.bracket_ratios([12.0], [0.0], [10.0])
+
+
+def test_a_bracketed_file_is_judged_by_its_bracketed_ratios(tmp_path):
+    fwd = [10.0, 12.0, 10.0, 20.0]  # round 0: forward, step, forward; round 1: forward, step, forward
+    step = {"seconds": [13.2, 16.5], "ratio_median": 14.85 / 11.0, "ratio_min": 1.32,
+            "bracket": {"before": [10.0, 10.0], "after": [12.0, 20.0], "ratios": [1.2, 1.1], "ratio_median": 1.15}}
+    d = {"repeats": 2, "commit": "abc1234", "bracketed": True,
+         "steps": {"forward": {"seconds": fwd, "ratio_median": 1.0, "ratio_min": 1.0}, "decomposition": step}}
+    (tmp_path / "b.json").write_text(json.dumps(d))
+    row = targets.Row("decomposition", "8 × 512", "CPU", 1.3, "×", "b.json", targets.steps_ratio("decomposition", "x"))
+    cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
+    # the step's median over the forwards' median (1.35×) would say "not met"; its two neighbours say 1.15×
+    assert cells[3:6] == ["**1.15×** (1.32×)", "≤ 1.30×", "met"]
+    assert cells[6] == ("abc1234, `b.json`; 2 rounds, each step between two forwards, forward 10.00–20.00 s (median "
+                        "11.00); median of each step over the mean of its two forwards 1.15× (the median step over the "
+                        "median forward 1.35×)")
