@@ -13,6 +13,7 @@ how fast its host ran the plain forward against the machine the target was set o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -146,6 +147,15 @@ def report_wall(d: dict) -> Reading:
                    f"≈ {est:.1f} min (an estimate, not a measurement)")
 
 
+def report_wall_on(cpu: str, isa: str) -> Callable[[dict], Reading]:
+    """:func:`report_wall` of a file whose host the row names (``bench_report.py`` records no CPU model): ``cpu``
+    shown beside the device, ``isa`` (its extensions) in the note."""
+    def read(d: dict) -> Reading:
+        r = report_wall(d)
+        return dataclasses.replace(r, where=cpu, note=f"host {cpu} ({isa}; named by the session); {r.note}")
+    return read
+
+
 SMOL = "random:smollm2-135m"
 #: (label, step, CPU limit) of the three ratio targets; the GPU's limit is 2× for the first two
 STEPS = [("decomposition", "decomposition", 1.3), ("feature statistics", "pattern", 1.0), ("sufficiency", "sufficiency", 1.2)]
@@ -169,16 +179,23 @@ _8x512, _4x2048 = "results_steps_8x512_55890a8.json", "results_steps_4x2048_5589
 #: the host of the 55890a8 files (they predate bench_steps.py's "host"; the session that ran them noted it)
 _XEON = "Intel Xeon (AVX-512, AMX; noted by the session, not recorded in the file)"
 _8x512_EPYC, _4x2048_EPYC = "results_steps_8x512_8e0befc_epyc.json", "results_steps_4x2048_8e0befc_epyc.json"
+#: a Xeon with AVX-512 and no AMX (2026-12-07), bracketed rounds (bench_steps.py --bracket)
+_8x512_XEON512 = "results_steps_8x512_d3a6e20_xeon-avx512.json"
+_4x2048_XEON512 = "results_steps_4x2048_d3a6e20_xeon-avx512.json"
 _LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_6524d49.json"
 ROWS: list[Row] = [
     *cpu_rows("8 × 512", _8x512, _XEON),
     *cpu_rows("8 × 512", _8x512_EPYC),
+    *cpu_rows("8 × 512", _8x512_XEON512),
     *cpu_rows("4 × 2048", _4x2048, _XEON),
     *cpu_rows("4 × 2048", _4x2048_EPYC),
+    *cpu_rows("4 × 2048", _4x2048_XEON512),
     Row("decomposition: peak resident memory (8 GB = 7.45 GiB)", "1 × 16384", "CPU", 8 * GB_IN_GIB, "GiB", _LONG,
         long_peak(16384)),
     Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", _LONG, long_exponent),
     Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_8e0befc.json", report_wall),
+    Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_d3a6e20_xeon-avx512.json",
+        report_wall_on("Intel(R) Xeon(R) Processor @ 2.80GHz", "AVX-512, no AMX")),
     *gpu_rows("8 × 512", _GPU),
     *gpu_rows("4 × 2048", _GPU),
     Row("decomposition on one 80 GB card (74.5 GiB)", "1 × 16384", "GPU", 80 * GB_IN_GIB, "GiB",

@@ -163,3 +163,14 @@ def test_a_bracketed_file_is_judged_by_its_bracketed_ratios(tmp_path):
     assert cells[6] == ("abc1234, `b.json`; 2 rounds, each step between two forwards, forward 10.00–20.00 s (median "
                         "11.00); median of each step over the mean of its two forwards 1.15× (the median step over the "
                         "median forward 1.35×)")
+
+
+def test_a_report_row_can_name_the_host_its_file_does_not_record(tmp_path):
+    d = {"commit": "def5678abcdef", "wall_s": 388.0, "forward_8x512_s": 8.06}
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    row = targets.Row("the default report", "its defaults", "CPU", 300.0, "s", "r.json",
+                      targets.report_wall_on("Some Xeon", "AVX-512, no AMX"))
+    cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
+    assert cells[2] == "CPU: Some Xeon" and cells[3:6] == ["**6 min 28 s**", "≤ 5 min 00 s", "not met"]
+    assert cells[6].startswith("def5678, `r.json`; host Some Xeon (AVX-512, no AMX; named by the session); this host "
+                               "ran the forward of 8 × 512 tokens in 8.06 s (median), 1.15× the 7.01 s")
