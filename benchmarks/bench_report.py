@@ -43,12 +43,22 @@ print(torch.get_num_threads(), ",".join(f"{{x:.4f}}" for x in s))
 """
 
 
+def cli_path(which: str | None = None, python: str = sys.executable) -> str | None:
+    """The ``posgen-tl`` command to time: the one on PATH (``which``: what ``shutil.which`` found, for tests), else the
+    one beside ``python`` (a virtualenv's ``bin/``, run as ``.venv/bin/python`` without activating it), else None."""
+    found = shutil.which("posgen-tl") if which is None else which
+    if found:
+        return found
+    beside = Path(python).parent / "posgen-tl"
+    return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
+
+
 def one_run(model: str, repeats: int) -> dict:
     """One report in a fresh process, then the forward of 8 × 512 tokens timed ``repeats`` times in another."""
     work = Path(tempfile.mkdtemp(prefix="posgen_report_bench_"))
     load_start = os.getloadavg()
     try:
-        cli = shutil.which("posgen-tl") or sys.exit("posgen-tl is not on PATH: install the package first")
+        cli = cli_path() or sys.exit("posgen-tl is neither on PATH nor beside this Python: install the package first")
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
         subprocess.run([cli, "report", "--model", model, "--out", str(work / "report")], check=True)
@@ -82,7 +92,12 @@ def main() -> None:
     from posgen_tl.io.provenance import git_commit
 
     commit, started = git_commit(), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": os.getloadavg()}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_steps import host  # the CPU's model and extensions, as the ratio files record them
+
+    h = host()
+    machine = {"cpus": os.cpu_count(), "cpu": h["cpu"], "isa": h["isa"], "platform": platform.platform(),
+               "load_avg_start": os.getloadavg()}
     runs = []
     for i in range(a.runs):
         runs.append(one_run(a.model, a.repeats))

@@ -99,6 +99,7 @@ def main() -> None:
     secs: dict[str, list[float]] = {s: [] for s in names}
     cpu: dict[str, list[float]] = {s: [] for s in names}
     faults: dict[str, list[int]] = {s: [] for s in names}
+
     def timed(s: str) -> float:
         f0, c0, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
         steps[s][0]()

@@ -141,10 +141,12 @@ def report_wall(d: dict) -> Reading:
     walls = sorted(r["wall_s"] for r in runs)
     spread = (f"{len(runs)} runs, each in a fresh process: {_num(walls[0], 's')} – {_num(walls[-1], 's')}; "
               if len(runs) > 1 else "")
+    m = d.get("machine") or {}
+    named = f"host {host_label(m)}; " if m.get("cpu") else ""  # files from 2026-12-07 on record their CPU
     return Reading(d["wall_s"], walls[0] if len(runs) > 1 else None, short(d["commit"]),
-                   f"{spread}this host ran the forward of 8 × 512 tokens in {d['forward_8x512_s']:.2f} s (median), "
+                   f"{named}{spread}this host ran the forward of 8 × 512 tokens in {d['forward_8x512_s']:.2f} s (median), "
                    f"{slow:.2f}× the {REFERENCE_FORWARD_S:.2f} s of the machine the target was set on: scaled by that, "
-                   f"≈ {est:.1f} min (an estimate, not a measurement)")
+                   f"≈ {est:.1f} min (an estimate, not a measurement)", where=m.get("cpu", ""))
 
 
 def report_wall_on(cpu: str, isa: str) -> Callable[[dict], Reading]:

@@ -174,3 +174,28 @@ def test_a_report_row_can_name_the_host_its_file_does_not_record(tmp_path):
     assert cells[2] == "CPU: Some Xeon" and cells[3:6] == ["**6 min 28 s**", "≤ 5 min 00 s", "not met"]
     assert cells[6].startswith("def5678, `r.json`; host Some Xeon (AVX-512, no AMX; named by the session); this host "
                                "ran the forward of 8 × 512 tokens in 8.06 s (median), 1.15× the 7.01 s")
+
+
+def test_a_report_file_that_records_its_cpu_names_it(tmp_path):
+    d = {"commit": "def5678abcdef", "wall_s": 257.0, "forward_8x512_s": 7.60,
+         "machine": {"cpus": 2, "cpu": "AMD EPYC 9R14", "isa": ["avx2", "avx512f"]}}
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    row = targets.Row("the default report", "its defaults", "CPU", 300.0, "s", "r.json", targets.report_wall)
+    cells = [c.strip() for c in targets.table([row], tmp_path).splitlines()[2].strip("|").split("|")]
+    assert cells[2] == "CPU: AMD EPYC 9R14" and cells[5] == "met"
+    assert cells[6].startswith("def5678, `r.json`; host AMD EPYC 9R14 (avx2, avx512f); this host ran the forward")
+
+
+_br_spec = importlib.util.spec_from_file_location("posgen_benchmark_bench_report", ROOT / "benchmarks" / "bench_report.py")
+bench_report = importlib.util.module_from_spec(_br_spec)
+_br_spec.loader.exec_module(bench_report)
+
+
+def test_the_report_benchmark_finds_the_command_on_path_or_beside_its_python(tmp_path):
+    assert bench_report.cli_path(which="/on/path/posgen-tl", python=str(tmp_path / "python")) == "/on/path/posgen-tl"
+    assert bench_report.cli_path(which="", python=str(tmp_path / "python")) is None  # nowhere: None
+    cli = tmp_path / "posgen-tl"
+    cli.write_text("#!/bin/sh\n")
+    assert bench_report.cli_path(which="", python=str(tmp_path / "python")) is None  # there, but not executable
+    cli.chmod(0o755)
+    assert bench_report.cli_path(which="", python=str(tmp_path / "python")) == str(cli)  # a virtualenv's bin/
