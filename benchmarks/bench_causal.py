@@ -2,7 +2,7 @@
 the same passes with every block computed, as ratios to a plain forward pass over the same tokens.
 
     python benchmarks/bench_causal.py [--model smollm2-135m] [--n-seq 4] [--seq-len 128] [--entries 10-19,20-29]
-                                      [--out benchmarks/results/results_causal.json]
+                                      [--threads 1] [--stacked-repeats 0] [--out benchmarks/results/results_causal.json]
 
 In one process, on the same windows (1 thread): (1) a plain forward; (2) :func:`posgen_tl.engine.dose.dose_rows` of
 destroy and control C2 of each entry at a 3-point strength grid and swap fractions (0, 0.1, 0.2) — every edited
@@ -10,6 +10,11 @@ pass resumed at its condition's first edited layer from the unedited pass of the
 (:mod:`posgen_tl.hooks.reentry`); (3) the same rows with every block computed
 (:func:`posgen_tl.hooks.reentry.computing_every_block`, the cost before re-entry). Both are reported in seconds
 and as forward-equivalents; the rows must agree (max |Δ NLL| is recorded, the run fails above 1e-4).
+
+``--stacked-repeats R`` (R > 0) adds (4): the resumed rows with the (condition, α) passes of the same first edited
+layer side by side in one forward's batch (``dose_rows(stack=0)``, the default) against one pass per forward
+(``stack=1``), R rounds alternating the two, each round's ratio of the two recorded (and the median), with a plain
+forward before each round; the rows must agree as above.
 """
 
 from __future__ import annotations
@@ -21,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-torch.set_num_threads(1)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,8 +33,12 @@ def main() -> None:
     ap.add_argument("--n-seq", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--entries", default="10-19,20-29", help="layer ranges edited, one entry each")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the run of the committed file)")
+    ap.add_argument("--stacked-repeats", type=int, default=0,
+                    help="rounds of stacked passes against one pass per forward (0: not measured)")
     ap.add_argument("--out", default="benchmarks/results/results_causal.json")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     from posgen_tl.engine.conditions import build_conditions, entry_bands
     from posgen_tl.engine.dose import dose_rows
@@ -56,9 +63,9 @@ def main() -> None:
             strengths[(c.group, c.key)] = (0.0, 0.5, 1.0, 2.0)
     km = key_means(model, ref.tokens[:, : args.seq_len - target], sorted({x for c in conds for x in c.intervention.layers}))
 
-    def rows():
+    def rows(stack: int = 1):
         return dose_rows(model, ana, conds, strengths, k_means=km, target_len=target, fracs=(0.0, 0.1, 0.2), seeds=(0,),
-                         batch_size=args.n_seq, progress=False)
+                         batch_size=args.n_seq, progress=False, stack=stack)
 
     with torch.no_grad():
         model(ana.tokens)  # warm-up
@@ -86,8 +93,43 @@ def main() -> None:
           flush=True)
     if diff > 1e-4:
         raise SystemExit("the resumed rows differ from the ones computing every block")
+    if args.stacked_repeats > 0:
+        out["stacked"] = stacked_rounds(model, ana, rows, fast, args.stacked_repeats)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print("wrote", args.out)
+
+
+def stacked_rounds(model, ana, rows, one, repeats: int) -> dict:
+    """``repeats`` rounds of: a plain forward, the rows one pass per forward (``rows(1)``), the rows stacked
+    (``rows(0)``), in this order or the reverse (alternating); the seconds of each, each round's ratio stacked / one,
+    their median, and the largest |Δ NLL| of the stacked rows from ``one``."""
+    import statistics
+
+    from posgen_tl.engine.dose import stack_size
+
+    fwd, single, stacked, diff = [], [], [], 0.0
+    for r in range(repeats):
+        with torch.no_grad():
+            t = time.perf_counter()
+            model(ana.tokens)
+            fwd.append(time.perf_counter() - t)
+        for stack in ((1, 0) if r % 2 == 0 else (0, 1)):
+            t = time.perf_counter()
+            got = rows(stack)
+            (single if stack == 1 else stacked).append(time.perf_counter() - t)
+            diff = max(diff, float((got["nll"] - one["nll"]).abs().max()))
+    ratios = [s / o for s, o in zip(stacked, single)]
+    edited = int(len(one.loc[one["alpha"] > 0, ["layers", "condition", "alpha"]].drop_duplicates()))
+    res = {"repeats": repeats, "forward_s": fwd, "one_pass_per_forward_s": single, "stacked_s": stacked,
+           "ratios_stacked_over_one": ratios, "ratio_median": statistics.median(ratios),
+           "stack_size_cpu": stack_size(model, ana.tokens.shape[1], len(ana), ana.tokens.shape[1] // 4, 1000),
+           "edited_passes": edited, "max_abs_difference_nll": diff}
+    print(f"stacked / one pass per forward: {[round(x, 3) for x in ratios]} (median {res['ratio_median']:.3f}); "
+          f"one {statistics.median(single):.2f} s, stacked {statistics.median(stacked):.2f} s, forward "
+          f"{statistics.median(fwd):.2f} s; max |Δ NLL| {diff:.2e}", flush=True)
+    if diff > 1e-4:
+        raise SystemExit("the stacked rows differ from one pass per forward")
+    return res
 
 
 if __name__ == "__main__":

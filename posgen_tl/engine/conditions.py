@@ -31,7 +31,7 @@ from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.verdicts import layers_label
 
 __all__ = ["CONTROLS", "RANDOM_CONTROLS", "CONTROL_TEXT", "Condition", "draw_seed", "build_conditions",
-           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "PairedKL", "attention_kl", "condition_rows", "edit_hooks", "first_edited"]
+           "resolve_groups", "entry_bands", "match_alpha", "AttentionKL", "StackedKL", "PairedKL", "attention_kl", "condition_rows", "edit_hooks", "first_edited"]
 
 
 CONTROLS = ("C1", "C2", "C3", "C4")
@@ -249,6 +249,41 @@ class AttentionKL:
         return torch.stack([self.acc[lay] for lay in self.layers]).mean(0)
 
 
+class StackedKL:
+    """:class:`AttentionKL`'s compare mode for ONE forward that holds several conditions side by side in its batch:
+    rows ``i·n_seq … (i+1)·n_seq − 1`` are condition ``i``'s edited copy of the same ``n_seq`` sequences, compared with
+    the unedited patterns ``ref`` (``{layer: [n_seq, head_index, query_pos, key_pos]}``, recorded by an
+    :class:`AttentionKL` in reference mode) on that condition's own ``layers_per[i]`` — the same numbers as one
+    :class:`AttentionKL` per condition, each condition's rows a slice of the stacked pattern."""
+
+    def __init__(self, ref: dict[int, Tensor], layers_per: Sequence[Sequence[int]], n_seq: int):
+        self.ref, self.per, self.n_seq = ref, [list(x) for x in layers_per], int(n_seq)
+        self.layers = sorted({x for ls in self.per for x in ls})
+        missing = [x for x in self.layers if x not in ref]
+        if missing:
+            raise ValueError(f"no unedited attention patterns of layers {missing} to compare with")
+        self.acc: dict[int, dict[int, Tensor]] = {}
+        self.mode = "compare"
+
+    def __call__(self, layer: int, pat: Float[Tensor, "batch head_index query_pos key_pos"]) -> None:
+        b = self.n_seq
+        if pat.shape[0] != b * len(self.per):
+            raise ValueError(f"layer {layer}: a pattern of {pat.shape[0]} sequences, expected {len(self.per)} "
+                             f"conditions × {b}")
+        self.acc[layer] = {i: attention_kl(self.ref[layer], pat[i * b : (i + 1) * b])
+                           for i, ls in enumerate(self.per) if layer in ls}
+
+    def per_sequence(self) -> Float[Tensor, "batch"]:
+        """``[conditions · n_seq]``: each condition's per-sequence mean over its layers, condition by condition."""
+        out = []
+        for i, ls in enumerate(self.per):
+            missing = [x for x in ls if i not in self.acc.get(x, {})]
+            if missing:
+                raise RuntimeError(f"attention patterns of layers {missing} were not captured")
+            out.append(torch.stack([self.acc[x][i] for x in ls]).mean(0))
+        return torch.cat(out)
+
+
 class PairedKL:
     """KL(clean ‖ edited) of attention rows in ``layers`` from ONE forward whose batch holds ``n_seq`` sequences
     unedited (rows ``0 … n_seq − 1``) and the same sequences edited (the next ``n_seq`` rows): each layer's pattern
@@ -301,10 +336,15 @@ def attention_kl(
 def condition_rows(
     model: Any, windows: Windows, cond: Condition, *, k_means: dict | None, target_len: int,
     fracs: Sequence[float], seeds: Sequence[int], mode: str = "T1", base_seed: int = 0,
-    kl: AttentionKL | None = None, base: Tensor | None = None, prefix: Prefixes | None = None,
+    kl: AttentionKL | StackedKL | None = None, base: Tensor | None = None, prefix: Prefixes | None = None,
+    hooks: list | None = None,
 ) -> tuple[pd.DataFrame, Tensor, Tensor | None]:  # fmt: skip
     """Rows of one condition on one batch of windows: the clean pass (with attention capture
     when ``kl`` is given) and one pass per (frac > 0, seed).
+
+    ``hooks``: the edit's hooks instead of ``cond``'s own — several conditions stacked in the batch
+    (:func:`posgen_tl.hooks.edits.hooks_on_rows`, with a :class:`StackedKL`; ``cond`` then names the stack's first
+    edited layer and its kind).
 
     ``prefix``: the unedited passes' residuals (``{"clean" or (frac, seed): {layer: resid}}``, recorded at
     the condition's first edited layer by :func:`posgen_tl.engine.swaps.curve_rows`): every pass resumes
@@ -312,7 +352,7 @@ def condition_rows(
 
     Returns ``(rows, clean_nll [batch], kl [batch] or None)``; rows have ``seq`` = position in
     ``windows`` (the caller maps it to global ids), ``frac, seed, clean_nll, nll, delta``."""
-    hooks = _hooks(model, cond, k_means)
+    hooks = _hooks(model, cond, k_means) if hooks is None else hooks
     bs = windows.tokens.shape[0]
     kl_vals = None
     extra = [] if kl is None else pattern_hooks(model, kl.layers, kl)

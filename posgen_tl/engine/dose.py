@@ -4,10 +4,12 @@ Every condition (destroy and each control) runs at a grid of strengths on the sa
 swaps. Per window: the unedited clean NLL and its swapped passes are computed ONCE and are every
 condition's α = 0 point; per condition and α > 0 one clean pass (its damage) and one pass per swap
 fraction and seed — each resumed at the condition's first edited layer from the residual its unedited
-pass recorded there (the blocks below are not computed again). Long texts (beyond 2 048 tokens, or where the stored
-attention patterns would not fit the free memory) run every pass in chunks through the model's cache instead, none
-resumed, the attention change read from unedited and edited rows side by side in one batch. A random control keeps one draw per document across its strengths (a dose curve of
-one edit), drawn afresh for every document.
+pass recorded there (the blocks below are not computed again). The passes that resume at the same layer run side by
+side in one forward's batch, each edit on its own rows, as many as memory allows (:func:`stack_size`). Long texts
+(beyond 2 048 tokens, or where the stored attention patterns would not fit the free memory) run every pass in chunks
+through the model's cache instead, none resumed, the attention change read from unedited and edited rows side by side
+in one batch. A random control keeps one draw per document across its strengths (a dose curve of one edit), drawn
+afresh for every document.
 
 :func:`dose_rows` returns the passes; :func:`dose_units` turns them into one row per document × condition
 × strength — damage, tolerance loss against the condition's own clean NLL, and against the unedited
@@ -29,18 +31,26 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.conditions import AttentionKL, Condition, PairedKL, condition_rows, edit_hooks, first_edited
+from posgen_tl.engine.conditions import (
+    AttentionKL,
+    Condition,
+    PairedKL,
+    StackedKL,
+    condition_rows,
+    edit_hooks,
+    first_edited,
+)
 from posgen_tl.engine.swaps import Prefixes, curve_rows, nll_on_target
 from posgen_tl.hooks.capture import CaptureError, model_device, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import CHUNK, check_chunked, forward_chunk, hooks_chunk_safe
 from posgen_tl.hooks.edits import hooks_on_rows, intervention_hooks
-from posgen_tl.hooks.memory import FREE_SHARE, attention_bytes, free_bytes
+from posgen_tl.hooks.memory import FREE_SHARE, attention_bytes, free_bytes, sequences_per_forward
 from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
 from posgen_tl.stats.curves import document_units
 
-__all__ = ["dose_rows", "dose_batches", "dose_units", "strength_grid"]
+__all__ = ["dose_rows", "dose_batches", "dose_units", "stack_size", "strength_grid"]
 
 #: strengths relative to a condition's tuned point: ×0.25 … ×4 (docs/method.md §5 v3)
 RELATIVE_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -63,7 +73,7 @@ def _grid(strengths: Mapping[Any, Sequence[float]], c: Condition) -> list[float]
 def dose_rows(
     model: Any, windows: Windows, conditions: Sequence[Condition], strengths: Mapping[Any, Sequence[float]], *,
     k_means: dict | None, target_len: int, fracs: Sequence[float], seeds: Sequence[int], base_seed: int = 0,
-    seed: int = 0, redraw: bool = True, batch_size: int = 4, progress: bool = True, chunk: int = -1,
+    seed: int = 0, redraw: bool = True, batch_size: int = 4, progress: bool = True, chunk: int = -1, stack: int = 0,
 ) -> pd.DataFrame:  # fmt: skip
     """Every condition at every strength on ``windows`` (T1 swaps, the same for all).
 
@@ -82,6 +92,10 @@ def dose_rows(
     :func:`_dose_chunk`): every pass runs a chunk of positions at a time through the model's cache, none resumed;
     each condition's edited clean pass then holds the unedited sequences beside the edited ones in its batch
     (:func:`_chunked_batch`) so the attention change is read row by row — long texts in memory O(chunk · n).
+    ``stack``: in whole forwards, the (condition, α > 0) passes that resume at the same layer run up to this many side
+    by side in one forward's batch, each edit on its own rows (:func:`posgen_tl.hooks.edits.hooks_on_rows`; the same
+    numbers up to float rounding, fewer and larger forwards); ``0`` (default): as many as :func:`stack_size` allows,
+    ``1``: one per forward.
 
     Raises:
         ValueError: a condition without strengths, a strength < 0, or no α > 0."""
@@ -107,8 +121,9 @@ def dose_rows(
     try:
         for b0 in range(0, n, batch_size):
             w = windows.subset(range(b0, min(n, b0 + batch_size)))
+            more = {} if chunk else {"stack": stack}
             base, batch = run(model, w, conditions, grids, edited, k_means=k_means, target_len=target_len, fracs=fracs,
-                              seeds=seeds, base_seed=base_seed, seed=seed, redraw=redraw, chunk=chunk, bar=bar)
+                              seeds=seeds, base_seed=base_seed, seed=seed, redraw=redraw, chunk=chunk, bar=bar, **more)
             b = pd.concat(batch, ignore_index=True)
             local = b["seq"].to_numpy()
             frames.append(b.assign(base_clean_nll=base.cpu().numpy()[local], doc=w.doc_ids.numpy()[local],
@@ -154,10 +169,11 @@ def _dose_chunk(model: Any, n: int, hooks: list, stored_layers: int, batch_size:
 
 def _whole_batch(model: Any, w: Windows, conditions: Sequence[Condition], grids: dict, edited: dict, *, k_means: dict | None,
                  target_len: int, fracs: Sequence[float], seeds: Sequence[int], base_seed: int, seed: int, redraw: bool,
-                 chunk: int, bar: Any) -> tuple[Tensor, list[pd.DataFrame]]:
+                 chunk: int, bar: Any, stack: int = 0) -> tuple[Tensor, list[pd.DataFrame]]:
     """One batch of :func:`dose_rows` in whole forwards: the unedited passes record the attention patterns of the
-    edited layers and the residuals where the conditions' edits start; each edited pass resumes there. Returns
-    ``(unedited clean NLL [batch], the batch's frames)``."""
+    edited layers and the residuals where the conditions' edits start; each edited pass resumes there, up to
+    ``stack`` (condition, α) pairs of the same first edited layer side by side in one forward (:func:`_stacked_rows`;
+    ``0``: :func:`stack_size`). Returns ``(unedited clean NLL [batch], the batch's frames)``."""
     union = sorted({x for v in edited.values() for x in v})
     starts = sorted({s for c in conditions if (s := first_edited(c))})  # where the edited passes resume
     docs = w.doc_ids.tolist()
@@ -169,19 +185,92 @@ def _whole_batch(model: Any, w: Windows, conditions: Sequence[Condition], grids:
     zero = pd.DataFrame(curve_rows(model, w, base, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
                                    base_seed=base_seed, record=prefix, record_at=starts, chunk=0))
     bar.update(1)
-    batch = []
+    items = [(c, a, c.with_alpha(a).for_documents(docs, seed, redraw))  # every edited pass, in the rows' order
+             for c in conditions for a in sorted(x for x in grids[(c.group, c.key)] if x > 0)]
+    cap = stack if stack > 0 else stack_size(model, w.tokens.shape[1], len(w), target_len, len(items))
+    done: dict[int, tuple[pd.DataFrame, Any]] = {}
+    for part in _stacks([first_edited(c) for c, _, _ in items], cap):
+        got = _stacked_rows(model, w, [items[i] for i in part], edited, union, kl, prefix, k_means=k_means,
+                            target_len=target_len, fracs=fracs, seeds=seeds, base_seed=base_seed)
+        done.update(zip(part, got))
+        bar.update(len(part))
+    batch, at = [], 0
     for c in conditions:
         batch.append(zero.assign(layers=c.group, condition=c.key, alpha=0.0, attn_kl=0.0))
-        for a in sorted(x for x in grids[(c.group, c.key)] if x > 0):
-            cd = c.with_alpha(a).for_documents(docs, seed, redraw)
-            kl.layers = edited.get((c.group, c.key), union)
-            df, _, kv = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs,
-                                       seeds=seeds, base_seed=base_seed, kl=kl,
-                                       prefix=prefix if first_edited(c) else None)
-            akl = kv.cpu().numpy().astype(np.float64)[df["seq"].to_numpy()] if kv is not None else np.nan
+        for _ in (x for x in grids[(c.group, c.key)] if x > 0):
+            _, a, _ = items[at]
+            df, akl = done[at]
             batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=akl))
-            bar.update(1)
+            at += 1
     return base, batch
+
+
+def stack_size(model: Any, n: int, n_seq: int, target_len: int, n_items: int) -> int:
+    """How many (condition, α) passes of a batch of ``n_seq`` sequences of ``n`` tokens one forward holds side by side
+    (:func:`_whole_batch`): all ``n_items`` where their attention maps and the target span's float32 logits (counted
+    twice: the logits and their log-softmax) fit their share of the free memory
+    (:func:`posgen_tl.hooks.memory.sequences_per_forward`), fewer where not, at least one; ``n_items`` where the free
+    memory cannot be read on the CPU, one on another device."""
+    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
+    fit = sequences_per_forward(model, n, extra=2 * 4 * target_len * vocab)
+    if fit is None:
+        return n_items if model_device(model).type == "cpu" else 1
+    return max(1, min(n_items, fit // max(1, n_seq)))
+
+
+def _stacks(starts: Sequence[int | None], cap: int) -> list[list[int]]:
+    """The passes' indices grouped by the layer they resume at (``starts[i]``; ``None``: from the start), each group
+    cut into runs of at most ``cap`` that differ in size by at most one, in order."""
+    groups: dict[int | None, list[int]] = {}
+    for i, s in enumerate(starts):
+        groups.setdefault(s, []).append(i)
+    out = []
+    for idx in groups.values():
+        k = -(-len(idx) // max(1, cap))  # forwards for this group
+        size, extra = divmod(len(idx), k)
+        at = 0
+        for j in range(k):
+            m = size + (j < extra)
+            out.append(idx[at : at + m])
+            at += m
+    return out
+
+
+def _stacked_rows(model: Any, w: Windows, part: Sequence[tuple[Condition, float, Condition]], edited: dict,
+                  union: Sequence[int], kl: AttentionKL, prefix: Prefixes, *, k_means: dict | None, target_len: int,
+                  fracs: Sequence[float], seeds: Sequence[int], base_seed: int) -> list[tuple[pd.DataFrame, Any]]:
+    """The rows of the (condition, α, drawn condition) passes ``part`` — all resuming at the same layer — from ONE
+    clean forward and one forward per swap, the passes side by side in the batch (each edit on its own rows, each
+    condition's attention change read from its rows, :class:`~posgen_tl.engine.conditions.StackedKL`). Returns per
+    pass ``(rows with seq in 0 … len(w) − 1, attention KL per row)``."""
+    b, k = len(w), len(part)
+    start = first_edited(part[0][0])
+    if k == 1:  # one pass: the condition's own hooks on the batch as it is
+        c, _, cd = part[0]
+        kl.layers = edited.get((c.group, c.key), union)
+        df, _, kv = condition_rows(model, w, cd, k_means=k_means, target_len=target_len, fracs=fracs, seeds=seeds,
+                                   base_seed=base_seed, kl=kl, prefix=prefix if start else None)
+        return [(df, _kl_rows(kv, df))]
+    hooks = [h for i, (_, _, cd) in enumerate(part)
+             for h in hooks_on_rows(intervention_hooks(model, cd.edit(), k_means), slice(i * b, (i + 1) * b))]
+    skl = StackedKL(kl.ref, [edited.get((c.group, c.key), union) for c, _, _ in part], b)
+    pre = None
+    if start:  # each pass's residuals at the resumed layer, repeated for every stacked pass
+        pre = {key: {start: v[start].repeat(k, 1, 1)} for key, v in prefix.items() if start in v}
+    df, _, kv = condition_rows(model, w.subset(list(range(b)) * k), part[0][2], k_means=k_means,
+                               target_len=target_len, fracs=fracs, seeds=seeds, base_seed=base_seed, kl=skl, prefix=pre,
+                               hooks=hooks)
+    item = df["seq"].to_numpy() // b
+    out = []
+    for i in range(k):
+        one = df[item == i].assign(seq=lambda d: d["seq"] % b).reset_index(drop=True)
+        out.append((one, _kl_rows(None if kv is None else kv[i * b : (i + 1) * b], one)))
+    return out
+
+
+def _kl_rows(kv: Tensor | None, df: pd.DataFrame) -> Any:
+    """The attention KL of each row of ``df`` (its ``seq``'s), float64; NaN where none was read."""
+    return kv.cpu().numpy().astype(np.float64)[df["seq"].to_numpy()] if kv is not None else np.nan
 
 
 def _chunked_batch(model: Any, w: Windows, conditions: Sequence[Condition], grids: dict, edited: dict, *,

@@ -186,3 +186,120 @@ def test_a_whole_run_whose_patterns_outgrow_the_free_memory_chunks_or_is_refused
     monkeypatch.setattr(dose, "check_chunked", lambda m: (_ for _ in ()).throw(ch.CaptureError("no cache here")))
     with pytest.raises(MemoryError, match=r"attention patterns.*no cache here.*batch_size"):
         dose_rows(model, w, conds[:1], one, **kw)
+
+
+# ----------------------------------------------------------------------------- passes stacked in one forward
+
+
+def _stack_inputs():
+    """A 3-layer model, two entries: layers 1–2 (their passes resume at layer 1) and layer 0 (from the start), each
+    with destroy and its random controls (two, one) at two strengths — ten edited passes of two kinds of start."""
+    model, _ = tm.hf_llama(n_layers=3, seed=2)
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(3, 100, (3, 24), generator=g)
+    w = Windows(tokens=toks, doc_ids=torch.tensor([0, 1, 2]), starts=torch.zeros(3, dtype=torch.long),
+                doc_names=["d0", "d1", "d2"])
+    km = key_means(model, torch.randint(3, 100, (4, 24), generator=g))
+    conds = [*build_conditions([1, 2], fast=[0, 1], slow=[6, 7], alpha=1.0, controls=("C1", "C2"), group="upper"),
+             *build_conditions([0], fast=[0, 1], slow=[6, 7], alpha=1.0, controls=("C1",), group="lower")]
+    strengths = {(c.group, c.key): (0.0, 100.0, 300.0) if c.key == "C2" else (0.0, 8.0, 24.0) for c in conds}
+    return model, w, conds, strengths, km
+
+
+@pytest.mark.parametrize("stack", [0, 2])
+def test_stacked_passes_give_the_rows_of_one_pass_per_forward(stack, monkeypatch):
+    """Every (condition, α) pass of a batch side by side in one forward's batch, each edit on its own rows (stack=0:
+    as many as memory allows — all six of the upper entry together, the four of the lower one together; stack=2: runs
+    of at most two): the same rows in the same order as one pass per forward, NLLs and attention changes within float
+    rounding — and the edits change both by far more than that (else nothing is compared). An edit that reached
+    another pass's rows would move that pass's numbers by the edit's own size."""
+    import posgen_tl.engine.dose as dose
+
+    model, w, conds, strengths, km = _stack_inputs()
+    kw = dict(k_means=km, target_len=6, fracs=(0.0, 0.2), seeds=(0,), batch_size=3, progress=False)
+    one = dose_rows(model, w, conds, strengths, stack=1, **kw)
+    sizes: list = []
+    real = dose._stacked_rows
+    monkeypatch.setattr(dose, "_stacked_rows", lambda m, w_, part, *a, **k: sizes.append(len(part)) or real(m, w_, part, *a, **k))
+    got = dose_rows(model, w, conds, strengths, stack=stack, **kw)
+    assert sizes == ([6, 4] if stack == 0 else [2, 2, 2, 2, 2])
+    keys = ["seq", "doc", "layers", "condition", "alpha", "frac", "seed"]
+    assert list(got.columns) == list(one.columns) and got[keys].equals(one[keys])
+    ulps = 16 * float(np.finfo(np.float32).eps) * float(one["nll"].abs().max())
+    for col in ("clean_nll", "nll", "delta", "base_clean_nll", "delta_unedited"):
+        np.testing.assert_allclose(got[col], one[col], rtol=1e-5, atol=ulps, err_msg=col)
+    edited = one["alpha"] > 0
+    np.testing.assert_allclose(got.loc[edited, "attn_kl"], one.loc[edited, "attn_kl"], rtol=1e-4, atol=1e-9)
+    assert (one.loc[edited, "attn_kl"] > 1e-7).all()  # ≫ the comparison's 1e-9
+    damage = (one["clean_nll"] - one["base_clean_nll"]).abs()[edited]
+    assert damage.min() > 100 * max(float((got["clean_nll"] - one["clean_nll"]).abs().max()), 1e-7)
+
+
+def test_a_stacked_pass_whose_edit_reaches_the_other_rows_changes_their_numbers(monkeypatch):
+    """The check above can fail: with each edit applied to every row of the stacked batch (no hooks_on_rows), the
+    stacked rows no longer equal one pass per forward (destroy at two strengths: each row gets both edits)."""
+    import posgen_tl.engine.dose as dose
+
+    model, w, conds, strengths, km = _stack_inputs()
+    kw = dict(k_means=km, target_len=6, fracs=(0.0,), seeds=(0,), batch_size=3, progress=False)
+    one = dose_rows(model, w, conds[:1], strengths, stack=1, **kw)
+    monkeypatch.setattr(dose, "hooks_on_rows", lambda hooks, rows: hooks)
+    leaky = dose_rows(model, w, conds[:1], strengths, stack=0, **kw)
+    assert float((leaky["nll"] - one["nll"]).abs().max()) > 1e-3
+
+
+def test_passes_are_stacked_by_their_first_edited_layer_in_even_runs():
+    from posgen_tl.engine.dose import _stacks
+
+    assert _stacks([1, 1, None, 1, None, 1, 1], 3) == [[0, 1, 3], [5, 6], [2, 4]]
+    assert _stacks([1, 1, 1, 1, 1], 2) == [[0, 1], [2, 3], [4]]
+    assert _stacks([2, 2, 2, 2], 3) == [[0, 1], [2, 3]]  # two runs of two, not three and one
+    assert _stacks([0, 0], 1) == [[0], [1]]
+
+
+def test_the_stack_is_bounded_by_the_free_memory(monkeypatch):
+    """As many passes as the free memory holds with their attention maps and the target span's logits; at least one;
+    all of them on a CPU whose free memory cannot be read."""
+    import posgen_tl.engine.dose as dose
+
+    model, *_ = _stack_inputs()
+    asked: list = []
+
+    def fits(k):
+        return lambda m, n, extra=0: asked.append((n, extra)) or k
+
+    monkeypatch.setattr(dose, "sequences_per_forward", fits(7))
+    assert dose.stack_size(model, 24, 3, 6, 9) == 2  # 7 sequences fit: two copies of a batch of 3
+    assert asked == [(24, 2 * 4 * 6 * model.cfg.d_vocab)]  # the logits of 6 target rows, twice, per sequence
+    monkeypatch.setattr(dose, "sequences_per_forward", fits(2))
+    assert dose.stack_size(model, 24, 3, 6, 9) == 1  # not even one copy: one pass per forward all the same
+    monkeypatch.setattr(dose, "sequences_per_forward", fits(1000))
+    assert dose.stack_size(model, 24, 3, 6, 9) == 9
+    monkeypatch.setattr(dose, "sequences_per_forward", fits(None))
+    assert dose.stack_size(model, 24, 3, 6, 9) == 9
+
+
+def test_stacked_kl_is_each_conditions_attention_kl_on_its_rows():
+    from posgen_tl.engine.conditions import StackedKL, attention_kl
+
+    g = torch.Generator().manual_seed(0)
+
+    def pattern(b):
+        s = torch.randn(b, 2, 5, 5, generator=g).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+        return s.softmax(-1)
+
+    ref = {0: pattern(3), 1: pattern(3)}
+    kl = StackedKL(ref, [[0, 1], [1]], 3)
+    assert kl.layers == [0, 1]
+    stacked = {0: pattern(6), 1: pattern(6)}
+    for layer in (0, 1):
+        kl(layer, stacked[layer])
+    want = torch.cat([(attention_kl(ref[0], stacked[0][:3]) + attention_kl(ref[1], stacked[1][:3])) / 2,
+                      attention_kl(ref[1], stacked[1][3:])])
+    assert torch.allclose(kl.per_sequence(), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="expected 2 conditions × 3"):
+        kl(0, pattern(3))
+    with pytest.raises(ValueError, match="layers \\[2\\]"):
+        StackedKL(ref, [[2]], 3)
+    with pytest.raises(RuntimeError, match="not captured"):
+        StackedKL(ref, [[0, 1]], 3).per_sequence()
