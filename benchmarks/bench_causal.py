@@ -82,7 +82,9 @@ def main() -> None:
         every = time.perf_counter() - t
     diff = float((fast["nll"] - slow["nll"]).abs().max())
     n_passes = 1 + 2 + sum((len(v) - 1) * 3 for v in strengths.values())  # unedited clean + swaps; per α: clean + swaps
-    out = {"commit": git_commit(), "model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len,
+    from bench_steps import host  # the CPU's model and extensions, as the other result files record them
+
+    out = {"commit": git_commit(), "host": host(), "model": spec.model_name, "n_seq": args.n_seq, "seq_len": args.seq_len,
            "entries": args.entries, "threads": torch.get_num_threads(), "skips_blocks": skips,
            "plain_forward_s": plain, "passes": n_passes,
            "resumed": {"seconds": resumed, "forward_equivalents": resumed / plain},
