@@ -33,6 +33,7 @@ from posgen_tl.maths.perturb import (
     adjacent_swap_permutation,
     nll_from_logits,
     position_ids_for_permutation,
+    row_nll,
     swap_seed,
     word_units,
 )
@@ -92,10 +93,24 @@ def _target_nll(model, batch, target_len, pos, hooks, resid=None, start_at_layer
         try:
             logits = model(batch, **kw) if resid is None else forward_from(model, resid, start_at_layer, tokens=batch, **kw)
         except StopForward:
-            logits = model.unembed(store["resid"])
-    if fin is None:
-        logits = logits[:, n - target_len - 1 : n - 1]
-    return nll_from_logits(torch.cat([logits, logits[:, :1]], 1), batch[:, n - target_len - 1 :]).mean(-1)
+            return _span_nll(model, store["resid"], batch[:, n - target_len :])
+    return row_nll(logits[:, n - target_len - 1 : n - 1], batch[:, n - target_len :]).mean(-1)
+
+
+#: bytes of float32 logits one unembedding of the target span makes at a time (:func:`_span_nll`)
+SPAN_LOGIT_BYTES = 64 * 2**20
+
+
+def _span_nll(model: Any, resid: Tensor, targets: Tensor) -> Tensor:
+    """Mean NLL per sequence of ``targets`` ``[batch, span]`` from the final residual of the rows that predict them
+    (``resid`` ``[batch, span, d_model]``): unembedded a few sequences at a time, so that at most
+    :data:`SPAN_LOGIT_BYTES` of float32 logits exist at once however many sequences a forward stacks (the same numbers:
+    each row's log-softmax is its own). Returns ``[batch]``."""
+    b, span = targets.shape
+    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
+    step = max(1, SPAN_LOGIT_BYTES // max(1, 4 * span * vocab)) if vocab else b
+    return torch.cat([row_nll(model.unembed(resid[s : s + step]), targets[s : s + step]).mean(-1)
+                      for s in range(0, b, step)])
 
 
 def _target_nll_chunked(model, batch, target_len, pos, hooks, chunk) -> Tensor:
