@@ -194,14 +194,11 @@ def _whole_batch(model: Any, w: Windows, conditions: Sequence[Condition], grids:
                             target_len=target_len, fracs=fracs, seeds=seeds, base_seed=base_seed)
         done.update(zip(part, got))
         bar.update(len(part))
-    batch, at = [], 0
+    batch = []
     for c in conditions:
         batch.append(zero.assign(layers=c.group, condition=c.key, alpha=0.0, attn_kl=0.0))
-        for _ in (x for x in grids[(c.group, c.key)] if x > 0):
-            _, a, _ = items[at]
-            df, akl = done[at]
-            batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=akl))
-            at += 1
+        batch += [done[i][0].assign(layers=c.group, condition=c.key, alpha=a, attn_kl=done[i][1])
+                  for i, (ci, a, _) in enumerate(items) if ci is c]
     return base, batch
 
 
@@ -298,8 +295,7 @@ def _chunked_batch(model: Any, w: Windows, conditions: Sequence[Condition], grid
             clean = both[b:]
             df = pd.DataFrame(curve_rows(model, w, clean, fracs=fracs, seeds=seeds, mode="T1", target_len=target_len,
                                          base_seed=base_seed, fwd_hooks=hooks, chunk=chunk))
-            akl = kl.per_sequence().numpy().astype(np.float64)[df["seq"].to_numpy()]
-            batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=akl))
+            batch.append(df.assign(layers=c.group, condition=c.key, alpha=a, attn_kl=_kl_rows(kl.per_sequence(), df)))
             bar.update(1)
     return base, batch
 
