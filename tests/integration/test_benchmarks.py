@@ -358,3 +358,21 @@ def test_report_repeats_refuses_a_model_that_resumes_by_writing_the_residual(mon
     with rr.ForwardLog({"trained": a}) as log, pytest.raises(ValueError, match="start_at_layer"):
         log.add("twin", b)
     assert id(b) not in log.labels and type(a).forward is own
+
+
+def test_bench_causal_compares_every_row_and_fails_on_nan():
+    """bench_causal.py's check of its rows: the largest |Δ NLL| of the same rows; NaN — which fails its ``<= 1e-4``
+    check — where a row holds a NaN or the tables hold other rows."""
+    import numpy as np
+    import pandas as pd
+
+    spec = importlib.util.spec_from_file_location("posgen_bench_causal", _PATH.parent / "bench_causal.py")
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    a = pd.DataFrame(dict(seq=[0, 1], layers=["m", "m"], condition=["destroy"] * 2, alpha=[1.0, 1.0], frac=[0.0, 0.0],
+                          seed=[0, 0], nll=[1.0, 2.0]))
+    assert bc.nll_difference(a, a) == 0.0
+    assert bc.nll_difference(a, a.assign(nll=[1.0, 2.5])) == 0.5
+    assert np.isnan(bc.nll_difference(a, a.assign(nll=[1.0, np.nan])))
+    assert np.isnan(bc.nll_difference(a, a.iloc[:1]))
+    assert np.isnan(bc.nll_difference(a, a.assign(alpha=[1.0, 2.0])))
