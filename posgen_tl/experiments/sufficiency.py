@@ -31,9 +31,12 @@ from tqdm.auto import tqdm
 from posgen_tl import stats
 from posgen_tl.engine.swaps import nll_on_target, transposition_curve, windows_fingerprint
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import probe_hooks
+from posgen_tl.hooks.capture import model_device, probe_hooks
+from posgen_tl.hooks.chunked import forward_chunk
 from posgen_tl.hooks.edits import reference_key_means
 from posgen_tl.hooks.logits import sufficiency_hooks
+from posgen_tl.hooks.memory import free_bytes
+from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows
 from posgen_tl.maths import groups as layer_grouping
@@ -44,6 +47,9 @@ __all__ = ["Config", "Result", "run", "render", "sufficiency", "sufficiency_equi
            "sufficiency_hooks_for", "sufficiency_summary"]
 
 SOURCES = ("d3", "d3_quantile", "d1", "wrong_kbar")
+#: the most bytes of residuals :func:`run` keeps so that a group's substituted passes resume at its first layer (beyond
+#: them, or beyond a quarter of the free memory, every pass runs from the first block)
+PREFIX_BYTES = 1 << 30
 
 
 def layer_groups(n_layers: int) -> dict[str, list[int]]:
@@ -168,8 +174,11 @@ def run(
                                  batch_size=batch_size, clean=base, progress=False)
         return stats.per_sequence_slopes(df).sort_index().to_numpy(float)
 
+    jobs = [(s, g) for g in groups for s in sources]
+    resume = _Resume(model, tokens, [groups[g] for _, g in jobs], target_len, batch_size)
+
     def clean_rows() -> pd.DataFrame:
-        c = nll_on_target(model, tokens, target_len=target_len, batch_size=batch_size)
+        c = nll_on_target(model, tokens, target_len=target_len, batch_size=batch_size, fwd_hooks=resume.hooks())
         out = pd.DataFrame(dict(seq=range(len(win)), clean_nll=c.double().cpu().numpy()))
         if tol_set:
             out["clean_slope"] = slopes([], c)
@@ -182,7 +191,8 @@ def run(
     def job_rows(source: str, group: str) -> pd.DataFrame:
         layers = list(groups[group])
         hooks = sufficiency_hooks_for(model, source, layers, k_means, gamma=gamma, delta0=delta0, keep_sink=keep_sink)
-        nll = nll_on_target(model, tokens, target_len=target_len, fwd_hooks=hooks, batch_size=batch_size)
+        nll = nll_on_target(model, tokens, target_len=target_len, fwd_hooks=hooks, batch_size=batch_size,
+                            resid_at=resume.at(layers))
         sl = slopes(hooks, nll) if (source, group) in tol_set else None
         rows = []
         for i in range(len(win)):
@@ -194,7 +204,6 @@ def run(
             rows.append(r)
         return pd.DataFrame(rows)
 
-    jobs = [(s, g) for g in groups for s in sources]
     parts = [ck.rows(f"job_{j:03d}", lambda s=s, g=g: job_rows(s, g))
              for j, (s, g) in enumerate(tqdm(jobs, desc="sufficiency", disable=not progress, leave=False))]
     df = pd.concat(parts, ignore_index=True)
@@ -204,6 +213,53 @@ def run(
                 groups={k: list(v) for k, v in groups.items()})
     tables = {"rows": df, "summary": sufficiency_summary(df), "equivalence": sufficiency_equivalence(df, cfg.margin)}
     return Result(tables, cfg.as_dict(), meta)
+
+
+def resume_layers(model: Any, tokens: Any, groups: Sequence[Sequence[int]]) -> list[int]:
+    """The layers (above 0) at which the substituted passes of ``groups`` resume from the unsubstituted residuals
+    (the blocks below a group's first layer compute what the clean pass computed: the same numbers), sorted; none
+    where the clean pass runs in chunks (long sequences), or where the residuals of ``tokens`` at those layers would
+    exceed :data:`PREFIX_BYTES` or a quarter of the free memory."""
+    starts = sorted({min(g) for g in groups if g and min(g) > 0})
+    if not starts or forward_chunk(model, tokens.shape[1]):
+        return []
+    cfg = getattr(model, "cfg", None)
+    d_model = int(getattr(cfg, "d_model", 0) or 0)
+    dtype = getattr(cfg, "dtype", None)
+    size = tokens.shape[0] * tokens.shape[1] * d_model * (dtype.itemsize if hasattr(dtype, "itemsize") else 4)
+    free = free_bytes(model_device(model))
+    budget = PREFIX_BYTES if free is None else min(PREFIX_BYTES, free // 4)
+    return starts if d_model and size * len(starts) <= budget else []
+
+
+class _Resume:
+    """The unsubstituted residuals entering the first layer of each group that starts above block 0
+    (:func:`resume_layers`): recorded by the clean pass (:meth:`hooks`), or by a pass of their own when the clean rows
+    came from a checkpoint, and handed to the group's passes (:meth:`at`)."""
+
+    def __init__(self, model: Any, tokens: Any, groups: Sequence[Sequence[int]], target_len: int,
+                 batch_size: int) -> None:
+        self.model, self.tokens, self.target_len, self.batch_size = model, tokens, target_len, batch_size
+        self.starts = resume_layers(model, tokens, groups)
+        self.store: dict[int, list] = {}
+        self.prefix: dict[int, Any] = {}
+
+    def hooks(self) -> list:
+        """The hooks that record the residuals in a pass over the tokens (none where no group resumes)."""
+        return resid_hooks(self.starts, self.store)
+
+    def at(self, layers: Sequence[int]) -> tuple[int, Any] | None:
+        """``(first layer, residuals entering it)`` for a group's passes (``resid_at`` of :func:`nll_on_target`);
+        None: from the first block."""
+        if not layers or min(layers) not in self.starts:
+            return None
+        if not self.prefix:
+            if not self.store:
+                nll_on_target(self.model, self.tokens, target_len=self.target_len, batch_size=self.batch_size,
+                              fwd_hooks=self.hooks())
+            self.prefix.update(recorded(self.store))
+            self.store.clear()
+        return min(layers), self.prefix[min(layers)]
 
 
 def sufficiency(model: Any, corpus: CorpusLike | Windows = None, cfg: Config | None = None, **kw: Any) -> Result:

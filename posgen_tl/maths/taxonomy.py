@@ -37,11 +37,11 @@ from dataclasses import dataclass, fields
 import numpy as np
 import pandas as pd
 import torch
-from einops import einsum
+from einops import einsum, rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from posgen_tl.maths.rope import LayerRope, expand_kv, to_bands
+from posgen_tl.maths.rope import LayerRope, band_parts, expand_kv
 
 __all__ = [
     "region_permutations",
@@ -356,27 +356,30 @@ def band_logits(
     rot_q: Float[Tensor, "batch pos head_index d_head"],
     rot_k: Float[Tensor, "batch pos head_index d_head"],
     rope: LayerRope,
+    *,
+    out: Tensor | None = None,
 ) -> Float[Tensor, "batch head_index band query_pos key_pos"]:
     """Per-band logit terms ``s · Re(z_q^(m) conj z_k^(m)) = s·(x_q·x_k + y_q·y_k)`` on band m.
 
     ``rot_q``/``rot_k`` are POST-rotation (``hook_rot_q``/``hook_rot_k``; fewer kv heads are
     expanded). Summing over ``band`` and adding :func:`pass_logits` gives the full unmasked
-    logits ``scores_from_rotated``. No mask. Memory ``batch·heads·bands·N²``.
+    logits ``scores_from_rotated``. No mask. Memory ``batch·heads·bands·N²``. ``out``: a tensor of the result's
+    shape and dtype (a view may be strided, e.g. a slice of a larger buffer) that the terms are written into.
+
+    Each entry is ``(x_q·x_k + y_q·y_k)·s`` rounded product by product, as two broadcast products and a sum compute
+    it (no matrix product: a band's term is one product per part).
 
     Returns:
         ``Float[Tensor, "batch head_index band query_pos key_pos"]`` in float32 or wider
-        (bf16/fp16 inputs are up-cast).
+        (bf16/fp16 inputs are up-cast); ``out`` where given.
     """
     dtype = torch.promote_types(rot_q.dtype, torch.float32)
     rot_q, rot_k = rot_q.to(dtype), _expand(rot_q, rot_k).to(dtype)
-    zq = to_bands(rot_q, rope.rotary_dim, rope.layout)
-    zk = to_bands(rot_k, rope.rotary_dim, rope.layout)
-    pat = (
-        "batch query_pos head_index band, batch key_pos head_index band"
-        " -> batch head_index band query_pos key_pos"
-    )
-    w = einsum(zq.real, zk.real, pat) + einsum(zq.imag, zk.imag, pat)
-    return w * rope.score_scale
+    qa, qb = (rearrange(x, "b i h m -> b h m i 1") for x in band_parts(rot_q, rope.rotary_dim, rope.layout))
+    ka, kb = (rearrange(x, "b j h m -> b h m 1 j") for x in band_parts(rot_k, rope.rotary_dim, rope.layout))
+    w = torch.mul(qa, ka, out=out) if out is not None else qa * ka
+    w.add_(qb * kb)
+    return w.mul_(rope.score_scale)
 
 
 def pass_logits(

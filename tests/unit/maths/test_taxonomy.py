@@ -389,6 +389,45 @@ def test_band_logits_sum_identity(layout, d_head, rotary_dim):
     assert changed.tolist() == [i == (1 if layout == "half" else 0) for i in range(rotary_dim // 2)]
 
 
+@pytest.mark.parametrize("layout", ["half", "adjacent"])
+def test_band_logits_are_each_bands_two_products_and_write_into_a_strided_buffer(layout):
+    """Entry by entry ``(x_q·x_k + y_q·y_k)·s`` in float32, rounded as that expression rounds it, with the band's two
+    coordinates read from the layout by hand; ``out`` (a slice of a larger buffer, strided) receives the same bits."""
+    torch.manual_seed(3)
+    rope = make_rope(layout, 8)
+    b, n, h, d = 2, 5, 3, 10
+    rot_q, rot_k = torch.randn(b, n, h, d), torch.randn(b, n, 1, d)
+    bl = band_logits(rot_q, rot_k, rope)
+    k = rot_k.expand(b, n, h, d)
+    for m in range(4):
+        i, j = (m, m + 4) if layout == "half" else (2 * m, 2 * m + 1)
+        xq, yq, xk, yk = rot_q[..., i], rot_q[..., j], k[..., i], k[..., j]  # [b, pos, head]
+        want = (xq.permute(0, 2, 1)[..., :, None] * xk.permute(0, 2, 1)[..., None, :]
+                + yq.permute(0, 2, 1)[..., :, None] * yk.permute(0, 2, 1)[..., None, :]) * rope.score_scale
+        assert torch.equal(bl[:, :, m], want)
+    buf = torch.full((b, h, 5, n, n), float("nan"))
+    got = band_logits(rot_q, rot_k, rope, out=buf[:, :, 1:])
+    assert got.data_ptr() == buf[:, :, 1:].data_ptr() and torch.equal(buf[:, :, 1:], bl)
+    assert torch.isnan(buf[:, :, 0]).all()  # nothing written outside the slice
+
+
+def test_d3_terms_of_two_key_means_in_one_batch_equal_two_calls():
+    """The taxonomy computes the D3 terms of its two k̄ kinds (global, the prompt's own) as one batch of two: each slice
+    is bit for bit the call on its own."""
+    from posgen_tl.maths.decompose import d3_terms
+
+    torch.manual_seed(4)
+    rope = make_rope("half", 8)
+    n, h, g, d = 9, 4, 2, 10
+    q, k = torch.randn(1, n, h, d), torch.randn(1, n, g, d)
+    pos = torch.arange(n)[None]
+    kbars = torch.randn(2, g, d)
+    both = d3_terms(q.expand(2, n, h, d), k.expand(2, n, g, d), kbars, pos.expand(2, n), rope, terms=("f", "g"))
+    for i in range(2):
+        one = d3_terms(q, k, kbars[i], pos, rope, terms=("f", "g"))
+        assert torch.equal(both["f"][i], one["f"][0]) and torch.equal(both["g"][i], one["g"][0])
+
+
 def test_band_patterns():
     torch.manual_seed(1)
     logits = torch.randn(2, 3, 4, 6, 6)
