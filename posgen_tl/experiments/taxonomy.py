@@ -155,14 +155,11 @@ def _score_prompt(
     acc.q_stats.update(clean_q, keep)
     acc.k_stats.update(clean_k, keep)
     fmask = fit_mask(n, sink=sink, sliding_window=rope.sliding_window)
+    d3 = d3_terms(clean_q, clean_k, k_mean, c.positions[sl][:1], rope, terms=("f", "g"))  # the logits W unused
+    acc.share[prompt] = positional_share(d3["f"], d3["g"], fmask)[0].cpu().numpy()
     k_seq = clean_k[0, sink:].double().mean(0).float()  # this prompt's own mean key (sink excluded)
-    # both k̄ kinds in one call, as a batch of two (each slice computed as alone); the logits W unused
-    two = (2, *clean_q.shape[1:])
-    d3 = d3_terms(clean_q.expand(two), clean_k.expand(2, *clean_k.shape[1:]),
-                  torch.stack([k_mean.to(k_seq.device), k_seq]), c.positions[sl][:1].expand(2, -1), rope,
-                  terms=("f", "g"))
-    share = positional_share(d3["f"], d3["g"], fmask).cpu().numpy()
-    acc.share[prompt], acc.share_seq[prompt] = share[0], share[1]
+    d3s = d3_terms(clean_q, clean_k, k_seq, c.positions[sl][:1], rope, terms=("f", "g"))
+    acc.share_seq[prompt] = positional_share(d3s["f"], d3s["g"], fmask)[0].cpu().numpy()
     if rows.numel() == 0:
         return
     rq = c.rot_q[sl][:, rows]  # [K+1, n_q, H, d]

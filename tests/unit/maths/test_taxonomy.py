@@ -411,23 +411,6 @@ def test_band_logits_are_each_bands_two_products_and_write_into_a_strided_buffer
     assert torch.isnan(buf[:, :, 0]).all()  # nothing written outside the slice
 
 
-def test_d3_terms_of_two_key_means_in_one_batch_equal_two_calls():
-    """The taxonomy computes the D3 terms of its two k̄ kinds (global, the prompt's own) as one batch of two: each slice
-    is bit for bit the call on its own."""
-    from posgen_tl.maths.decompose import d3_terms
-
-    torch.manual_seed(4)
-    rope = make_rope("half", 8)
-    n, h, g, d = 9, 4, 2, 10
-    q, k = torch.randn(1, n, h, d), torch.randn(1, n, g, d)
-    pos = torch.arange(n)[None]
-    kbars = torch.randn(2, g, d)
-    both = d3_terms(q.expand(2, n, h, d), k.expand(2, n, g, d), kbars, pos.expand(2, n), rope, terms=("f", "g"))
-    for i in range(2):
-        one = d3_terms(q, k, kbars[i], pos, rope, terms=("f", "g"))
-        assert torch.equal(both["f"][i], one["f"][0]) and torch.equal(both["g"][i], one["g"][0])
-
-
 def test_band_patterns():
     torch.manual_seed(1)
     logits = torch.randn(2, 3, 4, 6, 6)
