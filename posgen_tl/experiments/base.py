@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 __all__ = ["Config", "Option", "option", "config_of", "Result", "run_or_skip", "shares_heap", "save_tables", "load_tables",
-           "n_ref_option", "layers_option", "batch_option", "PARSERS", "PRESETS", "parse_value", "resolve_layers",
+           "n_ref_option", "layers_option", "batch_option", "auto_batch", "PARSERS", "PRESETS", "parse_value", "resolve_layers",
            "parse_assignments"]
 
 PRESETS = ("default", "quick", "full")
@@ -222,8 +222,20 @@ def layers_option(what: str, *, quick: Any = "every5") -> Any:
 
 
 def batch_option(default: int, what: str = "sequences") -> Any:
-    """The ``batch_size`` option: ``what`` per forward batch."""
+    """The ``batch_size`` option: ``what`` per forward batch (``default`` 0: as many as fit in memory, see
+    :func:`auto_batch`)."""
+    if default == 0:
+        return option(0, f"{what} per forward batch; 0 = as many as fit half the free memory", "count")
     return option(default, f"{what} per forward batch", "int")
+
+
+def auto_batch(cfg: Any, model: Any, n: int, n_seq: int, **kw: Any) -> int:
+    """``cfg.batch_size``, or where it is 0 the sequences one forward takes
+    (:func:`posgen_tl.hooks.memory.batch_that_fits` of ``n_seq`` sequences of ``n`` tokens, ``kw`` passed on; a
+    negative one is refused when the Config is made)."""
+    from posgen_tl.hooks.memory import batch_that_fits  # noqa: PLC0415
+
+    return int(cfg.batch_size) or batch_that_fits(model, n, n_seq, **kw)
 
 
 @dataclass(frozen=True)
@@ -245,6 +257,8 @@ class Config:
     NAME: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
+        if (b := int(getattr(self, "batch_size", 0))) < 0:
+            raise ValueError(f"{self.NAME}: batch_size={b}; sequences per batch, or 0 (as many as fit)")
         self.check()
 
     def check(self) -> None:

@@ -136,7 +136,7 @@ class Config(base.Config):
     suffix_len: int = base.option(0, "suffix tokens; 0 = max(16, seq_len / 2)", "count")
     skip: int = base.option(0, "first suffix tokens left out of the NLL; 0 = min(16, suffix / 4)", "count")
     delta0: int = base.option(0, "reference offset Δ0 of the disentangled logits f(q, C) + g_Δ0", "count")
-    batch_size: int = base.batch_option(2, "gap-probe sequences")
+    batch_size: int = base.batch_option(0, "gap-probe sequences")
     window: bool = base.option(True, "run window removal on sliding-window models", "bool")
     window_seq_len: int = base.option(2048, "tokens per sequence of the window-removal run", "int", quick=768)
     window_n_seq: int = base.option(4, "sequences of the window-removal run", "int", quick=2, full=16)
@@ -209,17 +209,17 @@ def gap_probe(
     cfg = base.config_of(Config, cfg, options)
     base.gate(model, cfg, "the gap probe")
     prefix_len, suffix_len, skip = cfg.gap_layout()
-    gaps, delta0, batch_size = cfg.gaps, cfg.delta0, cfg.batch_size
+    gaps, delta0 = cfg.gaps, cfg.delta0
     spec, info = probe_hooks(model)
     n_ctx = spec.n_ctx
-    cap = n_ctx if cap is None else cap
+    cap, n = n_ctx if cap is None else cap, prefix_len + suffix_len
     conditions = _gap_conditions(spec, conditions, gaps, cap, prefix_len, suffix_len, skip)
-    n = prefix_len + suffix_len
     if isinstance(corpus, Windows) and corpus.tokens.shape[1] < n:
         raise ValueError(f"the windows hold {corpus.tokens.shape[1]} tokens; prefix + suffix need {n}")
     win, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=n,
                                n_ref=cfg.n_ref if "disentangled" in conditions and k_means is None else 0, seed=cfg.seed)
     tokens = check_tokens(model, win.tokens[:, :n], spec)
+    batch_size = base.auto_batch(cfg, model, n, tokens.shape[0], extra_maps=4)  # a substitution: ~4 maps/seq
     ck = base.pieces(checkpoint, NAME, cfg, model, win, part="gap probe", conditions=list(conditions), cap=cap,
                      n_sink=n_sink, reference=None if ref is None else windows_fingerprint(ref),
                      k_means=base.means_fingerprint(k_means))

@@ -1,22 +1,22 @@
 """Where does the damage of perturbed positions live? Activation patching per head (docs/method.md §9).
 
 Each analysed window runs clean (ids ``0 … n−1``) and corrupted (the same tokens at perturbed ids: T2 swaps of a
-fraction of adjacent pairs, a gap past the trained context before the target span, or the null uniform shift);
-per (quantity, direction) every head of the chosen layers is patched alone, and every layer as a whole
+fraction of adjacent pairs, a gap past the trained context before the target span, or the null uniform shift); per
+(quantity, direction) every head of the chosen layers is patched alone, and every layer as a whole
 (:mod:`posgen_tl.patching`). The metric is the target span's NLL, with the KL to the clean run's next-token
 distributions beside it.
 
 Per document the EFFECT of a patch is the part of the damage it accounts for — denoising (clean → corrupted):
-``corrupted − patched``; noising (corrupted → clean): ``patched − clean`` — in nats; a head's normalised
-recovery is the ratio of its mean effect to the mean damage ``corrupted − clean`` (a ratio of means: a document
-with no damage adds nothing instead of dividing by zero), with a document-bootstrap interval. Heads are tested
-together: max-T sign-flip over documents (:func:`posgen_tl.stats.familywise.maxt_signflip`), so the list of
-significant heads holds a false one with probability ≤ α. Where the corruption did no damage distinguishable
-from 0 the recovery is undefined and is not drawn.
+``corrupted − patched``; noising (corrupted → clean): ``patched − clean`` — in nats; a head's normalised recovery is the
+ratio of its mean effect to the mean damage ``corrupted − clean`` (a ratio of means: a document with no damage adds
+nothing instead of dividing by zero), with a document-bootstrap interval. Heads are tested together: max-T sign-flip
+over documents (:func:`posgen_tl.stats.familywise.maxt_signflip`), so the list of significant heads holds a false one
+with probability ≤ α. Where the corruption did no damage distinguishable from 0 the recovery is undefined and is not
+drawn.
 
-:func:`run` returns a frozen :class:`Result`; :func:`render` turns it into a report section; :func:`save` /
-:func:`load` keep one in a folder; with ``checkpoint`` each finished batch of windows is kept, so an
-interrupted run continues where it stopped.
+:func:`run` returns a frozen :class:`Result`; :func:`render` turns it into a report section; :func:`save` / :func:`load`
+keep one in a folder; with ``checkpoint`` each finished batch of windows is kept, so an interrupted run continues where
+it stopped.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from posgen_tl.io.checkpoint import Pieces
 from posgen_tl.io.provenance import git_commit
 from posgen_tl.io.sampling import Windows, check_disjoint, sample_windows
 from posgen_tl.stats.familywise import maxt_signflip
-from posgen_tl.stats.inference import bootstrap_ci
+from posgen_tl.stats.inference import bootstrap_ci, ratio_ci
 from posgen_tl.stats.taxonomy_tables import taxonomy_link
 
 __all__ = ["NAME", "ABOUT", "NEEDS", "TITLE", "TABLES", "Config", "Result", "run", "run_or_skip", "save", "load",
@@ -96,7 +96,7 @@ class Config(base.Config):
                                              "its own)", "bool", quick=False)
     n_perm: int = base.option(20_000, "sign vectors of the max-T test when 2^documents exceeds it", "int")
     replicas: int = base.option(0, "patches per forward, stacked (0: a layer's heads, fewer if memory is short)", "count")
-    batch_size: int = base.batch_option(4)
+    batch_size: int = base.batch_option(0)
 
     def check(self) -> None:
         """Raise ValueError naming the option: fewer than 3 sequences, an unknown corruption, quantity or direction, a
@@ -207,6 +207,13 @@ def _batch_rows(model: Any, w: Windows, cfg: Config, corrs: dict[str, P.Corrupti
     return rows
 
 
+def _unit_order(u: pd.DataFrame) -> pd.DataFrame:
+    """The unit rows in an order the batches do not change: each patch (corruption, quantity, direction, level, layer,
+    head) in the order the sweep first ran it, its sequences in order."""
+    g = u.groupby(["corruption", "quantity", "direction", "level", "layer", "head"], sort=False).ngroup()
+    return u.assign(_g=g).sort_values(["_g", "seq"], kind="stable", ignore_index=True).drop(columns="_g")
+
+
 def _effects(u: pd.DataFrame) -> pd.DataFrame:
     den = u["direction"] == "denoising"
     return u.assign(damage=u["corrupted_nll"] - u["clean_nll"],
@@ -230,7 +237,7 @@ def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame
         for j, (layer, h) in enumerate(piv.columns):
             e = piv.iloc[:, j].to_numpy()
             m, lo, hi = bootstrap_ci(e, seed=cfg.seed)
-            rec, rlo, rhi = _ratio_ci(e, dmg, seed=cfg.seed)
+            rec, rlo, rhi = ratio_ci(e, dmg, seed=cfg.seed)
             rows.append(dict(corruption=c, quantity=q, direction=d, layer=int(layer), head=int(h), n_docs=len(e),
                              effect=m,
                              ci_low=lo, ci_high=hi, ci_level=0.95, recovery=rec, recovery_low=rlo, recovery_high=rhi,
@@ -242,18 +249,6 @@ def _summaries(u: pd.DataFrame, cfg: Config) -> tuple[pd.DataFrame, pd.DataFrame
     if len(cat["layer"]):
         cat["layer"] = cat["layer"].drop(columns="head")
     return cat["head"], cat["layer"], kind
-
-
-def _ratio_ci(e: np.ndarray, dmg: np.ndarray, *, seed: int, n_boot: int = 10_000) -> tuple[float, float, float]:
-    """``mean(e) / mean(dmg)`` with a 95 % document-bootstrap interval (NaN where the damage's interval holds 0:
-    recovery is undefined without damage)."""
-    m_d, lo_d, hi_d = bootstrap_ci(dmg, seed=seed)
-    if not (lo_d > 0 or hi_d < 0):
-        return float("nan"), float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(e), size=(n_boot, len(e)))
-    r = e[idx].mean(1) / dmg[idx].mean(1)
-    return float(e.mean() / dmg.mean()), float(np.quantile(r, 0.025)), float(np.quantile(r, 0.975))
 
 
 def _baselines(u: pd.DataFrame) -> pd.DataFrame:
@@ -299,7 +294,9 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         ana = windows
         if ref is not None:
             check_disjoint(ana, ref)
-    km = key_means(model, ref.tokens, layers, batch_size=cfg.batch_size) if need_km and ref is not None else None
+    vocab = int(getattr(model.cfg, "d_vocab", 0) or 0)  # the target rows' logits and log-softmax, float32
+    bs = base.auto_batch(cfg, model, int(ana.tokens.shape[1]), len(ana), extra=2 * 4 * cfg.target() * vocab)
+    km = key_means(model, ref.tokens, layers, batch_size=bs) if need_km and ref is not None else None
     km_random = random_means(km, cfg.seed) if km is not None and cfg.random_control else None
     corrs = corruptions_of(cfg, spec.n_ctx)
     n_idx = {q: spec.n_kv_heads if q == "rot_k" else spec.n_heads for q in cfg.quantities}  # by quantity
@@ -308,9 +305,9 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     design = {k: v for k, v in cfg.as_dict().items() if k not in ("test_alpha", "n_perm")}  # statistics only
     fp = dict(format=2, config=design, model=spec.model_name, dtype=str(model_dtype(model)), windows=windows_fingerprint(ana),
               docs=ana.doc_ids.tolist(), starts=ana.starts.tolist(), layers=layers,
-              reference=windows_fingerprint(ref) if ref is not None and km is not None else None)
+              reference=windows_fingerprint(ref) if ref is not None and km is not None else None, batch=bs)
     ck = Pieces(checkpoint, fp, "patching")
-    starts = list(range(0, len(ana), cfg.batch_size))
+    starts = list(range(0, len(ana), bs))
     parts: list[pd.DataFrame | None] = [ck.get(f"batch_{i:06d}") for i in range(len(starts))]
     todo = [i for i, got in enumerate(parts) if got is None]
     bar = tqdm(total=len(starts), initial=len(starts) - len(todo), desc=f"{NAME} batches", disable=not progress)
@@ -318,17 +315,17 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         bar.set_postfix_str(f"resumed: {len(starts) - len(todo)} kept")
     for i in todo:
         s = starts[i]
-        w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
+        w = ana.subset(range(s, min(s + bs, len(ana))))
         got = pd.DataFrame(_batch_rows(model, w, cfg, corrs, layers, km, n_idx, km_random))
         got["seq"] += s
         parts[i] = ck.rows(f"batch_{i:06d}", _given(got))
         bar.update(1)
     bar.close()
-    units = pd.concat([p for p in parts if p is not None], ignore_index=True)
+    units = _unit_order(pd.concat([p for p in parts if p is not None], ignore_index=True))
     tables, kind = _statistics(units, cfg)
     b = tables["baselines"]
     if cfg.twin and twin is not False:
-        tables["twin"] = _twin_damage(base.twin_of(model, twin, cfg.seed), ana, corrs, cfg)
+        tables["twin"] = _twin_damage(base.twin_of(model, twin, cfg.seed), ana, corrs, cfg, bs)
     meta = dict(model=spec.model_name, n_seq=len(ana), n_docs=ana.n_docs,
                 corruption={c: str(k) for c, k in corrs.items()}, layers=layers, target_len=cfg.target(), p_kind=kind,
                 damage=_damage(b, cfg.seed), commit=commit, wall_s=time.time() - t0,
@@ -378,13 +375,13 @@ def _damage(b: pd.DataFrame, seed: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _twin_damage(twin: Any, ana: Windows, corrs: dict[str, P.Corruption], cfg: Config) -> pd.DataFrame:
+def _twin_damage(twin: Any, ana: Windows, corrs: dict[str, P.Corruption], cfg: Config, bs: int) -> pd.DataFrame:
     """The same corruptions on the random-init ``twin``: per corruption and document clean and corrupted NLL and the
     damage (a twin that does not use positions takes no damage, and a recovery would divide noise by ≈ 0: it gets no
     map)."""
     rows = []
-    for s in range(0, len(ana), cfg.batch_size):  # one clean forward per batch, one per corruption
-        w = ana.subset(range(s, min(s + cfg.batch_size, len(ana))))
+    for s in range(0, len(ana), bs):  # one clean forward per batch of bs windows, one per corruption
+        w = ana.subset(range(s, min(s + bs, len(ana))))
         b = P.corrupted_metrics(twin, corrs, w.tokens, P.target_nll(w.tokens, cfg.target()),
                                 doc_ids=w.doc_ids.tolist(), starts=w.starts.tolist())
         rows += [dict(corruption=cname, doc=int(d), clean_nll=float(c), corrupted_nll=float(k))

@@ -99,7 +99,7 @@ class Config(base.Config):
     keep_sink: int = base.option(1, "first keys kept exact", "count")
     margin: float = base.option(0.05, "equivalence margin (nats of ΔNLL) for 'the substitution barely moves the NLL': "
                                       "TOST, declared before the run", "float")
-    batch_size: int = base.batch_option(4)
+    batch_size: int = base.batch_option(0)
 
     def target(self) -> int:
         """The target length (``target_len``, or ``min(64, seq_len // 4)`` when it is 0)."""
@@ -150,7 +150,7 @@ def run(
     cfg = base.config_of(Config, cfg, options)
     base.gate(model, cfg, "the sufficiency study")
     sources, gamma, delta0, keep_sink, tolerance = cfg.sources, cfg.gamma, cfg.delta0, cfg.keep_sink, cfg.tolerance
-    fracs, seeds, batch_size, target_len = cfg.fracs, cfg.seeds, cfg.batch_size, cfg.target()
+    fracs, seeds, target_len = cfg.fracs, cfg.seeds, cfg.target()
     spec, _ = probe_hooks(model)
     groups = layer_groups(spec.n_layers) if groups is None else groups
     bad = set(sources) - set(SOURCES)
@@ -163,6 +163,7 @@ def run(
             raise ValueError("pass k_means or reference windows (the global k̄ needs disjoint documents)")
         k_means = reference_key_means(model, ref.tokens, sink=1, progress=False)
     tokens = win.tokens
+    batch_size = base.auto_batch(cfg, model, tokens.shape[1], tokens.shape[0], extra_maps=4)  # a substitution's maps
     docs = win.doc_ids.cpu().numpy()
     tol_set = {tuple(t) for t in tolerance}
     ck = base.pieces(checkpoint, NAME, cfg, model, win, groups=[[k, list(v)] for k, v in groups.items()],

@@ -169,9 +169,11 @@ def _score_prompt(
     vis = causal_mask(n, sliding_window=rope.sliding_window, device=full_clean.device)[rows]
     attn = torch.softmax(full_clean.double().masked_fill(~vis, float("-inf")), -1)
     mass = attn[..., r0:r1].sum(-1)  # [H, n_q]
-    bl = band_logits(rq, rk[:, r0:r1], rope)  # [K+1, H, band, n_q, L]
-    full = bl.sum(2) + pass_logits(rq, rk[:, r0:r1], rope)
-    w = torch.cat([full[:, :, None], bl], 2)  # [K+1, H, 1+band, n_q, L]
+    # [K+1, H, 1+band, n_q, L]: the full logits, then each band's term (written in place: no copy of the bands)
+    w = rq.new_empty((rq.shape[0], rq.shape[2], 1 + rope.n_bands, rq.shape[1], r1 - r0),
+                     dtype=torch.promote_types(rq.dtype, torch.float32))
+    bl = band_logits(rq, rk[:, r0:r1], rope, out=w[:, :, 1:])
+    full = torch.add(bl.sum(2), pass_logits(rq, rk[:, r0:r1], rope), out=w[:, :, 0])
     min_std = row_spread_threshold(full[0], rel=rel_tol)
     weights = mass[:, None, :].expand(-1, w.shape[2], -1)
     sums = region_logit_scores(w[0], w[1:], perms, weights, min_std=min_std, null_perm=nulls)

@@ -63,7 +63,7 @@ class Config(SwapOptions):
 
     NAME: ClassVar[str] = "tolerance"
     twin_seeds: tuple[int, ...] = base.option((0,), "swap seeds for the random twin's T1/T2 curves", "ints")
-    batch_size: int = base.batch_option(8)
+    batch_size: int = base.batch_option(0)
     t12_margin: float = base.option(0.01, "TOST margin of the T1 − T2 AUC (nats × p) for 'alike', declared before the "
                                           "run (about a quarter of SmolLM2's T1 AUC over p ≤ 0.2 in the first landing)",
                                     "float")
@@ -133,7 +133,7 @@ def run(
     from posgen_tl import stats  # noqa: PLC0415
 
     cfg = base.config_of(Config, cfg, options)
-    seq_len, seed, batch_size, fracs, seeds = cfg.seq_len, cfg.seed, cfg.batch_size, cfg.fracs, cfg.seeds
+    seq_len, seed, fracs, seeds = cfg.seq_len, cfg.seed, cfg.fracs, cfg.seeds
     target_len, twin_seeds = cfg.target(), cfg.twin_seeds
     t_start, commit = time.time(), git_commit(short=True)
     ana = windows if windows is not None else sample_windows(model, cfg.corpus if corpus is None else corpus, n_seq=cfg.n_seq, seq_len=seq_len,
@@ -142,11 +142,13 @@ def run(
     if cfg.twin and twin is not False:
         models.append(("random", base.twin_of(model, twin, seed), tuple(twin_seeds or seeds)))
     n = len(ana)
+    batch_size = base.auto_batch(cfg, model, int(ana.tokens.shape[1]), n)
     batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
     info = ana.frame()
     frames, times = [], {}
     ck = base.pieces(checkpoint, NAME, cfg, model, ana, twin=[base.model_digest(m) for nm, m, _ in models
-                                                               if nm == "random"] if checkpoint is not None else None)
+                                                               if nm == "random"] if checkpoint is not None else None,
+                     batch=batch_size)  # a checkpoint keeps batches: the batch it was cut in is part of its design
 
     def batch_rows(m: Any, b: list[int], sds: tuple[int, ...], name: str) -> pd.DataFrame:
         w = ana.subset(b)
@@ -166,6 +168,9 @@ def run(
         times[f"{name}_s"] = time.time() - t0
     rows = pd.concat(frames, ignore_index=True).merge(info[["seq", "doc", "doc_name"]], on="seq", how="left")
     rows = rows[["twin", "mode", "seq", "doc", "doc_name", "frac", "seed", "clean_nll", "nll", "delta"]]
+    order = rows["twin"].map({nm: i for i, (nm, _, _) in enumerate(models)})  # an order that batches do not change
+    rows = rows.assign(_m=order).sort_values(["_m", "mode", "frac", "seed", "seq"], kind="stable", ignore_index=True)
+    rows = rows.drop(columns="_m")
     units = stats.document_units(rows.rename(columns={"mode": "condition"}), by=("twin", "condition"))
     summary = stats.unit_summary(units, by=("twin", "condition"))
     contrasts = stats.tolerance_contrasts(units, keys=("twin",), pairs=[("T1", "T2")])

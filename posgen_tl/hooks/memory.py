@@ -20,7 +20,7 @@ import torch
 
 from posgen_tl.hooks.capture import model_device, probe_hooks
 
-__all__ = ["FREE_SHARE", "MAPS_PER_FORWARD", "attention_bytes", "check_forward_fits", "free_bytes",
+__all__ = ["FREE_SHARE", "MAPS_PER_FORWARD", "attention_bytes", "batch_that_fits", "check_forward_fits", "free_bytes",
            "sequences_per_forward"]
 
 #: float32 score-map-sized tensors alive at once in one layer's attention of a TransformerLens forward (measured
@@ -70,6 +70,18 @@ def sequences_per_forward(model: Any, n: int, *, free: int | None = None, rows: 
         return None
     per_seq = attention_bytes(probe_hooks(model)[0].n_heads, n, rows=rows) + max(0, int(extra))
     return max(1, int(FREE_SHARE * free) // per_seq)
+
+
+def batch_that_fits(model: Any, n: int, n_seq: int, *, extra_maps: float = 0, extra: int = 0, unknown: int = 8,
+                    free: int | None = None) -> int:
+    """An automatic batch (an experiment's ``batch_size=0``): all ``n_seq`` sequences of ``n`` tokens in one forward
+    where their attention maps (:func:`attention_bytes`), with ``extra_maps`` more maps and ``extra`` more bytes per
+    sequence that the caller builds (a logit substitution's maps, the target's logits), fit :data:`FREE_SHARE` of the
+    free memory (:func:`sequences_per_forward`), fewer where not (at least one); ``min(n_seq, unknown)`` where the free
+    memory cannot be read (``free``: bytes, default :func:`free_bytes`)."""
+    heads = probe_hooks(model)[0].n_heads
+    fit = sequences_per_forward(model, n, free=free, extra=int(extra_maps * 4 * heads * n * n) + int(extra))
+    return max(1, min(n_seq, unknown if fit is None else fit))
 
 
 def check_forward_fits(model: Any, n: int, n_seq: int, what: str, *, free: int | None = None) -> None:

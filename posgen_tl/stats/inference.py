@@ -33,6 +33,7 @@ from scipy import stats as sps
 __all__ = [
     "EQUIVARIANCE_NOTE",
     "bootstrap_ci",
+    "ratio_ci",
     "cluster_means",
     "holm",
     "mde",
@@ -276,6 +277,19 @@ def bootstrap_ci(
         )
     lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
     return mean, float(lo), float(hi)
+
+
+def ratio_ci(e: np.ndarray, dmg: np.ndarray, *, seed: int, n_boot: int = 10_000) -> tuple[float, float, float]:
+    """``mean(e) / mean(dmg)`` with a 95 % percentile bootstrap interval over the units (documents) — a normalised
+    recovery of a patch, its effect over the damage — as ``(ratio, low, high)`` floats; all NaN where the damage's own
+    interval (:func:`bootstrap_ci`) holds 0: the ratio is undefined without damage."""
+    m_d, lo_d, hi_d = bootstrap_ci(dmg, seed=seed)
+    if not (lo_d > 0 or hi_d < 0):
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(e), size=(n_boot, len(e)))
+    r = e[idx].mean(1) / dmg[idx].mean(1)
+    return float(e.mean() / dmg.mean()), float(np.quantile(r, 0.025)), float(np.quantile(r, 0.975))
 
 
 def t_interval(values: Any, *, clusters: Any = None, alpha: float = 0.05) -> tuple[float, float, float]:

@@ -402,6 +402,47 @@ def test_gap_probe_rows_summary_and_errors(llama):
         gap_probe(llama, short, prefix_len=12, suffix_len=12, k_means={}, n_seq=2, progress=False)
 
 
+def test_gap_probe_batches_every_sequence_it_can_and_fewer_where_memory_is_short(llama, monkeypatch):
+    """``batch_size=0`` (the default): all sequences in one forward where their attention maps and the substitution's
+    four more per sequence fit half the free memory, fewer where not; the rows are those of one sequence per forward.
+    A negative batch is refused by name."""
+    from posgen_tl.experiments.length import Config, gap_probe
+    from posgen_tl.hooks import memory
+    from posgen_tl.hooks.edits import reference_key_means
+
+    k_means = reference_key_means(llama, _toks(24, 2), None, sink=1, progress=False)  # given: no forwards of its own
+    widths: list[int] = []  # the batch of every forward of the probe's 24-token sequences
+
+    def pre(m, args, kwargs):
+        x = next(a for a in [*args, *kwargs.values()] if torch.is_tensor(a))
+        if x.shape[1] == 24:
+            widths.append(x.shape[0])
+
+    handle = llama.blocks[0].register_forward_pre_hook(pre, with_kwargs=True)
+    kw = dict(prefix_len=12, suffix_len=12, gaps=(0, 1.0), n_seq=6, k_means=k_means, skip=3, progress=False)
+    try:
+        km = gap_probe(llama, _corpus(), **kw, batch_size=1).rows  # one sequence per forward: the reference rows
+        assert set(widths) == {1}
+        widths.clear()
+        roomy = gap_probe(llama, _corpus(), **kw).rows
+        assert set(widths) == {6} and len(widths) == 4  # vanilla at G = 0; vanilla and both approximations at G = 1
+        h = probe_hooks(llama)[0].n_heads
+        per_seq = memory.attention_bytes(h, 24) + 4 * 4 * h * 24 * 24
+        monkeypatch.setattr(memory, "free_bytes", lambda dev: int(2.5 * per_seq / memory.FREE_SHARE))
+        widths.clear()
+        tight = gap_probe(llama, _corpus(), **kw).rows
+        assert set(widths) == {2} and len(widths) == 12
+    finally:
+        handle.remove()
+    for got in (roomy, tight):
+        pd.testing.assert_frame_equal(got.drop(columns=["nll", "nll_first"]), km.drop(columns=["nll", "nll_first"]))
+        np.testing.assert_allclose(got[["nll", "nll_first"]].to_numpy(), km[["nll", "nll_first"]].to_numpy(), atol=1e-5,
+                                   rtol=0)
+    assert km["nll"].std() > 0  # the sequences differ: a mix-up of rows would show
+    with pytest.raises(ValueError, match="batch_size=-1"):
+        Config(batch_size=-1)
+
+
 def test_window_removal_recipe(gemma):
     from posgen_tl.experiments.length import window_removal
 
