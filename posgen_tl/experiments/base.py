@@ -221,11 +221,11 @@ def layers_option(what: str, *, quick: Any = "every5") -> Any:
     return option("all", f"layers {what}", "layers", quick=quick)
 
 
-def batch_option(default: int, what: str = "sequences") -> Any:
-    """The ``batch_size`` option: ``what`` per forward batch (``default`` 0: as many as fit in memory, see
-    :func:`auto_batch`)."""
-    if default == 0:
-        return option(0, f"{what} per forward batch; 0 = as many as fit half the free memory", "count")
+def batch_option(default: int, what: str = "sequences", *, auto: bool = False) -> Any:
+    """The ``batch_size`` option: ``what`` per forward batch; with ``auto`` (a run that resolves it with
+    :func:`auto_batch`) 0 is allowed too: as many as fit half the free memory."""
+    if auto:
+        return option(default, f"{what} per forward batch; 0 = as many as fit half the free memory", "count")
     return option(default, f"{what} per forward batch", "int")
 
 

@@ -136,7 +136,7 @@ class Config(base.Config):
     suffix_len: int = base.option(0, "suffix tokens; 0 = max(16, seq_len / 2)", "count")
     skip: int = base.option(0, "first suffix tokens left out of the NLL; 0 = min(16, suffix / 4)", "count")
     delta0: int = base.option(0, "reference offset Δ0 of the disentangled logits f(q, C) + g_Δ0", "count")
-    batch_size: int = base.batch_option(0, "gap-probe sequences")
+    batch_size: int = base.batch_option(2, "gap-probe sequences", auto=True)
     window: bool = base.option(True, "run window removal on sliding-window models", "bool")
     window_seq_len: int = base.option(2048, "tokens per sequence of the window-removal run", "int", quick=768)
     window_n_seq: int = base.option(4, "sequences of the window-removal run", "int", quick=2, full=16)

@@ -96,8 +96,7 @@ class Config(base.Config):
                                              "its own)", "bool", quick=False)
     n_perm: int = base.option(20_000, "sign vectors of the max-T test when 2^documents exceeds it", "int")
     replicas: int = base.option(0, "patches per forward, stacked (0: a layer's heads, fewer if memory is short)", "count")
-    # 4: a patched forward stacks the heads of a layer (replicas) already; 8 windows × 9 heads per forward ran slower
-    batch_size: int = base.batch_option(4)
+    batch_size: int = base.batch_option(4, auto=True)
 
     def check(self) -> None:
         """Raise ValueError naming the option: fewer than 3 sequences, an unknown corruption, quantity or direction, a

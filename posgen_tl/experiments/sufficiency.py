@@ -99,7 +99,7 @@ class Config(base.Config):
     keep_sink: int = base.option(1, "first keys kept exact", "count")
     margin: float = base.option(0.05, "equivalence margin (nats of ΔNLL) for 'the substitution barely moves the NLL': "
                                       "TOST, declared before the run", "float")
-    batch_size: int = base.batch_option(0)
+    batch_size: int = base.batch_option(4, auto=True)
 
     def target(self) -> int:
         """The target length (``target_len``, or ``min(64, seq_len // 4)`` when it is 0)."""

@@ -63,7 +63,7 @@ class Config(SwapOptions):
 
     NAME: ClassVar[str] = "tolerance"
     twin_seeds: tuple[int, ...] = base.option((0,), "swap seeds for the random twin's T1/T2 curves", "ints")
-    batch_size: int = base.batch_option(0)
+    batch_size: int = base.batch_option(8, auto=True)
     t12_margin: float = base.option(0.01, "TOST margin of the T1 − T2 AUC (nats × p) for 'alike', declared before the "
                                           "run (about a quarter of SmolLM2's T1 AUC over p ≤ 0.2 in the first landing)",
                                     "float")

@@ -403,7 +403,7 @@ def test_gap_probe_rows_summary_and_errors(llama):
 
 
 def test_gap_probe_batches_every_sequence_it_can_and_fewer_where_memory_is_short(llama, monkeypatch):
-    """``batch_size=0`` (the default): all sequences in one forward where their attention maps and the substitution's
+    """``batch_size=0``: all sequences in one forward where their attention maps and the substitution's
     four more per sequence fit half the free memory, fewer where not; the rows are those of one sequence per forward.
     A negative batch is refused by name."""
     from posgen_tl.experiments.length import Config, gap_probe
@@ -424,13 +424,13 @@ def test_gap_probe_batches_every_sequence_it_can_and_fewer_where_memory_is_short
         km = gap_probe(llama, _corpus(), **kw, batch_size=1).rows  # one sequence per forward: the reference rows
         assert set(widths) == {1}
         widths.clear()
-        roomy = gap_probe(llama, _corpus(), **kw).rows
+        roomy = gap_probe(llama, _corpus(), **kw, batch_size=0).rows
         assert set(widths) == {6} and len(widths) == 4  # vanilla at G = 0; vanilla and both approximations at G = 1
         h = probe_hooks(llama)[0].n_heads
         per_seq = memory.attention_bytes(h, 24) + 4 * 4 * h * 24 * 24
         monkeypatch.setattr(memory, "free_bytes", lambda dev: int(2.5 * per_seq / memory.FREE_SHARE))
         widths.clear()
-        tight = gap_probe(llama, _corpus(), **kw).rows
+        tight = gap_probe(llama, _corpus(), **kw, batch_size=0).rows
         assert set(widths) == {2} and len(widths) == 12
     finally:
         handle.remove()
