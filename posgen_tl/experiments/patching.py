@@ -294,7 +294,7 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         ana = windows
         if ref is not None:
             check_disjoint(ana, ref)
-    vocab = int(getattr(model.cfg, "d_vocab", 0) or 0)  # the target rows' logits and log-softmax, float32
+    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)  # the target rows' logits, log-softmax
     bs = base.auto_batch(cfg, model, int(ana.tokens.shape[1]), len(ana), extra=2 * 4 * cfg.target() * vocab)
     km = key_means(model, ref.tokens, layers, batch_size=bs) if need_km and ref is not None else None
     km_random = random_means(km, cfg.seed) if km is not None and cfg.random_control else None
@@ -305,7 +305,8 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
     design = {k: v for k, v in cfg.as_dict().items() if k not in ("test_alpha", "n_perm")}  # statistics only
     fp = dict(format=2, config=design, model=spec.model_name, dtype=str(model_dtype(model)), windows=windows_fingerprint(ana),
               docs=ana.doc_ids.tolist(), starts=ana.starts.tolist(), layers=layers,
-              reference=windows_fingerprint(ref) if ref is not None and km is not None else None, batch=bs)
+              reference=windows_fingerprint(ref) if ref is not None and km is not None else None,
+              **({"batch": bs} if cfg.batch_size == 0 else {}))  # an automatic batch: the one it resolved to
     ck = Pieces(checkpoint, fp, "patching")
     starts = list(range(0, len(ana), bs))
     parts: list[pd.DataFrame | None] = [ck.get(f"batch_{i:06d}") for i in range(len(starts))]

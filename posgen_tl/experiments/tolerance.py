@@ -148,7 +148,7 @@ def run(
     frames, times = [], {}
     ck = base.pieces(checkpoint, NAME, cfg, model, ana, twin=[base.model_digest(m) for nm, m, _ in models
                                                                if nm == "random"] if checkpoint is not None else None,
-                     batch=batch_size)  # a checkpoint keeps batches: the batch it was cut in is part of its design
+                     **({"batch": batch_size} if cfg.batch_size == 0 else {}))  # kept batches: an automatic one's size
 
     def batch_rows(m: Any, b: list[int], sds: tuple[int, ...], name: str) -> pd.DataFrame:
         w = ana.subset(b)

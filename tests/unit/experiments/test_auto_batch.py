@@ -96,3 +96,16 @@ def test_an_automatic_batch_takes_what_the_free_memory_holds(monkeypatch):
     assert memory.batch_that_fits(model, 100, 12, free=0) == 1
     monkeypatch.setattr(memory, "free_bytes", lambda dev: None)
     assert memory.batch_that_fits(model, 100, 12) == 8 and memory.batch_that_fits(model, 100, 3) == 3
+
+
+@pytest.mark.parametrize("name", ["tolerance", "patching"])
+def test_a_checkpoint_kept_in_automatic_batches_is_not_continued_in_other_ones(name, model, tmp_path, monkeypatch):
+    """Tolerance and patching keep a checkpoint per batch: a run whose automatic batch resolves to another size than
+    the kept one's is another design (refused by name, never mixed); the same size continues it."""
+    cfg = dataclasses.replace(registry.make_config(name, "quick"), n_seq=N, seq_len=SEQ, **CASES[name],
+                              corpus=tm.token_corpus(14), batch_size=0)
+    registry.run(name, model, cfg, twin=False, checkpoint=tmp_path / "ck", progress=False)  # all 5 windows: one batch
+    registry.run(name, model, cfg, twin=False, checkpoint=tmp_path / "ck", progress=False)  # the same: continued
+    monkeypatch.setattr("posgen_tl.hooks.memory.batch_that_fits", lambda *a, **k: 3)
+    with pytest.raises(ValueError, match=f"another {name} design"):
+        registry.run(name, model, cfg, twin=False, checkpoint=tmp_path / "ck", progress=False)
