@@ -144,11 +144,12 @@ def run(
     n = len(ana)
     batch_size = base.auto_batch(cfg, model, int(ana.tokens.shape[1]), n)
     batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+    auto_size: dict[str, Any] = {"batch": batch_size} if cfg.batch_size == 0 else {}  # kept batches: their size
     info = ana.frame()
     frames, times = [], {}
     ck = base.pieces(checkpoint, NAME, cfg, model, ana, twin=[base.model_digest(m) for nm, m, _ in models
                                                                if nm == "random"] if checkpoint is not None else None,
-                     **({"batch": batch_size} if cfg.batch_size == 0 else {}))  # kept batches: an automatic one's size
+                     **auto_size)
 
     def batch_rows(m: Any, b: list[int], sds: tuple[int, ...], name: str) -> pd.DataFrame:
         w = ana.subset(b)
