@@ -45,7 +45,7 @@ from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.chunked import CHUNK, auto_chunk, forward_chunk
 from posgen_tl.hooks.gate import require_exact
 from posgen_tl.hooks.heap import large_blocks_kept
-from posgen_tl.hooks.memory import check_forward_fits, sequences_per_forward
+from posgen_tl.hooks.memory import check_forward_fits, logit_row_bytes, sequences_per_forward
 from posgen_tl.hooks.patching import CHUNKABLE, QUANTITIES, TERMS, patch_hooks, patch_site, record_hooks
 from posgen_tl.hooks.positions import chunked_logit_rows, final_residual_hook, reposition_hooks
 from posgen_tl.hooks.reentry import forward_from, hooks_from, recorded, resid_hooks, skips_blocks
@@ -312,8 +312,7 @@ def default_replicas(model: Any, n_heads: int, n_seq: int, n: int, rows: int | N
     (:func:`posgen_tl.hooks.memory.sequences_per_forward`, ``rows`` query positions at a time in a chunked forward;
     ``logit_rows`` the rows of float32 logits the metric reads, counted twice — the logits and their log-softmax: a
     262 144-token vocabulary makes them the larger part; at least one)."""
-    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
-    fit = sequences_per_forward(model, n, rows=rows, extra=2 * 4 * logit_rows * vocab)
+    fit = sequences_per_forward(model, n, rows=rows, extra=logit_row_bytes(model, logit_rows))
     return n_heads if fit is None else max(1, min(n_heads, fit // max(1, n_seq)))
 
 

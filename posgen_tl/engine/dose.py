@@ -44,7 +44,7 @@ from posgen_tl.engine.swaps import Prefixes, curve_rows, nll_on_target
 from posgen_tl.hooks.capture import CaptureError, model_device, model_dtype, probe_hooks
 from posgen_tl.hooks.chunked import CHUNK, check_chunked, forward_chunk, hooks_chunk_safe
 from posgen_tl.hooks.edits import hooks_on_rows, intervention_hooks
-from posgen_tl.hooks.memory import FREE_SHARE, attention_bytes, free_bytes, sequences_per_forward
+from posgen_tl.hooks.memory import FREE_SHARE, attention_bytes, free_bytes, logit_row_bytes, sequences_per_forward
 from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.hooks.stream import pattern_hooks
 from posgen_tl.io.sampling import Windows
@@ -208,8 +208,7 @@ def stack_size(model: Any, n: int, n_seq: int, target_len: int, n_items: int) ->
     twice: the logits and their log-softmax) fit their share of the free memory
     (:func:`posgen_tl.hooks.memory.sequences_per_forward`), fewer where not, at least one; ``n_items`` where the free
     memory cannot be read on the CPU, one on another device."""
-    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
-    fit = sequences_per_forward(model, n, extra=2 * 4 * target_len * vocab)
+    fit = sequences_per_forward(model, n, extra=logit_row_bytes(model, target_len))
     if fit is None:
         return n_items if model_device(model).type == "cpu" else 1
     return max(1, min(n_items, fit // max(1, n_seq)))

@@ -30,16 +30,17 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from posgen_tl.engine.swaps import windows_fingerprint
+from posgen_tl.engine.swaps import SPAN_LOGIT_BYTES, windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.edits import reference_key_means
 from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, window_removal_hooks
+from posgen_tl.hooks.memory import SUBSTITUTION_MAPS
 from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows, sample_windows
-from posgen_tl.maths.perturb import gap_position_ids, nll_from_logits
+from posgen_tl.maths.perturb import gap_position_ids, row_nll
 from posgen_tl.maths.rope import RopeError, RopeSpec
 from posgen_tl.stats.tables import ci_row, contrast_row, finish_table
 
@@ -86,7 +87,9 @@ def span_nll(
     """Per-token next-token NLL of the tokens at sequence indices ``[start, stop)`` (float32, CPU).
 
     Token ``t`` is predicted at position ``t − 1``; only those ``stop − start`` residuals are
-    unembedded, ``chunk`` positions at a time (a 262k vocabulary stays bounded in memory).
+    unembedded, ``chunk`` positions and as many sequences at a time as keep the float32 logits within
+    :data:`posgen_tl.engine.swaps.SPAN_LOGIT_BYTES` (a 262k vocabulary stays bounded in memory, and on the CPU the blocks
+    stay in the heap instead of being mapped and zero-filled at every pass).
     ``fwd_hooks`` are attached for the pass and removed on every exit path.
 
     Returns:
@@ -107,14 +110,17 @@ def span_nll(
         except StopForward:
             resid, logits = store["resid"], None
     targets = tokens[:, start:stop]
-    out = []
-    for s in range(0, stop - start, chunk):
-        e = min(s + chunk, stop - start)
-        lg = model.unembed(resid[:, s:e]) if resid is not None else logits[:, start - 1 + s : start - 1 + e]
-        lg = torch.cat([lg, lg[:, :1]], 1)  # nll_from_logits predicts t+1 from t: pad one row
-        toks = torch.cat([tokens[:, start - 1 + s : start - 1 + s + 1], targets[:, s:e]], 1)
-        out.append(nll_from_logits(lg, toks)[:, : e - s].float().cpu())
-    return torch.cat(out, 1)
+    b, span = targets.shape
+    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
+    step = max(1, SPAN_LOGIT_BYTES // max(1, 4 * min(chunk, span) * vocab)) if vocab else b  # sequences per block
+    out = torch.empty(b, span)
+    for s in range(0, span, chunk):  # at most SPAN_LOGIT_BYTES of logits at a time: kept in the heap, not mapped anew
+        e = min(s + chunk, span)
+        for r in range(0, b, step):
+            q = min(r + step, b)
+            lg = model.unembed(resid[r:q, s:e]) if resid is not None else logits[r:q, start - 1 + s : start - 1 + e]
+            out[r:q, s:e] = row_nll(lg, targets[r:q, s:e]).float().cpu()  # row t−1 predicts token t
+    return out
 
 
 # ----------------------------------------------------------------------------- windows, k̄
@@ -136,7 +142,7 @@ class Config(base.Config):
     suffix_len: int = base.option(0, "suffix tokens; 0 = max(16, seq_len / 2)", "count")
     skip: int = base.option(0, "first suffix tokens left out of the NLL; 0 = min(16, suffix / 4)", "count")
     delta0: int = base.option(0, "reference offset Δ0 of the disentangled logits f(q, C) + g_Δ0", "count")
-    batch_size: int = base.batch_option(2, "gap-probe sequences", auto=True)
+    batch_size: int = base.batch_option(0, "gap-probe sequences", auto=True)
     window: bool = base.option(True, "run window removal on sliding-window models", "bool")
     window_seq_len: int = base.option(2048, "tokens per sequence of the window-removal run", "int", quick=768)
     window_n_seq: int = base.option(4, "sequences of the window-removal run", "int", quick=2, full=16)
@@ -219,7 +225,7 @@ def gap_probe(
     win, ref = resolve_windows(model, cfg.corpus if corpus is None else corpus, reference, n_seq=cfg.n_seq, seq_len=n,
                                n_ref=cfg.n_ref if "disentangled" in conditions and k_means is None else 0, seed=cfg.seed)
     tokens = check_tokens(model, win.tokens[:, :n], spec)
-    batch_size = base.auto_batch(cfg, model, n, tokens.shape[0], extra_maps=4)  # a substitution: ~4 maps/seq
+    batch_size = base.auto_batch(cfg, model, n, tokens.shape[0], extra_maps=SUBSTITUTION_MAPS)
     ck = base.pieces(checkpoint, NAME, cfg, model, win, part="gap probe", conditions=list(conditions), cap=cap,
                      n_sink=n_sink, reference=None if ref is None else windows_fingerprint(ref),
                      k_means=base.means_fingerprint(k_means))

@@ -38,6 +38,7 @@ from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import probe_hooks
 from posgen_tl.hooks.edits import key_means
+from posgen_tl.hooks.memory import logit_row_bytes
 from posgen_tl.hooks.patching import TERMS
 from posgen_tl.io.checkpoint import Pieces
 from posgen_tl.io.provenance import git_commit
@@ -294,8 +295,7 @@ def run(model: Any, cfg: Config | None = None, *, corpus: Any = None, windows: W
         ana = windows
         if ref is not None:
             check_disjoint(ana, ref)
-    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)  # the target rows' logits, log-softmax
-    bs = base.auto_batch(cfg, model, int(ana.tokens.shape[1]), len(ana), extra=2 * 4 * cfg.target() * vocab)
+    bs = base.auto_batch(cfg, model, int(ana.tokens.shape[1]), len(ana), extra=logit_row_bytes(model, cfg.target()))
     km = key_means(model, ref.tokens, layers, batch_size=bs) if need_km and ref is not None else None
     km_random = random_means(km, cfg.seed) if km is not None and cfg.random_control else None
     corrs = corruptions_of(cfg, spec.n_ctx)

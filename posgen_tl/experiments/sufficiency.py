@@ -35,7 +35,7 @@ from posgen_tl.hooks.capture import model_device, probe_hooks
 from posgen_tl.hooks.chunked import forward_chunk
 from posgen_tl.hooks.edits import reference_key_means
 from posgen_tl.hooks.logits import sufficiency_hooks
-from posgen_tl.hooks.memory import free_bytes
+from posgen_tl.hooks.memory import SUBSTITUTION_MAPS, free_bytes
 from posgen_tl.hooks.reentry import recorded, resid_hooks
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows
@@ -99,7 +99,7 @@ class Config(base.Config):
     keep_sink: int = base.option(1, "first keys kept exact", "count")
     margin: float = base.option(0.05, "equivalence margin (nats of ΔNLL) for 'the substitution barely moves the NLL': "
                                       "TOST, declared before the run", "float")
-    batch_size: int = base.batch_option(4, auto=True)
+    batch_size: int = base.batch_option(0, auto=True)
 
     def target(self) -> int:
         """The target length (``target_len``, or ``min(64, seq_len // 4)`` when it is 0)."""
@@ -163,7 +163,7 @@ def run(
             raise ValueError("pass k_means or reference windows (the global k̄ needs disjoint documents)")
         k_means = reference_key_means(model, ref.tokens, sink=1, progress=False)
     tokens = win.tokens
-    batch_size = base.auto_batch(cfg, model, tokens.shape[1], tokens.shape[0], extra_maps=4)  # a substitution's maps
+    batch_size = base.auto_batch(cfg, model, tokens.shape[1], tokens.shape[0], extra_maps=SUBSTITUTION_MAPS)
     docs = win.doc_ids.cpu().numpy()
     tol_set = {tuple(t) for t in tolerance}
     ck = base.pieces(checkpoint, NAME, cfg, model, win, groups=[[k, list(v)] for k, v in groups.items()],

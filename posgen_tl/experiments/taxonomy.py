@@ -9,10 +9,11 @@ separation; ``block > 1`` permutes word-sized chunks instead). The clean prompt 
 permutations run in ONE forward batch, so one streamed capture holds them all and memory
 stays one layer of one batch.
 
-For each layer and head (and each RoPE band taken alone as a 2-D head, via
-:func:`posgen_tl.maths.taxonomy.band_logits`) the EXACT pre-softmax logits ``s·rot_q·rot_k`` of the
-query rows over ``R`` are compared before/after each permutation by
-:func:`posgen_tl.maths.taxonomy.region_logit_scores`: row-centred correlation at the same positions
+For each layer and head (and each RoPE band taken alone as a 2-D head) the EXACT pre-softmax logits
+``s·rot_q·rot_k`` of the query rows over ``R`` are compared before/after each permutation by
+:func:`posgen_tl.maths.taxonomy.region_logit_scores` — a band's from its 2 × 2 key moments, without its maps
+(:func:`posgen_tl.maths.band_scores.band_region_scores`, equal to scoring the maps of
+:func:`posgen_tl.maths.taxonomy.band_logits`): row-centred correlation at the same positions
 (positional) and following the moved tokens (symbolic), rows weighted by their clean
 attention mass on ``R`` (softmax over the causal mask, sliding window included), near-
 constant rows excluded (within-row std below ``rel_tol ×`` the layer's median within-row
@@ -27,7 +28,8 @@ the null quantile and ``min_score``; positional / symbolic / both / neither / un
 Per head also: frequency usage (energy share of pre-rotation q and k per band,
 :class:`posgen_tl.maths.band_stats.BandStats`, and :func:`frequency_centroid`; 0 = fastest band),
 and the D3 **positional share** ``V(f)/(V(f)+V(g))`` of the clean prompts' within-row logit
-variance (:func:`posgen_tl.maths.decompose.d3_terms`) with a GLOBAL ``k̄`` per kv-head from
+variance (D3's terms, :func:`posgen_tl.maths.decompose.d3_terms`; both kinds of ``k̄`` at once by
+:func:`posgen_tl.maths.taxonomy.positional_shares`) with a GLOBAL ``k̄`` per kv-head from
 reference windows of documents disjoint from the analysed ones (sink excluded); the same
 share with each prompt's own mean key is reported beside it (``positional_share_seq``).
 :func:`share_by_class` tests whether positional heads carry more positional share than
@@ -37,7 +39,7 @@ symbolic heads (Mann–Whitney U).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -52,17 +54,15 @@ from posgen_tl.hooks.capture import QKCapture, probe_hooks
 from posgen_tl.hooks.stream import stream_qk
 from posgen_tl.io.models import random_twin
 from posgen_tl.io.sampling import Windows, sample_windows
+from posgen_tl.maths.band_scores import band_region_scores
 from posgen_tl.maths.band_stats import BandStats
 from posgen_tl.maths.decompose import causal_mask as fit_mask
-from posgen_tl.maths.decompose import d3_terms
 from posgen_tl.maths.rope import causal_mask, kv_head_index, scores_from_rotated
 from posgen_tl.maths.taxonomy import (
     LABELS,
     LogitScoreSums,
-    band_logits,
     frequency_centroid,
-    pass_logits,
-    positional_share,
+    positional_shares,
     region_logit_scores,
     region_permutations,
     row_spread_threshold,
@@ -155,11 +155,10 @@ def _score_prompt(
     acc.q_stats.update(clean_q, keep)
     acc.k_stats.update(clean_k, keep)
     fmask = fit_mask(n, sink=sink, sliding_window=rope.sliding_window)
-    d3 = d3_terms(clean_q, clean_k, k_mean, c.positions[sl][:1], rope, terms=("f", "g"))  # the logits W unused
-    acc.share[prompt] = positional_share(d3["f"], d3["g"], fmask)[0].cpu().numpy()
     k_seq = clean_k[0, sink:].double().mean(0).float()  # this prompt's own mean key (sink excluded)
-    d3s = d3_terms(clean_q, clean_k, k_seq, c.positions[sl][:1], rope, terms=("f", "g"))
-    acc.share_seq[prompt] = positional_share(d3s["f"], d3s["g"], fmask)[0].cpu().numpy()
+    shares = positional_shares(clean_q, clean_k, torch.stack([k_mean.to(k_seq.device), k_seq]), c.positions[sl][:1],
+                               rope, fmask)[:, 0].cpu().numpy()  # [kind, head]: the global k̄, then the prompt's own
+    acc.share[prompt], acc.share_seq[prompt] = shares
     if rows.numel() == 0:
         return
     rq = c.rot_q[sl][:, rows]  # [K+1, n_q, H, d]
@@ -169,14 +168,13 @@ def _score_prompt(
     vis = causal_mask(n, sliding_window=rope.sliding_window, device=full_clean.device)[rows]
     attn = torch.softmax(full_clean.double().masked_fill(~vis, float("-inf")), -1)
     mass = attn[..., r0:r1].sum(-1)  # [H, n_q]
-    # [K+1, H, 1+band, n_q, L]: the full logits, then each band's term (written in place: no copy of the bands)
-    w = rq.new_empty((rq.shape[0], rq.shape[2], 1 + rope.n_bands, rq.shape[1], r1 - r0),
-                     dtype=torch.promote_types(rq.dtype, torch.float32))
-    bl = band_logits(rq, rk[:, r0:r1], rope, out=w[:, :, 1:])
-    full = torch.add(bl.sum(2), pass_logits(rq, rk[:, r0:r1], rope), out=w[:, :, 0])
+    dt = torch.promote_types(rq.dtype, torch.float32)
+    full = scores_from_rotated(rq.to(dt), rk[:, r0:r1].to(dt), rope.score_scale)  # [K+1, H, n_q, L]: the head's logits
     min_std = row_spread_threshold(full[0], rel=rel_tol)
-    weights = mass[:, None, :].expand(-1, w.shape[2], -1)
-    sums = region_logit_scores(w[0], w[1:], perms, weights, min_std=min_std, null_perm=nulls)
+    head = region_logit_scores(full[0], full[1:], perms, mass, min_std=min_std, null_perm=nulls)  # [H]
+    bands = band_region_scores(rq, rk[:, r0:r1], rope, perms, nulls, mass, min_std=min_std)  # [H, band], no maps
+    sums = LogitScoreSums(*(torch.cat([getattr(head, f.name)[:, None], getattr(bands, f.name)], -1)
+                            for f in fields(LogitScoreSums)))  # [H, 1 + band]: the full head at band −1
     acc.sums = sums if acc.sums is None else acc.sums + sums
     one = sums.finalize()
     acc.pos[prompt] = one["positional"].cpu().numpy()

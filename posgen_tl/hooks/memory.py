@@ -20,12 +20,16 @@ import torch
 
 from posgen_tl.hooks.capture import model_device, probe_hooks
 
-__all__ = ["FREE_SHARE", "MAPS_PER_FORWARD", "attention_bytes", "batch_that_fits", "check_forward_fits", "free_bytes",
-           "sequences_per_forward"]
+__all__ = ["FREE_SHARE", "MAPS_PER_FORWARD", "SUBSTITUTION_MAPS", "attention_bytes", "batch_that_fits",
+           "check_forward_fits", "free_bytes", "logit_row_bytes", "sequences_per_forward"]
 
 #: float32 score-map-sized tensors alive at once in one layer's attention of a TransformerLens forward (measured
 #: 3.0–3.2; 3.5 leaves a margin)
 MAPS_PER_FORWARD = 3.5
+#: score-map-sized float32 tensors per sequence that a logit substitution adds to a forward's own (the substituted
+#: term's map, the logits it is written into, their masked copy and a temporary: counted from the code of
+#: :func:`posgen_tl.hooks.logits.sufficiency_hooks`, an estimate rather than a measurement)
+SUBSTITUTION_MAPS = 4
 #: the share of the free memory a forward's attention maps may take (the rest: weights' working copies, activations,
 #: the caller's tables, other processes' growth)
 FREE_SHARE = 0.5
@@ -55,6 +59,14 @@ def attention_bytes(n_heads: int, n: int, n_seq: int = 1, rows: int | None = Non
     :data:`MAPS_PER_FORWARD` float32 maps of ``n_seq · n_heads · n²`` entries (``rows``: a forward run that many
     query positions at a time through the model's cache, ``n_seq · n_heads · rows · n``)."""
     return int(MAPS_PER_FORWARD * 4 * n_seq * n_heads * (n if rows is None else min(rows, n)) * n)
+
+
+def logit_row_bytes(model: Any, rows: int) -> int:
+    """The bytes per sequence of ``rows`` target rows of float32 logits over the model's vocabulary (``cfg.d_vocab``,
+    0 where it has none), counted twice: the logits and their log-softmax, which a metric holds at once. A 262 144-token
+    vocabulary makes them the larger part of a short forward's memory."""
+    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
+    return 2 * 4 * max(0, int(rows)) * vocab
 
 
 def sequences_per_forward(model: Any, n: int, *, free: int | None = None, rows: int | None = None,

@@ -41,7 +41,7 @@ from einops import einsum, rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from posgen_tl.maths.rope import LayerRope, band_parts, expand_kv
+from posgen_tl.maths.rope import LayerRope, angles, band_parts, expand_kv, to_bands
 
 __all__ = [
     "region_permutations",
@@ -55,6 +55,7 @@ __all__ = [
     "pass_logits",
     "band_patterns",
     "positional_share",
+    "positional_shares",
     "frequency_centroid",
     "frequency_usage_frame",
 ]
@@ -152,13 +153,9 @@ def null_variance(
         raise ValueError(f"need at least 2 keys for a permutation null, got {n}")
     dt = torch.promote_types(x_hat.dtype, torch.float32)
     x = x_hat.to(dt)
-    return _null_variance(x @ x.transpose(-1, -2), y_hat.to(dt), weights.to(dt), n)
-
-
-def _null_variance(gx: Tensor, y: Tensor, w: Tensor, n: int) -> Tensor:
-    """:func:`null_variance` from the clean rows' Gram matrix ``gx = X̂X̂ᵀ`` (float64 result)."""
-    gy = y @ y.transpose(-1, -2)
-    return ((gx * gy) @ w[..., None])[..., 0].mul(w).sum(-1).double() / (n - 1)
+    y, w = y_hat.to(dt), weights.to(dt)
+    gram = (x @ x.transpose(-1, -2)) * (y @ y.transpose(-1, -2))
+    return (gram @ w[..., None])[..., 0].mul(w).sum(-1).double() / (n - 1)
 
 
 @dataclass
@@ -227,17 +224,19 @@ def _full_precision_products(y: Tensor) -> bool:
         return mkl in ("ieee", "none")
 
 
-def _unpermuted(y: Tensor, inv: Tensor, inv_null: Tensor) -> tuple[Tensor, Tensor]:
-    """``y[..., inv]`` and ``y[..., inv_null]`` (``y`` finite). On a CPU in full precision, up to
-    :data:`PRODUCT_MAX_KEYS` keys, both come from one product with a 0/1 matrix — the same values (each entry is one
-    value times 1 plus zeros; a zero's sign may change) and several times faster there than two gathers along the last
-    axis; otherwise (a GPU may round float32 products to TF32, long rows) by gathers."""
-    if y.device.type != "cpu" or y.shape[-1] > PRODUCT_MAX_KEYS or not _full_precision_products(y):
-        return y.index_select(-1, inv), y.index_select(-1, inv_null)
-    n = y.shape[-1]
-    eye = torch.eye(n, dtype=y.dtype)
-    both = y @ torch.cat([eye[:, inv], eye[:, inv_null]], -1)
-    return both[..., :n], both[..., n:]
+def _rows_permuted(x: Tensor, perm: Tensor, null_perm: Tensor) -> Tensor:
+    """``x[..., perm[p]]`` and ``x[..., null_perm[p]]`` for every ``p``, as ``[..., query_pos, 2, n_perm, key_pos]``
+    (``x`` finite). On a CPU in full precision, up to :data:`PRODUCT_MAX_KEYS` keys, all of them come from one product
+    with a 0/1 matrix — the same values (each entry is one value times 1 plus zeros; a zero's sign may change) and
+    several times faster there than gathers along the last axis; otherwise (a GPU may round float32 products to TF32,
+    long rows) by one gather."""
+    n_p, n = perm.shape
+    idx = torch.cat([perm, null_perm]).reshape(-1).to(x.device)  # [2·n_perm·n]
+    if x.device.type != "cpu" or n > PRODUCT_MAX_KEYS or not _full_precision_products(x):
+        out = x.index_select(-1, idx)
+    else:
+        out = x @ torch.eye(n, dtype=x.dtype)[:, idx]
+    return out.view(*x.shape[:-1], 2, n_p, n)
 
 
 def region_logit_scores(
@@ -264,6 +263,9 @@ def region_logit_scores(
     ``null_perm[p]``, an independent permutation; drawn from ``generator`` if None). A row
     whose within-row std (population) is below ``min_std`` before or after is excluded.
 
+    Every permutation is scored at once: the temporaries are about three times ``w_perm`` (plus the clean rows
+    reordered by each ``perm`` and ``null_perm``, twice ``w_perm``).
+
     Returns:
         :class:`LogitScoreSums` with fields of shape ``...`` (float64).
 
@@ -286,28 +288,23 @@ def region_logit_scores(
         null_perm = torch.stack([torch.randperm(n_k, generator=generator) for _ in range(n_p)])
     if null_perm.shape != perm.shape:
         raise ValueError(f"null_perm must have the shape of perm {tuple(perm.shape)}, got {tuple(null_perm.shape)}")
-    dev = w_orig.device
     dt = torch.promote_types(w_orig.dtype, torch.float32)  # float32 inputs are scored in float32, sums in float64
-    inv = torch.argsort(perm, -1).to(dev)
-    inv_null = torch.argsort(null_perm, -1).to(dev)
-    x, keep_x = _centre_unit(w_orig.to(dt), min_std)
-    w = weights.to(dt).clamp_min(0)
-    gx = x @ x.transpose(-1, -2)  # the clean rows' Gram matrix, shared by every permutation's null variance
-    z = torch.zeros(w_orig.shape[:-2], dtype=torch.float64, device=dev)
-    acc = LogitScoreSums(z, z.clone(), z.clone(), z.clone(), z.clone(), z.clone(), z.clone())
-    for p in range(n_p):  # one permutation at a time: small temporaries (a CPU's caches)
-        y, keep_y = _centre_unit(w_perm[p].to(dt), min_std)
-        keep = keep_x & keep_y
-        wk = torch.where(keep, w, 0.0)  # an excluded row weighs 0: its (finite) values add nothing below
-        acc.pos += (wk * (x * y).sum(-1)).sum(-1).double()
-        y_sym, y_null = _unpermuted(y, inv[p], inv_null[p])
-        acc.sym += (wk * (x * y_sym).sum(-1)).sum(-1).double()
-        acc.null += (wk * (x * y_null).sum(-1)).sum(-1).double()
-        acc.null_var += _null_variance(gx, y, wk, n_k)
-        acc.weight += wk.sum(-1).double()
-        acc.n_used += keep.double().sum(-1)
-        acc.n_excluded += (~keep).double().sum(-1)
-    return acc
+    x, keep_x = _centre_unit(w_orig.to(dt), min_std)  # [..., q, k]
+    y, keep_y = _centre_unit(w_perm.to(dt), min_std)  # [P, ..., q, k]: every permutation at once
+    keep = keep_x & keep_y  # [P, ..., q]
+    wk = torch.where(keep, weights.to(dt).clamp_min(0), 0.0)  # an excluded row weighs 0: its (finite) zeros add nothing
+    yt, wt = y.movedim(0, -2), wk.movedim(0, -1)  # views [..., q, P, k] and [..., q, P]
+    # positional x·y, then symbolic x·y[π⁻¹] = x[π]·y and null x[σ]·y: the clean rows reordered, not the permuted ones
+    r_pos = (x.unsqueeze(-2) * yt).sum(-1)  # [..., q, P]
+    r_perm = (_rows_permuted(x, perm, null_perm) * yt.unsqueeze(-3)).sum(-1)  # [..., q, 2, P]
+    pos = (wt * r_pos).sum(-2).double().sum(-1)
+    sym, null = (wt.unsqueeze(-2) * r_perm).sum(-3).double().sum(-1).unbind(-1)
+    # the null variance wᵀ(XXᵀ ∘ YYᵀ)w = ‖Xᵀ diag(w) Y‖²_F: one [k, k] product per permutation, no Gram matrices
+    m = (x * wk.unsqueeze(-1)).transpose(-1, -2) @ y  # [P, ..., k, k]
+    null_var = m.square().sum((-1, -2)).double().sum(0) / (n_k - 1)
+    n_used = keep.sum((0, -1)).double()
+    weight = wt.sum(-2).double().sum(-1)  # summed as the scores are: a perfect correlation scores 1 to the last bit
+    return LogitScoreSums(pos, sym, null, null_var, weight, n_used, keep.shape[-1] * n_p - n_used)
 
 
 def taxonomy_label(
@@ -424,6 +421,19 @@ def band_patterns(
     return torch.nan_to_num(p, nan=0.0).masked_fill(~mask, 0.0)
 
 
+def _within_row_ss(x: Tensor, keep: Tensor, cnt: Tensor) -> Tensor:
+    """``Σ_rows Σ_{visible j} (x[i, j] − mean_visible x[i, ·])²`` in float64 over the last two axes (``keep``: the
+    visible entries, ``cnt``: their number per row, at least 1); masked entries may hold anything, ``-inf`` included."""
+    x = torch.where(keep, x.double(), 0.0)
+    mu = x.sum(-1, keepdim=True) / cnt
+    return torch.where(keep, x - mu, 0.0).pow(2).sum((-1, -2))
+
+
+def _share(vf: Tensor, vg: Tensor) -> Tensor:
+    tot = vf + vg
+    return torch.where(tot > 0, vf / tot.clamp_min(1e-300), torch.full_like(tot, float("nan")))
+
+
 def positional_share(
     f: Float[Tensor, "*batch head_index query_pos key_pos"],
     g: Float[Tensor, "*batch head_index query_pos key_pos"],
@@ -441,15 +451,46 @@ def positional_share(
     """
     keep = mask.to(f.device)
     cnt = keep.double().sum(-1, keepdim=True).clamp_min(1)
+    return _share(_within_row_ss(f, keep, cnt), _within_row_ss(g, keep, cnt))
 
-    def within(x: Tensor) -> Tensor:
-        x = torch.where(keep, x.double(), 0.0)  # masked entries may hold -inf
-        mu = x.sum(-1, keepdim=True) / cnt
-        return torch.where(keep, x - mu, 0.0).pow(2).sum((-1, -2))
 
-    vf, vg = within(f), within(g)
-    tot = vf + vg
-    return torch.where(tot > 0, vf / tot.clamp_min(1e-300), torch.full_like(tot, float("nan")))
+def positional_shares(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos kv_head d_head"],
+    k_means: Float[Tensor, "kind kv_head d_head"],
+    positions: Int[Tensor, "batch pos"],
+    rope: LayerRope,
+    mask: Bool[Tensor, "query_pos key_pos"],
+) -> Float[Tensor, "kind batch head_index"]:
+    """:func:`positional_share` of D3's ``f`` and ``g`` (:func:`posgen_tl.maths.decompose.d3_terms`, ``Δ0 = 0``) for
+    several key means ``k̄`` at once (e.g. a global one and the prompt's own), from PRE-rotation ``q``/``k`` (fewer kv
+    heads are expanded), without D3's complex maps.
+
+    Only within-row variances are needed, and a row constant has none: ``g = s·(a²·q_rot·(k − k̄)_rot +
+    q_pass·(k − k̄)_pass)`` differs from the unrotated logits ``s·(a²·q_rot·k_rot + q_pass·k_pass)`` by a constant per
+    row, so ``V(g)`` is the same for every ``k̄`` and computed once; ``f``'s pass-through part is a row constant too,
+    leaving ``s·a²·Re Σ_m (z_q e^{iφ_i})_m conj(z_k̄ e^{iφ_j})_m`` — two real float64 products where ``d3_terms`` takes
+    two complex ones per ``k̄``. Equal to ``positional_share`` of ``d3_terms``' maps within float64 rounding (test).
+
+    Returns:
+        ``Float[Tensor, "kind batch head_index"]`` (float64): ``V(f)/(V(f)+V(g))`` per key mean; NaN where both are 0.
+    """
+    r = rope.rotary_dim
+    if q.shape[-1] < r:
+        raise ValueError(f"d_head={q.shape[-1]} is smaller than rotary_dim={r}")
+    qd = q.double()
+    kd = _expand(q, k).double()
+    km = _expand(q, k_means.to(q.device)).double()  # [kind, head, d]
+    s, a2 = rope.score_scale, rope.attention_scaling**2
+    g = einsum(torch.cat([a2 * qd[..., :r], qd[..., r:]], -1), kd, "b i h d, b j h d -> b h i j") * s
+    phi = angles(positions.to(q.device), rope).double()  # float32 angles as the model computes them
+    e = torch.polar(torch.ones_like(phi), phi)[:, :, None, :]  # [b, pos, 1, band]
+    zq = torch.view_as_real(to_bands(qd, r, rope.layout) * e).flatten(-2)  # [b, i, h, 2·band]: (re, im) pairs
+    zk = torch.view_as_real(to_bands(km, r, rope.layout)[:, None, None] * e[None]).flatten(-2)  # [kind, b, j, h, ·]
+    f = einsum(zq, zk, "b i h m, kind b j h m -> kind b h i j") * (s * a2)
+    keep = mask.to(q.device)
+    cnt = keep.double().sum(-1, keepdim=True).clamp_min(1)
+    return _share(_within_row_ss(f, keep, cnt), _within_row_ss(g, keep, cnt))
 
 
 # ----------------------------------------------------------------------------- frequency use

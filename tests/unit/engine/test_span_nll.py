@@ -35,3 +35,30 @@ def test_the_span_nll_in_blocks_equals_one_unembedding_and_bounds_the_logits(mon
     assert rows == [3, 3, 1]
     torch.testing.assert_close(blocks, whole, rtol=1e-6, atol=1e-6)
     assert (whole - whole.mean()).abs().max() > 1e-3  # the sequences differ: a mix-up of rows would show
+
+
+def test_the_gap_probes_span_nll_in_blocks_of_sequences_and_positions(monkeypatch):
+    """``length.span_nll`` unembeds ``chunk`` positions and as many sequences as keep the logits within
+    ``SPAN_LOGIT_BYTES``: the per-token NLL of one block of everything, each row scored against its own next token."""
+    import posgen_tl.experiments.length as L
+
+    model, _ = tm.hf_llama(n_layers=2, seed=1)
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(3, 100, (5, 16), generator=g)
+    whole = L.span_nll(model, toks, 6, 15)
+    with torch.no_grad():
+        full = torch.log_softmax(model(toks).double(), -1)
+    ref = -full[:, 5:14].gather(-1, toks[:, 6:15, None])[..., 0]
+    torch.testing.assert_close(whole.double(), ref, rtol=1e-5, atol=1e-5)
+    blocks: list[tuple[int, int]] = []
+    real = L.row_nll
+
+    def spy(logits, targets, **k):
+        blocks.append(tuple(logits.shape[:2]))
+        return real(logits, targets, **k)
+
+    monkeypatch.setattr(L, "row_nll", spy)
+    monkeypatch.setattr(L, "SPAN_LOGIT_BYTES", 2 * 4 * 4 * model.cfg.d_vocab)  # two sequences of 4 positions at a time
+    got = L.span_nll(model, toks, 6, 15, chunk=4)
+    assert blocks == [(2, 4), (2, 4), (1, 4), (2, 4), (2, 4), (1, 4), (2, 1), (2, 1), (1, 1)]
+    assert torch.equal(got, whole)  # each row's log-softmax is its own: the same numbers to the bit
