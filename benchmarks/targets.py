@@ -196,7 +196,7 @@ ROWS: list[Row] = [
         long_peak(16384)),
     Row("decomposition: memory exponent in n", "1 × 4096 … 16384", "CPU", 1.2, "", _LONG, long_exponent),
     Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_8e0befc.json", report_wall),
-    Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_2356b43_xeon-avx512.json",
+    Row("the default report (`posgen-tl report`)", "its defaults", "CPU", 300.0, "s", "report_e81934f_xeon-avx512.json",
         report_wall),
     *gpu_rows("8 × 512", _GPU),
     *gpu_rows("4 × 2048", _GPU),

@@ -93,5 +93,11 @@ def test_mismatched_inputs_are_refused_by_name():
         band_region_scores(rq, rk, rope, perm, null[:1], w, min_std=1e-6)
     with pytest.raises(ValueError, match="weights"):
         band_region_scores(rq, rk, rope, perm, null, w[:, :2], min_std=1e-6)
+    bad = perm.clone()
+    bad[0, 0] = bad[0, 1]
+    with pytest.raises(ValueError, match="permutation"):
+        band_region_scores(rq, rk, rope, bad, null, w, min_std=1e-6)
+    with pytest.raises(ValueError, match="permutation"):
+        band_region_scores(rq, rk, rope, perm, bad, w, min_std=1e-6)
     with pytest.raises(ValueError, match="at least 3 keys"):
         band_region_scores(rq, rk[:, :2], rope, perm[:, :2].argsort(-1), null[:, :2].argsort(-1), w, min_std=1e-6)
