@@ -25,7 +25,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from posgen_tl.maths.rope import LayerRope, band_parts, expand_kv
-from posgen_tl.maths.taxonomy import LogitScoreSums
+from posgen_tl.maths.taxonomy import LogitScoreSums, check_permutations
 
 __all__ = ["band_region_scores"]
 
@@ -72,10 +72,7 @@ def band_region_scores(
         raise ValueError(f"weights must be [head_index, query_pos] = [{n_h}, {n_q}], got {tuple(weights.shape)}")
     if n_k < 3:
         raise ValueError(f"the region needs at least 3 keys, got {n_k}")
-    ar = torch.arange(n_k, device=perm.device)
-    if not (torch.equal(perm.sort(-1).values, ar.expand(n_p, -1))
-            and torch.equal(null_perm.sort(-1).values.to(perm.device), ar.expand(n_p, -1))):
-        raise ValueError("every row of perm and null_perm must be a permutation of 0..n_region-1")
+    check_permutations(perm, null_perm, names="perm and null_perm")
     k = expand_kv(rot_k, n_h) if rot_k.shape[-2] != n_h else rot_k
     u = torch.stack(band_parts(rot_q.double(), rope.rotary_dim, rope.layout), -1)  # [v, q, h, band, 2]
     kk = torch.stack(band_parts(k.double(), rope.rotary_dim, rope.layout), -1)  # [v, L, h, band, 2]

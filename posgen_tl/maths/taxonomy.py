@@ -239,6 +239,15 @@ def _rows_permuted(x: Tensor, perm: Tensor, null_perm: Tensor) -> Tensor:
     return out.view(*x.shape[:-1], 2, n_p, n)
 
 
+def check_permutations(*perms: Tensor, names: str) -> None:
+    """Raise ValueError (naming ``names``) unless every row of every ``[n_perm, n]`` tensor is a permutation of
+    ``0..n−1``."""
+    for p in perms:
+        ar = torch.arange(p.shape[-1], device=p.device)
+        if not torch.equal(p.sort(-1).values, ar.expand_as(p)):
+            raise ValueError(f"every row of {names} must be a permutation of 0..n_region-1")
+
+
 def region_logit_scores(
     w_orig: Float[Tensor, "... query_pos key_pos"],
     w_perm: Float[Tensor, "n_perm ... query_pos key_pos"],
@@ -281,9 +290,7 @@ def region_logit_scores(
         raise ValueError(f"region of {n_k} keys (perm) vs logits {tuple(w_orig.shape)}, weights {tuple(weights.shape)}")
     if n_k < 3:
         raise ValueError(f"the region needs at least 3 keys, got {n_k}")
-    ar = torch.arange(n_k, device=perm.device)
-    if not torch.equal(perm.sort(-1).values, ar.expand(n_p, -1)):
-        raise ValueError("every row of perm must be a permutation of 0..n_region-1")
+    check_permutations(perm, names="perm")
     if null_perm is None:
         null_perm = torch.stack([torch.randperm(n_k, generator=generator) for _ in range(n_p)])
     if null_perm.shape != perm.shape:
