@@ -9,9 +9,10 @@ forward stops after the last requested layer) feeds, per layer:
   ρ in three forms — ``rho_within``, cross-fitted ``rho_cross`` over document halves and
   ``stability = rho_cross / rho_within`` (the plug-in ``offset_ratio`` is kept, labelled legacy);
 * the within-row logit spread ``σ(W)`` per head (:func:`~posgen_tl.maths.band_stats.within_row_spread`; on the CPU
-  the maps a block of query rows at a time, :func:`~posgen_tl.maths.band_stats.within_row_spread_rows`, up to
-  24·d_head tokens; beyond, and on a GPU beyond 5·d_head, the same sums without the ``n × n`` map,
-  :func:`~posgen_tl.maths.band_stats.within_row_spread_qk`).
+  up to 24·d_head tokens from the maps a block of query rows at a time — the forward's own ``hook_attn_scores`` where
+  they are W, compared on a few rows first (:func:`~posgen_tl.maths.spread.within_row_spread_of_scores`), else
+  recomputed (:func:`~posgen_tl.maths.band_stats.within_row_spread_rows`); beyond, and on a GPU beyond 5·d_head, the
+  same sums without the ``n × n`` map, :func:`~posgen_tl.maths.band_stats.within_row_spread_qk`).
 
 The first ``sink`` positions of every sequence are excluded from every statistic. Memory is
 the accumulators (``O(layers · heads · d_head)`` plus ``O(n_seq · layers · heads · bands)``)
@@ -46,9 +47,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from posgen_tl.engine.decompose_scores import SCORES_RTOL, scores_are_w
 from posgen_tl.engine.swaps import windows_fingerprint
 from posgen_tl.experiments import base
-from posgen_tl.hooks.capture import QKCapture, probe_hooks
+from posgen_tl.hooks.capture import QKCapture, model_device, probe_hooks
 from posgen_tl.hooks.chunked import auto_chunk
 from posgen_tl.hooks.stacking import cache_rows, stack_size
 from posgen_tl.hooks.stream import stream_qk
@@ -63,6 +65,7 @@ from posgen_tl.maths.decompose import causal_mask
 from posgen_tl.maths.pattern_frames import BAND_COLUMNS, HEAD_COLUMNS, layer_frames, pattern_frames, split_state
 from posgen_tl.maths.rho import SequenceBandSums
 from posgen_tl.maths.rope import LayerRope
+from posgen_tl.maths.spread import scores_mismatch, within_row_spread_of_scores
 from posgen_tl.report.text import fmt
 from posgen_tl.stats.pattern_tables import (  # noqa: F401 (the names stay importable here)
     SCORES,
@@ -108,19 +111,44 @@ def _spread_block(c: QKCapture) -> int:
     return max(8, d // 2, min(-(-n // 8), math.isqrt(SPREAD_ENTRIES // (8 * b * h))))
 
 
-def _spread(c: QKCapture, sink: int) -> tuple[Tensor, Tensor]:
+#: query rows on which the score hook's maps are compared with W before the spread is taken from them
+SCORE_CHECK_ROWS = 8
+
+
+def _spread(c: QKCapture, sink: int, cache: dict | None = None) -> tuple[Tensor, Tensor]:
     """The capture's within-row logit spread sums ``(ss [heads], entries)``: on the CPU up to :data:`_ROWS_UPTO` ×
-    d_head tokens from the maps in cache-sized row blocks, beyond :data:`_GRAM_FROM` × d_head from block-Gram sums
-    (exact, float64), else from the explicit maps."""
+    d_head tokens from the forward's own score maps where the capture holds them (``c.scores``, compared with W on
+    :data:`SCORE_CHECK_ROWS` query rows first, :func:`~posgen_tl.maths.spread.scores_mismatch`: within
+    :data:`~posgen_tl.engine.decompose_scores.SCORES_RTOL`) — no product to make the maps —, else from the maps
+    recomputed in cache-sized row blocks (``cache``: a dict that keeps the scratch of the former for the next call);
+    beyond :data:`_GRAM_FROM` × d_head from block-Gram sums (exact, float64),
+    else from the explicit maps."""
     b, n, h, d = c.q.shape
     win = c.rope.sliding_window
     if c.q.device.type == "cpu" and n <= _ROWS_UPTO * d:
+        block = cache_rows(b * h, n)
+        if c.scores is not None:
+            rows = torch.linspace(0, n - 1, min(SCORE_CHECK_ROWS, n)).round().long().unique()
+            off = scores_mismatch(c.scores, c.rot_q, c.rot_k, c.rope.score_scale, rows, sink=sink,
+                                  sliding_window=win)
+            if off <= SCORES_RTOL:  # (NaN: nothing compared — the maps are recomputed)
+                return within_row_spread_of_scores(c.scores, c.rot_q, c.rot_k, c.rope.score_scale, sink=sink,
+                                                   sliding_window=win, block=block, cache=cache)
         return within_row_spread_rows(c.rot_q, c.rot_k, c.rope.score_scale, sink=sink, sliding_window=win,
-                                      block=cache_rows(b * h, n))
+                                      block=block)
     if n > _GRAM_FROM * d:  # long rows: block-Gram sums, no n × n map
         return within_row_spread_qk(c.rot_q, c.rot_k, c.rope.score_scale, sink=sink, sliding_window=win,
                                     block=_spread_block(c))
     return within_row_spread(c.logits(), causal_mask(n, sink=sink, sliding_window=win, device=c.q.device))
+
+
+def _scores_for_spread(model: Any, n: int, chunk: int, stack: int) -> bool:
+    """Whether the feature statistics read the forward's score maps for the logit spread (:func:`_spread`): on the CPU
+    for rows up to :data:`_ROWS_UPTO` × d_head, in one whole forward (no chunks), one layer at a time, where
+    ``hook_attn_scores`` holds the logits (:func:`~posgen_tl.engine.decompose_scores.scores_are_w`)."""
+    spec, info = probe_hooks(model)
+    return (model_device(model).type == "cpu" and n <= _ROWS_UPTO * spec.d_head and not 0 < chunk < n and stack <= 1
+            and info.scores_kind != "absent" and scores_are_w(model))
 
 
 @dataclass
@@ -291,6 +319,7 @@ def feature_pattern(
                 "spread": (torch.zeros(h, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.float64, device=dev))}
 
     docs = windows.doc_ids
+    scratch: dict = {}  # the spread's block buffer, kept across layers and batches
 
     def update(c: QKCapture) -> None:  # one layer, or layers stacked on the head axis (hooks/stacking.py)
         group = c.layer_ids
@@ -301,14 +330,15 @@ def feature_pattern(
         for side, x in (("q", q), ("k", k)):  # |z|² of the bands once for both accumulators
             abs2 = a[side].update(x)
             a[side + "_seq"].update(x, d, abs2=abs2.view(*x.shape[:2], *abs2.shape[1:]))
-        ss, n = _spread(c, sink)
+        ss, n = _spread(c, sink, scratch)
         a["spread"] = (a["spread"][0] + ss.to(a["spread"][0].device), a["spread"][1] + n.to(a["spread"][1].device))
 
     group = stack_size(model, min(batch_size, len(tokens)) * n_pos * n_pos, len(layers)) if stack is None else stack
     desc = f"pattern {twin_label}" if progress else False
     # beyond 2 048 tokens the forward runs in chunks through the model's cache where verified (no [heads, n, n] scores)
-    stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc, chunk=auto_chunk(model, n_pos),
-              stack=group)
+    chunk = auto_chunk(model, n_pos)
+    stream_qk(model, tokens, update, layers, batch_size=batch_size, progress=desc, chunk=chunk, stack=group,
+              with_scores=_scores_for_spread(model, n_pos, chunk, group))
     states: dict[int, dict[str, Any]] = {}
     stacks: dict[tuple[int, ...], dict[str, Any]] = {}  # the same sums per stack: the tables are computed from these
     for grp, d in acc.items():  # the sums come to the CPU once, at the end, cut into each layer's

@@ -367,3 +367,50 @@ def test_the_spread_on_the_cpu_comes_from_row_blocks_up_to_24_d_head_and_from_gr
     assert took == ["within_row_spread_rows" if path == "rows" else "within_row_spread_qk"]
     assert float(cnt) == float(want_cnt)
     torch.testing.assert_close(ss, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("which_model, uses", [("native", False), ("llama", True)])
+def test_the_spread_comes_from_the_forwards_score_maps_on_the_cpu_and_equals_the_recomputed_one(
+        which_model, uses, request, monkeypatch):
+    """On the CPU the logit spread is taken from the forward's own hook_attn_scores where they are W (compared on a
+    few rows first), with the same numbers as from the maps recomputed from q and k; scores that differ from W are
+    not used (the maps are recomputed: the same numbers again), nor a hook that holds the softmax (the native model's
+    hook_attn_scores fires after it)."""
+    from posgen_tl.experiments import pattern as P
+    from posgen_tl.maths import spread as S
+
+    model = request.getfixturevalue(which_model)
+    tok = _tokens(4, 20, 50 if which_model == "native" else 100, seed=5)
+    took: list[str] = []
+    real = S.within_row_spread_of_scores
+    monkeypatch.setattr(P, "within_row_spread_of_scores", lambda *a, **kw: took.append("scores") or real(*a, **kw))
+    from_scores = feature_pattern(model, tok, sink=1, batch_size=2, progress=False).heads
+    assert P._scores_for_spread(model, 20, 0, 1) is uses and took.count("scores") == 2 * 2 * uses  # layers × batches
+    real_choice = P._scores_for_spread
+    monkeypatch.setattr(P, "_scores_for_spread", lambda *a: False)
+    took.clear()
+    recomputed = feature_pattern(model, tok, sink=1, batch_size=2, progress=False).heads
+    assert not took
+    monkeypatch.setattr(P, "_scores_for_spread", real_choice)
+    monkeypatch.setattr(P, "scores_mismatch", lambda *a, **kw: 1.0)  # as if the hook's maps were not W
+    refused = feature_pattern(model, tok, sink=1, batch_size=2, progress=False).heads
+    assert not took
+    for other in (recomputed, refused):
+        np.testing.assert_allclose(from_scores["logit_spread"], other["logit_spread"], rtol=1e-5)
+        pd.testing.assert_frame_equal(from_scores.drop(columns=["logit_spread", "pred_d3_err_per_sequence",
+                                                                "blind_d3_err_per_sequence", "pred_d3_err_global",
+                                                                "blind_d3_err_global"]),
+                                      other.drop(columns=["logit_spread", "pred_d3_err_per_sequence",
+                                                          "blind_d3_err_per_sequence", "pred_d3_err_global",
+                                                          "blind_d3_err_global"]))
+
+
+def test_the_score_maps_are_read_only_for_whole_forwards_of_rows_up_to_24_d_head_one_layer_at_a_time(llama):
+    from posgen_tl.experiments import pattern as P
+
+    d = 16  # the tiny Llama's d_head
+    assert P._scores_for_spread(llama, 24 * d, 0, 1)
+    assert not P._scores_for_spread(llama, 24 * d + 1, 0, 1)  # longer rows: block-Gram sums, no map
+    assert not P._scores_for_spread(llama, 40, 10, 1)  # a forward in chunks has no whole score map
+    assert P._scores_for_spread(llama, 40, 40, 1)  # (one chunk of the whole row is a whole forward)
+    assert not P._scores_for_spread(llama, 40, 0, 2)  # a stack of layers carries q/k only
