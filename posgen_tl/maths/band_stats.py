@@ -61,6 +61,7 @@ __all__ = [
     "within_row_spread",
     "within_row_spread_qk",
     "within_row_spread_rows",
+    "spread_row_keys",
     "fast_band_offset",
     "stats_frame",
 ]
@@ -347,10 +348,12 @@ def within_row_spread(
     return ss, mask.double().sum() * W.shape[0]
 
 
-def _spread_rows(rot_q: Tensor, rot_k: Tensor, sink: int, sliding_window: int | None,
-                 block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The checked inputs of the spread functions and each query row's keys: ``(pos, lo, cnt, valid)`` ``[pos]`` —
-    row ``i`` sees keys ``lo[i] … i`` (``cnt`` of them) and counts when it has at least two."""
+def spread_row_keys(rot_q: Tensor, rot_k: Tensor, sink: int, sliding_window: int | None,
+                    block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The checked inputs of the spread functions (here and in :mod:`posgen_tl.maths.spread`) and each query row's
+    keys under ``causal_mask(n, sink=sink, sliding_window=sliding_window)``: ``(pos, lo, cnt, valid)``, int64 /
+    bool ``[pos]`` — row ``i`` sees keys ``lo[i] … i`` (``cnt`` of them) and counts when it has at least two. Raises
+    ValueError for q/k of mismatched shapes, query heads not a multiple of the kv heads, or ``block < 1``."""
     if rot_q.ndim != 4 or rot_k.ndim != 4 or rot_q.shape[:2] != rot_k.shape[:2] or rot_q.shape[-1] != rot_k.shape[-1]:
         raise ValueError(f"rot_q {tuple(rot_q.shape)} and rot_k {tuple(rot_k.shape)} must be [batch, pos, heads, d_head] "
                          "with the same batch, pos and d_head")
@@ -385,7 +388,7 @@ def within_row_spread_qk(
     (a row constant: the spread is unchanged, the cancellation smaller). GQA: head ``h`` reads
     kv-group ``h // (H / G)``. Returns float64 ``([head_index], scalar)`` as :func:`within_row_spread`.
     """
-    pos, lo, cnt, valid = _spread_rows(rot_q, rot_k, sink, sliding_window, block)
+    pos, lo, cnt, valid = spread_row_keys(rot_q, rot_k, sink, sliding_window, block)
     b, n, h, d = rot_q.shape
     kv = rot_k.shape[-2]
     dev = rot_q.device
@@ -446,7 +449,7 @@ def within_row_spread_rows(
     deviations from it (zero off the mask again) and the sum of their squares — two passes, no cancellation; rows
     summed in float64, ``s²`` applied in float64 at the end. GQA: head ``h`` reads kv-group ``h // (H / G)``. Returns
     float64 ``([head_index], scalar)`` as :func:`within_row_spread`."""
-    pos, lo, cnt, valid = _spread_rows(rot_q, rot_k, sink, sliding_window, block)
+    pos, lo, cnt, valid = spread_row_keys(rot_q, rot_k, sink, sliding_window, block)
     b, n, h, d = rot_q.shape
     kv = rot_k.shape[-2]
     g = h // kv

@@ -11,7 +11,7 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from posgen_tl.maths.band_stats import _spread_rows
+from posgen_tl.maths.band_stats import spread_row_keys
 
 __all__ = ["scores_mismatch", "within_row_spread_of_scores"]
 
@@ -60,7 +60,7 @@ def within_row_spread_of_scores(
     faults per pass over the model).
 
     Returns float64 ``([head_index], scalar)`` as :func:`~posgen_tl.maths.band_stats.within_row_spread`."""
-    pos, lo, cnt, valid = _spread_rows(rot_q, rot_k, sink, sliding_window, block)
+    pos, lo, cnt, valid = spread_row_keys(rot_q, rot_k, sink, sliding_window, block)
     b, n, h, _ = rot_q.shape
     if tuple(scores.shape) != (b, h, n, n):
         raise ValueError(f"scores {tuple(scores.shape)} must be [batch, head_index, pos, pos] = {(b, h, n, n)}")
@@ -103,7 +103,7 @@ def scores_mismatch(
     """The largest ``|scores − W|`` over the masked entries of query ``rows`` (``W = s·rot_q·rot_kᵀ`` recomputed there,
     GQA grouped), relative to the largest ``|W|`` on them: ``inf`` where a masked entry of ``scores`` is not finite,
     ``nan`` when the rows hold no masked entry (nothing compared)."""
-    pos, lo, cnt, _ = _spread_rows(rot_q, rot_k, sink, sliding_window, 1)
+    pos, lo, cnt, _ = spread_row_keys(rot_q, rot_k, sink, sliding_window, 1)
     b, n, h, _ = rot_q.shape
     kv = rot_k.shape[-2]
     r = rows.to(scores.device)
