@@ -48,12 +48,12 @@ def within_row_spread_of_scores(
     cache: dict | None = None,
 ) -> tuple[Float[Tensor, "head_index"], Float[Tensor, ""]]:
     """:func:`~posgen_tl.maths.band_stats.within_row_spread` of the logit maps ``scores`` (``W``, e.g. the forward's
-    ``hook_attn_scores``; entries off the mask are never read, so the model's ``−inf`` there does no harm) under
+    ``hook_attn_scores``; entries off the mask enter no sum, so the model's ``−inf`` there does no harm) under
     ``causal_mask(n, sink=sink, sliding_window=sliding_window)``, ``block`` query rows at a time on the keys those rows
-    can see. Each row is first shifted by its mean computed from ``rot_q``/``rot_k`` (float64 prefix sums of the keys,
-    :func:`_row_means`) — the ``W`` that ``scores`` holds up to rounding —, so that ``Σ_j (w_ij − m̂_i)² − (Σ_j (w_ij −
-    m̂_i))²/cnt_i``, the exact spread for any shift, is a difference of two small numbers only by the rounding of
-    ``m̂``: one pass of products over the map where the map versions take two, and no product to make the map.
+    can see. Each row is first shifted by an estimate ``m̂_i`` of its mean, from prefix sums of the keys in the inputs'
+    dtype (:func:`_row_means`): ``Σ_j (w_ij − m̂_i)² − (Σ_j (w_ij − m̂_i))²/cnt_i`` is the exact spread for any shift,
+    and with ``m̂`` close to the mean neither sum is large — one pass of sums over a block of the map where the map
+    versions take two, and no product to make the map.
     In the maps' precision (float32 from a model), rows summed in float64. ``scores`` is not modified. ``cache``: a
     dict that keeps the block scratch (``batch · head_index · block · pos`` entries) for the next call — a fresh one per
     layer is mapped and zeroed page by page by the kernel (SmolLM2, 4 × 512 tokens: 5.4 MB per layer, ~70 k page

@@ -369,23 +369,29 @@ def test_the_spread_on_the_cpu_comes_from_row_blocks_up_to_24_d_head_and_from_gr
     torch.testing.assert_close(ss, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("which_model, uses", [("native", False), ("llama", True)])
+@pytest.fixture(scope="module")
+def gemma3():
+    return tm.hf_gemma3()[0]
+
+
+@pytest.mark.parametrize("which_model, uses", [("native", False), ("llama", True), ("gemma3", True)])
 def test_the_spread_comes_from_the_forwards_score_maps_on_the_cpu_and_equals_the_recomputed_one(
         which_model, uses, request, monkeypatch):
     """On the CPU the logit spread is taken from the forward's own hook_attn_scores where they are W (compared on a
     few rows first), with the same numbers as from the maps recomputed from q and k; scores that differ from W are
     not used (the maps are recomputed: the same numbers again), nor a hook that holds the softmax (the native model's
-    hook_attn_scores fires after it)."""
+    hook_attn_scores fires after it); the tiny Gemma3's sliding-window layers (window 4) included."""
     from posgen_tl.experiments import pattern as P
     from posgen_tl.maths import spread as S
 
     model = request.getfixturevalue(which_model)
     tok = _tokens(4, 20, 50 if which_model == "native" else 100, seed=5)
+    n_layers = 3 if which_model == "gemma3" else 2
     took: list[str] = []
     real = S.within_row_spread_of_scores
     monkeypatch.setattr(P, "within_row_spread_of_scores", lambda *a, **kw: took.append("scores") or real(*a, **kw))
     from_scores = feature_pattern(model, tok, sink=1, batch_size=2, progress=False).heads
-    assert P._scores_for_spread(model, 20, 0, 1) is uses and took.count("scores") == 2 * 2 * uses  # layers × batches
+    assert P._scores_for_spread(model, 20, 0, 1) is uses and took.count("scores") == n_layers * 2 * uses  # × batches
     real_choice = P._scores_for_spread
     monkeypatch.setattr(P, "_scores_for_spread", lambda *a: False)
     took.clear()
