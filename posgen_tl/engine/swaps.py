@@ -25,7 +25,7 @@ from posgen_tl.experiments import base
 from posgen_tl.hooks.capture import check_tokens, probe_hooks
 from posgen_tl.hooks.chunked import forward_chunk
 from posgen_tl.hooks.heap import large_blocks_kept
-from posgen_tl.hooks.memory import check_forward_fits
+from posgen_tl.hooks.memory import check_forward_fits, sequences_within
 from posgen_tl.hooks.positions import StopForward, chunked_logit_rows, distance_cap_hooks, final_residual_hook
 from posgen_tl.hooks.reentry import check_hooks_from, forward_from, recorded, resid_hooks, skips_blocks
 from posgen_tl.io.sampling import Windows, tokens_fingerprint
@@ -107,8 +107,7 @@ def _span_nll(model: Any, resid: Tensor, targets: Tensor) -> Tensor:
     :data:`SPAN_LOGIT_BYTES` of float32 logits exist at once however many sequences a forward stacks (the same numbers:
     each row's log-softmax is its own). Returns ``[batch]``."""
     b, span = targets.shape
-    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
-    step = max(1, SPAN_LOGIT_BYTES // max(1, 4 * span * vocab)) if vocab else b
+    step = sequences_within(model, span, b, SPAN_LOGIT_BYTES)
     return torch.cat([row_nll(model.unembed(resid[s : s + step]), targets[s : s + step]).mean(-1)
                       for s in range(0, b, step)])
 

@@ -36,7 +36,7 @@ from posgen_tl.hooks.capture import StopForward, check_tokens, probe_hooks
 from posgen_tl.hooks.edits import reference_key_means
 from posgen_tl.hooks.heap import large_blocks_kept
 from posgen_tl.hooks.logits import disentangled_hooks, lm_infinite_hooks, local_layers, window_removal_hooks
-from posgen_tl.hooks.memory import SUBSTITUTION_MAPS
+from posgen_tl.hooks.memory import SUBSTITUTION_MAPS, sequences_within
 from posgen_tl.hooks.positions import final_residual_hook, reposition_hooks
 from posgen_tl.io.corpus import CorpusLike
 from posgen_tl.io.sampling import Windows, resolve_windows, sample_windows
@@ -111,8 +111,7 @@ def span_nll(
             resid, logits = store["resid"], None
     targets = tokens[:, start:stop]
     b, span = targets.shape
-    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
-    step = max(1, SPAN_LOGIT_BYTES // max(1, 4 * min(chunk, span) * vocab)) if vocab else b  # sequences per block
+    step = sequences_within(model, min(chunk, span), b, SPAN_LOGIT_BYTES)  # sequences per block
     out = torch.empty(b, span)
     for s in range(0, span, chunk):  # at most SPAN_LOGIT_BYTES of logits at a time: kept in the heap, not mapped anew
         e = min(s + chunk, span)

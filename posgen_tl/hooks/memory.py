@@ -21,7 +21,7 @@ import torch
 from posgen_tl.hooks.capture import model_device, probe_hooks
 
 __all__ = ["FREE_SHARE", "MAPS_PER_FORWARD", "SUBSTITUTION_MAPS", "attention_bytes", "batch_that_fits",
-           "check_forward_fits", "free_bytes", "logit_row_bytes", "sequences_per_forward"]
+           "check_forward_fits", "free_bytes", "logit_row_bytes", "sequences_per_forward", "sequences_within"]
 
 #: float32 score-map-sized tensors alive at once in one layer's attention of a TransformerLens forward (measured
 #: 3.0–3.2; 3.5 leaves a margin)
@@ -65,8 +65,19 @@ def logit_row_bytes(model: Any, rows: int) -> int:
     """The bytes per sequence of ``rows`` target rows of float32 logits over the model's vocabulary (``cfg.d_vocab``,
     0 where it has none), counted twice: the logits and their log-softmax, which a metric holds at once. A 262 144-token
     vocabulary makes them the larger part of a short forward's memory."""
-    vocab = int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
-    return 2 * 4 * max(0, int(rows)) * vocab
+    return 2 * 4 * max(0, int(rows)) * _vocab(model)
+
+
+def sequences_within(model: Any, rows: int, n_seq: int, budget: int) -> int:
+    """How many sequences of ``rows`` float32 logit rows over the model's vocabulary fit in ``budget`` bytes at once
+    (at least one); all ``n_seq`` where the model has no ``cfg.d_vocab``."""
+    vocab = _vocab(model)
+    return max(1, budget // max(1, 4 * rows * vocab)) if vocab else n_seq
+
+
+def _vocab(model: Any) -> int:
+    """The model's vocabulary size (``cfg.d_vocab``; 0 where it has none)."""
+    return int(getattr(getattr(model, "cfg", None), "d_vocab", 0) or 0)
 
 
 def sequences_per_forward(model: Any, n: int, *, free: int | None = None, rows: int | None = None,

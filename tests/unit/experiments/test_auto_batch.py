@@ -109,3 +109,17 @@ def test_a_checkpoint_kept_in_automatic_batches_is_not_continued_in_other_ones(n
     monkeypatch.setattr("posgen_tl.hooks.memory.batch_that_fits", lambda *a, **k: 3)
     with pytest.raises(ValueError, match=f"another {name} design"):
         registry.run(name, model, cfg, twin=False, checkpoint=tmp_path / "ck", progress=False)
+
+
+def test_logit_budgets_count_the_vocabulary():
+    """``logit_row_bytes``: float32 logits and their log-softmax per sequence; ``sequences_within``: the sequences whose
+    logit rows fit a byte budget (at least one; all of them for a model without a vocabulary)."""
+    from types import SimpleNamespace
+
+    from posgen_tl.hooks.memory import logit_row_bytes, sequences_within
+
+    model = SimpleNamespace(cfg=SimpleNamespace(d_vocab=1000))
+    assert logit_row_bytes(model, 3) == 2 * 4 * 3 * 1000
+    assert sequences_within(model, 10, 50, 4 * 10 * 1000 * 7 + 5) == 7
+    assert sequences_within(model, 10, 50, 100) == 1
+    assert sequences_within(SimpleNamespace(), 10, 50, 100) == 50 and logit_row_bytes(SimpleNamespace(), 3) == 0
