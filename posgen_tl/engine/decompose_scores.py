@@ -41,6 +41,7 @@ from posgen_tl.maths.moments import (
     scores_of_sums,
     sums_of,
 )
+from posgen_tl.maths.spread import masked_difference
 
 __all__ = ["COLUMNS", "ESTIMATORS", "FACTORED_FROM", "FIT_BATCH", "FIT_BYTES", "K_MEAN_KINDS", "STREAM_ABOVE",
            "STREAM_BLOCK", "fit_batch", "k_mean_kinds", "rows_per_block", "score_windows", "score_in_pieces", "use_factored"]
@@ -82,9 +83,7 @@ def _hook_w(c: QKCapture, w_rows: Tensor, rows: Tensor, g0: Geometry) -> Tensor 
     m = g0.mask_rows(rows)
     if not bool(m.any()):  # nothing to compare on these rows: never taken unchecked
         return None
-    d = torch.where(m, sv.index_select(1, rows) - w_rows, 0.0)  # the hidden entries (−inf) left out
-    scale = torch.where(m, w_rows, 0.0).abs_().amax()
-    err = d.abs_().amax()
+    err, scale = masked_difference(sv.index_select(1, rows), w_rows, m)  # the hidden entries (−inf) left out
     # NaN anywhere: the comparison fails, W is recomputed
     return sv if bool(err <= SCORES_RTOL * scale) else None
 

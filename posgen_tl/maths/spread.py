@@ -13,20 +13,21 @@ from torch import Tensor
 
 from posgen_tl.maths.band_stats import spread_row_keys
 
-__all__ = ["scores_mismatch", "within_row_spread_of_scores"]
+__all__ = ["masked_difference", "scores_mismatch", "within_row_spread_of_scores"]
 
 
 def _row_means(rot_q: Tensor, rot_k: Tensor, score_scale: float, lo: Tensor, cnt: Tensor) -> Tensor:
     """Each query row's mean logit over its keys ``lo[i] … i``, ``[batch, head_index, pos]`` in the inputs' dtype:
     ``s·q_i·(Σ_j k_j)/cnt_i`` from prefix sums of the keys (GQA: head ``h`` reads kv-group ``h // (H / G)``); a row
-    without keys gets some number (its entries are all off the mask). In float32 from a model (prefix sums of a few thousand keys: ~1e-6 of their size) — it is a
-    shift (:func:`within_row_spread_of_scores`), exact whatever it is; close to the mean, it keeps the sums small."""
+    without keys gets some number (its entries are all off the mask). In float32 from a model (prefix sums of a few
+    thousand keys: ~1e-6 of their size) — it is a shift (:func:`within_row_spread_of_scores`), exact whatever it is;
+    close to the mean, it keeps the sums small."""
     b, n, h, d = rot_q.shape
     kv = rot_k.shape[-2]
-    k = rot_k.to(rot_q.dtype)
-    pk = torch.cat([k.new_zeros(b, 1, kv, d), k.cumsum(1)], 1)  # b n+1 kv d: Σ of keys before j
     if n == 0 or not bool((cnt > 0).any()):  # no row sees a key: nothing is read
         return rot_q.new_zeros(b, h, n)
+    k = rot_k.to(rot_q.dtype)
+    pk = torch.cat([k.new_zeros(b, 1, kv, d), k.cumsum(1)], 1)  # b n+1 kv d: Σ of keys before j
     if bool((lo == lo[0]).all()):  # no window: every row's keys start at the same key (a row without any: not read)
         ksum = pk[:, 1:] - pk[:, int(lo[0]) : int(lo[0]) + 1]
     else:
@@ -113,8 +114,14 @@ def scores_mismatch(
     q = rearrange(rot_q[:, r], "b i (kv g) d -> b kv (g i) d", kv=kv)
     w = (q @ rearrange(rot_k.to(q.dtype), "b j kv d -> b kv d j")) * score_scale
     w = rearrange(w, "b kv (g i) j -> b (kv g) i j", i=len(r))
-    diff = torch.where(mask, scores[:, :, r].to(w.dtype) - w, 0.0).abs().amax()
-    scale = torch.where(mask, w, 0.0).abs().amax()
+    diff, scale = masked_difference(scores[:, :, r].to(w.dtype), w, mask)
     if not bool(torch.isfinite(diff)):
         return float("inf")
     return float(diff / scale) if float(scale) > 0 else float(diff)
+
+
+def masked_difference(a: Tensor, w: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(largest |a − w|, largest |w|)`` over the entries ``mask`` keeps (0-dim tensors; ``mask`` broadcasts against
+    ``a`` and ``w``): how far maps ``a`` (the score hook's) lie from ``w`` (W recomputed), the hidden entries (−inf
+    there) left out. A NaN or inf on the mask makes the first non-finite."""
+    return torch.where(mask, a - w, 0.0).abs().amax(), torch.where(mask, w, 0.0).abs().amax()

@@ -134,3 +134,15 @@ def test_the_spread_of_maps_keeps_its_scratch_in_the_cache_for_the_next_call():
         assert torch.equal(a[0], first[0]) and torch.equal(a[1], first[1])
     within_row_spread_of_scores(scores, q, k, 0.5, sink=1, block=16, cache=cache)
     assert cache["spread_rows"].numel() == 2 * 4 * 16 * 30
+
+
+def test_masked_difference_reads_only_the_kept_entries():
+    from posgen_tl.maths.spread import masked_difference
+
+    w = torch.tensor([[1.0, -3.0], [2.0, 5.0]])
+    a = torch.tensor([[1.5, -math.inf], [2.0, 5.25]])
+    mask = torch.tensor([[True, False], [True, True]])
+    err, scale = masked_difference(a, w, mask)
+    assert float(err) == 0.5 and float(scale) == 5.0  # the hidden −inf and the hidden −3 are not read
+    a[1, 0] = math.nan
+    assert math.isnan(float(masked_difference(a, w, mask)[0]))
