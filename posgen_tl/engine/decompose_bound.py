@@ -14,6 +14,7 @@ from torch import Tensor
 from posgen_tl.hooks.capture import QKCapture
 from posgen_tl.maths.decompose import band_bound_rows, kbar_batched
 from posgen_tl.maths.moments import Geometry
+from posgen_tl.maths.precision import full_precision_products
 from posgen_tl.maths.rope import angles, to_bands
 
 __all__ = ["BOUND_TABLE_BYTES", "bound_chunk", "bound_checks", "bound_rtol"]
@@ -45,8 +46,9 @@ def bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: 
     In float32 (float64 for float64 captures): the captured q/k are the model's float32 (or rounder) values, and every
     product below is a dot product of at most ``2·d_head`` terms, so float32 carries them to ~1e-7 of their magnitude —
     as the D3 maps scored beside them (:func:`~posgen_tl.engine.decompose_maps.block_moments`, float32 products); the
-    phase differences of the bound and the means over the rows are formed in float64 (an angle difference of two
-    float32 angles is exact there, and the means sum up to rows × key_pos entries). Via real matmuls on ``(Re, Im)``
+    phase differences of the bound are formed in float64 (an angle difference of two float32 angles is exact there);
+    the means sum each row's masked entries (at most key_pos of them, as the maps' row sums) in the check's precision
+    and the rows in float64 (on a CPU whose products keep float32; else all of them in float64). Via real matmuls on ``(Re, Im)``
     band coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked query rows only; what
     does not depend on k̄ (the queries' and keys' bands, the phasors, W) is computed once for every kind. ``W − f −
     g`` is ONE product, ``s·a²·Re Σ_m q_m·conj((k_m − k̄_m)·(e^{iφ_j} − e^{iφ_i}))·e^{iφ_i}`` written as ``[R_i q |
@@ -89,11 +91,18 @@ def bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: 
         q_mag = torch.cat([q_mag, qp.abs()], -1)
     w = heads(w)
     shared = True if c.positions.shape[0] == 1 or c.positions.stride(0) == 0 else None  # the stream's own positions
-    m, cnt = _row_masks(rows, geoms, cache)
+    m, cnt = _row_masks(rows, geoms, cache, dt)
     tables = _bound_tables(c, rows, dt, cache)
 
-    def means(x: Tensor) -> Tensor:  # masked means over (rows, keys) on every mask: one float64 matmul, [maps, sinks]
-        return (x.reshape(x.shape[0], -1).double() @ m.T) / cnt  # (m row-major [sinks, entries]: 3× faster here)
+    rowwise = c.q.device.type == "cpu" and full_precision_products(dt)
+    m64 = m if rowwise else m.permute(2, 0, 1).reshape(m.shape[-1], -1).double()  # [sinks, (rows key_pos)]
+
+    def means(x: Tensor) -> Tensor:  # masked means over (rows, keys) on every mask, float64 [maps, sinks]
+        if rowwise:  # each row's masked sums in the check's precision (one product per row, the masks its columns),
+            # the rows summed in float64: no float64 copy of the entries (SmolLM2, 4 × 512 tokens, 32 rows: 3× faster)
+            return torch.bmm(x.transpose(0, 1), m).double().sum(0) / cnt
+        # (a GPU's float32 products may round to TF32, as may a CPU's where the user allowed it: one float64 product)
+        return (x.reshape(x.shape[0], -1).double() @ m64.T) / cnt
 
     mu = means(w)
     qe = torch.cat([qr, re_q(zq * sa2)], -1)  # [R_i q | q]·s·a²
@@ -113,7 +122,7 @@ def bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: 
         thr = torch.baddbmm(bound.reshape(b * kv, -1, n), q_mag.reshape(b * kv, -1, q_mag.shape[-1]),
                             k_mag.reshape(b * kv, k_mag.shape[-2], n), alpha=eps)
         holds = (err <= thr.reshape(err.shape)).to(dt)
-        out[kind] = means(torch.cat([err, bound, holds])).view(3, -1, cnt.shape[0])  # the three in one product
+        out[kind] = torch.stack([means(err), means(bound), means(holds)])
     return out, mu, w
 
 
@@ -163,17 +172,20 @@ def _bound_tables(c: QKCapture, rows: Tensor, dtype: torch.dtype, cache: dict | 
     return tables
 
 
-def _row_masks(rows: Tensor, geoms: dict[int, Geometry], cache: dict | None) -> tuple[Tensor, Tensor]:
-    """The masks of ``geoms`` on query ``rows``, one row each, float64 ``[sink, (rows key_pos)]``, and their entry
-    counts ``[sink]``; kept in ``cache`` while the rows and geometries are the same objects (a whole run)."""
+def _row_masks(rows: Tensor, geoms: dict[int, Geometry], cache: dict | None, dtype: torch.dtype = torch.float64,
+               ) -> tuple[Tensor, Tensor]:
+    """The masks of ``geoms`` on query ``rows`` as the columns of one product per row, ``[rows, key_pos, sink]`` in
+    ``dtype`` (0/1), and their entry counts float64 ``[sink]``; kept in ``cache`` while the rows, geometries and dtype
+    are the same (a whole run)."""
     hit = None if cache is None else cache.get("row_masks")
-    if hit is not None and hit[0] is rows and len(hit[1]) == len(geoms) and all(
+    if hit is not None and hit[0] is rows and hit[4] == dtype and len(hit[1]) == len(geoms) and all(
             a is b for a, b in zip(hit[1], geoms.values())):
         return hit[2], hit[3]
-    m = torch.stack([geo.mask_rows(rows).reshape(-1) for geo in geoms.values()]).double()
-    cnt = m.sum(1)
+    m = torch.stack([geo.mask_rows(rows) for geo in geoms.values()], -1)  # rows key_pos sink
+    cnt = m.sum((0, 1)).double()
+    m = m.to(dtype)
     if cache is not None:
-        cache["row_masks"] = (rows, list(geoms.values()), m, cnt)
+        cache["row_masks"] = (rows, list(geoms.values()), m, cnt, dtype)
     return m, cnt
 
 

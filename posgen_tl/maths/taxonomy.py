@@ -41,6 +41,7 @@ from einops import einsum, rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from posgen_tl.maths.precision import full_precision_products
 from posgen_tl.maths.rope import LayerRope, angles, band_parts, expand_kv, to_bands
 
 __all__ = [
@@ -212,18 +213,6 @@ class LogitScoreSums:
 PRODUCT_MAX_KEYS = 256
 
 
-def _full_precision_products(y: Tensor) -> bool:
-    """Whether a CPU matrix product of ``y``'s dtype is carried out in that dtype (float64 always; float32 unless the
-    user allowed reduced precision, by either of PyTorch's settings — an unreadable setting counts as reduced)."""
-    if y.dtype == torch.float64:
-        return True
-    try:
-        return torch.get_float32_matmul_precision() == "highest"
-    except RuntimeError:  # the per-backend settings are in use (torch.backends.*.fp32_precision)
-        mkl = getattr(getattr(getattr(torch.backends, "mkldnn", None), "matmul", None), "fp32_precision", None)
-        return mkl in ("ieee", "none")
-
-
 def _rows_permuted(x: Tensor, perm: Tensor, null_perm: Tensor) -> Tensor:
     """``x[..., perm[p]]`` and ``x[..., null_perm[p]]`` for every ``p``, as ``[..., query_pos, 2, n_perm, key_pos]``
     (``x`` finite). On a CPU in full precision, up to :data:`PRODUCT_MAX_KEYS` keys, all of them come from one product
@@ -232,7 +221,7 @@ def _rows_permuted(x: Tensor, perm: Tensor, null_perm: Tensor) -> Tensor:
     long rows) by one gather."""
     n_p, n = perm.shape
     idx = torch.cat([perm, null_perm]).reshape(-1).to(x.device)  # [2·n_perm·n]
-    if x.device.type != "cpu" or n > PRODUCT_MAX_KEYS or not _full_precision_products(x):
+    if x.device.type != "cpu" or n > PRODUCT_MAX_KEYS or not full_precision_products(x.dtype):
         out = x.index_select(-1, idx)
     else:
         out = x @ torch.eye(n, dtype=x.dtype)[:, idx]

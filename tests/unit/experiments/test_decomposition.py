@@ -172,6 +172,47 @@ def test_d3_bound_check_keeps_float64_captures_in_float64():
             torch.testing.assert_close(got, ((want * m).sum((-1, -2)) / m.sum()).reshape(-1), rtol=1e-10, atol=0)
 
 
+@pytest.mark.parametrize("which", ["native", "hf_gemma3"])
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_d3_bound_check_means_match_float64_on_every_mask(which, precision, monkeypatch):
+    """The check's masked means of a float32 capture: on the CPU at full float32 precision each row's masked sums in
+    float32 (one product per row, the masks its columns) and the rows in float64; where reduced-precision products
+    are allowed one float64 product. Either way within float32 rounding of the float64 reference, on each mask — the
+    sink-kept and the sink-excluded, a sliding window's (Gemma3's layer 0) included — and the fraction within the
+    bound exact (a count over a count)."""
+    import posgen_tl.engine.decompose_bound as db
+
+    model = tm.native(n_ctx=64) if which == "native" else tm.hf_gemma3()[0]
+    c, kbars, rows, geoms = _check_inputs(model)
+    paths: list[bool] = []
+    real = db.full_precision_products
+    monkeypatch.setattr(db, "full_precision_products", lambda dt: paths.append(real(dt)) or paths[-1])
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        checks, mu, w = db.bound_checks(c, kbars, rows, geoms)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert paths == [precision == "highest"]
+    kbar = kbars["per_sequence"].double()
+    s = d3_split(c.q.double(), c.k.double(), kbar, c.positions, c.rope)
+    err = (s.W - s.f - s.g)[:, :, rows].abs().reshape(-1, len(rows), N_POS)
+    bound = d3_bound(c.q.double(), c.k.double(), kbar, c.positions, c.rope, rows=rows).reshape(-1, len(rows), N_POS)
+    w64 = s.W[:, :, rows].reshape(-1, len(rows), N_POS)
+    assert c.rope.sliding_window == (None if which == "native" else 4)
+    for i, g in enumerate(geoms.values()):
+        m = g.mask_rows(rows).double()
+
+        def mean(x: torch.Tensor, m: torch.Tensor = m) -> torch.Tensor:
+            return (x * m).sum((-1, -2)) / m.sum()
+
+        torch.testing.assert_close(checks["per_sequence"][0, :, i], mean(err), rtol=2e-5, atol=1e-7)
+        torch.testing.assert_close(checks["per_sequence"][1, :, i], mean(bound), rtol=2e-5, atol=1e-7)
+        torch.testing.assert_close(mu[:, i], mean(w64), rtol=1e-5, atol=1e-6)
+        held = checks["per_sequence"][2, :, i] * m.sum()
+        torch.testing.assert_close(held, held.round(), rtol=0, atol=1e-9)  # a whole number of entries
+
+
 @pytest.mark.parametrize("which", ["native", "hf_llama"])
 def test_constant_keys_make_d3_exact(which):
     model = tm.native(n_ctx=64) if which == "native" else tm.hf_llama()[0]
