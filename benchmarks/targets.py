@@ -182,7 +182,7 @@ _8x512, _4x2048 = "results_steps_8x512_55890a8.json", "results_steps_4x2048_5589
 _XEON = "Intel Xeon (AVX-512, AMX; noted by the session, not recorded in the file)"
 _8x512_EPYC, _4x2048_EPYC = "results_steps_8x512_8e0befc_epyc.json", "results_steps_4x2048_8e0befc_epyc.json"
 #: a Xeon with AVX-512 and no AMX (2026-12-07), bracketed rounds (bench_steps.py --bracket)
-_8x512_XEON512 = "results_steps_8x512_8c680f7_xeon-avx512.json"
+_8x512_XEON512 = "results_steps_8x512_3a3db29_xeon-avx512_second.json"
 _4x2048_XEON512 = "results_steps_4x2048_d3a6e20_xeon-avx512.json"
 _LONG, _GPU = "results_long_chunked_gemma3_ec13fb0.json", "results_gpu_h200_6524d49.json"
 ROWS: list[Row] = [
