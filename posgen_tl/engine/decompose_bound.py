@@ -48,8 +48,8 @@ def bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: 
     as the D3 maps scored beside them (:func:`~posgen_tl.engine.decompose_maps.block_moments`, float32 products); the
     phase differences of the bound are formed in float64 (an angle difference of two float32 angles is exact there);
     the means sum each row's masked entries (at most key_pos of them, as the maps' row sums) in the check's precision
-    and the rows in float64 (on a CPU whose products keep float32; else all of them in float64). Via real matmuls on ``(Re, Im)``
-    band coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked query rows only; what
+    and the rows in float64 (on a CPU whose products keep float32; else all of them in float64). Via real matmuls on
+    ``(Re, Im)`` band coordinates, per kv-group (GQA: keys never repeated per query head) and on the checked query rows only; what
     does not depend on k̄ (the queries' and keys' bands, the phasors, W) is computed once for every kind. ``W − f −
     g`` is ONE product, ``s·a²·Re Σ_m q_m·conj((k_m − k̄_m)·(e^{iφ_j} − e^{iφ_i}))·e^{iφ_i}`` written as ``[R_i q |
     q]·[R_j(k − k̄); −(k − k̄)]`` (the unrotated dims cancel exactly), not the difference of three maps. An entry holds
@@ -94,15 +94,18 @@ def bound_checks(c: QKCapture, k_means: dict[str, Tensor], rows: Tensor, geoms: 
     m, cnt = _row_masks(rows, geoms, cache, dt)
     tables = _bound_tables(c, rows, dt, cache)
 
-    rowwise = c.q.device.type == "cpu" and full_precision_products(dt)
-    m64 = m if rowwise else m.permute(2, 0, 1).reshape(m.shape[-1], -1).double()  # [sinks, (rows key_pos)]
-
-    def means(x: Tensor) -> Tensor:  # masked means over (rows, keys) on every mask, float64 [maps, sinks]
-        if rowwise:  # each row's masked sums in the check's precision (one product per row, the masks its columns),
-            # the rows summed in float64: no float64 copy of the entries (SmolLM2, 4 × 512 tokens, 32 rows: 3× faster)
+    # masked means over (rows, keys) on every mask, float64 [maps, sinks]. On a CPU whose products keep float32: each
+    # row's masked sums in the check's precision (one product per row, the masks its columns), the rows summed in
+    # float64 — no float64 copy of the entries (SmolLM2, 4 × 512 tokens, 32 rows: 3× faster). Else (a GPU's float32
+    # products may round to TF32, as may a CPU's where the user allowed it) one float64 product.
+    if c.q.device.type == "cpu" and full_precision_products(dt):
+        def means(x: Tensor) -> Tensor:
             return torch.bmm(x.transpose(0, 1), m).double().sum(0) / cnt
-        # (a GPU's float32 products may round to TF32, as may a CPU's where the user allowed it: one float64 product)
-        return (x.reshape(x.shape[0], -1).double() @ m64.T) / cnt
+    else:
+        flat = m.permute(2, 0, 1).reshape(m.shape[-1], -1).double()  # [sinks, (rows key_pos)]
+
+        def means(x: Tensor) -> Tensor:
+            return (x.reshape(x.shape[0], -1).double() @ flat.T) / cnt
 
     mu = means(w)
     qe = torch.cat([qr, re_q(zq * sa2)], -1)  # [R_i q | q]·s·a²
